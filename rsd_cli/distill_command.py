@@ -1,0 +1,74 @@
+"""`rsd distill`: the command around distill.py, with progress bars and the output file."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from .distill import Recipe, sample_answers, teacher_labels, train
+from .errors import RsdError
+from .models import load_model, pick_device_dtype, save_adapter
+from .prompting import builtin_prompts
+
+
+def _read_prompts(path: Path | None) -> list[str]:
+    if path is None:
+        return builtin_prompts("train")
+    try:
+        prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise RsdError(f"cannot read prompts from {path}: {e}") from None
+    if not prompts:
+        raise RsdError(f"{path} holds no prompts")
+    return prompts
+
+
+def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: int, epochs: int, lr: float,
+                max_new_tokens: int, seed: int, prompts_file: Path | None, console) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    import torch
+
+    if out.suffix != ".safetensors":
+        raise RsdError(f"--out must name a .safetensors file (got {out})")
+    if not out.parent.exists():
+        raise RsdError(f"folder {out.parent} does not exist")
+    prompts = _read_prompts(prompts_file)
+    recipe = Recipe(layers=layers, tokens=tokens, eval_tokens=eval_tokens, epochs=epochs, lr=lr,
+                    max_new_tokens=max_new_tokens, seed=seed)
+    torch.manual_seed(seed)
+    device, dtype = pick_device_dtype(profile["target"]["device"], profile["target"]["dtype"])
+    source = profile.resolve_path(profile["target"]["source"])
+    console.print(f"loading target {profile['target']['source']}…")
+    target, tokenizer = load_model(source, device, torch.float32 if dtype == torch.float16 else dtype)
+    total_layers = target.config.num_hidden_layers
+    if layers >= total_layers:
+        raise RsdError(f"--layers {layers}: the target has only {total_layers} layers")
+
+    with Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=not console.is_terminal) as bars:
+        tasks: dict[str, int] = {}
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bars.add_task(phase, total=total)
+            bars.update(tasks[phase], completed=done, total=total)
+
+        train_data = sample_answers(target, tokenizer, prompts, tokens, recipe, "sampling answers", progress)
+        eval_data = sample_answers(target, tokenizer, builtin_prompts("eval"), eval_tokens, recipe,
+                                   "held-out answers", progress)
+        progress("teacher labels", 0, len(train_data))
+        teacher_labels(target, train_data, recipe.teacher_top_k)
+        progress("teacher labels", len(train_data), len(train_data))
+        result = train(target, train_data, recipe, progress, eval_data)
+
+    recipe_record = asdict(recipe) | {"prompts": str(prompts_file) if prompts_file else "built-in train set",
+                                      "train_tokens": result.train_tokens, "eval_tokens": result.eval_tokens,
+                                      "losses": result.losses, "acceptance_before": result.acceptance_before,
+                                      "acceptance_after": result.acceptance_after}
+    save_adapter(result.layer, out, target, layers, recipe_record)
+    losses = " → ".join(f"{x:.3f}" for x in result.losses)
+    console.print(f"loss per epoch {losses}")
+    console.print(f"expected acceptance on held-out prompts (T=1): {result.acceptance_before:.3f} without the "
+                  f"adapter, {result.acceptance_after:.3f} with it")
+    console.print(f"wrote {out}")

@@ -1,0 +1,153 @@
+"""Tree builders per variant. They call the draft model level by level through `expand`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .sampling import gumbel_top_k, sample_with_replacement, stochastic_beam_step
+from .tree import DraftTree
+from .verification import Rule
+
+VARIANTS = ("ar", "sd", "mss", "spectr", "rsd-c", "rsd-s")
+
+# expand(tree, nodes) -> (len(nodes), V) draft distributions at those nodes, one draft forward
+Expand = Callable[[DraftTree, list[int]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one step drafts. `branching` is per depth (sd, mss, rsd-c); `width` is the beam
+    width (rsd-s) or the number of drafts (spectr); `depth` is the tree depth L."""
+
+    variant: str
+    branching: tuple[int, ...] = ()
+    width: int = 1
+    depth: int = 0
+
+    @property
+    def rule(self) -> Rule:
+        return {"mss": Rule.WITH_REPLACEMENT, "spectr": Rule.KSEQ}.get(self.variant, Rule.WITHOUT_REPLACEMENT)
+
+    @property
+    def max_nodes(self) -> int:
+        """Upper bound on the tokens the target verifies per step, the root included."""
+        if self.variant in ("rsd-s", "spectr"):
+            return 1 + self.width * self.depth
+        nodes, level = 1, 1
+        for b in self.branching:
+            level *= b
+            nodes += level
+        return nodes
+
+    def describe(self) -> str:
+        if self.variant == "ar":
+            return "ar"
+        if self.variant == "sd":
+            return f"sd γ={self.depth}"
+        if self.variant == "rsd-s":
+            return f"rsd-s W={self.width} L={self.depth}"
+        if self.variant == "spectr":
+            return f"spectr K={self.width} L={self.depth}"
+        return f"{self.variant} b=({','.join(map(str, self.branching))})"
+
+
+def make_shape(variant: str, *, draft_len: int = 4, branching: tuple[int, ...] = (2, 2, 1),
+               beam_width: int = 3, depth: int = 4, num_drafts: int = 3) -> Shape:
+    if variant == "ar":
+        return Shape("ar")
+    if variant == "sd":
+        return Shape("sd", (1,) * draft_len, 1, draft_len)
+    if variant in ("mss", "rsd-c"):
+        return Shape(variant, tuple(branching), 1, len(branching))
+    if variant == "rsd-s":
+        return Shape("rsd-s", (), beam_width, depth)
+    if variant == "spectr":
+        return Shape("spectr", (), num_drafts, depth)
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def shape_for_budget(variant: str, budget: int) -> Shape:
+    """A tree whose node count (root included) is at most `budget`.
+
+    Width grows slowly with the budget (1 up to 9 nodes, 2 up to 24, then 3) and the rest goes
+    into depth: every width-w shape is a root plus w chains of the same length, so all variants
+    with the same budget draft the same shape and differ only in how they sample and verify.
+    """
+    if budget < 1:
+        raise ValueError("budget must be at least 1 (the root)")
+    if variant == "ar" or budget == 1:
+        return Shape("ar") if variant == "ar" else make_shape(variant, draft_len=0, branching=(), depth=0)
+    width = 1 if budget < 10 else 2 if budget < 25 else 3
+    depth = (budget - 1) // width
+    if variant == "sd":
+        return make_shape("sd", draft_len=budget - 1)
+    return make_shape(variant, branching=(width,) + (1,) * (depth - 1), beam_width=width,
+                      depth=depth, num_drafts=width)
+
+
+def build_tree(shape: Shape, root: int, q_root: torch.Tensor, expand: Expand,
+               generator: torch.Generator) -> DraftTree:
+    tree = DraftTree.rooted_at(root)
+    tree.q[0] = q_root
+    if shape.variant == "ar" or shape.depth == 0:
+        return tree
+    if shape.variant == "rsd-s":
+        _stochastic_beam_tree(tree, shape, expand, generator)
+    elif shape.variant == "spectr":
+        _independent_sequences_tree(tree, shape, expand, generator)
+    else:
+        _branching_tree(tree, shape, expand, generator)
+    return tree
+
+
+def _expand_into(tree: DraftTree, nodes: list[int], expand: Expand) -> None:
+    for node, q in zip(nodes, expand(tree, nodes)):
+        tree.q[node] = q
+
+
+def _branching_tree(tree: DraftTree, shape: Shape, expand: Expand, gen: torch.Generator) -> None:
+    """sd, rsd-c (Gumbel-top-k without replacement) and mss (i.i.d.), b_d children per node."""
+    draw = sample_with_replacement if shape.rule is Rule.WITH_REPLACEMENT else gumbel_top_k
+    frontier = [0]
+    for depth, b in enumerate(shape.branching, start=1):
+        new = []
+        for node in frontier:
+            for token in draw(tree.q[node], b, gen):
+                child, is_new = tree.add_draw(node, token)
+                if is_new:
+                    new.append(child)
+        if depth < shape.depth and new:
+            _expand_into(tree, new, expand)
+        frontier = new
+
+
+def _independent_sequences_tree(tree: DraftTree, shape: Shape, expand: Expand, gen: torch.Generator) -> None:
+    """spectr: K i.i.d. draft sequences, merged into a trie; a node with m sequences through it
+    draws m i.i.d. next tokens (one per sequence)."""
+    frontier = {0: shape.width}  # node -> number of sequences passing through it
+    for depth in range(1, shape.depth + 1):
+        new: dict[int, int] = {}
+        for node, count in frontier.items():
+            for token in sample_with_replacement(tree.q[node], count, gen):
+                child, _ = tree.add_draw(node, token)
+                new[child] = new.get(child, 0) + 1
+        if depth < shape.depth:
+            _expand_into(tree, list(new), expand)
+        frontier = new
+
+
+def _stochastic_beam_tree(tree: DraftTree, shape: Shape, expand: Expand, gen: torch.Generator) -> None:
+    """rsd-s: stochastic beam search; each level keeps the top-W children by perturbed score."""
+    beams = [0]
+    log_prob = torch.zeros(1, dtype=torch.float64)
+    score = torch.zeros(1, dtype=torch.float64)
+    for depth in range(1, shape.depth + 1):
+        probs = torch.stack([tree.q[b] for b in beams])
+        level = stochastic_beam_step(log_prob, score, probs, shape.width, gen)
+        beams = [tree.add_draw(beams[parent], token)[0] for parent, token in zip(level.parent, level.token)]
+        log_prob, score = level.log_prob, level.score
+        if depth < shape.depth:
+            _expand_into(tree, beams, expand)

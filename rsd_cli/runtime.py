@@ -1,0 +1,84 @@
+"""From a profile (plus flag overrides) to a ready decoder: the glue every command shares."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .drafting import Shape, make_shape, shape_for_budget
+from .errors import RsdError
+from .profiles import SCHEMA, Profile
+
+# flag name -> (table, key)
+FLAG_KEYS = {
+    "variant": ("decoding", "variant"),
+    "draft_len": ("decoding", "draft_len"),
+    "branching": ("decoding", "branching"),
+    "beam_width": ("decoding", "beam_width"),
+    "depth": ("decoding", "depth"),
+    "num_drafts": ("decoding", "num_drafts"),
+    "budget": ("decoding", "budget"),
+    "temperature": ("sampling", "temperature"),
+    "top_p": ("sampling", "top_p"),
+    "top_k": ("sampling", "top_k"),
+    "max_tokens": ("sampling", "max_tokens"),
+    "seed": ("sampling", "seed"),
+}
+
+
+def parse_branching(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise RsdError(f"--branching takes integers separated by commas, like 3,2,2 (got {text!r})") from None
+
+
+def apply_flags(profile: Profile, flags: dict[str, Any]) -> Profile:
+    """Flags override the profile; None means 'not given'."""
+    for name, value in flags.items():
+        if value is None:
+            continue
+        table, key = FLAG_KEYS[name]
+        if name == "branching" and isinstance(value, str):
+            value = parse_branching(value)
+        profile.set(table, key, value, f"flag --{name.replace('_', '-')}")
+    return profile
+
+
+def shape_of(profile: Profile, vocab_size: int | None = None) -> Shape:
+    d = profile["decoding"]
+    variant = d["variant"]
+    if d["budget"]:
+        shape = shape_for_budget(variant, d["budget"])
+    else:
+        shape = make_shape(variant, draft_len=d["draft_len"], branching=tuple(d["branching"]),
+                           beam_width=d["beam_width"], depth=d["depth"], num_drafts=d["num_drafts"])
+    if vocab_size is not None:
+        widest = max(shape.branching, default=1) if variant in ("mss", "rsd-c") else shape.width
+        if variant in ("rsd-c", "rsd-s") and widest > vocab_size:
+            what = "beam width" if variant == "rsd-s" else "branching factor"
+            raise RsdError(f"{what} {widest} is larger than the vocabulary ({vocab_size} tokens)")
+    return shape
+
+
+def sampling_of(profile: Profile):
+    from .sampling import SamplingParams
+
+    s = profile["sampling"]
+    return SamplingParams(s["temperature"], s["top_k"], s["top_p"])
+
+
+def seed_of(profile: Profile) -> int | None:
+    seed = profile["sampling"]["seed"]
+    return None if seed < 0 else seed
+
+
+def make_decoder(pair, profile: Profile):
+    from .engine import Decoder
+
+    return Decoder(pair.target, pair.draft, pair.vocab_size, shape_of(profile, pair.vocab_size),
+                   sampling_of(profile), pair.eos_ids, pair.context_length)
+
+
+def resolved(profile: Profile) -> list[tuple[str, str, Any, str]]:
+    """(table, key, value, origin) for every setting, in schema order."""
+    return [(t, k, profile.values[t][k], profile.origins[t][k]) for t in SCHEMA for k in SCHEMA[t]]

@@ -1,0 +1,120 @@
+"""Pure sampling maths on probability tensors: processing, Gumbel-top-k, stochastic beam search.
+
+No models and no printing here. Every function takes an explicit ``torch.Generator`` so a
+run is reproducible from its seed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy: the distribution becomes one-hot on the argmax
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0  # 1 disables
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k and top-p.
+
+    Target and draft go through this same function, so p and q are processed identically.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, -math.inf)
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from a (V,) distribution (need not be normalised)."""
+    return int(torch.multinomial(probs.float(), 1, generator=generator))
+
+
+def gumbel_like(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    u = torch.rand(x.shape, generator=generator, dtype=torch.float64)
+    return -torch.log(-torch.log(u.clamp_min(1e-300)))
+
+
+def gumbel_top_k(probs: torch.Tensor, k: int, generator: torch.Generator) -> list[int]:
+    """k tokens drawn without replacement from (V,) probs, in draw order.
+
+    Perturbs log q with i.i.d. Gumbel(0, 1) noise and sorts by the perturbed score: the order
+    is exactly that of successive draws without replacement (Plackett-Luce). Never returns a
+    token of zero probability, so fewer than k tokens come back when the support is smaller.
+    """
+    scores = probs.double().log() + gumbel_like(probs, generator)
+    k = min(k, int((probs > 0).sum()))
+    return torch.topk(scores, k).indices.tolist()
+
+
+def sample_with_replacement(probs: torch.Tensor, k: int, generator: torch.Generator) -> list[int]:
+    """k i.i.d. tokens from (V,) probs."""
+    return torch.multinomial(probs.float(), k, replacement=True, generator=generator).tolist()
+
+
+def truncated_gumbel(scores: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Shift Gumbel-perturbed scores (B, V) so that each row's maximum equals bound (B,).
+
+    Kool et al. 2019, appendix B (numerically stable form); -inf scores stay -inf.
+    """
+    top = scores.max(-1, keepdim=True).values
+    bound = bound.unsqueeze(-1)
+    gap = scores - top  # <= 0
+    # log(1 - exp(gap)), with gap == 0 giving -inf
+    log1mexp = torch.where(gap > -0.693, torch.log(-torch.expm1(gap)), torch.log1p(-torch.exp(gap)))
+    v = bound - scores + log1mexp
+    out = bound - v.clamp_min(0) - torch.log1p(torch.exp(-v.abs()))
+    return torch.where(torch.isneginf(scores), scores, out)
+
+
+@dataclass
+class BeamLevel:
+    parent: list[int]  # index of the parent beam (in the previous level) of each kept child
+    token: list[int]
+    log_prob: torch.Tensor  # (W,) phi: log q of the whole prefix
+    score: torch.Tensor  # (W,) G: perturbed score, truncated under the parent's
+
+
+def stochastic_beam_step(
+    log_prob: torch.Tensor,  # (B,) phi of each beam
+    score: torch.Tensor,  # (B,) G of each beam
+    probs: torch.Tensor,  # (B, V) q of the next token for each beam
+    width: int,
+    generator: torch.Generator,
+) -> BeamLevel:
+    """One level of stochastic beam search: keep the top `width` of the B x V children.
+
+    Children are returned sorted by descending perturbed score, so the children of one parent
+    appear in their draw order (they are a Gumbel-top-k sample from that parent's q).
+    """
+    child_phi = log_prob.double().unsqueeze(-1) + probs.double().log()  # (B, V)
+    perturbed = child_phi + gumbel_like(child_phi, generator)
+    child_score = truncated_gumbel(perturbed, score.double())
+    flat = child_score.flatten()
+    k = min(width, int(torch.isfinite(flat).sum()))
+    top = torch.topk(flat, k)
+    vocab = probs.shape[-1]
+    parent = (top.indices // vocab).tolist()
+    token = (top.indices % vocab).tolist()
+    return BeamLevel(parent, token, child_phi.flatten()[top.indices], top.values)

@@ -1,0 +1,106 @@
+"""Pure verification maths: recursive rejection sampling (RRS) and SpecTr's K-SEQ.
+
+A *plan* is deterministic: for the drafts x_1..x_K tried in order at one tree node, it gives
+the probability of accepting x_k given that x_1..x_(k-1) were rejected, and the residual
+distribution used after each rejection. ``decide`` turns a plan into a random outcome. The
+exact-enumeration tests use the plans directly, so they check the very code the engine runs.
+All maths is in float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+
+class Rule(str, Enum):
+    WITHOUT_REPLACEMENT = "rrs"  # drafts drawn without replacement (RSD-C, RSD-S, SD)
+    WITH_REPLACEMENT = "rrs-iid"  # drafts i.i.d. (SpecInfer multi-step speculative sampling)
+    KSEQ = "kseq"  # SpecTr's K-SEQ over i.i.d. drafts
+    BIASED = "rrs-biased"  # without-replacement drafts verified as if i.i.d.: wrong, for tests
+
+
+@dataclass
+class Plan:
+    accept: list[float]  # accept[k] = P(accept draft k | drafts before it rejected)
+    residuals: list[torch.Tensor]  # residuals[k] = distribution after rejecting draft k, (V,)
+
+
+def _normalise(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    total = x.sum()
+    # an all-zero residual can only be reached with probability 0 (up to rounding)
+    return x / total if total > 1e-12 else fallback
+
+
+def rrs_plan(p: torch.Tensor, q: torch.Tensor, drafts: list[int], rule: Rule) -> Plan:
+    """Recursive rejection sampling at one node; p, q are (V,) target and draft distributions."""
+    r = p.double()
+    q_k = q.double()
+    accept, residuals = [], []
+    for x in drafts:
+        ratio = r[x] / q_k[x] if q_k[x] > 0 else torch.tensor(1.0, dtype=torch.float64)
+        accept.append(float(ratio.clamp(max=1.0)))
+        r = _normalise((r - q_k).clamp_min(0), r)
+        residuals.append(r)
+        if rule is Rule.WITHOUT_REPLACEMENT:
+            q_k = q_k.clone()
+            q_k[x] = 0
+            q_k = _normalise(q_k, q_k)
+    return Plan(accept, residuals)
+
+
+def _beta(p: torch.Tensor, q: torch.Tensor, rho: float) -> float:
+    return float(torch.minimum(q, p / rho).sum())
+
+
+def kseq_rho(p: torch.Tensor, q: torch.Tensor, k: int) -> float:
+    """Solve 1 - (1 - beta(rho))^k = rho * beta(rho) for rho in [1, k] by bisection."""
+    p, q = p.double(), q.double()
+
+    def excess(rho: float) -> float:
+        beta = _beta(p, q, rho)
+        return 1 - (1 - beta) ** k - rho * beta
+
+    lo, hi = 1.0, float(k)
+    if excess(lo) <= 0:  # p == q on q's support, any draft is accepted
+        return lo
+    for _ in range(100):  # excess(lo) > 0 >= excess(hi)
+        mid = (lo + hi) / 2
+        if excess(mid) > 0:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def kseq_plan(p: torch.Tensor, q: torch.Tensor, drafts: list[int]) -> Plan:
+    """K-SEQ (Sun et al. 2023): accept x_k w.p. min(1, p/(rho q)); residual ~ (p - rho q)^+."""
+    p, q = p.double(), q.double()
+    rho = kseq_rho(p, q, len(drafts))
+    accept = [float(min(1.0, p[x] / (rho * q[x]))) if q[x] > 0 else 1.0 for x in drafts]
+    final = _normalise((p - rho * q).clamp_min(0), p)
+    return Plan(accept, [final] * len(drafts))
+
+
+def plan(p: torch.Tensor, q: torch.Tensor, drafts: list[int], rule: Rule) -> Plan:
+    if rule is Rule.KSEQ:
+        return kseq_plan(p, q, drafts)
+    # the biased rule is RRS without renormalising q between draws
+    return rrs_plan(p, q, drafts, Rule.WITH_REPLACEMENT if rule is Rule.BIASED else rule)
+
+
+@dataclass
+class Decision:
+    accepted: int | None  # index into drafts of the accepted one, None if all were rejected
+    tried: int  # how many drafts were tried
+    correction: int | None  # token sampled from the final residual when all were rejected
+
+
+def decide(node_plan: Plan, generator: torch.Generator) -> Decision:
+    for k, a in enumerate(node_plan.accept):
+        if a >= 1.0 or float(torch.rand((), generator=generator, dtype=torch.float64)) < a:
+            return Decision(k, k + 1, None)
+    token = int(torch.multinomial(node_plan.residuals[-1].float(), 1, generator=generator))
+    return Decision(None, len(node_plan.accept), token)
