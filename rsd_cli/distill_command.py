@@ -52,6 +52,8 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
         def progress(phase: str, done: int, total: int) -> None:
             if phase not in tasks:
                 tasks[phase] = bars.add_task(phase, total=total)
+                if not console.is_terminal:  # a log file still learns which phase is running
+                    console.print(f"{phase}…")
             bars.update(tasks[phase], completed=done, total=total)
 
         train_data = sample_answers(target, tokenizer, prompts, tokens, recipe, "sampling answers", progress)

@@ -109,6 +109,21 @@ def resolve_source(source: str, progress: Progress = _quiet) -> tuple[str, bool]
     raise RsdError(f"model not found: {source!r} (not a directory, a .gguf file, or a hub id)")
 
 
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """A quick TCP probe, so an offline machine gets an answer in seconds, not a hang."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def _from_pretrained(loader, source: str, local: bool, **kwargs):
     """Load from a directory, the hub cache, or (if the network answers) the hub; never hang."""
     if local:
@@ -120,13 +135,14 @@ def _from_pretrained(loader, source: str, local: bool, **kwargs):
         return loader.from_pretrained(source, local_files_only=True, **kwargs)
     except Exception:
         pass
-    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "10")
-    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
+    if not hub_reachable():
+        raise RsdError(f"cannot load {source!r} from the Hugging Face hub: it is not in the local hub cache "
+                       "and the hub cannot be reached (offline?)")
     try:
         return loader.from_pretrained(source, **kwargs)
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise RsdError(f"cannot load {source!r} from the Hugging Face hub (offline, or no such model?): {first}") from None
+        raise RsdError(f"cannot load {source!r} from the Hugging Face hub: {first}") from None
 
 
 def quiet_transformers() -> None:

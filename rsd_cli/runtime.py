@@ -40,6 +40,8 @@ def apply_flags(profile: Profile, flags: dict[str, Any]) -> Profile:
         table, key = FLAG_KEYS[name]
         if name == "branching" and isinstance(value, str):
             value = parse_branching(value)
+        if name == "budget" and value < 1:  # in a profile 0 means "off"; a flag asks for a tree
+            raise RsdError(f"--budget {value}: the budget must be at least 1 (the root of the tree)")
         profile.set(table, key, value, f"flag --{name.replace('_', '-')}")
     return profile
 

@@ -58,3 +58,53 @@ def save_tiny_pair(root: Path, vocab: int = 40) -> tuple[Path, Path]:
         tiny_model(vocab, layers, seed, scale=0.3).save_pretrained(path)
         tokenizer.save_pretrained(path)
     return target_dir, draft_dir
+
+
+def write_tiny_gguf(path: Path, model) -> None:
+    """Write a tiny Llama as an F32 GGUF file (with a byte-level BPE tokenizer), as llama.cpp would."""
+    import gguf
+    import numpy as np
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    tokens = SPECIALS + CHARS
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([3] * len(SPECIALS) + [1] * len(CHARS))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+
+    def permute(w, heads):  # llama.cpp's q/k layout
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for i in range(cfg.num_hidden_layers):
+        for hf, gg in parts.items():
+            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
+    for key, value in model.state_dict().items():
+        array = value.numpy().astype(np.float32)
+        if "q_proj" in key:
+            array = permute(array, cfg.num_attention_heads)
+        elif "k_proj" in key:
+            array = permute(array, cfg.num_key_value_heads)
+        writer.add_tensor(names[key], array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -1,0 +1,43 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# tiny models gain nothing from threads, and the suite runs beside other work
+torch.set_num_threads(1)
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import save_tiny_pair  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def isolated_dirs(tmp_path, monkeypatch):
+    """Config in a temp dir; no user profile or environment override leaks into a test."""
+    monkeypatch.setenv("RSD_CONFIG_DIR", str(tmp_path / "config"))
+    for name in list(__import__("os").environ):
+        if name.startswith("RSD_") and name not in ("RSD_CONFIG_DIR", "RSD_CACHE_DIR"):
+            monkeypatch.delenv(name)
+    return tmp_path
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("tiny-pair")
+    save_tiny_pair(root)
+    return root
+
+
+@pytest.fixture
+def tiny_profile(tiny_pair_dir, tmp_path) -> Path:
+    """A profile with a separate tiny draft model; variant and sampling set by each test."""
+    path = tmp_path / "tiny.toml"
+    path.write_text(
+        f'description = "tiny random pair"\n'
+        f'[target]\nsource = "{tiny_pair_dir / "target"}"\n'
+        f'[draft]\nkind = "model"\nsource = "{tiny_pair_dir / "draft"}"\n'
+        f'[decoding]\nvariant = "rsd-c"\nbranching = [2, 2]\n'
+        f'[sampling]\nmax_tokens = 12\nseed = 7\n'
+    )
+    return path

@@ -1,0 +1,183 @@
+"""The CLI as a user runs it: stdout and stderr asserted apart, exit codes, no tracebacks."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from rsd_cli.cli import app, read_prompt
+from rsd_cli.errors import RsdError, UsageError
+
+
+@pytest.fixture
+def cli():
+    runner = CliRunner()
+
+    def invoke(*args, input=None, env=None):
+        return runner.invoke(app, [str(a) for a in args], input=input, env=env)
+
+    return invoke
+
+
+def assert_clean_error(result, code: int, fragment: str):
+    assert result.exit_code == code, (result.stdout, result.stderr)
+    assert fragment in result.stderr
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
+    assert result.stdout == ""
+
+
+def test_generate_streams_text_to_stdout_and_stats_to_stderr(cli, tiny_profile):
+    result = cli("generate", "hello", "-p", tiny_profile, "--seed", "3", input="")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.strip() != ""
+    assert "block efficiency" not in result.stdout
+    assert "block efficiency" in result.stderr and "tok/s" in result.stderr
+
+
+def test_generate_json_has_every_field(cli, tiny_profile):
+    result = cli("generate", "hello", "-p", tiny_profile, "--json", "-n", "10", "-t", "0", input="")
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert {"text", "token_ids", "profile", "variant", "stats"} <= set(record)
+    for key in ("steps", "new_tokens", "block_efficiency", "acceptance_rate", "tokens_per_second",
+                "draft_seconds", "verify_seconds", "wall_seconds", "mbsu", "acceptance_per_depth"):
+        assert key in record["stats"], key
+    assert record["variant"] == "rsd-c" and record["profile"] == "tiny"
+    assert record["stats"]["new_tokens"] == len(record["token_ids"]) <= 10
+    assert "block efficiency" in result.stderr
+
+
+def test_seeded_runs_repeat_and_greedy_variants_agree(cli, tiny_profile):
+    def text(*extra):
+        result = cli("generate", "the cat", "-p", tiny_profile, "--json", "-n", "12", *extra, input="")
+        assert result.exit_code == 0, result.stderr
+        return json.loads(result.stdout)["token_ids"]
+
+    assert text("--seed", "5") == text("--seed", "5")
+    greedy = text("-t", "0", "-v", "ar")
+    for variant in ("sd", "mss", "spectr", "rsd-c", "rsd-s"):
+        assert text("-t", "0", "-v", variant) == greedy, variant
+
+
+def test_samples_json_prints_one_object_per_line(cli, tiny_profile):
+    result = cli("generate", "hi", "-p", tiny_profile, "--samples", "3", "--json", "-n", "5", input="")
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 3
+    assert [json.loads(line)["seed"] for line in lines] == [7, 8, 9]
+
+
+def test_budget_and_tree_flags(cli, tiny_profile):
+    result = cli("generate", "hi", "-p", tiny_profile, "--json", "-n", "6", "-v", "rsd-s", "--budget", "10", input="")
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["shape"] == "rsd-s W=2 L=4"
+    assert record["stats"]["target_tokens_per_step"] <= 10
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--branching", "2,0", "-v", "rsd-c"], "every branching factor must be at least 1"),
+        (["--beam-width", "500", "-v", "rsd-s"], "larger than the vocabulary"),
+        (["--budget", "0"], "budget must be at least 1"),
+        (["--depth", "0", "-v", "rsd-s"], "decoding.depth must be at least 1"),
+        (["-v", "turbo"], "decoding.variant must be one of"),
+        (["-t", "-1"], "sampling.temperature must be at least 0"),
+    ],
+)
+def test_bad_parameters_are_one_line_errors(cli, tiny_profile, args, fragment):
+    assert_clean_error(cli("generate", "hi", "-p", tiny_profile, *args, input=""), 1, fragment)
+
+
+def test_missing_or_broken_profiles(cli, tmp_path):
+    assert_clean_error(cli("generate", "hi", "-p", "nosuch", input=""), 1, "no profile named 'nosuch'")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[sampling\n")
+    assert_clean_error(cli("generate", "hi", "-p", broken, input=""), 1, "not valid TOML")
+
+
+def test_missing_model_files(cli, tmp_path):
+    profile = tmp_path / "p.toml"
+    profile.write_text(f'[target]\nsource = "{tmp_path / "no-model"}"\n')
+    assert_clean_error(cli("generate", "hi", "-p", profile, input=""), 1, "model not found")
+    (tmp_path / "empty").mkdir()
+    profile.write_text(f'[target]\nsource = "{tmp_path / "empty"}"\n')
+    assert_clean_error(cli("generate", "hi", "-p", profile, input=""), 1, "not a model directory")
+
+
+def test_mismatched_tokenizers_are_refused(cli, tiny_pair_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    other = tmp_path / "other-draft"
+    import shutil
+
+    shutil.copytree(tiny_pair_dir / "draft", other)
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["zzz"])
+    tok.save_pretrained(other)
+    profile = tmp_path / "p.toml"
+    profile.write_text(f'[target]\nsource = "{tiny_pair_dir / "target"}"\n'
+                       f'[draft]\nkind = "model"\nsource = "{other}"\n')
+    assert_clean_error(cli("generate", "hi", "-p", profile, input=""), 1, "different tokenizers")
+
+
+def test_prompt_longer_than_the_context(cli, tiny_profile):
+    result = cli("generate", "a" * 400, "-p", tiny_profile, "--raw", input="")
+    assert_clean_error(result, 1, "context holds 256")
+
+
+def test_empty_prompt_and_bad_stdin(cli, tiny_profile):
+    assert_clean_error(cli("generate", "   ", "-p", tiny_profile, input=""), 1, "the prompt is empty")
+    assert_clean_error(cli("generate", "-", "-p", tiny_profile, input=b"\xff\xfe bad"), 1, "not valid UTF-8")
+
+
+def test_read_prompt_joins_stdin_before_the_argument():
+    class Stdin(io.TextIOWrapper):
+        def isatty(self):
+            return False
+
+    def stdin(data: bytes):
+        return Stdin(io.BytesIO(data), encoding="utf-8")
+
+    class Tty:
+        def isatty(self):
+            return True
+
+    assert read_prompt("summarise this", stdin(b"some text\n")) == "some text\nsummarise this"
+    assert read_prompt("-", stdin(b"only stdin")) == "only stdin"
+    assert read_prompt("just the argument", Tty()) == "just the argument"
+    assert read_prompt("arg", stdin(b"")) == "arg"
+    with pytest.raises(UsageError):
+        read_prompt(None, Tty())
+    with pytest.raises(RsdError, match="not valid UTF-8"):
+        read_prompt("-", stdin(b"\xc3\x28"))
+
+
+def test_profiles_commands(cli, tiny_profile):
+    listed = cli("profiles", "list")
+    assert listed.exit_code == 0 and listed.stdout.startswith("default\tbuilt-in\t")
+    shown = cli("profiles", "show", str(tiny_profile))
+    assert shown.exit_code == 0
+    assert 'variant = "rsd-c"  # ' + str(tiny_profile) in shown.stdout
+    assert "temperature = 1.0  # default" in shown.stdout
+    as_json = json.loads(cli("profiles", "show", "default", "--json").stdout)
+    assert as_json["values"]["target"]["source"]["value"] == "embedded"
+    path = cli("profiles", "path")
+    assert path.exit_code == 0 and path.stdout.strip().endswith("profiles")
+
+
+def test_usage_errors_exit_2(cli):
+    result = cli("generate", "--no-such-flag")
+    assert result.exit_code == 2
+    assert result.stdout == ""
+
+
+def test_help_everywhere(cli):
+    for args in (["-h"], ["generate", "-h"], ["profiles", "-h"], ["profiles", "show", "--help"], ["distill", "-h"]):
+        result = cli(*args)
+        assert result.exit_code == 0 and "Usage" in result.stdout, args
+    assert "Sampling" in cli("generate", "--help").stdout and "Draft" in cli("generate", "--help").stdout

@@ -1,0 +1,186 @@
+"""The engine on tiny random models: tree attention, cache pruning, greedy equivalence, and the
+joint distribution of the first two tokens (Monte-Carlo, fixed seeds, chi-square)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from rsd_cli.drafting import VARIANTS, Shape, make_shape, shape_for_budget
+from rsd_cli.engine import CachedLM, Decoder, Stats
+from rsd_cli.sampling import SamplingParams, logits_to_probs
+from rsd_cli.tree import DraftTree
+from rsd_cli.verification import Rule
+from tiny import tiny_model
+
+V = 6
+PROMPT = [1, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_model(V, layers=2, seed=0, scale=0.5), tiny_model(V, layers=1, seed=1, scale=0.5)
+
+
+def full_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+def test_tree_forward_equals_per_path_forwards_and_pruning_keeps_the_path(pair):
+    target, _ = pair
+    lm = CachedLM(target, V)
+    lm.extend(PROMPT)
+    tree = DraftTree.rooted_at(5)
+    a, _ = tree.add_draw(0, 2)
+    b, _ = tree.add_draw(0, 4)
+    c, _ = tree.add_draw(a, 1)
+    d, _ = tree.add_draw(b, 3)
+    e, _ = tree.add_draw(c, 0)
+    base = len(PROMPT)
+    visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
+    logits = lm.forward(tree.tokens, [base + dep for dep in tree.depths], visible)
+    for node in range(len(tree)):
+        path_tokens = [tree.tokens[n] for n in tree.path_to(node)]
+        reference = full_logits(target, PROMPT + path_tokens)[-1]
+        assert torch.allclose(logits[node], reference, atol=1e-5), node
+    # keep prefix + root + a + c + e; the next token's logits equal a fresh forward
+    lm.keep(list(range(base)) + [base + n for n in (0, a, c, e)])
+    assert lm.length == base + 4
+    nxt = lm.extend([2], last_only=True)[-1]
+    fresh = full_logits(target, PROMPT + [5, 2, 1, 0, 2])[-1]
+    assert torch.allclose(nxt, fresh, atol=1e-5)
+
+
+def test_a_wrong_mask_would_be_caught(pair):
+    """Sanity check of the test above: ignoring the tree structure changes the logits."""
+    target, _ = pair
+    lm = CachedLM(target, V)
+    lm.extend(PROMPT)
+    base = len(PROMPT)
+    causal = torch.ones(3, base + 3, dtype=torch.bool)  # siblings see each other: wrong for a tree
+    logits = lm.forward([2, 4, 1], [base, base, base], causal)
+    reference = full_logits(target, PROMPT + [4])[-1]
+    assert not torch.allclose(logits[1], reference, atol=1e-4)
+
+
+def shapes():
+    return [make_shape("ar"), make_shape("sd", draft_len=3), make_shape("mss", branching=(2, 2, 1)),
+            make_shape("spectr", num_drafts=3, depth=3), make_shape("rsd-c", branching=(3, 2)),
+            make_shape("rsd-s", beam_width=3, depth=3)]
+
+
+def run(pair, shape, sampling, max_tokens, seed, eos=frozenset()):
+    target, draft = pair
+    decoder = Decoder(target, draft, V, shape, sampling, set(eos))
+    return [t for event in decoder.generate(PROMPT, max_tokens, seed) for t in event.emitted]
+
+
+@pytest.mark.parametrize("shape", shapes(), ids=lambda s: s.describe())
+def test_greedy_equals_plain_greedy_decoding(pair, shape):
+    greedy = SamplingParams(temperature=0)
+    reference = []
+    tokens = list(PROMPT)
+    for _ in range(25):
+        tokens.append(int(full_logits(pair[0], tokens)[-1].argmax()))
+        reference.append(tokens[-1])
+    assert run(pair, shape, greedy, 25, seed=0) == reference
+
+
+def exact_joint(target, sampling) -> torch.Tensor:
+    """(V, V) target probability of the first two generated tokens."""
+    first = logits_to_probs(full_logits(target, PROMPT)[-1], sampling).double()
+    joint = torch.zeros(V, V, dtype=torch.float64)
+    for x in range(V):
+        joint[x] = first[x] * logits_to_probs(full_logits(target, PROMPT + [x])[-1], sampling).double()
+    return joint
+
+
+def chi_square_pvalue(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    """Chi-square goodness of fit, pooling cells expected below 5 into one."""
+    counts, expected = counts.flatten().double(), expected.flatten().double()
+    expected = expected * counts.sum() / expected.sum()  # exact totals, as scipy requires
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum().view(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = exp > 0
+    return float(chisquare(obs[keep].numpy(), exp[keep].numpy()).pvalue)
+
+
+def sample_pairs(pair, shape, sampling, n: int) -> torch.Tensor:
+    counts = torch.zeros(V, V)
+    for seed in range(n):
+        first, second = run(pair, shape, sampling, 2, seed)[:2]
+        counts[first, second] += 1
+    return counts
+
+
+N_SAMPLES = 2500
+MC_SHAPES = [make_shape("ar"), make_shape("sd", draft_len=2), make_shape("mss", branching=(2, 2)),
+             make_shape("spectr", num_drafts=2, depth=2), make_shape("rsd-c", branching=(2, 2)),
+             make_shape("rsd-s", beam_width=2, depth=2)]
+
+
+@pytest.mark.parametrize("shape", MC_SHAPES, ids=lambda s: s.describe())
+def test_first_two_tokens_follow_the_target_distribution(pair, shape):
+    sampling = SamplingParams(temperature=1.0)
+    expected = exact_joint(pair[0], sampling) * N_SAMPLES
+    assert chi_square_pvalue(sample_pairs(pair, shape, sampling, N_SAMPLES), expected) > 1e-3
+
+
+def test_top_k_top_p_sampling_is_exact_too(pair):
+    sampling = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
+    expected = exact_joint(pair[0], sampling) * N_SAMPLES
+    counts = sample_pairs(pair, make_shape("rsd-c", branching=(3, 2)), sampling, N_SAMPLES)
+    assert counts[expected == 0].sum() == 0  # never a token the target would not produce
+    assert chi_square_pvalue(counts, expected) > 1e-3
+
+
+def test_the_monte_carlo_test_detects_a_biased_verifier(pair, monkeypatch):
+    """Negative control: RSD-C trees verified without renormalising q must fail the same test."""
+    monkeypatch.setattr(Shape, "rule", property(lambda self: Rule.BIASED))
+    sampling = SamplingParams(temperature=1.0)
+    expected = exact_joint(pair[0], sampling) * N_SAMPLES
+    counts = sample_pairs(pair, make_shape("rsd-c", branching=(4, 3)), sampling, N_SAMPLES)
+    assert chi_square_pvalue(counts, expected) < 1e-3
+
+
+def test_same_seed_same_output(pair):
+    shape = make_shape("rsd-s", beam_width=2, depth=3)
+    sampling = SamplingParams(temperature=1.0)
+    assert run(pair, shape, sampling, 20, seed=11) == run(pair, shape, sampling, 20, seed=11)
+
+
+def test_stops_at_eos_and_max_tokens(pair):
+    sampling = SamplingParams(temperature=1.0)
+    for seed in range(10):
+        out = run(pair, make_shape("sd", draft_len=4), sampling, 9, seed, eos={0})
+        assert len(out) <= 9
+        assert 0 not in out[:-1]
+        assert out[-1] == 0 or len(out) == 9
+
+
+def test_events_carry_the_tree_and_stats_add_up(pair):
+    target, draft = pair
+    decoder = Decoder(target, draft, V, make_shape("rsd-c", branching=(2, 2)), SamplingParams(1.0), set())
+    stats = Stats()
+    events = list(decoder.generate(PROMPT, 30, seed=3))
+    for event in events:
+        stats.add(event)
+        assert len(event.tree) <= 7 and event.p.shape == (len(event.tree), V)
+        assert event.emitted[: event.accepted] == [event.tree.tokens[n] for n in event.path][: len(event.emitted)]
+        for node in event.path:
+            assert event.status(node) == "accepted"
+        assert event.draft_calls == 2  # root level + depth-1 level; leaves need no draft forward
+    assert stats.new_tokens == 30
+    assert 1 <= stats.block_efficiency <= 3
+    assert sum(stats.tried_at_depth[:1]) == len(events)
+
+
+def test_budget_shapes_fit_the_budget():
+    for variant in VARIANTS:
+        for budget in (1, 2, 6, 10, 14, 21, 30):
+            assert shape_for_budget(variant, budget).max_nodes <= budget
+    with pytest.raises(ValueError):
+        shape_for_budget("rsd-c", 0)

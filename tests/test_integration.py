@@ -1,0 +1,53 @@
+"""A few tests on the real embedded model (SmolLM2-135M-Instruct): the product as a user meets it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from rsd_cli.cli import app
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def embedded_pair():
+    from rsd_cli.models import load_pair
+    from rsd_cli.profiles import load_profile
+
+    profile = load_profile("default", environ={})
+    return profile, load_pair(profile)
+
+
+def test_rsd_generate_on_the_embedded_default():
+    result = CliRunner().invoke(app, ["generate", "What is the capital of France?", "-n", "12", "--seed", "0",
+                                      "-t", "0"], input="")
+    assert result.exit_code == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "block efficiency" in result.stderr and "Paris" not in result.stderr
+
+
+@pytest.mark.parametrize("variant", ["sd", "mss", "spectr", "rsd-c", "rsd-s"])
+def test_every_variant_is_greedy_exact_on_the_embedded_pair(embedded_pair, variant):
+    from rsd_cli.generation import complete
+    from rsd_cli.prompting import encode_prompt
+    from rsd_cli.runtime import apply_flags, make_decoder
+
+    profile, pair = embedded_pair
+    ids = encode_prompt(pair.tokenizer, "Name three colours of the rainbow.")
+
+    def tokens(name):
+        apply_flags(profile, {"variant": name, "temperature": 0.0, "branching": "2,2,1", "beam_width": 2,
+                              "depth": 3, "num_drafts": 2})
+        return complete(make_decoder(pair, profile), ids, 24, seed=0)[0]
+
+    assert tokens(variant) == tokens("ar")
+
+
+def test_json_output_on_the_embedded_default():
+    result = CliRunner().invoke(app, ["generate", "Say hi.", "-n", "6", "--seed", "1", "--json"], input="")
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["profile"] == "default" and 1 <= record["stats"]["new_tokens"] <= 6

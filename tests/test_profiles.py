@@ -1,0 +1,109 @@
+from pathlib import Path
+
+import pytest
+
+from rsd_cli.errors import RsdError
+from rsd_cli.profiles import load_profile
+from rsd_cli.runtime import apply_flags, shape_of
+
+
+def write(tmp_path: Path, text: str, name: str = "p.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_default_profile_is_the_embedded_pair():
+    profile = load_profile("default")
+    assert profile["target"]["source"] == "embedded"
+    assert profile["draft"]["kind"] == "early-exit"
+    assert profile.origins["target"]["source"].endswith("default.toml")
+    assert profile.origins["sampling"]["seed"] == "default"
+
+
+def test_values_and_provenance(tmp_path):
+    path = write(tmp_path, '[decoding]\nvariant = "rsd-s"\nbeam_width = 4\n[sampling]\ntemperature = 0\n')
+    profile = load_profile(str(path), environ={"RSD_SAMPLING_TOP_K": "20"})
+    assert profile["decoding"]["variant"] == "rsd-s"
+    assert profile["sampling"]["temperature"] == 0.0 and isinstance(profile["sampling"]["temperature"], float)
+    assert profile.origins["decoding"]["beam_width"] == str(path)
+    assert profile["sampling"]["top_k"] == 20
+    assert profile.origins["sampling"]["top_k"] == "env RSD_SAMPLING_TOP_K"
+    apply_flags(profile, {"top_k": 5, "variant": None})
+    assert profile["sampling"]["top_k"] == 5 and profile.origins["sampling"]["top_k"] == "flag --top-k"
+    assert profile["decoding"]["variant"] == "rsd-s"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[sampling]\ntemprature = 1.0\n", "unknown key sampling.temprature"),
+        ("[sampler]\nx = 1\n", "unknown key 'sampler'"),
+        ('[sampling]\ntemperature = "hot"\n', "sampling.temperature must be a number"),
+        ("[sampling]\ntemperature = -0.5\n", "sampling.temperature must be at least 0"),
+        ("[sampling]\ntop_p = 0\n", "sampling.top_p must be in (0, 1]"),
+        ("[sampling]\ntop_p = 1.5\n", "sampling.top_p must be in (0, 1]"),
+        ("[sampling]\nmax_tokens = 0\n", "sampling.max_tokens must be at least 1"),
+        ("[decoding]\nbranching = [2, 0]\n", "every branching factor must be at least 1"),
+        ("[decoding]\nbranching = []\n", "at least one branching factor"),
+        ("[decoding]\nbeam_width = 0\n", "decoding.beam_width must be at least 1"),
+        ("[decoding]\ndepth = 0\n", "decoding.depth must be at least 1"),
+        ('[decoding]\nvariant = "fast"\n', "decoding.variant must be one of"),
+        ("[draft]\nlayers = 1.5\n", "draft.layers must be an integer"),
+        ("[sampling]\ntemperature = 1.0\n[sampling", "not valid TOML"),
+        ("target = 3\n", "[target] must be a table"),
+    ],
+)
+def test_errors_name_the_file_and_the_key(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(RsdError) as err:
+        load_profile(str(path))
+    assert message in str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_missing_profile_file_and_name(tmp_path):
+    with pytest.raises(RsdError, match="profile file not found"):
+        load_profile(str(tmp_path / "nope.toml"))
+    with pytest.raises(RsdError, match="no profile named 'nope'"):
+        load_profile("nope")
+
+
+def test_user_profiles_live_in_the_config_dir_and_shadow_builtins(tmp_path, monkeypatch):
+    folder = tmp_path / "cfg" / "profiles"
+    folder.mkdir(parents=True)
+    (folder / "mine.toml").write_text('[decoding]\nvariant = "ar"\n')
+    (folder / "default.toml").write_text('[decoding]\nvariant = "mss"\n')
+    monkeypatch.setenv("RSD_CONFIG_DIR", str(tmp_path / "cfg"))
+    assert load_profile("mine")["decoding"]["variant"] == "ar"
+    assert load_profile("default")["decoding"]["variant"] == "mss"
+    monkeypatch.delenv("RSD_CONFIG_DIR")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    (tmp_path / "xdg" / "rsd" / "profiles").mkdir(parents=True)
+    (tmp_path / "xdg" / "rsd" / "profiles" / "x.toml").write_text("")
+    assert load_profile("x").name == "x"
+
+
+def test_flag_and_env_values_are_validated_too():
+    profile = load_profile("default", environ={})
+    with pytest.raises(RsdError, match="flag --temperature: sampling.temperature must be at least 0"):
+        apply_flags(profile, {"temperature": -1.0})
+    with pytest.raises(RsdError, match="every branching factor must be at least 1"):
+        apply_flags(profile, {"branching": "3,0"})
+    with pytest.raises(RsdError, match="integers separated by commas"):
+        apply_flags(profile, {"branching": "3,x"})
+    with pytest.raises(RsdError, match="RSD_SAMPLING_TEMPERATURE must be a number"):
+        load_profile("default", environ={"RSD_SAMPLING_TEMPERATURE": "warm"})
+    with pytest.raises(RsdError, match="budget must be at least 1"):
+        apply_flags(profile, {"budget": 0})
+
+
+def test_shapes_from_profiles(tmp_path):
+    profile = load_profile(str(write(tmp_path, '[decoding]\nvariant = "rsd-c"\nbranching = [3, 2, 2]\n')))
+    assert shape_of(profile).branching == (3, 2, 2) and shape_of(profile).max_nodes == 1 + 3 + 6 + 12
+    apply_flags(profile, {"budget": 10})
+    assert shape_of(profile).max_nodes <= 10
+    apply_flags(profile, {"variant": "rsd-s", "beam_width": 50, "budget": None})
+    profile.set("decoding", "budget", 0, "test")
+    with pytest.raises(RsdError, match="beam width 50 is larger than the vocabulary"):
+        shape_of(profile, vocab_size=40)
