@@ -29,7 +29,7 @@ bench: install
 	$(BIN)/rsd bench
 
 completions: install
-	$(BIN)/python benchmarks/../tests/regenerate_completions.py
+	$(BIN)/python tests/regenerate_completions.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -186,6 +186,9 @@ def generate(
                                         rich_help_panel=OUTPUT)] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No statistics summary on stderr.",
                                         rich_help_panel=OUTPUT)] = False,
+    live: Annotated[Optional[bool], typer.Option("--live/--no-live", help="Live view of the draft tree on stderr "
+                                                 "(default: on when stderr is a terminal).", rich_help_panel=OUTPUT,
+                                                 show_default=False)] = None,
 ):
     """Generate text for PROMPT: the answer streams to stdout, statistics go to stderr."""
     flags = dict(variant=variant, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
@@ -199,8 +202,85 @@ def generate(
     pair = Loader().load(prof)
     from .generation import run_generate
 
+    console = _stderr_console()
+    live = console.is_terminal if live is None else live
     run_generate(pair, prof, text, system=system, raw=raw, samples=samples, as_json=as_json,
-                 show_stats=not quiet, step_table=stats, console=_stderr_console())
+                 show_stats=not quiet, step_table=stats, live=live, console=console)
+
+
+@app.command()
+@cli_errors
+def chat(
+    profile: ProfileOpt = None,
+    system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.", show_default=False)] = None,
+    variant: VariantOpt = None,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    max_tokens: MaxTokensOpt = None,
+    seed: SeedOpt = None,
+    draft_len: DraftLenOpt = None,
+    branching: BranchingOpt = None,
+    beam_width: BeamWidthOpt = None,
+    depth: DepthOpt = None,
+    num_drafts: NumDraftsOpt = None,
+    budget: BudgetOpt = None,
+    tree: Annotated[bool, typer.Option("--tree/--no-tree", help="Live view of the draft tree while answering.",
+                                       rich_help_panel=OUTPUT)] = False,
+):
+    """An interactive session (history, chat template, slash commands; /help lists them)."""
+    flags = dict(variant=variant, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                 seed=seed, draft_len=draft_len, branching=branching, beam_width=beam_width, depth=depth,
+                 num_drafts=num_drafts, budget=budget)
+    prof = _load_profile(profile, flags)
+    from .runtime import shape_of
+
+    shape_of(prof)
+    pair = Loader().load(prof)
+    from .chat import run_chat
+
+    run_chat(pair, prof, system=system, tree=tree, console=_stderr_console())
+
+
+@app.command("inspect-tree")
+@cli_errors
+def inspect_tree(
+    prompt: Annotated[str, typer.Argument(help="The prompt; - reads stdin.")],
+    profile: ProfileOpt = None,
+    step: Annotated[int, typer.Option("--step", min=1, help="Which decoding step to show.")] = 1,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="text, json or svg.", rich_help_panel=OUTPUT)] = "text",
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="SVG file (default: rsd-step-N.svg).",
+                                                   rich_help_panel=OUTPUT, show_default=False)] = None,
+    system: Annotated[Optional[str], typer.Option("--system", "-s", show_default=False)] = None,
+    raw: Annotated[bool, typer.Option("--raw")] = False,
+    variant: VariantOpt = None,
+    temperature: TemperatureOpt = None,
+    top_p: TopPOpt = None,
+    top_k: TopKOpt = None,
+    seed: SeedOpt = None,
+    draft_len: DraftLenOpt = None,
+    branching: BranchingOpt = None,
+    beam_width: BeamWidthOpt = None,
+    depth: DepthOpt = None,
+    num_drafts: NumDraftsOpt = None,
+    budget: BudgetOpt = None,
+):
+    """Decode up to step N and show that step in full: every node with q, p, order and fate."""
+    if fmt not in ("text", "json", "svg"):
+        raise UsageError(f"--format must be text, json or svg (got {fmt!r})")
+    flags = dict(variant=variant, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                 draft_len=draft_len, branching=branching, beam_width=beam_width, depth=depth,
+                 num_drafts=num_drafts, budget=budget)
+    text = read_prompt(prompt)
+    prof = _load_profile(profile, flags)
+    from .runtime import shape_of
+
+    shape_of(prof)
+    pair = Loader().load(prof)
+    from .inspect import run_inspect
+
+    run_inspect(pair, prof, text, step=step, fmt=fmt, output=output, system=system, raw=raw,
+                console=_stderr_console())
 
 
 @profiles_app.command("list")
@@ -277,4 +357,4 @@ def distill(
 
 
 def main() -> None:
-    app()
+    app(prog_name="rsd")

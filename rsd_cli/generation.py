@@ -5,15 +5,16 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import nullcontext
 
 from .engine import Stats, StepEvent
 from .prompting import IncrementalDecoder, encode_prompt
-from .render import stats_line, steps_table
-from .runtime import make_decoder, seed_of, shape_of
+from .render import live_view, stats_line, steps_table
+from .runtime import make_decoder, seed_of
 
 
 def complete(decoder, prompt_ids: list[int], max_tokens: int, seed: int | None, on_event=None):
-    """Run one completion; returns (token ids, stats, events)."""
+    """Run one completion; returns (token ids, stats, events). on_event(event, stats) sees each step."""
     stats = Stats()
     events: list[StepEvent] = []
     tokens: list[int] = []
@@ -24,12 +25,43 @@ def complete(decoder, prompt_ids: list[int], max_tokens: int, seed: int | None, 
         stats.wall_seconds = time.perf_counter() - start
         events.append(event)
         if on_event:
-            on_event(event)
+            on_event(event, stats)
     return tokens, stats, events
 
 
+def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, console=None, live=False,
+                      write_text=True):
+    """One completion with text streamed to `out` and, optionally, the live view on `console`.
+
+    With the live view on and stdout on the same terminal, the text is written once at the end
+    (the live region would otherwise fight with it); piped stdout still streams.
+    """
+    from rich.live import Live
+
+    detok = IncrementalDecoder(pair.tokenizer)
+    shown: list[str] = []
+    hold_text = live and getattr(out, "isatty", lambda: False)()
+    view = Live(console=console, transient=True, refresh_per_second=8) if live else nullcontext()
+    with view as display:
+        def on_event(event: StepEvent, stats: Stats) -> None:
+            piece = detok.push(event.emitted)
+            shown.append(piece)
+            if write_text and not hold_text and piece:
+                out.write(piece)
+                out.flush()
+            if display is not None:
+                display.update(live_view("".join(shown), event, stats, pair.tokenizer))
+
+        result = complete(decoder, prompt_ids, max_tokens, seed, on_event)
+    tail = detok.flush()
+    if write_text:
+        out.write(("".join(shown) if hold_text else "") + tail)
+        out.flush()
+    return result
+
+
 def run_generate(pair, profile, text: str, *, system=None, raw=False, samples=1, as_json=False,
-                 show_stats=True, step_table=False, console=None, out=None) -> None:
+                 show_stats=True, step_table=False, live=False, console=None, out=None) -> None:
     out = out or sys.stdout
     decoder = make_decoder(pair, profile)
     prompt_ids = encode_prompt(pair.tokenizer, text, system=system, raw=raw)
@@ -39,14 +71,9 @@ def run_generate(pair, profile, text: str, *, system=None, raw=False, samples=1,
         seed = None if base_seed is None else base_seed + index
         if samples > 1 and not as_json and index:
             out.write("\n---\n")
-        detok = IncrementalDecoder(pair.tokenizer)
-
-        def stream(event: StepEvent) -> None:
-            if not as_json:
-                out.write(detok.push(event.emitted))
-                out.flush()
-
-        tokens, stats, events = complete(decoder, prompt_ids, max_tokens, seed, stream)
+        tokens, stats, events = stream_completion(pair, decoder, prompt_ids, max_tokens, seed, out=out,
+                                                  console=console, live=live and not as_json,
+                                                  write_text=not as_json)
         if as_json:
             record = {
                 "text": pair.tokenizer.decode(tokens, skip_special_tokens=True),
@@ -60,10 +87,10 @@ def run_generate(pair, profile, text: str, *, system=None, raw=False, samples=1,
             }
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
         else:
-            out.write(detok.flush() + "\n")
+            out.write("\n")
         out.flush()
         if console is not None:
             if step_table:
                 console.print(steps_table(events, pair.tokenizer))
             if show_stats:
-                console.print(f"[dim]{shape_of(profile).describe()} · {stats_line(stats)}[/dim]")
+                console.print(f"[dim]{decoder.shape.describe()} · {stats_line(stats)}[/dim]")

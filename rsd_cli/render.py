@@ -17,7 +17,7 @@ def stats_line(stats: Stats) -> str:
 def token_label(tokenizer, token: int, width: int = 16) -> str:
     """A token as a short readable literal: whitespace visible, never wider than `width`."""
     text = tokenizer.decode([token]) if tokenizer is not None else str(token)
-    shown = repr(text)[1:-1]
+    shown = repr(text) if text else f"<{token}>"
     return shown if len(shown) <= width else shown[: width - 1] + "…"
 
 
@@ -32,3 +32,60 @@ def steps_table(events: list[StepEvent], tokenizer=None):
         table.add_row(str(e.step), str(len(e.tree)), str(e.accepted), str(len(e.emitted)), e.extra_kind,
                       f"{e.draft_seconds * 1000:.0f}", f"{e.verify_seconds * 1000:.0f}", repr(text)[1:-1][:40])
     return table
+
+
+MARKERS = {"root": "●", "accepted": "✓", "rejected": "✗", "not reached": "·"}
+STYLES = {"root": "bold", "accepted": "bold green", "rejected": "red", "not reached": "dim"}
+
+
+def node_probs(event: StepEvent, node: int) -> tuple[float, float]:
+    """(q, p) of a drafted node's token at its parent."""
+    parent, token = event.tree.parents[node], event.tree.tokens[node]
+    return float(event.tree.q[parent][token]), float(event.p[parent][token])
+
+
+def draw_order(event: StepEvent, node: int) -> int:
+    """1-based position of the node among its parent's draws (its first draw if repeated)."""
+    return event.tree.draws[event.tree.parents[node]].index(node) + 1
+
+
+def tree_view(event: StepEvent, tokenizer=None, max_children: int | None = None):
+    """The step's draft tree as a Rich Tree; markers tell the states apart without colour."""
+    from rich.text import Text
+    from rich.tree import Tree
+
+    def label(node: int) -> Text:
+        status = event.status(node)
+        text = Text(f"{MARKERS[status]} {token_label(tokenizer, event.tree.tokens[node])}", style=STYLES[status])
+        if node:
+            q, p = node_probs(event, node)
+            text.append(f"  #{draw_order(event, node)} q={q:.2f} p={p:.2f}", style="dim")
+        return text
+
+    def grow(branch, node: int) -> None:
+        children = event.tree.children(node)
+        shown = children if max_children is None else children[:max_children]
+        for child in shown:
+            grow(branch.add(label(child)), child)
+        if len(shown) < len(children):
+            branch.add(Text(f"… {len(children) - len(shown)} more", style="dim"))
+
+    root = Tree(label(0), guide_style="dim")
+    grow(root, 0)
+    extra = "+" if event.extra_kind == "bonus" else "↳"
+    root.add(Text(f"{extra} {event.extra_kind} {token_label(tokenizer, event.extra_token)}", style="bold cyan"))
+    return root
+
+
+def live_view(text: str, event: StepEvent | None, stats: Stats, tokenizer=None):
+    """What the live display shows during `rsd generate` on a terminal."""
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.text import Text
+
+    parts = [Panel(Text(text[-2000:] or "…"), title="answer", title_align="left")]
+    if event is not None:
+        parts.append(Panel(tree_view(event, tokenizer, max_children=4), title=f"step {event.step}: draft tree "
+                           f"({len(event.tree)} nodes, {event.accepted} accepted)", title_align="left"))
+    parts.append(Text(stats_line(stats), style="dim"))
+    return Group(*parts)

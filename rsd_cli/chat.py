@@ -1,0 +1,164 @@
+"""`rsd chat`: an interactive session on the same engine and events as `generate`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import RsdError
+from .generation import stream_completion
+from .prompting import encode_prompt
+from .render import stats_line
+from .runtime import apply_flags, make_decoder, seed_of
+
+HELP = """commands:
+  /help                 this help
+  /bye, /exit           leave (Ctrl-D too)
+  /clear                forget the conversation
+  /system TEXT          set the system prompt (empty TEXT clears it)
+  /set KEY VALUE        KEY: temperature, top_p, top_k, max_tokens, variant, seed
+  /stats                statistics of the last answer
+  /tree on|off          live view of the draft tree while answering
+  /save FILE            write the conversation as JSON
+  \"\"\"                   start and end a multi-line message
+Ctrl-C stops the current answer and keeps the session."""
+
+SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "max_tokens": int, "variant": str, "seed": int}
+
+
+@dataclass
+class ChatSession:
+    pair: object
+    profile: object
+    system: str | None = None
+    history: list[dict] = field(default_factory=list)
+    tree: bool = False
+    last_stats: object = None
+    turns: int = 0
+
+    def command(self, line: str, console) -> bool:
+        """Run a slash command; returns False when the session should end."""
+        name, _, arg = line[1:].partition(" ")
+        arg = arg.strip()
+        if name in ("bye", "exit", "quit"):
+            return False
+        if name == "help":
+            console.print(HELP, markup=False, highlight=False)
+        elif name == "clear":
+            self.history.clear()
+            console.print("conversation cleared")
+        elif name == "system":
+            self.system = arg or None
+            console.print(f"system prompt {'set' if arg else 'cleared'}")
+        elif name == "set":
+            key, _, value = arg.partition(" ")
+            if key not in SETTABLE or not value.strip():
+                raise RsdError(f"usage: /set {'|'.join(SETTABLE)} VALUE")
+            try:
+                typed = SETTABLE[key](value.strip())
+            except ValueError:
+                raise RsdError(f"/set {key}: {value.strip()!r} is not {'a number' if SETTABLE[key] is float else 'an integer'}") from None
+            apply_flags(self.profile, {key: typed})
+            make_decoder(self.pair, self.profile)  # validates the shape now, not at the next answer
+            console.print(f"{key} = {typed}")
+        elif name == "stats":
+            console.print(stats_line(self.last_stats) if self.last_stats else "no answer yet", highlight=False)
+        elif name == "tree":
+            if arg not in ("on", "off"):
+                raise RsdError("usage: /tree on|off")
+            self.tree = arg == "on"
+        elif name == "save":
+            if not arg:
+                raise RsdError("usage: /save FILE")
+            self.save(Path(arg).expanduser())
+            console.print(f"saved {len(self.history)} messages to {arg}")
+        else:
+            raise RsdError(f"unknown command /{name} (try /help)")
+        return True
+
+    def save(self, path: Path) -> None:
+        record = {"profile": self.profile.name, "system": self.system, "messages": self.history}
+        try:
+            path.write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        except OSError as e:
+            raise RsdError(f"cannot save to {path}: {e.strerror or e}") from None
+
+    def answer(self, message: str, out, console) -> None:
+        decoder = make_decoder(self.pair, self.profile)
+        ids = encode_prompt(self.pair.tokenizer, message, system=self.system, history=self.history)
+        seed = seed_of(self.profile)
+        if seed is not None:
+            seed += self.turns  # reproducible session, but not the same draw every turn
+        self.turns += 1
+        self.history.append({"role": "user", "content": message})
+        try:
+            tokens, stats, _ = stream_completion(self.pair, decoder, ids, self.profile["sampling"]["max_tokens"],
+                                                 seed, out=out, console=console, live=self.tree)
+        except KeyboardInterrupt:
+            out.write("\n")
+            console.print("[dim](answer stopped)[/dim]")
+            self.history.pop()
+            return
+        out.write("\n")
+        out.flush()
+        self.last_stats = stats
+        self.history.append({"role": "assistant",
+                             "content": self.pair.tokenizer.decode(tokens, skip_special_tokens=True)})
+
+
+def read_message(read_line) -> str | None:
+    """One user message: a line, or a \"\"\"-delimited block. None at end of input."""
+    try:
+        line = read_line("you› ")
+    except EOFError:
+        return None
+    if line.strip() != '"""':
+        return line
+    lines = []
+    while True:
+        try:
+            more = read_line("... ")
+        except EOFError:
+            break
+        if more.strip() == '"""':
+            break
+        lines.append(more)
+    return "\n".join(lines)
+
+
+def run_chat(pair, profile, *, system: str | None, tree: bool, console, out=None, read_line=None) -> None:
+    out = out or sys.stdout
+    session = ChatSession(pair, profile, system=system, tree=tree)
+
+    def default_read(prompt: str) -> str:
+        console.file.write(prompt)
+        console.file.flush()
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
+        return line.rstrip("\n")
+
+    read_line = read_line or default_read
+    console.print(f"[dim]rsd chat · {pair.description} · {make_decoder(pair, profile).shape.describe()} · "
+                  f"/help for commands, Ctrl-D to leave[/dim]")
+    while True:
+        try:
+            message = read_message(read_line)
+        except KeyboardInterrupt:
+            console.print("")
+            continue
+        if message is None:
+            console.print("")
+            return
+        if not message.strip():
+            continue
+        try:
+            if message.startswith("/"):
+                if not session.command(message.strip(), console):
+                    return
+            else:
+                session.answer(message, out, console)
+        except RsdError as e:
+            console.print(f"error: {e}", style="red", markup=False, highlight=False)
