@@ -1,0 +1,211 @@
+"""The terminal experience: chat, inspect-tree, the live view, and robustness."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from rsd_cli.cli import app
+
+
+def invoke(*args, input=None, env=None):
+    return CliRunner().invoke(app, [str(a) for a in args], input=input, env=env)
+
+
+def test_chat_scripted_session(tiny_profile, tmp_path):
+    saved = tmp_path / "conv.json"
+    script = "\n".join([
+        "hello there",
+        "/set temperature 0",
+        "/set temperature -1",
+        "/set nonsense 3",
+        "/stats",
+        "/tree off",
+        "/system be brief",
+        f"/save {tmp_path / 'no-such-dir' / 'x.json'}",
+        '"""',
+        "first line",
+        "second line",
+        '"""',
+        f"/save {saved}",
+        "/bye",
+    ]) + "\n"
+    result = invoke("chat", "-p", tiny_profile, "-n", "5", input=script)
+    assert result.exit_code == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "temperature = 0.0" in result.stderr
+    assert "sampling.temperature must be at least 0" in result.stderr  # an error, and the session goes on
+    assert "usage: /set" in result.stderr
+    assert "block efficiency" in result.stderr  # /stats
+    assert "cannot save to" in result.stderr
+    conversation = json.loads(saved.read_text())
+    assert [m["role"] for m in conversation["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert conversation["messages"][2]["content"] == "first line\nsecond line"
+    assert conversation["system"] == "be brief"
+    assert conversation["messages"][1]["content"] in result.stdout
+
+
+def test_chat_ends_on_end_of_input(tiny_profile):
+    result = invoke("chat", "-p", tiny_profile, "-n", "3", input="hi\n")
+    assert result.exit_code == 0 and result.stdout.strip()
+
+
+def test_chat_clear_and_help(tiny_profile, tmp_path):
+    saved = tmp_path / "c.json"
+    result = invoke("chat", "-p", tiny_profile, "-n", "3", input=f"hi\n/clear\n/help\n/save {saved}\n/exit\n")
+    assert result.exit_code == 0
+    assert "/system TEXT" in result.stderr
+    assert json.loads(saved.read_text())["messages"] == []
+
+
+def _read_until(fd: int, marker: bytes, timeout: float = 60) -> bytes:
+    data = b""
+    deadline = time.time() + timeout
+    while marker not in data and time.time() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            data += chunk
+    return data
+
+
+def test_chat_in_a_real_pseudo_terminal(tiny_profile, tmp_path):
+    primary, secondary = pty.openpty()
+    env = dict(os.environ, RSD_CONFIG_DIR=str(tmp_path), COLUMNS="60")
+    proc = subprocess.Popen([sys.executable, "-m", "rsd_cli", "chat", "-p", str(tiny_profile), "-n", "4"],
+                            stdin=secondary, stdout=secondary, stderr=secondary, env=env, close_fds=True)
+    os.close(secondary)
+    try:
+        banner = _read_until(primary, "you› ".encode())
+        assert b"rsd chat" in banner
+        os.write(primary, b"hello\n")
+        assert "you› ".encode() in _read_until(primary, "you› ".encode())
+        os.write(primary, b"/bye\n")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        os.close(primary)
+
+
+def test_inspect_tree_text_json_and_svg(tiny_profile, tmp_path):
+    text = invoke("inspect-tree", "hello", "-p", tiny_profile, "-v", "rsd-c", "--branching", "3,2", "--step", "2",
+                  input="")
+    assert text.exit_code == 0, text.stderr
+    assert "step 2 · rsd-c b=(3,2)" in text.stdout
+    assert "●" in text.stdout and ("✓" in text.stdout or "✗" in text.stdout)
+    assert "token:" in text.stdout  # the correction or bonus token
+
+    as_json = invoke("inspect-tree", "hello", "-p", tiny_profile, "-v", "mss", "--branching", "3,2", "-f", "json",
+                     input="")
+    record = json.loads(as_json.stdout)
+    assert record["step"] == 1 and record["nodes"][0]["status"] == "root"
+    statuses = {n["status"] for n in record["nodes"][1:]}
+    assert statuses <= {"accepted", "rejected", "not reached"}
+    drafted = record["nodes"][1:]
+    assert all(0 <= n["q"] <= 1 and 0 <= n["p"] <= 1 and n["draw_order"] >= 1 for n in drafted)
+    bound = record["root_acceptance_optimal_transport_bound"]
+    assert bound is not None and record["root_acceptance_this_tree"] <= 1 and 0 < bound <= 1
+    for check in record["checks"]:
+        for rejection in check["rejections"]:
+            assert abs(sum(r["probability"] for r in rejection["residual_top"])) <= 1 + 1e-6
+
+    svg = tmp_path / "step.svg"
+    result = invoke("inspect-tree", "hello", "-p", tiny_profile, "-f", "svg", "-o", svg, input="")
+    assert result.exit_code == 0 and svg.read_text().lstrip().startswith("<svg")
+
+    late = invoke("inspect-tree", "hello", "-p", tiny_profile, "--step", "500", input="")
+    assert late.exit_code == 1 and "before step 500" in late.stderr
+
+
+def test_optimal_transport_bound_for_one_draft_is_one_minus_total_variation():
+    import torch
+
+    from rsd_cli.inspect import optimal_root_acceptance
+
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.2, 0.2, 0.3, 0.3])
+    assert optimal_root_acceptance(p, q, 1, iid=True) == pytest.approx(float(torch.minimum(p, q).sum()))
+    # more i.i.d. drafts can only help
+    assert optimal_root_acceptance(p, q, 3, iid=True) >= optimal_root_acceptance(p, q, 1, iid=True)
+
+
+def test_tree_view_is_readable_at_20_columns_and_without_colour(tiny_pair_dir):
+    import torch
+
+    from rsd_cli.drafting import make_shape
+    from rsd_cli.engine import Decoder
+    from rsd_cli.render import live_view, tree_view
+    from rsd_cli.sampling import SamplingParams
+    from rsd_cli.engine import Stats
+    from tiny import tiny_model
+
+    decoder = Decoder(tiny_model(40, 2, 0, 0.5), tiny_model(40, 1, 1, 0.5), 40, make_shape("rsd-s", beam_width=3, depth=2),
+                      SamplingParams(1.0), set())
+    event = next(decoder.generate([1, 5, 6], 10, seed=4))
+    out = io.StringIO()
+    console = Console(file=out, width=20, color_system=None)
+    console.print(tree_view(event))
+    console.print(live_view("some text", event, Stats()))
+    text = out.getvalue()
+    assert "\x1b[" not in text
+    assert all(len(line) <= 20 for line in text.splitlines())
+    markers = {"✓", "✗", "·"} & set(text)
+    assert "●" in text and markers
+
+
+def test_live_view_keeps_stdout_plain(tiny_profile):
+    result = invoke("generate", "hello", "-p", tiny_profile, "--live", "-n", "8", input="", env={"COLUMNS": "20"})
+    assert result.exit_code == 0, result.stderr
+    assert "●" not in result.stdout and "\x1b[" not in result.stdout
+    assert result.stdout.strip()
+
+
+def test_ctrl_c_during_model_load_and_during_generation(tiny_profile, monkeypatch):
+    from rsd_cli import engine, models
+
+    def interrupted_load(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(models, "load_pair", interrupted_load)
+        result = invoke("generate", "hi", "-p", tiny_profile, input="")
+    assert result.exit_code == 130 and "interrupted" in result.stderr and "Traceback" not in result.stderr
+
+    real_generate = engine.Decoder.generate
+
+    def interrupted_generate(self, *args, **kwargs):
+        for i, event in enumerate(real_generate(self, *args, **kwargs)):
+            if i == 2:
+                raise KeyboardInterrupt
+            yield event
+
+    monkeypatch.setattr(engine.Decoder, "generate", interrupted_generate)
+    result = invoke("generate", "hi", "-p", tiny_profile, "-n", "50", "-t", "0", input="")
+    assert result.exit_code == 130 and "interrupted" in result.stderr
+    assert result.stdout.strip()  # what was generated before Ctrl-C is kept
+
+
+def test_closed_pipe_ends_quietly(tiny_profile, tmp_path):
+    env = dict(os.environ, RSD_CONFIG_DIR=str(tmp_path))
+    cmd = (f"{sys.executable} -m rsd_cli generate hello -p {tiny_profile} -n 200 -t 0 2>{tmp_path / 'err'} "
+           f"| head -c 1; exit ${{PIPESTATUS[0]}}")
+    result = subprocess.run(["bash", "-c", cmd], env=env, capture_output=True, stdin=subprocess.DEVNULL)
+    assert len(result.stdout) == 1
+    assert result.returncode == 0
+    assert "Traceback" not in (tmp_path / "err").read_text()
+    assert "Exception ignored" not in (tmp_path / "err").read_text()
