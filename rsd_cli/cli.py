@@ -283,6 +283,79 @@ def inspect_tree(
                 console=_stderr_console())
 
 
+def _csv_list(text: str, kind, name: str) -> list:
+    try:
+        return [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"{name} takes a comma-separated list (got {text!r})") from None
+
+
+@app.command()
+@cli_errors
+def bench(
+    profile: ProfileOpt = None,
+    variants: Annotated[str, typer.Option("--variants", help="Comma-separated variants.")] = "ar,sd,mss,spectr,rsd-c,rsd-s",
+    budgets: Annotated[Optional[str], typer.Option("--budgets", help="Fixed target budgets, e.g. 6,10,14,21,30.",
+                                                   show_default=False)] = None,
+    depths: Annotated[Optional[str], typer.Option("--depths", help="Fixed draft lengths L, e.g. 2,4.",
+                                                  show_default=False)] = None,
+    temperatures: Annotated[str, typer.Option("--temperatures", help="Comma-separated temperatures.")] = "1.0",
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A prompt file, one per line "
+                                                    "(default: the built-in held-out set).", show_default=False)] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, help="Use the first N prompts.")] = 4,
+    repeats: Annotated[int, typer.Option("--repeats", min=1)] = 1,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1)] = 64,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    assisted: Annotated[bool, typer.Option("--assisted/--no-assisted", help="Also time transformers' assisted "
+                                           "generation with the same pair.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help='{"results": [...]} on stdout.', rich_help_panel=OUTPUT)] = False,
+    as_csv: Annotated[bool, typer.Option("--csv", help="CSV on stdout.", rich_help_panel=OUTPUT)] = False,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a plot (.svg, or .png with matplotlib).",
+                                                 rich_help_panel=OUTPUT, show_default=False)] = None,
+):
+    """Measure the variants side by side, interleaved, against ar in the same run."""
+    from .profiles import VARIANTS
+
+    names = _csv_list(variants, str, "--variants")
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        raise UsageError(f"unknown variant {unknown[0]!r} (known: {', '.join(VARIANTS)})")
+    budget_list = _csv_list(budgets, int, "--budgets") if budgets else []
+    depth_list = _csv_list(depths, int, "--depths") if depths else []
+    temps = _csv_list(temperatures, float, "--temperatures")
+    if any(b < 1 for b in budget_list) or any(d < 1 for d in depth_list) or any(t < 0 for t in temps):
+        raise RsdError("budgets and depths must be at least 1, temperatures at least 0")
+    if as_json and as_csv:
+        raise UsageError("--json and --csv are exclusive")
+    from .distill_command import _read_prompts
+    from .prompting import builtin_prompts
+
+    prompt_list = (_read_prompts(prompts) if prompts else builtin_prompts("eval"))[:limit]
+    prof = _load_profile(profile, {})
+    pair = Loader().load(prof)
+    from rich.progress import Progress
+
+    from .bench import results_table, run_bench, write_csv, write_plot
+
+    console = _stderr_console()
+    with Progress(console=console, disable=not console.is_terminal, transient=True) as bars:
+        task = bars.add_task("benchmarking", total=None)
+        rows = run_bench(pair, prof, variants=names, temperatures=temps, budgets=budget_list, depths=depth_list,
+                         prompts=prompt_list, repeats=repeats, max_tokens=max_tokens, seed=seed, assisted=assisted,
+                         progress=lambda done, total: bars.update(task, completed=done, total=total))
+    if plot:
+        write_plot(rows, plot)
+        console.print(f"wrote {plot}")
+    if as_json:
+        typer.echo(json.dumps({"results": rows}, indent=2))
+    elif as_csv:
+        write_csv(rows, sys.stdout)
+    else:
+        from rich.console import Console
+
+        Console(highlight=False).print(results_table(rows))
+
+
 @profiles_app.command("list")
 @cli_errors
 def profiles_list():

@@ -1,0 +1,268 @@
+"""`rsd bench`: the variants side by side on one prompt set, interleaved, against `ar` measured
+in the same run (and transformers' assisted generation as the peer a user would pick)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from .drafting import Shape, make_shape, shape_for_budget
+from .engine import Stats
+from .generation import complete
+from .prompting import encode_prompt
+
+
+@dataclass(frozen=True)
+class Setting:
+    temperature: float
+    budget: int | None  # fixed target budget regime
+    depth: int | None  # fixed draft length regime
+
+    def shape(self, variant: str, width: int) -> Shape:
+        if variant == "ar":
+            return make_shape("ar")
+        if self.budget is not None:
+            return shape_for_budget(variant, self.budget)
+        depth = self.depth
+        return make_shape(variant, draft_len=depth, branching=(width,) + (1,) * (depth - 1), beam_width=width,
+                          depth=depth, num_drafts=width)
+
+
+def settings_for(temperatures, budgets, depths) -> list[Setting]:
+    out = []
+    for t in temperatures:
+        out += [Setting(t, b, None) for b in budgets] + [Setting(t, None, d) for d in depths]
+    return out
+
+
+def _assisted(pair, ids: list[int], temperature: float, max_tokens: int, seed: int) -> tuple[int, float]:
+    """transformers' own assisted generation, same target, draft and sampling: (new tokens, seconds)."""
+    import torch
+
+    torch.manual_seed(seed)
+    inputs = torch.tensor([ids], device=pair.target.device)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = pair.target.generate(inputs, attention_mask=torch.ones_like(inputs), assistant_model=pair.draft,
+                                   max_new_tokens=max_tokens, eos_token_id=sorted(pair.eos_ids),
+                                   pad_token_id=sorted(pair.eos_ids)[0], **sampling)
+    seconds = time.perf_counter() - start
+    return out.shape[1] - inputs.shape[1], seconds
+
+
+def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], budgets: list[int],
+              depths: list[int], prompts: list[str], repeats: int, max_tokens: int, seed: int,
+              assisted: bool, progress=None) -> list[dict]:
+    from .engine import Decoder
+    from .sampling import SamplingParams
+
+    width = profile["decoding"]["beam_width"]
+    settings = settings_for(temperatures, budgets, depths) or [Setting(t, None, None) for t in temperatures]
+    # (variant, setting) -> Stats accumulated over prompts and repeats
+    jobs: list[tuple[str, Setting, Shape]] = []
+    for setting in settings:
+        for variant in variants:
+            if variant == "ar":
+                continue
+            if setting.budget is None and setting.depth is None:
+                from .runtime import apply_flags, shape_of
+
+                shape = shape_of(apply_flags(profile, {"variant": variant}))
+            else:
+                shape = setting.shape(variant, width)
+            jobs.append((variant, setting, shape))
+    baselines = {t: Setting(t, None, None) for t in temperatures} if "ar" in variants or assisted else {}
+    totals: dict[tuple, Stats] = {}
+    assisted_totals: dict[float, list[float]] = {t: [0, 0.0] for t in temperatures}
+    encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]
+    base = dict(top_k=profile["sampling"]["top_k"], top_p=profile["sampling"]["top_p"])
+    runs = repeats * len(encoded) * (len(jobs) + len(baselines) + (len(temperatures) if assisted else 0))
+    done = 0
+    for repeat in range(repeats):
+        for index, ids in enumerate(encoded):
+            run_seed = seed + 1000 * repeat + index
+            # interleaved: every variant sees this prompt before the next one starts
+            queue = [("ar", s, make_shape("ar")) for s in baselines.values()] + jobs
+            for variant, setting, shape in queue:
+                sampling = SamplingParams(setting.temperature, **base)
+                decoder = Decoder(pair.target, pair.draft, pair.vocab_size, shape, sampling, pair.eos_ids,
+                                  pair.context_length)
+                _, stats, _ = complete(decoder, ids, max_tokens, run_seed)
+                merge(totals.setdefault((variant, setting, shape), Stats()), stats)
+                done += 1
+                if progress:
+                    progress(done, runs)
+            if assisted:
+                for t in temperatures:
+                    n, seconds = _assisted(pair, ids, t, max_tokens, run_seed)
+                    assisted_totals[t][0] += n
+                    assisted_totals[t][1] += seconds
+                    done += 1
+                    if progress:
+                        progress(done, runs)
+
+    rows = []
+    ar_rate = {k[1].temperature: v.tokens_per_second for k, v in totals.items() if k[0] == "ar"}
+    for (variant, setting, shape), stats in totals.items():
+        d = stats.as_dict(pair.draft_params, pair.target_params)
+        rows.append({
+            "variant": variant, "budget": setting.budget, "depth": setting.depth, "shape": shape.describe(),
+            "max_nodes": shape.max_nodes, "temperature": setting.temperature,
+            "block_efficiency": d["block_efficiency"], "acceptance_rate": d["acceptance_rate"],
+            "acceptance_per_depth": d["acceptance_per_depth"], "mbsu": d["mbsu"],
+            "tokens_per_second": d["tokens_per_second"],
+            "speedup_vs_ar": d["tokens_per_second"] / ar_rate[setting.temperature] if ar_rate.get(setting.temperature) else None,
+            "target_tokens_per_step": d["target_tokens_per_step"], "draft_calls_per_step": d["draft_calls_per_step"],
+            "draft_seconds": d["draft_seconds"], "verify_seconds": d["verify_seconds"],
+            "forward_seconds": d["forward_seconds"], "overhead_seconds": d["overhead_seconds"],
+            "wall_seconds": d["wall_seconds"], "new_tokens": d["new_tokens"], "steps": d["steps"],
+        })
+    if assisted:
+        for t, (n, seconds) in assisted_totals.items():
+            rate = n / seconds if seconds else 0.0
+            rows.append({
+                "variant": "hf-assisted", "budget": None, "depth": None, "shape": "transformers assisted generation",
+                "max_nodes": None, "temperature": t, "block_efficiency": None, "acceptance_rate": None,
+                "acceptance_per_depth": None, "mbsu": None, "tokens_per_second": rate,
+                "speedup_vs_ar": rate / ar_rate[t] if ar_rate.get(t) else None, "target_tokens_per_step": None,
+                "draft_calls_per_step": None, "draft_seconds": None, "verify_seconds": None,
+                "forward_seconds": None, "overhead_seconds": None, "wall_seconds": seconds, "new_tokens": n,
+                "steps": None,
+            })
+    return rows
+
+
+def merge(total: Stats, part: Stats) -> None:
+    """Add one run's statistics into a running total (wall time included)."""
+    for name in ("steps", "new_tokens", "step_tokens", "accepted", "levels_tried", "target_tokens", "draft_calls",
+                 "draft_seconds", "verify_seconds", "forward_seconds", "wall_seconds"):
+        setattr(total, name, getattr(total, name) + getattr(part, name))
+    for depth, (tried, accepted) in enumerate(zip(part.tried_at_depth, part.accepted_at_depth)):
+        if depth >= len(total.tried_at_depth):
+            total.tried_at_depth.append(0)
+            total.accepted_at_depth.append(0)
+        total.tried_at_depth[depth] += tried
+        total.accepted_at_depth[depth] += accepted
+
+
+COLUMNS = ["variant", "budget", "depth", "shape", "temperature", "block_efficiency", "acceptance_rate", "mbsu",
+           "tokens_per_second", "speedup_vs_ar", "target_tokens_per_step", "draft_seconds", "verify_seconds",
+           "overhead_seconds", "new_tokens"]
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def results_table(rows: list[dict]):
+    from rich.table import Table
+
+    table = Table(title="rsd bench", title_justify="left")
+    names = {"block_efficiency": "BE", "acceptance_rate": "accept", "tokens_per_second": "tok/s",
+             "speedup_vs_ar": "× ar", "target_tokens_per_step": "nodes", "draft_seconds": "draft s",
+             "verify_seconds": "verify s", "overhead_seconds": "overhead s", "new_tokens": "tokens",
+             "temperature": "T"}
+    for col in COLUMNS:
+        table.add_column(names.get(col, col), justify="left" if col in ("variant", "shape") else "right")
+    for row in rows:
+        table.add_row(*[_fmt(row[c]) for c in COLUMNS])
+    return table
+
+
+def write_csv(rows: list[dict], out) -> None:
+    import csv
+
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else COLUMNS)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: (" ".join(f"{x:.4f}" for x in v) if isinstance(v, list) else v) for k, v in row.items()})
+
+
+def plot_svg(rows: list[dict], title: str = "rsd bench") -> str:
+    """Block efficiency and speed-up over ar against the target budget (or depth), one line per variant."""
+    xs_key = "budget" if any(r["budget"] for r in rows) else "depth"
+    series: dict[str, list[tuple[float, float, float]]] = {}
+    for r in rows:
+        if r[xs_key] is None or r["block_efficiency"] is None:
+            continue
+        series.setdefault(f"{r['variant']} T={r['temperature']:g}", []).append(
+            (r[xs_key], r["block_efficiency"], r["speedup_vs_ar"] or 0.0))
+    colours = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
+    width, height, pad = 420, 300, 50
+    xs = sorted({x for pts in series.values() for x, _, _ in pts}) or [0, 1]
+    x_lo, x_hi = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * width}" height="{height + 60}" '
+             f'font-family="sans-serif" font-size="12">', f'<text x="10" y="18" font-size="14">{title}</text>']
+    for panel, (metric, label) in enumerate(((1, "block efficiency"), (2, "speed-up over ar"))):
+        values = [pt[metric] for pts in series.values() for pt in pts] or [0, 1]
+        y_lo, y_hi = min(0.0, min(values)), max(values) * 1.1 or 1.0
+        ox = panel * width
+
+        def sx(x):
+            return ox + pad + (x - x_lo) / (x_hi - x_lo) * (width - 2 * pad)
+
+        def sy(y):
+            return 30 + height - pad - (y - y_lo) / (y_hi - y_lo) * (height - 2 * pad)
+
+        parts.append(f'<text x="{ox + pad}" y="40">{label}</text>')
+        parts.append(f'<line x1="{ox + pad}" y1="{sy(y_lo)}" x2="{ox + width - pad}" y2="{sy(y_lo)}" stroke="black"/>')
+        parts.append(f'<line x1="{ox + pad}" y1="{sy(y_lo)}" x2="{ox + pad}" y2="{sy(y_hi)}" stroke="black"/>')
+        for x in xs:
+            parts.append(f'<text x="{sx(x)}" y="{sy(y_lo) + 15}" text-anchor="middle">{x:g}</text>')
+        for frac in (0, 0.5, 1):
+            y = y_lo + frac * (y_hi - y_lo)
+            parts.append(f'<text x="{ox + pad - 5}" y="{sy(y) + 4}" text-anchor="end">{y:.1f}</text>')
+        parts.append(f'<text x="{ox + width / 2}" y="{sy(y_lo) + 30}" text-anchor="middle">{xs_key}</text>')
+        for i, (name, pts) in enumerate(sorted(series.items())):
+            pts = sorted(pts)
+            colour = colours[i % len(colours)]
+            path = " ".join(f"{sx(pt[0]):.1f},{sy(pt[metric]):.1f}" for pt in pts)
+            parts.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')
+            if panel == 1:
+                parts.append(f'<text x="{ox + width - pad + 5}" y="{60 + 15 * i}" fill="{colour}">{name}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def write_plot(rows: list[dict], path) -> None:
+    """SVG always works; PNG needs matplotlib (not a dependency of rsd)."""
+    from pathlib import Path
+
+    from .errors import RsdError
+
+    path = Path(path)
+    if path.suffix.lower() == ".svg":
+        path.write_text(plot_svg(rows), encoding="utf-8")
+        return
+    if path.suffix.lower() != ".png":
+        raise RsdError(f"--plot must end in .svg or .png (got {path.name})")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RsdError("a PNG plot needs matplotlib (pip install matplotlib); .svg works without it") from None
+    key = "budget" if any(r["budget"] for r in rows) else "depth"
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    series: dict[str, list] = {}
+    for r in rows:
+        if r[key] is not None and r["block_efficiency"] is not None:
+            series.setdefault(f"{r['variant']} T={r['temperature']:g}", []).append(
+                (r[key], r["block_efficiency"], r["speedup_vs_ar"] or 0.0))
+    for name, pts in sorted(series.items()):
+        pts.sort()
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=name)
+    for ax, label in zip(axes, ("block efficiency", "speed-up over ar")):
+        ax.set_xlabel(key)
+        ax.set_title(label)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)

@@ -1,0 +1,47 @@
+import json
+
+from typer.testing import CliRunner
+
+from rsd_cli.cli import app
+
+FIELDS = {"variant", "budget", "shape", "temperature", "block_efficiency", "mbsu", "tokens_per_second",
+          "speedup_vs_ar", "draft_seconds", "verify_seconds", "overhead_seconds", "acceptance_per_depth"}
+
+
+def test_bench_runs_end_to_end_with_every_field_and_a_plot(tiny_profile, tmp_path):
+    plot = tmp_path / "bench.svg"
+    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--budgets", "3,6", "--limit", "1",
+                                      "-n", "6", "--json", "--plot", str(plot), "--temperatures", "1,0"])
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)["results"]
+    variants = {r["variant"] for r in rows}
+    assert variants == {"ar", "sd", "mss", "spectr", "rsd-c", "rsd-s", "hf-assisted"}
+    for row in rows:
+        assert FIELDS <= set(row), row
+    tree_rows = [r for r in rows if r["variant"] not in ("ar", "hf-assisted")]
+    assert len(tree_rows) == 5 * 2 * 2  # variants x budgets x temperatures
+    assert all(r["target_tokens_per_step"] <= r["budget"] for r in tree_rows)
+    assert all(r["speedup_vs_ar"] > 0 for r in rows)
+    ar = [r for r in rows if r["variant"] == "ar"]
+    assert all(r["speedup_vs_ar"] == 1.0 and r["block_efficiency"] == 1.0 for r in ar)
+    svg = plot.read_text()
+    assert svg.startswith("<svg") and "block efficiency" in svg and "polyline" in svg
+
+
+def test_bench_csv_and_table(tiny_profile):
+    runner = CliRunner()
+    csv_out = runner.invoke(app, ["bench", "-p", str(tiny_profile), "--variants", "ar,rsd-s", "--depths", "2",
+                                  "--limit", "1", "-n", "4", "--csv", "--no-assisted"])
+    assert csv_out.exit_code == 0, csv_out.stderr
+    lines = csv_out.stdout.strip().splitlines()
+    assert lines[0].startswith("variant,budget,depth,shape") and len(lines) == 3
+    table = runner.invoke(app, ["bench", "-p", str(tiny_profile), "--variants", "ar,sd", "--limit", "1", "-n", "4",
+                                "--no-assisted"])
+    assert table.exit_code == 0 and "rsd bench" in table.stdout
+
+
+def test_bench_rejects_bad_lists(tiny_profile):
+    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--variants", "ar,warp"])
+    assert result.exit_code == 2 and "unknown variant 'warp'" in result.stderr
+    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--budgets", "0"])
+    assert result.exit_code == 1 and "at least 1" in result.stderr
