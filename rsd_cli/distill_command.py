@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
 
 from .distill import Recipe, sample_answers, teacher_labels, train
 from .errors import RsdError
-from .models import load_model, pick_device_dtype, save_adapter
+from .models import cache_dir, fingerprint, load_model, pick_device_dtype, save_adapter
 from .prompting import builtin_prompts
 
 
@@ -21,6 +22,15 @@ def _read_prompts(path: Path | None) -> list[str]:
     if not prompts:
         raise RsdError(f"{path} holds no prompts")
     return prompts
+
+
+def _data_cache(target, prompts: list[str], recipe: Recipe) -> Path:
+    """Where the sampled training data of this target, prompt set and data recipe is kept."""
+    import hashlib
+
+    key = json.dumps([fingerprint(target), prompts, recipe.tokens, recipe.eval_tokens, recipe.max_new_tokens,
+                      recipe.batch_size, recipe.teacher_top_k, recipe.seed])
+    return cache_dir() / "distill" / f"data-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 
 
 def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: int, epochs: int, lr: float,
@@ -56,12 +66,19 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
                     console.print(f"{phase}…")
             bars.update(tasks[phase], completed=done, total=total)
 
-        train_data = sample_answers(target, tokenizer, prompts, tokens, recipe, "sampling answers", progress)
-        eval_data = sample_answers(target, tokenizer, builtin_prompts("eval"), eval_tokens, recipe,
-                                   "held-out answers", progress)
-        progress("teacher labels", 0, len(train_data))
-        teacher_labels(target, train_data, recipe.teacher_top_k)
-        progress("teacher labels", len(train_data), len(train_data))
+        cached = _data_cache(target, prompts, recipe)
+        if cached.is_file():  # sampling is the slow part: a rerun with another lr or epochs reuses it
+            console.print(f"reusing sampled data from {cached}")
+            train_data, eval_data = torch.load(cached, weights_only=False)
+        else:
+            train_data = sample_answers(target, tokenizer, prompts, tokens, recipe, "sampling answers", progress)
+            eval_data = sample_answers(target, tokenizer, builtin_prompts("eval"), eval_tokens, recipe,
+                                       "held-out answers", progress)
+            progress("teacher labels", 0, len(train_data))
+            teacher_labels(target, train_data, recipe.teacher_top_k)
+            progress("teacher labels", len(train_data), len(train_data))
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            torch.save((train_data, eval_data), cached)
         result = train(target, train_data, recipe, progress, eval_data)
 
     recipe_record = asdict(recipe) | {"prompts": str(prompts_file) if prompts_file else "built-in train set",
