@@ -242,13 +242,13 @@ class Decoder:
             if self.context_length:
                 room = min(room, self.context_length - len(seq))
             emitted = [event.tree.tokens[n] for n in event.path] + [event.extra_token]
+            if len(emitted) >= room:
+                event.finished = "length" if room == max_tokens - produced else "context"
+                emitted = emitted[:room]
             for i, token in enumerate(emitted):
                 if token in self.eos_ids:
                     emitted, event.finished = emitted[: i + 1], "eos"
                     break
-            if len(emitted) >= room and event.finished is None:
-                event.finished = "length" if room == max_tokens - produced else "context"
-                emitted = emitted[:room]
             event.emitted = emitted
             seq.extend(emitted)
             produced += len(emitted)
