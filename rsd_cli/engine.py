@@ -55,9 +55,12 @@ class CachedLM:
                 use_cache=True,
                 logits_to_keep=1 if last_only else 0,
             )
+        logits = out.logits[0, :, : self.vocab_size].float().cpu()
+        if logits.shape[-1] < self.vocab_size:  # a reduced draft head: the other tokens get q = 0
+            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=-torch.inf)
         self.forward_seconds += time.perf_counter() - start
         self.calls += 1
-        return out.logits[0, :, : self.vocab_size].float().cpu()
+        return logits
 
     def extend(self, tokens: list[int], last_only: bool = True) -> torch.Tensor:
         """Append a chain of tokens after the cache (causal attention)."""

@@ -203,9 +203,13 @@ def new_adapter_layer(target, index: int):
     return layer
 
 
-def early_exit_draft(target, layers: int, adapter=None):
+def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
     """The target's first `layers` layers (+ an optional adapter layer), its final norm and head,
-    as an ordinary causal LM of the target's class that shares the target's tensors."""
+    as an ordinary causal LM of the target's class that shares the target's tensors.
+
+    With vocab = N > 0 the head keeps only its first N rows (a view, still shared): the draft
+    then proposes only those tokens, q is zero elsewhere, and recursive rejection stays exact.
+    In BPE vocabularies low ids are the early, frequent merges."""
     import torch
 
     inner = _decoder_parts(target)
@@ -228,6 +232,10 @@ def early_exit_draft(target, layers: int, adapter=None):
     if hasattr(inner, "rotary_emb"):
         draft.model.rotary_emb = inner.rotary_emb
     draft.lm_head = target.lm_head
+    if 0 < vocab < target.lm_head.weight.shape[0]:
+        with torch.device("meta"):
+            draft.lm_head = torch.nn.Linear(config.hidden_size, vocab, bias=False)
+        draft.lm_head.weight = torch.nn.Parameter(target.lm_head.weight[:vocab], requires_grad=False)
     draft.generation_config = target.generation_config
     return draft.eval()
 
@@ -312,15 +320,18 @@ def load_pair(profile, progress: Progress = _quiet) -> ModelPair:
         if adapter_name:
             path = embedded_adapter() if adapter_name == "embedded" else Path(profile.resolve_path(adapter_name))
             adapter = load_adapter(path, target, draft_cfg["layers"])
-        draft = early_exit_draft(target, draft_cfg["layers"], adapter)
+        draft = early_exit_draft(target, draft_cfg["layers"], adapter, draft_cfg["vocab"])
         what = f"early-exit {draft_cfg['layers']} layers" + (" + adapter" if adapter is not None else "")
+        what += f", {draft_cfg['vocab']}-token head" if draft_cfg["vocab"] else ""
     else:
         if not draft_cfg["source"]:
             raise RsdError(f"{profile.path}: draft.kind = \"model\" needs draft.source")
         draft, draft_tok = load_model(profile.resolve_path(draft_cfg["source"]), device, dtype, progress)
         check_same_tokenizer(tokenizer, draft_tok)
         what = draft_cfg["source"]
-    vocab = min(target.config.vocab_size, draft.config.vocab_size)  # embedding rows may be padded
+    vocab = target.config.vocab_size
+    if draft_cfg["kind"] == "model":
+        vocab = min(vocab, draft.config.vocab_size)  # embedding rows may be padded
     return ModelPair(
         target=target, draft=draft, tokenizer=tokenizer, vocab_size=vocab,
         eos_ids=_eos_ids(tokenizer, target),

@@ -63,6 +63,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "source": Key(str, "", None, "the draft model (kind = model): directory, .gguf or hub id"),
         "layers": Key(int, 3, _positive, "early-exit: how many of the target's first layers"),
         "adapter": Key(str, "embedded", None, 'early-exit: "embedded", a safetensors file, or "" for none'),
+        "vocab": Key(int, 0, _non_negative, "early-exit: draft only among the first N token ids (0 = all)"),
     },
     "decoding": {
         "variant": Key(str, "sd", _one_of(*VARIANTS)),

@@ -102,3 +102,23 @@ def test_embedded_model_is_found_without_importing_its_package():
     path = models.embedded_gguf()
     assert path.name == models.EMBEDDED_FILE and path.is_file()
     assert models.EMBEDDED_PACKAGE not in sys.modules
+
+
+def test_reduced_vocabulary_draft_head_is_a_shared_view_and_decoding_stays_exact():
+    from rsd_cli.drafting import make_shape
+    from rsd_cli.engine import Decoder
+    from rsd_cli.sampling import SamplingParams
+
+    target = tiny_model(40, layers=3, seed=0, scale=0.3)
+    draft = models.early_exit_draft(target, 1, vocab=20)
+    assert draft.lm_head.weight.data_ptr() == target.lm_head.weight.data_ptr()
+    assert draft(torch.tensor([[1, 2]])).logits.shape[-1] == 20
+    assert models.params_read(draft) < models.params_read(models.early_exit_draft(target, 1))
+
+    def run(shape):
+        decoder = Decoder(target, draft, 40, shape, SamplingParams(0.0), set())
+        return [t for e in decoder.generate([1, 5, 6], 20, seed=0) for t in e.emitted]
+
+    reference = run(make_shape("ar"))
+    assert run(make_shape("rsd-s", beam_width=2, depth=3)) == reference
+    assert run(make_shape("sd", draft_len=3)) == reference
