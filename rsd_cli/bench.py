@@ -266,3 +266,16 @@ def write_plot(rows: list[dict], path) -> None:
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def memory_summary(pair) -> dict:
+    """Peak resident memory of this process against the bytes of the weights it holds."""
+    import resource
+
+    tensors = {}
+    for model in (pair.target, pair.draft):
+        for p in model.parameters():
+            tensors[p.data_ptr()] = p.numel() * p.element_size()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+    weights = sum(tensors.values()) / 2**20
+    return {"peak_rss_mb": peak, "weights_mb": weights, "peak_over_weights": peak / weights if weights else None}

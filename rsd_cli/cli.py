@@ -346,14 +346,19 @@ def bench(
     if plot:
         write_plot(rows, plot)
         console.print(f"wrote {plot}")
+    from .bench import memory_summary
+
+    memory = memory_summary(pair)
     if as_json:
-        typer.echo(json.dumps({"results": rows}, indent=2))
+        typer.echo(json.dumps({"results": rows, "memory": memory}, indent=2))
     elif as_csv:
         write_csv(rows, sys.stdout)
     else:
         from rich.console import Console
 
         Console(highlight=False).print(results_table(rows))
+        console.print(f"peak memory {memory['peak_rss_mb']:.0f} MB resident; weights {memory['weights_mb']:.0f} MB "
+                      f"(target + draft, shared tensors counted once)")
 
 
 @profiles_app.command("list")

@@ -13,7 +13,9 @@ def test_bench_runs_end_to_end_with_every_field_and_a_plot(tiny_profile, tmp_pat
     result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--budgets", "3,6", "--limit", "1",
                                       "-n", "6", "--json", "--plot", str(plot), "--temperatures", "1,0"])
     assert result.exit_code == 0, result.stderr
-    rows = json.loads(result.stdout)["results"]
+    report = json.loads(result.stdout)
+    rows = report["results"]
+    assert report["memory"]["peak_rss_mb"] > report["memory"]["weights_mb"] > 0
     variants = {r["variant"] for r in rows}
     assert variants == {"ar", "sd", "mss", "spectr", "rsd-c", "rsd-s", "hf-assisted"}
     for row in rows:
