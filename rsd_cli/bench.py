@@ -52,56 +52,61 @@ def _assisted(pair, ids: list[int], temperature: float, max_tokens: int, seed: i
     return out.shape[1] - inputs.shape[1], seconds
 
 
+def plan_jobs(profile, variants: list[str], temperatures: list[float], budgets: list[int],
+              depths: list[int]) -> list[tuple[str, Setting, Shape]]:
+    """(variant, setting, shape) for every run on a prompt; `ar` is always there: it is the baseline."""
+    from .runtime import apply_flags, shape_of
+
+    width = profile["decoding"]["beam_width"]
+    jobs = [("ar", Setting(t, None, None), make_shape("ar")) for t in temperatures]
+    for setting in settings_for(temperatures, budgets, depths) or [Setting(t, None, None) for t in temperatures]:
+        for variant in variants:
+            if variant == "ar":
+                continue
+            if setting.budget is None and setting.depth is None:  # the profile's own shape
+                shape = shape_of(apply_flags(profile, {"variant": variant}))
+            else:
+                shape = setting.shape(variant, width)
+            jobs.append((variant, setting, shape))
+    return jobs
+
+
 def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], budgets: list[int],
               depths: list[int], prompts: list[str], repeats: int, max_tokens: int, seed: int,
               assisted: bool, progress=None) -> list[dict]:
     from .engine import Decoder
     from .sampling import SamplingParams
 
-    width = profile["decoding"]["beam_width"]
-    settings = settings_for(temperatures, budgets, depths) or [Setting(t, None, None) for t in temperatures]
-    # (variant, setting) -> Stats accumulated over prompts and repeats
-    jobs: list[tuple[str, Setting, Shape]] = []
-    for setting in settings:
-        for variant in variants:
-            if variant == "ar":
-                continue
-            if setting.budget is None and setting.depth is None:
-                from .runtime import apply_flags, shape_of
-
-                shape = shape_of(apply_flags(profile, {"variant": variant}))
-            else:
-                shape = setting.shape(variant, width)
-            jobs.append((variant, setting, shape))
-    baselines = {t: Setting(t, None, None) for t in temperatures} if "ar" in variants or assisted else {}
-    totals: dict[tuple, Stats] = {}
+    jobs = plan_jobs(profile, variants, temperatures, budgets, depths)
+    totals: dict[tuple, Stats] = {}  # (variant, setting, shape) -> totals over prompts and repeats
     assisted_totals: dict[float, list[float]] = {t: [0, 0.0] for t in temperatures}
     encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]
-    base = dict(top_k=profile["sampling"]["top_k"], top_p=profile["sampling"]["top_p"])
-    runs = repeats * len(encoded) * (len(jobs) + len(baselines) + (len(temperatures) if assisted else 0))
+    top = dict(top_k=profile["sampling"]["top_k"], top_p=profile["sampling"]["top_p"])
+    runs = repeats * len(encoded) * (len(jobs) + (len(temperatures) if assisted else 0))
     done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, runs)
+
     for repeat in range(repeats):
         for index, ids in enumerate(encoded):
             run_seed = seed + 1000 * repeat + index
-            # interleaved: every variant sees this prompt before the next one starts
-            queue = [("ar", s, make_shape("ar")) for s in baselines.values()] + jobs
-            for variant, setting, shape in queue:
-                sampling = SamplingParams(setting.temperature, **base)
-                decoder = Decoder(pair.target, pair.draft, pair.vocab_size, shape, sampling, pair.eos_ids,
-                                  pair.context_length)
+            # interleaved: every variant runs this prompt before the next prompt starts
+            for variant, setting, shape in jobs:
+                decoder = Decoder(pair.target, pair.draft, pair.vocab_size, shape,
+                                  SamplingParams(setting.temperature, **top), pair.eos_ids, pair.context_length)
                 _, stats, _ = complete(decoder, ids, max_tokens, run_seed)
                 merge(totals.setdefault((variant, setting, shape), Stats()), stats)
-                done += 1
-                if progress:
-                    progress(done, runs)
+                tick()
             if assisted:
                 for t in temperatures:
                     n, seconds = _assisted(pair, ids, t, max_tokens, run_seed)
                     assisted_totals[t][0] += n
                     assisted_totals[t][1] += seconds
-                    done += 1
-                    if progress:
-                        progress(done, runs)
+                    tick()
 
     rows = []
     ar_rate = {k[1].temperature: v.tokens_per_second for k, v in totals.items() if k[0] == "ar"}
