@@ -82,7 +82,8 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
         result = train(target, train_data, recipe, progress, eval_data)
 
     recipe_record = asdict(recipe) | {"prompts": str(prompts_file) if prompts_file else "built-in train set",
-                                      "train_tokens": result.train_tokens, "eval_tokens": result.eval_tokens,
+                                      "sampled_train_tokens": result.train_tokens,
+                                      "sampled_eval_tokens": result.eval_tokens,
                                       "losses": result.losses, "acceptance_before": result.acceptance_before,
                                       "acceptance_after": result.acceptance_after}
     save_adapter(result.layer, out, target, layers, recipe_record)
