@@ -356,7 +356,10 @@ def bench(
     else:
         from rich.console import Console
 
-        Console(highlight=False).print(results_table(rows))
+        out = Console(highlight=False)
+        if not out.is_terminal:
+            out.width = 200  # a file or a pipe: do not squeeze the table into 80 columns
+        out.print(results_table(rows))
         console.print(f"peak memory {memory['peak_rss_mb']:.0f} MB resident; weights {memory['weights_mb']:.0f} MB "
                       f"(target + draft, shared tensors counted once)")
 

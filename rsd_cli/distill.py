@@ -100,6 +100,7 @@ def expected_acceptance(target, draft, sequences: list[Sequence]) -> float:
         with torch.inference_mode():
             p = target(ids).logits[0, seq.answer_start - 1 : -1].float().softmax(-1)
             q = draft(ids).logits[0, seq.answer_start - 1 : -1].float().softmax(-1)
+            q = torch.nn.functional.pad(q, (0, p.shape[-1] - q.shape[-1]))  # a reduced draft head
         total += float(torch.minimum(p, q).sum(-1).sum())
         count += p.shape[0]
     return total / max(count, 1)
