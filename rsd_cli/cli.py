@@ -142,6 +142,15 @@ def read_prompt(prompt: str | None, stdin=None) -> str:
     return text
 
 
+def _profile_and_pair(profile: str | None, arguments: dict):
+    """The profile with the command's flags applied (checked before any model loads), and the pair."""
+    from .runtime import FLAG_KEYS, shape_of
+
+    prof = _load_profile(profile, {name: arguments.get(name) for name in FLAG_KEYS})
+    shape_of(prof)
+    return prof, Loader().load(prof)
+
+
 class Loader:
     """Shows model loading on stderr (a spinner on a terminal, nothing otherwise)."""
 
@@ -191,15 +200,8 @@ def generate(
                                                  show_default=False)] = None,
 ):
     """Generate text for PROMPT: the answer streams to stdout, statistics go to stderr."""
-    flags = dict(variant=variant, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                 seed=seed, draft_len=draft_len, branching=branching, beam_width=beam_width, depth=depth,
-                 num_drafts=num_drafts, budget=budget)
     text = read_prompt(prompt)
-    prof = _load_profile(profile, flags)
-    from .runtime import shape_of
-
-    shape_of(prof)  # parameter errors before the models load
-    pair = Loader().load(prof)
+    prof, pair = _profile_and_pair(profile, locals())
     from .generation import run_generate
 
     console = _stderr_console()
@@ -229,14 +231,7 @@ def chat(
                                        rich_help_panel=OUTPUT)] = False,
 ):
     """An interactive session (history, chat template, slash commands; /help lists them)."""
-    flags = dict(variant=variant, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                 seed=seed, draft_len=draft_len, branching=branching, beam_width=beam_width, depth=depth,
-                 num_drafts=num_drafts, budget=budget)
-    prof = _load_profile(profile, flags)
-    from .runtime import shape_of
-
-    shape_of(prof)
-    pair = Loader().load(prof)
+    prof, pair = _profile_and_pair(profile, locals())
     from .chat import run_chat
 
     run_chat(pair, prof, system=system, tree=tree, console=_stderr_console())
@@ -268,15 +263,8 @@ def inspect_tree(
     """Decode up to step N and show that step in full: every node with q, p, order and fate."""
     if fmt not in ("text", "json", "svg"):
         raise UsageError(f"--format must be text, json or svg (got {fmt!r})")
-    flags = dict(variant=variant, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                 draft_len=draft_len, branching=branching, beam_width=beam_width, depth=depth,
-                 num_drafts=num_drafts, budget=budget)
     text = read_prompt(prompt)
-    prof = _load_profile(profile, flags)
-    from .runtime import shape_of
-
-    shape_of(prof)
-    pair = Loader().load(prof)
+    prof, pair = _profile_and_pair(profile, locals())
     from .inspect import run_inspect
 
     run_inspect(pair, prof, text, step=step, fmt=fmt, output=output, system=system, raw=raw,
