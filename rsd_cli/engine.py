@@ -117,10 +117,6 @@ class StepEvent:
         """Depths at which a draft was tried (an accepted level, or the final rejection)."""
         return len(self.checks)
 
-    @property
-    def seconds(self) -> float:
-        return self.draft_seconds + self.verify_seconds
-
     def status(self, node: int) -> str:
         """'root' | 'accepted' | 'rejected' | 'not reached'."""
         if node == 0:

@@ -30,10 +30,6 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    @property
-    def depth(self) -> int:
-        return max(self.depths)
-
     def child(self, node: int, token: int) -> int | None:
         for c in self.draws[node]:
             if self.tokens[c] == token:
