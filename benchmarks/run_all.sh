@@ -12,3 +12,8 @@ $RSD bench --budgets 6,10,14,21,30 --variants ar,sd,mss,spectr,rsd-c,rsd-s --lim
 # 2. fixed draft length: speed against ar and transformers' assisted generation, T=1
 $RSD bench --depths 1,2 --variants ar,sd,mss,rsd-c,rsd-s --limit 2 -n 40 --assisted \
     --json --plot "$OUT/depths.svg" > "$OUT/depths.json"
+# 3. without vs with replacement at the same shape, more prompts (lower variance than 1.)
+$RSD bench --budgets 14,30 --variants ar,mss,rsd-c --limit 8 -n 32 --no-assisted --json \
+    > "$OUT/budgets-wor-vs-wr.json"
+# 4. sd with γ = 4 against ar (issue #4's benchmark)
+$RSD bench --depths 4 --variants ar,sd --limit 2 -n 40 --no-assisted --json > "$OUT/sd-gamma4.json"

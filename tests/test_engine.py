@@ -189,3 +189,18 @@ def test_budget_shapes_fit_the_budget():
             assert shape_for_budget(variant, budget).max_nodes <= budget
     with pytest.raises(ValueError):
         shape_for_budget("rsd-c", 0)
+
+
+@pytest.mark.parametrize("shape", shapes()[1:], ids=lambda s: s.describe())
+def test_draft_distributions_equal_fresh_draft_forwards_in_every_step(pair, shape):
+    """Verification is exact for any q, so a wrong draft mask or a badly pruned draft cache would
+    only cost acceptance, silently: check every node's q against a fresh forward of its path."""
+    target, draft = pair
+    decoder = Decoder(target, draft, V, shape, SamplingParams(1.0), set())
+    seq = list(PROMPT)
+    for event in decoder.generate(PROMPT, 20, seed=5):
+        for node, q in event.tree.q.items():
+            path = [event.tree.tokens[n] for n in event.tree.path_to(node)]
+            fresh = logits_to_probs(full_logits(draft, seq[:-1] + path)[-1], SamplingParams(1.0))
+            assert torch.allclose(q, fresh, atol=1e-5), (event.step, node)
+        seq.extend(event.emitted)
