@@ -99,7 +99,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
                 decoder = Decoder(pair.target, pair.draft, pair.vocab_size, shape,
                                   SamplingParams(setting.temperature, **top), pair.eos_ids, pair.context_length)
                 _, stats, _ = complete(decoder, ids, max_tokens, run_seed)
-                merge(totals.setdefault((variant, setting, shape), Stats()), stats)
+                totals.setdefault((variant, setting, shape), Stats()).merge(stats)
                 tick()
             if assisted:
                 for t in temperatures:
@@ -137,19 +137,6 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
                 "steps": None,
             })
     return rows
-
-
-def merge(total: Stats, part: Stats) -> None:
-    """Add one run's statistics into a running total (wall time included)."""
-    for name in ("steps", "new_tokens", "step_tokens", "accepted", "levels_tried", "target_tokens", "draft_calls",
-                 "draft_seconds", "verify_seconds", "forward_seconds", "wall_seconds"):
-        setattr(total, name, getattr(total, name) + getattr(part, name))
-    for depth, (tried, accepted) in enumerate(zip(part.tried_at_depth, part.accepted_at_depth)):
-        if depth >= len(total.tried_at_depth):
-            total.tried_at_depth.append(0)
-            total.accepted_at_depth.append(0)
-        total.tried_at_depth[depth] += tried
-        total.accepted_at_depth[depth] += accepted
 
 
 COLUMNS = ["variant", "budget", "depth", "shape", "temperature", "block_efficiency", "acceptance_rate", "mbsu",

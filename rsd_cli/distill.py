@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from .engine import full_vocabulary
 from .models import early_exit_draft, new_adapter_layer
 from .prompting import encode_prompt
 
@@ -99,8 +100,7 @@ def expected_acceptance(target, draft, sequences: list[Sequence]) -> float:
         ids = torch.tensor([seq.ids], device=target.device)
         with torch.inference_mode():
             p = target(ids).logits[0, seq.answer_start - 1 : -1].float().softmax(-1)
-            q = draft(ids).logits[0, seq.answer_start - 1 : -1].float().softmax(-1)
-            q = torch.nn.functional.pad(q, (0, p.shape[-1] - q.shape[-1]))  # a reduced draft head
+            q = full_vocabulary(draft(ids).logits[0, seq.answer_start - 1 : -1].float(), p.shape[-1]).softmax(-1)
         total += float(torch.minimum(p, q).sum(-1).sum())
         count += p.shape[0]
     return total / max(count, 1)

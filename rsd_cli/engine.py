@@ -19,6 +19,13 @@ from .tree import DraftTree
 from .verification import Decision, Plan, decide, plan
 
 
+def full_vocabulary(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(..., N) logits of a reduced draft head -> (..., vocab_size): the other tokens get -inf (q = 0)."""
+    if logits.shape[-1] >= vocab_size:
+        return logits
+    return torch.nn.functional.pad(logits, (0, vocab_size - logits.shape[-1]), value=-torch.inf)
+
+
 class CachedLM:
     """A causal LM and its KV cache, fed chains or tree nodes with an explicit mask."""
 
@@ -55,9 +62,7 @@ class CachedLM:
                 use_cache=True,
                 logits_to_keep=1 if last_only else 0,
             )
-        logits = out.logits[0, :, : self.vocab_size].float().cpu()
-        if logits.shape[-1] < self.vocab_size:  # a reduced draft head: the other tokens get q = 0
-            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=-torch.inf)
+        logits = full_vocabulary(out.logits[0, :, : self.vocab_size].float().cpu(), self.vocab_size)
         self.forward_seconds += time.perf_counter() - start
         self.calls += 1
         return logits
@@ -157,11 +162,22 @@ class Stats:
         self.verify_seconds += event.verify_seconds
         self.forward_seconds += event.forward_seconds
         for depth in range(event.levels_tried):
-            if depth >= len(self.tried_at_depth):
-                self.tried_at_depth.append(0)
-                self.accepted_at_depth.append(0)
-            self.tried_at_depth[depth] += 1
-            self.accepted_at_depth[depth] += depth < event.accepted
+            self._count_depth(depth, 1, int(depth < event.accepted))
+
+    def merge(self, other: "Stats") -> None:
+        """Add another run's statistics into this total (wall time included)."""
+        for name in ("steps", "new_tokens", "step_tokens", "accepted", "levels_tried", "target_tokens",
+                     "draft_calls", "draft_seconds", "verify_seconds", "forward_seconds", "wall_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for depth, (tried, accepted) in enumerate(zip(other.tried_at_depth, other.accepted_at_depth)):
+            self._count_depth(depth, tried, accepted)
+
+    def _count_depth(self, depth: int, tried: int, accepted: int) -> None:
+        if depth >= len(self.tried_at_depth):
+            self.tried_at_depth.append(0)
+            self.accepted_at_depth.append(0)
+        self.tried_at_depth[depth] += tried
+        self.accepted_at_depth[depth] += accepted
 
     @property
     def block_efficiency(self) -> float:
