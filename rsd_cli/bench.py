@@ -3,6 +3,7 @@ in the same run (and transformers' assisted generation as the peer a user would 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -260,8 +261,28 @@ def write_plot(rows: list[dict], path) -> None:
     fig.savefig(path)
 
 
-def memory_summary(pair) -> dict:
-    """Peak resident memory of this process against the bytes of the weights it holds."""
+def current_rss_mb() -> float:
+    """Resident memory of this process now (Linux; 0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def runtime_rss_mb() -> float:
+    """Resident memory of the runtime alone (Python, torch, transformers), before any model loads."""
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    return current_rss_mb()
+
+
+def memory_summary(pair, runtime_mb: float = 0.0) -> dict:
+    """Peak resident memory of this process against the bytes of the weights it holds.
+
+    `model_peak_over_weights` leaves out the runtime measured before the models loaded
+    (`runtime_mb`): what the models, caches and activations add, over the weights."""
     import resource
 
     tensors = {}
@@ -270,4 +291,6 @@ def memory_summary(pair) -> dict:
             tensors[p.data_ptr()] = p.numel() * p.element_size()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
     weights = sum(tensors.values()) / 2**20
-    return {"peak_rss_mb": peak, "weights_mb": weights, "peak_over_weights": peak / weights if weights else None}
+    return {"peak_rss_mb": peak, "runtime_rss_mb": runtime_mb, "weights_mb": weights,
+            "peak_over_weights": peak / weights if weights else None,
+            "model_peak_over_weights": (peak - runtime_mb) / weights if weights and runtime_mb else None}

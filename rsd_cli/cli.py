@@ -320,10 +320,11 @@ def bench(
 
     prompt_list = (_read_prompts(prompts) if prompts else builtin_prompts("eval"))[:limit]
     prof = _load_profile(profile, {})
+    from .bench import results_table, run_bench, runtime_rss_mb, write_csv, write_plot
+
+    runtime_mb = runtime_rss_mb()
     pair = Loader().load(prof)
     from rich.progress import Progress
-
-    from .bench import results_table, run_bench, write_csv, write_plot
 
     console = _stderr_console()
     with Progress(console=console, disable=not console.is_terminal, transient=True) as bars:
@@ -336,7 +337,7 @@ def bench(
         console.print(f"wrote {plot}")
     from .bench import memory_summary
 
-    memory = memory_summary(pair)
+    memory = memory_summary(pair, runtime_mb)
     if as_json:
         typer.echo(json.dumps({"results": rows, "memory": memory}, indent=2))
     elif as_csv:
@@ -348,7 +349,8 @@ def bench(
         if not out.is_terminal:
             out.width = 200  # a file or a pipe: do not squeeze the table into 80 columns
         out.print(results_table(rows))
-        console.print(f"peak memory {memory['peak_rss_mb']:.0f} MB resident; weights {memory['weights_mb']:.0f} MB "
+        console.print(f"peak memory {memory['peak_rss_mb']:.0f} MB resident, of which {memory['runtime_rss_mb']:.0f} MB "
+                      f"is the runtime before any model loads; weights {memory['weights_mb']:.0f} MB "
                       f"(target + draft, shared tensors counted once)")
 
 
@@ -411,8 +413,13 @@ def distill(
     tokens: Annotated[int, typer.Option("--tokens", min=1, help="Training tokens to sample.")] = 20_000,
     eval_tokens: Annotated[int, typer.Option("--eval-tokens", min=1, help="Held-out tokens to evaluate on.")] = 2_000,
     epochs: Annotated[int, typer.Option("--epochs", min=1)] = 4,
-    lr: Annotated[float, typer.Option("--lr", min=0.0)] = 3e-4,
+    lr: Annotated[float, typer.Option("--lr", min=0.0, help="Peak learning rate (AdamW).")] = 3e-4,
+    schedule: Annotated[str, typer.Option("--schedule", help="cosine (5% warm-up, then cosine decay) or constant.")
+                        ] = "cosine",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Longest sampled answer.")] = 160,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Answers sampled together.")] = 8,
+    vocab: Annotated[int, typer.Option("--vocab", min=0, help="Train for a draft head of the first N tokens "
+                                       "(the profile's draft.vocab); 0 = the whole vocabulary.")] = 0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A file of training prompts, one per line.",
                                                     show_default=False)] = None,
@@ -421,7 +428,8 @@ def distill(
     from .distill_command import run_distill
 
     run_distill(_load_profile(profile, {}), out, layers=layers, tokens=tokens, eval_tokens=eval_tokens,
-                epochs=epochs, lr=lr, max_new_tokens=max_new_tokens, seed=seed, prompts_file=prompts,
+                epochs=epochs, lr=lr, schedule=schedule, max_new_tokens=max_new_tokens,
+                batch_size=batch_size, vocab=vocab, seed=seed, prompts_file=prompts,
                 console=_stderr_console())
 
 

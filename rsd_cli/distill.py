@@ -8,6 +8,7 @@ target's top-k probabilities as soft labels.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Callable
@@ -29,8 +30,10 @@ class Recipe:
     eval_tokens: int = 2_000
     max_new_tokens: int = 160
     batch_size: int = 8  # sequences generated together
+    vocab: int = 0  # draft head rows (0 = the target's whole vocabulary), as the profile's draft.vocab
     epochs: int = 4
     lr: float = 3e-4
+    schedule: str = "cosine"  # "cosine": 5% linear warm-up then cosine decay to 0; "constant"
     teacher_top_k: int = 128
     seed: int = 0
 
@@ -41,12 +44,14 @@ class Sequence:
     answer_start: int  # first answer position
     top_probs: torch.Tensor | None = None  # (answer_len, k) teacher probabilities, float16
     top_ids: torch.Tensor | None = None  # (answer_len, k)
+    hidden: torch.Tensor | None = None  # (len(ids), hidden) the target's state entering layer K, while training
 
 
 @dataclass
 class DistillResult:
     layer: torch.nn.Module
     losses: list[float] = field(default_factory=list)  # mean loss per epoch
+    acceptance_per_epoch: list[float] = field(default_factory=list)  # held-out, after each epoch
     acceptance_before: float = 0.0
     acceptance_after: float = 0.0
     train_tokens: int = 0
@@ -106,6 +111,45 @@ def expected_acceptance(target, draft, sequences: list[Sequence]) -> float:
     return total / max(count, 1)
 
 
+def learning_rate_factor(schedule: str, step: int, steps: int) -> float:
+    """Multiplier of the base learning rate at optimiser step `step` (0-based) of `steps`."""
+    if schedule == "constant":
+        return 1.0
+    warmup = max(1, steps // 20)
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+def adapter_only(target, layer, vocab: int = 0):
+    """The adapter + the target's final norm and head, as a causal LM fed `inputs_embeds` = the
+    target's hidden states entering layer K. Training runs only this: the K frozen layers are
+    run once per sequence, not once per step."""
+    index = layer.self_attn.layer_idx
+    model = early_exit_draft(target, 0, layer, vocab)
+    layer.self_attn.layer_idx = index  # keep its slot in the real draft's cache
+    return model
+
+
+def hidden_entering(target, ids: list[int], layer_index: int) -> torch.Tensor:
+    """(len(ids), hidden): the target's hidden states entering layer `layer_index`."""
+    with torch.no_grad():
+        out = target(torch.tensor([ids], device=target.device), output_hidden_states=True)
+    return out.hidden_states[layer_index][0].detach()
+
+
+def soft_cross_entropy(logits: torch.Tensor, top_probs: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of -sum_x p(x) log q(x) (= KL(p || q) up to p's entropy).
+
+    p is the teacher's top-k, renormalised over the tokens the draft head can propose (a reduced
+    head has only the first N ids: mass outside it cannot be matched, so it is left out)."""
+    log_q = logits.float().log_softmax(-1)
+    kept = top_ids < logits.shape[-1]
+    p = top_probs.float() * kept
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+    return -(p * log_q.gather(-1, top_ids.clamp(max=logits.shape[-1] - 1))).sum(-1).mean()
+
+
 def train(target, sequences: list[Sequence], recipe: Recipe, progress: Progress,
           eval_sequences: list[Sequence] | None = None) -> DistillResult:
     torch.manual_seed(recipe.seed)
@@ -114,15 +158,21 @@ def train(target, sequences: list[Sequence], recipe: Recipe, progress: Progress,
     layer = new_adapter_layer(target, recipe.layers)
     for p in layer.parameters():
         p.requires_grad_(True)
-    draft = early_exit_draft(target, recipe.layers, layer)
+    draft = early_exit_draft(target, recipe.layers, layer, recipe.vocab)
+    trainee = adapter_only(target, layer, recipe.vocab)
+    for seq in sequences:
+        seq.hidden = hidden_entering(target, seq.ids, recipe.layers)
     result = DistillResult(layer, train_tokens=sum(len(s.ids) - s.answer_start for s in sequences))
     if eval_sequences:
-        result.acceptance_before = expected_acceptance(target, early_exit_draft(target, recipe.layers), eval_sequences)
+        result.acceptance_before = expected_acceptance(target, early_exit_draft(target, recipe.layers, None, recipe.vocab),
+                                                       eval_sequences)
         result.eval_tokens = sum(len(s.ids) - s.answer_start for s in eval_sequences)
-    optimiser = torch.optim.AdamW(layer.parameters(), lr=recipe.lr)
     order = list(range(len(sequences)))
     shuffler = random.Random(recipe.seed)
     steps = recipe.epochs * len(sequences)
+    optimiser = torch.optim.AdamW(layer.parameters(), lr=recipe.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimiser, lambda step: learning_rate_factor(recipe.schedule, step, steps))
     progress("training", 0, steps)
     layer.train()
     for epoch in range(recipe.epochs):
@@ -130,22 +180,26 @@ def train(target, sequences: list[Sequence], recipe: Recipe, progress: Progress,
         epoch_loss, epoch_tokens = 0.0, 0
         for i, index in enumerate(order):
             seq = sequences[index]
-            logits = draft(torch.tensor([seq.ids], device=target.device)).logits[0, seq.answer_start - 1 : -1]
-            log_q = logits.float().log_softmax(-1)
-            p_top = seq.top_probs.float().to(log_q.device)
-            p_top = p_top / p_top.sum(-1, keepdim=True)
-            # cross-entropy with soft labels = KL(p || q) up to p's (constant) entropy
-            loss = -(p_top * log_q.gather(-1, seq.top_ids.to(log_q.device))).sum(-1).mean()
+            logits = trainee(inputs_embeds=seq.hidden[None], use_cache=False).logits[0, seq.answer_start - 1 : -1]
+            loss = soft_cross_entropy(logits, seq.top_probs.to(logits.device), seq.top_ids.to(logits.device))
             optimiser.zero_grad()
             loss.backward()
             optimiser.step()
-            epoch_loss += float(loss.detach()) * len(p_top)
-            epoch_tokens += len(p_top)
+            scheduler.step()
+            epoch_loss += float(loss.detach()) * len(logits)
+            epoch_tokens += len(logits)
             progress("training", epoch * len(sequences) + i + 1, steps)
         result.losses.append(epoch_loss / max(epoch_tokens, 1))
+        if eval_sequences:  # cheap next to an epoch, and shows when more epochs stop helping
+            layer.eval()
+            result.acceptance_per_epoch.append(expected_acceptance(target, draft, eval_sequences))
+            progress(f"epoch {epoch + 1}: held-out acceptance {result.acceptance_per_epoch[-1]:.3f}", 1, 1)
+            layer.train()
     layer.eval()
     for p in layer.parameters():
         p.requires_grad_(False)
+    for seq in sequences:
+        seq.hidden = None
     if eval_sequences:
-        result.acceptance_after = expected_acceptance(target, draft, eval_sequences)
+        result.acceptance_after = result.acceptance_per_epoch[-1]
     return result

@@ -34,7 +34,8 @@ def _data_cache(target, prompts: list[str], recipe: Recipe) -> Path:
 
 
 def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: int, epochs: int, lr: float,
-                max_new_tokens: int, seed: int, prompts_file: Path | None, console) -> None:
+                schedule: str, max_new_tokens: int, batch_size: int, vocab: int, seed: int,
+                prompts_file: Path | None, console) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     import torch
@@ -44,8 +45,10 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
     if not out.parent.exists():
         raise RsdError(f"folder {out.parent} does not exist")
     prompts = _read_prompts(prompts_file)
-    recipe = Recipe(layers=layers, tokens=tokens, eval_tokens=eval_tokens, epochs=epochs, lr=lr,
-                    max_new_tokens=max_new_tokens, seed=seed)
+    if schedule not in ("cosine", "constant"):
+        raise RsdError(f"--schedule must be cosine or constant (got {schedule!r})")
+    recipe = Recipe(layers=layers, tokens=tokens, eval_tokens=eval_tokens, epochs=epochs, lr=lr, schedule=schedule,
+                    max_new_tokens=max_new_tokens, batch_size=batch_size, vocab=vocab, seed=seed)
     torch.manual_seed(seed)
     device, dtype = pick_device_dtype(profile["target"]["device"], profile["target"]["dtype"])
     source = profile.resolve_path(profile["target"]["source"])
@@ -54,6 +57,8 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
     total_layers = target.config.num_hidden_layers
     if layers >= total_layers:
         raise RsdError(f"--layers {layers}: the target has only {total_layers} layers")
+    if vocab >= target.config.vocab_size:
+        raise RsdError(f"--vocab {vocab}: the target's vocabulary has only {target.config.vocab_size} tokens")
 
     with Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not console.is_terminal) as bars:
@@ -84,7 +89,9 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
     recipe_record = asdict(recipe) | {"prompts": str(prompts_file) if prompts_file else "built-in train set",
                                       "sampled_train_tokens": result.train_tokens,
                                       "sampled_eval_tokens": result.eval_tokens,
-                                      "losses": result.losses, "acceptance_before": result.acceptance_before,
+                                      "losses": result.losses,
+                                      "acceptance_per_epoch": result.acceptance_per_epoch,
+                                      "acceptance_before": result.acceptance_before,
                                       "acceptance_after": result.acceptance_after}
     save_adapter(result.layer, out, target, layers, recipe_record)
     losses = " → ".join(f"{x:.3f}" for x in result.losses)
@@ -92,3 +99,5 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
     console.print(f"expected acceptance on held-out prompts (T=1): {result.acceptance_before:.3f} without the "
                   f"adapter, {result.acceptance_after:.3f} with it")
     console.print(f"wrote {out}")
+    if vocab:
+        console.print(f"use it with draft.vocab = {vocab} in the profile (it also works with the whole vocabulary)")

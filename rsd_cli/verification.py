@@ -91,6 +91,37 @@ def plan(p: torch.Tensor, q: torch.Tensor, drafts: list[int], rule: Rule) -> Pla
     return rrs_plan(p, q, drafts, Rule.WITH_REPLACEMENT if rule is Rule.BIASED else rule)
 
 
+def root_acceptance(p: torch.Tensor, q: torch.Tensor, k: int, rule: Rule, draws: int,
+                    generator: torch.Generator) -> float:
+    """P(one of the k drafts at a node is accepted) under recursive rejection sampling.
+
+    Given the drafts rejected so far, the next one is accepted with probability exactly
+    a = sum_x min(r(x), q'(x)) (r the residual, q' the draft distribution it is drawn from), and
+    it is rejected as token x with weight (q' - r)^+(x). So P = a1 + (1-a1)(a2 + (1-a2)(a3 ...)),
+    averaged over rejection paths drawn from those weights. With replacement q' = q and the
+    residual do not depend on the rejected tokens: one path gives the exact value. Without
+    replacement the spread over paths is small (a Rao-Blackwellised estimate)."""
+    paths = 1 if rule is Rule.WITH_REPLACEMENT else draws
+    total = 0.0
+    for _ in range(paths):
+        r, q_k, reach = p.double(), q.double(), 1.0
+        for i in range(k):
+            a = float(torch.minimum(r, q_k).sum())
+            total += reach * a
+            reach *= 1.0 - a
+            rejected_as = (q_k - r).clamp_min(0)
+            left = (r - q_k).clamp_min(0)
+            if i == k - 1 or reach <= 0 or float(rejected_as.sum()) <= 1e-12 or float(left.sum()) <= 1e-12:
+                break
+            x = int(torch.multinomial(rejected_as / rejected_as.sum(), 1, generator=generator))
+            r = left / left.sum()
+            if rule is Rule.WITHOUT_REPLACEMENT:
+                q_k = q_k.clone()
+                q_k[x] = 0
+                q_k = q_k / q_k.sum()
+    return total / paths
+
+
 @dataclass
 class Decision:
     accepted: int | None  # index into drafts of the accepted one, None if all were rejected

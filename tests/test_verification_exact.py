@@ -224,3 +224,39 @@ def test_real_drafting_matches_the_enumeration_for_rsd_c():
     exact = completed_joint(branching_trees((2, 2), replacement=False), Rule.WITHOUT_REPLACEMENT)
     sampled = completed_joint(_sampled_trees(shape, 3000, 1), Rule.WITHOUT_REPLACEMENT)
     assert max(abs(sampled[s] - exact[s]) for s in exact) < 0.006
+
+
+def _root_acceptance_by_enumeration(p, q, k, rule):
+    """Sum over every ordered draw of k drafts of P(draws) * P(one is accepted | draws)."""
+    total = 0.0
+    draws = itertools.product(range(V), repeat=k) if rule is Rule.WITH_REPLACEMENT else \
+        itertools.permutations(range(V), k)
+    for xs in draws:
+        prob, left = 1.0, 1.0
+        for x in xs:
+            prob *= float(q[x]) / left
+            if rule is Rule.WITHOUT_REPLACEMENT:
+                left -= float(q[x])
+        if prob == 0:
+            continue
+        rejected = 1.0
+        for a in plan(p, q, list(xs), rule).accept:
+            rejected *= 1 - a
+        total += prob * (1 - rejected)
+    return total
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_root_acceptance_matches_enumeration_and_never_favours_replacement(k):
+    from rsd_cli.verification import root_acceptance
+
+    generator = torch.Generator().manual_seed(0)
+    for salt in range(4):
+        p, q = toy_dist((salt,), 10), toy_dist((salt,), 11, zero_token=salt % V)
+        iid = root_acceptance(p, q, k, Rule.WITH_REPLACEMENT, 1, generator)
+        wor = root_acceptance(p, q, k, Rule.WITHOUT_REPLACEMENT, 4000, generator)
+        # i.i.d.: one rejection path is the exact value
+        assert iid == pytest.approx(_root_acceptance_by_enumeration(p, q, k, Rule.WITH_REPLACEMENT), abs=1e-12)
+        # without replacement: a Monte-Carlo average over rejection paths, so a loose tolerance
+        assert wor == pytest.approx(_root_acceptance_by_enumeration(p, q, k, Rule.WITHOUT_REPLACEMENT), abs=0.01)
+        assert _root_acceptance_by_enumeration(p, q, k, Rule.WITHOUT_REPLACEMENT) >= iid - 1e-12

@@ -1,0 +1,118 @@
+"""`rsd distill` end to end on a tiny random target, as a user runs it."""
+
+import json
+
+import pytest
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from rsd_cli import models
+from rsd_cli.cli import app
+from rsd_cli.distill import learning_rate_factor
+from tiny import tiny_model, tiny_tokenizer
+
+
+def _distill(profile, out, *extra):
+    return CliRunner().invoke(app, ["distill", "-p", str(profile), "--out", str(out), "--layers", "1",
+                                    "--tokens", "300", "--eval-tokens", "60", "--max-new-tokens", "24",
+                                    "--epochs", "3", "--lr", "1e-2", *extra])
+
+
+@pytest.fixture
+def target_profile(tiny_pair_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("tell me a story\nwhat is the sea?\nsay hello, please!\n")
+    path = tmp_path / "target.toml"
+    path.write_text(f'[target]\nsource = "{tiny_pair_dir / "target"}"\n[draft]\nkind = "early-exit"\nlayers = 1\n')
+    return path, prompts
+
+
+def test_distill_trains_writes_metadata_and_the_adapter_drafts(target_profile, tmp_path, tiny_pair_dir):
+    profile, prompts = target_profile
+    out = tmp_path / "adapter.safetensors"
+    result = _distill(profile, out, "--prompts", str(prompts))
+    assert result.exit_code == 0, result.stderr
+    assert "wrote" in result.stderr and out.is_file()
+    assert result.stdout == ""  # progress and results go to stderr
+
+    with safe_open(str(out), framework="pt") as f:
+        meta = f.metadata()
+    recipe = json.loads(meta["rsd_recipe"])
+    target = models.load_model(str(tiny_pair_dir / "target"), "cpu", __import__("torch").float32)[0]
+    assert meta["rsd_fingerprint"] == models.fingerprint(target) and meta["rsd_layers"] == "1"
+    assert recipe["epochs"] == 3 and recipe["lr"] == 1e-2 and recipe["schedule"] == "cosine"
+    assert recipe["sampled_train_tokens"] >= 300
+    assert len(recipe["losses"]) == 3 and recipe["losses"][-1] < recipe["losses"][0]
+    assert len(recipe["acceptance_per_epoch"]) == 3
+    assert recipe["acceptance_after"] == recipe["acceptance_per_epoch"][-1]
+
+    # the adapter is a draft: generate with it
+    with_adapter = tmp_path / "drafted.toml"
+    with_adapter.write_text(profile.read_text().replace("layers = 1\n", f'layers = 1\nadapter = "{out}"\n')
+                            + '[decoding]\nvariant = "rsd-c"\nbranching = [2, 2]\n[sampling]\nmax_tokens = 8\n')
+    generated = CliRunner().invoke(app, ["generate", "-p", str(with_adapter), "hello"])
+    assert generated.exit_code == 0, generated.stderr
+    assert generated.stdout.strip()
+
+    # a rerun with another learning rate reuses the sampled data instead of sampling again
+    again = _distill(profile, tmp_path / "again.safetensors", "--prompts", str(prompts), "--schedule", "constant")
+    assert again.exit_code == 0, again.stderr
+    assert "reusing sampled data" in again.stderr
+
+
+def test_an_adapter_for_another_target_is_refused(target_profile, tmp_path, tiny_pair_dir):
+    profile, prompts = target_profile
+    out = tmp_path / "adapter.safetensors"
+    assert _distill(profile, out, "--prompts", str(prompts), "--epochs", "1").exit_code == 0
+    other_target = tmp_path / "other-target"  # same shape and tokenizer, other weights
+    tiny_model(40, layers=3, seed=5, scale=0.3).save_pretrained(other_target)
+    tiny_tokenizer().save_pretrained(other_target)
+    other = tmp_path / "other.toml"
+    other.write_text(f'[target]\nsource = "{other_target}"\n'
+                     f'[draft]\nkind = "early-exit"\nlayers = 1\nadapter = "{out}"\n')
+    result = CliRunner().invoke(app, ["generate", "-p", str(other), "hello"])
+    assert result.exit_code == 1
+    assert "trained for another target" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bad_distill_arguments_are_one_line_errors(target_profile, tmp_path):
+    profile, _ = target_profile
+    for extra, message in ((["--schedule", "linear"], "--schedule"), (["--layers", "3"], "only 3 layers"),
+                           (["--layers", "1", "--vocab", "40"], "only 40 tokens")):
+        args = ["distill", "-p", str(profile), "--out", str(tmp_path / "a.safetensors"), *extra]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 1 and message in result.stderr, result.stderr
+    result = CliRunner().invoke(app, ["distill", "-p", str(profile), "--out", str(tmp_path / "a.bin")])
+    assert result.exit_code == 1 and ".safetensors" in result.stderr
+
+
+def test_cosine_schedule_warms_up_then_decays_to_zero():
+    factors = [learning_rate_factor("cosine", step, 100) for step in range(100)]
+    assert factors[0] == pytest.approx(0.2) and factors[4] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[4:], factors[5:])) and factors[-1] < 0.01
+    assert learning_rate_factor("constant", 50, 100) == 1.0
+
+
+@pytest.mark.parametrize("vocab", [0, 20])
+def test_training_graph_equals_the_draft_it_trains(tiny_pair_dir, vocab):
+    """Training feeds the adapter the target's hidden states entering layer K instead of running
+    the K frozen layers every step: the logits must be the draft's own."""
+    import torch
+
+    from rsd_cli.distill import adapter_only, hidden_entering
+
+    target = models.load_model(str(tiny_pair_dir / "target"), "cpu", torch.float32)[0]
+    layer = models.new_adapter_layer(target, 1)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    draft = models.early_exit_draft(target, 1, layer, vocab)
+    trainee = adapter_only(target, layer, vocab)
+    ids = [1, 5, 9, 3, 7, 11, 4]
+    with torch.no_grad():
+        expected = draft(torch.tensor([ids])).logits[0]
+        got = trainee(inputs_embeds=hidden_entering(target, ids, 1)[None], use_cache=False).logits[0]
+    assert got.shape == expected.shape == (len(ids), vocab or 40)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert layer.self_attn.layer_idx == 1  # still the draft's own cache slot
