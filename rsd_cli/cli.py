@@ -417,7 +417,7 @@ def distill(
     schedule: Annotated[str, typer.Option("--schedule", help="cosine (5% warm-up, then cosine decay) or constant.")
                         ] = "cosine",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Longest sampled answer.")] = 160,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Answers sampled together.")] = 8,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Answers sampled together.")] = 32,
     vocab: Annotated[int, typer.Option("--vocab", min=0, help="Train for a draft head of the first N tokens "
                                        "(the profile's draft.vocab); 0 = the whole vocabulary.")] = 0,
     seed: Annotated[int, typer.Option("--seed")] = 0,

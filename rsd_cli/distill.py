@@ -29,7 +29,7 @@ class Recipe:
     tokens: int = 20_000  # training tokens (answers only)
     eval_tokens: int = 2_000
     max_new_tokens: int = 160
-    batch_size: int = 8  # sequences generated together
+    batch_size: int = 32  # sequences generated together (a CPU samples 32 about 4x faster than 8)
     vocab: int = 0  # draft head rows (0 = the target's whole vocabulary), as the profile's draft.vocab
     epochs: int = 4
     lr: float = 3e-4
@@ -160,8 +160,10 @@ def train(target, sequences: list[Sequence], recipe: Recipe, progress: Progress,
         p.requires_grad_(True)
     draft = early_exit_draft(target, recipe.layers, layer, recipe.vocab)
     trainee = adapter_only(target, layer, recipe.vocab)
-    for seq in sequences:
+    for i, seq in enumerate(sequences):  # the frozen layers run once per sequence, not once per step
+        progress("frozen layers", i, len(sequences))
         seq.hidden = hidden_entering(target, seq.ids, recipe.layers)
+    progress("frozen layers", len(sequences), len(sequences))
     result = DistillResult(layer, train_tokens=sum(len(s.ids) - s.answer_start for s in sequences))
     if eval_sequences:
         result.acceptance_before = expected_acceptance(target, early_exit_draft(target, recipe.layers, None, recipe.vocab),
