@@ -132,10 +132,19 @@ def adapter_only(target, layer, vocab: int = 0):
 
 
 def hidden_entering(target, ids: list[int], layer_index: int) -> torch.Tensor:
-    """(len(ids), hidden): the target's hidden states entering layer `layer_index`."""
-    with torch.no_grad():
-        out = target(torch.tensor([ids], device=target.device), output_hidden_states=True)
-    return out.hidden_states[layer_index][0].detach()
+    """(len(ids), hidden): the target's hidden states entering layer `layer_index`.
+
+    Runs only the first `layer_index` layers (an early-exit model without adapter) and catches
+    their output on its way into the final norm."""
+    prefix = early_exit_draft(target, layer_index)
+    caught: list[torch.Tensor] = []
+    hook = prefix.model.norm.register_forward_pre_hook(lambda module, args: caught.append(args[0]))
+    try:
+        with torch.no_grad():
+            prefix(torch.tensor([ids], device=target.device), use_cache=False, logits_to_keep=1)
+    finally:
+        hook.remove()
+    return caught[0][0].detach()
 
 
 def soft_cross_entropy(logits: torch.Tensor, top_probs: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor:
