@@ -100,4 +100,4 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
                   f"adapter, {result.acceptance_after:.3f} with it")
     console.print(f"wrote {out}")
     if vocab:
-        console.print(f"use it with draft.vocab = {vocab} in the profile (it also works with the whole vocabulary)")
+        console.print(f"use it with draft.vocab = {vocab} in the profile (its other head rows were not trained)")

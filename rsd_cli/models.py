@@ -249,7 +249,9 @@ def save_adapter(layer, path: Path, target, layers: int, recipe: dict) -> None:
     save_file(tensors, str(path), metadata=meta)
 
 
-def load_adapter(path: Path, target, layers: int):
+def load_adapter(path: Path, target, layers: int, vocab: int = 0):
+    """The adapter layer in `path`, checked against the target, K and the draft head's size
+    (an adapter trained for an N-token head leaves the other rows of the head untrained)."""
     from safetensors import safe_open
 
     if not path.is_file():
@@ -265,6 +267,13 @@ def load_adapter(path: Path, target, layers: int):
                        f"{meta.get('rsd_fingerprint', 'missing')}, this target is {fingerprint(target)})")
     if meta.get("rsd_layers") != str(layers):
         raise RsdError(f"{path} was trained after {meta.get('rsd_layers')} layers, but draft.layers = {layers}")
+    try:
+        trained_vocab = int(json.loads(meta.get("rsd_recipe", "{}")).get("vocab", 0))
+    except (ValueError, TypeError, AttributeError):
+        trained_vocab = 0
+    if trained_vocab and not 0 < vocab <= trained_vocab:
+        raise RsdError(f"{path} was trained for a {trained_vocab}-token draft head: set draft.vocab = {trained_vocab} "
+                       f"(now {vocab or 'the whole vocabulary'})")
     layer = new_adapter_layer(target, layers)
     param = next(target.parameters())
     layer.load_state_dict({k: v.to(param.dtype) for k, v in tensors.items()})
@@ -319,7 +328,7 @@ def load_pair(profile, progress: Progress = _quiet) -> ModelPair:
         adapter = None
         if adapter_name:
             path = embedded_adapter() if adapter_name == "embedded" else Path(profile.resolve_path(adapter_name))
-            adapter = load_adapter(path, target, draft_cfg["layers"])
+            adapter = load_adapter(path, target, draft_cfg["layers"], draft_cfg["vocab"])
         draft = early_exit_draft(target, draft_cfg["layers"], adapter, draft_cfg["vocab"])
         what = f"early-exit {draft_cfg['layers']} layers" + (" + adapter" if adapter is not None else "")
         what += f", {draft_cfg['vocab']}-token head" if draft_cfg["vocab"] else ""

@@ -116,3 +116,19 @@ def test_training_graph_equals_the_draft_it_trains(tiny_pair_dir, vocab):
     assert got.shape == expected.shape == (len(ids), vocab or 40)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert layer.self_attn.layer_idx == 1  # still the draft's own cache slot
+
+
+def test_an_adapter_trained_for_a_reduced_head_asks_for_that_head(target_profile, tmp_path):
+    profile, prompts = target_profile
+    out = tmp_path / "adapter.safetensors"
+    trained = _distill(profile, out, "--prompts", str(prompts), "--epochs", "1", "--vocab", "20")
+    assert trained.exit_code == 0, trained.stderr
+    assert "draft.vocab = 20" in trained.stderr
+    base = profile.read_text().replace("layers = 1\n", f'layers = 1\nadapter = "{out}"\n')
+    for vocab, ok in ((0, False), (30, False), (20, True), (10, True)):
+        path = tmp_path / f"v{vocab}.toml"
+        path.write_text(base.replace("[draft]\n", f"[draft]\nvocab = {vocab}\n") + "[sampling]\nmax_tokens = 4\n")
+        result = CliRunner().invoke(app, ["generate", "-p", str(path), "hello"])
+        assert (result.exit_code == 0) == ok, (vocab, result.stderr)
+        if not ok:
+            assert "trained for a 20-token draft head: set draft.vocab = 20" in result.stderr
