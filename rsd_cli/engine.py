@@ -75,15 +75,21 @@ class CachedLM:
         return self.forward(tokens, list(range(past, past + n)), visible, last_only)
 
     def keep(self, indices: list[int]) -> None:
-        """Keep only these cache positions (the prefix plus the accepted path)."""
-        if indices == list(range(len(indices))):  # a plain prefix: cheaper to crop
-            if len(indices) < self.length:
-                self.cache.crop(len(indices) - self.length)
-            return
-        index = torch.tensor(indices, device=self.model.device)
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
+        """Keep only these cache positions (ascending: the prefix plus the accepted path).
+
+        The prefix stays where it is; only the few accepted positions after it are moved down
+        before the cache is cropped, so a step copies O(path) entries, not the whole cache."""
+        prefix = 0
+        while prefix < len(indices) and indices[prefix] == prefix:
+            prefix += 1
+        if prefix < len(indices):
+            tail = torch.tensor(indices[prefix:], device=self.model.device)
+            with torch.inference_mode():  # the cache tensors were made in inference mode
+                for layer in self.cache.layers:
+                    layer.keys[..., prefix : len(indices), :] = layer.keys.index_select(-2, tail)
+                    layer.values[..., prefix : len(indices), :] = layer.values.index_select(-2, tail)
+        if len(indices) < self.length:
+            self.cache.crop(len(indices) - self.length)
 
 
 @dataclass
