@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The measurements quoted in the README and the issue notes (results/ holds their output).
-# Run on a quiet machine: bash benchmarks/run_all.sh   (about 25 minutes on 2 CPU cores)
+# Run on a quiet machine: bash benchmarks/run_all.sh   (about 60 minutes on 2 CPU cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RSD=.venv/bin/rsd
@@ -17,3 +17,7 @@ $RSD bench --budgets 14,30 --variants ar,mss,rsd-c --limit 8 -n 32 --no-assisted
     > "$OUT/budgets-wor-vs-wr.json"
 # 4. sd with γ = 4 against ar (issue #4's benchmark)
 $RSD bench --depths 4 --variants ar,sd --limit 2 -n 40 --no-assisted --json > "$OUT/sd-gamma4.json"
+# 5. without vs with replacement on shared contexts (paired; settles what 3. cannot)
+.venv/bin/python benchmarks/paired.py --budgets 14,30 --limit 4 -n 48 --draws 16 > "$OUT/paired.json"
+# 6. expected acceptance of the default draft on held-out answers
+.venv/bin/python benchmarks/acceptance.py

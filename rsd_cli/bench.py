@@ -36,8 +36,37 @@ def settings_for(temperatures, budgets, depths) -> list[Setting]:
     return out
 
 
+def _padded_head(head, vocab_size: int):
+    """A reduced draft head whose logits are padded to the whole vocabulary with -inf (q = 0),
+    for transformers' assisted generation, which compares draft and target logits position by position."""
+    import torch
+
+    from .engine import full_vocabulary
+
+    class PaddedHead(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = head
+
+        def forward(self, hidden):
+            return full_vocabulary(self.head(hidden), vocab_size)
+
+    return PaddedHead()
+
+
 def _assisted(pair, ids: list[int], temperature: float, max_tokens: int, seed: int) -> tuple[int, float]:
     """transformers' own assisted generation, same target, draft and sampling: (new tokens, seconds)."""
+    head = pair.draft.get_output_embeddings()
+    if head.weight.shape[0] >= pair.vocab_size:
+        return _assisted_run(pair, ids, temperature, max_tokens, seed)
+    pair.draft.lm_head = _padded_head(head, pair.vocab_size)  # a reduced head: same draft, logits padded
+    try:
+        return _assisted_run(pair, ids, temperature, max_tokens, seed)
+    finally:
+        pair.draft.lm_head = head
+
+
+def _assisted_run(pair, ids: list[int], temperature: float, max_tokens: int, seed: int) -> tuple[int, float]:
     import torch
 
     torch.manual_seed(seed)

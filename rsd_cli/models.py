@@ -264,7 +264,8 @@ def load_adapter(path: Path, target, layers: int, vocab: int = 0):
         raise RsdError(f"{path}: not a safetensors adapter: {e}") from None
     if meta.get("rsd_fingerprint") != fingerprint(target):
         raise RsdError(f"{path} was trained for another target model (fingerprint "
-                       f"{meta.get('rsd_fingerprint', 'missing')}, this target is {fingerprint(target)})")
+                       f"{meta.get('rsd_fingerprint', 'missing')}, this target is {fingerprint(target)}); "
+                       f"train one with `rsd distill`, or set draft.adapter = \"\" for none")
     if meta.get("rsd_layers") != str(layers):
         raise RsdError(f"{path} was trained after {meta.get('rsd_layers')} layers, but draft.layers = {layers}")
     try:

@@ -49,3 +49,15 @@ def test_bench_rejects_bad_lists(tiny_profile):
     assert result.exit_code == 2 and "unknown variant 'warp'" in result.stderr
     result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--budgets", "0"])
     assert result.exit_code == 1 and "at least 1" in result.stderr
+
+
+def test_assisted_row_runs_with_a_reduced_draft_head(tiny_pair_dir, tmp_path):
+    profile = tmp_path / "reduced.toml"
+    profile.write_text(f'[target]\nsource = "{tiny_pair_dir / "target"}"\n'
+                       f'[draft]\nkind = "early-exit"\nlayers = 1\nvocab = 20\nadapter = ""\n')
+    result = CliRunner().invoke(app, ["bench", "-p", str(profile), "--depths", "1", "--variants", "ar,sd",
+                                      "--limit", "1", "-n", "5", "--json", "--assisted"])
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)["results"]
+    assisted = [r for r in rows if r["variant"] == "hf-assisted"]
+    assert assisted and assisted[0]["tokens_per_second"] > 0
