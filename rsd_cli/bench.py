@@ -114,6 +114,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     top = dict(top_k=profile["sampling"]["top_k"], top_p=profile["sampling"]["top_p"])
     runs = repeats * len(encoded) * (len(jobs) + (len(temperatures) if assisted else 0))
     done = 0
+    assisted_error = None  # transformers' assisted generation failing must not cost the other rows
 
     def tick() -> None:
         nonlocal done
@@ -131,9 +132,13 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
                 _, stats, _ = complete(decoder, ids, max_tokens, run_seed)
                 totals.setdefault((variant, setting, shape), Stats()).merge(stats)
                 tick()
-            if assisted:
+            if assisted and assisted_error is None:
                 for t in temperatures:
-                    n, seconds = _assisted(pair, ids, t, max_tokens, run_seed)
+                    try:
+                        n, seconds = _assisted(pair, ids, t, max_tokens, run_seed)
+                    except Exception as e:  # noqa: BLE001 - a peer's failure is reported, not raised
+                        assisted_error = f"{type(e).__name__}: {e}".splitlines()[0]
+                        break
                     assisted_totals[t][0] += n
                     assisted_totals[t][1] += seconds
                     tick()
@@ -156,15 +161,15 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
         })
     if assisted:
         for t, (n, seconds) in assisted_totals.items():
-            rate = n / seconds if seconds else 0.0
+            rate = n / seconds if seconds and assisted_error is None else None
             rows.append({
                 "variant": "hf-assisted", "budget": None, "depth": None, "shape": "transformers assisted generation",
                 "max_nodes": None, "temperature": t, "block_efficiency": None, "acceptance_rate": None,
                 "acceptance_per_depth": None, "mbsu": None, "tokens_per_second": rate,
-                "speedup_vs_ar": rate / ar_rate[t] if ar_rate.get(t) else None, "target_tokens_per_step": None,
+                "speedup_vs_ar": rate / ar_rate[t] if rate and ar_rate.get(t) else None, "target_tokens_per_step": None,
                 "draft_calls_per_step": None, "draft_seconds": None, "verify_seconds": None,
                 "forward_seconds": None, "overhead_seconds": None, "wall_seconds": seconds, "new_tokens": n,
-                "steps": None,
+                "steps": None, "error": assisted_error,
             })
     return rows
 
@@ -200,7 +205,8 @@ def results_table(rows: list[dict]):
 def write_csv(rows: list[dict], out) -> None:
     import csv
 
-    writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else COLUMNS)
+    fields = list(dict.fromkeys(k for row in rows for k in row)) or COLUMNS  # rows may add keys (error)
+    writer = csv.DictWriter(out, fieldnames=fields)
     writer.writeheader()
     for row in rows:
         writer.writerow({k: (" ".join(f"{x:.4f}" for x in v) if isinstance(v, list) else v) for k, v in row.items()})
@@ -314,10 +320,11 @@ def memory_summary(pair, runtime_mb: float = 0.0) -> dict:
     (`runtime_mb`): what the models, caches and activations add, over the weights."""
     import resource
 
-    tensors = {}
+    tensors = {}  # storage -> bytes: a view (a reduced draft head) shares its target's storage
     for model in (pair.target, pair.draft):
         for p in model.parameters():
-            tensors[p.data_ptr()] = p.numel() * p.element_size()
+            storage = p.untyped_storage()
+            tensors[storage.data_ptr()] = storage.nbytes()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
     weights = sum(tensors.values()) / 2**20
     return {"peak_rss_mb": peak, "runtime_rss_mb": runtime_mb, "weights_mb": weights,

@@ -332,6 +332,10 @@ def bench(
         rows = run_bench(pair, prof, variants=names, temperatures=temps, budgets=budget_list, depths=depth_list,
                          prompts=prompt_list, repeats=repeats, max_tokens=max_tokens, seed=seed, assisted=assisted,
                          progress=lambda done, total: bars.update(task, completed=done, total=total))
+    for row in rows:
+        if row.get("error"):
+            _stderr_console().print(f"rsd: warning: {row['variant']} failed and has no numbers: {row['error']}",
+                                    markup=False, highlight=False)
     if plot:
         write_plot(rows, plot)
         console.print(f"wrote {plot}")

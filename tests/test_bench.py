@@ -61,3 +61,34 @@ def test_assisted_row_runs_with_a_reduced_draft_head(tiny_pair_dir, tmp_path):
     rows = json.loads(result.stdout)["results"]
     assisted = [r for r in rows if r["variant"] == "hf-assisted"]
     assert assisted and assisted[0]["tokens_per_second"] > 0
+
+
+def test_weights_are_counted_once_even_through_a_reduced_head_view(tiny_pair_dir, tmp_path):
+    from rsd_cli.bench import memory_summary
+    from rsd_cli.models import load_pair
+    from rsd_cli.profiles import load_profile
+
+    profile = tmp_path / "reduced.toml"
+    profile.write_text(f'[target]\nsource = "{tiny_pair_dir / "target"}"\n'
+                       f'[draft]\nkind = "early-exit"\nlayers = 1\nvocab = 20\nadapter = ""\n')
+    pair = load_pair(load_profile(str(profile)))
+    target_bytes = sum(p.numel() * p.element_size() for p in pair.target.parameters())
+    assert memory_summary(pair)["weights_mb"] * 2**20 == target_bytes
+
+
+def test_a_failing_peer_row_is_reported_and_the_others_kept(tiny_profile, monkeypatch):
+    import rsd_cli.bench as bench
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("assistant and target disagree\nsecond line")
+
+    monkeypatch.setattr(bench, "_assisted", broken)
+    for output in ("--json", "--csv"):
+        result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--depths", "1", "--variants", "ar,sd",
+                                          "--limit", "2", "-n", "4", output, "--assisted"])
+        assert result.exit_code == 0, result.stderr
+        assert "warning: hf-assisted failed and has no numbers: RuntimeError: assistant and target disagree" \
+            in result.stderr
+    rows = json.loads(CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--depths", "1", "--variants",
+                                               "ar,sd", "--limit", "1", "-n", "4", "--json"]).stdout)["results"]
+    assert {r["variant"] for r in rows} == {"ar", "sd", "hf-assisted"}
