@@ -122,6 +122,13 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
         if progress:
             progress(done, runs)
 
+    # warm-up, untimed: the first forwards of a process pay for page faults on the weights and
+    # kernel set-up, which would otherwise land on whichever variant runs first (ar)
+    for variant, setting, shape in (jobs[:2] if encoded else []):
+        warm = Decoder(pair.target, pair.draft, pair.vocab_size, shape, SamplingParams(setting.temperature, **top),
+                       pair.eos_ids, pair.context_length)
+        complete(warm, encoded[0], min(max_tokens, 8), seed)
+
     for repeat in range(repeats):
         for index, ids in enumerate(encoded):
             run_seed = seed + 1000 * repeat + index
