@@ -13,8 +13,12 @@ from .render import live_view, stats_line, steps_table
 from .runtime import make_decoder, seed_of
 
 
-def complete(decoder, prompt_ids: list[int], max_tokens: int, seed: int | None, on_event=None):
-    """Run one completion; returns (token ids, stats, events). on_event(event, stats) sees each step."""
+def complete(decoder, prompt_ids: list[int], max_tokens: int, seed: int | None, on_event=None,
+             keep_events: bool = False):
+    """Run one completion; returns (token ids, stats, events). on_event(event, stats) sees each step.
+
+    An event holds p and q over the vocabulary for every tree node (megabytes), so only the last
+    one is kept unless `keep_events` (the per-step table needs them all)."""
     stats = Stats()
     events: list[StepEvent] = []
     tokens: list[int] = []
@@ -23,6 +27,8 @@ def complete(decoder, prompt_ids: list[int], max_tokens: int, seed: int | None, 
         tokens.extend(event.emitted)
         stats.add(event)
         stats.wall_seconds = time.perf_counter() - start
+        if not keep_events:
+            events.clear()
         events.append(event)
         if on_event:
             on_event(event, stats)
@@ -30,7 +36,7 @@ def complete(decoder, prompt_ids: list[int], max_tokens: int, seed: int | None, 
 
 
 def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, console=None, live=False,
-                      write_text=True):
+                      write_text=True, keep_events=False):
     """One completion with text streamed to `out` and, optionally, the live view on `console`.
 
     With the live view on and stdout on the same terminal, the text is written once at the end
@@ -52,7 +58,7 @@ def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, conso
             if display is not None:
                 display.update(live_view("".join(shown), event, stats, pair.tokenizer))
 
-        result = complete(decoder, prompt_ids, max_tokens, seed, on_event)
+        result = complete(decoder, prompt_ids, max_tokens, seed, on_event, keep_events)
     tail = detok.flush()
     if write_text:
         out.write(("".join(shown) if hold_text else "") + tail)
@@ -73,7 +79,7 @@ def run_generate(pair, profile, text: str, *, system=None, raw=False, samples=1,
             out.write("\n---\n")
         tokens, stats, events = stream_completion(pair, decoder, prompt_ids, max_tokens, seed, out=out,
                                                   console=console, live=live and not as_json,
-                                                  write_text=not as_json)
+                                                  write_text=not as_json, keep_events=step_table)
         if as_json:
             record = {
                 "text": pair.tokenizer.decode(tokens, skip_special_tokens=True),

@@ -204,3 +204,14 @@ def test_draft_distributions_equal_fresh_draft_forwards_in_every_step(pair, shap
             fresh = logits_to_probs(full_logits(draft, seq[:-1] + path)[-1], SamplingParams(1.0))
             assert torch.allclose(q, fresh, atol=1e-5), (event.step, node)
         seq.extend(event.emitted)
+
+
+def test_complete_keeps_only_the_last_event_unless_asked(pair):
+    from rsd_cli.generation import complete
+
+    target, draft = pair
+    decoder = Decoder(target, draft, V, make_shape("rsd-c", branching=(2, 2)), SamplingParams(1.0), set())
+    tokens, stats, events = complete(decoder, [1, 2], 10, seed=3)
+    assert len(events) == 1 and stats.steps > 1 and events[0].step == stats.steps
+    tokens_all, stats_all, all_events = complete(decoder, [1, 2], 10, seed=3, keep_events=True)
+    assert tokens_all == tokens and [e.step for e in all_events] == list(range(1, stats.steps + 1))
