@@ -118,6 +118,8 @@ def root_acceptance(p: torch.Tensor, q: torch.Tensor, k: int, rule: Rule, draws:
             if rule is Rule.WITHOUT_REPLACEMENT:
                 q_k = q_k.clone()
                 q_k[x] = 0
+                if float(q_k.sum()) <= 1e-12:  # the draft has no token left to propose
+                    break
                 q_k = q_k / q_k.sum()
     return total / paths
 
