@@ -131,17 +131,14 @@ def adapter_only(target, layer, vocab: int = 0):
     return model
 
 
-def hidden_entering(target, ids: list[int], layer_index: int) -> torch.Tensor:
-    """(len(ids), hidden): the target's hidden states entering layer `layer_index`.
-
-    Runs only the first `layer_index` layers (an early-exit model without adapter) and catches
-    their output on its way into the final norm."""
-    prefix = early_exit_draft(target, layer_index)
+def hidden_entering(prefix, ids: list[int]) -> torch.Tensor:
+    """(len(ids), hidden): the hidden states leaving an early-exit model's layers (the target's
+    first K), caught on their way into its final norm: what the adapter layer receives."""
     caught: list[torch.Tensor] = []
     hook = prefix.model.norm.register_forward_pre_hook(lambda module, args: caught.append(args[0]))
     try:
         with torch.no_grad():
-            prefix(torch.tensor([ids], device=target.device), use_cache=False, logits_to_keep=1)
+            prefix(torch.tensor([ids], device=prefix.device), use_cache=False, logits_to_keep=1)
     finally:
         hook.remove()
     return caught[0][0].detach()
@@ -169,14 +166,14 @@ def train(target, sequences: list[Sequence], recipe: Recipe, progress: Progress,
         p.requires_grad_(True)
     draft = early_exit_draft(target, recipe.layers, layer, recipe.vocab)
     trainee = adapter_only(target, layer, recipe.vocab)
+    prefix = early_exit_draft(target, recipe.layers, None, recipe.vocab)  # the frozen layers alone
     for i, seq in enumerate(sequences):  # the frozen layers run once per sequence, not once per step
         progress("frozen layers", i, len(sequences))
-        seq.hidden = hidden_entering(target, seq.ids, recipe.layers)
+        seq.hidden = hidden_entering(prefix, seq.ids)
     progress("frozen layers", len(sequences), len(sequences))
     result = DistillResult(layer, train_tokens=sum(len(s.ids) - s.answer_start for s in sequences))
     if eval_sequences:
-        result.acceptance_before = expected_acceptance(target, early_exit_draft(target, recipe.layers, None, recipe.vocab),
-                                                       eval_sequences)
+        result.acceptance_before = expected_acceptance(target, prefix, eval_sequences)
         result.eval_tokens = sum(len(s.ids) - s.answer_start for s in eval_sequences)
     order = list(range(len(sequences)))
     shuffler = random.Random(recipe.seed)

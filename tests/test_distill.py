@@ -112,7 +112,8 @@ def test_training_graph_equals_the_draft_it_trains(tiny_pair_dir, vocab):
     ids = [1, 5, 9, 3, 7, 11, 4]
     with torch.no_grad():
         expected = draft(torch.tensor([ids])).logits[0]
-        got = trainee(inputs_embeds=hidden_entering(target, ids, 1)[None], use_cache=False).logits[0]
+        prefix = models.early_exit_draft(target, 1, None, vocab)
+        got = trainee(inputs_embeds=hidden_entering(prefix, ids)[None], use_cache=False).logits[0]
     assert got.shape == expected.shape == (len(ids), vocab or 40)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert layer.self_attn.layer_idx == 1  # still the draft's own cache slot
