@@ -116,6 +116,10 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     done = 0
     assisted_error = None  # transformers' assisted generation failing must not cost the other rows
 
+    def decoder_for(setting: Setting, shape: Shape) -> Decoder:
+        return Decoder(pair.target, pair.draft, pair.vocab_size, shape, SamplingParams(setting.temperature, **top),
+                       pair.eos_ids, pair.context_length)
+
     def tick() -> None:
         nonlocal done
         done += 1
@@ -125,18 +129,14 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     # warm-up, untimed: the first forwards of a process pay for page faults on the weights and
     # kernel set-up, which would otherwise land on whichever variant runs first (ar)
     for variant, setting, shape in (jobs[:2] if encoded else []):
-        warm = Decoder(pair.target, pair.draft, pair.vocab_size, shape, SamplingParams(setting.temperature, **top),
-                       pair.eos_ids, pair.context_length)
-        complete(warm, encoded[0], min(max_tokens, 8), seed)
+        complete(decoder_for(setting, shape), encoded[0], min(max_tokens, 8), seed)
 
     for repeat in range(repeats):
         for index, ids in enumerate(encoded):
             run_seed = seed + 1000 * repeat + index
             # interleaved: every variant runs this prompt before the next prompt starts
             for variant, setting, shape in jobs:
-                decoder = Decoder(pair.target, pair.draft, pair.vocab_size, shape,
-                                  SamplingParams(setting.temperature, **top), pair.eos_ids, pair.context_length)
-                _, stats, _ = complete(decoder, ids, max_tokens, run_seed)
+                _, stats, _ = complete(decoder_for(setting, shape), ids, max_tokens, run_seed)
                 totals.setdefault((variant, setting, shape), Stats()).merge(stats)
                 tick()
             if assisted and assisted_error is None:

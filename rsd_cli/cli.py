@@ -334,8 +334,8 @@ def bench(
                          progress=lambda done, total: bars.update(task, completed=done, total=total))
     for row in rows:
         if row.get("error"):
-            _stderr_console().print(f"rsd: warning: {row['variant']} failed and has no numbers: {row['error']}",
-                                    markup=False, highlight=False)
+            console.print(f"rsd: warning: {row['variant']} failed and has no numbers: {row['error']}",
+                          markup=False, highlight=False)
     if plot:
         write_plot(rows, plot)
         console.print(f"wrote {plot}")
