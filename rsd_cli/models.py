@@ -162,7 +162,11 @@ def load_model(source: str, device, dtype, progress: Progress = _quiet):
     progress(f"loading {source}")
     tokenizer = _from_pretrained(AutoTokenizer, location, local)
     model = _from_pretrained(AutoModelForCausalLM, location, local, dtype=dtype, attn_implementation="sdpa")
-    return model.to(device).eval(), tokenizer
+    model = model.to(device).eval()
+    from . import small_batch
+
+    small_batch.install(model)
+    return model, tokenizer
 
 
 def params_read(model) -> int:
@@ -339,6 +343,9 @@ def load_pair(profile, progress: Progress = _quiet) -> ModelPair:
         draft, draft_tok = load_model(profile.resolve_path(draft_cfg["source"]), device, dtype, progress)
         check_same_tokenizer(tokenizer, draft_tok)
         what = draft_cfg["source"]
+    from . import small_batch
+
+    small_batch.install(draft)  # an adapter layer or reduced head is new here
     vocab = target.config.vocab_size
     if draft_cfg["kind"] == "model":
         vocab = min(vocab, draft.config.vocab_size)  # embedding rows may be padded
