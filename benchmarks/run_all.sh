@@ -10,8 +10,11 @@ mkdir -p "$OUT"
 $RSD bench --budgets 6,10,14,21,30 --variants ar,sd,mss,spectr,rsd-c,rsd-s --limit 2 -n 48 --no-assisted \
     --json --plot "$OUT/budgets.svg" > "$OUT/budgets.json"
 # 2. fixed draft length: speed against ar and transformers' assisted generation, T=1
-$RSD bench --depths 1,2 --variants ar,sd,mss,rsd-c,rsd-s --limit 2 -n 40 --assisted \
+$RSD bench --depths 1,2,3 --variants ar,sd,mss,rsd-c,rsd-s --limit 4 -n 64 --assisted \
     --json --plot "$OUT/depths.svg" > "$OUT/depths.json"
+# 2b. the same at the default profile's temperature
+$RSD bench --depths 1,2 --temperatures 0.7 --variants ar,sd,mss,rsd-c,rsd-s --limit 4 -n 64 --no-assisted \
+    --json > "$OUT/depths-t07.json"
 # 3. without vs with replacement at the same shape, more prompts (lower variance than 1.)
 $RSD bench --budgets 14,30 --variants ar,mss,rsd-c --limit 8 -n 32 --no-assisted --json \
     > "$OUT/budgets-wor-vs-wr.json"
@@ -21,3 +24,5 @@ $RSD bench --depths 4 --variants ar,sd --limit 2 -n 40 --no-assisted --json > "$
 .venv/bin/python benchmarks/paired.py --budgets 14,30 --limit 4 -n 48 --draws 16 > "$OUT/paired.json"
 # 6. expected acceptance of the default draft on held-out answers
 .venv/bin/python benchmarks/acceptance.py
+# 7. one target forward for 1..32 new tokens, small-batch CPU kernels against torch's default
+.venv/bin/python benchmarks/forward_cost.py > "$OUT/forward-cost.json"

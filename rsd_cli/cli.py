@@ -343,7 +343,10 @@ def bench(
 
     memory = memory_summary(pair, runtime_mb)
     if as_json:
-        typer.echo(json.dumps({"results": rows, "memory": memory}, indent=2))
+        from .small_batch import installed
+
+        typer.echo(json.dumps({"results": rows, "memory": memory,
+                               "small_batch_layers": installed(pair.target, pair.draft)}, indent=2))
     elif as_csv:
         write_csv(rows, sys.stdout)
     else:

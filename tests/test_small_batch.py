@@ -45,10 +45,14 @@ def test_only_widening_fp32_layers_and_idempotent():
     assert patched == [True, False, True, False]
 
 
-def test_switched_off_by_the_environment(monkeypatch):
+def test_switched_off_by_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "0")
     layer = torch.nn.Linear(8, 16)
     assert small_batch.install(layer) == 0 and "forward" not in layer.__dict__
+    tiny_model().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
+    loaded, _ = load_model(str(tmp_path / "m"), torch.device("cpu"), torch.float32)
+    assert small_batch.installed(loaded) == 0
 
 
 def test_loaded_models_use_it_and_give_the_same_logits(tmp_path):
@@ -57,6 +61,7 @@ def test_loaded_models_use_it_and_give_the_same_logits(tmp_path):
     tiny_tokenizer().save_pretrained(tmp_path / "m")
     loaded, _ = load_model(str(tmp_path / "m"), torch.device("cpu"), torch.float32)
     assert "forward" in loaded.lm_head.__dict__
+    assert small_batch.installed(loaded, loaded) == 2 * 4 + 1  # layers x (q, o, gate, up) + head
     ids = torch.randint(0, 40, (1, 6))
     with torch.inference_mode():
         torch.testing.assert_close(loaded(ids).logits, model.eval()(ids).logits, rtol=1e-4, atol=1e-5)

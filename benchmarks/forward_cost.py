@@ -1,0 +1,58 @@
+"""Cost of one target forward for 1..N new tokens after a 150-token cache, with rsd's CPU
+small-batch linear layers and with torch's default kernels, interleaved in one process.
+
+A speculative step verifies a tree of n nodes in one forward; what it can gain depends on how
+much more n rows cost than one. Run: .venv/bin/python benchmarks/forward_cost.py [--repeats 9]
+"""
+
+import argparse
+import json
+import time
+import types
+
+import torch
+
+from rsd_cli import small_batch
+from rsd_cli.engine import CachedLM
+from rsd_cli.models import load_pair
+from rsd_cli.profiles import load_profile
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--profile", default="default")
+parser.add_argument("--rows", default="1,2,3,4,5,6,8,12,16,32")
+parser.add_argument("--repeats", type=int, default=9)
+args = parser.parse_args()
+
+pair = load_pair(load_profile(args.profile))
+patched = [m for m in pair.target.modules() if "forward" in m.__dict__]
+
+
+def use_small_batch(on: bool) -> None:
+    for module in patched:
+        if on:
+            module.forward = types.MethodType(small_batch._forward, module)
+        else:
+            del module.forward
+
+
+torch.manual_seed(0)
+lm = CachedLM(pair.target, pair.vocab_size)
+lm.extend(torch.randint(0, pair.vocab_size, (150,)).tolist())
+rows = [int(r) for r in args.rows.split(",")]
+times: dict[tuple[int, str], list[float]] = {}
+for _ in range(args.repeats):
+    for n in rows:
+        for kernel in ("torch", "small-batch"):
+            use_small_batch(kernel == "small-batch")
+            past = lm.length
+            start = time.perf_counter()
+            lm.forward(list(range(5, 5 + n)), list(range(past, past + n)), torch.ones(n, past + n, dtype=torch.bool))
+            times.setdefault((n, kernel), []).append(time.perf_counter() - start)
+            lm.cache.crop(-n)
+use_small_batch(True)
+
+median = {key: sorted(v)[len(v) // 2] * 1e3 for key, v in times.items()}
+one = median[(1, "small-batch")]
+result = [{"rows": n, "torch_ms": round(median[(n, "torch")], 1), "small_batch_ms": round(median[(n, "small-batch")], 1),
+           "small_batch_over_one_row": round(median[(n, "small-batch")] / one, 2)} for n in rows]
+print(json.dumps({"patched_layers": len(patched), "forwards": result}, indent=1))
