@@ -47,8 +47,17 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from a (V,) distribution (need not be normalised)."""
-    return int(torch.multinomial(probs.float(), 1, generator=generator))
+    """One token from a (V,) distribution (need not be normalised), by inverting its CDF.
+
+    torch.multinomial draws one sample through V exponentials (~2 ms for 49k tokens on a CPU,
+    twice per step); a cumulative sum and a binary search take ~0.3 ms. A token of zero
+    probability is never returned (its CDF step is empty)."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
+    index = int(torch.searchsorted(cdf, u, right=True))
+    if index >= len(cdf):  # u rounded up to the total: the last token with mass
+        index = int(probs.nonzero()[-1])
+    return index
 
 
 def gumbel_like(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

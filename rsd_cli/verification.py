@@ -14,6 +14,8 @@ from enum import Enum
 
 import torch
 
+from .sampling import sample
+
 
 class Rule(str, Enum):
     WITHOUT_REPLACEMENT = "rrs"  # drafts drawn without replacement (RSD-C, RSD-S, SD)
@@ -135,5 +137,5 @@ def decide(node_plan: Plan, generator: torch.Generator) -> Decision:
     for k, a in enumerate(node_plan.accept):
         if a >= 1.0 or float(torch.rand((), generator=generator, dtype=torch.float64)) < a:
             return Decision(k, k + 1, None)
-    token = int(torch.multinomial(node_plan.residuals[-1].float(), 1, generator=generator))
+    token = sample(node_plan.residuals[-1], generator)
     return Decision(None, len(node_plan.accept), token)
