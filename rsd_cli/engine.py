@@ -116,7 +116,7 @@ class StepEvent:
     draft_calls: int
     draft_seconds: float
     verify_seconds: float
-    forward_seconds: float  # model forward passes only, both models
+    forward_seconds: float  # model forward passes only, both models (the first step: + the prompt's)
     finished: str | None = None  # "eos" | "length" | "context" once generation ends
 
     @property
@@ -254,11 +254,14 @@ class Decoder:
         seq = list(prompt)
         if len(seq) > 1:
             target.extend(seq[:-1])
+        prefill_seconds = target.forward_seconds  # reported with the first step's forwards
         produced = 0
         step = 0
         while produced < max_tokens:
             step += 1
             event = self._step(step, seq, target, draft, generator)
+            if step == 1:
+                event.forward_seconds += prefill_seconds
             room = max_tokens - produced
             if self.context_length:
                 room = min(room, self.context_length - len(seq))

@@ -183,6 +183,25 @@ def test_events_carry_the_tree_and_stats_add_up(pair):
     assert sum(stats.tried_at_depth[:1]) == len(events)
 
 
+def test_every_forward_second_is_reported_prompt_included(pair, monkeypatch):
+    """overhead = wall - forward: a forward left out (the prompt's) would count as overhead."""
+    measured = []
+    real_forward = CachedLM.forward
+
+    def timed(self, *args, **kwargs):
+        before = self.forward_seconds
+        out = real_forward(self, *args, **kwargs)
+        measured.append(self.forward_seconds - before)
+        return out
+
+    monkeypatch.setattr(CachedLM, "forward", timed)
+    target, draft = pair
+    decoder = Decoder(target, draft, V, make_shape("rsd-c", branching=(2,)), SamplingParams(1.0), set())
+    events = list(decoder.generate(PROMPT, 10, seed=3))
+    assert len(measured) > 2 * len(events)  # the prompt, then draft + target forwards per step
+    assert sum(e.forward_seconds for e in events) == pytest.approx(sum(measured), rel=1e-9)
+
+
 def test_budget_shapes_fit_the_budget():
     for variant in VARIANTS:
         for budget in (1, 2, 6, 10, 14, 21, 30):
