@@ -57,14 +57,16 @@ def install(model) -> int:
     for module in model.modules():
         if (isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu"
                 and module.weight.dtype == torch.float32 and module.out_features >= module.in_features):
-            if getattr(module.forward, "__func__", None) is not _forward:
+            if not _uses_it(module):
                 module.forward = types.MethodType(_forward, module)
             count += 1
     return count
 
 
+def _uses_it(module) -> bool:
+    return getattr(module.__dict__.get("forward"), "__func__", None) is _forward
+
+
 def installed(*models) -> int:
     """How many distinct linear layers of these models use the small-batch product."""
-    layers = {id(m) for model in models for m in model.modules()
-              if getattr(m.__dict__.get("forward"), "__func__", None) is _forward}
-    return len(layers)
+    return len({id(m) for model in models for m in model.modules() if _uses_it(m)})
