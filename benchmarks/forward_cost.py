@@ -8,7 +8,6 @@ much more n rows cost than one. Run: .venv/bin/python benchmarks/forward_cost.py
 import argparse
 import json
 import time
-import types
 
 import torch
 
@@ -24,13 +23,13 @@ parser.add_argument("--repeats", type=int, default=9)
 args = parser.parse_args()
 
 pair = load_pair(load_profile(args.profile))
-patched = [m for m in pair.target.modules() if "forward" in m.__dict__]
+patched = [m for m in pair.target.modules() if small_batch.uses_small_batch(m)]
 
 
 def use_small_batch(on: bool) -> None:
     for module in patched:
         if on:
-            module.forward = types.MethodType(small_batch._forward, module)
+            small_batch.install(module)
         else:
             del module.forward
 

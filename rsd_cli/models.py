@@ -241,6 +241,9 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
             draft.lm_head = torch.nn.Linear(config.hidden_size, vocab, bias=False)
         draft.lm_head.weight = torch.nn.Parameter(target.lm_head.weight[:vocab], requires_grad=False)
     draft.generation_config = target.generation_config
+    from . import small_batch
+
+    small_batch.install(draft)  # the same kernels as the target, for a reduced head too
     return draft.eval()
 
 
@@ -343,9 +346,6 @@ def load_pair(profile, progress: Progress = _quiet) -> ModelPair:
         draft, draft_tok = load_model(profile.resolve_path(draft_cfg["source"]), device, dtype, progress)
         check_same_tokenizer(tokenizer, draft_tok)
         what = draft_cfg["source"]
-    from . import small_batch
-
-    small_batch.install(draft)  # an adapter layer or reduced head is new here
     vocab = target.config.vocab_size
     if draft_cfg["kind"] == "model":
         vocab = min(vocab, draft.config.vocab_size)  # embedding rows may be padded

@@ -57,16 +57,17 @@ def install(model) -> int:
     for module in model.modules():
         if (isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu"
                 and module.weight.dtype == torch.float32 and module.out_features >= module.in_features):
-            if not _uses_it(module):
+            if not uses_small_batch(module):
                 module.forward = types.MethodType(_forward, module)
             count += 1
     return count
 
 
-def _uses_it(module) -> bool:
+def uses_small_batch(module) -> bool:
+    """Whether this layer computes few-row products with the small-batch kernel."""
     return getattr(module.__dict__.get("forward"), "__func__", None) is _forward
 
 
 def installed(*models) -> int:
     """How many distinct linear layers of these models use the small-batch product."""
-    return len({id(m) for model in models for m in model.modules() if _uses_it(m)})
+    return len({id(m) for model in models for m in model.modules() if uses_small_batch(m)})
