@@ -312,19 +312,24 @@ def current_rss_mb() -> float:
         return 0.0
 
 
-def runtime_rss_mb() -> float:
-    """Resident memory of the runtime alone (Python, torch, transformers), before any model loads."""
+def runtime_rss_mb(location: str | None = None) -> float:
+    """Resident memory of the runtime alone before any weights load: Python, torch, transformers
+    and, given the target's resolved location, its architecture's modeling code."""
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
+    if location is not None:
+        from .models import import_model_code
+
+        import_model_code(location)
     return current_rss_mb()
 
 
 def memory_summary(pair, runtime_mb: float = 0.0) -> dict:
     """Peak resident memory of this process against the bytes of the weights it holds.
 
-    `model_peak_over_weights` leaves out the runtime measured before the models loaded
-    (`runtime_mb`): what the models, caches and activations add, over the weights."""
+    `model_peak_over_weights` leaves out the runtime measured before the weights loaded
+    (`runtime_mb`, see runtime_rss_mb): what the models, caches and activations add, over the weights."""
     import resource
 
     tensors = {}  # storage -> bytes: a view (a reduced draft head) shares its target's storage

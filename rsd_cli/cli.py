@@ -166,6 +166,16 @@ class Loader:
         with self.console.status("loading models…") as status:
             return load_pair(profile, progress=lambda m: status.update(m))
 
+    def target_location(self, profile) -> str:
+        """The target's source as from_pretrained takes it (a GGUF file is converted here, once)."""
+        from .models import resolve_source
+
+        source = profile.resolve_path(profile["target"]["source"])
+        if self.quiet:
+            return resolve_source(source)[0]
+        with self.console.status("resolving the target…") as status:
+            return resolve_source(source, lambda m: status.update(m))[0]
+
 
 @app.command(no_args_is_help=False)
 @cli_errors
@@ -322,8 +332,9 @@ def bench(
     prof = _load_profile(profile, {})
     from .bench import results_table, run_bench, runtime_rss_mb, write_csv, write_plot
 
-    runtime_mb = runtime_rss_mb()
-    pair = Loader().load(prof)
+    loader = Loader()
+    runtime_mb = runtime_rss_mb(loader.target_location(prof))  # before any weights load
+    pair = loader.load(prof)
     from rich.progress import Progress
 
     console = _stderr_console()
@@ -357,7 +368,8 @@ def bench(
             out.width = 200  # a file or a pipe: do not squeeze the table into 80 columns
         out.print(results_table(rows))
         console.print(f"peak memory {memory['peak_rss_mb']:.0f} MB resident, of which {memory['runtime_rss_mb']:.0f} MB "
-                      f"is the runtime before any model loads; weights {memory['weights_mb']:.0f} MB "
+                      f"is the runtime (Python, torch, transformers, the model's code) before any weights load; "
+                      f"weights {memory['weights_mb']:.0f} MB "
                       f"(target + draft, shared tensors counted once)")
 
 

@@ -93,3 +93,18 @@ def test_a_failing_peer_row_is_reported_and_the_others_kept(tiny_profile, monkey
     rows = json.loads(CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--depths", "1", "--variants",
                                                "ar,sd", "--limit", "1", "-n", "4", "--json"]).stdout)["results"]
     assert {r["variant"] for r in rows} == {"ar", "sd", "hf-assisted"}
+
+
+def test_runtime_baseline_includes_the_model_code_but_no_weights(tiny_pair_dir):
+    """The memory baseline imports the target architecture's modeling code (what loading imports
+    anyway), so `model_peak_over_weights` counts model data, not Python modules."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from rsd_cli.bench import runtime_rss_mb; runtime_rss_mb({}); "
+            "print('transformers.models.llama.modeling_llama' in sys.modules)")
+    target = str(tiny_pair_dir / "target")
+    with_code = subprocess.run([sys.executable, "-c", code.format(repr(target))], capture_output=True, text=True)
+    without = subprocess.run([sys.executable, "-c", code.format("")], capture_output=True, text=True)
+    assert with_code.stdout.strip() == "True", with_code.stderr
+    assert without.stdout.strip() == "False", without.stderr
