@@ -269,9 +269,8 @@ def save_adapter(layer, path: Path, target, layers: int, recipe: dict) -> None:
     save_file(tensors, str(path), metadata=meta)
 
 
-def load_adapter(path: Path, target, layers: int, vocab: int = 0):
-    """The adapter layer in `path`, checked against the target, K and the draft head's size
-    (an adapter trained for an N-token head leaves the other rows of the head untrained)."""
+def _read_adapter(path: Path, with_tensors: bool = True) -> tuple[dict, dict]:
+    """(metadata, tensors) of an adapter file; tensors empty unless asked for."""
     from safetensors import safe_open
 
     if not path.is_file():
@@ -279,9 +278,16 @@ def load_adapter(path: Path, target, layers: int, vocab: int = 0):
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            tensors = {k: f.get_tensor(k) for k in f.keys()} if with_tensors else {}
     except Exception as e:
         raise RsdError(f"{path}: not a safetensors adapter: {e}") from None
+    return meta, tensors
+
+
+def load_adapter(path: Path, target, layers: int, vocab: int = 0):
+    """The adapter layer in `path`, checked against the target, K and the draft head's size
+    (an adapter trained for an N-token head leaves the other rows of the head untrained)."""
+    meta, tensors = _read_adapter(path)
     if meta.get("rsd_fingerprint") != fingerprint(target):
         raise RsdError(f"{path} was trained for another target model (fingerprint "
                        f"{meta.get('rsd_fingerprint', 'missing')}, this target is {fingerprint(target)}); "
@@ -303,6 +309,21 @@ def load_adapter(path: Path, target, layers: int, vocab: int = 0):
 
 def embedded_adapter() -> Path:
     return ADAPTER_DIR / "smollm2-135m-instruct-l3.safetensors"
+
+
+def adapter_path(setting: str, profile, target, layers: int) -> Path | None:
+    """The adapter file a profile's `draft.adapter` names, or None for none.
+
+    "auto": the shipped adapter when it was trained for this target and K, else none (a profile
+    for another target then drafts with its first layers alone); "embedded": the shipped one,
+    refused with a reason if it does not fit; "": none; anything else: a file."""
+    if not setting:
+        return None
+    if setting == "auto":
+        meta, _ = _read_adapter(embedded_adapter(), with_tensors=False)
+        fits = meta.get("rsd_fingerprint") == fingerprint(target) and meta.get("rsd_layers") == str(layers)
+        return embedded_adapter() if fits else None
+    return embedded_adapter() if setting == "embedded" else Path(profile.resolve_path(setting))
 
 
 def _eos_ids(tokenizer, model) -> set[int]:
@@ -345,11 +366,8 @@ def load_pair(profile, progress: Progress = _quiet) -> ModelPair:
     target, tokenizer = load_model(target_source, device, dtype, progress)
     draft_cfg = profile["draft"]
     if draft_cfg["kind"] == "early-exit":
-        adapter_name = draft_cfg["adapter"]
-        adapter = None
-        if adapter_name:
-            path = embedded_adapter() if adapter_name == "embedded" else Path(profile.resolve_path(adapter_name))
-            adapter = load_adapter(path, target, draft_cfg["layers"], draft_cfg["vocab"])
+        path = adapter_path(draft_cfg["adapter"], profile, target, draft_cfg["layers"])
+        adapter = load_adapter(path, target, draft_cfg["layers"], draft_cfg["vocab"]) if path else None
         draft = early_exit_draft(target, draft_cfg["layers"], adapter, draft_cfg["vocab"])
         what = f"early-exit {draft_cfg['layers']} layers" + (" + adapter" if adapter is not None else "")
         what += f", {draft_cfg['vocab']}-token head" if draft_cfg["vocab"] else ""

@@ -62,7 +62,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "kind": Key(str, "early-exit", _one_of("early-exit", "model")),
         "source": Key(str, "", None, "the draft model (kind = model): directory, .gguf or hub id"),
         "layers": Key(int, 3, _positive, "early-exit: how many of the target's first layers"),
-        "adapter": Key(str, "embedded", None, 'early-exit: "embedded", a safetensors file, or "" for none'),
+        "adapter": Key(str, "auto", None,
+                       'early-exit: "auto" (the shipped one if trained for this target), "embedded", a file, or ""'),
         "vocab": Key(int, 0, _non_negative, "early-exit: draft only among the first N token ids (0 = all)"),
     },
     "decoding": {

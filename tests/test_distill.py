@@ -76,6 +76,19 @@ def test_an_adapter_for_another_target_is_refused(target_profile, tmp_path, tiny
     assert "trained for another target" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_adapter_auto_drafts_without_the_shipped_adapter_on_another_target(target_profile, tmp_path):
+    """The default `draft.adapter = "auto"` uses the shipped adapter only where it was trained
+    for the target; "embedded" asks for it and says why it does not fit."""
+    profile, _ = target_profile  # a tiny target, early-exit draft, adapter left at its default
+    result = CliRunner().invoke(app, ["generate", "-p", str(profile), "hello", "-n", "4", "--seed", "0"])
+    assert result.exit_code == 0, result.stderr
+    embedded = tmp_path / "embedded.toml"
+    embedded.write_text(profile.read_text().replace("layers = 1\n", 'layers = 1\nadapter = "embedded"\n'))
+    result = CliRunner().invoke(app, ["generate", "-p", str(embedded), "hello", "-n", "4"])
+    assert result.exit_code == 1
+    assert "trained for another target" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_bad_distill_arguments_are_one_line_errors(target_profile, tmp_path):
     profile, _ = target_profile
     for extra, message in ((["--schedule", "linear"], "--schedule"), (["--layers", "3"], "only 3 layers"),

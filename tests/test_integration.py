@@ -21,6 +21,15 @@ def embedded_pair():
     return profile, load_pair(profile)
 
 
+def test_adapter_auto_finds_the_shipped_adapter_for_the_embedded_target(embedded_pair):
+    from rsd_cli.models import adapter_path, embedded_adapter
+
+    profile, pair = embedded_pair
+    assert adapter_path("auto", profile, pair.target, 3) == embedded_adapter()
+    assert adapter_path("auto", profile, pair.target, 2) is None  # trained after 3 layers, not 2
+    assert "+ adapter" in pair.description
+
+
 def test_rsd_generate_on_the_embedded_default():
     result = CliRunner().invoke(app, ["generate", "What is the capital of France?", "-n", "12", "--seed", "0",
                                       "-t", "0"], input="")
