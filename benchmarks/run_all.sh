@@ -26,3 +26,5 @@ $RSD bench --depths 4 --variants ar,sd --limit 2 -n 40 --no-assisted --json > "$
 .venv/bin/python benchmarks/acceptance.py
 # 7. one target forward for 1..32 new tokens, small-batch CPU kernels against torch's default
 .venv/bin/python benchmarks/forward_cost.py > "$OUT/forward-cost.json"
+# 8. where a step's time goes, per variant (forwards, glue, draws, verification, cache pruning)
+.venv/bin/python benchmarks/profile_step.py --json > "$OUT/profile-step.json"

@@ -124,11 +124,9 @@ def learning_rate_factor(schedule: str, step: int, steps: int) -> float:
 def adapter_only(target, layer, vocab: int = 0):
     """The adapter + the target's final norm and head, as a causal LM fed `inputs_embeds` = the
     target's hidden states entering layer K. Training runs only this: the K frozen layers are
-    run once per sequence, not once per step."""
-    index = layer.self_attn.layer_idx
-    model = early_exit_draft(target, 0, layer, vocab)
-    layer.self_attn.layer_idx = index  # keep its slot in the real draft's cache
-    return model
+    run once per sequence, not once per step. Run it without a cache (use_cache=False): the
+    adapter keeps its cache slot K of the real draft."""
+    return early_exit_draft(target, 0, layer, vocab)
 
 
 def hidden_entering(prefix, ids: list[int]) -> torch.Tensor:

@@ -241,8 +241,7 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
         draft = type(target)(config)
     draft.model.embed_tokens = inner.embed_tokens
     kept = list(inner.layers[:layers])
-    if adapter is not None:
-        adapter.self_attn.layer_idx = layers  # its own slot in the draft's KV cache
+    if adapter is not None:  # new_adapter_layer gave it slot K (= layers) in the draft's KV cache
         kept.append(adapter)
     draft.model.layers = torch.nn.ModuleList(kept)
     draft.model.norm = inner.norm

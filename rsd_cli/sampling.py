@@ -65,20 +65,42 @@ def gumbel_like(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return -torch.log(-torch.log(u.clamp_min(1e-300)))
 
 
+def support(probs: torch.Tensor) -> torch.Tensor | None:
+    """Indices of the last dimension where some row has mass, or None when most do.
+
+    A reduced draft head, top-k or top-p leave most of a 49k vocabulary at q = 0: Gumbel noise
+    drawn only there costs a fraction, and zero-probability tokens can never be drawn anyway."""
+    mask = probs > 0
+    if mask.dim() > 1:
+        mask = mask.any(0)
+    if int(mask.sum()) * 2 > mask.numel():
+        return None
+    return mask.nonzero().squeeze(-1)
+
+
 def gumbel_top_k(probs: torch.Tensor, k: int, generator: torch.Generator) -> list[int]:
     """k tokens drawn without replacement from (V,) probs, in draw order.
 
     Perturbs log q with i.i.d. Gumbel(0, 1) noise and sorts by the perturbed score: the order
     is exactly that of successive draws without replacement (Plackett-Luce). Never returns a
     token of zero probability, so fewer than k tokens come back when the support is smaller.
+    The noise is drawn on the support only; one token is one draw from q (the top-1 of the
+    perturbed scores is distributed as q).
     """
-    scores = probs.double().log() + gumbel_like(probs, generator)
-    k = min(k, int((probs > 0).sum()))
-    return torch.topk(scores, k).indices.tolist()
+    if k == 1:
+        return [sample(probs, generator)]
+    kept = support(probs)
+    sub = probs if kept is None else probs[kept]
+    scores = sub.double().log() + gumbel_like(sub, generator)
+    top = torch.topk(scores, min(k, int((sub > 0).sum()))).indices
+    return (top if kept is None else kept[top]).tolist()
 
 
 def sample_with_replacement(probs: torch.Tensor, k: int, generator: torch.Generator) -> list[int]:
-    """k i.i.d. tokens from (V,) probs."""
+    """k i.i.d. tokens from (V,) probs (one by inverting the CDF: torch.multinomial's single
+    draw is the slow path)."""
+    if k == 1:
+        return [sample(probs, generator)]
     return torch.multinomial(probs.float(), k, replacement=True, generator=generator).tolist()
 
 
@@ -117,13 +139,16 @@ def stochastic_beam_step(
     Children are returned sorted by descending perturbed score, so the children of one parent
     appear in their draw order (they are a Gumbel-top-k sample from that parent's q).
     """
-    child_phi = log_prob.double().unsqueeze(-1) + probs.double().log()  # (B, V)
+    kept = support(probs)  # children of zero probability have score -inf: leave them out
+    sub = probs if kept is None else probs[:, kept]
+    child_phi = log_prob.double().unsqueeze(-1) + sub.double().log()  # (B, V) or (B, |support|)
     perturbed = child_phi + gumbel_like(child_phi, generator)
     child_score = truncated_gumbel(perturbed, score.double())
     flat = child_score.flatten()
     k = min(width, int(torch.isfinite(flat).sum()))
     top = torch.topk(flat, k)
-    vocab = probs.shape[-1]
-    parent = (top.indices // vocab).tolist()
-    token = (top.indices % vocab).tolist()
+    columns = sub.shape[-1]
+    parent = (top.indices // columns).tolist()
+    column = top.indices % columns
+    token = (column if kept is None else kept[column]).tolist()
     return BeamLevel(parent, token, child_phi.flatten()[top.indices], top.values)

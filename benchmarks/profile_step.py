@@ -1,0 +1,137 @@
+"""Where a decoding step's time goes, per variant: the two models' forward passes, the glue
+around them (mask, tensors in, logits out), tree drafting draws, turning logits into
+probabilities, verification, the bonus draw, KV-cache pruning, and the rest (tree building,
+the engine's Python). Every part is timed by wrapping the function that does it; "other" is
+the step's wall time minus the parts.
+
+Run on a quiet machine: .venv/bin/python benchmarks/profile_step.py [--depths 1,2] [--limit 2]
+Prints a table (ms per step and % of the step) and, with --json, the numbers.
+"""
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+from rsd_cli import drafting, engine
+from rsd_cli.bench import Setting
+from rsd_cli.generation import complete
+from rsd_cli.models import load_pair
+from rsd_cli.profiles import load_profile
+from rsd_cli.prompting import builtin_prompts, encode_prompt
+from rsd_cli.sampling import SamplingParams
+from rsd_cli.tree import DraftTree
+
+PARTS = ["target forward", "draft forward", "forward glue", "draws", "logits to probs", "verification",
+         "bonus draw", "cache pruning", "other"]
+
+spent: dict[str, float] = defaultdict(float)
+in_step = False  # only time spent inside Decoder._step counts (not the prompt's prefill)
+
+
+def timed(part: str, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if in_step:
+                spent[part] += time.perf_counter() - start
+    return wrapper
+
+
+def timed_step(fn):
+    def wrapper(*args, **kwargs):
+        global in_step
+        in_step = True
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent["step"] += time.perf_counter() - start
+            spent["steps"] += 1
+            in_step = False
+    return wrapper
+
+
+def instrument(pair) -> None:
+    """Wrap the leaves of a step (none of them calls another wrapped one, except the model
+    forwards inside CachedLM.forward, subtracted below as "forward glue")."""
+    pair.target.forward = timed("target forward", pair.target.forward)
+    if pair.draft is not pair.target:
+        pair.draft.forward = timed("draft forward", pair.draft.forward)
+    engine.CachedLM.forward = timed("cached forward", engine.CachedLM.forward)
+    engine.CachedLM.keep = timed("cache pruning", engine.CachedLM.keep)
+    engine.logits_to_probs = timed("logits to probs", engine.logits_to_probs)
+    engine.plan = timed("verification", engine.plan)
+    engine.decide = timed("verification", engine.decide)  # includes a correction draw
+    engine.sample = timed("bonus draw", engine.sample)
+    for name in ("gumbel_top_k", "sample_with_replacement", "stochastic_beam_step"):
+        setattr(drafting, name, timed("draws", getattr(drafting, name)))
+    DraftTree.ancestry = timed("forward glue", DraftTree.ancestry)  # the verification mask
+    engine.Decoder._step = timed_step(engine.Decoder._step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--profile", default="default")
+    parser.add_argument("--variants", default="ar,sd,mss,rsd-c,rsd-s")
+    parser.add_argument("--depths", default="1,2")
+    parser.add_argument("--width", type=int, default=3, help="branching / beam width at the root")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--limit", type=int, default=2, help="how many built-in eval prompts")
+    parser.add_argument("-n", "--max-tokens", type=int, default=48)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    profile = load_profile(args.profile)
+    pair = load_pair(profile)
+    instrument(pair)
+    prompts = [encode_prompt(pair.tokenizer, p) for p in builtin_prompts("eval")[: args.limit]]
+    jobs = []
+    for variant in args.variants.split(","):
+        for depth in ([0] if variant == "ar" else [int(d) for d in args.depths.split(",")]):
+            jobs.append((variant, depth, Setting(args.temperature, None, depth or None).shape(variant, args.width)))
+    sampling = SamplingParams(args.temperature, profile["sampling"]["top_k"], profile["sampling"]["top_p"])
+
+    def decoder(shape):
+        return engine.Decoder(pair.target, pair.draft, pair.vocab_size, shape, sampling, pair.eos_ids,
+                              pair.context_length)
+
+    complete(decoder(jobs[-1][2]), prompts[0], 8, 0)  # warm-up: page faults, kernel set-up
+    rows = []
+    for variant, depth, shape in jobs:  # one job at a time: the wrappers' totals belong to it
+        spent.clear()
+        tokens = 0
+        for index, ids in enumerate(prompts):
+            tokens += sum(len(event.emitted) for event in decoder(shape).generate(ids, args.max_tokens, seed=index))
+        wall, steps = spent["step"], int(spent["steps"])
+        parts = {
+            "target forward": spent["target forward"],
+            "draft forward": spent["draft forward"],
+            "forward glue": spent["cached forward"] - spent["target forward"] - spent["draft forward"]
+            + spent["forward glue"],
+            "draws": spent["draws"],
+            "logits to probs": spent["logits to probs"],
+            "verification": spent["verification"],
+            "bonus draw": spent["bonus draw"],
+            "cache pruning": spent["cache pruning"],
+        }
+        parts["other"] = wall - sum(parts.values())
+        rows.append({"variant": variant, "shape": shape.describe(), "steps": steps, "tokens": tokens,
+                     "step_ms": 1e3 * wall / steps, "ms_per_step": {k: 1e3 * v / steps for k, v in parts.items()},
+                     "outside_forwards": 1 - (parts["target forward"] + parts["draft forward"]) / wall})
+
+    if args.json:
+        print(json.dumps({"temperature": args.temperature, "rows": rows}, indent=1))
+        return
+    header = f"{'variant':<18}{'step ms':>8}" + "".join(f"{p:>16}" for p in PARTS) + f"{'outside fwd':>13}"
+    print(header)
+    for row in rows:
+        cells = "".join(f"{row['ms_per_step'][p]:>9.2f} {100 * row['ms_per_step'][p] / row['step_ms']:>4.1f}%"
+                        for p in PARTS)
+        print(f"{row['shape']:<18}{row['step_ms']:>8.1f}{cells}{100 * row['outside_forwards']:>12.1f}%")
+
+
+if __name__ == "__main__":
+    main()
