@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from .sampling import gumbel_top_k, sample_with_replacement, stochastic_beam_step
+from .sampling import gumbel_top_k, sample_with_replacement, stochastic_beam_step, top_tokens
 from .tree import DraftTree
 from .verification import Rule
 
@@ -89,17 +89,22 @@ def shape_for_budget(variant: str, budget: int) -> Shape:
 
 
 def build_tree(shape: Shape, root: int, q_root: torch.Tensor, expand: Expand,
-               generator: torch.Generator) -> DraftTree:
+               generator: torch.Generator, greedy: bool = False) -> DraftTree:
+    """Draft one step's tree. `greedy` (the target samples at temperature 0): draws without
+    replacement take their temperature -> 0 limit, the draft's most likely tokens (top-k,
+    beam search), so a root with b children still tries b distinct tokens. With a one-hot
+    target p, recursive rejection accepts the first child equal to the target's argmax, and
+    the correction after rejecting them all is that argmax: exact for any draft q."""
     tree = DraftTree.rooted_at(root)
     tree.q[0] = q_root
     if shape.variant == "ar" or shape.depth == 0:
         return tree
     if shape.variant == "rsd-s":
-        _stochastic_beam_tree(tree, shape, expand, generator)
+        _stochastic_beam_tree(tree, shape, expand, generator, noise=not greedy)
     elif shape.variant == "spectr":
         _independent_sequences_tree(tree, shape, expand, generator)
     else:
-        _branching_tree(tree, shape, expand, generator)
+        _branching_tree(tree, shape, expand, generator, greedy)
     return tree
 
 
@@ -108,9 +113,14 @@ def _expand_into(tree: DraftTree, nodes: list[int], expand: Expand) -> None:
         tree.q[node] = q
 
 
-def _branching_tree(tree: DraftTree, shape: Shape, expand: Expand, gen: torch.Generator) -> None:
-    """sd, rsd-c (Gumbel-top-k without replacement) and mss (i.i.d.), b_d children per node."""
-    draw = sample_with_replacement if shape.rule is Rule.WITH_REPLACEMENT else gumbel_top_k
+def _branching_tree(tree: DraftTree, shape: Shape, expand: Expand, gen: torch.Generator,
+                    greedy: bool = False) -> None:
+    """sd, rsd-c (Gumbel-top-k without replacement, top-k when greedy) and mss (i.i.d.), b_d
+    children per node."""
+    if shape.rule is Rule.WITH_REPLACEMENT:
+        draw = sample_with_replacement
+    else:
+        draw = (lambda probs, k, _: top_tokens(probs, k)) if greedy else gumbel_top_k
     frontier = [0]
     for depth, b in enumerate(shape.branching, start=1):
         new = []
@@ -139,14 +149,16 @@ def _independent_sequences_tree(tree: DraftTree, shape: Shape, expand: Expand, g
         frontier = new
 
 
-def _stochastic_beam_tree(tree: DraftTree, shape: Shape, expand: Expand, gen: torch.Generator) -> None:
-    """rsd-s: stochastic beam search; each level keeps the top-W children by perturbed score."""
+def _stochastic_beam_tree(tree: DraftTree, shape: Shape, expand: Expand, gen: torch.Generator,
+                          noise: bool = True) -> None:
+    """rsd-s: stochastic beam search; each level keeps the top-W children by perturbed score
+    (by log q of the prefix without noise)."""
     beams = [0]
     log_prob = torch.zeros(1, dtype=torch.float64)
     score = torch.zeros(1, dtype=torch.float64)
     for depth in range(1, shape.depth + 1):
         probs = torch.stack([tree.q[b] for b in beams])
-        level = stochastic_beam_step(log_prob, score, probs, shape.width, gen)
+        level = stochastic_beam_step(log_prob, score, probs, shape.width, gen, noise)
         beams = [tree.add_draw(beams[parent], token)[0] for parent, token in zip(level.parent, level.token)]
         log_prob, score = level.log_prob, level.score
         if depth < shape.depth:

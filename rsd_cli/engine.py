@@ -16,7 +16,7 @@ from .drafting import Shape, build_tree
 from .errors import RsdError
 from .sampling import SamplingParams, logits_to_probs, sample
 from .tree import DraftTree
-from .verification import Decision, Plan, decide, plan
+from .verification import Decision, Plan, Rule, decide, plan
 
 
 def full_vocabulary(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -241,6 +241,12 @@ class Decoder:
         self.sampling = sampling
         self.eos_ids = eos_ids
         self.context_length = context_length
+        # A greedy target (p one-hot) is verified exactly whatever q is. Drafts without
+        # replacement then keep the draft's whole distribution to rank their candidates (top-k,
+        # beam search): a one-hot q would leave a single child per node. I.i.d. drafts (mss,
+        # spectr) would all be the mode anyway, so they keep the one-hot q of the same limit.
+        self.greedy_ranking = sampling.greedy and shape.rule is Rule.WITHOUT_REPLACEMENT
+        self.draft_sampling = SamplingParams() if self.greedy_ranking else sampling
 
     def generate(self, prompt: list[int], max_tokens: int, seed: int | None = None) -> Iterator[StepEvent]:
         if not prompt:
@@ -341,7 +347,7 @@ class Decoder:
                 for ancestor in tree.path_to(node):
                     visible[row, draft_index[ancestor]] = True
             logits = draft.forward([tree.tokens[n] for n in nodes], [base + tree.depths[n] for n in nodes], visible)
-            return logits_to_probs(logits, self.sampling)
+            return logits_to_probs(logits, self.draft_sampling)
 
-        q_root = logits_to_probs(root_logits[-1], self.sampling)
-        return build_tree(self.shape, root, q_root, expand, generator), draft_index
+        q_root = logits_to_probs(root_logits[-1], self.draft_sampling)
+        return build_tree(self.shape, root, q_root, expand, generator, self.greedy_ranking), draft_index

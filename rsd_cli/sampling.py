@@ -96,6 +96,15 @@ def gumbel_top_k(probs: torch.Tensor, k: int, generator: torch.Generator) -> lis
     return (top if kept is None else kept[top]).tolist()
 
 
+def top_tokens(probs: torch.Tensor, k: int) -> list[int]:
+    """The k most likely tokens of (V,) probs, most likely first, never one of zero probability.
+
+    What Gumbel-top-k becomes as the draft's temperature goes to 0: successive draws without
+    replacement from q^(1/t) take q's modes in order. Drafts for a greedy target."""
+    top = torch.topk(probs, min(k, int((probs > 0).sum())))
+    return top.indices.tolist()
+
+
 def sample_with_replacement(probs: torch.Tensor, k: int, generator: torch.Generator) -> list[int]:
     """k i.i.d. tokens from (V,) probs (one by inverting the CDF: torch.multinomial's single
     draw is the slow path)."""
@@ -133,17 +142,23 @@ def stochastic_beam_step(
     probs: torch.Tensor,  # (B, V) q of the next token for each beam
     width: int,
     generator: torch.Generator,
+    noise: bool = True,
 ) -> BeamLevel:
     """One level of stochastic beam search: keep the top `width` of the B x V children.
 
     Children are returned sorted by descending perturbed score, so the children of one parent
-    appear in their draw order (they are a Gumbel-top-k sample from that parent's q).
+    appear in their draw order (they are a Gumbel-top-k sample from that parent's q). Without
+    noise (the temperature -> 0 limit, for a greedy target) it is plain beam search: the
+    score is phi itself.
     """
     kept = support(probs)  # children of zero probability have score -inf: leave them out
     sub = probs if kept is None else probs[:, kept]
     child_phi = log_prob.double().unsqueeze(-1) + sub.double().log()  # (B, V) or (B, |support|)
-    perturbed = child_phi + gumbel_like(child_phi, generator)
-    child_score = truncated_gumbel(perturbed, score.double())
+    if noise:
+        perturbed = child_phi + gumbel_like(child_phi, generator)
+        child_score = truncated_gumbel(perturbed, score.double())
+    else:
+        child_score = child_phi
     flat = child_score.flatten()
     k = min(width, int(torch.isfinite(flat).sum()))
     top = torch.topk(flat, k)

@@ -90,6 +90,28 @@ def test_greedy_equals_plain_greedy_decoding(pair, shape):
     assert run(pair, shape, greedy, 25, seed=0) == reference
 
 
+@pytest.mark.parametrize("shape", [make_shape("rsd-c", branching=(3, 2)), make_shape("rsd-s", beam_width=3, depth=2)],
+                         ids=lambda s: s.describe())
+def test_greedy_trees_try_the_drafts_best_tokens_and_stay_exact(pair, shape):
+    """At temperature 0 draws without replacement become the draft's top tokens (beam search for
+    rsd-s): the root has 3 distinct children, not the one a one-hot q would leave, and a child
+    other than the first is accepted now and then, while the output is still plain greedy."""
+    target, draft = pair
+    events = list(Decoder(target, draft, V, shape, SamplingParams(temperature=0), set()).generate(PROMPT, 40, seed=0))
+    reference, tokens = [], list(PROMPT)
+    for _ in range(40):
+        tokens.append(int(full_logits(target, tokens)[-1].argmax()))
+        reference.append(tokens[-1])
+    assert [t for e in events for t in e.emitted] == reference
+    for event in events:
+        root_children = event.tree.draws[0]
+        q_root = event.tree.q[0]
+        assert len(root_children) == 3
+        ranked = [event.tree.tokens[c] for c in root_children]
+        assert ranked == q_root.topk(3).indices.tolist()
+    assert any(e.checks[0].decision.accepted not in (None, 0) for e in events)
+
+
 def exact_joint(target, sampling) -> torch.Tensor:
     """(V, V) target probability of the first two generated tokens."""
     first = logits_to_probs(full_logits(target, PROMPT)[-1], sampling).double()

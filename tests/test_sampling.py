@@ -85,3 +85,20 @@ def test_stochastic_beam_step_on_the_support_keeps_the_same_children_distributio
     table = [[restricted.get(key, 0) for key in keys], [whole.get(key, 0) for key in keys]]
     frequent = [i for i in range(len(keys)) if table[0][i] + table[1][i] >= 20]
     assert chi2_contingency([[row[i] for i in frequent] for row in table]).pvalue > 1e-3
+
+
+def test_top_tokens_are_the_modes_in_order_and_never_a_zero_probability_token():
+    assert sampling.top_tokens(Q, 3) == [3, 7, 11]
+    assert sampling.top_tokens(Q, 10) == [3, 7, 11, 0]  # the support only
+
+
+def test_beam_step_without_noise_is_beam_search():
+    """Every (parent, child) scored by log q of the whole prefix; the top 3 kept, best first."""
+    other = torch.tensor([0, 0.5, 0, 0.2, 0, 0, 0, 0, 0, 0.3, 0, 0], dtype=torch.float64)
+    probs = torch.stack([Q, other])
+    log_prob = torch.log(torch.tensor([0.6, 0.3], dtype=torch.float64))
+    level = sampling.stochastic_beam_step(log_prob, torch.zeros(2, dtype=torch.float64), probs, 3,
+                                          torch.Generator().manual_seed(0), noise=False)
+    # prefix probabilities: 0.6 * (0.4, 0.3, 0.2, 0.1) and 0.3 * (0.5, 0.3, 0.2)
+    assert list(zip(level.parent, level.token)) == [(0, 3), (0, 7), (1, 1)]
+    assert torch.allclose(level.log_prob.exp(), torch.tensor([0.24, 0.18, 0.15], dtype=torch.float64))
