@@ -322,7 +322,7 @@ def bench(
     depth_list = _csv_list(depths, int, "--depths") if depths else []
     temps = _csv_list(temperatures, float, "--temperatures")
     if any(b < 1 for b in budget_list) or any(d < 1 for d in depth_list) or any(t < 0 for t in temps):
-        raise RsdError("budgets and depths must be at least 1, temperatures at least 0")
+        raise UsageError("budgets and depths must be at least 1, temperatures at least 0")
     if as_json and as_csv:
         raise UsageError("--json and --csv are exclusive")
     from .distill_command import _read_prompts

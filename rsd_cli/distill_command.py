@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .distill import Recipe, sample_answers, teacher_labels, train
-from .errors import RsdError
+from .errors import RsdError, UsageError
 from .models import cache_dir, fingerprint, load_model, pick_device_dtype, save_adapter
 from .prompting import builtin_prompts
 
@@ -41,12 +41,12 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
     import torch
 
     if out.suffix != ".safetensors":
-        raise RsdError(f"--out must name a .safetensors file (got {out})")
+        raise UsageError(f"--out must name a .safetensors file (got {out})")
     if not out.parent.exists():
         raise RsdError(f"folder {out.parent} does not exist")
     prompts = _read_prompts(prompts_file)
     if schedule not in ("cosine", "constant"):
-        raise RsdError(f"--schedule must be cosine or constant (got {schedule!r})")
+        raise UsageError(f"--schedule must be cosine or constant (got {schedule!r})")
     recipe = Recipe(layers=layers, tokens=tokens, eval_tokens=eval_tokens, epochs=epochs, lr=lr, schedule=schedule,
                     max_new_tokens=max_new_tokens, batch_size=batch_size, vocab=vocab, seed=seed)
     torch.manual_seed(seed)

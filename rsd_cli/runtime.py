@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .drafting import Shape, make_shape, shape_for_budget
-from .errors import RsdError
+from .errors import RsdError, UsageError
 from .profiles import SCHEMA, Profile
 
 # flag name -> (table, key)
@@ -29,11 +29,12 @@ def parse_branching(text: str) -> list[int]:
     try:
         return [int(part) for part in text.replace(" ", "").split(",") if part]
     except ValueError:
-        raise RsdError(f"--branching takes integers separated by commas, like 3,2,2 (got {text!r})") from None
+        raise UsageError(f"--branching takes integers separated by commas, like 3,2,2 (got {text!r})") from None
 
 
 def apply_flags(profile: Profile, flags: dict[str, Any]) -> Profile:
-    """Flags override the profile; None means 'not given'."""
+    """Flags override the profile; None means 'not given'. A value out of its range is a usage
+    error (exit 2), as a value of the wrong type is for Typer."""
     for name, value in flags.items():
         if value is None:
             continue
@@ -41,8 +42,11 @@ def apply_flags(profile: Profile, flags: dict[str, Any]) -> Profile:
         if name == "branching" and isinstance(value, str):
             value = parse_branching(value)
         if name == "budget" and value < 1:  # in a profile 0 means "off"; a flag asks for a tree
-            raise RsdError(f"--budget {value}: the budget must be at least 1 (the root of the tree)")
-        profile.set(table, key, value, f"flag --{name.replace('_', '-')}")
+            raise UsageError(f"--budget {value}: the budget must be at least 1 (the root of the tree)")
+        try:
+            profile.set(table, key, value, f"flag --{name.replace('_', '-')}")
+        except RsdError as e:
+            raise UsageError(str(e)) from None
     return profile
 
 

@@ -49,7 +49,7 @@ def test_bench_rejects_bad_lists(tiny_profile):
     result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--variants", "ar,warp"])
     assert result.exit_code == 2 and "unknown variant 'warp'" in result.stderr
     result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--budgets", "0"])
-    assert result.exit_code == 1 and "at least 1" in result.stderr
+    assert result.exit_code == 2 and "at least 1" in result.stderr
 
 
 def test_assisted_row_runs_with_a_reduced_draft_head(tiny_pair_dir, tmp_path):

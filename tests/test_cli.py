@@ -79,18 +79,27 @@ def test_budget_and_tree_flags(cli, tiny_profile):
 
 
 @pytest.mark.parametrize(
-    "args, fragment",
+    "args, code, fragment",
     [
-        (["--branching", "2,0", "-v", "rsd-c"], "every branching factor must be at least 1"),
-        (["--beam-width", "500", "-v", "rsd-s"], "larger than the vocabulary"),
-        (["--budget", "0"], "budget must be at least 1"),
-        (["--depth", "0", "-v", "rsd-s"], "decoding.depth must be at least 1"),
-        (["-v", "turbo"], "decoding.variant must be one of"),
-        (["-t", "-1"], "sampling.temperature must be at least 0"),
+        (["--branching", "2,0", "-v", "rsd-c"], 2, "every branching factor must be at least 1"),
+        (["--branching", "2,x", "-v", "rsd-c"], 2, "--branching takes integers"),
+        (["--beam-width", "500", "-v", "rsd-s"], 1, "larger than the vocabulary"),  # known once the model is
+        (["--budget", "0"], 2, "budget must be at least 1"),
+        (["--depth", "0", "-v", "rsd-s"], 2, "decoding.depth must be at least 1"),
+        (["-v", "turbo"], 2, "decoding.variant must be one of"),
+        (["-t", "-1"], 2, "sampling.temperature must be at least 0"),
+        (["-t", "warm"], 2, "Invalid value"),  # Typer's own check, the same code
     ],
 )
-def test_bad_parameters_are_one_line_errors(cli, tiny_profile, args, fragment):
-    assert_clean_error(cli("generate", "hi", "-p", tiny_profile, *args, input=""), 1, fragment)
+def test_bad_parameters_are_one_line_errors(cli, tiny_profile, args, code, fragment):
+    result = cli("generate", "hi", "-p", tiny_profile, *args, input="")
+    assert result.exit_code == code, (result.stdout, result.stderr)
+    assert fragment in result.stderr and "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_an_out_of_range_value_in_the_environment_is_not_a_usage_error(cli, tiny_profile):
+    result = cli("generate", "hi", "-p", tiny_profile, input="", env={"RSD_SAMPLING_TEMPERATURE": "-1"})
+    assert_clean_error(result, 1, "environment variable RSD_SAMPLING_TEMPERATURE must be at least 0")
 
 
 def test_missing_or_broken_profiles(cli, tmp_path):
