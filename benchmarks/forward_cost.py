@@ -3,10 +3,13 @@ small-batch linear layers and with torch's default kernels, interleaved in one p
 
 A speculative step verifies a tree of n nodes in one forward; what it can gain depends on how
 much more n rows cost than one. Run: .venv/bin/python benchmarks/forward_cost.py [--repeats 9]
+(both kernels are measured whatever `rsd` would pick on this machine; `auto_layers` says how
+many layers its per-machine calibration gives the small-batch kernel).
 """
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -22,7 +25,11 @@ parser.add_argument("--rows", default="1,2,3,4,5,6,8,12,16,32")
 parser.add_argument("--repeats", type=int, default=9)
 args = parser.parse_args()
 
+os.environ["RSD_SMALL_BATCH_MATMUL"] = "auto"
 pair = load_pair(load_profile(args.profile))
+auto_layers = small_batch.installed(pair.target)
+os.environ["RSD_SMALL_BATCH_MATMUL"] = "1"  # from here on: every layer the kernel could serve
+small_batch.install(pair.target)
 patched = [m for m in pair.target.modules() if small_batch.uses_small_batch(m)]
 
 
@@ -51,7 +58,9 @@ for _ in range(args.repeats):
 use_small_batch(True)
 
 median = {key: sorted(v)[len(v) // 2] * 1e3 for key, v in times.items()}
-one = median[(1, "small-batch")]
+one = median[(1, "torch")]
 result = [{"rows": n, "torch_ms": round(median[(n, "torch")], 1), "small_batch_ms": round(median[(n, "small-batch")], 1),
+           "torch_over_one_row": round(median[(n, "torch")] / one, 2),
            "small_batch_over_one_row": round(median[(n, "small-batch")] / one, 2)} for n in rows]
-print(json.dumps({"patched_layers": len(patched), "forwards": result}, indent=1))
+print(json.dumps({"machine": small_batch.machine(), "patched_layers": len(patched), "auto_layers": auto_layers,
+                  "forwards": result}, indent=1))

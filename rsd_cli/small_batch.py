@@ -1,22 +1,33 @@
-"""Faster linear layers for the few-token forwards of speculative decoding, on CPU.
+"""Faster linear layers for the few-token forwards of speculative decoding, on some CPUs.
 
 Verifying a draft tree runs the target on a handful of tokens at once (2-64 rows). torch's
 fp32 `F.linear` computes x @ W.T, and with so few rows MKL's GEMM can be far slower than the
-memory traffic explains: measured on this project's 2-core AMD EPYC CI machine, the 49k-row
-output head of SmolLM2-135M costs 9 ms for one token but 21 ms for two to eight, and a 4-token
-forward of the whole model 1.7x a 1-token one. The same product computed as (W @ x.T).T takes
-another MKL path that is 1.5-3x faster there for layers whose output is at least as wide as their
-input (attention q/o, MLP gate/up, the head); for the narrowing MLP down-projection it is slower,
-so that one is left alone, as are single rows and long prompts, where `F.linear` is best.
+memory traffic explains: measured on a 2-core AMD EPYC, the 49k-row output head of
+SmolLM2-135M costs 9 ms for one token but 21 ms for two to eight, and a 4-token forward of the
+whole model 1.7x a 1-token one. The same product computed as (W @ x.T).T takes another MKL path
+that is 1.5-3x faster there for layers whose output is at least as wide as their input
+(attention q/o, MLP gate/up, the head); for the narrowing MLP down-projection it is slower, so
+that one is left alone, as are single rows and long prompts, where `F.linear` is best.
+
+On a 2-core Intel Xeon (Sapphire Rapids) the opposite holds: torch's kernel is the fast one
+(a 2-token forward 34 ms with it, 64 ms with this one). So by default ("auto") each layer shape
+is timed once per machine with both kernels and keeps torch's unless this one is clearly
+faster; the verdicts are cached under the rsd cache folder. RSD_SMALL_BATCH_MATMUL=1 uses it
+wherever it could apply, 0 nowhere.
 
 The result is the same product; only the order of the float additions inside it may differ, as
-between any two GEMM kernels. Set RSD_SMALL_BATCH_MATMUL=0 to keep torch's default everywhere.
+between any two GEMM kernels.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import platform
+import statistics
+import time
 import types
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,36 +41,58 @@ def _padded_rows(rows: int) -> int:
     return 4 if rows == 3 else 16 if 9 <= rows <= 15 else rows
 
 
-def _forward(self, x):
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), computed as (W @ x.T).T for 2 to MAX_ROWS rows."""
     rows = x.numel() // x.shape[-1]
     if rows < 2 or rows > MAX_ROWS:
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     padded = _padded_rows(rows)
     if padded > rows:
         flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
-    out = torch.mm(self.weight, flat.t()).t()[:rows]  # (rows, out_features)
-    if self.bias is not None:
-        out = out + self.bias
+    out = torch.mm(weight, flat.t()).t()[:rows]  # (rows, out_features)
+    if bias is not None:
+        out = out + bias
     return out.contiguous().view(*x.shape[:-1], out.shape[-1])
 
 
-def enabled() -> bool:
-    return os.environ.get("RSD_SMALL_BATCH_MATMUL", "1") != "0"
+def _forward(self, x):
+    return small_batch_linear(x, self.weight, self.bias)
 
 
-def install(model) -> int:
-    """Use the small-batch product in the model's widening fp32 CPU linear layers; returns how
-    many layers now use it. Idempotent; a model on another device is left as it is."""
-    if not enabled():
+CALIBRATION_ROWS = (2, 4, 8)  # the forwards that matter: tree verification and draft levels
+CALIBRATION_REPEATS = 5
+REQUIRED_GAIN = 0.9  # this kernel must take at most 90% of torch's time, summed over the rows
+
+
+def mode() -> str:
+    """RSD_SMALL_BATCH_MATMUL: "auto" (default: where measured faster), "1" (always), "0" (never)."""
+    value = os.environ.get("RSD_SMALL_BATCH_MATMUL", "auto").strip().lower()
+    return value if value in ("0", "1") else "auto"
+
+
+def _candidate(module) -> bool:
+    return (isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu"
+            and module.weight.dtype == torch.float32 and module.out_features >= module.in_features)
+
+
+def install(model, verdicts: Verdicts | None = None) -> int:
+    """Use the small-batch product in the model's widening fp32 CPU linear layers (with "auto",
+    only those of a shape where it measured faster on this machine); returns how many layers
+    now use it. Idempotent; a model on another device is left as it is."""
+    if mode() == "0":
         return 0
+    if verdicts is None and mode() == "auto":
+        verdicts = Verdicts.load()
     count = 0
     for module in model.modules():
-        if (isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu"
-                and module.weight.dtype == torch.float32 and module.out_features >= module.in_features):
-            if not uses_small_batch(module):
-                module.forward = types.MethodType(_forward, module)
-            count += 1
+        if not _candidate(module):
+            continue
+        if not uses_small_batch(module) and (verdicts is None or verdicts.faster(module.weight)):
+            module.forward = types.MethodType(_forward, module)
+        count += uses_small_batch(module)
+    if verdicts is not None:
+        verdicts.save()
     return count
 
 
@@ -71,3 +104,81 @@ def uses_small_batch(module) -> bool:
 def installed(*models) -> int:
     """How many distinct linear layers of these models use the small-batch product."""
     return len({id(m) for model in models for m in model.modules() if uses_small_batch(m)})
+
+
+def _median_seconds(fn, x: torch.Tensor) -> float:
+    times = []
+    for _ in range(CALIBRATION_REPEATS):
+        start = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_gain(weight: torch.Tensor) -> float:
+    """This kernel's time over torch's for an (out, in) weight, summed over CALIBRATION_ROWS
+    (below 1: this kernel is faster). Each is timed after a warm-up call."""
+    ours = lambda x: small_batch_linear(x, weight)  # noqa: E731
+    theirs = lambda x: F.linear(x, weight)  # noqa: E731
+    totals = [0.0, 0.0]
+    with torch.inference_mode():
+        for rows in CALIBRATION_ROWS:
+            x = torch.randn(rows, weight.shape[1])
+            ours(x), theirs(x)
+            totals[0] += _median_seconds(ours, x)
+            totals[1] += _median_seconds(theirs, x)
+    return totals[0] / totals[1]
+
+
+def machine() -> str:
+    """What the verdicts depend on: the CPU, torch's version and its thread count."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
+class Verdicts:
+    """Per weight shape on this machine: is the small-batch kernel faster? Measured once, then
+    read from `small-batch.json` in the rsd cache folder (a lost or unwritable file only means
+    measuring again)."""
+
+    def __init__(self, path: Path | None, known: dict):
+        self.path, self.known, self.changed = path, known, False
+        self.machine = machine()
+
+    @classmethod
+    def load(cls, path: Path | None = None) -> Verdicts:
+        if path is None:
+            from .models import cache_dir
+
+            path = cache_dir() / "small-batch.json"
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        return cls(path, known if isinstance(known, dict) else {})
+
+    def faster(self, weight: torch.Tensor) -> bool:
+        key = f"{self.machine} | {weight.shape[1]}x{weight.shape[0]}"
+        if not isinstance(self.known.get(key), bool):
+            self.known[key] = measure_gain(weight) <= REQUIRED_GAIN
+            self.changed = True
+        return self.known[key]
+
+    def save(self) -> None:
+        if not self.changed or self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            partial.write_text(json.dumps(self.known, indent=1, sort_keys=True))
+            partial.replace(self.path)
+            self.changed = False
+        except OSError:
+            pass

@@ -1,5 +1,7 @@
 """The CPU small-batch linear: same product as F.linear for every row count, installed only where
-it is meant to be, and switchable off."""
+it is meant to be (by default only where it measured faster on this machine), switchable off."""
+
+import json
 
 import pytest
 import torch
@@ -65,3 +67,72 @@ def test_loaded_models_use_it_and_give_the_same_logits(tmp_path):
     ids = torch.randint(0, 40, (1, 6))
     with torch.inference_mode():
         torch.testing.assert_close(loaded(ids).logits, model.eval()(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+class Fixed:
+    """Verdicts decided in advance: faster for these (in, out) shapes only."""
+
+    def __init__(self, faster_shapes):
+        self.faster_shapes, self.asked = faster_shapes, []
+
+    def faster(self, weight):
+        self.asked.append((weight.shape[1], weight.shape[0]))
+        return (weight.shape[1], weight.shape[0]) in self.faster_shapes
+
+    def save(self):
+        pass
+
+
+def test_auto_installs_it_only_for_shapes_measured_faster(monkeypatch):
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "auto")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8), torch.nn.Linear(8, 8),
+                                torch.nn.Linear(8, 16))
+    verdicts = Fixed({(8, 16)})
+    assert small_batch.install(model, verdicts) == 2
+    assert [small_batch.uses_small_batch(layer) for layer in model] == [True, False, False, True]
+    assert sorted(set(verdicts.asked)) == [(8, 8), (8, 16)]  # narrowing layers are never candidates
+
+
+def test_verdicts_are_measured_once_per_machine_and_shape_then_read_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "auto")
+    measured = []
+    monkeypatch.setattr(small_batch, "measure_gain", lambda w: measured.append(tuple(w.shape)) or 0.5)
+    path = tmp_path / "cache" / "small-batch.json"
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(8, 16), torch.nn.Linear(8, 32))
+    assert small_batch.install(model, small_batch.Verdicts.load(path)) == 3
+    assert measured == [(16, 8), (32, 8)]  # one measurement per shape
+    saved = json.loads(path.read_text())
+    assert len(saved) == 2 and all(key.startswith(small_batch.machine()) for key in saved)
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(8, 32))
+    assert small_batch.install(fresh, small_batch.Verdicts.load(path)) == 2
+    assert len(measured) == 2  # read back, not measured again
+    monkeypatch.setattr(small_batch, "measure_gain", lambda w: 1.3)  # slower on another machine
+    monkeypatch.setattr(small_batch, "machine", lambda: "another cpu")
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16))
+    assert small_batch.install(other, small_batch.Verdicts.load(path)) == 0
+    assert len(json.loads(path.read_text())) == 3
+
+
+def test_an_unreadable_or_unwritable_cache_only_means_measuring_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "auto")
+    monkeypatch.setattr(small_batch, "measure_gain", lambda w: 0.5)
+    broken = tmp_path / "small-batch.json"
+    broken.write_text("{not json")
+    assert small_batch.install(torch.nn.Linear(8, 16), small_batch.Verdicts.load(broken)) == 1
+    blocked = tmp_path / "file" / "small-batch.json"
+    (tmp_path / "file").write_text("a file where the folder should be")
+    assert small_batch.install(torch.nn.Linear(8, 16), small_batch.Verdicts.load(blocked)) == 1
+
+
+def test_the_measured_gain_compares_the_two_kernels(monkeypatch):
+    """measure_gain is our time over torch's: slowing our kernel down must raise it above 1."""
+    weight = torch.randn(256, 64)
+    real = small_batch.small_batch_linear
+
+    def slowed(x, w, bias=None):
+        for _ in range(20):
+            real(x, w, bias)
+        return real(x, w, bias)
+
+    monkeypatch.setattr(small_batch, "small_batch_linear", slowed)
+    assert small_batch.measure_gain(weight) > 1.5
