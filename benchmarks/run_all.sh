@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The measurements quoted in the README and the issue notes (results/ holds their output).
-# Run on a quiet machine: bash benchmarks/run_all.sh   (about 60 minutes on 2 CPU cores)
+# Run on a quiet machine: bash benchmarks/run_all.sh [OUT]   (60 minutes on a 2-core AMD EPYC,
+# about 25 on a 2-core Intel Xeon). OUT defaults to benchmarks/results; the README's Xeon numbers
+# are in benchmarks/results/intel-xeon.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RSD=.venv/bin/rsd
-OUT=benchmarks/results
+OUT=${1:-benchmarks/results}
 mkdir -p "$OUT"
 # 1. fixed target budget: block efficiency of every variant at T=1
 $RSD bench --budgets 6,10,14,21,30 --variants ar,sd,mss,spectr,rsd-c,rsd-s --limit 2 -n 48 --no-assisted \
@@ -15,6 +17,12 @@ $RSD bench --depths 1,2,3 --variants ar,sd,mss,rsd-c,rsd-s --limit 4 -n 64 --ass
 # 2b. the same at the default profile's temperature
 $RSD bench --depths 1,2 --temperatures 0.7 --variants ar,sd,mss,rsd-c,rsd-s --limit 4 -n 64 --no-assisted \
     --json > "$OUT/depths-t07.json"
+# 2c. greedy: every variant gives the target's greedy output; how fast
+$RSD bench --depths 1,2,3 --temperatures 0 --variants ar,sd,mss,rsd-c,rsd-s --limit 4 -n 64 --no-assisted \
+    --json > "$OUT/depths-t0.json"
+# 2d. two root children / beams (the default profile's width) at T=0.7 and T=1
+$RSD bench --depths 1,2 --width 2 --temperatures 0.7,1 --variants ar,sd,mss,rsd-c,rsd-s --limit 4 -n 64 \
+    --no-assisted --json > "$OUT/width2.json"
 # 3. without vs with replacement at the same shape, more prompts (lower variance than 1.)
 $RSD bench --budgets 14,30 --variants ar,mss,rsd-c --limit 8 -n 32 --no-assisted --json \
     > "$OUT/budgets-wor-vs-wr.json"
@@ -23,7 +31,7 @@ $RSD bench --depths 4 --variants ar,sd --limit 2 -n 40 --no-assisted --json > "$
 # 5. without vs with replacement on shared contexts (paired; settles what 3. cannot)
 .venv/bin/python benchmarks/paired.py --budgets 14,30 --limit 4 -n 48 --draws 16 > "$OUT/paired.json"
 # 6. expected acceptance of the default draft on held-out answers
-.venv/bin/python benchmarks/acceptance.py
+.venv/bin/python benchmarks/acceptance.py | tee "$OUT/acceptance.txt"
 # 7. one target forward for 1..32 new tokens, small-batch CPU kernels against torch's default
 .venv/bin/python benchmarks/forward_cost.py > "$OUT/forward-cost.json"
 # 8. where a step's time goes, per variant (forwards, glue, draws, verification, cache pruning)

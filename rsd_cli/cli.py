@@ -297,6 +297,9 @@ def bench(
                                                    show_default=False)] = None,
     depths: Annotated[Optional[str], typer.Option("--depths", help="Fixed draft lengths L, e.g. 2,4.",
                                                   show_default=False)] = None,
+    width: Annotated[Optional[int], typer.Option("--width", help="Tree width at --depths: root children (mss, "
+                                                 "rsd-c), beam width (rsd-s), drafts (spectr) [default: the "
+                                                 "profile's beam_width].", show_default=False)] = None,
     temperatures: Annotated[str, typer.Option("--temperatures", help="Comma-separated temperatures.")] = "1.0",
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A prompt file, one per line "
                                                     "(default: the built-in held-out set).", show_default=False)] = None,
@@ -329,7 +332,7 @@ def bench(
     from .prompting import builtin_prompts
 
     prompt_list = (_read_prompts(prompts) if prompts else builtin_prompts("eval"))[:limit]
-    prof = _load_profile(profile, {})
+    prof = _load_profile(profile, {"beam_width": width})
     from .bench import results_table, run_bench, runtime_rss_mb, write_csv, write_plot
 
     loader = Loader()

@@ -45,6 +45,16 @@ def test_bench_csv_and_table(tiny_profile):
     assert table.exit_code == 0 and "rsd bench" in table.stdout
 
 
+def test_width_sets_the_tree_width_of_the_depth_shapes(tiny_profile):
+    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--variants", "ar,rsd-c,rsd-s", "--depths", "1,2",
+                                      "--width", "2", "--limit", "1", "-n", "4", "--no-assisted", "--json"])
+    assert result.exit_code == 0, result.stderr
+    shapes = [row["shape"] for row in json.loads(result.stdout)["results"]]
+    assert shapes == ["ar", "rsd-c b=(2)", "rsd-s W=2 L=1", "rsd-c b=(2,1)", "rsd-s W=2 L=2"]
+    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--depths", "1", "--width", "0"])
+    assert result.exit_code == 2 and "beam_width must be at least 1" in result.stderr
+
+
 def test_bench_rejects_bad_lists(tiny_profile):
     result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--variants", "ar,warp"])
     assert result.exit_code == 2 and "unknown variant 'warp'" in result.stderr
