@@ -84,13 +84,17 @@ def install(model, verdicts: Verdicts | None = None) -> int:
         return 0
     if verdicts is None and mode() == "auto":
         verdicts = Verdicts.load()
-    count = 0
+    by_shape: dict[tuple[int, int], list] = {}
     for module in model.modules():
-        if not _candidate(module):
-            continue
-        if not uses_small_batch(module) and (verdicts is None or verdicts.faster(module.weight)):
-            module.forward = types.MethodType(_forward, module)
-        count += uses_small_batch(module)
+        if _candidate(module):
+            by_shape.setdefault(tuple(module.weight.shape), []).append(module)
+    count = 0
+    for modules in by_shape.values():
+        if verdicts is None or verdicts.faster([m.weight for m in modules]):
+            for module in modules:
+                if not uses_small_batch(module):
+                    module.forward = types.MethodType(_forward, module)
+        count += sum(uses_small_batch(m) for m in modules)
     if verdicts is not None:
         verdicts.save()
     return count
@@ -115,15 +119,16 @@ def _median_seconds(fn, x: torch.Tensor) -> float:
     return statistics.median(times)
 
 
-def measure_gain(weight: torch.Tensor) -> float:
-    """This kernel's time over torch's for an (out, in) weight, summed over CALIBRATION_ROWS
-    (below 1: this kernel is faster). Each is timed after a warm-up call."""
-    ours = lambda x: small_batch_linear(x, weight)  # noqa: E731
-    theirs = lambda x: F.linear(x, weight)  # noqa: E731
+def measure_gain(weights: list[torch.Tensor]) -> float:
+    """This kernel's time over torch's for (out, in) weights of one shape, summed over
+    CALIBRATION_ROWS (below 1: this kernel is faster). Each timing runs through all the weights
+    in turn, as a forward does, so they come from memory rather than a warm cache."""
+    ours = lambda x: [small_batch_linear(x, w) for w in weights]  # noqa: E731
+    theirs = lambda x: [F.linear(x, w) for w in weights]  # noqa: E731
     totals = [0.0, 0.0]
     with torch.inference_mode():
         for rows in CALIBRATION_ROWS:
-            x = torch.randn(rows, weight.shape[1])
+            x = torch.randn(rows, weights[0].shape[1])
             ours(x), theirs(x)
             totals[0] += _median_seconds(ours, x)
             totals[1] += _median_seconds(theirs, x)
@@ -164,10 +169,12 @@ class Verdicts:
             known = {}
         return cls(path, known if isinstance(known, dict) else {})
 
-    def faster(self, weight: torch.Tensor) -> bool:
-        key = f"{self.machine} | {weight.shape[1]}x{weight.shape[0]}"
+    def faster(self, weights: list[torch.Tensor]) -> bool:
+        """Verdict for a model's layers of one shape (measured together the first time)."""
+        out_features, in_features = weights[0].shape
+        key = f"{self.machine} | {in_features}x{out_features}"
         if not isinstance(self.known.get(key), bool):
-            self.known[key] = measure_gain(weight) <= REQUIRED_GAIN
+            self.known[key] = measure_gain(weights) <= REQUIRED_GAIN
             self.changed = True
         return self.known[key]
 

@@ -75,9 +75,11 @@ class Fixed:
     def __init__(self, faster_shapes):
         self.faster_shapes, self.asked = faster_shapes, []
 
-    def faster(self, weight):
-        self.asked.append((weight.shape[1], weight.shape[0]))
-        return (weight.shape[1], weight.shape[0]) in self.faster_shapes
+    def faster(self, weights):
+        out_features, in_features = weights[0].shape
+        assert all(w.shape == weights[0].shape for w in weights)
+        self.asked.append((in_features, out_features))
+        return (in_features, out_features) in self.faster_shapes
 
     def save(self):
         pass
@@ -90,17 +92,17 @@ def test_auto_installs_it_only_for_shapes_measured_faster(monkeypatch):
     verdicts = Fixed({(8, 16)})
     assert small_batch.install(model, verdicts) == 2
     assert [small_batch.uses_small_batch(layer) for layer in model] == [True, False, False, True]
-    assert sorted(set(verdicts.asked)) == [(8, 8), (8, 16)]  # narrowing layers are never candidates
+    assert sorted(verdicts.asked) == [(8, 8), (8, 16)]  # once per shape; narrowing layers are never candidates
 
 
 def test_verdicts_are_measured_once_per_machine_and_shape_then_read_back(monkeypatch, tmp_path):
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "auto")
     measured = []
-    monkeypatch.setattr(small_batch, "measure_gain", lambda w: measured.append(tuple(w.shape)) or 0.5)
+    monkeypatch.setattr(small_batch, "measure_gain", lambda ws: measured.append((len(ws), *ws[0].shape)) or 0.5)
     path = tmp_path / "cache" / "small-batch.json"
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(8, 16), torch.nn.Linear(8, 32))
     assert small_batch.install(model, small_batch.Verdicts.load(path)) == 3
-    assert measured == [(16, 8), (32, 8)]  # one measurement per shape
+    assert measured == [(2, 16, 8), (1, 32, 8)]  # one measurement per shape, its layers together
     saved = json.loads(path.read_text())
     assert len(saved) == 2 and all(key.startswith(small_batch.machine()) for key in saved)
     fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(8, 32))
@@ -135,4 +137,4 @@ def test_the_measured_gain_compares_the_two_kernels(monkeypatch):
         return real(x, w, bias)
 
     monkeypatch.setattr(small_batch, "small_batch_linear", slowed)
-    assert small_batch.measure_gain(weight) > 1.5
+    assert small_batch.measure_gain([weight, weight.clone()]) > 1.5
