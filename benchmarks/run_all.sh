@@ -23,6 +23,8 @@ $RSD bench --depths 1,2,3 --temperatures 0 --variants ar,sd,mss,rsd-c,rsd-s --li
 # 2d. two root children / beams (the default profile's width) at T=0.7 and T=1
 $RSD bench --depths 1,2 --width 2 --temperatures 0.7,1 --variants ar,sd,mss,rsd-c,rsd-s --limit 4 -n 64 \
     --no-assisted --json > "$OUT/width2.json"
+$RSD bench --depths 1,2 --width 2 --temperatures 0 --variants ar,sd,rsd-c,rsd-s --limit 4 -n 64 --no-assisted \
+    --json > "$OUT/width2-t0.json"
 # 3. without vs with replacement at the same shape, more prompts (lower variance than 1.)
 $RSD bench --budgets 14,30 --variants ar,mss,rsd-c --limit 8 -n 32 --no-assisted --json \
     > "$OUT/budgets-wor-vs-wr.json"
@@ -36,3 +38,5 @@ $RSD bench --depths 4 --variants ar,sd --limit 2 -n 40 --no-assisted --json > "$
 .venv/bin/python benchmarks/forward_cost.py > "$OUT/forward-cost.json"
 # 8. where a step's time goes, per variant (forwards, glue, draws, verification, cache pruning)
 .venv/bin/python benchmarks/profile_step.py --json > "$OUT/profile-step.json"
+# 9. how far a draft's acceptance could go (draft temperature, the target's own early exits)
+.venv/bin/python benchmarks/acceptance_limits.py > "$OUT/acceptance-limits.json"
