@@ -138,3 +138,15 @@ def test_the_measured_gain_compares_the_two_kernels(monkeypatch):
 
     monkeypatch.setattr(small_batch, "small_batch_linear", slowed)
     assert small_batch.measure_gain([weight, weight.clone()]) > 1.5
+
+
+def test_calibration_streams_a_bounded_share_of_a_big_model(monkeypatch):
+    timed = []
+    monkeypatch.setattr(small_batch, "_median_seconds", lambda fn, x: timed.append(len(fn(x))) or 1.0)
+    monkeypatch.setattr(small_batch, "CALIBRATION_BYTES", 3 * 64 * 32 * 4)  # three 64x32 fp32 weights
+    weights = [torch.randn(64, 32) for _ in range(10)]
+    assert small_batch.measure_gain(weights) == 1.0
+    assert set(timed) == {3}
+    timed.clear()
+    small_batch.measure_gain(weights[:1])
+    assert set(timed) == {1}
