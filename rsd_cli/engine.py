@@ -241,12 +241,18 @@ class Decoder:
         self.sampling = sampling
         self.eos_ids = eos_ids
         self.context_length = context_length
-        # A greedy target (p one-hot) is verified exactly whatever q is. Drafts without
-        # replacement then keep the draft's whole distribution to rank their candidates (top-k,
-        # beam search): a one-hot q would leave a single child per node. I.i.d. drafts (mss,
-        # spectr) would all be the mode anyway, so they keep the one-hot q of the same limit.
-        self.greedy_ranking = sampling.greedy and shape.rule is Rule.WITHOUT_REPLACEMENT
-        self.draft_sampling = SamplingParams() if self.greedy_ranking else sampling
+
+    @property
+    def greedy_ranking(self) -> bool:
+        """A greedy target (p one-hot) is verified exactly whatever q is. Drafts without
+        replacement then keep the draft's whole distribution to rank their candidates (top-k,
+        beam search): a one-hot q would leave a single child per node. I.i.d. drafts (mss,
+        spectr) would all be the mode anyway, so they keep the one-hot q of the same limit."""
+        return self.sampling.greedy and self.shape.rule is Rule.WITHOUT_REPLACEMENT
+
+    @property
+    def draft_sampling(self) -> SamplingParams:
+        return SamplingParams() if self.greedy_ranking else self.sampling
 
     def generate(self, prompt: list[int], max_tokens: int, seed: int | None = None) -> Iterator[StepEvent]:
         if not prompt:
