@@ -79,15 +79,17 @@ def run(pair, shape, sampling, max_tokens, seed, eos=frozenset()):
     return [t for event in decoder.generate(PROMPT, max_tokens, seed) for t in event.emitted]
 
 
+def plain_greedy(target, n: int) -> list[int]:
+    """The target's own greedy continuation of PROMPT, one full forward per token."""
+    tokens = list(PROMPT)
+    for _ in range(n):
+        tokens.append(int(full_logits(target, tokens)[-1].argmax()))
+    return tokens[len(PROMPT):]
+
+
 @pytest.mark.parametrize("shape", shapes(), ids=lambda s: s.describe())
 def test_greedy_equals_plain_greedy_decoding(pair, shape):
-    greedy = SamplingParams(temperature=0)
-    reference = []
-    tokens = list(PROMPT)
-    for _ in range(25):
-        tokens.append(int(full_logits(pair[0], tokens)[-1].argmax()))
-        reference.append(tokens[-1])
-    assert run(pair, shape, greedy, 25, seed=0) == reference
+    assert run(pair, shape, SamplingParams(temperature=0), 25, seed=0) == plain_greedy(pair[0], 25)
 
 
 @pytest.mark.parametrize("shape", [make_shape("rsd-c", branching=(3, 2)), make_shape("rsd-s", beam_width=3, depth=2)],
@@ -98,11 +100,7 @@ def test_greedy_trees_try_the_drafts_best_tokens_and_stay_exact(pair, shape):
     other than the first is accepted now and then, while the output is still plain greedy."""
     target, draft = pair
     events = list(Decoder(target, draft, V, shape, SamplingParams(temperature=0), set()).generate(PROMPT, 40, seed=0))
-    reference, tokens = [], list(PROMPT)
-    for _ in range(40):
-        tokens.append(int(full_logits(target, tokens)[-1].argmax()))
-        reference.append(tokens[-1])
-    assert [t for e in events for t in e.emitted] == reference
+    assert [t for e in events for t in e.emitted] == plain_greedy(target, 40)
     for event in events:
         root_children = event.tree.draws[0]
         q_root = event.tree.q[0]
