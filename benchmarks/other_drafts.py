@@ -46,13 +46,16 @@ class FeatureDraft(torch.nn.Module):
                 self.project.weight.copy_(torch.cat([torch.eye(d), torch.eye(d)], 1))
                 self.project.bias.zero_()
             self.layer = copy.deepcopy(inner.layers[-1])
+            self.norm, self.head = copy.deepcopy(inner.norm), target.lm_head.weight[:VOCAB]
         else:
             self.project = torch.nn.Linear(d, d, bias=False)
             torch.nn.init.zeros_(self.project.weight)  # starts as the shipped draft exactly
             self.project.requires_grad_(design == "hybrid")
-            self.layer = load_adapter(embedded_adapter(), target, LAYERS, VOCAB)
+            shipped = load_adapter(embedded_adapter(), target, LAYERS, VOCAB)
+            self.layer = shipped.layer
+            self.norm = copy.deepcopy(shipped.norm or inner.norm)
+            self.head = (shipped.head.weight if shipped.head is not None else target.lm_head.weight)[:VOCAB]
         self.layer.requires_grad_(True)
-        self.norm = copy.deepcopy(inner.norm)
 
     def forward(self, seq) -> torch.Tensor:
         """(len - 1, VOCAB) logits; row i predicts token i + 1."""
@@ -68,7 +71,7 @@ class FeatureDraft(torch.nn.Module):
         h = self.layer(x, attention_mask=mask, position_ids=positions,
                        position_embeddings=inner.rotary_emb(x, positions))
         h = h[0] if isinstance(h, tuple) else h
-        return (self.norm(h[0]) @ self.target.lm_head.weight[:VOCAB].T)[:-1]
+        return (self.norm(h[0]) @ self.head.T)[:-1]
 
 
 def acceptance(target, draft, sequences) -> float:

@@ -442,6 +442,10 @@ def distill(
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Answers sampled together.")] = 32,
     vocab: Annotated[int, typer.Option("--vocab", min=0, help="Train for a draft head of the first N tokens "
                                        "(the profile's draft.vocab); 0 = the whole vocabulary.")] = 0,
+    train_head: Annotated[Optional[bool], typer.Option(
+        "--train-head/--shared-head", show_default=False,
+        help="Train the draft its own final norm and head (its rows go into the file) or share the target's; "
+             "default: --train-head with --vocab, else shared.")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A file of training prompts, one per line.",
                                                     show_default=False)] = None,
@@ -452,7 +456,7 @@ def distill(
     run_distill(_load_profile(profile, {}), out, layers=layers, tokens=tokens, eval_tokens=eval_tokens,
                 epochs=epochs, lr=lr, schedule=schedule, max_new_tokens=max_new_tokens,
                 batch_size=batch_size, vocab=vocab, seed=seed, prompts_file=prompts,
-                console=_stderr_console())
+                console=_stderr_console(), train_head=train_head)
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
 """`rsd distill`: train an adapter layer so the target's first K layers become a good draft.
 
 Recipe: the target's own sampled answers to varied prompts (chat template applied) are the
-data; the draft is layers [0, K) + one adapter layer (initialised from layer K) + the target's
-final norm and head; only the adapter trains, minimising KL(p_target || q_draft) with the
-target's top-k probabilities as soft labels.
+data; the draft is layers [0, K) + one adapter layer (initialised from layer K) + a final norm
+and head (the target's, or copies the draft trains as its own); only the adapter trains,
+minimising KL(p_target || q_draft) with the target's top-k probabilities as soft labels.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from .engine import full_vocabulary
-from .models import early_exit_draft, new_adapter_layer
+from .models import Adapter, early_exit_draft, new_adapter
 from .prompting import encode_prompt
 
 # progress(phase, done, total)
@@ -31,6 +31,7 @@ class Recipe:
     max_new_tokens: int = 160
     batch_size: int = 32  # sequences generated together (a CPU samples 32 about 4x faster than 8)
     vocab: int = 0  # draft head rows (0 = the target's whole vocabulary), as the profile's draft.vocab
+    train_head: bool = False  # the draft's own final norm and head train too (vocab rows of it)
     epochs: int = 4
     lr: float = 3e-4
     schedule: str = "cosine"  # "cosine": 5% linear warm-up then cosine decay to 0; "constant"
@@ -49,7 +50,7 @@ class Sequence:
 
 @dataclass
 class DistillResult:
-    layer: torch.nn.Module
+    adapter: Adapter
     losses: list[float] = field(default_factory=list)  # mean loss per epoch
     acceptance_per_epoch: list[float] = field(default_factory=list)  # held-out, after each epoch
     acceptance_before: float = 0.0
@@ -121,12 +122,12 @@ def learning_rate_factor(schedule: str, step: int, steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
-def adapter_only(target, layer, vocab: int = 0):
-    """The adapter + the target's final norm and head, as a causal LM fed `inputs_embeds` = the
-    target's hidden states entering layer K. Training runs only this: the K frozen layers are
-    run once per sequence, not once per step. Run it without a cache (use_cache=False): the
-    adapter keeps its cache slot K of the real draft."""
-    return early_exit_draft(target, 0, layer, vocab)
+def adapter_only(target, adapter: Adapter, vocab: int = 0):
+    """The adapter + the final norm and head, as a causal LM fed `inputs_embeds` = the target's
+    hidden states entering layer K. Training runs only this: the K frozen layers are run once
+    per sequence, not once per step. Run it without a cache (use_cache=False): the adapter
+    keeps its cache slot K of the real draft."""
+    return early_exit_draft(target, 0, adapter, vocab)
 
 
 def hidden_entering(prefix, ids: list[int]) -> torch.Tensor:
@@ -159,28 +160,28 @@ def train(target, sequences: list[Sequence], recipe: Recipe, progress: Progress,
     torch.manual_seed(recipe.seed)
     for p in target.parameters():
         p.requires_grad_(False)
-    layer = new_adapter_layer(target, recipe.layers)
-    for p in layer.parameters():
+    adapter = new_adapter(target, recipe.layers, recipe.vocab if recipe.train_head else None)
+    for p in adapter.parameters():
         p.requires_grad_(True)
-    draft = early_exit_draft(target, recipe.layers, layer, recipe.vocab)
-    trainee = adapter_only(target, layer, recipe.vocab)
+    draft = early_exit_draft(target, recipe.layers, adapter, recipe.vocab)
+    trainee = adapter_only(target, adapter, recipe.vocab)
     prefix = early_exit_draft(target, recipe.layers, None, recipe.vocab)  # the frozen layers alone
     for i, seq in enumerate(sequences):  # the frozen layers run once per sequence, not once per step
         progress("frozen layers", i, len(sequences))
         seq.hidden = hidden_entering(prefix, seq.ids)
     progress("frozen layers", len(sequences), len(sequences))
-    result = DistillResult(layer, train_tokens=sum(len(s.ids) - s.answer_start for s in sequences))
+    result = DistillResult(adapter, train_tokens=sum(len(s.ids) - s.answer_start for s in sequences))
     if eval_sequences:
         result.acceptance_before = expected_acceptance(target, prefix, eval_sequences)
         result.eval_tokens = sum(len(s.ids) - s.answer_start for s in eval_sequences)
     order = list(range(len(sequences)))
     shuffler = random.Random(recipe.seed)
     steps = recipe.epochs * len(sequences)
-    optimiser = torch.optim.AdamW(layer.parameters(), lr=recipe.lr)
+    optimiser = torch.optim.AdamW(list(adapter.parameters()), lr=recipe.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimiser, lambda step: learning_rate_factor(recipe.schedule, step, steps))
     progress("training", 0, steps)
-    layer.train()
+    adapter.train()
     for epoch in range(recipe.epochs):
         shuffler.shuffle(order)
         epoch_loss, epoch_tokens = 0.0, 0
@@ -197,12 +198,12 @@ def train(target, sequences: list[Sequence], recipe: Recipe, progress: Progress,
             progress("training", epoch * len(sequences) + i + 1, steps)
         result.losses.append(epoch_loss / max(epoch_tokens, 1))
         if eval_sequences:  # cheap next to an epoch, and shows when more epochs stop helping
-            layer.eval()
+            adapter.eval()
             result.acceptance_per_epoch.append(expected_acceptance(target, draft, eval_sequences))
             progress(f"epoch {epoch + 1}: held-out acceptance {result.acceptance_per_epoch[-1]:.3f}", 1, 1)
-            layer.train()
-    layer.eval()
-    for p in layer.parameters():
+            adapter.train()
+    adapter.eval()
+    for p in adapter.parameters():
         p.requires_grad_(False)
     for seq in sequences:
         seq.hidden = None

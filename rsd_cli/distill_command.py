@@ -35,7 +35,7 @@ def _data_cache(target, prompts: list[str], recipe: Recipe) -> Path:
 
 def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: int, epochs: int, lr: float,
                 schedule: str, max_new_tokens: int, batch_size: int, vocab: int, seed: int,
-                prompts_file: Path | None, console) -> None:
+                prompts_file: Path | None, console, train_head: bool | None = None) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     import torch
@@ -48,7 +48,8 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
     if schedule not in ("cosine", "constant"):
         raise UsageError(f"--schedule must be cosine or constant (got {schedule!r})")
     recipe = Recipe(layers=layers, tokens=tokens, eval_tokens=eval_tokens, epochs=epochs, lr=lr, schedule=schedule,
-                    max_new_tokens=max_new_tokens, batch_size=batch_size, vocab=vocab, seed=seed)
+                    max_new_tokens=max_new_tokens, batch_size=batch_size, vocab=vocab, seed=seed,
+                    train_head=bool(vocab) if train_head is None else train_head)
     torch.manual_seed(seed)
     device, dtype = pick_device_dtype(profile["target"]["device"], profile["target"]["dtype"])
     source = profile.resolve_path(profile["target"]["source"])
@@ -93,7 +94,7 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
                                       "acceptance_per_epoch": result.acceptance_per_epoch,
                                       "acceptance_before": result.acceptance_before,
                                       "acceptance_after": result.acceptance_after}
-    save_adapter(result.layer, out, target, layers, recipe_record)
+    save_adapter(result.adapter, out, target, layers, recipe_record)
     losses = " → ".join(f"{x:.3f}" for x in result.losses)
     console.print(f"loss per epoch {losses}")
     console.print(f"expected acceptance on held-out prompts (T=1): {result.acceptance_before:.3f} without the "

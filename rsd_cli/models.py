@@ -56,10 +56,25 @@ def pick_device_dtype(device: str, dtype: str):
     return torch.device(device), getattr(torch, dtype)
 
 
+GGUF_KEY_SAMPLES = 16  # chunks of GGUF_KEY_CHUNK bytes read, evenly spread, to key a file's cache
+GGUF_KEY_CHUNK = 1 << 16
+
+
+def gguf_content_key(gguf: Path) -> str:
+    """A key of a GGUF file's content: its size and 16 evenly spread 64 KiB samples (the header
+    with every tensor's name and shape among them) — 1 MiB read, not the whole file. Not its path
+    or mtime: every venv that installs the same model file shares one converted copy."""
+    size = gguf.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with gguf.open("rb") as f:
+        for i in range(GGUF_KEY_SAMPLES):
+            f.seek(max(0, size - GGUF_KEY_CHUNK) * i // (GGUF_KEY_SAMPLES - 1))
+            h.update(f.read(GGUF_KEY_CHUNK))
+    return h.hexdigest()[:16]
+
+
 def _gguf_cache_path(gguf: Path) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+    return cache_dir() / "gguf" / f"{gguf.stem}-{gguf_content_key(gguf)}"
 
 
 def gguf_to_cache(gguf: Path, progress: Progress = _quiet) -> Path:
@@ -85,10 +100,25 @@ def gguf_to_cache(gguf: Path, progress: Progress = _quiet) -> Path:
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    (partial / "rsd-complete").write_text(json.dumps({"source": str(gguf)}))
+    (partial / "rsd-complete").write_text(json.dumps({"source": str(gguf), "key": "content"}))
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
+    _drop_path_keyed_copies(target)
     return target
+
+
+def _drop_path_keyed_copies(kept: Path) -> None:
+    """Delete this model's copies made by earlier versions of rsd, which keyed the cache by path
+    (one ~0.5 GB copy per venv path): nothing reads them any more."""
+    stem = kept.name.rsplit("-", 1)[0]
+    for old in kept.parent.glob(f"{stem}-*"):
+        marker = old / "rsd-complete"
+        try:
+            stale = old != kept and old.is_dir() and "key" not in json.loads(marker.read_text())
+        except (OSError, ValueError, TypeError):
+            continue  # a partial conversion or foreign file: not ours to judge
+        if stale:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def resolve_source(source: str, progress: Progress = _quiet) -> tuple[str, bool]:
@@ -220,9 +250,60 @@ def new_adapter_layer(target, index: int):
     return layer
 
 
-def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
-    """The target's first `layers` layers (+ an optional adapter layer), its final norm and head,
-    as an ordinary causal LM of the target's class that shares the target's tensors.
+@dataclass
+class Adapter:
+    """What `rsd distill` trains to make the target's first K layers a draft: a decoder layer
+    after them and, optionally, the draft's own final norm and head (else it shares the target's).
+
+    In a file the layer's tensors keep their own names; the norm's and head's are prefixed
+    `norm.` and `head.` (a file with neither is an adapter layer alone)."""
+
+    layer: object
+    norm: object = None
+    head: object = None  # torch.nn.Linear whose rows are the draft head's tokens
+
+    def parts(self) -> dict:
+        return {name: part for name, part in (("norm", self.norm), ("head", self.head)) if part is not None}
+
+    def parameters(self):
+        yield from self.layer.parameters()
+        for part in self.parts().values():
+            yield from part.parameters()
+
+    def state_dict(self) -> dict:
+        tensors = dict(self.layer.state_dict())
+        for name, part in self.parts().items():
+            tensors.update({f"{name}.{key}": value for key, value in part.state_dict().items()})
+        return tensors
+
+    def train(self, mode: bool = True) -> None:
+        for part in [self.layer, *self.parts().values()]:
+            part.train(mode)
+
+    def eval(self) -> None:
+        self.train(False)
+
+
+def new_adapter(target, index: int, head_rows: int | None = None) -> Adapter:
+    """An adapter initialised from the target: its layer `index`, and with head_rows (0 = the
+    whole vocabulary) a copy of its final norm and of the first head_rows rows of its head."""
+    import torch
+
+    adapter = Adapter(new_adapter_layer(target, index))
+    if head_rows is not None:
+        inner = _decoder_parts(target)
+        weight = target.lm_head.weight
+        rows = head_rows if 0 < head_rows < weight.shape[0] else weight.shape[0]
+        adapter.norm = copy.deepcopy(inner.norm)
+        adapter.head = torch.nn.Linear(weight.shape[1], rows, bias=False, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            adapter.head.weight.copy_(weight[:rows])
+    return adapter
+
+
+def early_exit_draft(target, layers: int, adapter: Adapter | None = None, vocab: int = 0):
+    """The target's first `layers` layers (+ an optional adapter), its final norm and head (or the
+    adapter's own), as an ordinary causal LM of the target's class sharing the target's tensors.
 
     With vocab = N > 0 the head keeps only its first N rows (a view, still shared): the draft
     then proposes only those tokens, q is zero elsewhere, and recursive rejection stays exact.
@@ -242,16 +323,18 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
     draft.model.embed_tokens = inner.embed_tokens
     kept = list(inner.layers[:layers])
     if adapter is not None:  # new_adapter_layer gave it slot K (= layers) in the draft's KV cache
-        kept.append(adapter)
+        kept.append(adapter.layer)
     draft.model.layers = torch.nn.ModuleList(kept)
-    draft.model.norm = inner.norm
+    own = adapter.parts() if adapter is not None else {}
+    draft.model.norm = own.get("norm", inner.norm)
     if hasattr(inner, "rotary_emb"):
         draft.model.rotary_emb = inner.rotary_emb
-    draft.lm_head = target.lm_head
-    if 0 < vocab < target.lm_head.weight.shape[0]:
+    draft.lm_head = own.get("head", target.lm_head)
+    if 0 < vocab < draft.lm_head.weight.shape[0]:
+        weight = draft.lm_head.weight
         with torch.device("meta"):
             draft.lm_head = torch.nn.Linear(config.hidden_size, vocab, bias=False)
-        draft.lm_head.weight = torch.nn.Parameter(target.lm_head.weight[:vocab], requires_grad=False)
+        draft.lm_head.weight = torch.nn.Parameter(weight[:vocab], requires_grad=weight.requires_grad)
     draft.generation_config = target.generation_config
     from . import small_batch
 
@@ -259,10 +342,13 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
     return draft.eval()
 
 
-def save_adapter(layer, path: Path, target, layers: int, recipe: dict) -> None:
+def save_adapter(adapter: Adapter, path: Path, target, layers: int, recipe: dict) -> None:
+    """Tensors in float16 (half the file; a draft's q may differ a little from what trained,
+    exactness never depends on it), with the target's fingerprint, K and the recipe."""
+    import torch
     from safetensors.torch import save_file
 
-    tensors = {k: v.detach().contiguous().cpu() for k, v in layer.state_dict().items()}
+    tensors = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in adapter.state_dict().items()}
     meta = {"rsd_fingerprint": fingerprint(target), "rsd_layers": str(layers), "rsd_recipe": json.dumps(recipe)}
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=meta)
@@ -283,9 +369,9 @@ def _read_adapter(path: Path, with_tensors: bool = True) -> tuple[dict, dict]:
     return meta, tensors
 
 
-def load_adapter(path: Path, target, layers: int, vocab: int = 0):
-    """The adapter layer in `path`, checked against the target, K and the draft head's size
-    (an adapter trained for an N-token head leaves the other rows of the head untrained)."""
+def load_adapter(path: Path, target, layers: int, vocab: int = 0) -> Adapter:
+    """The adapter in `path`, checked against the target, K and the draft head's size (an
+    adapter trained for an N-token head leaves the other rows of the head untrained)."""
     meta, tensors = _read_adapter(path)
     if meta.get("rsd_fingerprint") != fingerprint(target):
         raise RsdError(f"{path} was trained for another target model (fingerprint "
@@ -300,10 +386,20 @@ def load_adapter(path: Path, target, layers: int, vocab: int = 0):
     if trained_vocab and not 0 < vocab <= trained_vocab:
         raise RsdError(f"{path} was trained for a {trained_vocab}-token draft head: set draft.vocab = {trained_vocab} "
                        f"(now {vocab or 'the whole vocabulary'})")
-    layer = new_adapter_layer(target, layers)
+    head = tensors.get("head.weight")
+    adapter = new_adapter(target, layers, None if head is None else head.shape[0])
     param = next(target.parameters())
-    layer.load_state_dict({k: v.to(param.dtype) for k, v in tensors.items()})
-    return layer.to(param.device)
+    try:
+        for name, part in [("layer", adapter.layer), *adapter.parts().items()]:
+            prefix = "" if name == "layer" else f"{name}."
+            own = {k[len(prefix):]: v for k, v in tensors.items()
+                   if k.startswith(prefix) and (prefix or not k.startswith(("norm.", "head.")))}
+            part.load_state_dict({k: v.to(param.dtype) for k, v in own.items()})
+    except RuntimeError as e:  # missing or misshapen tensors: another architecture's adapter
+        raise RsdError(f"{path} does not fit this target's layers: {str(e).splitlines()[0]}") from None
+    for p in adapter.parameters():
+        p.requires_grad_(False)
+    return adapter
 
 
 def embedded_adapter() -> Path:

@@ -108,8 +108,8 @@ def test_cosine_schedule_warms_up_then_decays_to_zero():
     assert learning_rate_factor("constant", 50, 100) == 1.0
 
 
-@pytest.mark.parametrize("vocab", [0, 20])
-def test_training_graph_equals_the_draft_it_trains(tiny_pair_dir, vocab):
+@pytest.mark.parametrize("vocab, head_rows", [(0, None), (20, None), (20, 20)])
+def test_training_graph_equals_the_draft_it_trains(tiny_pair_dir, vocab, head_rows):
     """Training feeds the adapter the target's hidden states entering layer K instead of running
     the K frozen layers every step: the logits must be the draft's own."""
     import torch
@@ -117,12 +117,12 @@ def test_training_graph_equals_the_draft_it_trains(tiny_pair_dir, vocab):
     from rsd_cli.distill import adapter_only, hidden_entering
 
     target = models.load_model(str(tiny_pair_dir / "target"), "cpu", torch.float32)[0]
-    layer = models.new_adapter_layer(target, 1)
+    adapter = models.new_adapter(target, 1, head_rows)
     with torch.no_grad():
-        for p in layer.parameters():
+        for p in adapter.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    draft = models.early_exit_draft(target, 1, layer, vocab)
-    trainee = adapter_only(target, layer, vocab)
+    draft = models.early_exit_draft(target, 1, adapter, vocab)
+    trainee = adapter_only(target, adapter, vocab)
     ids = [1, 5, 9, 3, 7, 11, 4]
     with torch.no_grad():
         expected = draft(torch.tensor([ids])).logits[0]
@@ -130,7 +130,7 @@ def test_training_graph_equals_the_draft_it_trains(tiny_pair_dir, vocab):
         got = trainee(inputs_embeds=hidden_entering(prefix, ids)[None], use_cache=False).logits[0]
     assert got.shape == expected.shape == (len(ids), vocab or 40)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert layer.self_attn.layer_idx == 1  # still the draft's own cache slot
+    assert adapter.layer.self_attn.layer_idx == 1  # still the draft's own cache slot
 
 
 def test_an_adapter_trained_for_a_reduced_head_asks_for_that_head(target_profile, tmp_path):
@@ -139,6 +139,14 @@ def test_an_adapter_trained_for_a_reduced_head_asks_for_that_head(target_profile
     trained = _distill(profile, out, "--prompts", str(prompts), "--epochs", "1", "--vocab", "20")
     assert trained.exit_code == 0, trained.stderr
     assert "draft.vocab = 20" in trained.stderr
+    with safe_open(str(out), framework="pt") as f:  # --vocab trains the draft's own norm and head
+        assert f.get_slice("head.weight").get_shape()[0] == 20 and "norm.weight" in f.keys()
+        assert json.loads(f.metadata()["rsd_recipe"])["train_head"] is True
+    shared = tmp_path / "shared.safetensors"
+    assert _distill(profile, shared, "--prompts", str(prompts), "--epochs", "1", "--vocab", "20",
+                    "--shared-head").exit_code == 0
+    with safe_open(str(shared), framework="pt") as f:
+        assert not {"head.weight", "norm.weight"} & set(f.keys())
     base = profile.read_text().replace("layers = 1\n", f'layers = 1\nadapter = "{out}"\n')
     for vocab, ok in ((0, False), (30, False), (20, True), (10, True)):
         path = tmp_path / f"v{vocab}.toml"

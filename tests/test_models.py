@@ -31,6 +31,31 @@ def test_gguf_is_dequantised_once_then_loaded_from_the_cache(tmp_path, monkeypat
     assert models.gguf_to_cache(gguf_file) == cached
 
 
+def test_the_gguf_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch):
+    """A second venv installing the same model file (another path, another mtime) reuses the
+    converted copy; a different file at the same path does not."""
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    path_keyed = tmp_path / "cache" / "gguf" / "tiny-0123456789abcdef"  # as earlier versions wrote
+    path_keyed.mkdir(parents=True)
+    (path_keyed / "rsd-complete").write_text('{"source": "/gone/venv/tiny.gguf"}')
+    unfinished = tmp_path / "cache" / "gguf" / "tiny-fedcba9876543210.partial"
+    unfinished.mkdir()
+    first = tmp_path / "venv-a" / "tiny.gguf"
+    first.parent.mkdir()
+    write_tiny_gguf(first, tiny_model(40, layers=2, seed=0, scale=0.3))
+    cached = models.gguf_to_cache(first)
+    second = tmp_path / "venv-b" / "tiny.gguf"
+    second.parent.mkdir()
+    second.write_bytes(first.read_bytes())
+    assert models.gguf_to_cache(second) == cached
+    assert not path_keyed.exists(), "the path-keyed copy nothing reads any more is dropped"
+    assert sorted((tmp_path / "cache" / "gguf").iterdir()) == sorted([cached, unfinished])
+
+    write_tiny_gguf(second, tiny_model(40, layers=2, seed=1, scale=0.3))
+    other = models.gguf_to_cache(second)
+    assert other != cached and (other / "rsd-complete").is_file()
+
+
 def test_unreadable_gguf_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
     bad = tmp_path / "bad.gguf"
@@ -59,18 +84,20 @@ def test_early_exit_draft_shares_the_targets_tensors():
 
 def test_adapter_round_trip_and_fingerprint_check(tmp_path):
     target = tiny_model(40, layers=3, seed=0)
-    layer = models.new_adapter_layer(target, 1)
+    adapter = models.new_adapter(target, 1)
     with torch.no_grad():
-        for p in layer.parameters():
+        for p in adapter.parameters():
             p.add_(0.01)
     path = tmp_path / "adapter.safetensors"
-    models.save_adapter(layer, path, target, 1, {"epochs": 1})
+    models.save_adapter(adapter, path, target, 1, {"epochs": 1})
     loaded = models.load_adapter(path, target, 1)
-    for a, b in zip(layer.parameters(), loaded.parameters()):
-        assert torch.equal(a, b)
+    assert loaded.norm is None and loaded.head is None
+    for a, b in zip(adapter.parameters(), loaded.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # stored as float16
     draft = models.early_exit_draft(target, 1, loaded)
     assert draft.config.num_hidden_layers == 2
     assert draft(torch.tensor([[1, 2]])).logits.shape == (1, 2, 40)
+    assert draft.lm_head is target.lm_head and draft.model.norm is target.model.norm
 
     other = tiny_model(40, layers=3, seed=5)
     with pytest.raises(RsdError, match="trained for another target"):
@@ -79,6 +106,31 @@ def test_adapter_round_trip_and_fingerprint_check(tmp_path):
         models.load_adapter(path, target, 2)
     with pytest.raises(RsdError, match="adapter file not found"):
         models.load_adapter(tmp_path / "none.safetensors", target, 1)
+
+
+def test_an_adapter_with_its_own_norm_and_head_drafts_with_them(tmp_path):
+    target = tiny_model(40, layers=3, seed=0)
+    adapter = models.new_adapter(target, 1, head_rows=20)
+    assert adapter.head.weight.shape == (20, 32)
+    assert adapter.head.weight.data_ptr() != target.lm_head.weight.data_ptr()  # a copy, trained apart
+    with torch.no_grad():
+        adapter.head.weight.mul_(2.0)
+        adapter.norm.weight.add_(0.5)
+    path = tmp_path / "adapter.safetensors"
+    models.save_adapter(adapter, path, target, 1, {"vocab": 20})
+    loaded = models.load_adapter(path, target, 1, vocab=20)
+    torch.testing.assert_close(loaded.head.weight, adapter.head.weight, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(loaded.norm.weight, adapter.norm.weight, rtol=1e-3, atol=1e-4)
+    draft = models.early_exit_draft(target, 1, loaded, vocab=20)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        hidden = draft.model(ids).last_hidden_state  # after the draft's own norm
+        torch.testing.assert_close(draft(ids).logits, hidden @ loaded.head.weight.T)
+        shared = models.early_exit_draft(target, 1, models.Adapter(loaded.layer), vocab=20)
+        assert not torch.allclose(shared(ids).logits, draft(ids).logits)
+    assert models.params_read(draft) == models.params_read(shared)  # the same work per call
+    with pytest.raises(RsdError, match="20-token draft head"):
+        models.load_adapter(path, target, 1)
 
 
 def test_sources_are_resolved_with_clear_errors(tmp_path):
