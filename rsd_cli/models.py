@@ -295,9 +295,9 @@ def new_adapter(target, index: int, head_rows: int | None = None) -> Adapter:
         weight = target.lm_head.weight
         rows = head_rows if 0 < head_rows < weight.shape[0] else weight.shape[0]
         adapter.norm = copy.deepcopy(inner.norm)
-        adapter.head = torch.nn.Linear(weight.shape[1], rows, bias=False, device=weight.device, dtype=weight.dtype)
-        with torch.no_grad():
-            adapter.head.weight.copy_(weight[:rows])
+        with torch.device("meta"):  # no random initialisation (it would draw from torch's global generator)
+            adapter.head = torch.nn.Linear(weight.shape[1], rows, bias=False)
+        adapter.head.weight = torch.nn.Parameter(weight[:rows].detach().clone())
     return adapter
 
 
@@ -386,15 +386,19 @@ def load_adapter(path: Path, target, layers: int, vocab: int = 0) -> Adapter:
     if trained_vocab and not 0 < vocab <= trained_vocab:
         raise RsdError(f"{path} was trained for a {trained_vocab}-token draft head: set draft.vocab = {trained_vocab} "
                        f"(now {vocab or 'the whole vocabulary'})")
-    head = tensors.get("head.weight")
+    saved: dict[str, dict] = {"layer": {}, "norm": {}, "head": {}}  # a file's flat names, by part
+    for key, tensor in tensors.items():
+        part, _, rest = key.partition(".")
+        if part in ("norm", "head"):
+            saved[part][rest] = tensor
+        else:
+            saved["layer"][key] = tensor
+    head = saved["head"].get("weight")
     adapter = new_adapter(target, layers, None if head is None else head.shape[0])
-    param = next(target.parameters())
+    dtype = next(target.parameters()).dtype
     try:
         for name, part in [("layer", adapter.layer), *adapter.parts().items()]:
-            prefix = "" if name == "layer" else f"{name}."
-            own = {k[len(prefix):]: v for k, v in tensors.items()
-                   if k.startswith(prefix) and (prefix or not k.startswith(("norm.", "head.")))}
-            part.load_state_dict({k: v.to(param.dtype) for k, v in own.items()})
+            part.load_state_dict({key: tensor.to(dtype) for key, tensor in saved[name].items()})
     except RuntimeError as e:  # missing or misshapen tensors: another architecture's adapter
         raise RsdError(f"{path} does not fit this target's layers: {str(e).splitlines()[0]}") from None
     for p in adapter.parameters():

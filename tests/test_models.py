@@ -110,7 +110,11 @@ def test_adapter_round_trip_and_fingerprint_check(tmp_path):
 
 def test_an_adapter_with_its_own_norm_and_head_drafts_with_them(tmp_path):
     target = tiny_model(40, layers=3, seed=0)
+    torch.manual_seed(0)
+    expected_draw = torch.rand(1)
+    torch.manual_seed(0)
     adapter = models.new_adapter(target, 1, head_rows=20)
+    assert torch.equal(torch.rand(1), expected_draw), "making an adapter must not draw from torch's generator"
     assert adapter.head.weight.shape == (20, 32)
     assert adapter.head.weight.data_ptr() != target.lm_head.weight.data_ptr()  # a copy, trained apart
     with torch.no_grad():
