@@ -29,7 +29,10 @@ $RSD bench --depths 1,2 --width 2 --temperatures 0 --variants ar,sd,rsd-c,rsd-s 
 $RSD bench --budgets 14,30 --variants ar,mss,rsd-c --limit 8 -n 32 --no-assisted --json \
     > "$OUT/budgets-wor-vs-wr.json"
 # 4. sd with γ = 4 against ar (issue #4's benchmark)
-$RSD bench --depths 4 --variants ar,sd --limit 2 -n 40 --no-assisted --json > "$OUT/sd-gamma4.json"
+$RSD bench --depths 4 --variants ar,sd --limit 8 -n 64 --no-assisted --json > "$OUT/sd-gamma4.json"
+# 4b. the shallow trees that pay on a 2-core CPU, on more prompts (less noise), against the peer
+$RSD bench --depths 1 --width 2 --variants ar,sd,mss,rsd-c --limit 12 -n 96 --assisted --json \
+    > "$OUT/headline.json"
 # 5. without vs with replacement on shared contexts (paired; settles what 3. cannot)
 .venv/bin/python benchmarks/paired.py --budgets 14,30 --limit 4 -n 48 --draws 16 > "$OUT/paired.json"
 # 6. expected acceptance of the default draft on held-out answers
