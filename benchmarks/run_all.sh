@@ -43,3 +43,5 @@ $RSD bench --depths 1 --width 2 --variants ar,sd,mss,rsd-c --limit 12 -n 96 --as
 .venv/bin/python benchmarks/profile_step.py --json > "$OUT/profile-step.json"
 # 9. how far a draft's acceptance could go (draft temperature, the target's own early exits)
 .venv/bin/python benchmarks/acceptance_limits.py > "$OUT/acceptance-limits.json"
+# 10. would a lower-precision draft pay? call cost and acceptance in float32, bfloat16, int8
+.venv/bin/python benchmarks/draft_precision.py | tail -1 > "$OUT/draft-precision.json"

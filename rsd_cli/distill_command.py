@@ -101,4 +101,5 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
                   f"adapter, {result.acceptance_after:.3f} with it")
     console.print(f"wrote {out}")
     if vocab:
-        console.print(f"use it with draft.vocab = {vocab} in the profile (its other head rows were not trained)")
+        why = "its own head has those rows" if recipe.train_head else "the head's other rows were not trained for it"
+        console.print(f"use it with draft.vocab = {vocab} in the profile ({why})")
