@@ -3,8 +3,10 @@ then cached as safetensors), the embedded default, and early-exit drafts sharing
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
+import io
 import importlib.util
 import json
 import os
@@ -77,19 +79,47 @@ def _gguf_cache_path(gguf: Path) -> Path:
     return cache_dir() / "gguf" / f"{gguf.stem}-{gguf_content_key(gguf)}"
 
 
+@contextlib.contextmanager
+def _exclusive(lock: Path):
+    """Hold an exclusive lock on `lock` (POSIX; elsewhere no lock) for the duration."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: concurrent first runs may convert twice, each atomically
+        yield
+        return
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def gguf_to_cache(gguf: Path, progress: Progress = _quiet) -> Path:
-    """Dequantise a GGUF file once into a safetensors directory; later loads read that."""
+    """Dequantise a GGUF file once into a safetensors directory; later loads read that. Processes
+    started together (a script's parallel first runs) convert once: the others wait for it."""
     target = _gguf_cache_path(gguf)
     if (target / "rsd-complete").is_file():
         return target
+    with _exclusive(target.with_name(target.name + ".lock")):
+        if (target / "rsd-complete").is_file():  # converted while this process waited
+            return target
+        _convert_gguf(gguf, target, progress)
+    _drop_path_keyed_copies(target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path, progress: Progress) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
     progress(f"converting {gguf.name} to safetensors (once) in {target}")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:  # transformers draws a tqdm bar of its own while it dequantises: not on rsd's stderr
+        with contextlib.redirect_stderr(io.StringIO()):
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as e:  # transformers raises many types for unreadable GGUF files
         raise RsdError(f"cannot load GGUF file {gguf}: {e}") from None
     # a GGUF-loaded model refuses save_pretrained while it remembers its quantiser
@@ -103,8 +133,6 @@ def gguf_to_cache(gguf: Path, progress: Progress = _quiet) -> Path:
     (partial / "rsd-complete").write_text(json.dumps({"source": str(gguf), "key": "content"}))
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
-    _drop_path_keyed_copies(target)
-    return target
 
 
 def _drop_path_keyed_copies(kept: Path) -> None:

@@ -8,13 +8,14 @@ from rsd_cli.errors import RsdError
 from tiny import tiny_model, write_tiny_gguf
 
 
-def test_gguf_is_dequantised_once_then_loaded_from_the_cache(tmp_path, monkeypatch):
+def test_gguf_is_dequantised_once_then_loaded_from_the_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
     original = tiny_model(40, layers=2, seed=0, scale=0.3)
     gguf_file = tmp_path / "tiny.gguf"
     write_tiny_gguf(gguf_file, original)
 
     cached = models.gguf_to_cache(gguf_file)
+    assert capsys.readouterr().err == ""  # no progress bar of transformers' own in a script's stderr
     assert cached.parent.parent == tmp_path / "cache"
     assert (cached / "model.safetensors").is_file() and (cached / "rsd-complete").is_file()
     model, tokenizer = models.load_model(str(gguf_file), torch.device("cpu"), torch.float32)
@@ -49,11 +50,39 @@ def test_the_gguf_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch):
     second.write_bytes(first.read_bytes())
     assert models.gguf_to_cache(second) == cached
     assert not path_keyed.exists(), "the path-keyed copy nothing reads any more is dropped"
-    assert sorted((tmp_path / "cache" / "gguf").iterdir()) == sorted([cached, unfinished])
+    kept = sorted(p for p in (tmp_path / "cache" / "gguf").iterdir() if p.suffix != ".lock")
+    assert kept == sorted([cached, unfinished])
 
     write_tiny_gguf(second, tiny_model(40, layers=2, seed=1, scale=0.3))
     other = models.gguf_to_cache(second)
     assert other != cached and (other / "rsd-complete").is_file()
+
+
+def test_parallel_first_runs_convert_a_gguf_once(tmp_path, monkeypatch):
+    """A script that starts several rsd processes on a fresh machine: one converts, the others
+    wait for it instead of converting again into the same folder."""
+    import threading
+    import time
+
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_file, tiny_model(40, layers=2, seed=0, scale=0.3))
+    convert, conversions = models._convert_gguf, []
+
+    def slow_convert(*args):
+        conversions.append(1)
+        time.sleep(0.5)  # wide enough for the other thread to find no finished copy
+        convert(*args)
+
+    monkeypatch.setattr(models, "_convert_gguf", slow_convert)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(models.gguf_to_cache(gguf_file))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(conversions) == 1 and len(results) == 2 and results[0] == results[1]
+    assert (results[0] / "rsd-complete").is_file()
 
 
 def test_unreadable_gguf_is_a_clear_error(tmp_path, monkeypatch):
