@@ -17,8 +17,7 @@ import torch
 
 from rsd_cli.distill import Recipe, expected_acceptance, sample_answers
 from rsd_cli.engine import CachedLM
-from rsd_cli.models import early_exit_draft, load_adapter, embedded_adapter
-from rsd_cli.models import load_pair
+from rsd_cli.models import early_exit_draft, embedded_adapter, load_adapter, load_pair
 from rsd_cli.profiles import load_profile
 from rsd_cli.prompting import builtin_prompts
 
@@ -78,7 +77,7 @@ def call_ms(draft, repeats: int = 30) -> float:
 answers = sample_answers(pair.target, pair.tokenizer, builtin_prompts("eval"), args.tokens, Recipe(seed=args.seed),
                          "eval", lambda *a: None)
 rows = []
-for name, make in (("float32", lambda: fresh_draft()), ("bfloat16", lambda: bf16(fresh_draft())),
+for name, make in (("float32", fresh_draft), ("bfloat16", lambda: bf16(fresh_draft())),
                    ("int8 dynamic", lambda: int8(fresh_draft()))):
     draft = make()
     rows.append({"draft": name, "call_ms": call_ms(draft),
