@@ -9,8 +9,10 @@ the shipped adapter, to see whether another design gets near the 0.7 goal:
   tv      the shipped draft fine-tuned to minimise 1 - sum_x min(p, q) (what acceptance is)
           instead of KL
 
-Needs the sampled data the shipped adapter was trained on: run the README's `rsd distill`
-command once (it caches that data), then
+Needs the sampled data of an earlier shipped adapter (80k answer tokens to the built-in
+prompts; the README's table row "80k tokens"): run once (it caches the data)
+  rsd distill --profile default --out /tmp/80k.safetensors --vocab 8192 --tokens 80000 --epochs 1
+then
   .venv/bin/python benchmarks/other_drafts.py eagle --epochs 4 --lr 2e-3
   .venv/bin/python benchmarks/other_drafts.py hybrid --epochs 3 --lr 1e-3
   .venv/bin/python benchmarks/other_drafts.py tv --epochs 2 --lr 3e-4
@@ -24,9 +26,9 @@ import random
 import torch
 
 from rsd_cli.distill import Recipe, hidden_entering, learning_rate_factor, soft_cross_entropy
-from rsd_cli.distill_command import _data_cache
 from rsd_cli.engine import full_vocabulary
-from rsd_cli.models import early_exit_draft, embedded_adapter, load_adapter, load_model, resolve_source
+from distill_data import target_and_data
+from rsd_cli.models import early_exit_draft, embedded_adapter, load_adapter
 from rsd_cli.prompting import builtin_prompts
 
 VOCAB, LAYERS = 8192, 3
@@ -95,13 +97,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
 
-    target, _ = load_model(resolve_source("embedded")[0], torch.device("cpu"), torch.float32)
-    target.requires_grad_(False)
-    cached = _data_cache(target, builtin_prompts("train"), Recipe(tokens=80_000, batch_size=32))
-    if not cached.is_file():
-        raise SystemExit(f"no sampled data at {cached}: run the README's `rsd distill` command first")
-    train, held_out = torch.load(cached, weights_only=False)
-    train = train[: args.limit or None]
+    target, train, held_out = target_and_data(builtin_prompts("train"), Recipe(tokens=80_000, batch_size=32),
+                                              args.limit)
     prefix = early_exit_draft(target, LAYERS, None, VOCAB)
     for seq in train + held_out:  # the target's last hidden states, and the states entering layer 3
         with torch.no_grad():
