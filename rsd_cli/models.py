@@ -84,7 +84,7 @@ def _exclusive(lock: Path):
     """Hold an exclusive lock on `lock` (POSIX; elsewhere no lock) for the duration."""
     try:
         import fcntl
-    except ImportError:  # Windows: concurrent first runs may convert twice, each atomically
+    except ImportError:  # Windows: no lock; parallel first runs there may each convert (untested)
         yield
         return
     lock.parent.mkdir(parents=True, exist_ok=True)
