@@ -54,9 +54,9 @@ class FeatureDraft(torch.nn.Module):
             torch.nn.init.zeros_(self.project.weight)  # starts as the shipped draft exactly
             self.project.requires_grad_(design == "hybrid")
             shipped = load_adapter(embedded_adapter(), target, LAYERS, VOCAB)
-            self.layer = shipped.layer
-            self.norm = copy.deepcopy(shipped.norm or inner.norm)
-            self.head = (shipped.head.weight if shipped.head is not None else target.lm_head.weight)[:VOCAB]
+            self.layer = shipped["layer"]
+            self.norm = copy.deepcopy(shipped["norm"] if "norm" in shipped else inner.norm)
+            self.head = (shipped["head"] if "head" in shipped else target.lm_head).weight[:VOCAB]
         self.layer.requires_grad_(True)
 
     def forward(self, seq) -> torch.Tensor:

@@ -40,7 +40,7 @@ target, train, held_out = target_and_data(_read_prompts(PROMPTS), RECIPE, args.l
 adapter = new_adapter(target, LAYERS, VOCAB)
 draft = early_exit_draft(target, LAYERS, adapter, VOCAB)
 first = [copy.deepcopy(layer) for layer in target.model.layers[:LAYERS]]  # the draft's own copies
-draft.model.layers = torch.nn.ModuleList(first + [adapter.layer])
+draft.model.layers = torch.nn.ModuleList(first + [adapter["layer"]])
 own_layers = [p for layer in first for p in layer.parameters()]
 for p in [*adapter.parameters(), *own_layers]:
     p.requires_grad_(True)

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from .engine import full_vocabulary
-from .models import Adapter, early_exit_draft, new_adapter
+from .models import early_exit_draft, new_adapter
 from .prompting import encode_prompt
 
 # progress(phase, done, total)
@@ -50,7 +50,7 @@ class Sequence:
 
 @dataclass
 class DistillResult:
-    adapter: Adapter
+    adapter: torch.nn.ModuleDict  # new_adapter's
     losses: list[float] = field(default_factory=list)  # mean loss per epoch
     acceptance_per_epoch: list[float] = field(default_factory=list)  # held-out, after each epoch
     acceptance_before: float = 0.0
@@ -122,7 +122,7 @@ def learning_rate_factor(schedule: str, step: int, steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
-def adapter_only(target, adapter: Adapter, vocab: int = 0):
+def adapter_only(target, adapter: torch.nn.ModuleDict, vocab: int = 0):
     """The adapter + the final norm and head, as a causal LM fed `inputs_embeds` = the target's
     hidden states entering layer K. Training runs only this: the K frozen layers are run once
     per sequence, not once per step. Run it without a cache (use_cache=False): the adapter
@@ -177,7 +177,7 @@ def train(target, sequences: list[Sequence], recipe: Recipe, progress: Progress,
     order = list(range(len(sequences)))
     shuffler = random.Random(recipe.seed)
     steps = recipe.epochs * len(sequences)
-    optimiser = torch.optim.AdamW(list(adapter.parameters()), lr=recipe.lr)
+    optimiser = torch.optim.AdamW(adapter.parameters(), lr=recipe.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimiser, lambda step: learning_rate_factor(recipe.schedule, step, steps))
     progress("training", 0, steps)

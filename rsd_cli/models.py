@@ -278,58 +278,27 @@ def new_adapter_layer(target, index: int):
     return layer
 
 
-@dataclass
-class Adapter:
-    """What `rsd distill` trains to make the target's first K layers a draft: a decoder layer
-    after them and, optionally, the draft's own final norm and head (else it shares the target's).
-
-    In a file the layer's tensors keep their own names; the norm's and head's are prefixed
-    `norm.` and `head.` (a file with neither is an adapter layer alone)."""
-
-    layer: object
-    norm: object = None
-    head: object = None  # torch.nn.Linear whose rows are the draft head's tokens
-
-    def parts(self) -> dict:
-        return {name: part for name, part in (("norm", self.norm), ("head", self.head)) if part is not None}
-
-    def parameters(self):
-        yield from self.layer.parameters()
-        for part in self.parts().values():
-            yield from part.parameters()
-
-    def state_dict(self) -> dict:
-        tensors = dict(self.layer.state_dict())
-        for name, part in self.parts().items():
-            tensors.update({f"{name}.{key}": value for key, value in part.state_dict().items()})
-        return tensors
-
-    def train(self, mode: bool = True) -> None:
-        for part in [self.layer, *self.parts().values()]:
-            part.train(mode)
-
-    def eval(self) -> None:
-        self.train(False)
-
-
-def new_adapter(target, index: int, head_rows: int | None = None) -> Adapter:
-    """An adapter initialised from the target: its layer `index`, and with head_rows (0 = the
-    whole vocabulary) a copy of its final norm and of the first head_rows rows of its head."""
+def new_adapter(target, index: int, head_rows: int | None = None):
+    """What `rsd distill` trains to make the target's first K layers a draft, initialised from
+    the target: a torch ModuleDict with "layer", a copy of its layer `index` that follows the K
+    layers, and with head_rows (0 = the whole vocabulary) "norm" and "head", the draft's own
+    copies of its final norm and of the first head_rows rows of its head (else the draft shares
+    the target's). In a file the layer's tensors keep their own names (`layer.` dropped)."""
     import torch
 
-    adapter = Adapter(new_adapter_layer(target, index))
+    adapter = torch.nn.ModuleDict({"layer": new_adapter_layer(target, index)})
     if head_rows is not None:
         inner = _decoder_parts(target)
         weight = target.lm_head.weight
         rows = head_rows if 0 < head_rows < weight.shape[0] else weight.shape[0]
-        adapter.norm = copy.deepcopy(inner.norm)
+        adapter["norm"] = copy.deepcopy(inner.norm)
         with torch.device("meta"):  # no random initialisation (it would draw from torch's global generator)
-            adapter.head = torch.nn.Linear(weight.shape[1], rows, bias=False)
-        adapter.head.weight = torch.nn.Parameter(weight[:rows].detach().clone())
+            adapter["head"] = torch.nn.Linear(weight.shape[1], rows, bias=False)
+        adapter["head"].weight = torch.nn.Parameter(weight[:rows].detach().clone())
     return adapter
 
 
-def early_exit_draft(target, layers: int, adapter: Adapter | None = None, vocab: int = 0):
+def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
     """The target's first `layers` layers (+ an optional adapter), its final norm and head (or the
     adapter's own), as an ordinary causal LM of the target's class sharing the target's tensors.
 
@@ -350,10 +319,10 @@ def early_exit_draft(target, layers: int, adapter: Adapter | None = None, vocab:
         draft = type(target)(config)
     draft.model.embed_tokens = inner.embed_tokens
     kept = list(inner.layers[:layers])
+    own = dict(adapter.items()) if adapter is not None else {}  # new_adapter's parts
     if adapter is not None:  # new_adapter_layer gave it slot K (= layers) in the draft's KV cache
-        kept.append(adapter.layer)
+        kept.append(own["layer"])
     draft.model.layers = torch.nn.ModuleList(kept)
-    own = adapter.parts() if adapter is not None else {}
     draft.model.norm = own.get("norm", inner.norm)
     if hasattr(inner, "rotary_emb"):
         draft.model.rotary_emb = inner.rotary_emb
@@ -370,13 +339,14 @@ def early_exit_draft(target, layers: int, adapter: Adapter | None = None, vocab:
     return draft.eval()
 
 
-def save_adapter(adapter: Adapter, path: Path, target, layers: int, recipe: dict) -> None:
+def save_adapter(adapter, path: Path, target, layers: int, recipe: dict) -> None:
     """Tensors in float16 (half the file; a draft's q may differ a little from what trained,
     exactness never depends on it), with the target's fingerprint, K and the recipe."""
     import torch
     from safetensors.torch import save_file
 
-    tensors = {k: v.detach().to(torch.float16).contiguous().cpu() for k, v in adapter.state_dict().items()}
+    tensors = {k.removeprefix("layer."): v.detach().to(torch.float16).contiguous().cpu()
+               for k, v in adapter.state_dict().items()}
     meta = {"rsd_fingerprint": fingerprint(target), "rsd_layers": str(layers), "rsd_recipe": json.dumps(recipe)}
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=meta)
@@ -397,7 +367,7 @@ def _read_adapter(path: Path, with_tensors: bool = True) -> tuple[dict, dict]:
     return meta, tensors
 
 
-def load_adapter(path: Path, target, layers: int, vocab: int = 0) -> Adapter:
+def load_adapter(path: Path, target, layers: int, vocab: int = 0):
     """The adapter in `path`, checked against the target, K and the draft head's size (an
     adapter trained for an N-token head leaves the other rows of the head untrained)."""
     meta, tensors = _read_adapter(path)
@@ -414,19 +384,12 @@ def load_adapter(path: Path, target, layers: int, vocab: int = 0) -> Adapter:
     if trained_vocab and not 0 < vocab <= trained_vocab:
         raise RsdError(f"{path} was trained for a {trained_vocab}-token draft head: set draft.vocab = {trained_vocab} "
                        f"(now {vocab or 'the whole vocabulary'})")
-    saved: dict[str, dict] = {"layer": {}, "norm": {}, "head": {}}  # a file's flat names, by part
-    for key, tensor in tensors.items():
-        part, _, rest = key.partition(".")
-        if part in ("norm", "head"):
-            saved[part][rest] = tensor
-        else:
-            saved["layer"][key] = tensor
-    head = saved["head"].get("weight")
+    head = tensors.get("head.weight")
     adapter = new_adapter(target, layers, None if head is None else head.shape[0])
     dtype = next(target.parameters()).dtype
     try:
-        for name, part in [("layer", adapter.layer), *adapter.parts().items()]:
-            part.load_state_dict({key: tensor.to(dtype) for key, tensor in saved[name].items()})
+        adapter.load_state_dict({key if key.startswith(("norm.", "head.")) else f"layer.{key}": tensor.to(dtype)
+                                 for key, tensor in tensors.items()})
     except RuntimeError as e:  # missing or misshapen tensors: another architecture's adapter
         raise RsdError(f"{path} does not fit this target's layers: {str(e).splitlines()[0]}") from None
     for p in adapter.parameters():

@@ -130,7 +130,7 @@ def test_training_graph_equals_the_draft_it_trains(tiny_pair_dir, vocab, head_ro
         got = trainee(inputs_embeds=hidden_entering(prefix, ids)[None], use_cache=False).logits[0]
     assert got.shape == expected.shape == (len(ids), vocab or 40)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert adapter.layer.self_attn.layer_idx == 1  # still the draft's own cache slot
+    assert adapter["layer"].self_attn.layer_idx == 1  # still the draft's own cache slot
 
 
 def test_an_adapter_trained_for_a_reduced_head_asks_for_that_head(target_profile, tmp_path):

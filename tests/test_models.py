@@ -120,7 +120,7 @@ def test_adapter_round_trip_and_fingerprint_check(tmp_path):
     path = tmp_path / "adapter.safetensors"
     models.save_adapter(adapter, path, target, 1, {"epochs": 1})
     loaded = models.load_adapter(path, target, 1)
-    assert loaded.norm is None and loaded.head is None
+    assert set(loaded.keys()) == {"layer"}
     for a, b in zip(adapter.parameters(), loaded.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # stored as float16
     draft = models.early_exit_draft(target, 1, loaded)
@@ -144,22 +144,22 @@ def test_an_adapter_with_its_own_norm_and_head_drafts_with_them(tmp_path):
     torch.manual_seed(0)
     adapter = models.new_adapter(target, 1, head_rows=20)
     assert torch.equal(torch.rand(1), expected_draw), "making an adapter must not draw from torch's generator"
-    assert adapter.head.weight.shape == (20, 32)
-    assert adapter.head.weight.data_ptr() != target.lm_head.weight.data_ptr()  # a copy, trained apart
+    assert adapter["head"].weight.shape == (20, 32)
+    assert adapter["head"].weight.data_ptr() != target.lm_head.weight.data_ptr()  # a copy, trained apart
     with torch.no_grad():
-        adapter.head.weight.mul_(2.0)
-        adapter.norm.weight.add_(0.5)
+        adapter["head"].weight.mul_(2.0)
+        adapter["norm"].weight.add_(0.5)
     path = tmp_path / "adapter.safetensors"
     models.save_adapter(adapter, path, target, 1, {"vocab": 20})
     loaded = models.load_adapter(path, target, 1, vocab=20)
-    torch.testing.assert_close(loaded.head.weight, adapter.head.weight, rtol=1e-3, atol=1e-4)
-    torch.testing.assert_close(loaded.norm.weight, adapter.norm.weight, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(loaded["head"].weight, adapter["head"].weight, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(loaded["norm"].weight, adapter["norm"].weight, rtol=1e-3, atol=1e-4)
     draft = models.early_exit_draft(target, 1, loaded, vocab=20)
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         hidden = draft.model(ids).last_hidden_state  # after the draft's own norm
-        torch.testing.assert_close(draft(ids).logits, hidden @ loaded.head.weight.T)
-        shared = models.early_exit_draft(target, 1, models.Adapter(loaded.layer), vocab=20)
+        torch.testing.assert_close(draft(ids).logits, hidden @ loaded["head"].weight.T)
+        shared = models.early_exit_draft(target, 1, torch.nn.ModuleDict({"layer": loaded["layer"]}), vocab=20)
         assert not torch.allclose(shared(ids).logits, draft(ids).logits)
     assert models.params_read(draft) == models.params_read(shared)  # the same work per call
     with pytest.raises(RsdError, match="20-token draft head"):
