@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .distill import Recipe, sample_answers, teacher_labels, train
 from .errors import RsdError, UsageError
-from .models import cache_dir, fingerprint, load_model, pick_device_dtype, save_adapter
+from .models import cache_dir, exact_fingerprint, load_model, pick_device_dtype, save_adapter
 from .prompting import builtin_prompts
 
 
@@ -28,7 +28,7 @@ def _data_cache(target, prompts: list[str], recipe: Recipe) -> Path:
     """Where the sampled training data of this target, prompt set and data recipe is kept."""
     import hashlib
 
-    key = json.dumps([fingerprint(target), prompts, recipe.tokens, recipe.eval_tokens, recipe.max_new_tokens,
+    key = json.dumps([exact_fingerprint(target), prompts, recipe.tokens, recipe.eval_tokens, recipe.max_new_tokens,
                       recipe.batch_size, recipe.teacher_top_k, recipe.seed])
     return cache_dir() / "distill" / f"data-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
 

@@ -250,16 +250,55 @@ def params_read(model) -> int:
 
 
 def fingerprint(model) -> str:
-    """A short id of a target model: its shape and a sample of its weights."""
-    import torch
-
+    """A short id of a target model's architecture: its type, sizes and tensor names and shapes.
+    Not its dtype or device: one adapter serves the target in float32 on a CPU and in bfloat16 on
+    a GPU. Its weights are told apart by `weight_sample`, compared with a tolerance."""
     h = hashlib.sha256()
     cfg = model.config
     h.update(f"{cfg.model_type}:{cfg.hidden_size}:{cfg.num_hidden_layers}:{cfg.vocab_size}".encode())
-    for name, tensor in sorted(model.state_dict().items())[:8]:
-        h.update(name.encode())
-        h.update(tensor.detach().flatten()[:256].to(torch.float32).cpu().numpy().tobytes())
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(f"{name}:{tuple(tensor.shape)}".encode())
     return h.hexdigest()[:16]
+
+
+SAMPLE_TENSORS, SAMPLE_VALUES = 8, 64
+SAMPLE_RTOL, SAMPLE_ATOL = 2**-7, 1e-6  # bfloat16 rounds to 2^-8 relative; float16 underflows below 6e-8
+
+
+def weight_sample(model) -> list[float]:
+    """64 values from each of the first 8 tensors (by name) in float32: they identify the weights
+    across dtypes and devices when compared with `same_weights` (hashes of rounded values cannot:
+    bfloat16 of a float16 value is not always bfloat16 of the float32 one)."""
+    import torch
+
+    tensors = sorted(model.state_dict().items())[:SAMPLE_TENSORS]
+    return [float(x) for _, t in tensors for x in t.detach().flatten()[:SAMPLE_VALUES].to(torch.float32).cpu()]
+
+
+def same_weights(sample: list[float], model) -> bool:
+    import torch
+
+    ours = torch.tensor(weight_sample(model), dtype=torch.float64)
+    theirs = torch.tensor(sample, dtype=torch.float64)
+    return ours.shape == theirs.shape and torch.allclose(ours, theirs, rtol=SAMPLE_RTOL, atol=SAMPLE_ATOL)
+
+
+def exact_fingerprint(model) -> str:
+    """The architecture and a hash of the sampled weights as they are (dtype included): a cache
+    key for what was computed with exactly this model (distill's sampled training data)."""
+    h = hashlib.sha256(fingerprint(model).encode())
+    h.update(json.dumps(weight_sample(model)).encode())
+    return h.hexdigest()[:16]
+
+
+def fits_target(meta: dict, model) -> bool:
+    """Whether an adapter's metadata names this target (architecture and weights, any dtype)."""
+    try:
+        sample = json.loads(meta.get("rsd_weights", "null"))
+    except ValueError:
+        return False
+    return meta.get("rsd_fingerprint") == fingerprint(model) and isinstance(sample, list) \
+        and same_weights(sample, model)
 
 
 def _decoder_parts(target):
@@ -347,7 +386,8 @@ def save_adapter(adapter, path: Path, target, layers: int, recipe: dict) -> None
 
     tensors = {k.removeprefix("layer."): v.detach().to(torch.float16).contiguous().cpu()
                for k, v in adapter.state_dict().items()}
-    meta = {"rsd_fingerprint": fingerprint(target), "rsd_layers": str(layers), "rsd_recipe": json.dumps(recipe)}
+    meta = {"rsd_fingerprint": fingerprint(target), "rsd_weights": json.dumps(weight_sample(target)),
+            "rsd_layers": str(layers), "rsd_recipe": json.dumps(recipe)}
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=meta)
 
@@ -371,9 +411,10 @@ def load_adapter(path: Path, target, layers: int, vocab: int = 0):
     """The adapter in `path`, checked against the target, K and the draft head's size (an
     adapter trained for an N-token head leaves the other rows of the head untrained)."""
     meta, tensors = _read_adapter(path)
-    if meta.get("rsd_fingerprint") != fingerprint(target):
-        raise RsdError(f"{path} was trained for another target model (fingerprint "
-                       f"{meta.get('rsd_fingerprint', 'missing')}, this target is {fingerprint(target)}); "
+    if not fits_target(meta, target):
+        what = "other weights" if meta.get("rsd_fingerprint") == fingerprint(target) else \
+            f"fingerprint {meta.get('rsd_fingerprint', 'missing')}, this target is {fingerprint(target)}"
+        raise RsdError(f"{path} was trained for another target model ({what}); "
                        f"train one with `rsd distill`, or set draft.adapter = \"\" for none")
     if meta.get("rsd_layers") != str(layers):
         raise RsdError(f"{path} was trained after {meta.get('rsd_layers')} layers, but draft.layers = {layers}")
@@ -411,7 +452,7 @@ def adapter_path(setting: str, profile, target, layers: int) -> Path | None:
         return None
     if setting == "auto":
         meta, _ = _read_adapter(embedded_adapter(), with_tensors=False)
-        fits = meta.get("rsd_fingerprint") == fingerprint(target) and meta.get("rsd_layers") == str(layers)
+        fits = fits_target(meta, target) and meta.get("rsd_layers") == str(layers)
         return embedded_adapter() if fits else None
     return embedded_adapter() if setting == "embedded" else Path(profile.resolve_path(setting))
 

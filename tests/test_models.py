@@ -211,3 +211,22 @@ def test_reduced_vocabulary_draft_head_is_a_shared_view_and_decoding_stays_exact
     reference = run(make_shape("ar"))
     assert run(make_shape("rsd-s", beam_width=2, depth=3)) == reference
     assert run(make_shape("sd", draft_len=3)) == reference
+
+
+def test_the_fingerprint_ignores_dtype_and_device_but_not_the_weights(tmp_path):
+    """One adapter serves the target in float32, bfloat16 and float16 (a GPU's default is bf16)."""
+    target = tiny_model(40, layers=3, seed=0)
+    path = tmp_path / "adapter.safetensors"
+    models.save_adapter(models.new_adapter(target, 1), path, target, 1, {})
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            same = tiny_model(40, layers=3, seed=0).to(device=device, dtype=dtype)
+            assert models.fingerprint(same) == models.fingerprint(target)
+            assert models.load_adapter(path, same, 1) is not None, (device, dtype)
+    nudged = tiny_model(40, layers=3, seed=0)
+    with torch.no_grad():
+        nudged.lm_head.weight.mul_(1.05)  # the same architecture, other weights
+    assert models.fingerprint(nudged) == models.fingerprint(target)
+    with pytest.raises(RsdError, match="trained for another target model \\(other weights\\)"):
+        models.load_adapter(path, nudged, 1)
