@@ -82,6 +82,29 @@ def _assisted_run(pair, ids: list[int], temperature: float, max_tokens: int, see
     return out.shape[1] - inputs.shape[1], seconds
 
 
+def _hf_static(pair, ids: list[int], temperature: float, max_tokens: int, seed: int) -> tuple[int, float]:
+    """transformers' generate with a static cache (what a GPU user would pick; it compiles the
+    forward on CUDA by itself), the target alone: (new tokens, seconds)."""
+    import torch
+
+    torch.manual_seed(seed)
+    inputs = torch.tensor([ids], device=pair.target.device)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = pair.target.generate(inputs, attention_mask=torch.ones_like(inputs), cache_implementation="static",
+                                   max_new_tokens=max_tokens, eos_token_id=sorted(pair.eos_ids),
+                                   pad_token_id=sorted(pair.eos_ids)[0], **sampling)
+    if inputs.device.type == "cuda":
+        torch.cuda.synchronize(inputs.device)
+    return out.shape[1] - inputs.shape[1], time.perf_counter() - start
+
+
+PEERS = {"hf-assisted": ("transformers assisted generation", lambda *args: _assisted(*args)),
+         "hf-static": ("transformers generate, static cache", lambda *args: _hf_static(*args))}
+
+
 def plan_jobs(profile, variants: list[str], temperatures: list[float], budgets: list[int],
               depths: list[int]) -> list[tuple[str, Setting, Shape]]:
     """(variant, setting, shape) for every run on a prompt; `ar` is always there: it is the baseline."""
@@ -103,22 +126,28 @@ def plan_jobs(profile, variants: list[str], temperatures: list[float], budgets: 
 
 def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], budgets: list[int],
               depths: list[int], prompts: list[str], repeats: int, max_tokens: int, seed: int,
-              assisted: bool, progress=None) -> list[dict]:
-    from .engine import Decoder
+              assisted: bool, progress=None, compiles: list[str] | None = None, hf_static: bool = False,
+              runtimes: dict | None = None) -> list[dict]:
+    """Every job (variant x setting) under every --compile setting in `compiles` (runtimes: setting
+    -> engine.Runtimes), interleaved prompt by prompt, plus the peers asked for."""
+    from .engine import Decoder, Runtimes
     from .sampling import SamplingParams
 
-    jobs = plan_jobs(profile, variants, temperatures, budgets, depths)
-    totals: dict[tuple, Stats] = {}  # (variant, setting, shape) -> totals over prompts and repeats
-    assisted_totals: dict[float, list[float]] = {t: [0, 0.0] for t in temperatures}
+    compiles = compiles or [pair.runtimes.setting if pair.runtimes else "off"]
+    runtimes = runtimes or {compiles[0]: pair.runtimes or Runtimes()}
+    jobs = [(c, *job) for c in compiles for job in plan_jobs(profile, variants, temperatures, budgets, depths)]
+    peers = [name for name, wanted in (("hf-assisted", assisted), ("hf-static", hf_static)) if wanted]
+    totals: dict[tuple, Stats] = {}  # (compile, variant, setting, shape) -> totals over prompts and repeats
+    peer_totals: dict[tuple[str, float], list[float]] = {(p, t): [0, 0.0] for p in peers for t in temperatures}
+    peer_errors: dict[str, str] = {}  # a peer failing must not cost the other rows
     encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]
     top = dict(top_k=profile["sampling"]["top_k"], top_p=profile["sampling"]["top_p"])
-    runs = repeats * len(encoded) * (len(jobs) + (len(temperatures) if assisted else 0))
+    runs = repeats * len(encoded) * (len(jobs) + len(peers) * len(temperatures))
     done = 0
-    assisted_error = None  # transformers' assisted generation failing must not cost the other rows
 
-    def decoder_for(setting: Setting, shape: Shape) -> Decoder:
+    def decoder_for(compile: str, setting: Setting, shape: Shape) -> Decoder:
         return Decoder(pair.target, pair.draft, pair.vocab_size, shape, SamplingParams(setting.temperature, **top),
-                       pair.eos_ids, pair.context_length)
+                       pair.eos_ids, pair.context_length, runtimes[compile])
 
     def tick() -> None:
         nonlocal done
@@ -126,63 +155,80 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
         if progress:
             progress(done, runs)
 
-    # warm-up, untimed: the first forwards of a process pay for page faults on the weights and
-    # kernel set-up, which would otherwise land on whichever variant runs first (ar)
-    for variant, setting, shape in (jobs[:2] if encoded else []):
-        complete(decoder_for(setting, shape), encoded[0], min(max_tokens, 8), seed)
+    # warm-up, untimed: the first forwards of a process pay for page faults on the weights, kernel
+    # set-up and (compiled runtime, static-cache peer) compiles of shapes not yet seen, which would
+    # otherwise land on whichever row runs first
+    if encoded:
+        for job in jobs:
+            complete(decoder_for(*job[:1], *job[2:]), encoded[0], min(max_tokens, 8), seed)
+        for name in peers:
+            for t in temperatures:
+                try:
+                    PEERS[name][1](pair, encoded[0], t, min(max_tokens, 8), seed)
+                except Exception as e:  # noqa: BLE001 - a peer's failure is reported, not raised
+                    peer_errors.setdefault(name, f"{type(e).__name__}: {e}".splitlines()[0])
 
     for repeat in range(repeats):
         for index, ids in enumerate(encoded):
             run_seed = seed + 1000 * repeat + index
             # interleaved: every variant runs this prompt before the next prompt starts
-            for variant, setting, shape in jobs:
-                _, stats, _ = complete(decoder_for(setting, shape), ids, max_tokens, run_seed)
-                totals.setdefault((variant, setting, shape), Stats()).merge(stats)
+            for compile, variant, setting, shape in jobs:
+                _, stats, _ = complete(decoder_for(compile, setting, shape), ids, max_tokens, run_seed)
+                totals.setdefault((compile, variant, setting, shape), Stats()).merge(stats)
                 tick()
-            if assisted and assisted_error is None:
+            for name in peers:
                 for t in temperatures:
-                    try:
-                        n, seconds = _assisted(pair, ids, t, max_tokens, run_seed)
-                    except Exception as e:  # noqa: BLE001 - a peer's failure is reported, not raised
-                        assisted_error = f"{type(e).__name__}: {e}".splitlines()[0]
+                    if name in peer_errors:
                         break
-                    assisted_totals[t][0] += n
-                    assisted_totals[t][1] += seconds
+                    try:
+                        n, seconds = PEERS[name][1](pair, ids, t, max_tokens, run_seed)
+                    except Exception as e:  # noqa: BLE001
+                        peer_errors[name] = f"{type(e).__name__}: {e}".splitlines()[0]
+                        break
+                    peer_totals[(name, t)][0] += n
+                    peer_totals[(name, t)][1] += seconds
                     tick()
 
     rows = []
-    ar_rate = {k[1].temperature: v.tokens_per_second for k, v in totals.items() if k[0] == "ar"}
-    for (variant, setting, shape), stats in totals.items():
+    ar_rate = {(k[0], k[2].temperature): v.tokens_per_second for k, v in totals.items() if k[1] == "ar"}
+
+    def ratio(rate, compile, t):
+        base = ar_rate.get((compile, t))
+        return rate / base if rate and base else None
+
+    for (compile, variant, setting, shape), stats in totals.items():
         d = stats.as_dict(pair.draft_params, pair.target_params)
         rows.append({
-            "variant": variant, "budget": setting.budget, "depth": setting.depth, "shape": shape.describe(),
+            "variant": variant, "compile": compile, "runtime": runtimes[compile].describe(),
+            "budget": setting.budget, "depth": setting.depth, "shape": shape.describe(),
             "max_nodes": shape.max_nodes, "temperature": setting.temperature,
             "block_efficiency": d["block_efficiency"], "acceptance_rate": d["acceptance_rate"],
             "acceptance_per_depth": d["acceptance_per_depth"], "mbsu": d["mbsu"],
             "tokens_per_second": d["tokens_per_second"],
-            "speedup_vs_ar": d["tokens_per_second"] / ar_rate[setting.temperature] if ar_rate.get(setting.temperature) else None,
+            "speedup_vs_ar": ratio(d["tokens_per_second"], compile, setting.temperature),
+            "speedup_vs_ar_off": ratio(d["tokens_per_second"], "off", setting.temperature),
             "target_tokens_per_step": d["target_tokens_per_step"], "draft_calls_per_step": d["draft_calls_per_step"],
             "draft_seconds": d["draft_seconds"], "verify_seconds": d["verify_seconds"],
             "forward_seconds": d["forward_seconds"], "overhead_seconds": d["overhead_seconds"],
             "wall_seconds": d["wall_seconds"], "new_tokens": d["new_tokens"], "steps": d["steps"],
         })
-    if assisted:
-        for t, (n, seconds) in assisted_totals.items():
-            rate = n / seconds if seconds and assisted_error is None else None
-            rows.append({
-                "variant": "hf-assisted", "budget": None, "depth": None, "shape": "transformers assisted generation",
-                "max_nodes": None, "temperature": t, "block_efficiency": None, "acceptance_rate": None,
-                "acceptance_per_depth": None, "mbsu": None, "tokens_per_second": rate,
-                "speedup_vs_ar": rate / ar_rate[t] if rate and ar_rate.get(t) else None, "target_tokens_per_step": None,
-                "draft_calls_per_step": None, "draft_seconds": None, "verify_seconds": None,
-                "forward_seconds": None, "overhead_seconds": None, "wall_seconds": seconds, "new_tokens": n,
-                "steps": None, "error": assisted_error,
-            })
+    for (name, t), (n, seconds) in peer_totals.items():
+        error = peer_errors.get(name)
+        rate = n / seconds if seconds and error is None else None
+        rows.append({
+            "variant": name, "compile": None, "runtime": "transformers", "budget": None, "depth": None,
+            "shape": PEERS[name][0], "max_nodes": None, "temperature": t, "block_efficiency": None,
+            "acceptance_rate": None, "acceptance_per_depth": None, "mbsu": None, "tokens_per_second": rate,
+            "speedup_vs_ar": ratio(rate, compiles[0], t), "speedup_vs_ar_off": ratio(rate, "off", t),
+            "target_tokens_per_step": None, "draft_calls_per_step": None, "draft_seconds": None,
+            "verify_seconds": None, "forward_seconds": None, "overhead_seconds": None, "wall_seconds": seconds,
+            "new_tokens": n, "steps": None, "error": error,
+        })
     return rows
 
 
-COLUMNS = ["variant", "budget", "depth", "shape", "temperature", "block_efficiency", "acceptance_rate", "mbsu",
-           "tokens_per_second", "speedup_vs_ar", "target_tokens_per_step", "draft_seconds", "verify_seconds",
+COLUMNS = ["variant", "compile", "budget", "depth", "shape", "temperature", "block_efficiency", "acceptance_rate", "mbsu",
+           "tokens_per_second", "speedup_vs_ar", "speedup_vs_ar_off", "target_tokens_per_step", "draft_seconds", "verify_seconds",
            "overhead_seconds", "new_tokens"]
 
 
@@ -199,7 +245,7 @@ def results_table(rows: list[dict]):
 
     table = Table(title="rsd bench", title_justify="left")
     names = {"block_efficiency": "BE", "acceptance_rate": "accept", "tokens_per_second": "tok/s",
-             "speedup_vs_ar": "× ar", "target_tokens_per_step": "nodes", "draft_seconds": "draft s",
+             "speedup_vs_ar": "× ar", "speedup_vs_ar_off": "× ar off", "target_tokens_per_step": "nodes", "draft_seconds": "draft s",
              "verify_seconds": "verify s", "overhead_seconds": "overhead s", "new_tokens": "tokens",
              "temperature": "T"}
     for col in COLUMNS:
@@ -219,6 +265,10 @@ def write_csv(rows: list[dict], out) -> None:
         writer.writerow({k: (" ".join(f"{x:.4f}" for x in v) if isinstance(v, list) else v) for k, v in row.items()})
 
 
+def _series_name(row: dict) -> str:
+    return f"{row['variant']} T={row['temperature']:g}" + (f" compile {row['compile']}" if row.get("compile") else "")
+
+
 def plot_svg(rows: list[dict], title: str = "rsd bench") -> str:
     """Block efficiency and speed-up over ar against the target budget (or depth), one line per variant."""
     xs_key = "budget" if any(r["budget"] for r in rows) else "depth"
@@ -226,7 +276,7 @@ def plot_svg(rows: list[dict], title: str = "rsd bench") -> str:
     for r in rows:
         if r[xs_key] is None or r["block_efficiency"] is None:
             continue
-        series.setdefault(f"{r['variant']} T={r['temperature']:g}", []).append(
+        series.setdefault(_series_name(r), []).append(
             (r[xs_key], r["block_efficiency"], r["speedup_vs_ar"] or 0.0))
     colours = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
     width, height, pad = 420, 300, 50
@@ -289,7 +339,7 @@ def write_plot(rows: list[dict], path) -> None:
     series: dict[str, list] = {}
     for r in rows:
         if r[key] is not None and r["block_efficiency"] is not None:
-            series.setdefault(f"{r['variant']} T={r['temperature']:g}", []).append(
+            series.setdefault(_series_name(r), []).append(
                 (r[key], r["block_efficiency"], r["speedup_vs_ar"] or 0.0))
     for name, pts in sorted(series.items()):
         pts.sort()

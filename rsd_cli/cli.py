@@ -79,6 +79,12 @@ def _silence_stdout() -> None:
         pass
 
 
+def notice(message: str) -> None:
+    """One line on stderr that the user should see once (a first compile, a setting that cannot apply)."""
+    sys.stderr.write(f"rsd: {message}\n")
+    sys.stderr.flush()
+
+
 def complete_profile(incomplete: str) -> list[str]:
     from .profiles import available_profiles
 
@@ -111,6 +117,9 @@ DepthOpt = Annotated[Optional[int], typer.Option("--depth", help="rsd-s, spectr:
                                                  rich_help_panel=DRAFT, show_default=False)]
 NumDraftsOpt = Annotated[Optional[int], typer.Option("--num-drafts", help="spectr: number of draft sequences K.",
                                                      rich_help_panel=DRAFT, show_default=False)]
+CompileOpt = Annotated[Optional[str], typer.Option(
+    "--compile", help="auto, on or off: run the models on rsd's static-cache runtime compiled (on), compiled where "
+    "measured faster on this machine (auto), or on transformers' eager forward (off).", show_default=False)]
 BudgetOpt = Annotated[Optional[int], typer.Option("--budget", help="Pick a tree of at most N nodes per step.",
                                                   rich_help_panel=DRAFT, show_default=False)]
 
@@ -162,9 +171,9 @@ class Loader:
         from .models import load_pair
 
         if self.quiet:
-            return load_pair(profile)
+            return load_pair(profile, notice=notice)
         with self.console.status("loading models…") as status:
-            return load_pair(profile, progress=lambda m: status.update(m))
+            return load_pair(profile, progress=lambda m: status.update(m), notice=notice)
 
     def target_location(self, profile) -> str:
         """The target's source as from_pretrained takes it (a GGUF file is converted here, once)."""
@@ -197,6 +206,7 @@ def generate(
     depth: DepthOpt = None,
     num_drafts: NumDraftsOpt = None,
     budget: BudgetOpt = None,
+    compile: CompileOpt = None,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Independent completions (models load once).",
                                          rich_help_panel=OUTPUT)] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per completion on stdout.",
@@ -237,6 +247,7 @@ def chat(
     depth: DepthOpt = None,
     num_drafts: NumDraftsOpt = None,
     budget: BudgetOpt = None,
+    compile: CompileOpt = None,
     tree: Annotated[bool, typer.Option("--tree/--no-tree", help="Live view of the draft tree while answering.",
                                        rich_help_panel=OUTPUT)] = False,
 ):
@@ -269,6 +280,7 @@ def inspect_tree(
     depth: DepthOpt = None,
     num_drafts: NumDraftsOpt = None,
     budget: BudgetOpt = None,
+    compile: CompileOpt = None,
 ):
     """Decode up to step N and show that step in full: every node with q, p, order and fate."""
     if fmt not in ("text", "json", "svg"):
@@ -309,6 +321,12 @@ def bench(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     assisted: Annotated[bool, typer.Option("--assisted/--no-assisted", help="Also time transformers' assisted "
                                            "generation with the same pair.")] = True,
+    hf_static: Annotated[bool, typer.Option("--hf-static/--no-hf-static", help="Also time transformers' generate "
+                                            "with a static cache (the target alone; compiled by transformers on "
+                                            "CUDA).")] = True,
+    compile: Annotated[Optional[str], typer.Option("--compile", help="Comma-separated --compile settings to "
+                                                   "measure, rows interleaved, e.g. on,off [default: the "
+                                                   "profile's].", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help='{"results": [...]} on stdout.', rich_help_panel=OUTPUT)] = False,
     as_csv: Annotated[bool, typer.Option("--csv", help="CSV on stdout.", rich_help_panel=OUTPUT)] = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a plot (.svg, or .png with matplotlib).",
@@ -328,16 +346,24 @@ def bench(
         raise UsageError("budgets and depths must be at least 1, temperatures at least 0")
     if as_json and as_csv:
         raise UsageError("--json and --csv are exclusive")
+    compiles = list(dict.fromkeys(_csv_list(compile, str, "--compile"))) if compile else []
+    if any(c not in ("auto", "on", "off") for c in compiles):
+        raise UsageError(f"--compile takes auto, on or off, comma-separated (got {compile!r})")
     from .distill_command import _read_prompts
     from .prompting import builtin_prompts
 
     prompt_list = (_read_prompts(prompts) if prompts else builtin_prompts("eval"))[:limit]
-    prof = _load_profile(profile, {"beam_width": width})
+    prof = _load_profile(profile, {"beam_width": width, "compile": compiles[0] if compiles else None})
     from .bench import results_table, run_bench, runtime_rss_mb, write_csv, write_plot
 
     loader = Loader()
     runtime_mb = runtime_rss_mb(loader.target_location(prof))  # before any weights load
     pair = loader.load(prof)
+    from .runtime import runtimes_of
+
+    compiles = compiles or [prof["runtime"]["compile"]]
+    runtimes = {c: pair.runtimes if c == prof["runtime"]["compile"] else runtimes_of(pair, c, notice=notice)
+                for c in compiles}
     from rich.progress import Progress
 
     console = _stderr_console()
@@ -345,7 +371,8 @@ def bench(
         task = bars.add_task("benchmarking", total=None)
         rows = run_bench(pair, prof, variants=names, temperatures=temps, budgets=budget_list, depths=depth_list,
                          prompts=prompt_list, repeats=repeats, max_tokens=max_tokens, seed=seed, assisted=assisted,
-                         progress=lambda done, total: bars.update(task, completed=done, total=total))
+                         progress=lambda done, total: bars.update(task, completed=done, total=total),
+                         compiles=compiles, hf_static=hf_static, runtimes=runtimes)
     for row in rows:
         if row.get("error"):
             console.print(f"rsd: warning: {row['variant']} failed and has no numbers: {row['error']}",

@@ -229,13 +229,32 @@ class Stats:
         return out
 
 
+@dataclass(frozen=True)
+class Runtimes:
+    """How the two models are executed: a `compiled.CompiledModel` runs one on the static-cache
+    runtime (compiled or not), None on transformers' eager forward (`CachedLM`)."""
+
+    target: object | None = None
+    draft: object | None = None
+    setting: str = "off"  # the --compile setting that chose them: "on" | "off" | "auto"
+
+    def describe(self) -> str:
+        def one(runtime) -> str:
+            if runtime is None:
+                return "transformers eager"
+            return "static cache, compiled" if runtime.compiled else "static cache, eager"
+        return one(self.target) if one(self.target) == one(self.draft) else \
+            f"target {one(self.target)}, draft {one(self.draft)}"
+
+
 class Decoder:
     """Runs one variant on a target / draft pair. Models are loaded once; caches per call."""
 
     def __init__(self, target, draft, vocab_size: int, shape: Shape, sampling: SamplingParams,
-                 eos_ids: set[int], context_length: int | None = None):
+                 eos_ids: set[int], context_length: int | None = None, runtimes: Runtimes | None = None):
         self.target_model = target
         self.draft_model = draft
+        self.runtimes = runtimes or Runtimes()
         self.vocab_size = vocab_size
         self.shape = shape
         self.sampling = sampling
@@ -261,8 +280,9 @@ class Decoder:
             raise RsdError(f"the prompt has {len(prompt)} tokens but the model's context holds {self.context_length}")
         generator = torch.Generator()
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        target = CachedLM(self.target_model, self.vocab_size)
-        draft = CachedLM(self.draft_model, self.vocab_size) if self.shape.depth > 0 else None
+        capacity = len(prompt) + max_tokens + self.shape.max_nodes + 1
+        target = self._cache(self.target_model, self.runtimes.target, capacity)
+        draft = self._cache(self.draft_model, self.runtimes.draft, capacity) if self.shape.depth > 0 else None
         seq = list(prompt)
         if len(seq) > 1:
             target.extend(seq[:-1])
@@ -291,6 +311,13 @@ class Decoder:
             yield event
             if event.finished:
                 return
+
+    def _cache(self, model, runtime, capacity: int):
+        if runtime is None:
+            return CachedLM(model, self.vocab_size)
+        from .compiled import StaticLM
+
+        return StaticLM(runtime, self.vocab_size, capacity)
 
     def _step(self, step: int, seq: list[int], target: CachedLM, draft: CachedLM | None,
               generator: torch.Generator) -> StepEvent:

@@ -489,9 +489,10 @@ class ModelPair:
     target_params: int
     draft_params: int
     description: str
+    runtimes: object = None  # engine.Runtimes: how both models are executed (None: transformers eager)
 
 
-def load_pair(profile, progress: Progress = _quiet) -> ModelPair:
+def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet) -> ModelPair:
     device, dtype = pick_device_dtype(profile["target"]["device"], profile["target"]["dtype"])
     target_source = profile.resolve_path(profile["target"]["source"])
     target, tokenizer = load_model(target_source, device, dtype, progress)
@@ -511,10 +512,14 @@ def load_pair(profile, progress: Progress = _quiet) -> ModelPair:
     vocab = target.config.vocab_size
     if draft_cfg["kind"] == "model":
         vocab = min(vocab, draft.config.vocab_size)  # embedding rows may be padded
-    return ModelPair(
+    pair = ModelPair(
         target=target, draft=draft, tokenizer=tokenizer, vocab_size=vocab,
         eos_ids=_eos_ids(tokenizer, target),
         context_length=getattr(target.config, "max_position_embeddings", None),
         target_params=params_read(target), draft_params=params_read(draft),
         description=f"target {profile['target']['source']}, draft {what}",
     )
+    from .runtime import runtimes_of
+
+    pair.runtimes = runtimes_of(pair, profile["runtime"]["compile"], progress, notice)
+    return pair

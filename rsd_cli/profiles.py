@@ -75,6 +75,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "num_drafts": Key(int, 3, _positive, "spectr: number of draft sequences K"),
         "budget": Key(int, 0, _non_negative, "if > 0: pick a tree of at most this many nodes"),
     },
+    "runtime": {
+        "compile": Key(str, "auto", _one_of("auto", "on", "off"),
+                       'the static-cache runtime: "on" compiled, "auto" compiled where measured faster, '
+                       '"off" transformers\' eager forward'),
+    },
     "sampling": {
         "temperature": Key(float, 1.0, _non_negative, "0 is greedy"),
         "top_p": Key(float, 1.0, _top_p),

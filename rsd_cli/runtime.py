@@ -22,6 +22,7 @@ FLAG_KEYS = {
     "top_k": ("sampling", "top_k"),
     "max_tokens": ("sampling", "max_tokens"),
     "seed": ("sampling", "seed"),
+    "compile": ("runtime", "compile"),
 }
 
 
@@ -41,6 +42,8 @@ def apply_flags(profile: Profile, flags: dict[str, Any]) -> Profile:
         table, key = FLAG_KEYS[name]
         if name == "branching" and isinstance(value, str):
             value = parse_branching(value)
+        if name == "compile" and value not in ("auto", "on", "off"):
+            raise UsageError(f"--compile takes auto, on or off (got {value!r})")
         if name == "budget" and value < 1:  # in a profile 0 means "off"; a flag asks for a tree
             raise UsageError(f"--budget {value}: the budget must be at least 1 (the root of the tree)")
         try:
@@ -82,7 +85,18 @@ def make_decoder(pair, profile: Profile):
     from .engine import Decoder
 
     return Decoder(pair.target, pair.draft, pair.vocab_size, shape_of(profile, pair.vocab_size),
-                   sampling_of(profile), pair.eos_ids, pair.context_length)
+                   sampling_of(profile), pair.eos_ids, pair.context_length, pair.runtimes)
+
+
+def runtimes_of(pair, setting: str, progress=lambda message: None, notice=lambda message: None):
+    """The execution of both models for a --compile setting (see compiled.runtime_for); an
+    early-exit draft shares its target's layers, so it shares the verdict and compiled graphs."""
+    from .compiled import runtime_for
+    from .engine import Runtimes
+
+    target = runtime_for(pair.target, setting, "target", progress, notice)
+    draft = runtime_for(pair.draft, setting, "draft", progress, notice)
+    return Runtimes(target, draft, setting)
 
 
 def resolved(profile: Profile) -> list[tuple[str, str, Any, str]]:

@@ -22,6 +22,9 @@ def isolated_dirs(tmp_path, monkeypatch):
         if name.startswith("RSD_") and name not in ("RSD_CONFIG_DIR", "RSD_CACHE_DIR"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "1")
+    # transformers' eager forward unless a test asks for the static-cache runtime (test_compiled.py):
+    # the default "auto" would make every test's backend depend on this machine's cached verdict
+    monkeypatch.setenv("RSD_RUNTIME_COMPILE", "off")
     return tmp_path
 
 

@@ -1,0 +1,395 @@
+"""The compiled static-cache backend: a Llama forward that owns its KV buffers, for torch.compile.
+
+transformers' eager forward costs more in per-call overhead than the embedded model's arithmetic
+(44 ms for one token on a 2-core CPU, 23 ms on an H100), and its caches cannot take tree nodes at
+chosen slots or undo them (StaticCache has no crop). So for Llama-style models rsd runs its own
+forward over the model's own modules (weights, norms, rotary tables are read, never copied):
+
+- one key and one value buffer per model, (layers, kv_heads, capacity, head_dim), allocated per
+  generation for prompt + max tokens + one tree; new tokens are written at their slots (the
+  cache's running length onwards), the accepted path compacted by one index copy for all layers;
+- the attention mask is additive float (n, kv_len) over the used part of the buffers;
+- token counts are padded to a few buckets (1, 2, 4, 8, 16; padding rows write beyond
+  the used length and see only themselves), and the used length is a dynamic dimension, so a
+  handful of compiled graphs serve every tree; prompts (more than 64 tokens at once) run the
+  same code uncompiled, where overhead does not matter.
+
+The engine sees the same `forward(tokens, positions, visible)` / `keep(indices)` as with the
+eager backend (`engine.CachedLM`), so exactness arguments carry over unchanged: tests compare
+the two backends' logits and greedy outputs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+BUCKETS = (1, 2, 4, 8, 16)
+SUPPORTED_TYPES = ("llama",)  # what the tests cover; other Llama-style decoders would follow the same shape
+ROPE_TYPES = ("default", "linear", "llama3")  # rotary tables that depend on the position alone
+
+
+def bucket(n: int) -> int | None:
+    """The padded token count for n tokens, or None when n is beyond the compiled sizes."""
+    return next((b for b in BUCKETS if b >= n), None)
+
+
+def unsupported(model) -> str | None:
+    """Why this model cannot run on the compiled backend, or None when it can."""
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_TYPES:
+        return f"a {cfg.model_type} model (the compiled backend covers {', '.join(SUPPORTED_TYPES)})"
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not hasattr(model, "lm_head") or not hasattr(inner, "rotary_emb"):
+        return f"{type(model).__name__} is not laid out as a Llama-style decoder"
+    if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "mlp_bias", False):
+        return f"{type(model).__name__}'s layers differ from Llama's"
+    if getattr(inner.rotary_emb, "rope_type", "default") not in ROPE_TYPES:
+        return f"rope type {inner.rotary_emb.rope_type!r}"
+    placement = getattr(model, "hf_device_map", None) or {}
+    if len({p.device for p in model.parameters()}) > 1 or len(set(placement.values())) > 1:
+        return "a model placed over several devices"
+    return None
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small: bool) -> torch.Tensor:
+    if small:  # the layer's shape measured faster with the small-batch product on this CPU
+        from .small_batch import small_batch_linear
+
+        return small_batch_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple, dims: tuple) -> torch.Tensor:
+    """One Llama decoder layer on n new tokens. x (n, hidden); cos, sin (n, head_dim); mask (n, kv_len)
+    additive, the new tokens at slots kv_len - n .. kv_len - 1 of keys, values (kv_heads, capacity,
+    head_dim), written in place. `weights` are the layer's tensors, `small` which linears use the
+    small-batch product, dims = (heads, kv_heads, head_dim, scaling, eps). Every layer of a model (and
+    of its early-exit draft, adapter included) has the same shapes: one compiled graph serves them all."""
+    ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd = weights
+    heads, kv_heads, head_dim, scaling, eps = dims
+    n, kv_len = x.shape[0], mask.shape[1]
+    h = _rms_norm(x, ln1, eps)
+    q = _linear(h, wq, bq, small[0]).view(n, heads, head_dim).transpose(0, 1)  # (H, n, hd)
+    k = _linear(h, wk, bk, small[1]).view(n, kv_heads, head_dim).transpose(0, 1)  # (KVH, n, hd)
+    v = _linear(h, wv, bv, small[2]).view(n, kv_heads, head_dim).transpose(0, 1)
+    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    keys[:, kv_len - n: kv_len] = k
+    values[:, kv_len - n: kv_len] = v
+    k, v = keys[:, :kv_len], values[:, :kv_len]
+    if heads != kv_heads:  # grouped-query attention
+        k, v = k.repeat_interleave(heads // kv_heads, dim=0), v.repeat_interleave(heads // kv_heads, dim=0)
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None].to(q.dtype),
+                                         scale=scaling)[0]  # (H, n, hd)
+    x = x + _linear(out.transpose(0, 1).reshape(n, heads * head_dim), wo, bo, small[3])
+    h = _rms_norm(x, ln2, eps)
+    return x + _linear(F.silu(_linear(h, wg, None, small[4])) * _linear(h, wu, None, small[5]), wd, None, small[6])
+
+
+def final_logits(x, norm, eps: float, head, small: bool) -> torch.Tensor:
+    """(m, hidden) -> (m, rows of the head) logits: the final norm and the output head."""
+    return _linear(_rms_norm(x, norm, eps), head, None, small)
+
+
+class CompiledModel:
+    """One loaded model run layer by layer over KV buffers; with `compile`, the layer and the head
+    run as torch.compile graphs shared by every layer and every generation (each generation has its
+    own `StaticLM` with its own buffers)."""
+
+    def __init__(self, model, compile: bool = True):
+        from .small_batch import uses_small_batch
+
+        self.model = model
+        cfg = model.config
+        inner = model.model
+        attn = inner.layers[0].self_attn
+        self.dims = (cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim, attn.scaling,
+                     inner.layers[0].input_layernorm.variance_epsilon)
+        self.layers = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+            weights = (layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
+                       a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, a.o_proj.bias,
+                       layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
+            # detached views (same storage): a trained adapter's tensors and the target's then pass
+            # the same guards, and one graph serves both
+            self.layers.append((tuple(None if w is None else w.detach() for w in weights),
+                                tuple(uses_small_batch(linear) for linear in linears)))
+        self.head_small = uses_small_batch(model.lm_head)
+        self.norm_eps = inner.norm.variance_epsilon
+        self.device = inner.embed_tokens.weight.device
+        self.dtype = inner.embed_tokens.weight.dtype
+        self.context = getattr(cfg, "max_position_embeddings", 4096)
+        with torch.inference_mode():  # rotary tables for every position, computed once
+            positions = torch.arange(self.context, device=self.device)[None]
+            cos, sin = inner.rotary_emb(torch.zeros(1, dtype=self.dtype, device=self.device), positions)
+        self.cos, self.sin = cos[0], sin[0]  # (context, head_dim)
+        self.compiled = compile
+        self.graphs: set[int] = set()  # token counts compiled so far
+        # the layers compiled; embedding, final norm and head stay eager (a few ops, and a graph per
+        # head size would double the compiles)
+        self._layer = _compiled(decoder_layer) if compile else decoder_layer
+
+    def new_buffers(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        _, kv_heads, head_dim, _, _ = self.dims
+        shape = (len(self.layers), kv_heads, capacity, head_dim)
+        return (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """tokens, positions (n,); mask (n, kv_len) additive, the new tokens at slots kv_len - n ..
+        kv_len - 1; keys, values (layers, kv_heads, capacity, head_dim), written in place; rows (m,)
+        which outputs to return. Returns (m, rows of the head) logits. Sizes in BUCKETS run the
+        compiled graphs (the used length and the capacity are dynamic dimensions), others eager."""
+        compiled = self.compiled and tokens.shape[0] in BUCKETS
+        layer = self._layer if compiled else decoder_layer
+        if compiled:
+            torch._dynamo.maybe_mark_dynamic(mask, 1)
+            self.graphs.add(tokens.shape[0])
+        x = self.model.model.embed_tokens(tokens)  # (n, hidden)
+        cos, sin = self.cos[positions], self.sin[positions]
+        for index, (weights, small) in enumerate(self.layers):
+            layer_keys, layer_values = keys[index], values[index]
+            if compiled:
+                torch._dynamo.maybe_mark_dynamic(layer_keys, 1)
+                torch._dynamo.maybe_mark_dynamic(layer_values, 1)
+            x = layer(x, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims)
+        return final_logits(x[rows], self.model.model.norm.weight, self.norm_eps, self.model.lm_head.weight,
+                            self.head_small)
+
+
+def _compiled(fn):
+    """fn compiled with static token counts (buckets); only the dimensions marked dynamic vary.
+    CUDA graphs are not used: a graph would pin the KV buffers' addresses, and this path has not
+    yet been measured on a GPU."""
+    import os
+
+    import torch._dynamo
+
+    from .models import cache_dir
+
+    # inductor's compiled code goes to the rsd cache folder: a second process reads it back
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # renamed in torch 2.6; both kept for 2.1-2.13
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), 64))
+    config.automatic_dynamic_shapes = False
+    return torch.compile(fn, fullgraph=True)
+
+
+class StaticLM:
+    """`CachedLM`'s interface (forward / extend / keep / length) over a `CompiledModel`'s buffers."""
+
+    def __init__(self, compiled: CompiledModel, vocab_size: int, capacity: int):
+        self.compiled = compiled
+        self.vocab_size = vocab_size
+        self.capacity = capacity
+        self.keys, self.values = compiled.new_buffers(capacity)
+        self.length = 0
+        self.forward_seconds = 0.0
+        self.calls = 0
+
+    @property
+    def model(self):
+        return self.compiled.model
+
+    def forward(self, tokens: list[int], positions: list[int], visible: torch.Tensor,
+                last_only: bool = False) -> torch.Tensor:
+        """Same contract as CachedLM.forward: visible is (n, length + n) bool over cache + new keys."""
+        from .engine import full_vocabulary
+
+        start = time.perf_counter()
+        n = len(tokens)
+        size = (bucket(n) or n) if self.compiled.compiled else n
+        if self.length + size > self.capacity:
+            self._grow(self.length + size)
+        pad = size - n
+        device = self.compiled.device
+        kv_len = self.length + size
+        with torch.inference_mode():  # inputs made here as in warm_up: the compiled graphs' guards match
+            mask = torch.full((size, kv_len), -math.inf, dtype=torch.float32)
+            mask[:n, : self.length + n].masked_fill_(visible, 0.0)
+            if pad:  # padding rows see only themselves; their keys land beyond the used length
+                mask[n:, self.length + n:] = torch.where(torch.eye(pad, dtype=torch.bool), 0.0, -math.inf)
+            rows = torch.tensor([n - 1]) if last_only else torch.arange(size)
+            logits = self.compiled.forward(
+                torch.tensor(tokens + [0] * pad, device=device),
+                torch.tensor(positions + [positions[-1]] * pad, device=device),
+                mask.to(device), self.keys, self.values, rows.to(device))
+        self.length += n
+        logits = full_vocabulary(logits[: 1 if last_only else n, : self.vocab_size].float().cpu(), self.vocab_size)
+        self.forward_seconds += time.perf_counter() - start
+        self.calls += 1
+        return logits
+
+    def extend(self, tokens: list[int], last_only: bool = True) -> torch.Tensor:
+        """Append a chain of tokens after the cache (causal attention)."""
+        n, past = len(tokens), self.length
+        visible = torch.ones(n, past + n, dtype=torch.bool)
+        visible[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
+        return self.forward(tokens, list(range(past, past + n)), visible, last_only)
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, 2 * self.capacity)
+        keys, values = self.compiled.new_buffers(capacity)
+        keys[:, :, : self.length] = self.keys[:, :, : self.length]
+        values[:, :, : self.length] = self.values[:, :, : self.length]
+        self.keys, self.values, self.capacity = keys, values, capacity
+
+    def keep(self, indices: list[int]) -> None:
+        """Keep only these cache positions (ascending): one index copy for all layers."""
+        prefix = 0
+        while prefix < len(indices) and indices[prefix] == prefix:
+            prefix += 1
+        if prefix < len(indices):
+            tail = torch.tensor(indices[prefix:], device=self.compiled.device)
+            with torch.inference_mode():
+                self.keys[:, :, prefix: len(indices)] = self.keys.index_select(2, tail)
+                self.values[:, :, prefix: len(indices)] = self.values.index_select(2, tail)
+        self.length = len(indices)
+
+
+WARM_SIZES = (1, 2, 4)  # token counts every variant uses (draft steps, small trees): compiled at load
+VERDICT_REPEATS = 5
+
+
+def warm_up(runtime: CompiledModel, sizes=WARM_SIZES) -> None:
+    """Run (so compile) the given token counts once on scratch buffers."""
+    keys, values = runtime.new_buffers(max(sizes) + 8)
+    with torch.inference_mode():  # as StaticLM.forward makes its inputs
+        for n in sizes:
+            mask = torch.zeros(n, n + 4, device=runtime.device)
+            tokens = torch.zeros(n, dtype=torch.long, device=runtime.device)
+            runtime.forward(tokens, tokens, mask, keys, values, torch.arange(n, device=runtime.device))
+
+
+def _median_forward_seconds(runtime: CompiledModel, n: int) -> float:
+    keys, values = runtime.new_buffers(128 + n)
+    tokens = torch.zeros(n, dtype=torch.long, device=runtime.device)
+    mask = torch.zeros(n, 100 + n, device=runtime.device)
+    rows = torch.arange(n, device=runtime.device)
+    times = []
+    with torch.inference_mode():
+        for _ in range(VERDICT_REPEATS + 1):
+            if runtime.device.type == "cuda":
+                torch.cuda.synchronize(runtime.device)
+            start = time.perf_counter()
+            runtime.forward(tokens, tokens, mask, keys, values, rows)
+            if runtime.device.type == "cuda":
+                torch.cuda.synchronize(runtime.device)
+            times.append(time.perf_counter() - start)
+    return sorted(times[1:])[VERDICT_REPEATS // 2]
+
+
+def compiled_gain(model) -> float:
+    """Compiled over uncompiled forward time of this model on the static-cache runtime, summed over
+    a 1-token and a 4-token forward after a 100-token prefix (below 1: compiling pays)."""
+    eager, compiled = CompiledModel(model, compile=False), CompiledModel(model, compile=True)
+    warm_up(compiled, (1, 4))
+    totals = [sum(_median_forward_seconds(r, n) for n in (1, 4)) for r in (compiled, eager)]
+    return totals[0] / totals[1]
+
+
+REQUIRED_GAIN = 0.95  # "auto" compiles where the compiled forward takes at most 95% of the eager one
+
+
+def verdict_key(model) -> str:
+    """What the verdict depends on: the machine, device, dtype and the layer's shape (an early-exit
+    draft shares its target's; the layer count does not enter: layers run one compiled graph each)."""
+    from .small_batch import machine
+
+    cfg = model.config
+    p = next(model.parameters())
+    return (f"{machine()} | {p.device.type} | {str(p.dtype).removeprefix('torch.')} | {cfg.model_type} "
+            f"{cfg.hidden_size}x{cfg.intermediate_size} {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads")
+
+
+def compile_pays(model, progress=lambda message: None) -> bool:
+    """The cached verdict for this machine and model shape, measured once (`compile.json` in the
+    rsd cache folder; a lost or unwritable file only means measuring again)."""
+    import json
+    import os
+
+    from .models import cache_dir
+
+    path = cache_dir() / "compile.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known = known if isinstance(known, dict) else {}
+    key = verdict_key(model)
+    if not isinstance(known.get(key), dict):
+        progress("measuring whether compiling pays on this machine (once)")
+        gain = compiled_gain(model)
+        known[key] = {"compiled_over_eager": round(gain, 4), "compile": gain <= REQUIRED_GAIN}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            partial.write_text(json.dumps(known, indent=1, sort_keys=True))
+            partial.replace(path)
+        except OSError:
+            pass
+    return bool(known[key]["compile"])
+
+
+def runtime_for(model, setting: str, role: str, progress=lambda message: None, notice=lambda message: None):
+    """The CompiledModel a --compile setting gives this model, or None for transformers' eager
+    forward. "off": eager transformers; "on": the static-cache runtime, compiled; "auto": the
+    static-cache runtime, compiled where it measured faster on this machine (cached verdict)."""
+    if setting == "off":
+        return None
+    reason = unsupported(model)
+    if reason is not None:
+        if setting == "on":
+            notice(f"--compile on does not apply to the {role} ({reason}): it runs on transformers' eager forward")
+        return None
+    compile = setting == "on" or compile_pays(model, progress)
+    runtime = CompiledModel(model, compile=compile)
+    if compile:
+        first = _first_compile_here(model)
+        if first:
+            notice(f"compiling the {role}'s layers for this machine, once (later runs read them from the cache)")
+        progress(f"compiling the {role}'s layers")
+        warm_up(runtime)
+        if first:
+            _mark_compiled(model)
+    return runtime
+
+
+def _marker(model):
+    import hashlib
+
+    from .models import cache_dir
+
+    return cache_dir() / "inductor" / f"rsd-{hashlib.sha256(verdict_key(model).encode()).hexdigest()[:16]}"
+
+
+def _first_compile_here(model) -> bool:
+    return not _marker(model).exists()
+
+
+def _mark_compiled(model) -> None:
+    try:
+        _marker(model).parent.mkdir(parents=True, exist_ok=True)
+        _marker(model).touch()
+    except OSError:
+        pass

@@ -1,0 +1,172 @@
+"""The static-cache runtime (compiled and not) against transformers' eager forward: the same logits
+for trees and pruned caches, the same greedy output for every variant, the target's distribution
+(Monte-Carlo), and the --compile setting as a user meets it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from rsd_cli import compiled
+from rsd_cli.cli import app
+from rsd_cli.compiled import CompiledModel, StaticLM
+from rsd_cli.drafting import make_shape
+from rsd_cli.engine import CachedLM, Decoder, Runtimes
+from rsd_cli.sampling import SamplingParams
+from rsd_cli.tree import DraftTree
+from test_engine import MC_SHAPES, N_SAMPLES, PROMPT, V, chi_square_pvalue, exact_joint, plain_greedy, shapes
+from tiny import tiny_model
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_model(V, layers=2, seed=0, scale=0.1), tiny_model(V, layers=1, seed=1, scale=0.1)
+
+
+@pytest.fixture(scope="module")
+def runtimes(pair):
+    """Both backends of the static-cache runtime, each built once (compiled graphs are shared)."""
+    return {compile: Runtimes(CompiledModel(pair[0], compile), CompiledModel(pair[1], compile),
+                              "on" if compile else "auto") for compile in (True, False)}
+
+
+def a_tree() -> DraftTree:
+    tree = DraftTree.rooted_at(5)
+    a, _ = tree.add_draw(0, 2)
+    b, _ = tree.add_draw(0, 4)
+    c, _ = tree.add_draw(a, 1)
+    tree.add_draw(b, 3)
+    tree.add_draw(c, 0)
+    return tree
+
+
+@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
+def test_static_cache_matches_transformers_for_trees_pruning_and_growth(pair, runtimes, compile):
+    """A 6-node tree (padded to 8 when compiled), pruning to one path, then chains past the
+    buffers' first capacity: every logit equals transformers' eager forward with its DynamicCache."""
+    target = pair[0]
+    ours = StaticLM(runtimes[compile].target, V, capacity=12)  # grows on the way
+    reference = CachedLM(target, V)
+    for lm in (ours, reference):
+        lm.extend(PROMPT)
+    tree = a_tree()
+    base = len(PROMPT)
+    visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
+    positions = [base + d for d in tree.depths]
+    torch.testing.assert_close(ours.forward(tree.tokens, positions, visible),
+                               reference.forward(tree.tokens, positions, visible), atol=1e-5, rtol=1e-5)
+    kept = list(range(base)) + [base + n for n in (0, 1, 3, 5)]  # root, a, c, e
+    for lm in (ours, reference):
+        lm.keep(kept)
+    assert ours.length == reference.length == base + 4
+    for chain in ([2], [1, 3], [4, 0, 2], [1] * 9):
+        torch.testing.assert_close(ours.extend(chain, last_only=False), reference.extend(chain, last_only=False),
+                                   atol=1e-5, rtol=1e-5)
+    assert ours.capacity > 12 and ours.length == reference.length
+    if compile:
+        assert {1, 2, 4, 8} <= runtimes[compile].target.graphs  # the bucketed sizes ran compiled
+
+
+def run(pair, runtimes, shape, sampling, max_tokens, seed):
+    decoder = Decoder(pair[0], pair[1], V, shape, sampling, set(), runtimes=runtimes)
+    return [t for event in decoder.generate(PROMPT, max_tokens, seed) for t in event.emitted]
+
+
+@pytest.mark.parametrize("shape", shapes(), ids=lambda s: s.describe())
+def test_greedy_on_the_compiled_runtime_equals_plain_greedy(pair, runtimes, shape):
+    assert run(pair, runtimes[True], shape, SamplingParams(temperature=0), 25, seed=0) == plain_greedy(pair[0], 25)
+
+
+@pytest.mark.parametrize("shape", MC_SHAPES[1:], ids=lambda s: s.describe())
+def test_first_two_tokens_follow_the_target_distribution_when_compiled(pair, runtimes, shape):
+    sampling = SamplingParams(temperature=1.0)
+    expected = exact_joint(pair[0], sampling) * N_SAMPLES
+    counts = torch.zeros(V, V)
+    for seed in range(N_SAMPLES):
+        first, second = run(pair, runtimes[True], shape, sampling, 2, seed)[:2]
+        counts[first, second] += 1
+    assert chi_square_pvalue(counts, expected) > 1e-3
+
+
+def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
+    """The backends differ only in the order of float additions: sampled runs agree token for token
+    on this pair (the test would catch a runtime that draws random numbers differently)."""
+    shape = make_shape("rsd-c", branching=(2, 2))
+    sampling = SamplingParams(temperature=1.0)
+    reference = run(pair, None, shape, sampling, 30, seed=3)
+    assert run(pair, runtimes[True], shape, sampling, 30, seed=3) == reference
+    assert run(pair, runtimes[False], shape, sampling, 30, seed=3) == reference
+
+
+def test_unsupported_models_are_named_with_a_reason():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=64))
+    assert "gpt2" in compiled.unsupported(gpt2)
+    assert compiled.unsupported(tiny_model(V, layers=1)) is None
+    notices = []
+    assert compiled.runtime_for(gpt2, "on", "target", notice=notices.append) is None
+    assert notices == ["--compile on does not apply to the target (a gpt2 model (the compiled backend covers "
+                       "llama)): it runs on transformers' eager forward"]
+    assert compiled.runtime_for(gpt2, "auto", "target", notice=notices.append) is None and len(notices) == 1
+    assert compiled.runtime_for(tiny_model(V, layers=1), "off", "target") is None
+
+
+def test_auto_measures_once_per_machine_and_keeps_the_verdict(tmp_path, monkeypatch):
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    measured = []
+    monkeypatch.setattr(compiled, "compiled_gain", lambda model: measured.append(model) or 1.5)
+    model = tiny_model(V, layers=1)
+    runtime = compiled.runtime_for(model, "auto", "target")
+    assert runtime is not None and not runtime.compiled  # slower compiled: the static cache, eager
+    again = compiled.runtime_for(tiny_model(V, layers=1, seed=4), "auto", "draft")
+    assert len(measured) == 1 and not again.compiled  # same machine and layer shape: read back
+    verdicts = json.loads((tmp_path / "cache" / "compile.json").read_text())
+    assert [v["compiled_over_eager"] for v in verdicts.values()] == [1.5]
+    monkeypatch.setattr(compiled, "compiled_gain", lambda model: 0.5)
+    (tmp_path / "cache" / "compile.json").unlink()
+    assert compiled.runtime_for(model, "auto", "target").compiled
+
+
+def test_generate_with_compile_on_off_and_auto_gives_the_same_greedy_text(tiny_profile, monkeypatch):
+    runner = CliRunner()
+    outputs = {}
+    for setting in ("off", "on", "auto"):
+        result = runner.invoke(app, ["generate", "hello", "-p", str(tiny_profile), "-t", "0", "-n", "10",
+                                     "--compile", setting, "--json"])
+        assert result.exit_code == 0, result.stderr
+        outputs[setting] = json.loads(result.stdout)["token_ids"]
+    assert outputs["on"] == outputs["off"] == outputs["auto"]
+
+
+def test_bad_compile_settings_are_usage_errors(tiny_profile, tmp_path, monkeypatch):
+    monkeypatch.delenv("RSD_RUNTIME_COMPILE")  # the profile's value, not the suite's
+    result = CliRunner().invoke(app, ["generate", "hi", "-p", str(tiny_profile), "--compile", "maybe"])
+    assert result.exit_code == 2 and "--compile takes auto, on or off" in result.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[runtime]\ncompile = "fast"\n')
+    result = CliRunner().invoke(app, ["generate", "hi", "-p", str(bad)])
+    assert result.exit_code == 1 and "runtime.compile must be one of auto, on, off" in result.stderr
+    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--compile", "on,fast"])
+    assert result.exit_code == 2 and "--compile takes auto, on or off" in result.stderr
+
+
+def test_bench_interleaves_compile_settings_and_times_the_static_cache_peer(tiny_profile):
+    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--variants", "ar,rsd-c", "--depths", "1",
+                                      "--width", "2", "--limit", "1", "-n", "6", "--compile", "on,off",
+                                      "--no-assisted", "--hf-static", "--json"])
+    assert result.exit_code == 0, result.stderr
+    rows = json.loads(result.stdout)["results"]
+    ours = {(r["variant"], r["compile"]): r for r in rows if r["compile"]}
+    assert set(ours) == {("ar", "on"), ("rsd-c", "on"), ("ar", "off"), ("rsd-c", "off")}
+    assert ours[("ar", "on")]["runtime"] == "static cache, compiled"
+    assert ours[("ar", "off")]["runtime"] == "transformers eager"
+    assert ours[("ar", "on")]["speedup_vs_ar"] == 1.0
+    assert ours[("ar", "off")]["speedup_vs_ar_off"] == 1.0
+    assert ours[("rsd-c", "on")]["speedup_vs_ar_off"] == pytest.approx(
+        ours[("rsd-c", "on")]["tokens_per_second"] / ours[("ar", "off")]["tokens_per_second"])
+    static = [r for r in rows if r["variant"] == "hf-static"]
+    assert len(static) == 1 and static[0]["tokens_per_second"] > 0 and not static[0].get("error")
