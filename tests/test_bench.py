@@ -20,10 +20,10 @@ def test_bench_runs_end_to_end_with_every_field_and_a_plot(tiny_profile, tmp_pat
     assert report["memory"]["model_peak_over_weights"] < report["memory"]["peak_over_weights"]
     assert report["small_batch_layers"] == 18  # (3 + 1) layers x (q, o, gate, up) + 2 heads
     variants = {r["variant"] for r in rows}
-    assert variants == {"ar", "sd", "mss", "spectr", "rsd-c", "rsd-s", "hf-assisted"}
+    assert variants == {"ar", "sd", "mss", "spectr", "rsd-c", "rsd-s", "hf-assisted", "hf-static"}
     for row in rows:
         assert FIELDS <= set(row), row
-    tree_rows = [r for r in rows if r["variant"] not in ("ar", "hf-assisted")]
+    tree_rows = [r for r in rows if r["variant"] not in ("ar", "hf-assisted", "hf-static")]
     assert len(tree_rows) == 5 * 2 * 2  # variants x budgets x temperatures
     assert all(r["target_tokens_per_step"] <= r["budget"] for r in tree_rows)
     assert all(r["speedup_vs_ar"] > 0 for r in rows)
@@ -36,10 +36,10 @@ def test_bench_runs_end_to_end_with_every_field_and_a_plot(tiny_profile, tmp_pat
 def test_bench_csv_and_table(tiny_profile):
     runner = CliRunner()
     csv_out = runner.invoke(app, ["bench", "-p", str(tiny_profile), "--variants", "ar,rsd-s", "--depths", "2",
-                                  "--limit", "1", "-n", "4", "--csv", "--no-assisted"])
+                                  "--limit", "1", "-n", "4", "--csv", "--no-assisted", "--no-hf-static"])
     assert csv_out.exit_code == 0, csv_out.stderr
     lines = csv_out.stdout.strip().splitlines()
-    assert lines[0].startswith("variant,budget,depth,shape") and len(lines) == 3
+    assert lines[0].startswith("variant,compile,runtime,budget,depth,shape") and len(lines) == 3
     table = runner.invoke(app, ["bench", "-p", str(tiny_profile), "--variants", "ar,sd", "--limit", "1", "-n", "4",
                                 "--no-assisted"])
     assert table.exit_code == 0 and "rsd bench" in table.stdout
@@ -47,7 +47,7 @@ def test_bench_csv_and_table(tiny_profile):
 
 def test_width_sets_the_tree_width_of_the_depth_shapes(tiny_profile):
     result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--variants", "ar,rsd-c,rsd-s", "--depths", "1,2",
-                                      "--width", "2", "--limit", "1", "-n", "4", "--no-assisted", "--json"])
+                                      "--width", "2", "--limit", "1", "-n", "4", "--no-assisted", "--no-hf-static", "--json"])
     assert result.exit_code == 0, result.stderr
     shapes = [row["shape"] for row in json.loads(result.stdout)["results"]]
     assert shapes == ["ar", "rsd-c b=(2)", "rsd-s W=2 L=1", "rsd-c b=(2,1)", "rsd-s W=2 L=2"]
@@ -102,7 +102,7 @@ def test_a_failing_peer_row_is_reported_and_the_others_kept(tiny_profile, monkey
             in result.stderr
     rows = json.loads(CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--depths", "1", "--variants",
                                                "ar,sd", "--limit", "1", "-n", "4", "--json"]).stdout)["results"]
-    assert {r["variant"] for r in rows} == {"ar", "sd", "hf-assisted"}
+    assert {r["variant"] for r in rows} == {"ar", "sd", "hf-assisted", "hf-static"}
 
 
 def test_runtime_baseline_includes_the_model_code_but_no_weights(tiny_pair_dir):
