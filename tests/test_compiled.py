@@ -170,3 +170,21 @@ def test_bench_interleaves_compile_settings_and_times_the_static_cache_peer(tiny
         ours[("rsd-c", "on")]["tokens_per_second"] / ours[("ar", "off")]["tokens_per_second"])
     static = [r for r in rows if r["variant"] == "hf-static"]
     assert len(static) == 1 and static[0]["tokens_per_second"] > 0 and not static[0].get("error")
+
+
+def test_a_failing_compiler_leaves_the_runtime_uncompiled_with_a_notice(monkeypatch, tmp_path):
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+
+    def no_compiler(runtime, sizes=compiled.WARM_SIZES):
+        raise RuntimeError("no working C++ compiler found")
+
+    monkeypatch.setattr(compiled, "warm_up", no_compiler)
+    notices = []
+    runtime = compiled.runtime_for(tiny_model(V, layers=1), "on", "target", notice=notices.append)
+    assert runtime is not None and not runtime.compiled
+    assert notices[-1] == ("compiling the target failed (RuntimeError: no working C++ compiler found): "
+                           "it runs on the static-cache runtime uncompiled")
+    monkeypatch.setattr(compiled, "compiled_gain", lambda model: no_compiler(None))
+    assert not compiled.runtime_for(tiny_model(V, layers=1), "auto", "target").compiled
+    verdicts = json.loads((tmp_path / "cache" / "compile.json").read_text())
+    assert [v["error"] for v in verdicts.values()] == ["RuntimeError: no working C++ compiler found"]

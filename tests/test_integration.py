@@ -60,3 +60,30 @@ def test_json_output_on_the_embedded_default():
     assert result.exit_code == 0, result.stderr
     record = json.loads(result.stdout)
     assert record["profile"] == "default" and 1 <= record["stats"]["new_tokens"] <= 6
+
+
+def test_the_compiled_runtime_is_greedy_exact_on_the_embedded_pair(embedded_pair):
+    """Every tree verified on the compiled static-cache runtime gives transformers' eager `ar` output."""
+    from rsd_cli.compiled import CompiledModel
+    from rsd_cli.engine import Runtimes
+    from rsd_cli.generation import complete
+    from rsd_cli.prompting import encode_prompt
+    from rsd_cli.runtime import apply_flags, make_decoder
+
+    profile, pair = embedded_pair
+    ids = encode_prompt(pair.tokenizer, "Name three colours of the rainbow.")
+    compiled = Runtimes(CompiledModel(pair.target), CompiledModel(pair.draft), "on")
+    saved = pair.runtimes
+
+    def tokens(name, runtimes):
+        apply_flags(profile, {"variant": name, "temperature": 0.0, "branching": "2,2,1", "beam_width": 2,
+                              "depth": 3, "draft_len": 3})
+        pair.runtimes = runtimes
+        try:
+            return complete(make_decoder(pair, profile), ids, 24, seed=0)[0]
+        finally:
+            pair.runtimes = saved
+
+    reference = tokens("ar", Runtimes())
+    for variant in ("ar", "sd", "rsd-c", "rsd-s"):
+        assert tokens(variant, compiled) == reference, variant
