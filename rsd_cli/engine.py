@@ -280,7 +280,8 @@ class Decoder:
             raise RsdError(f"the prompt has {len(prompt)} tokens but the model's context holds {self.context_length}")
         generator = torch.Generator()
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        capacity = len(prompt) + max_tokens + self.shape.max_nodes + 1
+        # static-cache buffers: room for the prompt, some answer and one tree; they double when full
+        capacity = min(len(prompt) + min(max_tokens, 512), self.context_length or 2**31) + self.shape.max_nodes + 1
         target = self._cache(self.target_model, self.runtimes.target, capacity)
         draft = self._cache(self.draft_model, self.runtimes.draft, capacity) if self.shape.depth > 0 else None
         seq = list(prompt)

@@ -188,3 +188,12 @@ def test_a_failing_compiler_leaves_the_runtime_uncompiled_with_a_notice(monkeypa
     assert not compiled.runtime_for(tiny_model(V, layers=1), "auto", "target").compiled
     verdicts = json.loads((tmp_path / "cache" / "compile.json").read_text())
     assert [v["error"] for v in verdicts.values()] == ["RuntimeError: no working C++ compiler found"]
+
+
+def test_buffers_start_small_and_grow_whatever_max_tokens_says(pair, runtimes):
+    """inspect-tree decodes with max_tokens = 10**9: the buffers must not be sized by it."""
+    decoder = Decoder(pair[0], pair[1], V, make_shape("sd", draft_len=3), SamplingParams(0.0), set(),
+                      runtimes=runtimes[False])
+    events = decoder.generate(PROMPT, 10**9, seed=0)
+    tokens = [t for _, event in zip(range(200), events) for t in event.emitted]
+    assert tokens[:40] == plain_greedy(pair[0], 40) and len(tokens) >= 200
