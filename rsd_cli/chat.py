@@ -141,7 +141,8 @@ def run_chat(pair, profile, *, system: str | None, tree: bool, console, out=None
         return line.rstrip("\n")
 
     read_line = read_line or default_read
-    console.print(f"[dim]rsd chat · {pair.description} · {make_decoder(pair, profile).shape.describe()} · "
+    runtime = pair.runtimes.describe() if pair.runtimes else "transformers eager"
+    console.print(f"[dim]rsd chat · {pair.description} · {runtime} · {make_decoder(pair, profile).shape.describe()} · "
                   f"/help for commands, Ctrl-D to leave[/dim]")
     while True:
         try:

@@ -133,13 +133,17 @@ def test_auto_measures_once_per_machine_and_keeps_the_verdict(tmp_path, monkeypa
 
 def test_generate_with_compile_on_off_and_auto_gives_the_same_greedy_text(tiny_profile, monkeypatch):
     runner = CliRunner()
-    outputs = {}
+    outputs, runtimes = {}, {}
     for setting in ("off", "on", "auto"):
         result = runner.invoke(app, ["generate", "hello", "-p", str(tiny_profile), "-t", "0", "-n", "10",
                                      "--compile", setting, "--json"])
         assert result.exit_code == 0, result.stderr
-        outputs[setting] = json.loads(result.stdout)["token_ids"]
+        record = json.loads(result.stdout)
+        outputs[setting] = record["token_ids"]
+        runtimes[setting] = record["runtime"]
     assert outputs["on"] == outputs["off"] == outputs["auto"]
+    assert runtimes["on"] == "static cache, compiled" and runtimes["off"] == "transformers eager"
+    assert runtimes["auto"].startswith("static cache")  # compiled or not: this machine's verdict
 
 
 def test_bad_compile_settings_are_usage_errors(tiny_profile, tmp_path, monkeypatch):
