@@ -45,3 +45,8 @@ $RSD bench --depths 1 --width 2 --variants ar,sd,mss,rsd-c --limit 12 -n 96 --as
 .venv/bin/python benchmarks/acceptance_limits.py > "$OUT/acceptance-limits.json"
 # 10. would a lower-precision draft pay? call cost and acceptance in float32, bfloat16, int8
 .venv/bin/python benchmarks/draft_precision.py | tail -1 > "$OUT/draft-precision.json"
+# 11. the runtimes (--compile): one forward of 1..16 tokens on each, then the shallow trees under
+# each, interleaved, against transformers' static-cache generate (results/amd-epyc-compile/)
+.venv/bin/python benchmarks/runtime_cost.py --out "$OUT/runtime-cost.json"
+$RSD bench --variants ar,sd,mss,rsd-c --depths 1 --width 2 --compile on,off,auto --limit 6 -n 64 \
+    --temperatures 1 --json > "$OUT/compile-depth1-t1.json"

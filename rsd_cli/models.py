@@ -291,8 +291,24 @@ def exact_fingerprint(model) -> str:
     return h.hexdigest()[:16]
 
 
+def legacy_fingerprint(model) -> str:
+    """The fingerprint adapters written before rsd 0.2 carry: a hash of sampled weight bytes, so
+    it matches only the dtype they were trained in."""
+    import torch
+
+    h = hashlib.sha256()
+    cfg = model.config
+    h.update(f"{cfg.model_type}:{cfg.hidden_size}:{cfg.num_hidden_layers}:{cfg.vocab_size}".encode())
+    for name, tensor in sorted(model.state_dict().items())[:8]:
+        h.update(name.encode())
+        h.update(tensor.detach().flatten()[:256].to(torch.float32).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def fits_target(meta: dict, model) -> bool:
     """Whether an adapter's metadata names this target (architecture and weights, any dtype)."""
+    if "rsd_weights" not in meta:  # written by an earlier version
+        return meta.get("rsd_fingerprint") == legacy_fingerprint(model)
     try:
         sample = json.loads(meta.get("rsd_weights", "null"))
     except ValueError:

@@ -109,7 +109,7 @@ def test_unsupported_models_are_named_with_a_reason():
     assert compiled.unsupported(tiny_model(V, layers=1)) is None
     notices = []
     assert compiled.runtime_for(gpt2, "on", "target", notice=notices.append) is None
-    assert notices == ["--compile on does not apply to the target (a gpt2 model (the compiled backend covers "
+    assert notices == ["--compile on does not apply to the target (a gpt2 model (the static-cache runtime covers "
                        "llama)): it runs on transformers' eager forward"]
     assert compiled.runtime_for(gpt2, "auto", "target", notice=notices.append) is None and len(notices) == 1
     assert compiled.runtime_for(tiny_model(V, layers=1), "off", "target") is None

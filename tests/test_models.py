@@ -230,3 +230,19 @@ def test_the_fingerprint_ignores_dtype_and_device_but_not_the_weights(tmp_path):
     assert models.fingerprint(nudged) == models.fingerprint(target)
     with pytest.raises(RsdError, match="trained for another target model \\(other weights\\)"):
         models.load_adapter(path, nudged, 1)
+
+
+def test_adapters_written_before_the_dtype_free_fingerprint_still_load(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    target = tiny_model(40, layers=3, seed=0)
+    path = tmp_path / "adapter.safetensors"
+    models.save_adapter(models.new_adapter(target, 1), path, target, 1, {})
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    old = {"rsd_fingerprint": models.legacy_fingerprint(target), "rsd_layers": "1", "rsd_recipe": meta["rsd_recipe"]}
+    save_file(tensors, str(path), metadata=old)
+    assert models.load_adapter(path, target, 1) is not None
+    with pytest.raises(RsdError, match="trained for another target"):
+        models.load_adapter(path, tiny_model(40, layers=3, seed=5), 1)
