@@ -67,24 +67,18 @@ def _assisted(pair, ids: list[int], temperature: float, max_tokens: int, seed: i
 
 
 def _assisted_run(pair, ids: list[int], temperature: float, max_tokens: int, seed: int) -> tuple[int, float]:
-    import torch
-
-    torch.manual_seed(seed)
-    inputs = torch.tensor([ids], device=pair.target.device)
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
-        dict(do_sample=False)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = pair.target.generate(inputs, attention_mask=torch.ones_like(inputs), assistant_model=pair.draft,
-                                   max_new_tokens=max_tokens, eos_token_id=sorted(pair.eos_ids),
-                                   pad_token_id=sorted(pair.eos_ids)[0], **sampling)
-    seconds = time.perf_counter() - start
-    return out.shape[1] - inputs.shape[1], seconds
+    return _hf_generate(pair, ids, temperature, max_tokens, seed, assistant_model=pair.draft)
 
 
 def _hf_static(pair, ids: list[int], temperature: float, max_tokens: int, seed: int) -> tuple[int, float]:
     """transformers' generate with a static cache (what a GPU user would pick; it compiles the
     forward on CUDA by itself), the target alone: (new tokens, seconds)."""
+    return _hf_generate(pair, ids, temperature, max_tokens, seed, cache_implementation="static")
+
+
+def _hf_generate(pair, ids: list[int], temperature: float, max_tokens: int, seed: int,
+                 **options) -> tuple[int, float]:
+    """transformers' generate on the target with rsd's sampling and stop tokens: (new tokens, seconds)."""
     import torch
 
     torch.manual_seed(seed)
@@ -93,9 +87,9 @@ def _hf_static(pair, ids: list[int], temperature: float, max_tokens: int, seed: 
         dict(do_sample=False)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = pair.target.generate(inputs, attention_mask=torch.ones_like(inputs), cache_implementation="static",
-                                   max_new_tokens=max_tokens, eos_token_id=sorted(pair.eos_ids),
-                                   pad_token_id=sorted(pair.eos_ids)[0], **sampling)
+        out = pair.target.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_tokens,
+                                   eos_token_id=sorted(pair.eos_ids), pad_token_id=sorted(pair.eos_ids)[0],
+                                   **sampling, **options)
     if inputs.device.type == "cuda":
         torch.cuda.synchronize(inputs.device)
     return out.shape[1] - inputs.shape[1], time.perf_counter() - start

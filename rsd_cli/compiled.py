@@ -29,6 +29,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .engine import ChainExtension, full_vocabulary
+
 BUCKETS = (1, 2, 4, 8, 16)
 SUPPORTED_TYPES = ("llama",)  # what the tests cover; other Llama-style decoders would follow the same shape
 ROPE_TYPES = ("default", "linear", "llama3")  # rotary tables that depend on the position alone
@@ -200,7 +202,7 @@ def _compiled(fn):
     return torch.compile(fn, fullgraph=True)
 
 
-class StaticLM:
+class StaticLM(ChainExtension):
     """`CachedLM`'s interface (forward / extend / keep / length) over a `CompiledModel`'s buffers."""
 
     def __init__(self, compiled: CompiledModel, vocab_size: int, capacity: int):
@@ -219,7 +221,6 @@ class StaticLM:
     def forward(self, tokens: list[int], positions: list[int], visible: torch.Tensor,
                 last_only: bool = False) -> torch.Tensor:
         """Same contract as CachedLM.forward: visible is (n, length + n) bool over cache + new keys."""
-        from .engine import full_vocabulary
 
         start = time.perf_counter()
         n = len(tokens)
@@ -244,13 +245,6 @@ class StaticLM:
         self.forward_seconds += time.perf_counter() - start
         self.calls += 1
         return logits
-
-    def extend(self, tokens: list[int], last_only: bool = True) -> torch.Tensor:
-        """Append a chain of tokens after the cache (causal attention)."""
-        n, past = len(tokens), self.length
-        visible = torch.ones(n, past + n, dtype=torch.bool)
-        visible[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
-        return self.forward(tokens, list(range(past, past + n)), visible, last_only)
 
     def _grow(self, needed: int) -> None:
         capacity = max(needed, 2 * self.capacity)

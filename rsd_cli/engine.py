@@ -26,8 +26,20 @@ def full_vocabulary(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.nn.functional.pad(logits, (0, vocab_size - logits.shape[-1]), value=-torch.inf)
 
 
-class CachedLM:
-    """A causal LM and its KV cache, fed chains or tree nodes with an explicit mask."""
+class ChainExtension:
+    """`extend` for a cache that has `length` and `forward` (CachedLM here, compiled.StaticLM)."""
+
+    def extend(self, tokens: list[int], last_only: bool = True) -> torch.Tensor:
+        """Append a chain of tokens after the cache (causal attention)."""
+        n, past = len(tokens), self.length
+        visible = torch.ones(n, past + n, dtype=torch.bool)
+        visible[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
+        return self.forward(tokens, list(range(past, past + n)), visible, last_only)
+
+
+class CachedLM(ChainExtension):
+    """A causal LM and its KV cache (transformers' eager forward and DynamicCache), fed chains or
+    tree nodes with an explicit mask."""
 
     def __init__(self, model, vocab_size: int):
         from transformers import DynamicCache
@@ -66,13 +78,6 @@ class CachedLM:
         self.forward_seconds += time.perf_counter() - start
         self.calls += 1
         return logits
-
-    def extend(self, tokens: list[int], last_only: bool = True) -> torch.Tensor:
-        """Append a chain of tokens after the cache (causal attention)."""
-        n, past = len(tokens), self.length
-        visible = torch.ones(n, past + n, dtype=torch.bool)
-        visible[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
-        return self.forward(tokens, list(range(past, past + n)), visible, last_only)
 
     def keep(self, indices: list[int]) -> None:
         """Keep only these cache positions (ascending: the prefix plus the accepted path).
