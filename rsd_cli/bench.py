@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from .drafting import Shape, make_shape, shape_for_budget
 from .engine import Stats
-from .generation import complete
+from .generation import StopText, complete
 from .prompting import encode_prompt
 
 
@@ -136,6 +136,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     peer_errors: dict[str, str] = {}  # a peer failing must not cost the other rows
     encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]
     top = dict(top_k=profile["sampling"]["top_k"], top_p=profile["sampling"]["top_p"])
+    stops = profile["sampling"]["stop"]  # completions end at them, as in generate (peers ignore them)
     runs = repeats * len(encoded) * (len(jobs) + len(peers) * len(temperatures))
     done = 0
 
@@ -167,7 +168,8 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
             run_seed = seed + 1000 * repeat + index
             # interleaved: every variant runs this prompt before the next prompt starts
             for compile, variant, setting, shape in jobs:
-                _, stats, _ = complete(decoder_for(compile, setting, shape), ids, max_tokens, run_seed)
+                text = StopText(pair.tokenizer, stops) if stops else None
+                _, stats, _ = complete(decoder_for(compile, setting, shape), ids, max_tokens, run_seed, text=text)
                 totals.setdefault((compile, variant, setting, shape), Stats()).merge(stats)
                 tick()
             for name in peers:

@@ -11,21 +11,33 @@ from .errors import RsdError
 from .generation import stream_completion
 from .prompting import encode_prompt
 from .render import stats_line
-from .runtime import apply_flags, make_decoder, seed_of
+from .runtime import apply_flags, make_decoder, seed_of, stops_of
 
 HELP = """commands:
   /help                 this help
   /bye, /exit           leave (Ctrl-D too)
   /clear                forget the conversation
   /system TEXT          set the system prompt (empty TEXT clears it)
-  /set KEY VALUE        KEY: temperature, top_p, top_k, max_tokens, variant, seed
+  /set KEY VALUE        KEY: temperature, top_p, top_k, max_tokens, variant, seed, stop
+                        (/set stop TEXT: one stop string; /set stop ["a", "b"]: several; [] none)
   /stats                statistics of the last answer
   /tree on|off          live view of the draft tree while answering
   /save FILE            write the conversation as JSON
   \"\"\"                   start and end a multi-line message
 Ctrl-C stops the current answer and keeps the session."""
 
-SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "max_tokens": int, "variant": str, "seed": int}
+def _stop_list(value: str) -> list[str]:
+    """`/set stop` takes one string, or a JSON list of them."""
+    if not value.startswith("["):
+        return [value]
+    parsed = json.loads(value)
+    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+        raise ValueError(value)
+    return parsed
+
+
+SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "max_tokens": int, "variant": str, "seed": int,
+            "stop": _stop_list}
 
 
 @dataclass
@@ -59,8 +71,12 @@ class ChatSession:
             try:
                 typed = SETTABLE[key](value.strip())
             except ValueError:
-                raise RsdError(f"/set {key}: {value.strip()!r} is not {'a number' if SETTABLE[key] is float else 'an integer'}") from None
-            apply_flags(self.profile, {key: typed})
+                expected = {float: "a number", int: "an integer"}.get(SETTABLE[key], "a string or a JSON list of strings")
+                raise RsdError(f"/set {key}: {value.strip()!r} is not {expected}") from None
+            if key == "stop":  # [] clears (apply_flags would take an empty list for "not given")
+                self.profile.set("sampling", "stop", typed, "chat /set")
+            else:
+                apply_flags(self.profile, {key: typed})
             make_decoder(self.pair, self.profile)  # validates the shape now, not at the next answer
             console.print(f"{key} = {typed}")
         elif name == "stats":
@@ -94,8 +110,9 @@ class ChatSession:
         self.turns += 1
         self.history.append({"role": "user", "content": message})
         try:
-            tokens, stats, _ = stream_completion(self.pair, decoder, ids, self.profile["sampling"]["max_tokens"],
-                                                 seed, out=out, console=console, live=self.tree)
+            _, stats, _, text = stream_completion(self.pair, decoder, ids, self.profile["sampling"]["max_tokens"],
+                                                  seed, out=out, console=console, live=self.tree,
+                                                  stops=stops_of(self.profile))
         except KeyboardInterrupt:
             out.write("\n")
             console.print("[dim](answer stopped)[/dim]")
@@ -104,8 +121,7 @@ class ChatSession:
         out.write("\n")
         out.flush()
         self.last_stats = stats
-        self.history.append({"role": "assistant",
-                             "content": self.pair.tokenizer.decode(tokens, skip_special_tokens=True)})
+        self.history.append({"role": "assistant", "content": text})
 
 
 def read_message(read_line) -> str | None:

@@ -117,6 +117,9 @@ DepthOpt = Annotated[Optional[int], typer.Option("--depth", help="rsd-s, spectr:
                                                  rich_help_panel=DRAFT, show_default=False)]
 NumDraftsOpt = Annotated[Optional[int], typer.Option("--num-drafts", help="spectr: number of draft sequences K.",
                                                      rich_help_panel=DRAFT, show_default=False)]
+StopOpt = Annotated[Optional[list[str]], typer.Option(
+    "--stop", help="End the answer at the first occurrence of TEXT (not printed); repeatable.",
+    rich_help_panel=SAMPLING, show_default=False)]
 CompileOpt = Annotated[Optional[str], typer.Option(
     "--compile", help="auto, on or off: run the models on rsd's static-cache runtime compiled (on), compiled where "
     "measured faster on this machine (auto), or on transformers' eager forward (off).", show_default=False)]
@@ -207,6 +210,7 @@ def generate(
     num_drafts: NumDraftsOpt = None,
     budget: BudgetOpt = None,
     compile: CompileOpt = None,
+    stop: StopOpt = None,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Independent completions (models load once).",
                                          rich_help_panel=OUTPUT)] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per completion on stdout.",
@@ -248,6 +252,7 @@ def chat(
     num_drafts: NumDraftsOpt = None,
     budget: BudgetOpt = None,
     compile: CompileOpt = None,
+    stop: StopOpt = None,
     tree: Annotated[bool, typer.Option("--tree/--no-tree", help="Live view of the draft tree while answering.",
                                        rich_help_panel=OUTPUT)] = False,
 ):
@@ -281,6 +286,7 @@ def inspect_tree(
     num_drafts: NumDraftsOpt = None,
     budget: BudgetOpt = None,
     compile: CompileOpt = None,
+    stop: StopOpt = None,
 ):
     """Decode up to step N and show that step in full: every node with q, p, order and fate."""
     if fmt not in ("text", "json", "svg"):
@@ -324,6 +330,7 @@ def bench(
     hf_static: Annotated[bool, typer.Option("--hf-static/--no-hf-static", help="Also time transformers' generate "
                                             "with a static cache (the target alone; compiled by transformers on "
                                             "CUDA).")] = True,
+    stop: StopOpt = None,
     compile: Annotated[Optional[str], typer.Option("--compile", help="Comma-separated --compile settings to "
                                                    "measure, rows interleaved, e.g. on,off [default: the "
                                                    "profile's].", show_default=False)] = None,
@@ -353,7 +360,7 @@ def bench(
     from .prompting import builtin_prompts
 
     prompt_list = (_read_prompts(prompts) if prompts else builtin_prompts("eval"))[:limit]
-    prof = _load_profile(profile, {"beam_width": width, "compile": compiles[0] if compiles else None})
+    prof = _load_profile(profile, {"beam_width": width, "compile": compiles[0] if compiles else None, "stop": stop})
     from .bench import results_table, run_bench, runtime_rss_mb, write_csv, write_plot
 
     loader = Loader()

@@ -122,7 +122,8 @@ class StepEvent:
     draft_seconds: float
     verify_seconds: float
     forward_seconds: float  # model forward passes only, both models (the first step: + the prompt's)
-    finished: str | None = None  # "eos" | "length" | "context" once generation ends
+    finished: str | None = None  # "eos" | "length" | "context" | "stop" (a stop string) once generation ends
+    stop: str | None = None  # the stop string that ended generation (set by generation.complete)
 
     @property
     def accepted(self) -> int:

@@ -10,12 +10,69 @@ from contextlib import nullcontext
 from .engine import Stats, StepEvent
 from .prompting import IncrementalDecoder, encode_prompt
 from .render import live_view, stats_line, steps_table
-from .runtime import make_decoder, seed_of
+from .runtime import make_decoder, seed_of, stops_of
+
+
+class StopText:
+    """A completion's text as it grows, ended at the first stop string: the stop string and what
+    follows are never released, and while streaming only the tail that could still begin a stop
+    string is held back. Without stop strings it is plain incremental detokenisation."""
+
+    def __init__(self, tokenizer, stops: list[str] = ()):
+        self.detok = IncrementalDecoder(tokenizer)
+        self.stops = [s for s in stops if s]
+        self.text = ""  # decoded so far (past a stop only up to it)
+        self.released = 0  # characters of text handed out
+        self.piece = ""  # what the last push released
+        self.matched: str | None = None
+
+    def push(self, tokens: list[int]) -> tuple[int, str]:
+        """One step's tokens -> (how many of them to keep, text that may be shown now). Tokens are
+        decoded one by one: the one in which a stop string completes is the last kept."""
+        for kept, token in enumerate(tokens, start=1):
+            self.text += self.detok.push([token])
+            if self._match():
+                self.piece = self._release(len(self.text))
+                return kept, self.piece
+        self.piece = self._release(len(self.text) - self._held())
+        return len(tokens), self.piece
+
+    def flush(self) -> str:
+        """The end of generation: what is left (an incomplete character as �), up to a stop string."""
+        if self.matched is None:
+            self.text += self.detok.flush()
+            self._match()
+        return self._release(len(self.text))
+
+    def _match(self) -> bool:
+        """Find the earliest stop string in the unreleased text; cut the text there."""
+        start = max(0, self.released - max((len(s) for s in self.stops), default=0))
+        found = [(self.text.find(s, start), s) for s in self.stops]
+        found = [(at, s) for at, s in found if at >= 0]
+        if not found:
+            return False
+        at, self.matched = min(found)
+        self.text = self.text[:at]
+        return True
+
+    def _held(self) -> int:
+        """Length of the longest end of the text that begins some stop string."""
+        return max((k for s in self.stops for k in range(min(len(s) - 1, len(self.text)), 0, -1)
+                    if self.text.endswith(s[:k])), default=0)
+
+    def _release(self, end: int) -> str:
+        piece = self.text[self.released:end]
+        self.released = max(self.released, end)
+        return piece
 
 
 def complete(decoder, prompt_ids: list[int], max_tokens: int, seed: int | None, on_event=None,
-             keep_events: bool = False):
+             keep_events: bool = False, text: StopText | None = None):
     """Run one completion; returns (token ids, stats, events). on_event(event, stats) sees each step.
+
+    With `text` (a StopText), generation ends at its first stop string: that step's tokens are
+    cut after the one completing it (the statistics count only those), the event says
+    finished="stop" and which string.
 
     An event holds p and q over the vocabulary for every tree node (megabytes), so only the last
     one is kept unless `keep_events` (the per-step table needs them all)."""
@@ -24,6 +81,10 @@ def complete(decoder, prompt_ids: list[int], max_tokens: int, seed: int | None, 
     tokens: list[int] = []
     start = time.perf_counter()
     for event in decoder.generate(prompt_ids, max_tokens, seed):
+        if text is not None:
+            kept, _ = text.push(event.emitted)
+            if text.matched is not None:
+                event.emitted, event.finished, event.stop = event.emitted[:kept], "stop", text.matched
         tokens.extend(event.emitted)
         stats.add(event)
         stats.wall_seconds = time.perf_counter() - start
@@ -32,25 +93,28 @@ def complete(decoder, prompt_ids: list[int], max_tokens: int, seed: int | None, 
         events.append(event)
         if on_event:
             on_event(event, stats)
+        if event.finished:
+            break  # a stop string: the decoder is left mid-generation, and closed
     return tokens, stats, events
 
 
 def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, console=None, live=False,
-                      write_text=True, keep_events=False):
+                      write_text=True, keep_events=False, stops: list[str] = ()):
     """One completion with text streamed to `out` and, optionally, the live view on `console`.
+    Returns (token ids, stats, events, text): the text ends before a stop string.
 
     With the live view on and stdout on the same terminal, the text is written once at the end
     (the live region would otherwise fight with it); piped stdout still streams.
     """
     from rich.live import Live
 
-    detok = IncrementalDecoder(pair.tokenizer)
+    text = StopText(pair.tokenizer, stops)
     shown: list[str] = []
     hold_text = live and getattr(out, "isatty", lambda: False)()
     view = Live(console=console, transient=True, refresh_per_second=8) if live else nullcontext()
     with view as display:
         def on_event(event: StepEvent, stats: Stats) -> None:
-            piece = detok.push(event.emitted)
+            piece = text.piece
             shown.append(piece)
             if write_text and not hold_text and piece:
                 out.write(piece)
@@ -58,12 +122,13 @@ def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, conso
             if display is not None:
                 display.update(live_view("".join(shown), event, stats, pair.tokenizer))
 
-        result = complete(decoder, prompt_ids, max_tokens, seed, on_event, keep_events)
-    tail = detok.flush()
+        tokens, stats, events = complete(decoder, prompt_ids, max_tokens, seed, on_event, keep_events, text)
+    tail = text.flush()
     if write_text:
         out.write(("".join(shown) if hold_text else "") + tail)
         out.flush()
-    return result
+    whole = text.text if text.matched is not None else pair.tokenizer.decode(tokens, skip_special_tokens=True)
+    return tokens, stats, events, whole
 
 
 def run_generate(pair, profile, text: str, *, system=None, raw=False, samples=1, as_json=False,
@@ -77,12 +142,12 @@ def run_generate(pair, profile, text: str, *, system=None, raw=False, samples=1,
         seed = None if base_seed is None else base_seed + index
         if samples > 1 and not as_json and index:
             out.write("\n---\n")
-        tokens, stats, events = stream_completion(pair, decoder, prompt_ids, max_tokens, seed, out=out,
-                                                  console=console, live=live and not as_json,
-                                                  write_text=not as_json, keep_events=step_table)
+        tokens, stats, events, text_out = stream_completion(
+            pair, decoder, prompt_ids, max_tokens, seed, out=out, console=console, live=live and not as_json,
+            write_text=not as_json, keep_events=step_table, stops=stops_of(profile))
         if as_json:
             record = {
-                "text": pair.tokenizer.decode(tokens, skip_special_tokens=True),
+                "text": text_out,
                 "token_ids": tokens,
                 "profile": profile.name,
                 "variant": decoder.shape.variant,
@@ -90,6 +155,7 @@ def run_generate(pair, profile, text: str, *, system=None, raw=False, samples=1,
                 "runtime": decoder.runtimes.describe(),
                 "seed": seed,
                 "finish_reason": events[-1].finished if events else None,
+                "stop": events[-1].stop if events else None,
                 "stats": stats.as_dict(pair.draft_params, pair.target_params),
             }
             out.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -110,13 +110,18 @@ def run_inspect(pair, profile, text: str, *, step: int, fmt: str, output, system
 
     from .errors import RsdError
     from .prompting import encode_prompt
-    from .runtime import make_decoder, seed_of
+    from .generation import StopText
+    from .runtime import make_decoder, seed_of, stops_of
 
     decoder = make_decoder(pair, profile)
     ids = encode_prompt(pair.tokenizer, text, system=system, raw=raw)
     seed = seed_of(profile)
+    stop = StopText(pair.tokenizer, stops_of(profile))
     event = None
     for event in decoder.generate(ids, max_tokens=10**9, seed=0 if seed is None else seed):
+        kept, _ = stop.push(event.emitted)
+        if stop.matched is not None:  # generation ends at a stop string, as in generate
+            event.emitted, event.finished, event.stop = event.emitted[:kept], "stop", stop.matched
         if event.step == step or event.finished:
             break
     if event is None or event.step != step:

@@ -44,12 +44,17 @@ def _branching(v) -> str | None:
     return None if all(b >= 1 for b in v) else "every branching factor must be at least 1"
 
 
+def _stops(v) -> str | None:
+    return "must not contain an empty string" if any(not text for text in v) else None
+
+
 @dataclass(frozen=True)
 class Key:
-    type: type  # int, float, str or list (of int)
+    type: type  # int, float, str or list (of `item`)
     default: Any
     check: Callable[[Any], str | None] | None = None
     help: str = ""
+    item: type = int  # the type of a list's items
 
 
 SCHEMA: dict[str, dict[str, Key]] = {
@@ -86,6 +91,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "top_k": Key(int, 0, _non_negative, "0 disables"),
         "max_tokens": Key(int, 256, _positive),
         "seed": Key(int, -1, None, "-1 draws a fresh seed"),
+        "stop": Key(list, [], _stops, "end the answer at the first of these strings (not printed)", item=str),
     },
 }
 TOP_LEVEL_KEYS = {"description": str}
@@ -150,9 +156,10 @@ def _coerce(key: Key, value: Any, where: str) -> Any:
         value = float(value)
     ok = isinstance(value, key.type) and not isinstance(value, bool)
     if key.type is list:
-        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        ok = isinstance(value, list) and all(isinstance(v, key.item) and not isinstance(v, bool) for v in value)
     if not ok:
-        expected = {int: "an integer", float: "a number", str: "a string", list: "a list of integers"}[key.type]
+        expected = {int: "an integer", float: "a number", str: "a string",
+                    list: f"a list of {'strings' if key.item is str else 'integers'}"}[key.type]
         raise RsdError(f"{where} must be {expected}, got {value!r}")
     problem = key.check(value) if key.check else None
     if problem:
@@ -166,10 +173,15 @@ def _parse_env(key: Key, raw: str, where: str) -> Any:
             return int(raw)
         if key.type is float:
             return float(raw)
+        if key.type is list and key.item is str:  # a JSON list, or one string
+            import json
+
+            return json.loads(raw) if raw.lstrip().startswith("[") else [raw]
         if key.type is list:
             return [int(x) for x in raw.replace(",", " ").split()]
-    except ValueError:
-        raise RsdError(f"{where} must be {'a number' if key.type is float else 'an integer'}, got {raw!r}") from None
+    except ValueError:  # json.JSONDecodeError is one
+        expected = {float: "a number", list: "a JSON list" if key.item is str else "integers"}.get(key.type, "an integer")
+        raise RsdError(f"{where} must be {expected}, got {raw!r}") from None
     return raw
 
 

@@ -23,6 +23,7 @@ FLAG_KEYS = {
     "max_tokens": ("sampling", "max_tokens"),
     "seed": ("sampling", "seed"),
     "compile": ("runtime", "compile"),
+    "stop": ("sampling", "stop"),
 }
 
 
@@ -37,8 +38,10 @@ def apply_flags(profile: Profile, flags: dict[str, Any]) -> Profile:
     """Flags override the profile; None means 'not given'. A value out of its range is a usage
     error (exit 2), as a value of the wrong type is for Typer."""
     for name, value in flags.items():
-        if value is None:
+        if value is None or name == "stop" and not value:  # a repeatable option not given is []
             continue
+        if name == "stop":
+            value = list(value)
         table, key = FLAG_KEYS[name]
         if name == "branching" and isinstance(value, str):
             value = parse_branching(value)
@@ -74,6 +77,10 @@ def sampling_of(profile: Profile):
 
     s = profile["sampling"]
     return SamplingParams(s["temperature"], s["top_k"], s["top_p"])
+
+
+def stops_of(profile: Profile) -> list[str]:
+    return list(profile["sampling"]["stop"])
 
 
 def seed_of(profile: Profile) -> int | None:

@@ -1,0 +1,129 @@
+"""Stop strings: generation ends at the first one, which is never printed, even in part."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from typer.testing import CliRunner
+
+from rsd_cli.cli import app
+from rsd_cli.generation import StopText
+from tiny import tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_a_stop_string_spanning_two_steps_is_never_printed(tokenizer):
+    text = StopText(tokenizer, ["lo w"])
+    assert text.push(ids(tokenizer, "hel")) == (3, "he")  # "l" could begin the stop string: held back
+    assert text.push(ids(tokenizer, "lo")) == (2, "l")  # now "lo" could
+    assert text.matched is None
+    assert text.push(ids(tokenizer, " wor")) == (2, "")  # stop complete at the 2nd token of the step
+    assert text.matched == "lo w" and text.text == "hel" and text.flush() == ""
+
+
+def test_held_back_text_is_released_once_it_cannot_begin_a_stop_string(tokenizer):
+    text = StopText(tokenizer, ["wor"])
+    assert text.push(ids(tokenizer, "hello w")) == (7, "hello ")
+    assert text.push(ids(tokenizer, "ax")) == (2, "wax")
+    assert text.push(ids(tokenizer, "wo")) == (2, "")
+    assert text.flush() == "wo"  # the end of generation: what was held is printed
+    assert text.matched is None
+
+
+def test_a_stop_inside_one_step_and_at_the_very_first_token(tokenizer):
+    text = StopText(tokenizer, ["b, c"])
+    assert text.push(ids(tokenizer, "a, b, c, d")) == (7, "a, ")
+    assert text.matched == "b, c"
+    first = StopText(tokenizer, ["x", "a"])
+    assert first.push(ids(tokenizer, "abc")) == (1, "") and first.matched == "a" and first.text == ""
+
+
+def test_the_first_stop_string_to_complete_wins(tokenizer):
+    text = StopText(tokenizer, ["cd", "bcde"])
+    assert text.push(ids(tokenizer, "abcdef")) == (4, "ab")  # "bcde" starts first but is not complete yet
+    assert text.matched == "cd" and text.text == "ab"
+
+
+def test_streamed_pieces_never_hold_part_of_a_stop_string(tokenizer):
+    rng = random.Random(0)
+    for _ in range(200):
+        body = "".join(rng.choice("ab ") for _ in range(rng.randint(0, 12)))
+        stop = "".join(rng.choice("ab ") for _ in range(rng.randint(1, 3)))
+        tokens = ids(tokenizer, body)
+        text, printed = StopText(tokenizer, [stop]), ""
+        position = 0
+        while position < len(tokens):
+            size = rng.randint(1, 4)
+            kept, piece = text.push(tokens[position:position + size])
+            printed += piece
+            assert stop not in printed
+            position += size
+            if text.matched:
+                break
+        printed += text.flush()
+        expected = body.split(stop)[0] if stop in body else body
+        assert printed == expected == text.text, (body, stop)
+
+
+def greedy(tiny_profile, *extra):
+    result = CliRunner().invoke(app, ["generate", "hello", "-p", str(tiny_profile), "-t", "0", "-n", "12", "--json",
+                                      *extra])
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_generate_stops_at_a_string_and_counts_only_what_it_emitted(tiny_profile):
+    full = greedy(tiny_profile)
+    assert len(full["text"]) >= 8
+    stop = full["text"][4:6]  # two characters, so two tokens of the character tokenizer
+    record = greedy(tiny_profile, "--stop", stop, "--stop", "never-seen")
+    cut = full["text"].index(stop)
+    assert record["text"] == full["text"][:cut]
+    assert record["finish_reason"] == "stop" and record["stop"] == stop
+    assert record["token_ids"] == full["token_ids"][: cut + 2]  # up to the token completing the stop
+    assert record["stats"]["new_tokens"] == cut + 2
+    plain = CliRunner().invoke(app, ["generate", "hello", "-p", str(tiny_profile), "-t", "0", "-n", "12",
+                                     "--stop", stop])
+    assert plain.exit_code == 0 and plain.stdout == full["text"][:cut] + "\n"
+
+
+def test_stop_strings_from_the_profile_and_the_environment(tiny_profile, tmp_path, monkeypatch):
+    full = greedy(tiny_profile)
+    stop = full["text"][3:5]
+    profile = tmp_path / "stops.toml"
+    profile.write_text(tiny_profile.read_text().replace("[sampling]\n", f"[sampling]\nstop = {json.dumps([stop])}\n"))
+    assert greedy(profile)["stop"] == stop
+    monkeypatch.setenv("RSD_SAMPLING_STOP", json.dumps(["zzz", stop]))
+    assert greedy(tiny_profile)["stop"] == stop
+
+
+def test_empty_or_malformed_stop_strings_are_usage_errors(tiny_profile, tmp_path):
+    result = CliRunner().invoke(app, ["generate", "hi", "-p", str(tiny_profile), "--stop", ""])
+    assert result.exit_code == 2 and "sampling.stop must not contain an empty string" in result.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text(tiny_profile.read_text().replace("[sampling]\n", "[sampling]\nstop = [1]\n"))
+    result = CliRunner().invoke(app, ["generate", "hi", "-p", str(bad)])
+    assert result.exit_code == 1 and "sampling.stop must be a list of strings" in result.stderr
+
+
+def test_chat_answers_end_at_a_stop_string_set_with_slash_set(tiny_profile, tmp_path):
+    full = greedy(tiny_profile)
+    stop = full["text"][4:6]
+    saved = tmp_path / "chat.json"
+    script = f"/set temperature 0\n/set max_tokens 12\n/set stop {stop}\nhello\n/save {saved}\n"
+    result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile)], input=script)
+    assert result.exit_code == 0, result.stderr
+    answer = json.loads(saved.read_text())["messages"][-1]
+    assert answer["role"] == "assistant" and stop not in answer["content"]
+    result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile)], input='/set stop ["a", 1]\n')
+    assert "/set stop: '[\"a\", 1]' is not a string or a JSON list of strings" in result.stderr
