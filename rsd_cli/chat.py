@@ -23,6 +23,7 @@ HELP = """commands:
   /stats                statistics of the last answer
   /tree on|off          live view of the draft tree while answering
   /save FILE            write the conversation as JSON
+  /load FILE            resume a conversation written by /save (replaces this one)
   \"\"\"                   start and end a multi-line message
 Ctrl-C stops the current answer and keeps the session."""
 
@@ -85,6 +86,11 @@ class ChatSession:
             if arg not in ("on", "off"):
                 raise RsdError("usage: /tree on|off")
             self.tree = arg == "on"
+        elif name == "load":
+            if not arg:
+                raise RsdError("usage: /load FILE")
+            self.load(Path(arg).expanduser())
+            console.print(f"loaded {len(self.history)} messages from {arg}")
         elif name == "save":
             if not arg:
                 raise RsdError("usage: /save FILE")
@@ -100,6 +106,10 @@ class ChatSession:
             path.write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         except OSError as e:
             raise RsdError(f"cannot save to {path}: {e.strerror or e}") from None
+
+    def load(self, path: Path) -> None:
+        """Resume a conversation written by `save`: its system prompt and messages replace these."""
+        self.system, self.history = read_conversation(path)
 
     def answer(self, message: str, out, console) -> None:
         decoder = make_decoder(self.pair, self.profile)
@@ -124,6 +134,24 @@ class ChatSession:
         self.history.append({"role": "assistant", "content": text})
 
 
+def read_conversation(path: Path) -> tuple[str | None, list[dict]]:
+    """(system prompt, messages) of a conversation written by /save, checked."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise RsdError(f"cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise RsdError(f"{path} is not a saved conversation: {e}") from None
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
+            for m in messages):
+        raise RsdError(f"{path} is not a saved conversation (no list of user/assistant messages)")
+    system = record.get("system")
+    return (system if isinstance(system, str) and system else None,
+            [{"role": m["role"], "content": m["content"]} for m in messages])
+
+
 def read_message(read_line) -> str | None:
     """One user message: a line, or a \"\"\"-delimited block. None at end of input."""
     try:
@@ -144,9 +172,10 @@ def read_message(read_line) -> str | None:
     return "\n".join(lines)
 
 
-def run_chat(pair, profile, *, system: str | None, tree: bool, console, out=None, read_line=None) -> None:
+def run_chat(pair, profile, *, system: str | None, tree: bool, console, out=None, read_line=None,
+             history: list[dict] | None = None) -> None:
     out = out or sys.stdout
-    session = ChatSession(pair, profile, system=system, tree=tree)
+    session = ChatSession(pair, profile, system=system, tree=tree, history=list(history or []))
 
     def default_read(prompt: str) -> str:
         console.file.write(prompt)
@@ -160,6 +189,8 @@ def run_chat(pair, profile, *, system: str | None, tree: bool, console, out=None
     runtime = pair.runtimes.describe() if pair.runtimes else "transformers eager"
     console.print(f"[dim]rsd chat · {pair.description} · {runtime} · {make_decoder(pair, profile).shape.describe()} · "
                   f"/help for commands, Ctrl-D to leave[/dim]")
+    if session.history:
+        console.print(f"[dim]resumed {len(session.history)} messages[/dim]")
     while True:
         try:
             message = read_message(read_line)

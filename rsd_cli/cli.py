@@ -215,6 +215,9 @@ def generate(
                                          rich_help_panel=OUTPUT)] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per completion on stdout.",
                                           rich_help_panel=OUTPUT)] = False,
+    logprobs: Annotated[int, typer.Option("--logprobs", min=0, help="With --json: each token's log-probability "
+                                          "under the target's (processed) distribution and the N likeliest "
+                                          "alternatives.", rich_help_panel=OUTPUT)] = 0,
     stats: Annotated[bool, typer.Option("--stats", help="A per-step statistics table on stderr at the end.",
                                         rich_help_panel=OUTPUT)] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No statistics summary on stderr.",
@@ -224,6 +227,8 @@ def generate(
                                                  show_default=False)] = None,
 ):
     """Generate text for PROMPT: the answer streams to stdout, statistics go to stderr."""
+    if logprobs and not as_json:
+        raise UsageError("--logprobs needs --json (they are reported per token in the JSON record)")
     text = read_prompt(prompt)
     prof, pair = _profile_and_pair(profile, locals())
     from .generation import run_generate
@@ -231,7 +236,7 @@ def generate(
     console = _stderr_console()
     live = console.is_terminal if live is None else live
     run_generate(pair, prof, text, system=system, raw=raw, samples=samples, as_json=as_json,
-                 show_stats=not quiet, step_table=stats, live=live, console=console)
+                 show_stats=not quiet, step_table=stats, live=live, console=console, logprobs=logprobs)
 
 
 @app.command()
@@ -255,12 +260,19 @@ def chat(
     stop: StopOpt = None,
     tree: Annotated[bool, typer.Option("--tree/--no-tree", help="Live view of the draft tree while answering.",
                                        rich_help_panel=OUTPUT)] = False,
+    load: Annotated[Optional[Path], typer.Option("--load", help="Resume a conversation written by /save "
+                                                 "(its system prompt unless --system is given).",
+                                                 show_default=False)] = None,
 ):
     """An interactive session (history, chat template, slash commands; /help lists them)."""
-    prof, pair = _profile_and_pair(profile, locals())
-    from .chat import run_chat
+    from .chat import read_conversation, run_chat
 
-    run_chat(pair, prof, system=system, tree=tree, console=_stderr_console())
+    history = []
+    if load is not None:  # checked before any model loads
+        saved_system, history = read_conversation(load.expanduser())
+        system = system if system is not None else saved_system
+    prof, pair = _profile_and_pair(profile, locals())
+    run_chat(pair, prof, system=system, tree=tree, console=_stderr_console(), history=history)
 
 
 @app.command("inspect-tree")

@@ -129,6 +129,11 @@ class StepEvent:
     def accepted(self) -> int:
         return len(self.path)
 
+    def token_sources(self) -> list[int]:
+        """For each emitted token, the tree node whose target distribution p it was drawn from:
+        an accepted node's token from its parent's, the correction or bonus from the last node's."""
+        return ([0] + self.path)[: len(self.emitted)]
+
     @property
     def levels_tried(self) -> int:
         """Depths at which a draft was tried (an accepted level, or the final rejection)."""
@@ -224,6 +229,13 @@ class Stats:
             "target_tokens_per_step": self.target_tokens / self.steps if self.steps else 0.0,
             "draft_calls_per_step": self.draft_calls / self.steps if self.steps else 0.0,
             "tokens_per_second": self.tokens_per_second,
+            # the counts other tools report (see the README): llama.cpp's draft_n / draft_n_accepted,
+            # target forwards (tree verifications; the prompt's prefill not counted), and vLLM's
+            # mean accepted length per forward, bonus token included (= block efficiency)
+            "drafted_tokens": self.target_tokens - self.steps,
+            "accepted_tokens": self.accepted,
+            "target_forwards": self.steps,
+            "mean_accepted_length": self.block_efficiency,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "forward_seconds": self.forward_seconds,

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from contextlib import nullcontext
+
+import torch
 
 from .engine import Stats, StepEvent
 from .prompting import IncrementalDecoder, encode_prompt
@@ -36,6 +39,12 @@ class StopText:
                 return kept, self.piece
         self.piece = self._release(len(self.text) - self._held())
         return len(tokens), self.piece
+
+    def cut(self, event: StepEvent) -> None:
+        """Feed an engine event's tokens; at a stop string, end the event there (finished "stop")."""
+        kept, _ = self.push(event.emitted)
+        if self.matched is not None:
+            event.emitted, event.finished, event.stop = event.emitted[:kept], "stop", self.matched
 
     def flush(self) -> str:
         """The end of generation: what is left (an incomplete character as �), up to a stop string."""
@@ -82,9 +91,7 @@ def complete(decoder, prompt_ids: list[int], max_tokens: int, seed: int | None, 
     start = time.perf_counter()
     for event in decoder.generate(prompt_ids, max_tokens, seed):
         if text is not None:
-            kept, _ = text.push(event.emitted)
-            if text.matched is not None:
-                event.emitted, event.finished, event.stop = event.emitted[:kept], "stop", text.matched
+            text.cut(event)
         tokens.extend(event.emitted)
         stats.add(event)
         stats.wall_seconds = time.perf_counter() - start
@@ -98,8 +105,23 @@ def complete(decoder, prompt_ids: list[int], max_tokens: int, seed: int | None, 
     return tokens, stats, events
 
 
+def token_logprobs(event: StepEvent, top: int, tokenizer) -> list[dict]:
+    """Each emitted token's log-probability under the processed target distribution p it was
+    drawn from, and the `top` most likely tokens there (those of probability 0 left out)."""
+    def entry(token: int, p) -> dict:
+        prob = float(p[token])
+        return {"token": token, "text": tokenizer.decode([token]), "logprob": math.log(prob) if prob > 0 else None}
+
+    records = []
+    for token, node in zip(event.emitted, event.token_sources()):
+        p = event.p[node]
+        best = torch.topk(p, min(top, int((p > 0).sum()))) if top else None
+        records.append({**entry(token, p), "top": [entry(int(t), p) for t in best.indices] if best is not None else []})
+    return records
+
+
 def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, console=None, live=False,
-                      write_text=True, keep_events=False, stops: list[str] = ()):
+                      write_text=True, keep_events=False, stops: list[str] = (), on_step=None):
     """One completion with text streamed to `out` and, optionally, the live view on `console`.
     Returns (token ids, stats, events, text): the text ends before a stop string.
 
@@ -121,6 +143,8 @@ def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, conso
                 out.flush()
             if display is not None:
                 display.update(live_view("".join(shown), event, stats, pair.tokenizer))
+            if on_step is not None:
+                on_step(event)
 
         tokens, stats, events = complete(decoder, prompt_ids, max_tokens, seed, on_event, keep_events, text)
     tail = text.flush()
@@ -132,7 +156,7 @@ def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, conso
 
 
 def run_generate(pair, profile, text: str, *, system=None, raw=False, samples=1, as_json=False,
-                 show_stats=True, step_table=False, live=False, console=None, out=None) -> None:
+                 show_stats=True, step_table=False, live=False, console=None, out=None, logprobs: int = 0) -> None:
     out = out or sys.stdout
     decoder = make_decoder(pair, profile)
     prompt_ids = encode_prompt(pair.tokenizer, text, system=system, raw=raw)
@@ -142,9 +166,12 @@ def run_generate(pair, profile, text: str, *, system=None, raw=False, samples=1,
         seed = None if base_seed is None else base_seed + index
         if samples > 1 and not as_json and index:
             out.write("\n---\n")
+        token_records: list[dict] = []
         tokens, stats, events, text_out = stream_completion(
             pair, decoder, prompt_ids, max_tokens, seed, out=out, console=console, live=live and not as_json,
-            write_text=not as_json, keep_events=step_table, stops=stops_of(profile))
+            write_text=not as_json, keep_events=step_table, stops=stops_of(profile),
+            on_step=(lambda event: token_records.extend(token_logprobs(event, logprobs, pair.tokenizer)))
+            if logprobs else None)
         if as_json:
             record = {
                 "text": text_out,
@@ -158,6 +185,8 @@ def run_generate(pair, profile, text: str, *, system=None, raw=False, samples=1,
                 "stop": events[-1].stop if events else None,
                 "stats": stats.as_dict(pair.draft_params, pair.target_params),
             }
+            if logprobs:
+                record["logprobs"] = token_records
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
         else:
             out.write("\n")

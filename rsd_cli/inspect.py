@@ -119,9 +119,7 @@ def run_inspect(pair, profile, text: str, *, step: int, fmt: str, output, system
     stop = StopText(pair.tokenizer, stops_of(profile))
     event = None
     for event in decoder.generate(ids, max_tokens=10**9, seed=0 if seed is None else seed):
-        kept, _ = stop.push(event.emitted)
-        if stop.matched is not None:  # generation ends at a stop string, as in generate
-            event.emitted, event.finished, event.stop = event.emitted[:kept], "stop", stop.matched
+        stop.cut(event)  # generation ends at a stop string, as in generate
         if event.step == step or event.finished:
             break
     if event is None or event.step != step:

@@ -1,4 +1,5 @@
-"""Stop strings: generation ends at the first one, which is never printed, even in part."""
+"""Controls a script expects: stop strings (generation ends at the first one, which is never
+printed, even in part), per-token logprobs, the counts other tools report, resumable chat."""
 
 from __future__ import annotations
 
@@ -127,3 +128,67 @@ def test_chat_answers_end_at_a_stop_string_set_with_slash_set(tiny_profile, tmp_
     assert answer["role"] == "assistant" and stop not in answer["content"]
     result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile)], input='/set stop ["a", 1]\n')
     assert "/set stop: '[\"a\", 1]' is not a string or a JSON list of strings" in result.stderr
+
+
+def test_inspect_tree_ends_at_a_stop_string_too(tiny_profile):
+    full = greedy(tiny_profile)
+    stop = full["text"][2:4]
+    result = CliRunner().invoke(app, ["inspect-tree", "hello", "-p", str(tiny_profile), "-t", "0", "--step", "50",
+                                      "--stop", stop])
+    assert result.exit_code == 1 and "generation ended after" in result.stderr
+
+
+def test_logprobs_are_those_of_a_fresh_target_forward(tiny_profile, tiny_pair_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rsd_cli.prompting import encode_prompt
+
+    result = CliRunner().invoke(app, ["generate", "hello", "-p", str(tiny_profile), "-t", "0.8", "-n", "10",
+                                      "--json", "--logprobs", "3"])
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert [r["token"] for r in record["logprobs"]] == record["token_ids"]
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "target").eval()
+    tokenizer = tiny_tokenizer()
+    ids = encode_prompt(tokenizer, "hello")
+    for entry in record["logprobs"]:
+        with torch.no_grad():
+            logits = target(torch.tensor([ids])).logits[0, -1]
+        expected = torch.log_softmax(logits / 0.8, -1)
+        assert entry["logprob"] == pytest.approx(float(expected[entry["token"]]), abs=1e-4)
+        assert [t["token"] for t in entry["top"]] == expected.topk(3).indices.tolist()
+        assert [t["logprob"] for t in entry["top"]] == pytest.approx(expected.topk(3).values.tolist(), abs=1e-4)
+        ids.append(entry["token"])
+    result = CliRunner().invoke(app, ["generate", "hello", "-p", str(tiny_profile), "--logprobs", "2"])
+    assert result.exit_code == 2 and "--logprobs needs --json" in result.stderr
+
+
+def test_json_stats_carry_the_counts_other_tools_report(tiny_profile):
+    stats = greedy(tiny_profile)["stats"]  # rsd-c b=(2,2): 6 drafted tokens a full step
+    assert stats["target_forwards"] == stats["steps"]
+    assert stats["mean_accepted_length"] == stats["block_efficiency"]
+    assert 0 <= stats["accepted_tokens"] <= stats["drafted_tokens"] <= 6 * stats["steps"]
+    assert stats["accepted_tokens"] == round((stats["block_efficiency"] - 1) * stats["steps"])
+
+
+def test_chat_resumes_a_saved_conversation(tiny_profile, tmp_path):
+    saved, again = tmp_path / "chat.json", tmp_path / "again.json"
+    first = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile), "-s", "be brief"],
+                               input=f"hello\n/save {saved}\n")
+    assert first.exit_code == 0, first.stderr
+    resumed = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile), "--load", str(saved)],
+                                 input=f"more\n/save {again}\n")
+    assert resumed.exit_code == 0, resumed.stderr
+    assert "resumed 2 messages" in resumed.stderr
+    record = json.loads(again.read_text())
+    assert record["system"] == "be brief" and len(record["messages"]) == 4
+    assert record["messages"][:2] == json.loads(saved.read_text())["messages"]
+    inline = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile)], input=f"/load {saved}\n/save {again}\n")
+    assert "loaded 2 messages" in inline.stderr and len(json.loads(again.read_text())["messages"]) == 2
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"messages": [{"role": "wizard"}]}')
+    result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile), "--load", str(broken)])
+    assert result.exit_code == 1 and "is not a saved conversation" in result.stderr
+    result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile), "--load", str(tmp_path / "none.json")])
+    assert result.exit_code == 1 and "cannot read" in result.stderr
