@@ -135,7 +135,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     peer_totals: dict[tuple[str, float], list[float]] = {(p, t): [0, 0.0] for p in peers for t in temperatures}
     peer_errors: dict[str, str] = {}  # a peer failing must not cost the other rows
     encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]
-    top = dict(top_k=profile["sampling"]["top_k"], top_p=profile["sampling"]["top_p"])
+    top = {key: profile["sampling"][key] for key in ("top_k", "top_p", "min_p", "repetition_penalty")}
     stops = profile["sampling"]["stop"]  # completions end at them, as in generate (peers ignore them)
     runs = repeats * len(encoded) * (len(jobs) + len(peers) * len(temperatures))
     done = 0

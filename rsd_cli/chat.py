@@ -18,7 +18,8 @@ HELP = """commands:
   /bye, /exit           leave (Ctrl-D too)
   /clear                forget the conversation
   /system TEXT          set the system prompt (empty TEXT clears it)
-  /set KEY VALUE        KEY: temperature, top_p, top_k, max_tokens, variant, seed, stop
+  /set KEY VALUE        KEY: temperature, top_p, top_k, min_p, repetition_penalty,
+                        max_tokens, variant, seed, stop
                         (/set stop TEXT: one stop string; /set stop ["a", "b"]: several; [] none)
   /stats                statistics of the last answer
   /tree on|off          live view of the draft tree while answering
@@ -37,8 +38,8 @@ def _stop_list(value: str) -> list[str]:
     return parsed
 
 
-SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "max_tokens": int, "variant": str, "seed": int,
-            "stop": _stop_list}
+SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
+            "max_tokens": int, "variant": str, "seed": int, "stop": _stop_list}
 
 
 @dataclass

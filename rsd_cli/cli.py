@@ -103,6 +103,12 @@ TemperatureOpt = Annotated[Optional[float], typer.Option("--temperature", "-t", 
 TopPOpt = Annotated[Optional[float], typer.Option("--top-p", rich_help_panel=SAMPLING, show_default=False)]
 TopKOpt = Annotated[Optional[int], typer.Option("--top-k", help="0 disables.", rich_help_panel=SAMPLING,
                                                 show_default=False)]
+MinPOpt = Annotated[Optional[float], typer.Option("--min-p", help="Drop tokens below this fraction of the likeliest "
+                                                 "one's probability (0 disables).", rich_help_panel=SAMPLING,
+                                                 show_default=False)]
+RepetitionPenaltyOpt = Annotated[Optional[float], typer.Option(
+    "--repetition-penalty", help="> 1 discourages tokens already in the context (1 disables).",
+    rich_help_panel=SAMPLING, show_default=False)]
 MaxTokensOpt = Annotated[Optional[int], typer.Option("--max-tokens", "-n", rich_help_panel=SAMPLING,
                                                      show_default=False)]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Makes the run reproducible.",
@@ -201,6 +207,8 @@ def generate(
     temperature: TemperatureOpt = None,
     top_p: TopPOpt = None,
     top_k: TopKOpt = None,
+    min_p: MinPOpt = None,
+    repetition_penalty: RepetitionPenaltyOpt = None,
     max_tokens: MaxTokensOpt = None,
     seed: SeedOpt = None,
     draft_len: DraftLenOpt = None,
@@ -248,6 +256,8 @@ def chat(
     temperature: TemperatureOpt = None,
     top_p: TopPOpt = None,
     top_k: TopKOpt = None,
+    min_p: MinPOpt = None,
+    repetition_penalty: RepetitionPenaltyOpt = None,
     max_tokens: MaxTokensOpt = None,
     seed: SeedOpt = None,
     draft_len: DraftLenOpt = None,
@@ -290,6 +300,8 @@ def inspect_tree(
     temperature: TemperatureOpt = None,
     top_p: TopPOpt = None,
     top_k: TopKOpt = None,
+    min_p: MinPOpt = None,
+    repetition_penalty: RepetitionPenaltyOpt = None,
     seed: SeedOpt = None,
     draft_len: DraftLenOpt = None,
     branching: BranchingOpt = None,

@@ -350,7 +350,7 @@ class Decoder:
         base = len(seq) - 1
         visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
         logits = target.forward(tree.tokens, [base + d for d in tree.depths], visible)
-        p = logits_to_probs(logits, self.sampling)
+        p = logits_to_probs(logits, self.sampling, self._seen(self.sampling, seq, tree, range(len(tree))))
         checks, path, node = [], [], 0
         while tree.draws[node]:
             draws = tree.draws[node]
@@ -378,6 +378,20 @@ class Decoder:
             forward_seconds=target.forward_seconds + (draft.forward_seconds if draft else 0.0) - forward_before,
         )
 
+    def _seen(self, sampling: SamplingParams, seq: list[int], tree: DraftTree, nodes) -> torch.Tensor | None:
+        """(len(nodes), V) bool: the tokens in each node's context — the sequence so far and the
+        node's path in the tree (the node's own token included: its row is the distribution of
+        the token after it). None when the processing does not depend on the context. The draft's
+        q at a node gets the same context as the target's p there, so q stays close to p."""
+        if not sampling.uses_context:
+            return None
+        base = torch.zeros(self.vocab_size, dtype=torch.bool)
+        base[torch.tensor(seq)] = True
+        seen = base.repeat(len(nodes), 1)
+        for row, node in enumerate(nodes):
+            seen[row, [tree.tokens[n] for n in tree.path_to(node)]] = True
+        return seen
+
     def _draft(self, seq: list[int], draft: CachedLM | None, generator: torch.Generator):
         """Build this step's tree. Returns it and the draft-cache position of each node the
         draft model has processed (needed to prune the draft cache afterwards)."""
@@ -399,7 +413,8 @@ class Decoder:
                 for ancestor in tree.path_to(node):
                     visible[row, draft_index[ancestor]] = True
             logits = draft.forward([tree.tokens[n] for n in nodes], [base + tree.depths[n] for n in nodes], visible)
-            return logits_to_probs(logits, self.draft_sampling)
+            return logits_to_probs(logits, self.draft_sampling, self._seen(self.draft_sampling, seq, tree, nodes))
 
-        q_root = logits_to_probs(root_logits[-1], self.draft_sampling)
+        root_seen = self._seen(self.draft_sampling, seq, DraftTree.rooted_at(root), [0])
+        q_root = logits_to_probs(root_logits[-1], self.draft_sampling, None if root_seen is None else root_seen[0])
         return build_tree(self.shape, root, q_root, expand, generator, self.greedy_ranking), draft_index

@@ -34,6 +34,14 @@ def _top_p(v) -> str | None:
     return None if 0 < v <= 1 else "must be in (0, 1]"
 
 
+def _min_p(v) -> str | None:
+    return None if 0 <= v < 1 else "must be in [0, 1)"
+
+
+def _penalty(v) -> str | None:
+    return None if v > 0 else "must be greater than 0"
+
+
 def _one_of(*choices: str) -> Callable[[Any], str | None]:
     return lambda v: None if v in choices else f"must be one of {', '.join(choices)}"
 
@@ -89,6 +97,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "temperature": Key(float, 1.0, _non_negative, "0 is greedy"),
         "top_p": Key(float, 1.0, _top_p),
         "top_k": Key(int, 0, _non_negative, "0 disables"),
+        "min_p": Key(float, 0.0, _min_p, "drop tokens below min_p x the likeliest one's probability; 0 disables"),
+        "repetition_penalty": Key(float, 1.0, _penalty, "> 1 discourages tokens already in the context; 1 disables"),
         "max_tokens": Key(int, 256, _positive),
         "seed": Key(int, -1, None, "-1 draws a fresh seed"),
         "stop": Key(list, [], _stops, "end the answer at the first of these strings (not printed)", item=str),

@@ -20,6 +20,8 @@ FLAG_KEYS = {
     "temperature": ("sampling", "temperature"),
     "top_p": ("sampling", "top_p"),
     "top_k": ("sampling", "top_k"),
+    "min_p": ("sampling", "min_p"),
+    "repetition_penalty": ("sampling", "repetition_penalty"),
     "max_tokens": ("sampling", "max_tokens"),
     "seed": ("sampling", "seed"),
     "compile": ("runtime", "compile"),
@@ -76,7 +78,7 @@ def sampling_of(profile: Profile):
     from .sampling import SamplingParams
 
     s = profile["sampling"]
-    return SamplingParams(s["temperature"], s["top_k"], s["top_p"])
+    return SamplingParams(s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["repetition_penalty"])
 
 
 def stops_of(profile: Profile) -> list[str]:

@@ -17,18 +17,38 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy: the distribution becomes one-hot on the argmax
     top_k: int = 0  # 0 disables
     top_p: float = 1.0  # 1 disables
+    min_p: float = 0.0  # drop tokens below min_p x the likeliest token's probability; 0 disables
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the context; 1 disables
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def uses_context(self) -> bool:
+        """Whether processing depends on the tokens before each position (it then needs `seen`)."""
+        return self.repetition_penalty != 1.0
 
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k and top-p.
 
-    Target and draft go through this same function, so p and q are processed identically.
+def penalise_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's repetition penalty (as transformers applies it): a token already in the context has
+    its logit divided by the penalty if positive, multiplied by it if negative. seen (..., V) bool."""
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """(..., V) logits -> (..., V) float32 probabilities after the repetition penalty (seen: (..., V)
+    bool, the tokens in each row's context), temperature, top-k, top-p and min-p.
+
+    Target and draft go through this same function with the same contexts, so p and q are
+    processed identically: what the output follows exactly is this processed target distribution.
     """
     logits = logits.float()
+    if params.uses_context:
+        if seen is None:
+            raise ValueError("a repetition penalty needs the tokens seen in each row's context")
+        logits = penalise_repetition(logits, seen, params.repetition_penalty)
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / params.temperature
@@ -43,7 +63,11 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop_sorted = mass_before >= params.top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, -math.inf)
-    return logits.softmax(-1)
+    probs = logits.softmax(-1)
+    if params.min_p > 0:  # the likeliest token always stays (its ratio is 1)
+        probs = probs.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:

@@ -192,3 +192,31 @@ def test_chat_resumes_a_saved_conversation(tiny_profile, tmp_path):
     assert result.exit_code == 1 and "is not a saved conversation" in result.stderr
     result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile), "--load", str(tmp_path / "none.json")])
     assert result.exit_code == 1 and "cannot read" in result.stderr
+
+
+# min-p and the repetition penalty: processing of p (and q), exact like temperature / top-k / top-p
+
+def test_processing_matches_transformers_processors():
+    import torch
+    from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
+
+    from rsd_cli.sampling import SamplingParams, logits_to_probs
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50) * 3
+    context = torch.tensor([[1, 5, 7], [2, 2, 9], [0, 49, 3]])
+    seen = torch.zeros(3, 50, dtype=torch.bool).scatter(1, context, True)
+    ours = logits_to_probs(logits, SamplingParams(temperature=0.7, min_p=0.1, repetition_penalty=1.3), seen)
+    theirs = RepetitionPenaltyLogitsProcessor(1.3)(context, logits.clone()) / 0.7
+    theirs = MinPLogitsWarper(0.1)(context, theirs).softmax(-1)
+    torch.testing.assert_close(ours, theirs)
+    with pytest.raises(ValueError, match="needs the tokens seen"):
+        logits_to_probs(logits, SamplingParams(repetition_penalty=1.3))
+
+
+def test_min_p_and_penalty_flags_are_checked(tiny_profile):
+    for flag, value, message in (("--min-p", "1", "sampling.min_p must be in [0, 1)"),
+                                 ("--min-p", "-0.1", "sampling.min_p must be in [0, 1)"),
+                                 ("--repetition-penalty", "0", "sampling.repetition_penalty must be greater than 0")):
+        result = CliRunner().invoke(app, ["generate", "hi", "-p", str(tiny_profile), flag, value])
+        assert result.exit_code == 2 and message in result.stderr, (flag, value, result.stderr)

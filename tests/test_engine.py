@@ -254,3 +254,74 @@ def test_complete_keeps_only_the_last_event_unless_asked(pair):
     assert len(events) == 1 and stats.steps > 1 and events[0].step == stats.steps
     tokens_all, stats_all, all_events = complete(decoder, [1, 2], 10, seed=3, keep_events=True)
     assert tokens_all == tokens and [e.step for e in all_events] == list(range(1, stats.steps + 1))
+
+
+def exact_joint_with_context(target, sampling) -> torch.Tensor:
+    """exact_joint for processing that depends on the context (the repetition penalty): the first
+    token's distribution sees the prompt, the second's the prompt and the first token."""
+    def probs(tokens):
+        seen = torch.zeros(V, dtype=torch.bool)
+        seen[tokens] = True
+        return logits_to_probs(full_logits(target, tokens)[-1], sampling, seen).double()
+
+    first = probs(PROMPT)
+    return torch.stack([first[x] * probs(PROMPT + [x]) for x in range(V)])
+
+
+PENALISED = SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=3.0)
+
+
+@pytest.mark.parametrize("shape", [make_shape("rsd-c", branching=(2, 2)), make_shape("sd", draft_len=2),
+                                   make_shape("spectr", num_drafts=2, depth=2)], ids=lambda s: s.describe())
+def test_min_p_and_the_repetition_penalty_are_exact_on_trees(pair, shape):
+    """The second token's distribution depends on the first (penalised once seen), so every tree
+    node's p must be processed with the tokens on its own path: a depth-2 tree tests exactly that."""
+    expected = exact_joint_with_context(pair[0], PENALISED) * N_SAMPLES
+    counts = sample_pairs(pair, shape, PENALISED, N_SAMPLES)
+    assert counts[expected == 0].sum() == 0
+    assert chi_square_pvalue(counts, expected) > 1e-3
+
+
+def node_distributions_match_fresh_forwards(pair, sampling) -> bool:
+    """Whether every tree node's p in a few steps equals the processed target distribution after
+    the sequence so far plus the node's path, computed from scratch."""
+    decoder = Decoder(pair[0], pair[1], V, make_shape("rsd-c", branching=(2, 2)), sampling, set())
+    seq = list(PROMPT)
+    for event in decoder.generate(PROMPT, 8, seed=1):
+        for node in range(len(event.tree)):
+            context = seq[:-1] + [event.tree.tokens[n] for n in event.tree.path_to(node)]
+            seen = torch.zeros(V, dtype=torch.bool)
+            seen[context] = True
+            fresh = logits_to_probs(full_logits(pair[0], context)[-1], sampling, seen)
+            if not torch.allclose(event.p[node], fresh, atol=1e-5):
+                return False
+        seq += event.emitted
+    return True
+
+
+def test_every_node_is_penalised_for_the_tokens_on_its_own_path(pair, monkeypatch):
+    """The repetition penalty depends on tokens accepted earlier in the same tree path: each node's
+    p is processed with them. Negative control: contexts without the path do not match."""
+    assert node_distributions_match_fresh_forwards(pair, PENALISED)
+
+    def without_path(self, sampling, seq, tree, nodes):
+        if not sampling.uses_context:
+            return None
+        seen = torch.zeros(len(nodes), self.vocab_size, dtype=torch.bool)
+        seen[:, seq] = True
+        return seen
+
+    monkeypatch.setattr(Decoder, "_seen", without_path)
+    assert not node_distributions_match_fresh_forwards(pair, PENALISED)
+
+
+def test_greedy_with_the_repetition_penalty_equals_plain_penalised_greedy(pair):
+    target = pair[0]
+    sampling = SamplingParams(temperature=0, repetition_penalty=1.8)
+    tokens = list(PROMPT)
+    for _ in range(20):
+        seen = torch.zeros(V, dtype=torch.bool)
+        seen[tokens] = True
+        tokens.append(int(logits_to_probs(full_logits(target, tokens)[-1], sampling, seen).argmax()))
+    for shape in (make_shape("rsd-c", branching=(3, 2)), make_shape("rsd-s", beam_width=2, depth=3)):
+        assert run(pair, shape, sampling, 20, seed=0) == tokens[len(PROMPT):], shape.describe()
