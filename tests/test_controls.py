@@ -220,3 +220,29 @@ def test_min_p_and_penalty_flags_are_checked(tiny_profile):
                                  ("--repetition-penalty", "0", "sampling.repetition_penalty must be greater than 0")):
         result = CliRunner().invoke(app, ["generate", "hi", "-p", str(tiny_profile), flag, value])
         assert result.exit_code == 2 and message in result.stderr, (flag, value, result.stderr)
+
+
+def test_a_stop_inside_one_accepted_path_cuts_that_step(tiny_pair_dir):
+    """A step that emits several tokens is cut after the token completing the stop string; the
+    statistics count only the tokens kept, and generation ends with that step."""
+    from rsd_cli.drafting import make_shape
+    from rsd_cli.engine import Decoder
+    from rsd_cli.generation import complete
+    from rsd_cli.sampling import SamplingParams
+    from tiny import tiny_model
+
+    target = tiny_model(40, 3, 0, 0.3)
+    tokenizer = tiny_tokenizer()  # the target drafts for itself: every greedy draft is accepted
+    decoder = Decoder(target, target, 40, make_shape("sd", draft_len=4), SamplingParams(0.0), set())
+    prompt = ids(tokenizer, "hello")
+    before, steps = [], []
+    for event in decoder.generate(prompt, 40, seed=0):
+        steps.append((len(before), list(event.emitted)))
+        before += event.emitted
+    start, emitted = next((s, e) for s, e in steps[1:] if len(e) == 5)  # 4 accepted + the bonus
+    stop = tokenizer.decode(emitted[1:3])
+    assert stop not in tokenizer.decode(before[: start + 2])  # it first completes at emitted[2]
+    tokens, stats, events = complete(decoder, prompt, 40, seed=0, text=StopText(tokenizer, [stop]))
+    assert tokens == before[: start + 3] and stats.new_tokens == start + 3
+    assert events[-1].finished == "stop" and events[-1].emitted == emitted[:3] and events[-1].stop == stop
+    assert stats.steps == len([s for s, _ in steps if s <= start])
