@@ -325,7 +325,7 @@ def verdict_key(model) -> str:
             f"{cfg.hidden_size}x{cfg.intermediate_size} {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads")
 
 
-def compile_pays(model, progress=lambda message: None) -> bool:
+def compile_pays(model, progress=lambda message: None, notice=lambda message: None) -> bool:
     """The cached verdict for this machine and model shape, measured once (`compile.json` in the
     rsd cache folder; a lost or unwritable file only means measuring again)."""
     import json
@@ -341,6 +341,7 @@ def compile_pays(model, progress=lambda message: None) -> bool:
     known = known if isinstance(known, dict) else {}
     key = verdict_key(model)
     if not isinstance(known.get(key), dict):
+        notice("measuring once whether compiling the layers pays on this machine (the verdict is cached)")
         progress("measuring whether compiling pays on this machine (once)")
         try:
             gain = compiled_gain(model)
@@ -369,7 +370,7 @@ def runtime_for(model, setting: str, role: str, progress=lambda message: None, n
         if setting == "on":
             notice(f"--compile on does not apply to the {role} ({reason}): it runs on transformers' eager forward")
         return None
-    compile = setting == "on" or compile_pays(model, progress)
+    compile = setting == "on" or compile_pays(model, progress, notice)
     runtime = CompiledModel(model, compile=compile)
     if compile:
         first = _first_compile_here(model)

@@ -119,11 +119,12 @@ def test_auto_measures_once_per_machine_and_keeps_the_verdict(tmp_path, monkeypa
     monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
     measured = []
     monkeypatch.setattr(compiled, "compiled_gain", lambda model: measured.append(model) or 1.5)
-    model = tiny_model(V, layers=1)
-    runtime = compiled.runtime_for(model, "auto", "target")
+    model, notices = tiny_model(V, layers=1), []
+    runtime = compiled.runtime_for(model, "auto", "target", notice=notices.append)
     assert runtime is not None and not runtime.compiled  # slower compiled: the static cache, eager
-    again = compiled.runtime_for(tiny_model(V, layers=1, seed=4), "auto", "draft")
+    again = compiled.runtime_for(tiny_model(V, layers=1, seed=4), "auto", "draft", notice=notices.append)
     assert len(measured) == 1 and not again.compiled  # same machine and layer shape: read back
+    assert notices == ["measuring once whether compiling the layers pays on this machine (the verdict is cached)"]
     verdicts = json.loads((tmp_path / "cache" / "compile.json").read_text())
     assert [v["compiled_over_eager"] for v in verdicts.values()] == [1.5]
     monkeypatch.setattr(compiled, "compiled_gain", lambda model: 0.5)
