@@ -41,7 +41,7 @@ for role, model in (("target", pair.target), ("draft", pair.draft)):
     print(f"{role}: compiled {rows} in {time.perf_counter() - start:.1f} s", flush=True)
     runtimes[role] = {
         "transformers eager": lambda m=model: CachedLM(m, pair.vocab_size),
-        "static cache, eager": lambda m=model: StaticLM(CompiledModel(m, compile=False), pair.vocab_size, 512),
+        "static cache, uncompiled": lambda m=model: StaticLM(CompiledModel(m, compile=False), pair.vocab_size, 512),
         "static cache, compiled": lambda c=compiled: StaticLM(c, pair.vocab_size, 512),
     }
 

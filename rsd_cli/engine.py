@@ -260,7 +260,7 @@ class Runtimes:
         def one(runtime) -> str:
             if runtime is None:
                 return "transformers eager"
-            return "static cache, compiled" if runtime.compiled else "static cache, eager"
+            return "static cache, compiled" if runtime.compiled else "static cache, uncompiled"
         return one(self.target) if one(self.target) == one(self.draft) else \
             f"target {one(self.target)}, draft {one(self.draft)}"
 

@@ -121,7 +121,7 @@ def test_auto_measures_once_per_machine_and_keeps_the_verdict(tmp_path, monkeypa
     monkeypatch.setattr(compiled, "compiled_gain", lambda model: measured.append(model) or 1.5)
     model, notices = tiny_model(V, layers=1), []
     runtime = compiled.runtime_for(model, "auto", "target", notice=notices.append)
-    assert runtime is not None and not runtime.compiled  # slower compiled: the static cache, eager
+    assert runtime is not None and not runtime.compiled  # slower compiled: the static cache, uncompiled
     again = compiled.runtime_for(tiny_model(V, layers=1, seed=4), "auto", "draft", notice=notices.append)
     assert len(measured) == 1 and not again.compiled  # same machine and layer shape: read back
     assert notices == ["measuring once whether compiling the layers pays on this machine (the verdict is cached)"]
