@@ -90,7 +90,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
     },
     "runtime": {
         "compile": Key(str, "auto", _one_of("auto", "on", "off"),
-                       'the static-cache runtime: "on" compiled, "auto" compiled where measured faster, '
+                       'the static-cache runtime: "on" compiled, "auto" compiled where measured 20% faster, '
                        '"off" transformers\' eager forward'),
     },
     "sampling": {
