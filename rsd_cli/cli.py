@@ -181,8 +181,9 @@ class Loader:
 
         if self.quiet:
             return load_pair(profile, notice=notice)
-        with self.console.status("loading models…") as status:
-            return load_pair(profile, progress=lambda m: status.update(m), notice=notice)
+        with self.console.status("loading models…") as status:  # notices print above the spinner
+            return load_pair(profile, progress=lambda m: status.update(m),
+                             notice=lambda m: self.console.print(f"rsd: {m}", markup=False, highlight=False))
 
     def target_location(self, profile) -> str:
         """The target's source as from_pretrained takes it (a GGUF file is converted here, once)."""
