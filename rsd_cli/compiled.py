@@ -29,7 +29,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .engine import ChainExtension, full_vocabulary
+from transformers.models.llama.modeling_llama import rotate_half
+
+from .engine import ChainExtension, full_vocabulary, unchanged_prefix
 
 BUCKETS = (1, 2, 4, 8, 16)
 SUPPORTED_TYPES = ("llama",)  # what the tests cover; other Llama-style decoders would follow the same shape
@@ -74,11 +76,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple, dims: tuple) -> torch.Tensor:
     """One Llama decoder layer on n new tokens. x (n, hidden); cos, sin (n, head_dim); mask (n, kv_len)
     additive, the new tokens at slots kv_len - n .. kv_len - 1 of keys, values (kv_heads, capacity,
@@ -92,7 +89,7 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     q = _linear(h, wq, bq, small[0]).view(n, heads, head_dim).transpose(0, 1)  # (H, n, hd)
     k = _linear(h, wk, bk, small[1]).view(n, kv_heads, head_dim).transpose(0, 1)  # (KVH, n, hd)
     v = _linear(h, wv, bv, small[2]).view(n, kv_heads, head_dim).transpose(0, 1)
-    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     keys[:, kv_len - n: kv_len] = k
     values[:, kv_len - n: kv_len] = v
     k, v = keys[:, :kv_len], values[:, :kv_len]
@@ -111,9 +108,9 @@ def final_logits(x, norm, eps: float, head, small: bool) -> torch.Tensor:
 
 
 class CompiledModel:
-    """One loaded model run layer by layer over KV buffers; with `compile`, the layer and the head
-    run as torch.compile graphs shared by every layer and every generation (each generation has its
-    own `StaticLM` with its own buffers)."""
+    """One loaded model run layer by layer over KV buffers; with `compile`, its decoder layer is a
+    torch.compile graph shared by every layer and every generation (each generation has its own
+    `StaticLM` with its own buffers)."""
 
     def __init__(self, model, compile: bool = True):
         from .small_batch import uses_small_batch
@@ -221,7 +218,6 @@ class StaticLM(ChainExtension):
     def forward(self, tokens: list[int], positions: list[int], visible: torch.Tensor,
                 last_only: bool = False) -> torch.Tensor:
         """Same contract as CachedLM.forward: visible is (n, length + n) bool over cache + new keys."""
-
         start = time.perf_counter()
         n = len(tokens)
         size = (bucket(n) or n) if self.compiled.compiled else n
@@ -255,9 +251,7 @@ class StaticLM(ChainExtension):
 
     def keep(self, indices: list[int]) -> None:
         """Keep only these cache positions (ascending): one index copy for all layers."""
-        prefix = 0
-        while prefix < len(indices) and indices[prefix] == prefix:
-            prefix += 1
+        prefix = unchanged_prefix(indices)
         if prefix < len(indices):
             tail = torch.tensor(indices[prefix:], device=self.compiled.device)
             with torch.inference_mode():
@@ -270,21 +264,13 @@ WARM_SIZES = (1, 2, 4)  # token counts every variant uses (draft steps, small tr
 VERDICT_REPEATS = 7
 
 
-def warm_up(runtime: CompiledModel, sizes=WARM_SIZES) -> None:
-    """Run (so compile) the given token counts once on scratch buffers."""
-    keys, values = runtime.new_buffers(max(sizes) + 8)
-    with torch.inference_mode():  # as StaticLM.forward makes its inputs
-        for n in sizes:
-            mask = torch.zeros(n, n + 4, device=runtime.device)
-            tokens = torch.zeros(n, dtype=torch.long, device=runtime.device)
-            runtime.forward(tokens, tokens, mask, keys, values, torch.arange(n, device=runtime.device))
-
-
-def _forward_seconds(runtime: CompiledModel, n: int, buffers) -> float:
+def _scratch_forward(runtime: CompiledModel, n: int, past: int, buffers) -> float:
+    """One forward of n tokens after `past` cached ones on scratch buffers, made in inference mode
+    as StaticLM.forward makes its inputs (so the compiled graphs' guards match); returns seconds."""
     keys, values = buffers
-    tokens = torch.zeros(n, dtype=torch.long, device=runtime.device)
     with torch.inference_mode():
-        mask = torch.zeros(n, 100 + n, device=runtime.device)
+        tokens = torch.zeros(n, dtype=torch.long, device=runtime.device)
+        mask = torch.zeros(n, past + n, device=runtime.device)
         rows = torch.arange(n, device=runtime.device)
         if runtime.device.type == "cuda":
             torch.cuda.synchronize(runtime.device)
@@ -293,6 +279,13 @@ def _forward_seconds(runtime: CompiledModel, n: int, buffers) -> float:
         if runtime.device.type == "cuda":
             torch.cuda.synchronize(runtime.device)
     return time.perf_counter() - start
+
+
+def warm_up(runtime: CompiledModel, sizes=WARM_SIZES) -> None:
+    """Run (so compile) the given token counts once on scratch buffers."""
+    buffers = runtime.new_buffers(max(sizes) + 8)
+    for n in sizes:
+        _scratch_forward(runtime, n, 4, buffers)
 
 
 def compiled_gain(model) -> float:
@@ -307,7 +300,7 @@ def compiled_gain(model) -> float:
     for _ in range(VERDICT_REPEATS + 1):
         for runtime in (compiled, eager):
             for i, n in enumerate((1, 4)):
-                best[runtime][i] = min(best[runtime][i], _forward_seconds(runtime, n, buffers))
+                best[runtime][i] = min(best[runtime][i], _scratch_forward(runtime, n, 100, buffers))
     return sum(best[compiled]) / sum(best[eager])
 
 

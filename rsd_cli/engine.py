@@ -26,6 +26,15 @@ def full_vocabulary(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.nn.functional.pad(logits, (0, vocab_size - logits.shape[-1]), value=-torch.inf)
 
 
+def unchanged_prefix(indices: list[int]) -> int:
+    """How many cache positions `keep(indices)` leaves where they are: the leading run of
+    indices equal to their own position; only the rest (the accepted path) has to move."""
+    prefix = 0
+    while prefix < len(indices) and indices[prefix] == prefix:
+        prefix += 1
+    return prefix
+
+
 class ChainExtension:
     """`extend` for a cache that has `length` and `forward` (CachedLM here, compiled.StaticLM)."""
 
@@ -84,9 +93,7 @@ class CachedLM(ChainExtension):
 
         The prefix stays where it is; only the few accepted positions after it are moved down
         before the cache is cropped, so a step copies O(path) entries, not the whole cache."""
-        prefix = 0
-        while prefix < len(indices) and indices[prefix] == prefix:
-            prefix += 1
+        prefix = unchanged_prefix(indices)
         if prefix < len(indices):
             tail = torch.tensor(indices[prefix:], device=self.model.device)
             with torch.inference_mode():  # the cache tensors were made in inference mode
@@ -416,5 +423,5 @@ class Decoder:
             return logits_to_probs(logits, self.draft_sampling, self._seen(self.draft_sampling, seq, tree, nodes))
 
         root_seen = self._seen(self.draft_sampling, seq, DraftTree.rooted_at(root), [0])
-        q_root = logits_to_probs(root_logits[-1], self.draft_sampling, None if root_seen is None else root_seen[0])
+        q_root = logits_to_probs(root_logits[-1:], self.draft_sampling, root_seen)[0]
         return build_tree(self.shape, root, q_root, expand, generator, self.greedy_ranking), draft_index

@@ -32,6 +32,10 @@ class StopText:
     def push(self, tokens: list[int]) -> tuple[int, str]:
         """One step's tokens -> (how many of them to keep, text that may be shown now). Tokens are
         decoded one by one: the one in which a stop string completes is the last kept."""
+        if not self.stops:  # nothing to find: the step's text at once
+            self.text += self.detok.push(tokens)
+            self.piece = self._release(len(self.text))
+            return len(tokens), self.piece
         for kept, token in enumerate(tokens, start=1):
             self.text += self.detok.push([token])
             if self._match():
