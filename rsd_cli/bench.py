@@ -154,8 +154,8 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     # set-up and (compiled runtime, static-cache peer) compiles of shapes not yet seen, which would
     # otherwise land on whichever row runs first
     if encoded:
-        for job in jobs:
-            complete(decoder_for(*job[:1], *job[2:]), encoded[0], min(max_tokens, 8), seed)
+        for compile, _, setting, shape in jobs:
+            complete(decoder_for(compile, setting, shape), encoded[0], min(max_tokens, 8), seed)
         for name in peers:
             for t in temperatures:
                 try:
