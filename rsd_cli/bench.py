@@ -81,8 +81,10 @@ def _hf_generate(pair, ids: list[int], temperature: float, max_tokens: int, seed
     """transformers' generate on the target with rsd's sampling and stop tokens: (new tokens, seconds)."""
     import torch
 
+    from .models import input_device
+
     torch.manual_seed(seed)
-    inputs = torch.tensor([ids], device=pair.target.device)
+    inputs = torch.tensor([ids], device=input_device(pair.target))
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
         dict(do_sample=False)
     start = time.perf_counter()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .errors import RsdError
 from .generation import stream_completion
+from .models import describe_layers
 from .prompting import encode_prompt
 from .render import stats_line
 from .runtime import apply_flags, make_decoder, seed_of, stops_of
@@ -188,6 +189,8 @@ def run_chat(pair, profile, *, system: str | None, tree: bool, console, out=None
 
     read_line = read_line or default_read
     runtime = pair.runtimes.describe() if pair.runtimes else "transformers eager"
+    if pair.placement and "target" in pair.placement:
+        runtime += f" · target layers {describe_layers(pair.placement['target'])}"
     console.print(f"[dim]rsd chat · {pair.description} · {runtime} · {make_decoder(pair, profile).shape.describe()} · "
                   f"/help for commands, Ctrl-D to leave[/dim]")
     if session.history:

@@ -473,7 +473,15 @@ def profiles_show(name: Annotated[str, typer.Argument(autocompletion=complete_pr
         if table != current:
             typer.echo(f"\n[{table}]")
             current = table
-        typer.echo(f"{key} = {json.dumps(value)}  # {origin}")
+        typer.echo(f"{key} = {_toml_value(value)}  # {origin}")
+
+
+def _toml_value(value) -> str:
+    """A value as a TOML line writes it (tables inline: { 0 = "70GiB", cpu = "200GiB" })."""
+    if isinstance(value, dict):
+        bare = lambda key: key if key and all(c.isalnum() or c in "-_" for c in key) else json.dumps(key)  # noqa: E731
+        return "{ " + ", ".join(f"{bare(k)} = {_toml_value(v)}" for k, v in value.items()) + " }" if value else "{}"
+    return json.dumps(value)
 
 
 @profiles_app.command("path")

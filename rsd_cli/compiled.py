@@ -57,9 +57,15 @@ def unsupported(model) -> str | None:
     if getattr(inner.rotary_emb, "rope_type", "default") not in ROPE_TYPES:
         return f"rope type {inner.rotary_emb.rope_type!r}"
     placement = getattr(model, "hf_device_map", None) or {}
-    if len({p.device for p in model.parameters()}) > 1 or len(set(placement.values())) > 1:
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1 or len(set(placement.values())) > 1:
         return "a model placed over several devices"
+    if "disk" in placement.values() or any(d.type == "meta" for d in devices):
+        return "a model whose weights accelerate offloads"
     return None
+
+
+PLACEMENT_REASONS = ("a model placed over several devices", "a model whose weights accelerate offloads")
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small: bool) -> torch.Tensor:
@@ -363,8 +369,10 @@ def runtime_for(model, setting: str, role: str, progress=lambda message: None, n
         return None
     reason = unsupported(model)
     if reason is not None:
-        if setting == "on":
-            notice(f"--compile on does not apply to the {role} ({reason}): it runs on transformers' eager forward")
+        placed = reason in PLACEMENT_REASONS and getattr(model, "hf_device_map", None)  # a profile asked for it
+        if setting == "on" or placed:
+            what = "--compile on" if setting == "on" else "the static-cache runtime"
+            notice(f"{what} does not apply to the {role} ({reason}): it runs on transformers' eager forward")
         return None
     compile = setting == "on" or compile_pays(model, progress, notice)
     runtime = CompiledModel(model, compile=compile)

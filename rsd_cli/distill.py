@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from .engine import full_vocabulary
-from .models import early_exit_draft, new_adapter
+from .models import early_exit_draft, input_device, new_adapter
 from .prompting import encode_prompt
 
 # progress(phase, done, total)
@@ -76,7 +76,7 @@ def sample_answers(target, tokenizer, prompts: list[str], budget: int, recipe: R
         mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
         with torch.inference_mode():
             generated = target.generate(
-                input_ids=ids.to(target.device), attention_mask=mask.to(target.device), do_sample=True,
+                input_ids=ids.to(input_device(target)), attention_mask=mask.to(input_device(target)), do_sample=True,
                 temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=recipe.max_new_tokens,
                 pad_token_id=pad, eos_token_id=eos,
             )
@@ -93,7 +93,7 @@ def teacher_labels(target, sequences: list[Sequence], top_k: int) -> None:
     """Store the target's top-k next-token probabilities at every answer position."""
     for seq in sequences:
         with torch.inference_mode():
-            logits = target(torch.tensor([seq.ids], device=target.device)).logits[0].float()
+            logits = target(torch.tensor([seq.ids], device=input_device(target))).logits[0].float()
         probs = logits[seq.answer_start - 1 : len(seq.ids) - 1].softmax(-1)
         top = probs.topk(min(top_k, probs.shape[-1]), dim=-1)
         seq.top_probs, seq.top_ids = top.values.half().cpu(), top.indices.cpu()
@@ -103,7 +103,7 @@ def expected_acceptance(target, draft, sequences: list[Sequence]) -> float:
     """Mean over answer positions of sum_x min(p(x), q(x)) at temperature 1."""
     total, count = 0.0, 0
     for seq in sequences:
-        ids = torch.tensor([seq.ids], device=target.device)
+        ids = torch.tensor([seq.ids], device=input_device(target))
         with torch.inference_mode():
             p = target(ids).logits[0, seq.answer_start - 1 : -1].float().softmax(-1)
             q = full_vocabulary(draft(ids).logits[0, seq.answer_start - 1 : -1].float(), p.shape[-1]).softmax(-1)
@@ -137,7 +137,7 @@ def hidden_entering(prefix, ids: list[int]) -> torch.Tensor:
     hook = prefix.model.norm.register_forward_pre_hook(lambda module, args: caught.append(args[0]))
     try:
         with torch.no_grad():
-            prefix(torch.tensor([ids], device=prefix.device), use_cache=False, logits_to_keep=1)
+            prefix(torch.tensor([ids], device=input_device(prefix)), use_cache=False, logits_to_keep=1)
     finally:
         hook.remove()
     return caught[0][0].detach()

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from .distill import Recipe, sample_answers, teacher_labels, train
 from .errors import RsdError, UsageError
-from .models import cache_dir, exact_fingerprint, load_model, pick_device_dtype, save_adapter
+from .models import (cache_dir, describe_layers, exact_fingerprint, layers_per_device, load_model, save_adapter,
+                     target_placement)
 from .prompting import builtin_prompts
 
 
@@ -51,10 +52,13 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
                     max_new_tokens=max_new_tokens, batch_size=batch_size, vocab=vocab, seed=seed,
                     train_head=bool(vocab) if train_head is None else train_head)
     torch.manual_seed(seed)
-    device, dtype = pick_device_dtype(profile["target"]["device"], profile["target"]["dtype"])
+    placement, device, dtype = target_placement(profile)
     source = profile.resolve_path(profile["target"]["source"])
     console.print(f"loading target {profile['target']['source']}…")
-    target, tokenizer = load_model(source, device, torch.float32 if dtype == torch.float16 else dtype)
+    target, tokenizer = load_model(source, device, torch.float32 if dtype == torch.float16 else dtype,
+                                   placement=placement)
+    if placement is not None:
+        console.print(f"the target's layers: {describe_layers(layers_per_device(target))}")
     total_layers = target.config.num_hidden_layers
     if layers >= total_layers:
         raise RsdError(f"--layers {layers}: the target has only {total_layers} layers")

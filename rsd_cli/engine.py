@@ -53,7 +53,10 @@ class CachedLM(ChainExtension):
     def __init__(self, model, vocab_size: int):
         from transformers import DynamicCache
 
+        from .models import input_device
+
         self.model = model
+        self.device = input_device(model)  # a placed model's layers move what they get to their own devices
         self.vocab_size = vocab_size
         self.cache = DynamicCache(config=model.config)
         self.forward_seconds = 0.0
@@ -72,7 +75,7 @@ class CachedLM(ChainExtension):
         """
         start = time.perf_counter()
         dtype = self.model.dtype
-        device = self.model.device
+        device = self.device
         mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
         with torch.inference_mode():
             out = self.model(
@@ -95,9 +98,10 @@ class CachedLM(ChainExtension):
         before the cache is cropped, so a step copies O(path) entries, not the whole cache."""
         prefix = unchanged_prefix(indices)
         if prefix < len(indices):
-            tail = torch.tensor(indices[prefix:], device=self.model.device)
+            tail = torch.tensor(indices[prefix:])
             with torch.inference_mode():  # the cache tensors were made in inference mode
-                for layer in self.cache.layers:
+                for layer in self.cache.layers:  # each on its decoder layer's device
+                    tail = tail.to(layer.keys.device)
                     layer.keys[..., prefix : len(indices), :] = layer.keys.index_select(-2, tail)
                     layer.values[..., prefix : len(indices), :] = layer.values.index_select(-2, tail)
         if len(indices) < self.length:

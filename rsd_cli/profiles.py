@@ -6,6 +6,7 @@ Precedence: flags > environment (RSD_<TABLE>_<KEY>) > profile file > built-in de
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from importlib import resources
@@ -56,9 +57,60 @@ def _stops(v) -> str | None:
     return "must not contain an empty string" if any(not text for text in v) else None
 
 
+PLACEMENT_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+_DEVICE = re.compile(r"^(cpu|disk|mps|cuda(:\d+)?|\d+)$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def memory_bytes(size: int | str) -> int | None:
+    """A memory size ("70GiB", "500MB", "1.5 GB", or an integer of bytes) in bytes; None if malformed."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size if size > 0 else None
+    match = _SIZE.match(size) if isinstance(size, str) else None
+    if not match:
+        return None
+    value = float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "b").lower()]
+    return int(value) if value >= 1 else None
+
+
+DEVICES = "cpu, disk, cuda, cuda:N or a GPU index N"
+
+
+def _known_device(device) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device >= 0
+    return isinstance(device, str) and bool(_DEVICE.match(device))
+
+
+def _device_map(v) -> str | None:
+    """"" (no placement: `device` holds the whole model), a strategy, one device, or a table of
+    module name -> device."""
+    if isinstance(v, str):
+        if not v or v in PLACEMENT_STRATEGIES or (_known_device(v) and v != "disk"):
+            return None
+        return f"must be \"\", {', '.join(PLACEMENT_STRATEGIES)}, a device or a table of module = device"
+    if not v:
+        return "must name at least one module"
+    for module, device in v.items():
+        if not _known_device(device):
+            return f"places {module or 'the whole model'!r} on an unknown device {device!r} (expected {DEVICES})"
+    return None
+
+
+def _max_memory(v) -> str | None:
+    for device, size in v.items():
+        if not _known_device(device):
+            return f"names an unknown device {device!r} (expected {DEVICES})"
+        if memory_bytes(size) is None:
+            return f"has a malformed size for {device!r}: {size!r} (expected e.g. \"70GiB\", \"512MB\" or bytes)"
+    return None
+
+
 @dataclass(frozen=True)
 class Key:
-    type: type  # int, float, str or list (of `item`)
+    type: type | tuple  # int, float, str, list (of `item`), dict (a table) or (str, dict)
     default: Any
     check: Callable[[Any], str | None] | None = None
     help: str = ""
@@ -70,6 +122,13 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "source": Key(str, "embedded", None, '"embedded", a model directory, a .gguf file, or a hub id'),
         "dtype": Key(str, "auto", _one_of("auto", "float32", "bfloat16", "float16")),
         "device": Key(str, "auto", None, '"auto", "cpu", "cuda", "cuda:1", ...'),
+        "device_map": Key((str, dict), "", _device_map,
+                          'place the model over devices with accelerate: "auto", "balanced", "sequential", '
+                          'or a table of module = device ("cpu", "disk", 0, "cuda:1"); "" = all on `device`'),
+        "max_memory": Key(dict, {}, _max_memory, 'with device_map: memory per device, e.g. { 0 = "70GiB", '
+                          'cpu = "200GiB" } (a max_memory alone implies device_map = "auto")'),
+        "offload_folder": Key(str, "", None, "with device_map: where weights placed on \"disk\" go "
+                              "(default: a temporary folder in rsd's cache)"),
     },
     "draft": {
         "kind": Key(str, "early-exit", _one_of("early-exit", "model")),
@@ -78,6 +137,13 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "adapter": Key(str, "auto", None,
                        'early-exit: "auto" (the shipped one if trained for this target), "embedded", a file, or ""'),
         "vocab": Key(int, 0, _non_negative, "early-exit: draft only among the first N token ids (0 = all)"),
+        "device_map": Key((str, dict), "", _device_map,
+                          'kind = model: place the draft over devices with accelerate: "auto", "balanced", "sequential", '
+                          'or a table of module = device ("cpu", "disk", 0, "cuda:1"); "" = all on `device`'),
+        "max_memory": Key(dict, {}, _max_memory, 'kind = model, with device_map: memory per device, e.g. { 0 = "70GiB", '
+                          'cpu = "200GiB" } (a max_memory alone implies device_map = "auto")'),
+        "offload_folder": Key(str, "", None, "kind = model, with device_map: where weights placed on \"disk\" go "
+                              "(default: a temporary folder in rsd's cache)"),
     },
     "decoding": {
         "variant": Key(str, "sd", _one_of(*VARIANTS)),
@@ -168,7 +234,8 @@ def _coerce(key: Key, value: Any, where: str) -> Any:
     if key.type is list:
         ok = isinstance(value, list) and all(isinstance(v, key.item) and not isinstance(v, bool) for v in value)
     if not ok:
-        expected = {int: "an integer", float: "a number", str: "a string",
+        expected = {int: "an integer", float: "a number", str: "a string", dict: "a table",
+                    (str, dict): "a string or a table",
                     list: f"a list of {'strings' if key.item is str else 'integers'}"}[key.type]
         raise RsdError(f"{where} must be {expected}, got {value!r}")
     problem = key.check(value) if key.check else None
@@ -187,10 +254,16 @@ def _parse_env(key: Key, raw: str, where: str) -> Any:
             import json
 
             return json.loads(raw) if raw.lstrip().startswith("[") else [raw]
+        if key.type in (dict, (str, dict)):  # a table as a JSON object (or, where allowed, a string)
+            import json
+
+            if raw.lstrip().startswith("{") or key.type is dict:
+                return json.loads(raw)
         if key.type is list:
             return [int(x) for x in raw.replace(",", " ").split()]
     except ValueError:  # json.JSONDecodeError is one
-        expected = {float: "a number", list: "a JSON list" if key.item is str else "integers"}.get(key.type, "an integer")
+        expected = {float: "a number", list: "a JSON list" if key.item is str else "integers",
+                    dict: "a JSON object", (str, dict): "a string or a JSON object"}.get(key.type, "an integer")
         raise RsdError(f"{where} must be {expected}, got {raw!r}") from None
     return raw
 

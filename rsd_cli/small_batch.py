@@ -73,7 +73,9 @@ def mode() -> str:
 
 
 def _candidate(module) -> bool:
+    # not a layer accelerate placed: its hook wraps `forward`, which the kernel would replace
     return (isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu"
+            and not hasattr(module, "_hf_hook")
             and module.weight.dtype == torch.float32 and module.out_features >= module.in_features)
 
 
