@@ -108,10 +108,13 @@ def plan_jobs(profile, variants: list[str], temperatures: list[float], budgets: 
 
     width = profile["decoding"]["beam_width"]
     jobs = [("ar", Setting(t, None, None), make_shape("ar")) for t in temperatures]
+    if "auto" in variants and (budgets or depths):
+        jobs += [("auto", Setting(t, None, None), shape_of(apply_flags(profile, {"variant": "auto"})))
+                 for t in temperatures]
     for setting in settings_for(temperatures, budgets, depths) or [Setting(t, None, None) for t in temperatures]:
         for variant in variants:
-            if variant == "ar":
-                continue
+            if variant == "ar" or variant == "auto" and (setting.budget or setting.depth):
+                continue  # auto ignores --depths (it picks its own) and runs once per temperature
             if setting.budget is None and setting.depth is None:  # the profile's own shape
                 shape = shape_of(apply_flags(profile, {"variant": variant}))
             else:
@@ -143,8 +146,10 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     done = 0
 
     def decoder_for(compile: str, setting: Setting, shape: Shape) -> Decoder:
-        return Decoder(pair.target, pair.draft, pair.vocab_size, shape, SamplingParams(setting.temperature, **top),
-                       pair.eos_ids, pair.context_length, runtimes[compile])
+        decoder = Decoder(pair.target, pair.draft, pair.vocab_size, shape, SamplingParams(setting.temperature, **top),
+                          pair.eos_ids, pair.context_length, runtimes[compile])
+        decoder.notice = pair.notice
+        return decoder
 
     def tick() -> None:
         nonlocal done
@@ -198,7 +203,8 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
         d = stats.as_dict(pair.draft_params, pair.target_params)
         rows.append({
             "variant": variant, "compile": compile, "runtime": runtimes[compile].describe(),
-            "budget": setting.budget, "depth": setting.depth, "shape": shape.describe(),
+            "budget": setting.budget, "depth": setting.depth, "shape": _shape_label(shape, d["shapes"]),
+            "shapes_used": d["shapes"],
             "max_nodes": shape.max_nodes, "temperature": setting.temperature,
             "block_efficiency": d["block_efficiency"], "acceptance_rate": d["acceptance_rate"],
             "acceptance_per_depth": d["acceptance_per_depth"], "mbsu": d["mbsu"],
@@ -215,7 +221,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
         rate = n / seconds if seconds and error is None else None
         rows.append({
             "variant": name, "compile": None, "runtime": "transformers", "budget": None, "depth": None,
-            "shape": PEERS[name][0], "max_nodes": None, "temperature": t, "block_efficiency": None,
+            "shape": PEERS[name][0], "shapes_used": None, "max_nodes": None, "temperature": t, "block_efficiency": None,
             "acceptance_rate": None, "acceptance_per_depth": None, "mbsu": None, "tokens_per_second": rate,
             "speedup_vs_ar": ratio(rate, compiles[0], t), "speedup_vs_ar_off": ratio(rate, "off", t),
             "target_tokens_per_step": None, "draft_calls_per_step": None, "draft_seconds": None,
@@ -223,6 +229,14 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
             "new_tokens": n, "steps": None, "error": error,
         })
     return rows
+
+
+def _shape_label(shape: Shape, used: dict[str, int]) -> str:
+    """The shape, and for auto the one it used most: "auto (rsd-c b=(2) 81%)"."""
+    if shape.variant != "auto" or not used:
+        return shape.describe()
+    name, steps = next(iter(used.items()))
+    return f"{shape.describe()} ({name} {100 * steps / sum(used.values()):.0f}%)"
 
 
 COLUMNS = ["variant", "compile", "budget", "depth", "shape", "temperature", "block_efficiency", "acceptance_rate", "mbsu",

@@ -52,6 +52,7 @@ class ChatSession:
     tree: bool = False
     last_stats: object = None
     turns: int = 0
+    learnt: tuple = (None, None, None)  # (shape, sampling, auto.AutoShape) of the last answer
 
     def command(self, line: str, console) -> bool:
         """Run a slash command; returns False when the session should end."""
@@ -115,6 +116,8 @@ class ChatSession:
 
     def answer(self, message: str, out, console) -> None:
         decoder = make_decoder(self.pair, self.profile)
+        if (decoder.shape, decoder.sampling) == self.learnt[:2]:  # auto goes on from what earlier answers taught it
+            decoder.policy = self.learnt[2]
         ids = encode_prompt(self.pair.tokenizer, message, system=self.system, history=self.history)
         seed = seed_of(self.profile)
         if seed is not None:
@@ -133,6 +136,7 @@ class ChatSession:
         out.write("\n")
         out.flush()
         self.last_stats = stats
+        self.learnt = (decoder.shape, decoder.sampling, decoder.policy)
         self.history.append({"role": "assistant", "content": text})
 
 

@@ -96,7 +96,8 @@ def complete_profile(incomplete: str) -> list[str]:
 
 ProfileOpt = Annotated[Optional[str], typer.Option("--profile", "-p", help="Profile name or path to a .toml file.",
                                                    autocompletion=complete_profile, show_default=False)]
-VariantOpt = Annotated[Optional[str], typer.Option("--variant", "-v", help="ar, sd, mss, spectr, rsd-c or rsd-s.",
+VariantOpt = Annotated[Optional[str], typer.Option("--variant", "-v", help="ar, sd, mss, spectr, rsd-c, rsd-s, or auto "
+                                                   "(the shape that pays most here, re-chosen as it goes).",
                                                    rich_help_panel=DRAFT, show_default=False)]
 TemperatureOpt = Annotated[Optional[float], typer.Option("--temperature", "-t", help="0 is greedy.",
                                                          rich_help_panel=SAMPLING, show_default=False)]
@@ -129,7 +130,7 @@ StopOpt = Annotated[Optional[list[str]], typer.Option(
 CompileOpt = Annotated[Optional[str], typer.Option(
     "--compile", help="auto, on or off: run the models on rsd's static-cache runtime compiled (on), compiled where "
     "measured 20% faster on this machine (auto), or on transformers' eager forward (off).", show_default=False)]
-BudgetOpt = Annotated[Optional[int], typer.Option("--budget", help="Pick a tree of at most N nodes per step.",
+BudgetOpt = Annotated[Optional[int], typer.Option("--budget", help="Pick a tree of at most N nodes per step (auto: its limit).",
                                                   rich_help_panel=DRAFT, show_default=False)]
 
 
@@ -335,7 +336,7 @@ def _csv_list(text: str, kind, name: str) -> list:
 @cli_errors
 def bench(
     profile: ProfileOpt = None,
-    variants: Annotated[str, typer.Option("--variants", help="Comma-separated variants.")] = "ar,sd,mss,spectr,rsd-c,rsd-s",
+    variants: Annotated[str, typer.Option("--variants", help="Comma-separated variants.")] = "ar,sd,mss,spectr,rsd-c,rsd-s,auto",
     budgets: Annotated[Optional[str], typer.Option("--budgets", help="Fixed target budgets, e.g. 6,10,14,21,30.",
                                                    show_default=False)] = None,
     depths: Annotated[Optional[str], typer.Option("--depths", help="Fixed draft lengths L, e.g. 2,4.",

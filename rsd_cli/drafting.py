@@ -11,7 +11,7 @@ from .sampling import gumbel_top_k, sample_with_replacement, stochastic_beam_ste
 from .tree import DraftTree
 from .verification import Rule
 
-VARIANTS = ("ar", "sd", "mss", "spectr", "rsd-c", "rsd-s")
+VARIANTS = ("ar", "sd", "mss", "spectr", "rsd-c", "rsd-s", "auto")
 
 # expand(tree, nodes) -> (len(nodes), V) draft distributions at those nodes, one draft forward
 Expand = Callable[[DraftTree, list[int]], torch.Tensor]
@@ -34,6 +34,8 @@ class Shape:
     @property
     def max_nodes(self) -> int:
         """Upper bound on the tokens the target verifies per step, the root included."""
+        if self.variant == "auto":  # `width` holds the node limit of the shapes it chooses
+            return self.width
         if self.variant in ("rsd-s", "spectr"):
             return 1 + self.width * self.depth
         nodes, level = 1, 1
@@ -43,8 +45,8 @@ class Shape:
         return nodes
 
     def describe(self) -> str:
-        if self.variant == "ar":
-            return "ar"
+        if self.variant in ("ar", "auto"):
+            return self.variant
         if self.variant == "sd":
             return f"sd γ={self.depth}"
         if self.variant == "rsd-s":
@@ -55,7 +57,7 @@ class Shape:
 
 
 def make_shape(variant: str, *, draft_len: int = 4, branching: tuple[int, ...] = (2, 2, 1),
-               beam_width: int = 3, depth: int = 4, num_drafts: int = 3) -> Shape:
+               beam_width: int = 3, depth: int = 4, num_drafts: int = 3, nodes: int = 0) -> Shape:
     if variant == "ar":
         return Shape("ar")
     if variant == "sd":
@@ -66,6 +68,10 @@ def make_shape(variant: str, *, draft_len: int = 4, branching: tuple[int, ...] =
         return Shape("rsd-s", (), beam_width, depth)
     if variant == "spectr":
         return Shape("spectr", (), num_drafts, depth)
+    if variant == "auto":  # chosen step by step (auto.AutoShape), trees of at most `nodes` nodes
+        from .auto import MAX_NODES
+
+        return Shape("auto", (), nodes or MAX_NODES, 0)
     raise ValueError(f"unknown variant {variant!r}")
 
 
@@ -78,6 +84,8 @@ def shape_for_budget(variant: str, budget: int) -> Shape:
     """
     if budget < 1:
         raise ValueError("budget must be at least 1 (the root)")
+    if variant == "auto":
+        return make_shape("auto", nodes=budget)
     if variant == "ar" or budget == 1:
         return Shape("ar") if variant == "ar" else make_shape(variant, draft_len=0, branching=(), depth=0)
     width = 1 if budget < 10 else 2 if budget < 25 else 3

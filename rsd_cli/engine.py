@@ -177,9 +177,12 @@ class Stats:
     wall_seconds: float = 0.0
     tried_at_depth: list[int] = field(default_factory=list)
     accepted_at_depth: list[int] = field(default_factory=list)
+    shapes: dict[str, int] = field(default_factory=dict)  # steps per shape (several with --variant auto)
 
     def add(self, event: StepEvent) -> None:
         self.steps += 1
+        name = event.shape.describe()
+        self.shapes[name] = self.shapes.get(name, 0) + 1
         self.new_tokens += len(event.emitted)
         self.step_tokens += event.accepted + 1
         self.accepted += event.accepted
@@ -199,6 +202,12 @@ class Stats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for depth, (tried, accepted) in enumerate(zip(other.tried_at_depth, other.accepted_at_depth)):
             self._count_depth(depth, tried, accepted)
+        for name, steps in other.shapes.items():
+            self.shapes[name] = self.shapes.get(name, 0) + steps
+
+    def shapes_used(self) -> list[tuple[str, int]]:
+        """(shape, steps) by steps, most used first."""
+        return sorted(self.shapes.items(), key=lambda item: (-item[1], item[0]))
 
     def _count_depth(self, depth: int, tried: int, accepted: int) -> None:
         if depth >= len(self.tried_at_depth):
@@ -234,6 +243,7 @@ class Stats:
         out = {
             "steps": self.steps,
             "new_tokens": self.new_tokens,
+            "shapes": dict(self.shapes_used()),  # steps per shape drafted, most used first
             "block_efficiency": self.block_efficiency,
             "acceptance_rate": self.acceptance_rate,
             "acceptance_per_depth": self.acceptance_per_depth,
@@ -289,6 +299,18 @@ class Decoder:
         self.sampling = sampling
         self.eos_ids = eos_ids
         self.context_length = context_length
+        self.policy = None  # auto.AutoShape for --variant auto: made at the first generate (it measures costs)
+        self.notice = lambda message: None  # one line for the user (auto's first cost measurement)
+
+    def _next_shape(self) -> Shape:
+        """This step's shape: the configured one, or auto's choice from the steps before it."""
+        if self.shape.variant != "auto":
+            return self.shape
+        if self.policy is None:
+            from .auto import for_decoder
+
+            self.policy = for_decoder(self, self.notice)
+        return self.policy.next_shape()
 
     @property
     def greedy_ranking(self) -> bool:
@@ -296,7 +318,7 @@ class Decoder:
         replacement then keep the draft's whole distribution to rank their candidates (top-k,
         beam search): a one-hot q would leave a single child per node. I.i.d. drafts (mss,
         spectr) would all be the mode anyway, so they keep the one-hot q of the same limit."""
-        return self.sampling.greedy and self.shape.rule is Rule.WITHOUT_REPLACEMENT
+        return self.sampling.greedy and self.shape.rule is Rule.WITHOUT_REPLACEMENT  # auto's shapes too
 
     @property
     def draft_sampling(self) -> SamplingParams:
@@ -312,7 +334,8 @@ class Decoder:
         # static-cache buffers: room for the prompt, some answer and one tree; they double when full
         capacity = min(len(prompt) + min(max_tokens, 512), self.context_length or 2**31) + self.shape.max_nodes + 1
         target = self._cache(self.target_model, self.runtimes.target, capacity)
-        draft = self._cache(self.draft_model, self.runtimes.draft, capacity) if self.shape.depth > 0 else None
+        drafts = self.shape.depth > 0 or self.shape.variant == "auto"
+        draft = self._cache(self.draft_model, self.runtimes.draft, capacity) if drafts else None
         seq = list(prompt)
         if len(seq) > 1:
             target.extend(seq[:-1])
@@ -321,7 +344,9 @@ class Decoder:
         step = 0
         while produced < max_tokens:
             step += 1
-            event = self._step(step, seq, target, draft, generator)
+            event = self._step(step, self._next_shape(), seq, target, draft, generator)
+            if self.policy is not None:
+                self.policy.observe(event)
             if step == 1:
                 event.forward_seconds += prefill_seconds
             room = max_tokens - produced
@@ -349,12 +374,12 @@ class Decoder:
 
         return StaticLM(runtime, self.vocab_size, capacity)
 
-    def _step(self, step: int, seq: list[int], target: CachedLM, draft: CachedLM | None,
+    def _step(self, step: int, shape: Shape, seq: list[int], target: CachedLM, draft: CachedLM | None,
               generator: torch.Generator) -> StepEvent:
         start = time.perf_counter()
         forward_before = target.forward_seconds + (draft.forward_seconds if draft else 0.0)
         draft_calls_before = draft.calls if draft else 0
-        tree, draft_index = self._draft(seq, draft, generator)
+        tree, draft_index = self._draft(shape, seq, draft if shape.depth > 0 else None, generator)
         drafted = time.perf_counter()
 
         # verify: root + every node in one target forward; node i sits at position base + depth
@@ -365,7 +390,7 @@ class Decoder:
         checks, path, node = [], [], 0
         while tree.draws[node]:
             draws = tree.draws[node]
-            node_plan = plan(p[node], tree.q[node], [tree.tokens[c] for c in draws], self.shape.rule)
+            node_plan = plan(p[node], tree.q[node], [tree.tokens[c] for c in draws], shape.rule)
             decision = decide(node_plan, generator)
             checks.append(NodeCheck(node, draws, node_plan, decision))
             if decision.accepted is None:
@@ -378,11 +403,11 @@ class Decoder:
 
         # prune: both caches keep the prefix plus the accepted path (root included)
         target.keep(list(range(base)) + [base + n for n in [0] + path])
-        if draft is not None:
+        if draft is not None and draft_index:  # (an ar step of auto leaves the draft cache behind)
             draft.keep(list(range(len(seq))) + [draft_index[n] for n in path if n in draft_index])
         end = time.perf_counter()
         return StepEvent(
-            step=step, shape=self.shape, tree=tree, p=p, checks=checks, path=path,
+            step=step, shape=shape, tree=tree, p=p, checks=checks, path=path,
             extra_token=extra, extra_kind=kind, emitted=[],
             draft_calls=(draft.calls - draft_calls_before) if draft else 0,
             draft_seconds=drafted - start, verify_seconds=end - drafted,
@@ -403,7 +428,7 @@ class Decoder:
             seen[row, [tree.tokens[n] for n in tree.path_to(node)]] = True
         return seen
 
-    def _draft(self, seq: list[int], draft: CachedLM | None, generator: torch.Generator):
+    def _draft(self, shape: Shape, seq: list[int], draft: CachedLM | None, generator: torch.Generator):
         """Build this step's tree. Returns it and the draft-cache position of each node the
         draft model has processed (needed to prune the draft cache afterwards)."""
         root = seq[-1]
@@ -428,4 +453,4 @@ class Decoder:
 
         root_seen = self._seen(self.draft_sampling, seq, DraftTree.rooted_at(root), [0])
         q_root = logits_to_probs(root_logits[-1:], self.draft_sampling, root_seen)[0]
-        return build_tree(self.shape, root, q_root, expand, generator, self.greedy_ranking), draft_index
+        return build_tree(shape, root, q_root, expand, generator, self.greedy_ranking), draft_index

@@ -706,6 +706,7 @@ class ModelPair:
     description: str
     runtimes: object = None  # engine.Runtimes: how both models are executed (None: transformers eager)
     placement: dict | None = None  # role -> {device: decoder layers there}, for models accelerate placed
+    notice: Callable[[str], None] = _quiet  # one line for the user, as loading printed them
 
 
 def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet) -> ModelPair:
@@ -742,7 +743,7 @@ def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet) -
         context_length=getattr(target.config, "max_position_embeddings", None),
         target_params=params_read(target), draft_params=params_read(draft),
         description=f"target {profile['target']['source']}, draft {what}",
-        placement=placement or None,
+        placement=placement or None, notice=notice,
     )
     from .runtime import runtimes_of
 

@@ -20,7 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-VARIANTS = ("ar", "sd", "mss", "spectr", "rsd-c", "rsd-s")
+VARIANTS = ("ar", "sd", "mss", "spectr", "rsd-c", "rsd-s", "auto")
 
 
 def _positive(v) -> str | None:

@@ -7,7 +7,10 @@ from .engine import Stats, StepEvent
 
 def stats_line(stats: Stats) -> str:
     per_depth = " ".join(f"{a:.2f}" for a in stats.acceptance_per_depth) or "-"
-    return (
+    used = stats.shapes_used()
+    shapes = "" if len(used) <= 1 else "shapes " + ", ".join(f"{name} ×{n}" for name, n in used[:3]) + \
+        (", …" if len(used) > 3 else "") + " · "
+    return shapes + (
         f"{stats.steps} steps · {stats.new_tokens} tokens · block efficiency {stats.block_efficiency:.2f} · "
         f"acceptance {stats.acceptance_rate:.2f} (per depth {per_depth}) · {stats.tokens_per_second:.1f} tok/s · "
         f"draft {stats.draft_seconds:.2f}s · verify {stats.verify_seconds:.2f}s"
@@ -25,11 +28,11 @@ def steps_table(events: list[StepEvent], tokenizer=None):
     from rich.table import Table
 
     table = Table(title="per-step statistics", title_justify="left")
-    for col in ("step", "nodes", "accepted", "emitted", "kind", "draft ms", "verify ms", "text"):
-        table.add_column(col, justify="right" if col not in ("kind", "text") else "left")
+    for col in ("step", "shape", "nodes", "accepted", "emitted", "kind", "draft ms", "verify ms", "text"):
+        table.add_column(col, justify="right" if col not in ("shape", "kind", "text") else "left")
     for e in events:
         text = tokenizer.decode(e.emitted) if tokenizer is not None else " ".join(map(str, e.emitted))
-        table.add_row(str(e.step), str(len(e.tree)), str(e.accepted), str(len(e.emitted)), e.extra_kind,
+        table.add_row(str(e.step), e.shape.describe(), str(len(e.tree)), str(e.accepted), str(len(e.emitted)), e.extra_kind,
                       f"{e.draft_seconds * 1000:.0f}", f"{e.verify_seconds * 1000:.0f}", repr(text)[1:-1][:40])
     return table
 
@@ -85,7 +88,8 @@ def live_view(text: str, event: StepEvent | None, stats: Stats, tokenizer=None):
 
     parts = [Panel(Text(text[-2000:] or "…"), title="answer", title_align="left")]
     if event is not None:
-        parts.append(Panel(tree_view(event, tokenizer, max_children=4), title=f"step {event.step}: draft tree "
+        parts.append(Panel(tree_view(event, tokenizer, max_children=4), title=f"step {event.step}: "
+                           f"{event.shape.describe()} draft tree "
                            f"({len(event.tree)} nodes, {event.accepted} accepted)", title_align="left"))
     parts.append(Text(stats_line(stats), style="dim"))
     return Group(*parts)

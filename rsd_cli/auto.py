@@ -1,0 +1,278 @@
+"""`--variant auto`: the tree shape that pays most on this machine, re-chosen as generation goes.
+
+Every few steps the policy picks, among ar, sd chains and rsd-c branching vectors, the shape
+maximising   expected emitted tokens / expected step time,   from
+
+- a **cost model** of this machine: the target's forward time for a tree of n nodes and the
+  draft's for a level of w nodes, measured once per machine, model pair and runtime (~seconds,
+  cached in `costs.json` in the rsd cache folder) and scaled by what this run's steps take;
+- an **acceptance model** of this run: the probability that the draft's k-th ranked candidate
+  is accepted after the ones before it were rejected, at depth d (the factors of RSD-C's block
+  efficiency), counted from this run's verified nodes with a weak prior.
+
+Why the output stays exactly the target's: a step's shape is fixed from *earlier* steps
+(their tokens, acceptances and timings) before the step draws any random number or sees its
+target distributions. For every fixed shape, recursive rejection sampling emits tokens whose
+law given everything before the step is the target's; the shape is part of "everything
+before", so each token, conditioned on the whole past, is still drawn from the target's
+distribution — whatever rule picked the shape. (A rule that looked at the current step's p
+would break this: it could, say, draft deeper exactly when the target is confident.) rsd-s is
+not searched: its block efficiency depends on how beams share parents, which per-rank
+acceptance does not predict.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .drafting import Shape, make_shape
+
+MAX_NODES = 64  # the largest tree auto drafts (a budget lowers it)
+MAX_DEPTH = 8
+CHOOSE_EVERY = 4  # steps between choices
+EXPLORE_EVERY = 8  # while plain decoding pays most, every 8th step drafts anyway, to keep measuring
+TARGET_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
+DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+PRIOR = (0.5, 0.2, 0.1)  # P(accept the k-th candidate | the ones before rejected), before any data
+PRIOR_WEIGHT = 2.0  # pseudo-observations behind each prior value
+SCALE_MEMORY = 0.2  # how fast the cost scales follow the measured step times
+
+
+def candidates(max_nodes: int = MAX_NODES) -> list[Shape]:
+    """ar, sd chains and rsd-c branching vectors (non-increasing, up to 6 at the root and 3
+    below) with at most max_nodes nodes, the root included."""
+    shapes = [make_shape("ar")]
+    shapes += [make_shape("sd", draft_len=g) for g in range(1, min(MAX_DEPTH, max_nodes - 1) + 1)]
+
+    def grow(prefix: tuple[int, ...], nodes: int, level: int) -> None:
+        if len(prefix) == MAX_DEPTH:
+            return
+        for b in range(1, (min(prefix[-1], 3) if prefix else 6) + 1):
+            if nodes + level * b > max_nodes:
+                break
+            branching = prefix + (b,)
+            if max(branching) > 1:  # all ones is an sd chain
+                shapes.append(make_shape("rsd-c", branching=branching))
+            grow(branching, nodes + level * b, level * b)
+
+    grow((), 1, 1)
+    return shapes
+
+
+def level_sizes(shape: Shape) -> list[int]:
+    """Nodes at each depth 1..L of a branching shape."""
+    sizes, level = [], 1
+    for b in shape.branching:
+        level *= b
+        sizes.append(level)
+    return sizes
+
+
+@dataclass
+class Costs:
+    """Seconds per forward: target[n] for n tree nodes, draft[w] for a level of w nodes."""
+
+    target: dict[int, float]
+    draft: dict[int, float]
+
+    @staticmethod
+    def _at(table: dict[int, float], n: int) -> float:
+        sizes = sorted(table)
+        if n <= sizes[0]:
+            return table[sizes[0]]
+        for lo, hi in zip(sizes, sizes[1:]):
+            if n <= hi:
+                return table[lo] + (table[hi] - table[lo]) * (n - lo) / (hi - lo)
+        lo, hi = sizes[-2], sizes[-1]  # beyond the table: the last slope
+        return table[hi] + (table[hi] - table[lo]) * (n - hi) / (hi - lo)
+
+    def target_at(self, n: int) -> float:
+        return self._at(self.target, n)
+
+    def draft_at(self, n: int) -> float:
+        return self._at(self.draft, n) if self.draft else 0.0
+
+    def as_json(self) -> dict:
+        return {"target": {str(k): v for k, v in self.target.items()}, "draft": {str(k): v for k, v in self.draft.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Costs":
+        return cls({int(k): float(v) for k, v in data["target"].items()},
+                   {int(k): float(v) for k, v in data["draft"].items()})
+
+
+def measure(make_target: Callable, make_draft: Callable | None, prefix: int = 96, repeats: int = 3) -> Costs:
+    """Time forwards on fresh caches of the engine's own kind: a `prefix`-token context, then n
+    new tokens (rolled back after each), the fastest of `repeats`."""
+    import torch
+
+    def table(make_cache, sizes) -> dict[int, float]:
+        cache = make_cache()
+        cache.extend([1] * prefix)
+        cache.forward([1], [prefix], torch.ones(1, prefix + 1, dtype=torch.bool))  # first-call costs, untimed
+        cache.keep(list(range(prefix)))
+        out = {}
+        for n in sizes:
+            visible = torch.ones(n, prefix + n, dtype=torch.bool)
+            best = math.inf
+            for _ in range(repeats):
+                start = time.perf_counter()
+                cache.forward([1] * n, [prefix + i for i in range(n)], visible)
+                best = min(best, time.perf_counter() - start)
+                cache.keep(list(range(prefix)))
+            out[n] = best
+        return out
+
+    return Costs(table(make_target, TARGET_SIZES), table(make_draft, DRAFT_SIZES) if make_draft else {})
+
+
+def cached_costs(key: str, measure_now: Callable[[], Costs], notice=lambda message: None) -> Costs:
+    """The costs measured for `key` (machine, models, runtime), measured now if not yet."""
+    from .models import cache_dir
+
+    path = cache_dir() / "costs.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known = known if isinstance(known, dict) else {}
+    try:
+        return Costs.from_json(known[key])
+    except (KeyError, ValueError, TypeError, AttributeError):
+        pass
+    notice("measuring the models' forward costs on this machine once, for --variant auto (cached)")
+    costs = measure_now()
+    known[key] = costs.as_json()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(known, indent=1, sort_keys=True))
+        partial.replace(path)
+    except OSError:
+        pass
+    return costs
+
+
+@dataclass
+class Acceptance:
+    """Counts of tried / accepted candidates by rank (0 = the draft's first) and depth (0 = the
+    root's children), from this run's verified nodes."""
+
+    tried: dict[tuple[int, int], int] = field(default_factory=dict)
+    accepted: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def observe(self, checks) -> None:
+        for depth, check in enumerate(checks):
+            for rank in range(check.decision.tried):
+                self.tried[rank, depth] = self.tried.get((rank, depth), 0) + 1
+                if check.decision.accepted == rank:
+                    self.accepted[rank, depth] = self.accepted.get((rank, depth), 0) + 1
+
+    def rate(self, rank: int, depth: int) -> float:
+        """P(accept candidate `rank` | earlier ones rejected) at `depth`: the rank's rate over all
+        depths (from a prior), moved towards this depth's own counts as they accumulate, plus an
+        optimistic margin that shrinks as the rank is tried (so wider shapes get measured too)."""
+        all_tried = sum(n for (k, _), n in self.tried.items() if k == rank)
+        all_accepted = sum(n for (k, _), n in self.accepted.items() if k == rank)
+        pooled = (all_accepted + PRIOR_WEIGHT * PRIOR[min(rank, len(PRIOR) - 1)]) / (all_tried + PRIOR_WEIGHT)
+        tried, accepted = self.tried.get((rank, depth), 0), self.accepted.get((rank, depth), 0)
+        rate = (accepted + PRIOR_WEIGHT * pooled) / (tried + PRIOR_WEIGHT)
+        return min(1.0, rate + math.sqrt(rate * (1 - rate) / (all_tried + PRIOR_WEIGHT)) / 2)
+
+    def level(self, branching: int, depth: int) -> float:
+        """P(one of `branching` candidates is accepted) at `depth`."""
+        rejected = 1.0
+        for rank in range(branching):
+            rejected *= 1 - self.rate(rank, depth)
+        return 1 - rejected
+
+
+def expected_tokens(shape: Shape, acceptance: Acceptance) -> float:
+    """Tokens a step emits on average: 1 (correction or bonus) + P(reaching each depth)."""
+    total, reach = 1.0, 1.0
+    for depth, b in enumerate(shape.branching):
+        reach *= acceptance.level(b, depth)
+        total += reach
+    return total
+
+
+class AutoShape:
+    """Chooses each step's shape from past steps only (see the module's docstring)."""
+
+    def __init__(self, costs: Costs, max_nodes: int = MAX_NODES, every: int = CHOOSE_EVERY, vocab: int | None = None):
+        self.costs = costs
+        self.shapes = [s for s in candidates(max_nodes) if vocab is None or max(s.branching, default=1) <= vocab]
+        self.every = every
+        self.acceptance = Acceptance()
+        self.target_scale = self.draft_scale = 1.0
+        self.current: Shape | None = None
+        self.steps = 0
+        self.since_draft = 0  # steps since the last one that drafted
+
+    def step_seconds(self, shape: Shape) -> tuple[float, float]:
+        """(draft, target) seconds predicted for one step of `shape`."""
+        if shape.depth == 0:
+            return 0.0, self.costs.target_at(1) * self.target_scale
+        sizes = level_sizes(shape)
+        draft = self.costs.draft_at(1) + sum(self.costs.draft_at(n) for n in sizes[:-1])  # catch-up + levels
+        return draft * self.draft_scale, self.costs.target_at(1 + sum(sizes)) * self.target_scale
+
+    def rate(self, shape: Shape) -> float:
+        """Expected tokens per second."""
+        return expected_tokens(shape, self.acceptance) / sum(self.step_seconds(shape))
+
+    def next_shape(self) -> Shape:
+        if self.current is None or self.steps % self.every == 0:
+            self.current = max(self.shapes, key=self.rate)
+        self.steps += 1
+        self.since_draft = 0 if self.current.depth else self.since_draft + 1
+        if self.since_draft >= EXPLORE_EVERY:  # plain decoding learns nothing: now and then, draft
+            self.since_draft = 0
+            return max((s for s in self.shapes if s.depth), key=self.rate, default=self.current)
+        return self.current
+
+    def observe(self, event) -> None:
+        """Learn from a finished step: its verified nodes and how long its forwards took."""
+        self.acceptance.observe(event.checks)
+        draft, target = self.step_seconds(event.shape)
+        if target > 0 and event.verify_seconds > 0:
+            self.target_scale *= (event.verify_seconds / target) ** SCALE_MEMORY
+        if draft > 0 and event.draft_seconds > 0:
+            self.draft_scale *= (event.draft_seconds / draft) ** SCALE_MEMORY
+
+    def ranking(self, top: int = 5) -> list[tuple[str, float]]:
+        """The best shapes now and their expected tokens per second (for reports and tests)."""
+        rated = sorted(((self.rate(s), s.describe()) for s in self.shapes), reverse=True)[:top]
+        return [(name, rate) for rate, name in rated]
+
+
+def cost_key(decoder) -> str:
+    """What the measured costs depend on: machine (CPU, torch, threads), device and dtype, both
+    models (architecture and layers), the runtime each runs on."""
+    from .compiled import verdict_key
+    from .models import fingerprint
+
+    return (f"{verdict_key(decoder.target_model)} | target {fingerprint(decoder.target_model)} | "
+            f"draft {fingerprint(decoder.draft_model)} | {decoder.runtimes.describe()}")
+
+
+_MEASURED: dict[str, Costs] = {}  # this process's costs by key: chat's answers and bench rows measure once
+
+
+def for_decoder(decoder, notice=lambda message: None) -> AutoShape:
+    """An AutoShape for this decoder's models and runtimes, costs measured once per machine."""
+    key = cost_key(decoder)
+    if key not in _MEASURED:
+        capacity = 96 + 2 * MAX_NODES + 1
+
+        def measure_now() -> Costs:
+            return measure(lambda: decoder._cache(decoder.target_model, decoder.runtimes.target, capacity),
+                           lambda: decoder._cache(decoder.draft_model, decoder.runtimes.draft, capacity))
+
+        _MEASURED[key] = cached_costs(key, measure_now, notice)
+    return AutoShape(_MEASURED[key], decoder.shape.max_nodes, vocab=decoder.vocab_size)

@@ -1,0 +1,181 @@
+"""`--variant auto`: the shapes it searches, its cost and acceptance models, the choice they
+make, and that its output is still exactly the target's (greedy and Monte-Carlo) while the
+shape changes from step to step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from rsd_cli import auto
+from rsd_cli.auto import Acceptance, AutoShape, Costs, candidates, expected_tokens
+from rsd_cli.cli import app
+from rsd_cli.drafting import make_shape
+from rsd_cli.engine import Decoder
+from rsd_cli.sampling import SamplingParams
+from rsd_cli.verification import Decision
+from test_engine import N_SAMPLES, PROMPT, V, chi_square_pvalue, exact_joint, plain_greedy
+from tiny import tiny_model
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_model(V, layers=2, seed=0, scale=0.1), tiny_model(V, layers=1, seed=1, scale=0.1)
+
+
+def flat(target: float, draft: float = 0.0) -> Costs:
+    """Costs that do not grow with the number of tokens."""
+    return Costs({1: target, 64: target}, {1: draft, 32: draft})
+
+
+def test_candidates_are_exact_shapes_within_the_node_limit():
+    shapes = candidates(16)
+    names = [s.describe() for s in shapes]
+    assert len(names) == len(set(names)) and names[0] == "ar" and "sd γ=3" in names and "rsd-c b=(3,2)" in names
+    assert all(s.variant in ("ar", "sd", "rsd-c") and s.max_nodes <= 16 for s in shapes)
+    assert all(list(s.branching) == sorted(s.branching, reverse=True) for s in shapes)
+    assert max(s.max_nodes for s in candidates()) <= auto.MAX_NODES
+    assert [s.describe() for s in candidates(2)] == ["ar", "sd γ=1", "rsd-c b=(1)"] or \
+        [s.describe() for s in candidates(2)] == ["ar", "sd γ=1"]
+    assert all(max(s.branching, default=1) <= 2 for s in AutoShape(flat(1.0), vocab=2).shapes)
+
+
+def test_costs_interpolate_between_and_extrapolate_beyond_the_measured_sizes():
+    costs = Costs({1: 1.0, 4: 2.5, 8: 4.0}, {1: 0.1, 2: 0.2})
+    assert costs.target_at(1) == 1.0 and costs.target_at(2) == pytest.approx(1.5)
+    assert costs.target_at(16) == pytest.approx(7.0) and costs.draft_at(3) == pytest.approx(0.3)
+    assert Costs.from_json(json.loads(json.dumps(costs.as_json()))) == costs
+
+
+def check(tried: int, accepted: int | None):
+    from rsd_cli.engine import NodeCheck
+
+    return NodeCheck(0, list(range(1, tried + 1)), None, Decision(accepted, tried, None))
+
+
+def test_acceptance_counts_each_rank_given_the_ones_before_were_rejected():
+    acceptance = Acceptance()
+    acceptance.observe([check(2, 1), check(1, 0)])  # depth 0: rank 0 rejected, rank 1 accepted; depth 1: rank 0
+    acceptance.observe([check(3, None)])  # depth 0: all three rejected
+    assert acceptance.tried == {(0, 0): 2, (1, 0): 2, (2, 0): 1, (0, 1): 1}
+    assert acceptance.accepted == {(1, 0): 1, (0, 1): 1}
+    many = Acceptance()
+    for _ in range(2000):
+        many.observe([check(1, 0)])
+        many.observe([check(1, None)])
+    assert many.rate(0, 0) == pytest.approx(0.5, abs=0.02)
+    chain = make_shape("sd", draft_len=3)
+    assert expected_tokens(chain, many) == pytest.approx(1 + 0.5 + 0.25 + 0.125, abs=0.05)
+
+
+def test_the_choice_follows_costs_and_acceptance():
+    confident = AutoShape(flat(1.0))
+    for _ in range(200):
+        confident.acceptance.observe([check(1, 0)] * 8)
+    assert confident.next_shape().describe() == "sd γ=8"  # free drafting, everything accepted: the longest chain
+    hopeless = AutoShape(Costs({1: 1.0, 64: 64.0}, {1: 0.3, 32: 0.3}))
+    for _ in range(200):
+        hopeless.acceptance.observe([check(6, None)])
+    assert hopeless.next_shape().describe() == "ar"  # nodes cost, drafts never accepted: plain decoding
+    assert hopeless.ranking(3)[0][0] == "ar"
+    chosen = [hopeless.next_shape().describe() for _ in range(14)]  # steps 2..15
+    assert chosen.count("ar") == 13 and chosen[6] != "ar"  # but every 8th step drafts, so acceptance is still measured
+
+
+def run(pair, decoder_shape, sampling, max_tokens, seed, policy=None, warm_up_seed=None):
+    """Tokens and events of one generation; with warm_up_seed, after an earlier (random) one on
+    the same decoder, whose steps the policy has learnt from."""
+    decoder = Decoder(pair[0], pair[1], V, decoder_shape, sampling, set())
+    decoder.policy = policy
+    if warm_up_seed is not None:
+        list(decoder.generate(PROMPT, 6, warm_up_seed))
+    events = list(decoder.generate(PROMPT, max_tokens, seed))
+    return [t for e in events for t in e.emitted], events
+
+
+def test_greedy_auto_equals_plain_greedy(pair):
+    tokens, events = run(pair, make_shape("auto"), SamplingParams(temperature=0), 25, seed=0)
+    assert tokens == plain_greedy(pair[0], 25)
+    assert all(e.shape.variant in ("ar", "sd", "rsd-c") for e in events)
+
+
+def switching_policy() -> AutoShape:
+    """Re-chooses every step between shapes that are close in value, so what the first step
+    accepted changes the second step's shape."""
+    return AutoShape(Costs({1: 1.0, 2: 1.3, 3: 1.45, 64: 20.0}, {1: 0.05, 32: 0.5}), max_nodes=3, every=1)
+
+
+def test_auto_follows_the_target_distribution_while_its_shape_changes(pair):
+    """Each sample's policy first learns from an earlier random generation, so the shapes of its
+    steps depend on random past outcomes (as in chat's later answers and any long answer)."""
+    sampling = SamplingParams(temperature=1.0)
+    counts = torch.zeros(V, V)
+    shapes = set()
+    for seed in range(N_SAMPLES):
+        tokens, events = run(pair, make_shape("auto", nodes=3), sampling, 2, seed, switching_policy(),
+                             warm_up_seed=10**6 + seed)
+        counts[tokens[0], tokens[1]] += 1
+        shapes.add(tuple(e.shape.describe() for e in events))
+    assert len({first for first, *_ in shapes}) > 1  # the test exercises history-dependent choices
+    assert chi_square_pvalue(counts, exact_joint(pair[0], sampling) * N_SAMPLES) > 1e-3
+
+
+def test_costs_are_measured_once_per_machine_and_kept(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(auto, "_MEASURED", {})
+    measured = []
+    real = auto.measure
+    monkeypatch.setattr(auto, "measure", lambda *a, **k: measured.append(1) or real(*a, **k))
+    notices = []
+    decoder = Decoder(pair[0], pair[1], V, make_shape("auto", nodes=8), SamplingParams(temperature=1.0), set())
+    decoder.notice = notices.append
+    events = list(decoder.generate(PROMPT, 12, seed=1))
+    assert measured == [1] and len(notices) == 1 and "once" in notices[0]
+    assert all(len(e.tree) <= 8 for e in events)  # the budget caps auto's trees
+    assert len(json.loads((tmp_path / "costs.json").read_text())) == 1
+    monkeypatch.setattr(auto, "_MEASURED", {})  # a new process: reads the file
+    list(Decoder(pair[0], pair[1], V, make_shape("auto"), SamplingParams(), set()).generate(PROMPT, 4, seed=1))
+    assert measured == [1]
+
+
+def test_auto_as_a_user_runs_it(tiny_profile):
+    runner = CliRunner()
+    result = runner.invoke(app, ["generate", "hello", "-p", str(tiny_profile), "-v", "auto", "--json", "-n", "20"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["variant"] == "auto" and record["shape"] == "auto"
+    assert sum(record["stats"]["shapes"].values()) == record["stats"]["steps"]
+    result = runner.invoke(app, ["generate", "hello", "-p", str(tiny_profile), "-v", "auto", "--stats", "-n", "20"])
+    assert result.exit_code == 0 and "shape" in result.stderr and "auto ·" in result.stderr
+    result = runner.invoke(app, ["inspect-tree", "hello", "-p", str(tiny_profile), "-v", "auto", "-f", "json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["shape"] != "auto"  # the step's own shape
+    result = runner.invoke(app, ["bench", "-p", str(tiny_profile), "--variants", "ar,auto", "--limit", "1", "-n", "8",
+                                 "--temperatures", "1", "--no-assisted", "--no-hf-static", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = [row for row in json.loads(result.stdout)["results"] if row["variant"] == "auto"]
+    assert len(rows) == 1 and rows[0]["shape"].startswith("auto (") and rows[0]["shapes_used"]
+
+
+def test_chat_answers_go_on_from_what_earlier_answers_taught_auto(tiny_profile):
+    import io
+
+    from rsd_cli.chat import ChatSession
+    from rsd_cli.models import load_pair
+    from rsd_cli.profiles import load_profile
+    from rsd_cli.runtime import apply_flags
+
+    profile = apply_flags(load_profile(str(tiny_profile)), {"variant": "auto", "max_tokens": 10})
+    session = ChatSession(load_pair(profile), profile)
+    console = __import__("rich.console", fromlist=["Console"]).Console(file=io.StringIO())
+    session.answer("hello", io.StringIO(), console)
+    first = session.learnt[2]
+    steps = first.steps
+    session.answer("and again", io.StringIO(), console)
+    assert session.learnt[2] is first and first.steps > steps
+    session.profile.set("sampling", "temperature", 0.0, "/set")  # other sampling: learnt afresh
+    session.answer("once more", io.StringIO(), console)
+    assert session.learnt[2] is not first
