@@ -38,7 +38,7 @@ def test_rsd_generate_on_the_embedded_default():
     assert "block efficiency" in result.stderr and "Paris" not in result.stderr
 
 
-@pytest.mark.parametrize("variant", ["sd", "mss", "spectr", "rsd-c", "rsd-s"])
+@pytest.mark.parametrize("variant", ["sd", "mss", "spectr", "rsd-c", "rsd-s", "auto"])
 def test_every_variant_is_greedy_exact_on_the_embedded_pair(embedded_pair, variant):
     from rsd_cli.generation import complete
     from rsd_cli.prompting import encode_prompt
