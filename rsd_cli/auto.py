@@ -6,6 +6,7 @@ maximising   expected emitted tokens / expected step time,   from
 - a **cost model** of this machine: the target's forward time for a tree of n nodes and the
   draft's for a level of w nodes, measured once per machine, model pair and runtime (~seconds,
   cached in `costs.json` in the rsd cache folder) and scaled by what this run's steps take;
+  a shape this run has used is timed by its own steps (sampling and verification included);
 - an **acceptance model** of this run: the probability that the draft's k-th ranked candidate
   is accepted after the ones before it were rejected, at depth d (the factors of RSD-C's block
   efficiency), counted from this run's verified nodes with a weak prior.
@@ -41,6 +42,7 @@ DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 PRIOR = (0.5, 0.2, 0.1)  # P(accept the k-th candidate | the ones before rejected), before any data
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind each prior value
 SCALE_MEMORY = 0.2  # how fast the cost scales follow the measured step times
+MEASURED_MEMORY = 0.3  # how fast a used shape's measured step time follows new steps
 
 
 def candidates(max_nodes: int = MAX_NODES) -> list[Shape]:
@@ -210,6 +212,7 @@ class AutoShape:
         self.every = every
         self.acceptance = Acceptance()
         self.target_scale = self.draft_scale = 1.0
+        self.measured: dict[Shape, float] = {}  # shape -> this run's step seconds (moving average)
         self.current: Shape | None = None
         self.steps = 0
         self.since_draft = 0  # steps since the last one that drafted
@@ -222,9 +225,14 @@ class AutoShape:
         draft = self.costs.draft_at(1) + sum(self.costs.draft_at(n) for n in sizes[:-1])  # catch-up + levels
         return draft * self.draft_scale, self.costs.target_at(1 + sum(sizes)) * self.target_scale
 
+    def seconds(self, shape: Shape) -> float:
+        """A step's time: as measured in this run for a shape it used (the forwards and the
+        per-node sampling and verification), else the cost model's, scaled."""
+        return self.measured.get(shape) or sum(self.step_seconds(shape))
+
     def rate(self, shape: Shape) -> float:
         """Expected tokens per second."""
-        return expected_tokens(shape, self.acceptance) / sum(self.step_seconds(shape))
+        return expected_tokens(shape, self.acceptance) / self.seconds(shape)
 
     def next_shape(self) -> Shape:
         if self.current is None or self.steps % self.every == 0:
@@ -239,6 +247,9 @@ class AutoShape:
     def observe(self, event) -> None:
         """Learn from a finished step: its verified nodes and how long its forwards took."""
         self.acceptance.observe(event.checks)
+        taken = event.draft_seconds + event.verify_seconds
+        known = self.measured.get(event.shape)
+        self.measured[event.shape] = taken if known is None else known + MEASURED_MEMORY * (taken - known)
         draft, target = self.step_seconds(event.shape)
         if target > 0 and event.verify_seconds > 0:
             self.target_scale *= (event.verify_seconds / target) ** SCALE_MEMORY

@@ -71,6 +71,21 @@ def test_acceptance_counts_each_rank_given_the_ones_before_were_rejected():
     assert expected_tokens(chain, many) == pytest.approx(1 + 0.5 + 0.25 + 0.125, abs=0.05)
 
 
+def test_a_shape_used_is_timed_by_its_own_steps():
+    policy = AutoShape(flat(1.0, 0.1))
+    shape = make_shape("rsd-c", branching=(3,))
+    before = policy.seconds(shape)
+    assert before == pytest.approx(1.1)
+
+    class Step:
+        checks, draft_seconds, verify_seconds = [check(3, 0)], 0.05, 0.45
+
+    Step.shape = shape
+    policy.observe(Step)
+    assert policy.seconds(shape) == pytest.approx(0.5)  # measured: used from now on
+    assert policy.seconds(make_shape("sd", draft_len=1)) < before  # the model, scaled towards what was measured
+
+
 def test_the_choice_follows_costs_and_acceptance():
     confident = AutoShape(flat(1.0))
     for _ in range(200):
@@ -102,10 +117,18 @@ def test_greedy_auto_equals_plain_greedy(pair):
     assert all(e.shape.variant in ("ar", "sd", "rsd-c") for e in events)
 
 
+class AcceptanceOnly(AutoShape):
+    """auto learning from acceptance alone: the tiny models' real step times would swamp the
+    made-up costs below, which are chosen so that acceptance decides."""
+
+    def observe(self, event) -> None:
+        self.acceptance.observe(event.checks)
+
+
 def switching_policy() -> AutoShape:
-    """Re-chooses every step between shapes that are close in value, so what the first step
-    accepted changes the second step's shape."""
-    return AutoShape(Costs({1: 1.0, 2: 1.3, 3: 1.45, 64: 20.0}, {1: 0.05, 32: 0.5}), max_nodes=3, every=1)
+    """Re-chooses every step between shapes that are close in value, so what earlier steps
+    accepted changes the later steps' shapes."""
+    return AcceptanceOnly(Costs({1: 1.0, 2: 1.3, 3: 1.45, 64: 20.0}, {1: 0.05, 32: 0.5}), max_nodes=3, every=1)
 
 
 def test_auto_follows_the_target_distribution_while_its_shape_changes(pair):
