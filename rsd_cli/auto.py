@@ -247,6 +247,8 @@ class AutoShape:
     def observe(self, event) -> None:
         """Learn from a finished step: its verified nodes and how long its forwards took."""
         self.acceptance.observe(event.checks)
+        if event.step == 1:  # its draft call also read the whole prompt: not a step's time
+            return
         taken = event.draft_seconds + event.verify_seconds
         known = self.measured.get(event.shape)
         self.measured[event.shape] = taken if known is None else known + MEASURED_MEMORY * (taken - known)

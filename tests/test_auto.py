@@ -78,7 +78,12 @@ def test_a_shape_used_is_timed_by_its_own_steps():
     assert before == pytest.approx(1.1)
 
     class Step:
-        checks, draft_seconds, verify_seconds = [check(3, 0)], 0.05, 0.45
+        step, checks, draft_seconds, verify_seconds = 1, [check(3, 0)], 5.0, 0.45
+
+    Step.shape = shape
+    policy.observe(Step)  # the first step's draft call read the prompt too: its time is not learnt
+    assert policy.seconds(shape) == before
+    Step.step, Step.draft_seconds = 2, 0.05
 
     Step.shape = shape
     policy.observe(Step)
