@@ -200,4 +200,4 @@ def run_generate(pair, profile, text: str, *, system=None, raw=False, samples=1,
             if step_table:
                 console.print(steps_table(events, pair.tokenizer))
             if show_stats:
-                console.print(f"[dim]{decoder.shape.describe()} · {stats_line(stats)}[/dim]")
+                console.print(f"[dim]{decoder.shape.describe()} · {stats_line(stats, decoder.shape.describe())}[/dim]")

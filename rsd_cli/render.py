@@ -5,10 +5,11 @@ from __future__ import annotations
 from .engine import Stats, StepEvent
 
 
-def stats_line(stats: Stats) -> str:
+def stats_line(stats: Stats, configured: str | None = None) -> str:
+    """The one-line summary; it names the shapes drafted when they are not just `configured`."""
     per_depth = " ".join(f"{a:.2f}" for a in stats.acceptance_per_depth) or "-"
     used = stats.shapes_used()
-    shapes = "" if len(used) <= 1 else "shapes " + ", ".join(f"{name} ×{n}" for name, n in used[:3]) + \
+    shapes = "" if len(used) <= 1 and [name for name, _ in used] in ([], [configured]) else "shapes " + ", ".join(f"{name} ×{n}" for name, n in used[:3]) + \
         (", …" if len(used) > 3 else "") + " · "
     return shapes + (
         f"{stats.steps} steps · {stats.new_tokens} tokens · block efficiency {stats.block_efficiency:.2f} · "
