@@ -270,7 +270,7 @@ def cost_key(decoder) -> str:
     from .compiled import verdict_key
     from .models import fingerprint
 
-    return (f"{verdict_key(decoder.target_model)} | target {fingerprint(decoder.target_model)} | "
+    return (f"costs v2 | {verdict_key(decoder.target_model)} | target {fingerprint(decoder.target_model)} | "
             f"draft {fingerprint(decoder.draft_model)} | {decoder.runtimes.describe()}")
 
 

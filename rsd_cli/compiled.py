@@ -68,11 +68,12 @@ def unsupported(model) -> str | None:
 PLACEMENT_REASONS = ("a model placed over several devices", "a model whose weights accelerate offloads")
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small: bool) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small: int) -> torch.Tensor:
+    """small: 0 torch's product; 1 the small-batch one (2-64 rows), 2 for single rows too."""
     if small:  # the layer's shape measured faster with the small-batch product on this CPU
         from .small_batch import small_batch_linear
 
-        return small_batch_linear(x, weight, bias)
+        return small_batch_linear(x, weight, bias, one_row=small == 2)
     return F.linear(x, weight, bias)
 
 
@@ -108,7 +109,7 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     return x + _linear(F.silu(_linear(h, wg, None, small[4])) * _linear(h, wu, None, small[5]), wd, None, small[6])
 
 
-def final_logits(x, norm, eps: float, head, small: bool) -> torch.Tensor:
+def final_logits(x, norm, eps: float, head, small: int) -> torch.Tensor:
     """(m, hidden) -> (m, rows of the head) logits: the final norm and the output head."""
     return _linear(_rms_norm(x, norm, eps), head, None, small)
 
@@ -119,7 +120,7 @@ class CompiledModel:
     `StaticLM` with its own buffers)."""
 
     def __init__(self, model, compile: bool = True):
-        from .small_batch import uses_small_batch
+        from .small_batch import kernel_code
 
         self.model = model
         cfg = model.config
@@ -137,8 +138,8 @@ class CompiledModel:
             # detached views (same storage): a trained adapter's tensors and the target's then pass
             # the same guards, and one graph serves both
             self.layers.append((tuple(None if w is None else w.detach() for w in weights),
-                                tuple(uses_small_batch(linear) for linear in linears)))
-        self.head_small = uses_small_batch(model.lm_head)
+                                tuple(kernel_code(linear) for linear in linears)))
+        self.head_small = kernel_code(model.lm_head)
         self.norm_eps = inner.norm.variance_epsilon
         self.device = inner.embed_tokens.weight.device
         self.dtype = inner.embed_tokens.weight.dtype

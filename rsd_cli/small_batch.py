@@ -7,7 +7,9 @@ SmolLM2-135M costs 9 ms for one token but 21 ms for two to eight, and a 4-token 
 whole model 1.7x a 1-token one. The same product computed as (W @ x.T).T takes another MKL path
 that is 1.5-3x faster there for layers whose output is at least as wide as their input
 (attention q/o, MLP gate/up, the head); for the narrowing MLP down-projection it is slower, so
-that one is left alone, as are single rows and long prompts, where `F.linear` is best.
+that one is left alone, as are long prompts, where `F.linear` is best. Single rows are timed
+apart: where computing them as two rows (one of zeros) with this kernel is faster — the
+49k-row head there: 13.5 ms for torch's 1-row product, 4.3 ms for this 2-row one — they are.
 
 On a 2-core Intel Xeon (Sapphire Rapids) the opposite holds: torch's kernel is the fast one
 (a 2-token forward 34 ms with it, 64 ms with this one). So by default ("auto") each layer shape
@@ -41,13 +43,16 @@ def _padded_rows(rows: int) -> int:
     return 4 if rows == 3 else 16 if 9 <= rows <= 15 else rows
 
 
-def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), computed as (W @ x.T).T for 2 to MAX_ROWS rows."""
+def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       one_row: bool = False) -> torch.Tensor:
+    """F.linear(x, weight, bias), computed as (W @ x.T).T for 2 to MAX_ROWS rows, and for a single
+    row too with one_row (as 2 rows, one of them zeros: for the output head on some CPUs torch's
+    1-row product is 3x slower than this 2-row one)."""
     rows = x.numel() // x.shape[-1]
-    if rows < 2 or rows > MAX_ROWS:
+    if rows < 2 - one_row or rows > MAX_ROWS:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    padded = _padded_rows(rows)
+    padded = max(2, _padded_rows(rows))
     if padded > rows:
         flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
     out = torch.mm(weight, flat.t()).t()[:rows]  # (rows, out_features)
@@ -57,7 +62,17 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 def _forward(self, x):
-    return small_batch_linear(x, self.weight, self.bias)
+    return small_batch_linear(x, self.weight, self.bias, pads_one_row(self))
+
+
+def pads_one_row(module) -> bool:
+    """Whether this layer computes single rows with the small-batch kernel too (as 2 rows)."""
+    return getattr(module, "_rsd_one_row", False)
+
+
+def kernel_code(module) -> int:
+    """0: torch's product; 1: the small-batch one for 2-64 rows; 2: for single rows too."""
+    return 0 if not uses_small_batch(module) else 2 if pads_one_row(module) else 1
 
 
 CALIBRATION_ROWS = (2, 4, 8)  # the forwards that matter: tree verification and draft levels
@@ -93,10 +108,13 @@ def install(model, verdicts: Verdicts | None = None) -> int:
             by_shape.setdefault(tuple(module.weight.shape), []).append(module)
     count = 0
     for modules in by_shape.values():
-        if verdicts is None or verdicts.faster([m.weight for m in modules]):
+        weights = [m.weight for m in modules]
+        if verdicts is None or verdicts.faster(weights):
+            one_row = verdicts is None or verdicts.one_row(weights)
             for module in modules:
                 if not uses_small_batch(module):
                     module.forward = types.MethodType(_forward, module)
+                module._rsd_one_row = one_row
         count += sum(uses_small_batch(m) for m in modules)
     if verdicts is not None:
         verdicts.save()
@@ -120,6 +138,19 @@ def _median_seconds(fn, x: torch.Tensor) -> float:
         fn(x)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def measure_one_row_gain(weights: list[torch.Tensor]) -> float:
+    """This kernel's time on one row padded to two over torch's on one row, for weights of one
+    shape (as measure_gain)."""
+    each = weights[0].numel() * weights[0].element_size()
+    weights = weights[: -(-CALIBRATION_BYTES // each)]
+    ours = lambda x: [small_batch_linear(x, w, one_row=True) for w in weights]  # noqa: E731
+    theirs = lambda x: [F.linear(x, w) for w in weights]  # noqa: E731
+    with torch.inference_mode():
+        x = torch.randn(1, weights[0].shape[1])
+        ours(x), theirs(x)
+        return _median_seconds(ours, x) / _median_seconds(theirs, x)
 
 
 def measure_gain(weights: list[torch.Tensor]) -> float:
@@ -181,6 +212,15 @@ class Verdicts:
         key = f"{self.machine} | {in_features}x{out_features}"
         if not isinstance(self.known.get(key), bool):
             self.known[key] = measure_gain(weights) <= REQUIRED_GAIN
+            self.changed = True
+        return self.known[key]
+
+    def one_row(self, weights: list[torch.Tensor]) -> bool:
+        """Verdict for single rows of this shape: pad them to two for the small-batch kernel?"""
+        out_features, in_features = weights[0].shape
+        key = f"{self.machine} | {in_features}x{out_features} | one row as two"
+        if not isinstance(self.known.get(key), bool):
+            self.known[key] = measure_one_row_gain(weights) <= REQUIRED_GAIN
             self.changed = True
         return self.known[key]
 

@@ -81,6 +81,9 @@ class Fixed:
         self.asked.append((in_features, out_features))
         return (in_features, out_features) in self.faster_shapes
 
+    def one_row(self, weights):
+        return False
+
     def save(self):
         pass
 
@@ -99,12 +102,14 @@ def test_verdicts_are_measured_once_per_machine_and_shape_then_read_back(monkeyp
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "auto")
     measured = []
     monkeypatch.setattr(small_batch, "measure_gain", lambda ws: measured.append((len(ws), *ws[0].shape)) or 0.5)
+    monkeypatch.setattr(small_batch, "measure_one_row_gain", lambda ws: 0.5 if ws[0].shape[0] == 32 else 1.2)
     path = tmp_path / "cache" / "small-batch.json"
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(8, 16), torch.nn.Linear(8, 32))
     assert small_batch.install(model, small_batch.Verdicts.load(path)) == 3
     assert measured == [(2, 16, 8), (1, 32, 8)]  # one measurement per shape, its layers together
+    assert [small_batch.kernel_code(layer) for layer in model] == [1, 1, 2]  # single rows padded: 8x32 only
     saved = json.loads(path.read_text())
-    assert len(saved) == 2 and all(key.startswith(small_batch.machine()) for key in saved)
+    assert len(saved) == 4 and all(key.startswith(small_batch.machine()) for key in saved)
     fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(8, 32))
     assert small_batch.install(fresh, small_batch.Verdicts.load(path)) == 2
     assert len(measured) == 2  # read back, not measured again
@@ -112,12 +117,13 @@ def test_verdicts_are_measured_once_per_machine_and_shape_then_read_back(monkeyp
     monkeypatch.setattr(small_batch, "machine", lambda: "another cpu")
     other = torch.nn.Sequential(torch.nn.Linear(8, 16))
     assert small_batch.install(other, small_batch.Verdicts.load(path)) == 0
-    assert len(json.loads(path.read_text())) == 3
+    assert len(json.loads(path.read_text())) == 5  # (no single-row verdict where the kernel is not used)
 
 
 def test_an_unreadable_or_unwritable_cache_only_means_measuring_again(monkeypatch, tmp_path):
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "auto")
     monkeypatch.setattr(small_batch, "measure_gain", lambda w: 0.5)
+    monkeypatch.setattr(small_batch, "measure_one_row_gain", lambda w: 0.5)
     broken = tmp_path / "small-batch.json"
     broken.write_text("{not json")
     assert small_batch.install(torch.nn.Linear(8, 16), small_batch.Verdicts.load(broken)) == 1
@@ -131,13 +137,25 @@ def test_the_measured_gain_compares_the_two_kernels(monkeypatch):
     weight = torch.randn(256, 64)
     real = small_batch.small_batch_linear
 
-    def slowed(x, w, bias=None):
+    def slowed(x, w, bias=None, one_row=False):
         for _ in range(20):
-            real(x, w, bias)
-        return real(x, w, bias)
+            real(x, w, bias, one_row)
+        return real(x, w, bias, one_row)
 
     monkeypatch.setattr(small_batch, "small_batch_linear", slowed)
     assert small_batch.measure_gain([weight, weight.clone()]) > 1.5
+
+
+def test_a_single_row_padded_to_two_gives_torch_s_product(monkeypatch):
+    weight, bias = torch.randn(256, 64), torch.randn(256)
+    x = torch.randn(1, 1, 64)
+    padded = small_batch.small_batch_linear(x, weight, bias, one_row=True)
+    assert padded.shape == (1, 1, 256)
+    torch.testing.assert_close(padded, torch.nn.functional.linear(x, weight, bias))
+    real = small_batch.small_batch_linear
+    monkeypatch.setattr(small_batch, "small_batch_linear",
+                        lambda x, w, bias=None, one_row=False: [real(x, w, bias, one_row) for _ in range(20)][0])
+    assert small_batch.measure_one_row_gain([weight]) > 1.5
 
 
 def test_calibration_streams_a_bounded_share_of_a_big_model(monkeypatch):
