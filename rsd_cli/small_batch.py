@@ -23,7 +23,6 @@ between any two GEMM kernels.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -140,11 +139,16 @@ def _median_seconds(fn, x: torch.Tensor) -> float:
     return statistics.median(times)
 
 
+def _calibration_share(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The first CALIBRATION_BYTES of these weights (all of one shape and dtype), at least one."""
+    each = weights[0].numel() * weights[0].element_size()
+    return weights[: -(-CALIBRATION_BYTES // each)]
+
+
 def measure_one_row_gain(weights: list[torch.Tensor]) -> float:
     """This kernel's time on one row padded to two over torch's on one row, for weights of one
     shape (as measure_gain)."""
-    each = weights[0].numel() * weights[0].element_size()
-    weights = weights[: -(-CALIBRATION_BYTES // each)]
+    weights = _calibration_share(weights)
     ours = lambda x: [small_batch_linear(x, w, one_row=True) for w in weights]  # noqa: E731
     theirs = lambda x: [F.linear(x, w) for w in weights]  # noqa: E731
     with torch.inference_mode():
@@ -158,8 +162,7 @@ def measure_gain(weights: list[torch.Tensor]) -> float:
     CALIBRATION_ROWS (below 1: this kernel is faster). Each timing runs through all the weights
     in turn, as a forward does, so they come from memory rather than a warm cache (the first
     CALIBRATION_BYTES of them: a big model's calibration stays short)."""
-    each = weights[0].numel() * weights[0].element_size()  # all of one shape and dtype
-    weights = weights[: -(-CALIBRATION_BYTES // each)]  # ceil: at least one
+    weights = _calibration_share(weights)
     ours = lambda x: [small_batch_linear(x, w) for w in weights]  # noqa: E731
     theirs = lambda x: [F.linear(x, w) for w in weights]  # noqa: E731
     totals = [0.0, 0.0]
@@ -196,42 +199,29 @@ class Verdicts:
 
     @classmethod
     def load(cls, path: Path | None = None) -> Verdicts:
-        if path is None:
-            from .models import cache_dir
+        from .models import cache_dir, read_json_table
 
-            path = cache_dir() / "small-batch.json"
-        try:
-            known = json.loads(path.read_text())
-        except (OSError, ValueError):
-            known = {}
-        return cls(path, known if isinstance(known, dict) else {})
+        path = cache_dir() / "small-batch.json" if path is None else path
+        return cls(path, read_json_table(path))
 
     def faster(self, weights: list[torch.Tensor]) -> bool:
         """Verdict for a model's layers of one shape (measured together the first time)."""
-        out_features, in_features = weights[0].shape
-        key = f"{self.machine} | {in_features}x{out_features}"
-        if not isinstance(self.known.get(key), bool):
-            self.known[key] = measure_gain(weights) <= REQUIRED_GAIN
-            self.changed = True
-        return self.known[key]
+        return self._verdict(weights, "", measure_gain)
 
     def one_row(self, weights: list[torch.Tensor]) -> bool:
         """Verdict for single rows of this shape: pad them to two for the small-batch kernel?"""
+        return self._verdict(weights, " | one row as two", measure_one_row_gain)
+
+    def _verdict(self, weights: list[torch.Tensor], kind: str, measure) -> bool:
         out_features, in_features = weights[0].shape
-        key = f"{self.machine} | {in_features}x{out_features} | one row as two"
+        key = f"{self.machine} | {in_features}x{out_features}{kind}"
         if not isinstance(self.known.get(key), bool):
-            self.known[key] = measure_one_row_gain(weights) <= REQUIRED_GAIN
+            self.known[key] = measure(weights) <= REQUIRED_GAIN
             self.changed = True
         return self.known[key]
 
     def save(self) -> None:
-        if not self.changed or self.path is None:
-            return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            partial.write_text(json.dumps(self.known, indent=1, sort_keys=True))
-            partial.replace(self.path)
+        from .models import write_json_table
+
+        if self.changed and self.path is not None and write_json_table(self.path, self.known):
             self.changed = False
-        except OSError:
-            pass
