@@ -146,10 +146,8 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     done = 0
 
     def decoder_for(compile: str, setting: Setting, shape: Shape) -> Decoder:
-        decoder = Decoder(pair.target, pair.draft, pair.vocab_size, shape, SamplingParams(setting.temperature, **top),
-                          pair.eos_ids, pair.context_length, runtimes[compile])
-        decoder.notice = pair.notice
-        return decoder
+        return Decoder(pair.target, pair.draft, pair.vocab_size, shape, SamplingParams(setting.temperature, **top),
+                       pair.eos_ids, pair.context_length, runtimes[compile], pair.notice)
 
     def tick() -> None:
         nonlocal done

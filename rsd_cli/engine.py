@@ -290,7 +290,8 @@ class Decoder:
     """Runs one variant on a target / draft pair. Models are loaded once; caches per call."""
 
     def __init__(self, target, draft, vocab_size: int, shape: Shape, sampling: SamplingParams,
-                 eos_ids: set[int], context_length: int | None = None, runtimes: Runtimes | None = None):
+                 eos_ids: set[int], context_length: int | None = None, runtimes: Runtimes | None = None,
+                 notice=lambda message: None):
         self.target_model = target
         self.draft_model = draft
         self.runtimes = runtimes or Runtimes()
@@ -300,7 +301,7 @@ class Decoder:
         self.eos_ids = eos_ids
         self.context_length = context_length
         self.policy = None  # auto.AutoShape for --variant auto: made at the first generate (it measures costs)
-        self.notice = lambda message: None  # one line for the user (auto's first cost measurement)
+        self.notice = notice  # one line for the user (auto's first cost measurement)
 
     def _next_shape(self) -> Shape:
         """This step's shape: the configured one, or auto's choice from the steps before it."""

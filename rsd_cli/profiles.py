@@ -117,18 +117,25 @@ class Key:
     item: type = int  # the type of a list's items
 
 
+def _placement_keys(applies: str) -> dict[str, Key]:
+    """device_map, max_memory and offload_folder, for [target] and (kind = model) [draft]."""
+    return {
+        "device_map": Key((str, dict), "", _device_map,
+                          f'{applies}place the model over devices with accelerate: "auto", "balanced", "sequential", '
+                          'or a table of module = device ("cpu", "disk", 0, "cuda:1"); "" = all on `device`'),
+        "max_memory": Key(dict, {}, _max_memory, f'{applies}with device_map: memory per device, e.g. '
+                          '{ 0 = "70GiB", cpu = "200GiB" } (a max_memory alone implies device_map = "auto")'),
+        "offload_folder": Key(str, "", None, f"{applies}with device_map: where weights placed on \"disk\" go "
+                              "(default: a temporary folder in rsd's cache)"),
+    }
+
+
 SCHEMA: dict[str, dict[str, Key]] = {
     "target": {
         "source": Key(str, "embedded", None, '"embedded", a model directory, a .gguf file, or a hub id'),
         "dtype": Key(str, "auto", _one_of("auto", "float32", "bfloat16", "float16")),
         "device": Key(str, "auto", None, '"auto", "cpu", "cuda", "cuda:1", ...'),
-        "device_map": Key((str, dict), "", _device_map,
-                          'place the model over devices with accelerate: "auto", "balanced", "sequential", '
-                          'or a table of module = device ("cpu", "disk", 0, "cuda:1"); "" = all on `device`'),
-        "max_memory": Key(dict, {}, _max_memory, 'with device_map: memory per device, e.g. { 0 = "70GiB", '
-                          'cpu = "200GiB" } (a max_memory alone implies device_map = "auto")'),
-        "offload_folder": Key(str, "", None, "with device_map: where weights placed on \"disk\" go "
-                              "(default: a temporary folder in rsd's cache)"),
+        **_placement_keys(""),
     },
     "draft": {
         "kind": Key(str, "early-exit", _one_of("early-exit", "model")),
@@ -137,13 +144,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "adapter": Key(str, "auto", None,
                        'early-exit: "auto" (the shipped one if trained for this target), "embedded", a file, or ""'),
         "vocab": Key(int, 0, _non_negative, "early-exit: draft only among the first N token ids (0 = all)"),
-        "device_map": Key((str, dict), "", _device_map,
-                          'kind = model: place the draft over devices with accelerate: "auto", "balanced", "sequential", '
-                          'or a table of module = device ("cpu", "disk", 0, "cuda:1"); "" = all on `device`'),
-        "max_memory": Key(dict, {}, _max_memory, 'kind = model, with device_map: memory per device, e.g. { 0 = "70GiB", '
-                          'cpu = "200GiB" } (a max_memory alone implies device_map = "auto")'),
-        "offload_folder": Key(str, "", None, "kind = model, with device_map: where weights placed on \"disk\" go "
-                              "(default: a temporary folder in rsd's cache)"),
+        **_placement_keys("kind = model: "),
     },
     "decoding": {
         "variant": Key(str, "sd", _one_of(*VARIANTS)),

@@ -93,10 +93,8 @@ def seed_of(profile: Profile) -> int | None:
 def make_decoder(pair, profile: Profile):
     from .engine import Decoder
 
-    decoder = Decoder(pair.target, pair.draft, pair.vocab_size, shape_of(profile, pair.vocab_size),
-                      sampling_of(profile), pair.eos_ids, pair.context_length, pair.runtimes)
-    decoder.notice = pair.notice
-    return decoder
+    return Decoder(pair.target, pair.draft, pair.vocab_size, shape_of(profile, pair.vocab_size),
+                   sampling_of(profile), pair.eos_ids, pair.context_length, pair.runtimes, pair.notice)
 
 
 def runtimes_of(pair, setting: str, progress=lambda message: None, notice=lambda message: None):

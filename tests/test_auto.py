@@ -158,8 +158,8 @@ def test_costs_are_measured_once_per_machine_and_kept(pair, tmp_path, monkeypatc
     real = auto.measure
     monkeypatch.setattr(auto, "measure", lambda *a, **k: measured.append(1) or real(*a, **k))
     notices = []
-    decoder = Decoder(pair[0], pair[1], V, make_shape("auto", nodes=8), SamplingParams(temperature=1.0), set())
-    decoder.notice = notices.append
+    decoder = Decoder(pair[0], pair[1], V, make_shape("auto", nodes=8), SamplingParams(temperature=1.0), set(),
+                      notice=notices.append)
     events = list(decoder.generate(PROMPT, 12, seed=1))
     assert measured == [1] and len(notices) == 1 and "once" in notices[0]
     assert all(len(e.tree) <= 8 for e in events)  # the budget caps auto's trees
