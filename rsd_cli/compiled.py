@@ -32,8 +32,10 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
 from .engine import ChainExtension, full_vocabulary, unchanged_prefix
+from .small_batch import TORCH, kernel_linear, kernels_of
 
 BUCKETS = (1, 2, 4, 8, 16)
+SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # scaled_dot_product_attention(enable_gqa=)
 SUPPORTED_TYPES = ("llama",)  # what the tests cover; other Llama-style decoders would follow the same shape
 ROPE_TYPES = ("default", "linear", "llama3")  # rotary tables that depend on the position alone
 
@@ -68,12 +70,10 @@ def unsupported(model) -> str | None:
 PLACEMENT_REASONS = ("a model placed over several devices", "a model whose weights accelerate offloads")
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small: int) -> torch.Tensor:
-    """small: 0 torch's product; 1 the small-batch one (2-64 rows), 2 for single rows too."""
-    if small:  # the layer's shape measured faster with the small-batch product on this CPU
-        from .small_batch import small_batch_linear
-
-        return small_batch_linear(x, weight, bias, one_row=small == 2)
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: tuple) -> torch.Tensor:
+    """kernels: the CPU kernels this layer's shape measured fastest with (small_batch.kernels_of)."""
+    if kernels != TORCH:
+        return kernel_linear(x, weight, bias, kernels)
     return F.linear(x, weight, bias)
 
 
@@ -86,8 +86,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple, dims: tuple) -> torch.Tensor:
     """One Llama decoder layer on n new tokens. x (n, hidden); cos, sin (n, head_dim); mask (n, kv_len)
     additive, the new tokens at slots kv_len - n .. kv_len - 1 of keys, values (kv_heads, capacity,
-    head_dim), written in place. `weights` are the layer's tensors, `small` which linears use the
-    small-batch product, dims = (heads, kv_heads, head_dim, scaling, eps). Every layer of a model (and
+    head_dim), written in place. `weights` are the layer's tensors, `small` the CPU kernels of its
+    linears (small_batch.kernels_of), dims = (heads, kv_heads, head_dim, scaling, eps). Every layer of a model (and
     of its early-exit draft, adapter included) has the same shapes: one compiled graph serves them all."""
     ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd = weights
     heads, kv_heads, head_dim, scaling, eps = dims
@@ -100,16 +100,19 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     keys[:, kv_len - n: kv_len] = k
     values[:, kv_len - n: kv_len] = v
     k, v = keys[:, :kv_len], values[:, :kv_len]
-    if heads != kv_heads:  # grouped-query attention
+    grouped = {}
+    if heads != kv_heads and SDPA_GQA:  # grouped-query attention without copying the cache per head
+        grouped = {"enable_gqa": True}
+    elif heads != kv_heads:
         k, v = k.repeat_interleave(heads // kv_heads, dim=0), v.repeat_interleave(heads // kv_heads, dim=0)
     out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None].to(q.dtype),
-                                         scale=scaling)[0]  # (H, n, hd)
+                                         scale=scaling, **grouped)[0]  # (H, n, hd)
     x = x + _linear(out.transpose(0, 1).reshape(n, heads * head_dim), wo, bo, small[3])
     h = _rms_norm(x, ln2, eps)
     return x + _linear(F.silu(_linear(h, wg, None, small[4])) * _linear(h, wu, None, small[5]), wd, None, small[6])
 
 
-def final_logits(x, norm, eps: float, head, small: int) -> torch.Tensor:
+def final_logits(x, norm, eps: float, head, small: tuple) -> torch.Tensor:
     """(m, hidden) -> (m, rows of the head) logits: the final norm and the output head."""
     return _linear(_rms_norm(x, norm, eps), head, None, small)
 
@@ -120,8 +123,6 @@ class CompiledModel:
     `StaticLM` with its own buffers)."""
 
     def __init__(self, model, compile: bool = True):
-        from .small_batch import kernel_code
-
         self.model = model
         cfg = model.config
         inner = model.model
@@ -138,8 +139,8 @@ class CompiledModel:
             # detached views (same storage): a trained adapter's tensors and the target's then pass
             # the same guards, and one graph serves both
             self.layers.append((tuple(None if w is None else w.detach() for w in weights),
-                                tuple(kernel_code(linear) for linear in linears)))
-        self.head_small = kernel_code(model.lm_head)
+                                tuple(kernels_of(linear) for linear in linears)))
+        self.head_small = kernels_of(model.lm_head)
         self.norm_eps = inner.norm.variance_epsilon
         self.device = inner.embed_tokens.weight.device
         self.dtype = inner.embed_tokens.weight.dtype

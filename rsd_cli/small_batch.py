@@ -1,28 +1,33 @@
 """Faster linear layers for the few-token forwards of speculative decoding, on some CPUs.
 
-Verifying a draft tree runs the target on a handful of tokens at once (2-64 rows). torch's
-fp32 `F.linear` computes x @ W.T, and with so few rows MKL's GEMM can be far slower than the
-memory traffic explains: measured on a 2-core AMD EPYC, the 49k-row output head of
-SmolLM2-135M costs 9 ms for one token but 21 ms for two to eight, and a 4-token forward of the
-whole model 1.7x a 1-token one. The same product computed as (W @ x.T).T takes another MKL path
-that is 1.5-3x faster there for layers whose output is at least as wide as their input
-(attention q/o, MLP gate/up, the head); for the narrowing MLP down-projection it is slower, so
-that one is left alone, as are long prompts, where `F.linear` is best. Single rows are timed
-apart: where computing them as two rows (one of zeros) with this kernel is faster — the
-49k-row head there: 13.5 ms for torch's 1-row product, 4.3 ms for this 2-row one — they are.
+Every target and draft call in rsd multiplies a handful of rows (1 for plain decoding and the
+draft's catch-up, 2-64 for a verified tree or a draft level) by each weight matrix, so a
+forward is a stream of weights through small products, and which CPU kernel computes those
+fastest differs by machine, by shape and by row count. Three compute the same product:
 
-On a 2-core Intel Xeon (Sapphire Rapids) the opposite holds: torch's kernel is the fast one
-(a 2-token forward 34 ms with it, 64 ms with this one). So by default ("auto") each layer shape
-is timed once per machine with both kernels and keeps torch's unless this one is clearly
-faster; the verdicts are cached under the rsd cache folder. RSD_SMALL_BATCH_MATMUL=1 uses it
-wherever it could apply, 0 nowhere.
+- "torch": `F.linear` (MKL's GEMM for fp32 on x86 builds);
+- "transposed": `(W @ x.T).T`, another MKL path (single rows padded to two with a zero row);
+- "onednn": oneDNN's inner product (`torch.ops.mkldnn._linear_pointwise`, what inductor emits
+  for CPU linears), on the layer's own weight, no repacked copy.
+
+Measured on a 2-core AMD EPYC (Zen 5, streaming the weights from memory as a forward does):
+torch's product reaches 11-14 GB/s on the 49k-row output head of SmolLM2-135M (7-14 ms for
+1-16 rows), "transposed" is 1.5-2x faster for 2-4 rows of widening layers, and oneDNN's reaches
+26-38 GB/s for every shape and row count (the head: 3.2 ms for one row, 5.6 ms for eight); on
+a 2-core Intel Xeon (Sapphire Rapids) torch's own kernel was the fast one. So by default
+("auto") each layer shape is timed once per machine with every kernel, for one row and for
+2-8 rows apart, and keeps torch's unless another takes at most 90% of its time; the verdicts
+are cached under the rsd cache folder. RSD_SMALL_BATCH_MATMUL picks one kernel everywhere
+instead: "0" or "torch", "1" or "transposed", "onednn".
 
 The result is the same product; only the order of the float additions inside it may differ, as
-between any two GEMM kernels.
+between any two GEMM kernels. Prompts (more than 64 rows) and anything that needs gradients
+(distillation) run on `F.linear`, as does a compiled graph (inductor chooses its own kernels).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import statistics
@@ -34,24 +39,23 @@ import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 64  # above this, prompt prefill: F.linear is the right kernel
+KERNELS = ("torch", "transposed", "onednn")
+TORCH = ("torch", "torch")  # (kernel for a single row, kernel for 2 to MAX_ROWS rows)
 
 
 def _padded_rows(rows: int) -> int:
-    """Row counts the small-batch kernel handles badly are padded with zero rows (measured: 3 rows
-    cost more than 4, and 9-15 rows more than 16)."""
-    return 4 if rows == 3 else 16 if 9 <= rows <= 15 else rows
+    """Row counts the transposed kernel handles badly are padded with zero rows (measured: 3 rows
+    cost more than 4, and 9-15 rows more than 16; a single row is computed as two)."""
+    return 2 if rows == 1 else 4 if rows == 3 else 16 if 9 <= rows <= 15 else rows
 
 
-def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                       one_row: bool = False) -> torch.Tensor:
-    """F.linear(x, weight, bias), computed as (W @ x.T).T for 2 to MAX_ROWS rows, and for a single
-    row too with one_row (as 2 rows, one of them zeros: for the output head on some CPUs torch's
-    1-row product is 3x slower than this 2-row one)."""
+def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) computed as (W @ x.T).T (on some CPUs another, faster MKL path
+    for few rows; on the EPYC torch's 1-row product of the 49k-row head took 13.5 ms and this
+    one, on the row and a zero row, 4.3 ms)."""
     rows = x.numel() // x.shape[-1]
-    if rows < 2 - one_row or rows > MAX_ROWS:
-        return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    padded = max(2, _padded_rows(rows))
+    padded = _padded_rows(rows)
     if padded > rows:
         flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
     out = torch.mm(weight, flat.t()).t()[:rows]  # (rows, out_features)
@@ -60,46 +64,76 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return out.contiguous().view(*x.shape[:-1], out.shape[-1])
 
 
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) by oneDNN's inner product, on the weight as it is."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@functools.cache
+def onednn_available() -> bool:
+    """Whether this torch has oneDNN's CPU linear and it computes torch's product."""
+    try:
+        weight, x = torch.randn(8, 4), torch.randn(3, 4)
+        return bool(torch.backends.mkldnn.is_available()
+                    and torch.allclose(onednn_linear(x, weight), F.linear(x, weight), atol=1e-5))
+    except Exception:  # noqa: BLE001 - a build without it, or an op renamed in another version
+        return False
+
+
+def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: tuple) -> torch.Tensor:
+    """F.linear(x, weight, bias) by the kernel chosen for this row count: kernels = (for one row,
+    for 2 to MAX_ROWS rows), names from KERNELS."""
+    rows = x.numel() // x.shape[-1]
+    kernel = "torch" if rows > MAX_ROWS else kernels[rows > 1]
+    if kernel == "onednn" and (torch.compiler.is_compiling()  # inductor lowers its own linears
+                               or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        kernel = "torch"
+    if kernel == "onednn":
+        return onednn_linear(x, weight, bias)
+    if kernel == "transposed":
+        return transposed_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def _forward(self, x):
-    return small_batch_linear(x, self.weight, self.bias, pads_one_row(self))
+    return kernel_linear(x, self.weight, self.bias, self._rsd_kernels)
 
 
-def pads_one_row(module) -> bool:
-    """Whether this layer computes single rows with the small-batch kernel too (as 2 rows)."""
-    return getattr(module, "_rsd_one_row", False)
+def kernels_of(module) -> tuple[str, str]:
+    """(kernel for a single row, for 2-64 rows) this layer uses; TORCH for an unpatched layer."""
+    return getattr(module, "_rsd_kernels", TORCH) if uses_small_batch(module) else TORCH
 
 
-def kernel_code(module) -> int:
-    """0: torch's product; 1: the small-batch one for 2-64 rows; 2: for single rows too."""
-    return 0 if not uses_small_batch(module) else 2 if pads_one_row(module) else 1
-
-
-CALIBRATION_ROWS = (2, 4, 8)  # the forwards that matter: tree verification and draft levels
+CALIBRATION_ROWS = ((1,), (2, 4, 8))  # single rows (plain decoding, catch-up); trees and draft levels
 CALIBRATION_REPEATS = 5
-REQUIRED_GAIN = 0.9  # this kernel must take at most 90% of torch's time, summed over the rows
+REQUIRED_GAIN = 0.9  # another kernel must take at most 90% of torch's time, summed over the rows
 CALIBRATION_BYTES = 64 * 2**20  # enough weights to stream from memory, not from a CPU cache
 
 
 def mode() -> str:
-    """RSD_SMALL_BATCH_MATMUL: "auto" (default: where measured faster), "1" (always), "0" (never)."""
+    """RSD_SMALL_BATCH_MATMUL: "auto" (default: per shape, where measured faster), "0" or "torch"
+    (torch's everywhere), "1" or "transposed", "onednn" (that kernel everywhere it applies)."""
     value = os.environ.get("RSD_SMALL_BATCH_MATMUL", "auto").strip().lower()
-    return value if value in ("0", "1") else "auto"
+    value = {"1": "transposed", "torch": "0"}.get(value, value)
+    if value == "onednn" and not onednn_available():
+        return "0"
+    return value if value in ("0", "transposed", "onednn") else "auto"
 
 
 def _candidate(module) -> bool:
     # not a layer accelerate placed: its hook wraps `forward`, which the kernel would replace
     return (isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu"
-            and not hasattr(module, "_hf_hook")
-            and module.weight.dtype == torch.float32 and module.out_features >= module.in_features)
+            and not hasattr(module, "_hf_hook") and module.weight.dtype == torch.float32)
 
 
 def install(model, verdicts: Verdicts | None = None) -> int:
-    """Use the small-batch product in the model's widening fp32 CPU linear layers (with "auto",
-    only those of a shape where it measured faster on this machine); returns how many layers
-    now use it. Idempotent; a model on another device is left as it is."""
-    if mode() == "0":
+    """Give the model's fp32 CPU linear layers the kernels measured fastest for their shape on
+    this machine (or the one RSD_SMALL_BATCH_MATMUL names); returns how many layers use another
+    kernel than torch's for some row count. Idempotent; a model on another device is left as it is."""
+    forced = mode()
+    if forced == "0":
         return 0
-    if verdicts is None and mode() == "auto":
+    if verdicts is None and forced == "auto":
         verdicts = Verdicts.load()
     by_shape: dict[tuple[int, int], list] = {}
     for module in model.modules():
@@ -107,27 +141,26 @@ def install(model, verdicts: Verdicts | None = None) -> int:
             by_shape.setdefault(tuple(module.weight.shape), []).append(module)
     count = 0
     for modules in by_shape.values():
-        weights = [m.weight for m in modules]
-        if verdicts is None or verdicts.faster(weights):
-            one_row = verdicts is None or verdicts.one_row(weights)
+        kernels = (forced, forced) if verdicts is None else verdicts.kernels([m.weight for m in modules])
+        if kernels != TORCH:
             for module in modules:
                 if not uses_small_batch(module):
                     module.forward = types.MethodType(_forward, module)
-                module._rsd_one_row = one_row
-        count += sum(uses_small_batch(m) for m in modules)
+                module._rsd_kernels = kernels
+        count += sum(kernels_of(m) != TORCH for m in modules)
     if verdicts is not None:
         verdicts.save()
     return count
 
 
 def uses_small_batch(module) -> bool:
-    """Whether this layer computes few-row products with the small-batch kernel."""
+    """Whether this layer's forward chooses its kernel by row count (see kernels_of)."""
     return getattr(module.__dict__.get("forward"), "__func__", None) is _forward
 
 
 def installed(*models) -> int:
-    """How many distinct linear layers of these models use the small-batch product."""
-    return len({id(m) for model in models for m in model.modules() if uses_small_batch(m)})
+    """How many distinct linear layers of these models use another kernel than torch's."""
+    return len({id(m) for model in models for m in model.modules() if kernels_of(m) != TORCH})
 
 
 def _median_seconds(fn, x: torch.Tensor) -> float:
@@ -145,34 +178,32 @@ def _calibration_share(weights: list[torch.Tensor]) -> list[torch.Tensor]:
     return weights[: -(-CALIBRATION_BYTES // each)]
 
 
-def measure_one_row_gain(weights: list[torch.Tensor]) -> float:
-    """This kernel's time on one row padded to two over torch's on one row, for weights of one
-    shape (as measure_gain)."""
-    weights = _calibration_share(weights)
-    ours = lambda x: [small_batch_linear(x, w, one_row=True) for w in weights]  # noqa: E731
-    theirs = lambda x: [F.linear(x, w) for w in weights]  # noqa: E731
-    with torch.inference_mode():
-        x = torch.randn(1, weights[0].shape[1])
-        ours(x), theirs(x)
-        return _median_seconds(ours, x) / _median_seconds(theirs, x)
+def available_kernels() -> tuple[str, ...]:
+    return KERNELS if onednn_available() else KERNELS[:2]
 
 
-def measure_gain(weights: list[torch.Tensor]) -> float:
-    """This kernel's time over torch's for (out, in) weights of one shape, summed over
-    CALIBRATION_ROWS (below 1: this kernel is faster). Each timing runs through all the weights
-    in turn, as a forward does, so they come from memory rather than a warm cache (the first
-    CALIBRATION_BYTES of them: a big model's calibration stays short)."""
+def measure_kernels(weights: list[torch.Tensor], rows: tuple[int, ...]) -> dict[str, float]:
+    """Seconds each available kernel takes for these (out, in) weights of one shape, summed over
+    the row counts. Each timing runs through all the weights in turn, as a forward does, so they
+    come from memory rather than a warm cache (the first CALIBRATION_BYTES of them: a big model's
+    calibration stays short); the kernels alternate, so a busy moment hits them alike."""
     weights = _calibration_share(weights)
-    ours = lambda x: [small_batch_linear(x, w) for w in weights]  # noqa: E731
-    theirs = lambda x: [F.linear(x, w) for w in weights]  # noqa: E731
-    totals = [0.0, 0.0]
+    totals = dict.fromkeys(available_kernels(), 0.0)
     with torch.inference_mode():
-        for rows in CALIBRATION_ROWS:
-            x = torch.randn(rows, weights[0].shape[1])
-            ours(x), theirs(x)
-            totals[0] += _median_seconds(ours, x)
-            totals[1] += _median_seconds(theirs, x)
-    return totals[0] / totals[1]
+        for n in rows:
+            x = torch.randn(n, weights[0].shape[1])
+            runs = {k: (lambda x, k=k: [kernel_linear(x, w, None, (k, k)) for w in weights]) for k in totals}
+            for run in runs.values():
+                run(x)  # warm-up: first-call allocations and oneDNN primitive creation
+            for kernel, run in runs.items():
+                totals[kernel] += _median_seconds(run, x)
+    return totals
+
+
+def fastest(seconds: dict[str, float]) -> str:
+    """The fastest kernel if it takes at most REQUIRED_GAIN of torch's time, else torch."""
+    best = min(seconds, key=seconds.get)
+    return best if seconds[best] <= REQUIRED_GAIN * seconds["torch"] else "torch"
 
 
 def machine() -> str:
@@ -189,9 +220,9 @@ def machine() -> str:
 
 
 class Verdicts:
-    """Per weight shape on this machine: is the small-batch kernel faster? Measured once, then
-    read from `small-batch.json` in the rsd cache folder (a lost or unwritable file only means
-    measuring again)."""
+    """Per weight shape on this machine: the fastest kernel for one row and for 2-8 rows.
+    Measured once, then read from `small-batch.json` in the rsd cache folder (a lost or
+    unwritable file only means measuring again)."""
 
     def __init__(self, path: Path | None, known: dict):
         self.path, self.known, self.changed = path, known, False
@@ -204,21 +235,17 @@ class Verdicts:
         path = cache_dir() / "small-batch.json" if path is None else path
         return cls(path, read_json_table(path))
 
-    def faster(self, weights: list[torch.Tensor]) -> bool:
-        """Verdict for a model's layers of one shape (measured together the first time)."""
-        return self._verdict(weights, "", measure_gain)
-
-    def one_row(self, weights: list[torch.Tensor]) -> bool:
-        """Verdict for single rows of this shape: pad them to two for the small-batch kernel?"""
-        return self._verdict(weights, " | one row as two", measure_one_row_gain)
-
-    def _verdict(self, weights: list[torch.Tensor], kind: str, measure) -> bool:
+    def kernels(self, weights: list[torch.Tensor]) -> tuple[str, str]:
+        """(kernel for one row, for 2-64 rows) for a model's layers of one shape, measured
+        together the first time."""
         out_features, in_features = weights[0].shape
-        key = f"{self.machine} | {in_features}x{out_features}{kind}"
-        if not isinstance(self.known.get(key), bool):
-            self.known[key] = measure(weights) <= REQUIRED_GAIN
+        key = f"{self.machine} | {in_features}x{out_features} | kernels"
+        known = self.known.get(key)
+        if not (isinstance(known, list) and len(known) == 2 and set(known) <= set(available_kernels())):
+            known = [fastest(measure_kernels(weights, rows)) for rows in CALIBRATION_ROWS]
+            self.known[key] = known
             self.changed = True
-        return self.known[key]
+        return tuple(known)
 
     def save(self) -> None:
         from .models import write_json_table

@@ -200,7 +200,7 @@ def test_reduced_vocabulary_draft_head_is_a_shared_view_and_decoding_stays_exact
     assert draft(torch.tensor([[1, 2]])).logits.shape[-1] == 20
     from rsd_cli.small_batch import uses_small_batch
 
-    # a new (widening: 36 rows > 32 hidden) head gets the target's CPU kernels too
+    # a new (reduced) head gets the target's CPU kernels too
     assert uses_small_batch(models.early_exit_draft(target, 1, vocab=36).lm_head)
     assert models.params_read(draft) < models.params_read(models.early_exit_draft(target, 1))
 
