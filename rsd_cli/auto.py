@@ -254,12 +254,16 @@ class AutoShape:
 
 def cost_key(decoder) -> str:
     """What the measured costs depend on: machine (CPU, torch, threads), device and dtype, both
-    models (architecture and layers), the runtime each runs on."""
+    models (architecture and layers), the runtime each runs on and the CPU kernels of their layers."""
+    import hashlib
+
     from .compiled import verdict_key
     from .models import fingerprint
+    from .small_batch import signature
 
+    kernels = hashlib.sha256(signature(decoder.target_model, decoder.draft_model).encode()).hexdigest()[:12]
     return (f"costs v2 | {verdict_key(decoder.target_model)} | target {fingerprint(decoder.target_model)} | "
-            f"draft {fingerprint(decoder.draft_model)} | {decoder.runtimes.describe()}")
+            f"draft {fingerprint(decoder.draft_model)} | {decoder.runtimes.describe()} | kernels {kernels}")
 
 
 _MEASURED: dict[str, Costs] = {}  # this process's costs by key: chat's answers and bench rows measure once

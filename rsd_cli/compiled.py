@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
 from .engine import ChainExtension, full_vocabulary, unchanged_prefix
-from .small_batch import TORCH, kernel_linear, kernels_of
+from .small_batch import TORCH, kernel_linear, kernels_of, packed_of
 
 BUCKETS = (1, 2, 4, 8, 16)
 SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # scaled_dot_product_attention(enable_gqa=)
@@ -70,10 +70,12 @@ def unsupported(model) -> str | None:
 PLACEMENT_REASONS = ("a model placed over several devices", "a model whose weights accelerate offloads")
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: tuple) -> torch.Tensor:
-    """kernels: the CPU kernels this layer's shape measured fastest with (small_batch.kernels_of)."""
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small: tuple) -> torch.Tensor:
+    """small = (the CPU kernels this layer's shape measured fastest with, its packed weight or None):
+    small_batch.kernels_of / packed_of."""
+    kernels, packed = small
     if kernels != TORCH:
-        return kernel_linear(x, weight, bias, kernels)
+        return kernel_linear(x, weight, bias, kernels, packed)
     return F.linear(x, weight, bias)
 
 
@@ -124,6 +126,7 @@ class CompiledModel:
 
     def __init__(self, model, compile: bool = True):
         self.model = model
+        self.compiled = compile
         cfg = model.config
         inner = model.model
         attn = inner.layers[0].self_attn
@@ -139,8 +142,8 @@ class CompiledModel:
             # detached views (same storage): a trained adapter's tensors and the target's then pass
             # the same guards, and one graph serves both
             self.layers.append((tuple(None if w is None else w.detach() for w in weights),
-                                tuple(kernels_of(linear) for linear in linears)))
-        self.head_small = kernels_of(model.lm_head)
+                                tuple(self._kernels(linear) for linear in linears)))
+        self.head_small = self._kernels(model.lm_head)
         self.norm_eps = inner.norm.variance_epsilon
         self.device = inner.embed_tokens.weight.device
         self.dtype = inner.embed_tokens.weight.dtype
@@ -149,11 +152,15 @@ class CompiledModel:
             positions = torch.arange(self.context, device=self.device)[None]
             cos, sin = inner.rotary_emb(torch.zeros(1, dtype=self.dtype, device=self.device), positions)
         self.cos, self.sin = cos[0], sin[0]  # (context, head_dim)
-        self.compiled = compile
         self.graphs: set[int] = set()  # token counts compiled so far
         # the layers compiled; embedding, final norm and head stay eager (a few ops, and a graph per
         # head size would double the compiles)
         self._layer = _compiled(decoder_layer) if compile else decoder_layer
+
+    def _kernels(self, linear) -> tuple:
+        """(kernels, packed weight) for one linear; a compiled graph takes no packed (oneDNN) tensors:
+        inductor picks its own kernels there."""
+        return kernels_of(linear), None if self.compiled else packed_of(linear)
 
     def new_buffers(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         _, kv_heads, head_dim, _, _ = self.dims
@@ -319,14 +326,17 @@ REQUIRED_GAIN = 0.8
 
 
 def verdict_key(model) -> str:
-    """What the verdict depends on: the machine, device, dtype and the layer's shape (an early-exit
-    draft shares its target's; the layer count does not enter: layers run one compiled graph each)."""
-    from .small_batch import machine
+    """What the verdict depends on: the machine, device, dtype, the layer's shape and the CPU kernels
+    its linears use uncompiled (an early-exit draft shares its target's layers; the layer count does
+    not enter: layers run one compiled graph each)."""
+    from .small_batch import machine, signature
 
     cfg = model.config
     p = next(model.parameters())
-    return (f"{machine()} | {p.device.type} | {str(p.dtype).removeprefix('torch.')} | {cfg.model_type} "
-            f"{cfg.hidden_size}x{cfg.intermediate_size} {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads")
+    key = (f"{machine()} | {p.device.type} | {str(p.dtype).removeprefix('torch.')} | {cfg.model_type} "
+           f"{cfg.hidden_size}x{cfg.intermediate_size} {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads")
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return f"{key} | kernels {signature(layers[0])}" if layers else key
 
 
 def compile_pays(model, progress=lambda message: None, notice=lambda message: None) -> bool:

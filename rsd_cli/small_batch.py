@@ -8,17 +8,23 @@ fastest differs by machine, by shape and by row count. Three compute the same pr
 - "torch": `F.linear` (MKL's GEMM for fp32 on x86 builds);
 - "transposed": `(W @ x.T).T`, another MKL path (single rows padded to two with a zero row);
 - "onednn": oneDNN's inner product (`torch.ops.mkldnn._linear_pointwise`, what inductor emits
-  for CPU linears), on the layer's own weight, no repacked copy.
+  for CPU linears), on the layer's own weight;
+- "packed": the same on a copy of the weight in oneDNN's blocked layout, made once at load
+  (`torch.ops.mkldnn._reorder_linear_weight`): more memory (the copy), and few-row products
+  nearly as cheap as one row.
 
 Measured on a 2-core AMD EPYC (Zen 5, streaming the weights from memory as a forward does):
 torch's product reaches 11-14 GB/s on the 49k-row output head of SmolLM2-135M (7-14 ms for
 1-16 rows), "transposed" is 1.5-2x faster for 2-4 rows of widening layers, and oneDNN's reaches
 26-38 GB/s for every shape and row count (the head: 3.2 ms for one row, 5.6 ms for eight); on
-a 2-core Intel Xeon (Sapphire Rapids) torch's own kernel was the fast one. So by default
+a 2-core Intel Xeon (Sapphire Rapids) torch's own kernel was the fast one. On the packed copy a
+4-token forward of that model costs 1.1x a 1-token one (1.4x on its own weights), which is what
+tree verification needs. So by default
 ("auto") each layer shape is timed once per machine with every kernel, for one row and for
 2-8 rows apart, and keeps torch's unless another takes at most 90% of its time; the verdicts
 are cached under the rsd cache folder. RSD_SMALL_BATCH_MATMUL picks one kernel everywhere
-instead: "0" or "torch", "1" or "transposed", "onednn".
+instead: "0" or "torch", "1" or "transposed", "onednn", "packed". Packed copies are made only
+while they take at most half the memory still available (else "onednn" serves those layers).
 
 The result is the same product; only the order of the float additions inside it may differ, as
 between any two GEMM kernels. Prompts (more than 64 rows) and anything that needs gradients
@@ -39,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 64  # above this, prompt prefill: F.linear is the right kernel
-KERNELS = ("torch", "transposed", "onednn")
+KERNELS = ("torch", "transposed", "onednn", "packed")
 TORCH = ("torch", "torch")  # (kernel for a single row, kernel for 2 to MAX_ROWS rows)
 
 
@@ -65,8 +71,14 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) by oneDNN's inner product, on the weight as it is."""
+    """F.linear(x, weight, bias) by oneDNN's inner product; weight as it is, or packed_weight's copy."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of the (out, in) weight in oneDNN's blocked layout, for onednn_linear."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
 @functools.cache
@@ -75,20 +87,24 @@ def onednn_available() -> bool:
     try:
         weight, x = torch.randn(8, 4), torch.randn(3, 4)
         return bool(torch.backends.mkldnn.is_available()
-                    and torch.allclose(onednn_linear(x, weight), F.linear(x, weight), atol=1e-5))
+                    and torch.allclose(onednn_linear(x, weight), F.linear(x, weight), atol=1e-5)
+                    and torch.allclose(onednn_linear(x, packed_weight(weight)), F.linear(x, weight), atol=1e-5))
     except Exception:  # noqa: BLE001 - a build without it, or an op renamed in another version
         return False
 
 
-def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: tuple) -> torch.Tensor:
+def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: tuple,
+                  packed: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) by the kernel chosen for this row count: kernels = (for one row,
-    for 2 to MAX_ROWS rows), names from KERNELS."""
+    for 2 to MAX_ROWS rows), names from KERNELS; `packed` is the weight's packed copy, if made."""
     rows = x.numel() // x.shape[-1]
     kernel = "torch" if rows > MAX_ROWS else kernels[rows > 1]
-    if kernel == "onednn" and (torch.compiler.is_compiling()  # inductor lowers its own linears
-                               or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+    if kernel in ("onednn", "packed") and (torch.compiler.is_compiling()  # inductor lowers its own linears
+                                           or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         kernel = "torch"
-    if kernel == "onednn":
+    if kernel == "packed" and packed is not None:
+        return onednn_linear(x, packed, bias)
+    if kernel in ("onednn", "packed"):
         return onednn_linear(x, weight, bias)
     if kernel == "transposed":
         return transposed_linear(x, weight, bias)
@@ -96,7 +112,49 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _forward(self, x):
-    return kernel_linear(x, self.weight, self.bias, self._rsd_kernels)
+    return kernel_linear(x, self.weight, self.bias, self._rsd_kernels, packed_of(self))
+
+
+def packed_of(module) -> torch.Tensor | None:
+    """The layer's packed weight if it has one and its weight has not changed since (a trained or
+    reassigned weight is packed again)."""
+    entry = module.__dict__.get("_rsd_packed")
+    if entry is None:
+        return None
+    weight, version, packed = entry
+    if weight is not module.weight or weight._version != version:
+        packed = packed_weight(module.weight)
+        module._rsd_packed = (module.weight, module.weight._version, packed)
+    return packed
+
+
+def _pack(modules: list) -> None:
+    """Give each layer a packed copy of its weight (layers sharing a weight share the copy)."""
+    copies: dict[int, torch.Tensor] = {}
+    for module in modules:
+        if module.__dict__.get("_rsd_packed") is None:
+            weight = module.weight
+            if id(weight) not in copies:
+                copies[id(weight)] = packed_weight(weight)
+            module._rsd_packed = (weight, weight._version, copies[id(weight)])
+
+
+def available_memory() -> int | None:
+    """Bytes of memory still available (MemAvailable), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def room_to_pack(modules: list) -> bool:
+    """Packed copies only while they take at most half the memory still available."""
+    needed = sum(w.numel() * w.element_size() for w in {id(m.weight): m.weight for m in modules}.values())
+    free = available_memory()
+    return free is None or needed <= free // 2
 
 
 def kernels_of(module) -> tuple[str, str]:
@@ -115,9 +173,9 @@ def mode() -> str:
     (torch's everywhere), "1" or "transposed", "onednn" (that kernel everywhere it applies)."""
     value = os.environ.get("RSD_SMALL_BATCH_MATMUL", "auto").strip().lower()
     value = {"1": "transposed", "torch": "0"}.get(value, value)
-    if value == "onednn" and not onednn_available():
+    if value in ("onednn", "packed") and not onednn_available():
         return "0"
-    return value if value in ("0", "transposed", "onednn") else "auto"
+    return value if value in ("0", *KERNELS[1:]) else "auto"
 
 
 def _candidate(module) -> bool:
@@ -142,6 +200,11 @@ def install(model, verdicts: Verdicts | None = None) -> int:
     count = 0
     for modules in by_shape.values():
         kernels = (forced, forced) if verdicts is None else verdicts.kernels([m.weight for m in modules])
+        if "packed" in kernels:
+            if room_to_pack(modules):
+                _pack(modules)
+            else:
+                kernels = tuple("onednn" if k == "packed" else k for k in kernels)
         if kernels != TORCH:
             for module in modules:
                 if not uses_small_batch(module):
@@ -156,6 +219,14 @@ def install(model, verdicts: Verdicts | None = None) -> int:
 def uses_small_batch(module) -> bool:
     """Whether this layer's forward chooses its kernel by row count (see kernels_of)."""
     return getattr(module.__dict__.get("forward"), "__func__", None) is _forward
+
+
+def signature(*models) -> str:
+    """The kernels these models' linear layers use, per shape and row class (for cached costs
+    that depend on them), e.g. "576x1536 onednn/packed, 576x49152 packed/packed"."""
+    used = {f"{m.in_features}x{m.out_features} {'/'.join(kernels_of(m))}"
+            for model in models for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    return ", ".join(sorted(used))
 
 
 def installed(*models) -> int:
@@ -182,17 +253,29 @@ def available_kernels() -> tuple[str, ...]:
     return KERNELS if onednn_available() else KERNELS[:2]
 
 
+def _timed_runs(weights: list[torch.Tensor], kernels) -> dict:
+    """One callable per kernel running x through all the weights (packed ones on packed copies)."""
+    packed = [packed_weight(w) for w in weights] if "packed" in kernels else []
+    runs = {}
+    for kernel in kernels:
+        if kernel == "packed":
+            runs[kernel] = lambda x: [onednn_linear(x, p, None) for p in packed]
+        else:
+            runs[kernel] = lambda x, k=kernel: [kernel_linear(x, w, None, (k, k)) for w in weights]
+    return runs
+
+
 def measure_kernels(weights: list[torch.Tensor], rows: tuple[int, ...]) -> dict[str, float]:
     """Seconds each available kernel takes for these (out, in) weights of one shape, summed over
     the row counts. Each timing runs through all the weights in turn, as a forward does, so they
     come from memory rather than a warm cache (the first CALIBRATION_BYTES of them: a big model's
-    calibration stays short); the kernels alternate, so a busy moment hits them alike."""
+    calibration stays short)."""
     weights = _calibration_share(weights)
     totals = dict.fromkeys(available_kernels(), 0.0)
     with torch.inference_mode():
+        runs = _timed_runs(weights, totals)
         for n in rows:
             x = torch.randn(n, weights[0].shape[1])
-            runs = {k: (lambda x, k=k: [kernel_linear(x, w, None, (k, k)) for w in weights]) for k in totals}
             for run in runs.values():
                 run(x)  # warm-up: first-call allocations and oneDNN primitive creation
             for kernel, run in runs.items():

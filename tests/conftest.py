@@ -15,13 +15,13 @@ from tiny import save_tiny_pair  # noqa: E402
 @pytest.fixture(autouse=True)
 def isolated_dirs(tmp_path, monkeypatch):
     """Config in a temp dir; no user profile or environment override leaks into a test. Loaded
-    models use oneDNN's CPU linear wherever it can apply (the kernel "auto" picks on AMD EPYCs), so every
+    models use oneDNN's CPU linear on packed weights wherever it can apply (what "auto" picks on AMD EPYCs), so every
     engine and CLI test runs through it (its per-machine "auto" choice is tested on its own)."""
     monkeypatch.setenv("RSD_CONFIG_DIR", str(tmp_path / "config"))
     for name in list(__import__("os").environ):
         if name.startswith("RSD_") and name not in ("RSD_CONFIG_DIR", "RSD_CACHE_DIR"):
             monkeypatch.delenv(name)
-    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "onednn")
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "packed")
     # transformers' eager forward unless a test asks for the static-cache runtime (test_compiled.py):
     # the default "auto" would make every test's backend depend on this machine's cached verdict
     monkeypatch.setenv("RSD_RUNTIME_COMPILE", "off")

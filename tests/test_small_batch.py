@@ -197,3 +197,44 @@ def test_calibration_streams_a_bounded_share_of_a_big_model(monkeypatch):
     timed.clear()
     small_batch.measure_kernels(weights[:1], (2,))
     assert set(timed) == {1}
+
+
+def test_a_packed_weight_follows_changes_to_the_layer_s_weight(monkeypatch):
+    """A trained (changed in place) or reassigned weight is packed again: never a stale product."""
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "packed")
+    layer = torch.nn.Linear(24, 40)
+    assert small_batch.install(layer) == 1 and small_batch.packed_of(layer) is not None
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        layer.weight.mul_(2.0)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        layer.weight = torch.nn.Parameter(torch.randn(40, 24))
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_layers_sharing_a_weight_share_its_packed_copy(monkeypatch):
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "packed")
+    first = torch.nn.Linear(8, 16)
+    second = torch.nn.Linear(8, 16)
+    second.weight = first.weight
+    small_batch.install(torch.nn.Sequential(first, second))
+    assert small_batch.packed_of(first) is small_batch.packed_of(second)
+
+
+def test_without_room_for_packed_copies_the_layers_use_oneDNN_on_their_own_weights(monkeypatch):
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "packed")
+    monkeypatch.setattr(small_batch, "available_memory", lambda: 2 * 16 * 8 * 4 - 1)  # half of it < one weight
+    layer = torch.nn.Linear(8, 16)
+    assert small_batch.install(layer) == 1
+    assert small_batch.kernels_of(layer) == ("onednn", "onednn") and small_batch.packed_of(layer) is None
+    monkeypatch.setattr(small_batch, "available_memory", lambda: 2 * 16 * 8 * 4)
+    other = torch.nn.Linear(8, 16)
+    small_batch.install(other)
+    assert small_batch.kernels_of(other) == ("packed", "packed") and small_batch.packed_of(other) is not None
+
+
+def test_the_signature_names_each_shape_s_kernels(monkeypatch):
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "auto")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+    small_batch.install(model, Fixed({(8, 16): ("onednn", "transposed")}))
+    assert small_batch.signature(model) == "16x8 torch/torch, 8x16 onednn/transposed"
