@@ -4,7 +4,7 @@ probabilities, verification, the bonus draw, KV-cache pruning, and the rest (tre
 the engine's Python). Every part is timed by wrapping the function that does it; "other" is
 the step's wall time minus the parts.
 
-Run on a quiet machine: .venv/bin/python benchmarks/profile_step.py [--depths 1,2] [--limit 2]
+Run on a quiet machine: .venv/bin/python benchmarks/profile_step.py [--depths 1,2] [--limit 2] [--compile auto]
 Prints a table (ms per step and % of the step) and, with --json, the numbers.
 """
 
@@ -13,11 +13,12 @@ import json
 import time
 from collections import defaultdict
 
-from rsd_cli import drafting, engine
+from rsd_cli import compiled, drafting, engine
 from rsd_cli.bench import Setting
 from rsd_cli.generation import complete
 from rsd_cli.models import load_pair
 from rsd_cli.profiles import load_profile
+from rsd_cli.runtime import runtimes_of
 from rsd_cli.prompting import builtin_prompts, encode_prompt
 from rsd_cli.sampling import SamplingParams
 from rsd_cli.tree import DraftTree
@@ -54,14 +55,17 @@ def timed_step(fn):
     return wrapper
 
 
-def instrument(pair) -> None:
+def instrument(pair, runtimes) -> None:
     """Wrap the leaves of a step (none of them calls another wrapped one, except the model
-    forwards inside CachedLM.forward, subtracted below as "forward glue")."""
-    pair.target.forward = timed("target forward", pair.target.forward)
-    if pair.draft is not pair.target:
-        pair.draft.forward = timed("draft forward", pair.draft.forward)
-    engine.CachedLM.forward = timed("cached forward", engine.CachedLM.forward)
-    engine.CachedLM.keep = timed("cache pruning", engine.CachedLM.keep)
+    forwards inside CachedLM.forward / StaticLM.forward, subtracted below as "forward glue")."""
+    for role, model, runtime in (("target", pair.target, runtimes.target), ("draft", pair.draft, runtimes.draft)):
+        if runtime is not None:
+            runtime.forward = timed(f"{role} forward", runtime.forward)
+        elif role == "target" or pair.draft is not pair.target:
+            model.forward = timed(f"{role} forward", model.forward)
+    for cache in (engine.CachedLM, compiled.StaticLM):
+        cache.forward = timed("cached forward", cache.forward)
+        cache.keep = timed("cache pruning", cache.keep)
     engine.logits_to_probs = timed("logits to probs", engine.logits_to_probs)
     engine.plan = timed("verification", engine.plan)
     engine.decide = timed("verification", engine.decide)  # includes a correction draw
@@ -81,12 +85,14 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--limit", type=int, default=2, help="how many built-in eval prompts")
     parser.add_argument("-n", "--max-tokens", type=int, default=48)
+    parser.add_argument("--compile", default="auto", help="auto | on | off: the runtime (as rsd generate --compile)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     profile = load_profile(args.profile)
     pair = load_pair(profile)
-    instrument(pair)
+    runtimes = runtimes_of(pair, args.compile)
+    instrument(pair, runtimes)
     prompts = [encode_prompt(pair.tokenizer, p) for p in builtin_prompts("eval")[: args.limit]]
     jobs = []
     for variant in args.variants.split(","):
@@ -96,7 +102,7 @@ def main() -> None:
 
     def decoder(shape):
         return engine.Decoder(pair.target, pair.draft, pair.vocab_size, shape, sampling, pair.eos_ids,
-                              pair.context_length)
+                              pair.context_length, runtimes)
 
     complete(decoder(jobs[-1][2]), prompts[0], 8, 0)  # warm-up: page faults, kernel set-up
     rows = []
@@ -123,7 +129,7 @@ def main() -> None:
                      "outside_forwards": 1 - (parts["target forward"] + parts["draft forward"]) / wall})
 
     if args.json:
-        print(json.dumps({"temperature": args.temperature, "rows": rows}, indent=1))
+        print(json.dumps({"temperature": args.temperature, "runtime": runtimes.describe(), "rows": rows}, indent=1))
         return
     header = f"{'variant':<18}{'step ms':>8}" + "".join(f"{p:>16}" for p in PARTS) + f"{'outside fwd':>13}"
     print(header)

@@ -115,28 +115,40 @@ def _forward(self, x):
     return kernel_linear(x, self.weight, self.bias, self._rsd_kernels, packed_of(self))
 
 
+class _Packed:
+    """A layer's packed weight and the weight and version it was made from. A copy of the layer
+    (copy.deepcopy: oneDNN's packed tensors cannot be copied) packs its own at first use."""
+
+    __slots__ = ("weight", "version", "tensor")
+
+    def __init__(self, weight: torch.Tensor | None, tensor: torch.Tensor | None):
+        self.weight, self.tensor = weight, tensor
+        self.version = weight._version if weight is not None else -1
+
+    def __deepcopy__(self, memo) -> _Packed:
+        return _Packed(None, None)
+
+
 def packed_of(module) -> torch.Tensor | None:
-    """The layer's packed weight if it has one and its weight has not changed since (a trained or
-    reassigned weight is packed again)."""
+    """The layer's packed weight if it has one and its weight has not changed since (a trained,
+    reassigned or copied weight is packed again)."""
     entry = module.__dict__.get("_rsd_packed")
     if entry is None:
         return None
-    weight, version, packed = entry
-    if weight is not module.weight or weight._version != version:
-        packed = packed_weight(module.weight)
-        module._rsd_packed = (module.weight, module.weight._version, packed)
-    return packed
+    if entry.weight is not module.weight or entry.weight._version != entry.version:
+        entry = module._rsd_packed = _Packed(module.weight, packed_weight(module.weight))
+    return entry.tensor
 
 
 def _pack(modules: list) -> None:
     """Give each layer a packed copy of its weight (layers sharing a weight share the copy)."""
-    copies: dict[int, torch.Tensor] = {}
+    copies: dict[int, _Packed] = {}
     for module in modules:
         if module.__dict__.get("_rsd_packed") is None:
             weight = module.weight
             if id(weight) not in copies:
-                copies[id(weight)] = packed_weight(weight)
-            module._rsd_packed = (weight, weight._version, copies[id(weight)])
+                copies[id(weight)] = _Packed(weight, packed_weight(weight))
+            module._rsd_packed = copies[id(weight)]
 
 
 def available_memory() -> int | None:

@@ -238,3 +238,18 @@ def test_the_signature_names_each_shape_s_kernels(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
     small_batch.install(model, Fixed({(8, 16): ("onednn", "transposed")}))
     assert small_batch.signature(model) == "16x8 torch/torch, 8x16 onednn/transposed"
+
+
+def test_a_copied_layer_packs_its_own_weight(monkeypatch):
+    import copy
+
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "packed")
+    layer = torch.nn.Linear(24, 40)
+    small_batch.install(layer)
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.weight.mul_(-1.0)
+        x = torch.randn(2, 24)
+        torch.testing.assert_close(twin(x), F.linear(x, twin.weight, twin.bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert small_batch.packed_of(twin) is not small_batch.packed_of(layer)
