@@ -3,7 +3,7 @@
 Every target and draft call in rsd multiplies a handful of rows (1 for plain decoding and the
 draft's catch-up, 2-64 for a verified tree or a draft level) by each weight matrix, so a
 forward is a stream of weights through small products, and which CPU kernel computes those
-fastest differs by machine, by shape and by row count. Three compute the same product:
+fastest differs by machine, by shape and by row count. Four compute the same product:
 
 - "torch": `F.linear` (MKL's GEMM for fp32 on x86 builds);
 - "transposed": `(W @ x.T).T`, another MKL path (single rows padded to two with a zero row);
@@ -93,26 +93,43 @@ def onednn_available() -> bool:
         return False
 
 
-def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: tuple,
-                  packed: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) by the kernel chosen for this row count: kernels = (for one row,
-    for 2 to MAX_ROWS rows), names from KERNELS; `packed` is the weight's packed copy, if made."""
+def kernel_for(x: torch.Tensor, weight: torch.Tensor, kernels: tuple) -> str:
+    """The kernel for this product: kernels = (for one row, for 2 to MAX_ROWS rows), names from
+    KERNELS; torch's for prompts, for products that need gradients and inside compiled graphs
+    (inductor lowers its own linears; oneDNN's op cannot be traced there)."""
     rows = x.numel() // x.shape[-1]
     kernel = "torch" if rows > MAX_ROWS else kernels[rows > 1]
-    if kernel in ("onednn", "packed") and (torch.compiler.is_compiling()  # inductor lowers its own linears
+    if kernel in ("onednn", "packed") and (torch.compiler.is_compiling()
                                            or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        kernel = "torch"
-    if kernel == "packed" and packed is not None:
-        return onednn_linear(x, packed, bias)
+        return "torch"
+    return kernel
+
+
+def run_kernel(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               packed: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) by this kernel; "packed" uses `packed`, the weight's packed copy
+    (oneDNN on the weight itself when there is none)."""
     if kernel in ("onednn", "packed"):
-        return onednn_linear(x, weight, bias)
+        return onednn_linear(x, packed if kernel == "packed" and packed is not None else weight, bias)
     if kernel == "transposed":
         return transposed_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
+def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: tuple,
+                  packed: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) by the kernel chosen for this row count (kernel_for)."""
+    return run_kernel(kernel_for(x, weight, kernels), x, weight, bias, packed)
+
+
 def _forward(self, x):
-    return kernel_linear(x, self.weight, self.bias, self._rsd_kernels, packed_of(self))
+    kernel = kernel_for(x, self.weight, self._rsd_kernels)
+    return run_kernel(kernel, x, self.weight, self.bias, packed_of(self) if kernel == "packed" else None)
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place modification count (an inference tensor keeps none: -1)."""
+    return -1 if tensor.is_inference() else tensor._version
 
 
 class _Packed:
@@ -123,7 +140,7 @@ class _Packed:
 
     def __init__(self, weight: torch.Tensor | None, tensor: torch.Tensor | None):
         self.weight, self.tensor = weight, tensor
-        self.version = weight._version if weight is not None else -1
+        self.version = _version(weight) if weight is not None else -1
 
     def __deepcopy__(self, memo) -> _Packed:
         return _Packed(None, None)
@@ -135,7 +152,7 @@ def packed_of(module) -> torch.Tensor | None:
     entry = module.__dict__.get("_rsd_packed")
     if entry is None:
         return None
-    if entry.weight is not module.weight or entry.weight._version != entry.version:
+    if entry.weight is not module.weight or _version(entry.weight) != entry.version:
         entry = module._rsd_packed = _Packed(module.weight, packed_weight(module.weight))
     return entry.tensor
 

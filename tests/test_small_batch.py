@@ -253,3 +253,33 @@ def test_a_copied_layer_packs_its_own_weight(monkeypatch):
         torch.testing.assert_close(twin(x), F.linear(x, twin.weight, twin.bias), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     assert small_batch.packed_of(twin) is not small_batch.packed_of(layer)
+
+
+def test_training_a_packed_layer_does_not_repack_it_at_every_step(monkeypatch):
+    """Products that need gradients run on torch's kernel; the copy is packed again only when a
+    product without gradients needs it after the weight changed."""
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "packed")
+    layer = torch.nn.Linear(8, 16)
+    small_batch.install(layer)
+    packs = []
+    real = small_batch.packed_weight
+    monkeypatch.setattr(small_batch, "packed_weight", lambda w: packs.append(1) or real(w))
+    optimiser = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for _ in range(3):
+        optimiser.zero_grad()
+        layer(torch.randn(4, 8)).square().sum().backward()
+        optimiser.step()
+    assert packs == []
+    with torch.no_grad():
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert packs == [1]
+
+
+def test_a_layer_made_in_inference_mode_packs_too(monkeypatch):
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "packed")
+    with torch.inference_mode():
+        layer = torch.nn.Linear(8, 16)
+        small_batch.install(layer)
+        x = torch.randn(2, 8)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
