@@ -155,8 +155,10 @@ class Acceptance:
 
     tried: dict[tuple[int, int], int] = field(default_factory=dict)
     accepted: dict[tuple[int, int], int] = field(default_factory=dict)
+    _rates: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # since the last observe
 
     def observe(self, checks) -> None:
+        self._rates.clear()
         for depth, check in enumerate(checks):
             for rank in range(check.decision.tried):
                 self.tried[rank, depth] = self.tried.get((rank, depth), 0) + 1
@@ -167,6 +169,11 @@ class Acceptance:
         """P(accept candidate `rank` | earlier ones rejected) at `depth`: the rank's rate over all
         depths (from a prior), moved towards this depth's own counts as they accumulate, plus an
         optimistic margin that shrinks as the rank is tried (so wider shapes get measured too)."""
+        if (rank, depth) not in self._rates:  # (a choice rates every candidate shape: ~100 lookups each)
+            self._rates[rank, depth] = self._rate(rank, depth)
+        return self._rates[rank, depth]
+
+    def _rate(self, rank: int, depth: int) -> float:
         all_tried = sum(n for (k, _), n in self.tried.items() if k == rank)
         all_accepted = sum(n for (k, _), n in self.accepted.items() if k == rank)
         pooled = (all_accepted + PRIOR_WEIGHT * PRIOR[min(rank, len(PRIOR) - 1)]) / (all_tried + PRIOR_WEIGHT)
@@ -201,17 +208,25 @@ class AutoShape:
         self.acceptance = Acceptance()
         self.target_scale = self.draft_scale = 1.0
         self.measured: dict[Shape, float] = {}  # shape -> this run's step seconds (moving average)
+        self._modelled: dict[Shape, tuple[float, float]] = {}  # shape -> step_seconds before scaling
         self.current: Shape | None = None
         self.steps = 0
         self.since_draft = 0  # steps since the last one that drafted
 
     def step_seconds(self, shape: Shape) -> tuple[float, float]:
         """(draft, target) seconds predicted for one step of `shape`."""
+        if shape not in self._modelled:
+            self._modelled[shape] = self._modelled_seconds(shape)
+        draft, target = self._modelled[shape]
+        return draft * self.draft_scale, target * self.target_scale
+
+    def _modelled_seconds(self, shape: Shape) -> tuple[float, float]:
+        """(draft, target) seconds of one step from the measured costs, unscaled."""
         if shape.depth == 0:
-            return 0.0, self.costs.target_at(1) * self.target_scale
+            return 0.0, self.costs.target_at(1)
         sizes = level_sizes(shape)
         draft = self.costs.draft_at(1) + sum(self.costs.draft_at(n) for n in sizes[:-1])  # catch-up + levels
-        return draft * self.draft_scale, self.costs.target_at(1 + sum(sizes)) * self.target_scale
+        return draft, self.costs.target_at(1 + sum(sizes))
 
     def seconds(self, shape: Shape) -> float:
         """A step's time: as measured in this run for a shape it used (the forwards and the
