@@ -40,7 +40,7 @@ DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 PRIOR = (0.5, 0.2, 0.1)  # P(accept the k-th candidate | the ones before rejected), before any data
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind each prior value
 SCALE_MEMORY = 0.2  # how fast the cost scales follow the measured step times
-MEASURED_MEMORY = 0.3  # how fast a used shape's measured step time follows new steps
+MEASURED_MEMORY = 0.3  # how fast a used shape's measured time ratio follows new steps
 
 
 def candidates(max_nodes: int = MAX_NODES) -> list[Shape]:
@@ -207,7 +207,7 @@ class AutoShape:
         self.every = every
         self.acceptance = Acceptance()
         self.target_scale = self.draft_scale = 1.0
-        self.measured: dict[Shape, float] = {}  # shape -> this run's step seconds (moving average)
+        self.measured: dict[Shape, float] = {}  # shape -> its steps' time over the scaled model's (moving average)
         self._modelled: dict[Shape, tuple[float, float]] = {}  # shape -> step_seconds before scaling
         self.current: Shape | None = None
         self.steps = 0
@@ -229,9 +229,11 @@ class AutoShape:
         return draft, self.costs.target_at(1 + sum(sizes))
 
     def seconds(self, shape: Shape) -> float:
-        """A step's time: as measured in this run for a shape it used (the forwards and the
-        per-node sampling and verification), else the cost model's, scaled."""
-        return self.measured.get(shape) or sum(self.step_seconds(shape))
+        """A step's time: the cost model's, scaled to this run's step times, and for a shape the run
+        has used, times what its steps took over that (its sampling and verification, its kernels).
+        That ratio, not the time itself, is what a shape keeps: when the whole machine slows down
+        or speeds up (a busy neighbour), every shape's estimate moves with the scales alike."""
+        return sum(self.step_seconds(shape)) * self.measured.get(shape, 1.0)
 
     def rate(self, shape: Shape) -> float:
         """Expected tokens per second."""
@@ -252,14 +254,14 @@ class AutoShape:
         self.acceptance.observe(event.checks)
         if event.step == 1:  # its draft call also read the whole prompt: not a step's time
             return
-        taken = event.draft_seconds + event.verify_seconds
-        known = self.measured.get(event.shape)
-        self.measured[event.shape] = taken if known is None else known + MEASURED_MEMORY * (taken - known)
         draft, target = self.step_seconds(event.shape)
         if target > 0 and event.verify_seconds > 0:
             self.target_scale *= (event.verify_seconds / target) ** SCALE_MEMORY
         if draft > 0 and event.draft_seconds > 0:
             self.draft_scale *= (event.draft_seconds / draft) ** SCALE_MEMORY
+        ratio = (event.draft_seconds + event.verify_seconds) / sum(self.step_seconds(event.shape))
+        known = self.measured.get(event.shape)
+        self.measured[event.shape] = ratio if known is None else known + MEASURED_MEMORY * (ratio - known)
 
     def ranking(self, top: int = 5) -> list[tuple[str, float]]:
         """The best shapes now and their expected tokens per second (for reports and tests)."""

@@ -91,6 +91,24 @@ def test_a_shape_used_is_timed_by_its_own_steps():
     assert policy.seconds(make_shape("sd", draft_len=1)) < before  # the model, scaled towards what was measured
 
 
+def test_a_used_shape_s_estimate_follows_the_machine_s_speed():
+    """A shape timed while the machine was fast must not look cheap for ever once it slows down
+    (a busy neighbour): what a shape keeps is its time over the scaled model's."""
+    policy = AutoShape(flat(1.0, 0.1))
+    tree, chain = make_shape("rsd-c", branching=(3,)), make_shape("sd", draft_len=1)
+
+    class Step:
+        step, checks, shape, draft_seconds, verify_seconds = 2, [check(3, 0)], tree, 0.1, 1.0
+
+    policy.observe(Step)
+    assert policy.seconds(tree) == pytest.approx(1.1)
+    Step.shape, Step.draft_seconds, Step.verify_seconds = chain, 0.2, 2.0  # everything now takes twice as long
+    for _ in range(40):
+        policy.observe(Step)
+    assert policy.seconds(tree) == pytest.approx(2.2, rel=0.02)
+    assert policy.seconds(chain) == pytest.approx(2.2, rel=0.02)
+
+
 def test_the_choice_follows_costs_and_acceptance():
     confident = AutoShape(flat(1.0))
     for _ in range(200):
