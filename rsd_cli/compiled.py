@@ -158,9 +158,8 @@ class CompiledModel:
         self._layer = _compiled(decoder_layer) if compile else decoder_layer
 
     def _kernels(self, linear) -> tuple:
-        """(kernels, packed weight) for one linear; a compiled graph takes no packed (oneDNN) tensors:
-        inductor picks its own kernels there."""
-        return kernels_of(linear), None if self.compiled else packed_of(linear)
+        """(the CPU kernels of this linear, its packed weight or None)."""
+        return kernels_of(linear), packed_of(linear)
 
     def new_buffers(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         _, kv_heads, head_dim, _, _ = self.dims

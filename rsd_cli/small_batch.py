@@ -28,7 +28,8 @@ while they take at most half the memory still available (else "onednn" serves th
 
 The result is the same product; only the order of the float additions inside it may differ, as
 between any two GEMM kernels. Prompts (more than 64 rows) and anything that needs gradients
-(distillation) run on `F.linear`, as does a compiled graph (inductor chooses its own kernels).
+(distillation) run on `F.linear`; in a compiled graph the chosen kernel is an opaque operator
+(`rsd::linear`, torch >= 2.4) that inductor calls between its fused kernels.
 """
 
 from __future__ import annotations
@@ -95,12 +96,11 @@ def onednn_available() -> bool:
 
 def kernel_for(x: torch.Tensor, weight: torch.Tensor, kernels: tuple) -> str:
     """The kernel for this product: kernels = (for one row, for 2 to MAX_ROWS rows), names from
-    KERNELS; torch's for prompts, for products that need gradients and inside compiled graphs
-    (inductor lowers its own linears; oneDNN's op cannot be traced there)."""
+    KERNELS; torch's for prompts and for products that need gradients (oneDNN's op has no
+    backward here)."""
     rows = x.numel() // x.shape[-1]
     kernel = "torch" if rows > MAX_ROWS else kernels[rows > 1]
-    if kernel in ("onednn", "packed") and (torch.compiler.is_compiling()
-                                           or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+    if kernel in ("onednn", "packed") and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return "torch"
     return kernel
 
@@ -118,8 +118,28 @@ def run_kernel(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: tuple,
                   packed: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) by the kernel chosen for this row count (kernel_for)."""
-    return run_kernel(kernel_for(x, weight, kernels), x, weight, bias, packed)
+    """F.linear(x, weight, bias) by the kernel chosen for this row count (kernel_for). Inside a
+    graph torch.compile traces, the product is one opaque operation (`rsd::linear`) that runs the
+    same kernel, so compiled graphs fuse what lies around it and keep the measured kernel."""
+    kernel = kernel_for(x, weight, kernels)
+    if kernel != "torch" and torch.compiler.is_compiling():
+        if _COMPILABLE:
+            return torch.ops.rsd.linear(x, weight, bias, packed, kernel)
+        kernel = "torch"  # a torch without custom operators: inductor's own product
+    return run_kernel(kernel, x, weight, bias, packed)
+
+
+_COMPILABLE = hasattr(torch.library, "custom_op")  # torch >= 2.4
+if _COMPILABLE:
+    @torch.library.custom_op("rsd::linear", mutates_args=())
+    def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
+                   kernel: str) -> torch.Tensor:
+        out = run_kernel(kernel, x, weight, bias, packed)
+        return out.clone() if out is x else out  # (an operator's output must not alias its input)
+
+    @_linear_op.register_fake
+    def _(x, weight, bias, packed, kernel):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _forward(self, x):

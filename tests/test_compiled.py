@@ -70,6 +70,59 @@ def test_static_cache_matches_transformers_for_trees_pruning_and_growth(pair, ru
         assert {1, 2, 4, 8} <= runtimes[compile].target.graphs  # the bucketed sizes ran compiled
 
 
+class AllPacked:
+    """Kernel verdicts: oneDNN on packed weights for every layer shape and row count."""
+
+    def kernels(self, weights):
+        return ("packed", "packed")
+
+    def save(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def packed_runtimes(pair):
+    """Copies of the pair whose linear layers use the packed oneDNN kernel, compiled."""
+    import copy
+
+    from rsd_cli import small_batch
+
+    models = tuple(copy.deepcopy(model) for model in pair)
+    for model in models:
+        small_batch.install(model, AllPacked())
+    return models, Runtimes(CompiledModel(models[0], True), CompiledModel(models[1], True), "on")
+
+
+@pytest.mark.skipif(not hasattr(torch.library, "custom_op"), reason="torch < 2.4: compiled graphs use torch's product")
+def test_compiled_graphs_run_the_measured_cpu_kernels(pair, packed_runtimes, monkeypatch):
+    from rsd_cli import small_batch
+
+    if not small_batch.onednn_available():
+        pytest.skip("no oneDNN in this torch")
+    models, runtimes = packed_runtimes
+    ran = []
+    real = small_batch.run_kernel
+    monkeypatch.setattr(small_batch, "run_kernel", lambda kernel, *args: ran.append(kernel) or real(kernel, *args))
+    ours, reference = StaticLM(runtimes.target, V, capacity=32), CachedLM(pair[0], V)
+    ours.extend(PROMPT)
+    reference.extend(PROMPT)
+    ran.clear()
+    tree = a_tree()
+    base = len(PROMPT)
+    visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
+    positions = [base + d for d in tree.depths]
+    torch.testing.assert_close(ours.forward(tree.tokens, positions, visible),
+                               reference.forward(tree.tokens, positions, visible), atol=1e-5, rtol=1e-5)
+    assert 8 in runtimes.target.graphs and ran.count("packed") >= 2 * 7  # every linear of both layers
+    assert small_batch.packed_of(models[0].model.layers[0].mlp.down_proj) is not None
+
+
+@pytest.mark.parametrize("shape", shapes()[:4], ids=lambda s: s.describe())
+def test_greedy_on_compiled_graphs_with_packed_kernels_equals_plain_greedy(pair, packed_runtimes, shape):
+    models, runtimes = packed_runtimes
+    assert run(models, runtimes, shape, SamplingParams(temperature=0), 25, seed=0) == plain_greedy(pair[0], 25)
+
+
 def run(pair, runtimes, shape, sampling, max_tokens, seed):
     decoder = Decoder(pair[0], pair[1], V, shape, sampling, set(), runtimes=runtimes)
     return [t for event in decoder.generate(PROMPT, max_tokens, seed) for t in event.emitted]
