@@ -14,7 +14,10 @@ model's own modules (weights, norms and rotary tables are read, never copied):
 - token counts are padded to a few buckets (1, 2, 4, 8, 16; padding rows write beyond the used
   length and see only themselves), and the used length is a dynamic dimension, so a handful of
   compiled graphs of one decoder layer serve every tree, every layer and the early-exit draft;
-  prompts and trees of more than 16 tokens run the same code uncompiled, where overhead matters less.
+  prompts and trees of more than 16 tokens run the same code uncompiled, where overhead matters less;
+- on CPU each linear product runs the kernel measured fastest for its shape and row count
+  (`small_batch`: oneDNN on packed weights on an AMD EPYC), inside compiled graphs too, where it is
+  one opaque operator (`rsd::linear`) between the kernels inductor fuses.
 
 The engine sees the same `forward(tokens, positions, visible)` / `keep(indices)` as with
 transformers' forward (`engine.CachedLM`), so exactness arguments carry over unchanged: tests
@@ -326,8 +329,8 @@ REQUIRED_GAIN = 0.8
 
 def verdict_key(model) -> str:
     """What the verdict depends on: the machine, device, dtype, the layer's shape and the CPU kernels
-    its linears use uncompiled (an early-exit draft shares its target's layers; the layer count does
-    not enter: layers run one compiled graph each)."""
+    its linears use (an early-exit draft shares its target's layers; the layer count does not enter:
+    layers run one compiled graph each)."""
     from .small_batch import machine, signature
 
     cfg = model.config
