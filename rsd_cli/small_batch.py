@@ -129,17 +129,26 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return run_kernel(kernel, x, weight, bias, packed)
 
 
-_COMPILABLE = hasattr(torch.library, "custom_op")  # torch >= 2.4
-if _COMPILABLE:
-    @torch.library.custom_op("rsd::linear", mutates_args=())
-    def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
-                   kernel: str) -> torch.Tensor:
-        out = run_kernel(kernel, x, weight, bias, packed)
-        return out.clone() if out is x else out  # (an operator's output must not alias its input)
+def _register_operator() -> bool:
+    """rsd::linear for compiled graphs (torch >= 2.4); False where this torch cannot register it."""
+    if not hasattr(torch.library, "custom_op"):
+        return False
+    try:
+        @torch.library.custom_op("rsd::linear", mutates_args=(),
+                                 schema="(Tensor x, Tensor weight, Tensor? bias, Tensor? packed, str kernel) -> Tensor")
+        def linear_operator(x, weight, bias, packed, kernel):
+            out = run_kernel(kernel, x, weight, bias, packed)
+            return out.clone() if out is x else out  # (an operator's output must not alias its input)
 
-    @_linear_op.register_fake
-    def _(x, weight, bias, packed, kernel):
-        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+        @linear_operator.register_fake
+        def _(x, weight, bias, packed, kernel):
+            return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    except Exception:  # noqa: BLE001 - an API that differs in this torch: compiled graphs use torch's product
+        return False
+    return True
+
+
+_COMPILABLE = _register_operator()
 
 
 def _forward(self, x):
