@@ -1,5 +1,6 @@
-"""The CPU small-batch linear: same product as F.linear for every row count, installed only where
-it is meant to be (by default only where it measured faster on this machine), switchable off."""
+"""The CPU linear kernels (torch's, transposed, oneDNN, oneDNN on packed weights): each the same
+product as F.linear for every row count, with gradients, and after the weight changes; chosen per
+shape where measured faster on this machine (measured once, cached), or forced, or switched off."""
 
 import json
 
@@ -12,7 +13,7 @@ from rsd_cli.models import load_model
 from tiny import tiny_model, tiny_tokenizer
 
 
-KERNELS = [k for k in small_batch.KERNELS if k != "onednn" or small_batch.onednn_available()]
+KERNELS = [k for k in small_batch.KERNELS if k not in ("onednn", "packed") or small_batch.onednn_available()]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 15, 16, 17, 64, 65, 130])
@@ -72,7 +73,7 @@ def test_switched_off_by_the_environment(monkeypatch, tmp_path):
     assert small_batch.installed(loaded) == 0
 
 
-@pytest.mark.parametrize("kernel", ["transposed", "onednn"])
+@pytest.mark.parametrize("kernel", ["transposed", "onednn", "packed"])
 def test_loaded_models_use_it_and_give_the_same_logits(tmp_path, monkeypatch, kernel):
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", kernel)
     model = tiny_model(vocab=40, layers=2)
