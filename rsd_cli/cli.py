@@ -417,10 +417,11 @@ def bench(
 
     memory = memory_summary(pair, runtime_mb)
     if as_json:
-        from .small_batch import installed
+        from .small_batch import installed, signature
 
         typer.echo(json.dumps({"results": rows, "memory": memory,
-                               "small_batch_layers": installed(pair.target, pair.draft)}, indent=2))
+                               "small_batch_layers": installed(pair.target, pair.draft),
+                               "cpu_kernels": signature(pair.target, pair.draft)}, indent=2))
     elif as_csv:
         write_csv(rows, sys.stdout)
     else:

@@ -19,6 +19,7 @@ def test_bench_runs_end_to_end_with_every_field_and_a_plot(tiny_profile, tmp_pat
     assert 0 < report["memory"]["runtime_rss_mb"] < report["memory"]["peak_rss_mb"]
     assert report["memory"]["model_peak_over_weights"] < report["memory"]["peak_over_weights"]
     assert report["small_batch_layers"] == 30  # (3 + 1) layers x (q, k, v, o, gate, up, down) + 2 heads
+    assert "packed/packed" in report["cpu_kernels"]  # which kernels computed these results
     variants = {r["variant"] for r in rows}
     assert variants == {"ar", "sd", "mss", "spectr", "rsd-c", "rsd-s", "auto", "hf-assisted", "hf-static"}
     for row in rows:
