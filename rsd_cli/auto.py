@@ -41,6 +41,7 @@ PRIOR = (0.5, 0.2, 0.1)  # P(accept the k-th candidate | the ones before rejecte
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind each prior value
 SCALE_MEMORY = 0.2  # how fast the cost scales follow the measured step times
 MEASURED_MEMORY = 0.3  # how fast a used shape's measured time ratio follows new steps
+OPTIMISM = 0.5  # standard errors added to an acceptance rate (so wider shapes get tried)
 
 
 def candidates(max_nodes: int = MAX_NODES) -> list[Shape]:
@@ -179,7 +180,7 @@ class Acceptance:
         pooled = (all_accepted + PRIOR_WEIGHT * PRIOR[min(rank, len(PRIOR) - 1)]) / (all_tried + PRIOR_WEIGHT)
         tried, accepted = self.tried.get((rank, depth), 0), self.accepted.get((rank, depth), 0)
         rate = (accepted + PRIOR_WEIGHT * pooled) / (tried + PRIOR_WEIGHT)
-        return min(1.0, rate + math.sqrt(rate * (1 - rate) / (all_tried + PRIOR_WEIGHT)) / 2)
+        return min(1.0, rate + OPTIMISM * math.sqrt(rate * (1 - rate) / (all_tried + PRIOR_WEIGHT)))
 
     def level(self, branching: int, depth: int) -> float:
         """P(one of `branching` candidates is accepted) at `depth`."""
