@@ -233,13 +233,8 @@ class AutoShape:
         """A step's time: the cost model's, scaled to this run's step times, and for a shape the run
         has used, times what its steps took over that (its sampling and verification, its kernels).
         That ratio, not the time itself, is what a shape keeps: when the whole machine slows down
-        or speeds up (a busy neighbour), every shape's estimate moves with the scales alike. A shape
-        not used yet gets the used ones' mean ratio: the model leaves out what every step pays
-        beyond its forwards, and unused shapes must not look cheaper for that alone."""
-        ratio = self.measured.get(shape)
-        if ratio is None:
-            ratio = sum(self.measured.values()) / len(self.measured) if self.measured else 1.0
-        return sum(self.step_seconds(shape)) * ratio
+        or speeds up (a busy neighbour), every shape's estimate moves with the scales alike."""
+        return sum(self.step_seconds(shape)) * self.measured.get(shape, 1.0)
 
     def rate(self, shape: Shape) -> float:
         """Expected tokens per second."""
