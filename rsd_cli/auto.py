@@ -41,6 +41,8 @@ PRIOR = (0.5, 0.2, 0.1)  # P(accept the k-th candidate | the ones before rejecte
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind each prior value
 SCALE_MEMORY = 0.2  # how fast the cost scales follow the measured step times
 MEASURED_MEMORY = 0.3  # how fast a used shape's measured time ratio follows new steps
+WARM_UP_STEPS = 2  # a shape's first steps are not timed: on a 2-core EPYC the first two forwards
+# of a new token count took 6-8 ms more than later ones (oneDNN sets up kernels for each new size)
 OPTIMISM = 0.5  # standard errors added to an acceptance rate (so wider shapes get tried)
 
 
@@ -210,6 +212,7 @@ class AutoShape:
         self.target_scale = self.draft_scale = 1.0
         self.measured: dict[Shape, float] = {}  # shape -> its steps' time over the scaled model's (moving average)
         self._modelled: dict[Shape, tuple[float, float]] = {}  # shape -> step_seconds before scaling
+        self.uses: dict[Shape, int] = {}  # shape -> steps of it observed (after the first step)
         self.current: Shape | None = None
         self.steps = 0
         self.since_draft = 0  # steps since the last one that drafted
@@ -254,6 +257,9 @@ class AutoShape:
         """Learn from a finished step: its verified nodes and how long its forwards took."""
         self.acceptance.observe(event.checks)
         if event.step == 1:  # its draft call also read the whole prompt: not a step's time
+            return
+        self.uses[event.shape] = self.uses.get(event.shape, 0) + 1
+        if self.uses[event.shape] <= WARM_UP_STEPS:  # a new token count's first calls set kernels up
             return
         draft, target = self.step_seconds(event.shape)
         if target > 0 and event.verify_seconds > 0:
