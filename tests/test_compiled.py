@@ -43,21 +43,27 @@ def a_tree() -> DraftTree:
     return tree
 
 
-@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
-def test_static_cache_matches_transformers_for_trees_pruning_and_growth(pair, runtimes, compile):
-    """A 6-node tree (padded to 8 when compiled), pruning to one path, then chains past the
-    buffers' first capacity: every logit equals transformers' eager forward with its DynamicCache."""
-    target = pair[0]
-    ours = StaticLM(runtimes[compile].target, V, capacity=12)  # grows on the way
-    reference = CachedLM(target, V)
+def assert_same_tree_logits(ours, reference, before_tree=lambda: None) -> int:
+    """Both caches read PROMPT, then a_tree() in one forward: the same logits. Returns the tree's base."""
     for lm in (ours, reference):
         lm.extend(PROMPT)
+    before_tree()
     tree = a_tree()
     base = len(PROMPT)
     visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
     positions = [base + d for d in tree.depths]
     torch.testing.assert_close(ours.forward(tree.tokens, positions, visible),
                                reference.forward(tree.tokens, positions, visible), atol=1e-5, rtol=1e-5)
+    return base
+
+
+@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
+def test_static_cache_matches_transformers_for_trees_pruning_and_growth(pair, runtimes, compile):
+    """A 6-node tree (padded to 8 when compiled), pruning to one path, then chains past the
+    buffers' first capacity: every logit equals transformers' eager forward with its DynamicCache."""
+    ours = StaticLM(runtimes[compile].target, V, capacity=12)  # grows on the way
+    reference = CachedLM(pair[0], V)
+    base = assert_same_tree_logits(ours, reference)
     kept = list(range(base)) + [base + n for n in (0, 1, 3, 5)]  # root, a, c, e
     for lm in (ours, reference):
         lm.keep(kept)
@@ -103,16 +109,8 @@ def test_compiled_graphs_run_the_measured_cpu_kernels(pair, packed_runtimes, mon
     ran = []
     real = small_batch.run_kernel
     monkeypatch.setattr(small_batch, "run_kernel", lambda kernel, *args: ran.append(kernel) or real(kernel, *args))
-    ours, reference = StaticLM(runtimes.target, V, capacity=32), CachedLM(pair[0], V)
-    ours.extend(PROMPT)
-    reference.extend(PROMPT)
-    ran.clear()
-    tree = a_tree()
-    base = len(PROMPT)
-    visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
-    positions = [base + d for d in tree.depths]
-    torch.testing.assert_close(ours.forward(tree.tokens, positions, visible),
-                               reference.forward(tree.tokens, positions, visible), atol=1e-5, rtol=1e-5)
+    assert_same_tree_logits(StaticLM(runtimes.target, V, capacity=32), CachedLM(pair[0], V),
+                            before_tree=ran.clear)
     assert 8 in runtimes.target.graphs and ran.count("packed") >= 2 * 7  # every linear of both layers
     assert small_batch.packed_of(models[0].model.layers[0].mlp.down_proj) is not None
 
