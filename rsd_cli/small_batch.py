@@ -313,14 +313,8 @@ def available_kernels() -> tuple[str, ...]:
 
 def _timed_runs(weights: list[torch.Tensor], kernels) -> dict:
     """One callable per kernel running x through all the weights (packed ones on packed copies)."""
-    packed = [packed_weight(w) for w in weights] if "packed" in kernels else []
-    runs = {}
-    for kernel in kernels:
-        if kernel == "packed":
-            runs[kernel] = lambda x: [onednn_linear(x, p, None) for p in packed]
-        else:
-            runs[kernel] = lambda x, k=kernel: [kernel_linear(x, w, None, (k, k)) for w in weights]
-    return runs
+    packed = [packed_weight(w) if "packed" in kernels else None for w in weights]
+    return {k: (lambda x, k=k: [run_kernel(k, x, w, None, p) for w, p in zip(weights, packed)]) for k in kernels}
 
 
 def measure_kernels(weights: list[torch.Tensor], rows: tuple[int, ...]) -> dict[str, float]:
