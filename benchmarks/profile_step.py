@@ -70,7 +70,8 @@ def instrument(pair, runtimes) -> None:
     engine.plan = timed("verification", engine.plan)
     engine.decide = timed("verification", engine.decide)  # includes a correction draw
     engine.sample = timed("bonus draw", engine.sample)
-    for name in ("gumbel_top_k", "sample_with_replacement", "stochastic_beam_step"):
+    for name in ("gumbel_top_k_rows", "top_tokens_rows", "sample_with_replacement_rows", "sample_with_replacement",
+                 "stochastic_beam_step"):
         setattr(drafting, name, timed("draws", getattr(drafting, name)))
     DraftTree.ancestry = timed("forward glue", DraftTree.ancestry)  # the verification mask
     engine.Decoder._step = timed_step(engine.Decoder._step)

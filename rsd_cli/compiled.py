@@ -232,6 +232,10 @@ class StaticLM(ChainExtension):
     def model(self):
         return self.compiled.model
 
+    @property
+    def device(self) -> torch.device:
+        return self.compiled.device
+
     def forward(self, tokens: list[int], positions: list[int], visible: torch.Tensor,
                 last_only: bool = False) -> torch.Tensor:
         """Same contract as CachedLM.forward: visible is (n, length + n) bool over cache + new keys."""
@@ -254,7 +258,7 @@ class StaticLM(ChainExtension):
                 torch.tensor(positions + [positions[-1]] * pad, device=device),
                 mask.to(device), self.keys, self.values, rows.to(device))
         self.length += n
-        logits = full_vocabulary(logits[:, : self.vocab_size].float().cpu(), self.vocab_size)
+        logits = full_vocabulary(logits[:, : self.vocab_size].float(), self.vocab_size)  # stays on the device
         self.forward_seconds += time.perf_counter() - start
         self.calls += 1
         return logits

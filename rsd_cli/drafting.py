@@ -7,7 +7,8 @@ from typing import Callable
 
 import torch
 
-from .sampling import gumbel_top_k, sample_with_replacement, stochastic_beam_step, top_tokens
+from .sampling import gumbel_top_k_rows, sample_with_replacement, sample_with_replacement_rows, \
+    stochastic_beam_step, top_tokens_rows
 from .tree import DraftTree
 from .verification import Rule
 
@@ -124,16 +125,19 @@ def _expand_into(tree: DraftTree, nodes: list[int], expand: Expand) -> None:
 def _branching_tree(tree: DraftTree, shape: Shape, expand: Expand, gen: torch.Generator,
                     greedy: bool = False) -> None:
     """sd, rsd-c (Gumbel-top-k without replacement, top-k when greedy) and mss (i.i.d.), b_d
-    children per node."""
+    children per node; a level's draws for all its nodes at once (one transfer to the host)."""
     if shape.rule is Rule.WITH_REPLACEMENT:
-        draw = sample_with_replacement
+        draw = sample_with_replacement_rows
     else:
-        draw = (lambda probs, k, _: top_tokens(probs, k)) if greedy else gumbel_top_k
+        draw = (lambda probs, k, _: top_tokens_rows(probs, k)) if greedy else gumbel_top_k_rows
     frontier = [0]
     for depth, b in enumerate(shape.branching, start=1):
+        if not frontier:
+            break
         new = []
-        for node in frontier:
-            for token in draw(tree.q[node], b, gen):
+        drawn = draw(torch.stack([tree.q[node] for node in frontier]), b, gen)
+        for node, tokens in zip(frontier, drawn):
+            for token in tokens:
                 child, is_new = tree.add_draw(node, token)
                 if is_new:
                     new.append(child)
@@ -162,8 +166,8 @@ def _stochastic_beam_tree(tree: DraftTree, shape: Shape, expand: Expand, gen: to
     """rsd-s: stochastic beam search; each level keeps the top-W children by perturbed score
     (by log q of the prefix without noise)."""
     beams = [0]
-    log_prob = torch.zeros(1, dtype=torch.float64)
-    score = torch.zeros(1, dtype=torch.float64)
+    log_prob = torch.zeros(1, dtype=torch.float64, device=tree.q[0].device)
+    score = torch.zeros(1, dtype=torch.float64, device=tree.q[0].device)
     for depth in range(1, shape.depth + 1):
         probs = torch.stack([tree.q[b] for b in beams])
         level = stochastic_beam_step(log_prob, score, probs, shape.width, gen, noise)

@@ -86,7 +86,9 @@ class CachedLM(ChainExtension):
                 use_cache=True,
                 logits_to_keep=1 if last_only else 0,
             )
-        logits = full_vocabulary(out.logits[0, :, : self.vocab_size].float().cpu(), self.vocab_size)
+        # the logits stay on the device (a placed model's on its input device): sampling and
+        # verification run there, and only a few numbers a step come to the host
+        logits = full_vocabulary(out.logits[0, :, : self.vocab_size].float().to(self.device), self.vocab_size)
         self.forward_seconds += time.perf_counter() - start
         self.calls += 1
         return logits
@@ -330,13 +332,15 @@ class Decoder:
             raise RsdError("the prompt is empty")
         if self.context_length and len(prompt) >= self.context_length:
             raise RsdError(f"the prompt has {len(prompt)} tokens but the model's context holds {self.context_length}")
-        generator = torch.Generator()
-        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
         # static-cache buffers: room for the prompt, some answer and one tree; they double when full
         capacity = min(len(prompt) + min(max_tokens, 512), self.context_length or 2**31) + self.shape.max_nodes + 1
         target = self._cache(self.target_model, self.runtimes.target, capacity)
         drafts = self.shape.depth > 0 or self.shape.variant == "auto"
         draft = self._cache(self.draft_model, self.runtimes.draft, capacity) if drafts else None
+        # p, q and every draw live on the target's device, with a generator there (a seed gives
+        # the same output on the same kind of device)
+        generator = torch.Generator(device=target.device)
+        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
         seq = list(prompt)
         if len(seq) > 1:
             target.extend(seq[:-1])
@@ -387,7 +391,7 @@ class Decoder:
         base = len(seq) - 1
         visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
         logits = target.forward(tree.tokens, [base + d for d in tree.depths], visible)
-        p = logits_to_probs(logits, self.sampling, self._seen(self.sampling, seq, tree, range(len(tree))))
+        p = logits_to_probs(logits, self.sampling, self._seen(self.sampling, seq, tree, range(len(tree)), logits.device))
         checks, path, node = [], [], 0
         while tree.draws[node]:
             draws = tree.draws[node]
@@ -415,7 +419,8 @@ class Decoder:
             forward_seconds=target.forward_seconds + (draft.forward_seconds if draft else 0.0) - forward_before,
         )
 
-    def _seen(self, sampling: SamplingParams, seq: list[int], tree: DraftTree, nodes) -> torch.Tensor | None:
+    def _seen(self, sampling: SamplingParams, seq: list[int], tree: DraftTree, nodes,
+              device: torch.device) -> torch.Tensor | None:
         """(len(nodes), V) bool: the tokens in each node's context — the sequence so far and the
         node's path in the tree (the node's own token included: its row is the distribution of
         the token after it). None when the processing does not depend on the context. The draft's
@@ -427,7 +432,7 @@ class Decoder:
         seen = base.repeat(len(nodes), 1)
         for row, node in enumerate(nodes):
             seen[row, [tree.tokens[n] for n in tree.path_to(node)]] = True
-        return seen
+        return seen.to(device)
 
     def _draft(self, shape: Shape, seq: list[int], draft: CachedLM | None, generator: torch.Generator):
         """Build this step's tree. Returns it and the draft-cache position of each node the
@@ -435,6 +440,7 @@ class Decoder:
         root = seq[-1]
         if draft is None:
             return DraftTree.rooted_at(root), {}
+        device = generator.device  # the target's: the draft's q joins p there
         # catch the draft cache up with the sequence (accepted tokens it never saw, and the root)
         root_logits = draft.extend(seq[draft.length:])
         draft_index = {0: len(seq) - 1}
@@ -450,8 +456,9 @@ class Decoder:
                 for ancestor in tree.path_to(node):
                     visible[row, draft_index[ancestor]] = True
             logits = draft.forward([tree.tokens[n] for n in nodes], [base + tree.depths[n] for n in nodes], visible)
-            return logits_to_probs(logits, self.draft_sampling, self._seen(self.draft_sampling, seq, tree, nodes))
+            seen = self._seen(self.draft_sampling, seq, tree, nodes, device)
+            return logits_to_probs(logits.to(device), self.draft_sampling, seen)
 
-        root_seen = self._seen(self.draft_sampling, seq, DraftTree.rooted_at(root), [0])
-        q_root = logits_to_probs(root_logits[-1:], self.draft_sampling, root_seen)[0]
+        root_seen = self._seen(self.draft_sampling, seq, DraftTree.rooted_at(root), [0], device)
+        q_root = logits_to_probs(root_logits[-1:].to(device), self.draft_sampling, root_seen)[0]
         return build_tree(shape, root, q_root, expand, generator, self.greedy_ranking), draft_index

@@ -39,17 +39,18 @@ def step_record(event: StepEvent, tokenizer) -> dict:
         nodes.append(entry)
     checks = []
     for check in event.checks:
+        accept = check.plan.accept_probabilities()
         rejected = []
         for k in range(check.decision.tried):
             if check.decision.accepted == k:
                 break
             residual = check.plan.residuals[k]
             top = torch.topk(residual, min(5, residual.numel()))
-            rejected.append({"node": check.draws[k], "accept_probability": check.plan.accept[k],
+            rejected.append({"node": check.draws[k], "accept_probability": accept[k],
                              "residual_top": [{"token": int(t), "text": tokenizer.decode([int(t)]) if tokenizer else None,
                                                "probability": float(v)} for v, t in zip(top.values, top.indices)]})
         checks.append({"node": check.node, "tried": check.decision.tried, "accepted": check.decision.accepted,
-                       "accept_probabilities": check.plan.accept[: check.decision.tried], "rejections": rejected})
+                       "accept_probabilities": accept[: check.decision.tried], "rejections": rejected})
     root_draws = event.tree.draws[0]
     bound = None
     if root_draws:
@@ -58,7 +59,7 @@ def step_record(event: StepEvent, tokenizer) -> dict:
     accept_here = None
     if event.checks:
         reject_all = 1.0
-        for a in event.checks[0].plan.accept:
+        for a in event.checks[0].plan.accept_probabilities():
             reject_all *= 1 - a
         accept_here = 1 - reject_all
     return {"step": event.step, "shape": event.shape.describe(), "nodes": nodes, "checks": checks,

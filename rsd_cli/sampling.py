@@ -50,7 +50,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams, seen: torch.Te
             raise ValueError("a repetition penalty needs the tokens seen in each row's context")
         logits = penalise_repetition(logits, seen, params.repetition_penalty)
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        # one-hot on the argmax (F.one_hot would check the indices' range: a read of their values)
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -70,30 +71,46 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams, seen: torch.Te
     return probs
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from a (V,) distribution (need not be normalised), by inverting its CDF.
+def to_host(tensor: torch.Tensor) -> list:
+    """A small tensor's values as Python numbers: the one way the decoding path moves values from
+    the model's device to the host (on a GPU, one synchronisation). A step makes a few such
+    transfers, each of a few numbers: the drawn tokens of a draft level, each tried node's
+    decision, the correction or bonus token (tests count them)."""
+    return tensor.tolist()
 
-    torch.multinomial draws one sample through V exponentials (~2 ms for 49k tokens on a CPU,
-    twice per step); a cumulative sum and a binary search take ~0.3 ms. A token of zero
-    probability is never returned (its CDF step is empty)."""
-    cdf = probs.double().cumsum(0)
-    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
-    index = int(torch.searchsorted(cdf, u, right=True))
-    if index >= len(cdf):  # u rounded up to the total: the last token with mass
-        index = int(probs.nonzero()[-1])
-    return index
+
+def sample_rows(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token from each row of (B, V) distributions (need not be normalised), by inverting the
+    CDF; (B,) indices on the rows' device, nothing moved to the host. torch.multinomial draws one
+    sample through V exponentials (~2 ms for 49k tokens on a CPU); a cumulative sum and a binary
+    search take ~0.3 ms. A token of zero probability is never returned (its CDF step is empty)."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device) * total
+    # u may round up to the total (probability ~2^-53): kept below it, the token drawn has mass
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from a (V,) distribution (need not be normalised): sample_rows on one row."""
+    return to_host(sample_rows(probs[None], generator))[0]
 
 
 def gumbel_like(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    u = torch.rand(x.shape, generator=generator, dtype=torch.float64)
+    u = torch.rand(x.shape, generator=generator, dtype=torch.float64, device=x.device)
     return -torch.log(-torch.log(u.clamp_min(1e-300)))
 
 
 def support(probs: torch.Tensor) -> torch.Tensor | None:
     """Indices of the last dimension where some row has mass, or None when most do.
 
-    A reduced draft head, top-k or top-p leave most of a 49k vocabulary at q = 0: Gumbel noise
-    drawn only there costs a fraction, and zero-probability tokens can never be drawn anyway."""
+    A reduced draft head, top-k or top-p leave most of a 49k vocabulary at q = 0: on a CPU, Gumbel
+    noise drawn only there costs a fraction, and zero-probability tokens can never be drawn
+    anyway. On other devices None: noise over the whole row costs less there than finding the
+    support (its size is a synchronisation with the host)."""
+    if probs.device.type != "cpu":
+        return None
     mask = probs > 0
     if mask.dim() > 1:
         mask = mask.any(0)
@@ -102,39 +119,57 @@ def support(probs: torch.Tensor) -> torch.Tensor | None:
     return mask.nonzero().squeeze(-1)
 
 
-def gumbel_top_k(probs: torch.Tensor, k: int, generator: torch.Generator) -> list[int]:
-    """k tokens drawn without replacement from (V,) probs, in draw order.
+def _kept_rows(tokens: torch.Tensor, keep: torch.Tensor) -> list[list[int]]:
+    """(B, k) tokens -> each row's tokens where keep is true, in order: one transfer to the host."""
+    return [[t for t in row if t >= 0] for row in to_host(torch.where(keep, tokens, -1))]
+
+
+def gumbel_top_k_rows(probs: torch.Tensor, k: int, generator: torch.Generator) -> list[list[int]]:
+    """For each row of (B, V) probs, k tokens drawn without replacement, in draw order.
 
     Perturbs log q with i.i.d. Gumbel(0, 1) noise and sorts by the perturbed score: the order
     is exactly that of successive draws without replacement (Plackett-Luce). Never returns a
-    token of zero probability, so fewer than k tokens come back when the support is smaller.
-    The noise is drawn on the support only; one token is one draw from q (the top-1 of the
-    perturbed scores is distributed as q).
+    token of zero probability (its score is -inf), so fewer than k tokens come back when the
+    support is smaller. The noise is drawn on the rows' support only (`support`); one token is
+    one draw from q (the top-1 of the perturbed scores is distributed as q). All rows come to
+    the host in one transfer.
     """
     if k == 1:
-        return [sample(probs, generator)]
+        return [[token] for token in to_host(sample_rows(probs, generator))]
     kept = support(probs)
-    sub = probs if kept is None else probs[kept]
+    sub = probs if kept is None else probs[:, kept]
     scores = sub.double().log() + gumbel_like(sub, generator)
-    top = torch.topk(scores, min(k, int((sub > 0).sum()))).indices
-    return (top if kept is None else kept[top]).tolist()
+    top = torch.topk(scores, min(k, sub.shape[-1]), dim=-1)
+    return _kept_rows(top.indices if kept is None else kept[top.indices], torch.isfinite(top.values))
+
+
+def gumbel_top_k(probs: torch.Tensor, k: int, generator: torch.Generator) -> list[int]:
+    """k tokens drawn without replacement from (V,) probs, in draw order (gumbel_top_k_rows)."""
+    return gumbel_top_k_rows(probs[None], k, generator)[0]
+
+
+def top_tokens_rows(probs: torch.Tensor, k: int) -> list[list[int]]:
+    """The k most likely tokens of each row of (B, V) probs, most likely first, never one of zero
+    probability. What Gumbel-top-k becomes as the draft's temperature goes to 0: successive draws
+    without replacement from q^(1/t) take q's modes in order. Drafts for a greedy target."""
+    top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
+    return _kept_rows(top.indices, top.values > 0)
 
 
 def top_tokens(probs: torch.Tensor, k: int) -> list[int]:
-    """The k most likely tokens of (V,) probs, most likely first, never one of zero probability.
+    return top_tokens_rows(probs[None], k)[0]
 
-    What Gumbel-top-k becomes as the draft's temperature goes to 0: successive draws without
-    replacement from q^(1/t) take q's modes in order. Drafts for a greedy target."""
-    top = torch.topk(probs, min(k, int((probs > 0).sum())))
-    return top.indices.tolist()
+
+def sample_with_replacement_rows(probs: torch.Tensor, k: int, generator: torch.Generator) -> list[list[int]]:
+    """k i.i.d. tokens from each row of (B, V) probs (one by inverting the CDF: torch.multinomial's
+    single draw is the slow path); one transfer to the host."""
+    if k == 1:
+        return [[token] for token in to_host(sample_rows(probs, generator))]
+    return to_host(torch.multinomial(probs.float(), k, replacement=True, generator=generator))
 
 
 def sample_with_replacement(probs: torch.Tensor, k: int, generator: torch.Generator) -> list[int]:
-    """k i.i.d. tokens from (V,) probs (one by inverting the CDF: torch.multinomial's single
-    draw is the slow path)."""
-    if k == 1:
-        return [sample(probs, generator)]
-    return torch.multinomial(probs.float(), k, replacement=True, generator=generator).tolist()
+    return sample_with_replacement_rows(probs[None], k, generator)[0]
 
 
 def truncated_gumbel(scores: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
@@ -184,10 +219,11 @@ def stochastic_beam_step(
     else:
         child_score = child_phi
     flat = child_score.flatten()
-    k = min(width, int(torch.isfinite(flat).sum()))
-    top = torch.topk(flat, k)
+    top = torch.topk(flat, min(width, flat.numel()))
     columns = sub.shape[-1]
-    parent = (top.indices // columns).tolist()
+    parent = top.indices // columns
     column = top.indices % columns
-    token = (column if kept is None else kept[column]).tolist()
-    return BeamLevel(parent, token, child_phi.flatten()[top.indices], top.values)
+    token = column if kept is None else kept[column]
+    parents, tokens, finite = to_host(torch.stack([parent, token, torch.isfinite(top.values).long()]))
+    k = sum(finite)  # children of zero probability score -inf and come last
+    return BeamLevel(parents[:k], tokens[:k], child_phi.flatten()[top.indices[:k]], top.values[:k])

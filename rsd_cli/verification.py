@@ -4,7 +4,9 @@ A *plan* is deterministic: for the drafts x_1..x_K tried in order at one tree no
 the probability of accepting x_k given that x_1..x_(k-1) were rejected, and the residual
 distribution used after each rejection. ``decide`` turns a plan into a random outcome. The
 exact-enumeration tests use the plans directly, so they check the very code the engine runs.
-All maths is in float64.
+All maths is in float64, on the device the distributions are on: a plan is computed without
+moving anything to the host, and `decide` moves one number (which draft was accepted) and, after
+a rejection, the correction token.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from enum import Enum
 
 import torch
 
-from .sampling import sample
+from .sampling import sample, to_host
 
 
 class Rule(str, Enum):
@@ -26,14 +28,18 @@ class Rule(str, Enum):
 
 @dataclass
 class Plan:
-    accept: list[float]  # accept[k] = P(accept draft k | drafts before it rejected)
+    accept: torch.Tensor  # (K,) float64: accept[k] = P(accept draft k | drafts before it rejected)
     residuals: list[torch.Tensor]  # residuals[k] = distribution after rejecting draft k, (V,)
+
+    def accept_probabilities(self) -> list[float]:
+        """accept on the host (for reports)."""
+        return to_host(self.accept)
 
 
 def _normalise(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     total = x.sum()
     # an all-zero residual can only be reached with probability 0 (up to rounding)
-    return x / total if total > 1e-12 else fallback
+    return torch.where(total > 1e-12, x / total, fallback)
 
 
 def rrs_plan(p: torch.Tensor, q: torch.Tensor, drafts: list[int], rule: Rule) -> Plan:
@@ -42,15 +48,14 @@ def rrs_plan(p: torch.Tensor, q: torch.Tensor, drafts: list[int], rule: Rule) ->
     q_k = q.double()
     accept, residuals = [], []
     for x in drafts:
-        ratio = r[x] / q_k[x] if q_k[x] > 0 else torch.tensor(1.0, dtype=torch.float64)
-        accept.append(float(ratio.clamp(max=1.0)))
+        accept.append(torch.where(q_k[x] > 0, r[x] / q_k[x], 1.0).clamp(max=1.0))
         r = _normalise((r - q_k).clamp_min(0), r)
         residuals.append(r)
         if rule is Rule.WITHOUT_REPLACEMENT:
             q_k = q_k.clone()
             q_k[x] = 0
             q_k = _normalise(q_k, q_k)
-    return Plan(accept, residuals)
+    return Plan(torch.stack(accept) if accept else p.new_zeros(0, dtype=torch.float64), residuals)
 
 
 def _beta(p: torch.Tensor, q: torch.Tensor, rho: float) -> float:
@@ -83,7 +88,7 @@ def kseq_plan(p: torch.Tensor, q: torch.Tensor, drafts: list[int]) -> Plan:
     rho = kseq_rho(p, q, len(drafts))
     accept = [float(min(1.0, p[x] / (rho * q[x]))) if q[x] > 0 else 1.0 for x in drafts]
     final = _normalise((p - rho * q).clamp_min(0), p)
-    return Plan(accept, [final] * len(drafts))
+    return Plan(torch.tensor(accept, dtype=torch.float64, device=p.device), [final] * len(drafts))
 
 
 def plan(p: torch.Tensor, q: torch.Tensor, drafts: list[int], rule: Rule) -> Plan:
@@ -134,8 +139,15 @@ class Decision:
 
 
 def decide(node_plan: Plan, generator: torch.Generator) -> Decision:
-    for k, a in enumerate(node_plan.accept):
-        if a >= 1.0 or float(torch.rand((), generator=generator, dtype=torch.float64)) < a:
-            return Decision(k, k + 1, None)
-    token = sample(node_plan.residuals[-1], generator)
-    return Decision(None, len(node_plan.accept), token)
+    """Try the drafts in order: draft k is accepted with probability accept[k] (one uniform each,
+    all drawn at once on the plan's device), the first accepted one wins; after rejecting them all
+    the correction is drawn from the last residual. One number goes to the host (the index of the
+    accepted draft), and one more after a rejection (the correction)."""
+    accept = node_plan.accept
+    k = accept.shape[0]
+    u = torch.rand(k, generator=generator, dtype=torch.float64, device=accept.device)
+    hit = (accept >= 1.0) | (u < accept)
+    (first,) = to_host(torch.where(hit.any(), hit.long().argmax(), k)[None])  # argmax: the first hit
+    if first < k:
+        return Decision(first, first + 1, None)
+    return Decision(None, k, sample(node_plan.residuals[-1], generator))

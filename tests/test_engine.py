@@ -304,10 +304,10 @@ def test_every_node_is_penalised_for_the_tokens_on_its_own_path(pair, monkeypatc
     p is processed with them. Negative control: contexts without the path do not match."""
     assert node_distributions_match_fresh_forwards(pair, PENALISED)
 
-    def without_path(self, sampling, seq, tree, nodes):
+    def without_path(self, sampling, seq, tree, nodes, device):
         if not sampling.uses_context:
             return None
-        seen = torch.zeros(len(nodes), self.vocab_size, dtype=torch.bool)
+        seen = torch.zeros(len(nodes), self.vocab_size, dtype=torch.bool, device=device)
         seen[:, seq] = True
         return seen
 
@@ -325,3 +325,59 @@ def test_greedy_with_the_repetition_penalty_equals_plain_penalised_greedy(pair):
         tokens.append(int(logits_to_probs(full_logits(target, tokens)[-1], sampling, seen).argmax()))
     for shape in (make_shape("rsd-c", branching=(3, 2)), make_shape("rsd-s", beam_width=2, depth=3)):
         assert run(pair, shape, sampling, 20, seed=0) == tokens[len(PROMPT):], shape.describe()
+
+
+class ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts reads of one tensor value into Python (`int(t)`, `float(t)`, `bool(t)`, `.item()`):
+    on a GPU each one waits for the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("runtime", ["transformers", "static"])
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_a_step_moves_only_a_few_numbers_to_the_host(pair, monkeypatch, runtime, temperature):
+    """Device-resident maths: outside the model forwards, a step reads no tensor value on its own
+    and moves values to the host only through `to_host`, each time a few numbers: one transfer per
+    drafted level (its tokens), one per tried node (its decision) and one for the correction or
+    bonus token. Run on the CPU as it runs on a GPU: the support search (CPU only) is off."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from rsd_cli import compiled, sampling, verification
+    from rsd_cli.compiled import CompiledModel, StaticLM
+    from rsd_cli.engine import Runtimes
+
+    transfers = []
+
+    def counted(tensor):
+        transfers.append(tensor.numel())
+        return tensor.tolist()
+
+    for module in (sampling, verification):
+        monkeypatch.setattr(module, "to_host", counted)
+    monkeypatch.setattr(sampling, "support", lambda probs: None)
+    for cls in (CachedLM, StaticLM):  # the forwards themselves (transformers' code) are not counted
+        def forward(self, *args, _original=cls.forward, **kwargs):
+            with _disable_current_modes():
+                return _original(self, *args, **kwargs)
+        monkeypatch.setattr(cls, "forward", forward)
+    runtimes = None
+    if runtime == "static":
+        runtimes = Runtimes(CompiledModel(pair[0], compile=False), CompiledModel(pair[1], compile=False))
+    params = SamplingParams(temperature=temperature, top_k=4, top_p=0.95)
+    for shape in [s for s in shapes() if s.variant != "spectr"]:  # K-SEQ's bisection reads values
+        decoder = Decoder(pair[0], pair[1], V, shape, params, set(), runtimes=runtimes)
+        transfers.clear()
+        with ScalarReads() as reads:
+            events = list(decoder.generate(PROMPT, 12, seed=1))
+        assert reads.count == 0, shape.describe()
+        allowed = sum(e.shape.depth + e.levels_tried + 1 for e in events)
+        assert 0 < len(transfers) <= allowed, shape.describe()
+        assert max(transfers) <= 3 * max(shape.width, max(shape.branching, default=1)), shape.describe()

@@ -122,7 +122,7 @@ def step_outcomes(tree: DraftTree, rule: Rule) -> dict[tuple, float]:
             return out
         node_plan = plan(p, tree.q[node], [tree.tokens[c] for c in draws], rule)
         reach = 1.0
-        for child, accept in zip(draws, node_plan.accept):
+        for child, accept in zip(draws, node_plan.accept_probabilities()):
             token = tree.tokens[child]
             for seq, pr in walk(child, ctx + (token,)).items():
                 out[(token,) + seq] += reach * accept * pr
@@ -240,7 +240,7 @@ def _root_acceptance_by_enumeration(p, q, k, rule):
         if prob == 0:
             continue
         rejected = 1.0
-        for a in plan(p, q, list(xs), rule).accept:
+        for a in plan(p, q, list(xs), rule).accept_probabilities():
             rejected *= 1 - a
         total += prob * (1 - rejected)
     return total
