@@ -135,7 +135,8 @@ def _branching_tree(tree: DraftTree, shape: Shape, expand: Expand, gen: torch.Ge
         if not frontier:
             break
         new = []
-        drawn = draw(torch.stack([tree.q[node] for node in frontier]), b, gen)
+        rows = tree.q[frontier[0]][None] if len(frontier) == 1 else torch.stack([tree.q[n] for n in frontier])
+        drawn = draw(rows, b, gen)
         for node, tokens in zip(frontier, drawn):
             for token in tokens:
                 child, is_new = tree.add_draw(node, token)

@@ -36,26 +36,39 @@ class Plan:
         return to_host(self.accept)
 
 
-def _normalise(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+def _normalise_(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """x / x.sum() in place, or the fallback when x has (next to) no mass: such a residual can
+    only be reached with probability 0 (up to rounding). Decided on the device, no value read;
+    in place because fresh 49k-entry temporaries cost more than the arithmetic on a CPU."""
     total = x.sum()
-    # an all-zero residual can only be reached with probability 0 (up to rounding)
-    return torch.where(total > 1e-12, x / total, fallback)
+    has_mass = total > 1e-12
+    scale = torch.where(has_mass, total, 1.0).reciprocal() * has_mass  # 1/total, or 0
+    return x.mul_(scale).addcmul_(fallback, (~has_mass).to(x.dtype))  # + fallback x (0 or 1): exact
 
 
 def rrs_plan(p: torch.Tensor, q: torch.Tensor, drafts: list[int], rule: Rule) -> Plan:
     """Recursive rejection sampling at one node; p, q are (V,) target and draft distributions."""
     r = p.double()
-    q_k = q.double()
-    accept, residuals = [], []
-    for x in drafts:
-        accept.append(torch.where(q_k[x] > 0, r[x] / q_k[x], 1.0).clamp(max=1.0))
-        r = _normalise((r - q_k).clamp_min(0), r)
+    q_k = q.to(torch.float64, copy=True)
+    q_k /= q_k.sum()  # the distribution the first draft was drawn from (q has mass: it was drawn)
+    target_mass, draft_mass, residuals = [], [], []  # r(x_k), q_k(x_k) for each draft
+    for i, x in enumerate(drafts):
+        q_x = q_k[x].clone()  # (q_k changes in place below)
+        target_mass.append(r[x])
+        draft_mass.append(q_x)
+        r = _normalise_((r - q_k).clamp_min_(0), r)
         residuals.append(r)
-        if rule is Rule.WITHOUT_REPLACEMENT:
-            q_k = q_k.clone()
+        if rule is Rule.WITHOUT_REPLACEMENT and i + 1 < len(drafts):
+            # q without x, renormalised: the distribution the next draft was drawn from (when x
+            # held all of q's mass, the next draft had nothing left to draw: q is kept as it is)
+            rest = 1.0 - q_x
+            q_k.mul_(torch.where(rest > 1e-12, rest, 1.0).reciprocal())
             q_k[x] = 0
-            q_k = _normalise(q_k, q_k)
-    return Plan(torch.stack(accept) if accept else p.new_zeros(0, dtype=torch.float64), residuals)
+    if not drafts:
+        return Plan(p.new_zeros(0, dtype=torch.float64), [])
+    target_mass, draft_mass = torch.stack(target_mass), torch.stack(draft_mass)
+    accept = torch.where(draft_mass > 0, target_mass / draft_mass, 1.0).clamp(max=1.0)  # min(1, r/q)
+    return Plan(accept, residuals)
 
 
 def _beta(p: torch.Tensor, q: torch.Tensor, rho: float) -> float:
@@ -87,7 +100,7 @@ def kseq_plan(p: torch.Tensor, q: torch.Tensor, drafts: list[int]) -> Plan:
     p, q = p.double(), q.double()
     rho = kseq_rho(p, q, len(drafts))
     accept = [float(min(1.0, p[x] / (rho * q[x]))) if q[x] > 0 else 1.0 for x in drafts]
-    final = _normalise((p - rho * q).clamp_min(0), p)
+    final = _normalise_((p - rho * q).clamp_min(0), p)
     return Plan(torch.tensor(accept, dtype=torch.float64, device=p.device), [final] * len(drafts))
 
 
@@ -146,8 +159,8 @@ def decide(node_plan: Plan, generator: torch.Generator) -> Decision:
     accept = node_plan.accept
     k = accept.shape[0]
     u = torch.rand(k, generator=generator, dtype=torch.float64, device=accept.device)
-    hit = (accept >= 1.0) | (u < accept)
-    (first,) = to_host(torch.where(hit.any(), hit.long().argmax(), k)[None])  # argmax: the first hit
-    if first < k:
+    hits = to_host((accept >= 1.0) | (u < accept))
+    if True in hits:
+        first = hits.index(True)
         return Decision(first, first + 1, None)
     return Decision(None, k, sample(node_plan.residuals[-1], generator))
