@@ -283,6 +283,8 @@ class Runtimes:
         def one(runtime) -> str:
             if runtime is None:
                 return "transformers eager"
+            if runtime.graphed:
+                return "static cache, CUDA graphs"
             return "static cache, compiled" if runtime.compiled else "static cache, uncompiled"
         return one(self.target) if one(self.target) == one(self.draft) else \
             f"target {one(self.target)}, draft {one(self.draft)}"
@@ -341,7 +343,14 @@ class Decoder:
         # the same output on the same kind of device)
         generator = torch.Generator(device=target.device)
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        seq = list(prompt)
+        try:
+            yield from self._steps(list(prompt), max_tokens, target, draft, generator)
+        finally:  # a static-shape runtime's shared buffers go back to its model for the next generation
+            for lm in (target, draft):
+                getattr(lm, "release", lambda: None)()
+
+    def _steps(self, seq: list[int], max_tokens: int, target, draft, generator: torch.Generator) -> Iterator[StepEvent]:
+        """generate's loop on its caches; seq (the prompt) grows by each step's tokens."""
         if len(seq) > 1:
             target.extend(seq[:-1])
         prefill_seconds = target.forward_seconds  # reported with the first step's forwards

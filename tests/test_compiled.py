@@ -33,6 +33,14 @@ def runtimes(pair):
                               "on" if compile else "auto") for compile in (True, False)}
 
 
+@pytest.fixture(scope="module")
+def static_runtimes(pair):
+    """The static-shape path CUDA graphs replay (slots as a tensor, masks over the whole capacity,
+    buffers shared by a model's generations), run without the graphs: what the CPU can check."""
+    return Runtimes(CompiledModel(pair[0], False, static_shapes=True),
+                    CompiledModel(pair[1], False, static_shapes=True), "auto")
+
+
 def a_tree() -> DraftTree:
     tree = DraftTree.rooted_at(5)
     a, _ = tree.add_draw(0, 2)
@@ -57,11 +65,16 @@ def assert_same_tree_logits(ours, reference, before_tree=lambda: None) -> int:
     return base
 
 
-@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
+@pytest.mark.parametrize("compile", [True, False, "static shapes"], ids=["compiled", "eager", "static-shapes"])
 def test_static_cache_matches_transformers_for_trees_pruning_and_growth(pair, runtimes, compile):
-    """A 6-node tree (padded to 8 when compiled), pruning to one path, then chains past the
-    buffers' first capacity: every logit equals transformers' eager forward with its DynamicCache."""
-    ours = StaticLM(runtimes[compile].target, V, capacity=12)  # grows on the way
+    """A 6-node tree (padded to 8 when compiled or on static shapes), pruning to one path, then
+    chains past the buffers' first capacity: every logit equals transformers' eager forward with
+    its DynamicCache."""
+    if compile == "static shapes":
+        ours = StaticLM(CompiledModel(pair[0], False, static_shapes=True), V, capacity=12)
+        assert ours.static
+    else:
+        ours = StaticLM(runtimes[compile].target, V, capacity=12)  # grows on the way
     reference = CachedLM(pair[0], V)
     base = assert_same_tree_logits(ours, reference)
     kept = list(range(base)) + [base + n for n in (0, 1, 3, 5)]  # root, a, c, e
@@ -72,7 +85,7 @@ def test_static_cache_matches_transformers_for_trees_pruning_and_growth(pair, ru
         torch.testing.assert_close(ours.extend(chain, last_only=False), reference.extend(chain, last_only=False),
                                    atol=1e-5, rtol=1e-5)
     assert ours.capacity > 12 and ours.length == reference.length
-    if compile:
+    if compile is True:
         assert {1, 2, 4, 8} <= runtimes[compile].target.graphs  # the bucketed sizes ran compiled
 
 
@@ -142,6 +155,60 @@ def test_first_two_tokens_follow_the_target_distribution_when_compiled(pair, run
     assert chi_square_pvalue(counts, expected) > 1e-3
 
 
+@pytest.mark.parametrize("shape", shapes(), ids=lambda s: s.describe())
+def test_greedy_on_static_shapes_equals_plain_greedy(pair, static_runtimes, shape):
+    assert run(pair, static_runtimes, shape, SamplingParams(temperature=0), 25, seed=0) == plain_greedy(pair[0], 25)
+
+
+@pytest.mark.parametrize("shape", [MC_SHAPES[1], MC_SHAPES[4]], ids=lambda s: s.describe())
+def test_first_two_tokens_follow_the_target_distribution_on_static_shapes(pair, static_runtimes, shape):
+    sampling = SamplingParams(temperature=1.0)
+    counts = torch.zeros(V, V)
+    for seed in range(N_SAMPLES):
+        first, second = run(pair, static_runtimes, shape, sampling, 2, seed)[:2]
+        counts[first, second] += 1
+    assert chi_square_pvalue(counts, exact_joint(pair[0], sampling) * N_SAMPLES) > 1e-3
+
+
+def test_static_shape_buffers_serve_one_generation_at_a_time(pair):
+    """CUDA graphs replay on the buffers they were captured with, so a model's static-shape
+    generations share one set: taken by one live cache at a time, handed back when its generation
+    ends (or its consumer stops early); a second cache meanwhile runs on buffers of its own."""
+    target, draft = (CompiledModel(model, False, static_shapes=True) for model in pair)
+    first = StaticLM(target, V, 16)
+    second = StaticLM(target, V, 16)
+    assert first.static and not second.static and second.keys.data_ptr() != first.keys.data_ptr()
+    first.release()
+    third = StaticLM(target, V, 8)
+    assert third.static and third.keys.data_ptr() == first.keys.data_ptr() and third.capacity == 16
+    del third  # dropped without release: the buffers are free again
+    decoder = Decoder(pair[0], pair[1], V, make_shape("sd", draft_len=2), SamplingParams(0.0), set(),
+                      runtimes=Runtimes(target, draft, "auto"))
+    events = decoder.generate(PROMPT, 50, seed=0)
+    next(events)
+    assert not StaticLM(target, V, 8).static and not StaticLM(draft, V, 8).static  # in use
+    events.close()  # the consumer stopped early
+    assert StaticLM(target, V, 8).static and StaticLM(draft, V, 8).static
+    tokens = [t for event in decoder.generate(PROMPT, 25, seed=0) for t in event.emitted]
+    assert tokens == plain_greedy(pair[0], 25) and StaticLM(target, V, 8).static
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graphs_replay_transformers_logits_and_greedy_tokens(pair):
+    import copy
+
+    models = tuple(copy.deepcopy(model).cuda() for model in pair)
+    runtimes = Runtimes(CompiledModel(models[0], True), CompiledModel(models[1], True), "on")
+    assert runtimes.target.graphed and runtimes.describe() == "static cache, CUDA graphs"
+    ours, reference = StaticLM(runtimes.target, V, capacity=32), CachedLM(models[0], V)
+    assert_same_tree_logits(ours, reference)
+    assert ours.static and runtimes.target._captured  # the tree ran as a replayed graph
+    ours.release()
+    for shape in shapes():
+        assert run(models, runtimes, shape, SamplingParams(temperature=0), 25, seed=0) == \
+            run(models, None, shape, SamplingParams(temperature=0), 25, seed=0), shape.describe()
+
+
 def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
     """The backends differ only in the order of float additions: sampled runs agree token for token
     on this pair (the test would catch a runtime that draws random numbers differently)."""
@@ -150,6 +217,8 @@ def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
     reference = run(pair, None, shape, sampling, 30, seed=3)
     assert run(pair, runtimes[True], shape, sampling, 30, seed=3) == reference
     assert run(pair, runtimes[False], shape, sampling, 30, seed=3) == reference
+    assert run(pair, Runtimes(CompiledModel(pair[0], False, static_shapes=True),
+                              CompiledModel(pair[1], False, static_shapes=True)), shape, sampling, 30, seed=3) == reference
 
 
 def test_unsupported_models_are_named_with_a_reason():
