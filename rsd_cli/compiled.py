@@ -147,9 +147,11 @@ class CompiledModel:
     a tensor, masks over the whole capacity. `static_shapes=True` runs that same path without the
     graphs (how the tests check it on a CPU)."""
 
-    def __init__(self, model, compile: bool = True, static_shapes: bool | None = None):
+    def __init__(self, model, compile: bool = True, static_shapes: bool | None = None,
+                 notice=lambda message: None):
         self.model = model
         self.compiled = compile
+        self.notice = notice  # one line for the user (a CUDA graph that cannot be captured)
         cfg = model.config
         inner = model.model
         attn = inner.layers[0].self_attn
@@ -225,7 +227,14 @@ class CompiledModel:
             return self.forward(tokens, positions, mask, keys, values, rows, slots)
         key = (tokens.shape[0], keys.data_ptr())
         if key not in self._captured:
-            self._captured[key] = self._capture(tokens, positions, mask, slots, keys, values, rows)
+            try:
+                self._captured[key] = self._capture(tokens, positions, mask, slots, keys, values, rows)
+            except Exception as e:  # noqa: BLE001 - a driver, library or op that cannot be captured
+                self.graphed = False  # this model runs its static shapes without graphs from now on
+                self._captured.clear()
+                self.notice(f"capturing a CUDA graph failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
+                            f"the static-cache runtime runs without graphs")
+                return self.forward(tokens, positions, mask, keys, values, rows, slots)
         inputs, graph, logits = self._captured[key]
         for buffer, value in zip(inputs, (tokens, positions, mask, slots)):
             buffer.copy_(value)
@@ -498,7 +507,7 @@ def runtime_for(model, setting: str, role: str, progress=lambda message: None, n
             notice(f"{what} does not apply to the {role} ({reason}): it runs on transformers' eager forward")
         return None
     compile = setting == "on" or compile_pays(model, progress, notice)
-    runtime = CompiledModel(model, compile=compile)
+    runtime = CompiledModel(model, compile=compile, notice=notice)
     if compile and not runtime.graphed:  # (CUDA graphs are captured at their first use: milliseconds)
         first = _first_compile_here(model)
         if first:

@@ -193,6 +193,66 @@ def test_static_shape_buffers_serve_one_generation_at_a_time(pair):
     assert tokens == plain_greedy(pair[0], 25) and StaticLM(target, V, 8).static
 
 
+class RecordedForward:
+    """A stand-in for a captured CUDA graph on the CPU: replay() runs the forward again on the
+    inputs recorded at capture (the graph's own buffers) and writes the same output buffer."""
+
+    def __init__(self, runtime, inputs, keys, values, rows):
+        self.run = lambda: runtime.forward(inputs[0], inputs[1], inputs[2], keys, values, rows, inputs[3])
+        self.logits = self.run()
+        self.replays = 0
+
+    def replay(self):
+        self.logits.copy_(self.run())
+        self.replays += 1
+
+
+def test_graph_replays_feed_their_inputs_and_a_failed_capture_falls_back(pair, monkeypatch):
+    """The replay protocol on the CPU, with recorded forwards for graphs: each call copies its
+    inputs into the graph's buffers, every token count gets its own graph, outputs are copies (a
+    later replay does not change them), and the output is plain greedy. A capture that fails
+    says so once and leaves the model on static shapes without graphs, with the same output."""
+    graphs = []
+
+    def capture(self, tokens, positions, mask, slots, keys, values, rows):
+        inputs = tuple(t.clone() for t in (tokens, positions, mask, slots))
+        graphs.append(RecordedForward(self, inputs, keys, values, rows))
+        return inputs, graphs[-1], graphs[-1].logits
+
+    monkeypatch.setattr(CompiledModel, "_capture", capture)
+    notices = []
+    target, draft = (CompiledModel(model, False, static_shapes=True, notice=notices.append) for model in pair)
+    target.graphed = draft.graphed = True  # as on a CUDA device
+    runtimes = Runtimes(target, draft, "on")
+    assert run(pair, runtimes, make_shape("rsd-c", branching=(2, 2)), SamplingParams(0.0), 25, 0) == \
+        plain_greedy(pair[0], 25)
+    # the target: the prompt's first two tokens (2), then trees of 1 + 2 + 4 nodes (padded to 8)
+    assert {key[0] for key in target._captured} == {2, 8}
+    assert len(graphs) == len(target._captured) + len(draft._captured) and not notices
+    assert all(graph.replays >= 1 for graph in graphs)  # every call replayed, none ran on its own
+
+    def one_token(token: int) -> torch.Tensor:
+        ids = torch.tensor([token])
+        return target.replay(ids, ids, torch.zeros(1, target._buffers[0].shape[2]), ids, *target._buffers)
+
+    first = one_token(1)
+    second = one_token(2)
+    assert not torch.equal(first, second) and torch.equal(second, graphs[-1].logits)  # outputs are copies
+
+    def broken(self, *args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(CompiledModel, "_capture", broken)
+    target, draft = (CompiledModel(model, False, static_shapes=True, notice=notices.append) for model in pair)
+    target.graphed = draft.graphed = True
+    runtimes = Runtimes(target, draft, "on")
+    assert run(pair, runtimes, make_shape("rsd-c", branching=(2, 2)), SamplingParams(0.0), 25, 0) == \
+        plain_greedy(pair[0], 25)
+    assert not target.graphed and not draft.graphed and target._buffers is not None  # static shapes, no graphs
+    assert notices == ["capturing a CUDA graph failed (RuntimeError: operation not permitted when stream is "
+                       "capturing): the static-cache runtime runs without graphs"] * 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_graphs_replay_transformers_logits_and_greedy_tokens(pair):
     import copy
