@@ -67,8 +67,7 @@ def instrument(pair, runtimes) -> None:
         cache.forward = timed("cached forward", cache.forward)
         cache.keep = timed("cache pruning", cache.keep)
     engine.logits_to_probs = timed("logits to probs", engine.logits_to_probs)
-    engine.plan = timed("verification", engine.plan)
-    engine.decide = timed("verification", engine.decide)  # includes a correction draw
+    engine.verify = timed("verification", engine.verify)  # includes a correction draw
     engine.sample = timed("bonus draw", engine.sample)
     for name in ("gumbel_top_k_rows", "top_tokens_rows", "sample_with_replacement_rows", "sample_with_replacement",
                  "stochastic_beam_step"):

@@ -16,7 +16,7 @@ from .drafting import Shape, build_tree
 from .errors import RsdError
 from .sampling import SamplingParams, logits_to_probs, sample
 from .tree import DraftTree
-from .verification import Decision, Plan, Rule, decide, plan
+from .verification import Decision, Plan, Rule, plan, verify
 
 
 def full_vocabulary(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -116,8 +116,17 @@ class NodeCheck:
 
     node: int
     draws: list[int]  # child node ids in the order they were tried
-    plan: Plan
     decision: Decision
+    inputs: tuple = field(repr=False)  # (p, q, draft tokens, rule) at this node: what the plan is made of
+    computed: Plan | None = field(default=None, repr=False)
+
+    @property
+    def plan(self) -> Plan:
+        """The node's full plan (every draft's acceptance probability and residual), computed when
+        a consumer first asks where verification did not need it (the first draft accepted)."""
+        if self.computed is None:
+            self.computed = plan(*self.inputs)
+        return self.computed
 
 
 @dataclass
@@ -404,9 +413,9 @@ class Decoder:
         checks, path, node = [], [], 0
         while tree.draws[node]:
             draws = tree.draws[node]
-            node_plan = plan(p[node], tree.q[node], [tree.tokens[c] for c in draws], shape.rule)
-            decision = decide(node_plan, generator)
-            checks.append(NodeCheck(node, draws, node_plan, decision))
+            inputs = (p[node], tree.q[node], [tree.tokens[c] for c in draws], shape.rule)
+            decision, node_plan = verify(*inputs, generator)
+            checks.append(NodeCheck(node, draws, decision, inputs, node_plan))
             if decision.accepted is None:
                 extra, kind = decision.correction, "correction"
                 break

@@ -50,7 +50,7 @@ def rrs_plan(p: torch.Tensor, q: torch.Tensor, drafts: list[int], rule: Rule) ->
     """Recursive rejection sampling at one node; p, q are (V,) target and draft distributions."""
     r = p.double()
     q_k = q.to(torch.float64, copy=True)
-    q_k /= q_k.sum()  # the distribution the first draft was drawn from (q has mass: it was drawn)
+    q_k /= q.sum(dtype=torch.float64)  # what the first draft was drawn from (q has mass: it was drawn)
     target_mass, draft_mass, residuals = [], [], []  # r(x_k), q_k(x_k) for each draft
     for i, x in enumerate(drafts):
         q_x = q_k[x].clone()  # (q_k changes in place below)
@@ -151,16 +151,40 @@ class Decision:
     correction: int | None  # token sampled from the final residual when all were rejected
 
 
-def decide(node_plan: Plan, generator: torch.Generator) -> Decision:
-    """Try the drafts in order: draft k is accepted with probability accept[k] (one uniform each,
-    all drawn at once on the plan's device), the first accepted one wins; after rejecting them all
-    the correction is drawn from the last residual. One number goes to the host (the index of the
-    accepted draft), and one more after a rejection (the correction)."""
-    accept = node_plan.accept
-    k = accept.shape[0]
-    u = torch.rand(k, generator=generator, dtype=torch.float64, device=accept.device)
+def decide(node_plan: Plan, generator: torch.Generator, start: int = 0) -> Decision:
+    """Try the drafts in order from `start` (the ones before it already rejected): draft k is
+    accepted with probability accept[k] (one uniform each, all drawn at once on the plan's device),
+    the first accepted one wins; after rejecting them all the correction is drawn from the last
+    residual. One transfer to the host (which draft), and one more after a rejection (the correction)."""
+    accept = node_plan.accept[start:]
+    k = node_plan.accept.shape[0]
+    u = torch.rand(k - start, generator=generator, dtype=torch.float64, device=accept.device)
     hits = to_host((accept >= 1.0) | (u < accept))
     if True in hits:
-        first = hits.index(True)
+        first = start + hits.index(True)
         return Decision(first, first + 1, None)
     return Decision(None, k, sample(node_plan.residuals[-1], generator))
+
+
+def first_acceptance(p: torch.Tensor, q: torch.Tensor, x: int) -> torch.Tensor:
+    """accept[0] of rrs_plan(p, q, [x, ...]) without its residuals: min(1, p(x) / q(x)) with q
+    normalised, by the very float operations the plan makes. (1,) on p's device."""
+    q_x = q[x:x + 1].double() / q.sum(dtype=torch.float64)
+    return torch.where(q_x > 0, p[x:x + 1].double() / q_x, 1.0).clamp(max=1.0)
+
+
+def verify(p: torch.Tensor, q: torch.Tensor, drafts: list[int], rule: Rule,
+           generator: torch.Generator) -> tuple[Decision, Plan | None]:
+    """The decision at one node: `decide` on its plan, except that recursive rejection tries the
+    first draft before computing any residual (it is accepted with probability min(1, p/q), which
+    needs two numbers), so when it is accepted — most often — no vocabulary-sized work is done and
+    no plan is returned. Otherwise the plan decides among the other drafts. The outcome has the
+    same distribution either way: draft 1 is accepted with probability accept[0], then each next
+    one with accept[k], each with its own uniform. K-SEQ needs its ρ first: always the full plan."""
+    if rule is not Rule.KSEQ:
+        u = torch.rand(1, generator=generator, dtype=torch.float64, device=p.device)
+        accept = first_acceptance(p, q, drafts[0])
+        if to_host((accept >= 1.0) | (u < accept))[0]:
+            return Decision(0, 1, None), None
+    node_plan = plan(p, q, drafts, rule)
+    return decide(node_plan, generator, start=0 if rule is Rule.KSEQ else 1), node_plan

@@ -53,7 +53,7 @@ def test_costs_interpolate_between_and_extrapolate_beyond_the_measured_sizes():
 def check(tried: int, accepted: int | None):
     from rsd_cli.engine import NodeCheck
 
-    return NodeCheck(0, list(range(1, tried + 1)), None, Decision(accepted, tried, None))
+    return NodeCheck(0, list(range(1, tried + 1)), Decision(accepted, tried, None), ())
 
 
 def test_acceptance_counts_each_rank_given_the_ones_before_were_rejected():

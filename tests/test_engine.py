@@ -346,8 +346,8 @@ class ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
 def test_a_step_moves_only_a_few_numbers_to_the_host(pair, monkeypatch, runtime, temperature):
     """Device-resident maths: outside the model forwards, a step reads no tensor value on its own
     and moves values to the host only through `to_host`, each time a few numbers: one transfer per
-    drafted level (its tokens), one per tried node (its decision) and one for the correction or
-    bonus token. Run on the CPU as it runs on a GPU: the support search (CPU only) is off."""
+    drafted level (its tokens), one or two per tried node (the first draft's fate, then the others')
+    and one for the correction or bonus token. Run on the CPU as it runs on a GPU: the support search (CPU only) is off."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     from rsd_cli import compiled, sampling, verification
@@ -378,6 +378,6 @@ def test_a_step_moves_only_a_few_numbers_to_the_host(pair, monkeypatch, runtime,
         with ScalarReads() as reads:
             events = list(decoder.generate(PROMPT, 12, seed=1))
         assert reads.count == 0, shape.describe()
-        allowed = sum(e.shape.depth + e.levels_tried + 1 for e in events)
+        allowed = sum(e.shape.depth + 2 * e.levels_tried + 1 for e in events)  # a rejection costs a second one
         assert 0 < len(transfers) <= allowed, shape.describe()
         assert max(transfers) <= 3 * max(shape.width, max(shape.branching, default=1)), shape.describe()

@@ -260,3 +260,32 @@ def test_root_acceptance_matches_enumeration_and_never_favours_replacement(k):
         # without replacement: a Monte-Carlo average over rejection paths, so a loose tolerance
         assert wor == pytest.approx(_root_acceptance_by_enumeration(p, q, k, Rule.WITHOUT_REPLACEMENT), abs=0.01)
         assert _root_acceptance_by_enumeration(p, q, k, Rule.WITHOUT_REPLACEMENT) >= iid - 1e-12
+
+
+@pytest.mark.parametrize("rule", [Rule.WITHOUT_REPLACEMENT, Rule.WITH_REPLACEMENT, Rule.KSEQ])
+def test_verify_decides_as_its_plan_says(rule):
+    """The engine's `verify` (first draft tried before any residual is computed) has the outcome
+    distribution the plan gives: draft k accepted with prob prod_{j<k} (1 - a_j) a_k, else the
+    correction y with prod (1 - a_j) r(y). Monte-Carlo, chi-square; the plan's own numbers are the
+    ones the enumeration tests above prove exact."""
+    from scipy.stats import chisquare
+
+    from rsd_cli.verification import verify
+
+    p, q = target(()), draft(())
+    drafts = [0, 2, 1] if rule is Rule.WITHOUT_REPLACEMENT else [0, 2, 0]
+    node_plan = plan(p, q, drafts, rule)
+    accept = node_plan.accept_probabilities()
+    expected, reach = [], 1.0
+    for a in accept:
+        expected.append(reach * a)
+        reach *= 1 - a
+    expected += [reach * float(r) for r in node_plan.residuals[-1]]  # outcomes len(drafts) + y
+    generator, n = torch.Generator().manual_seed(0), 20_000
+    counts = [0] * len(expected)
+    for _ in range(n):
+        decision, _ = verify(p, q, drafts, rule, generator)
+        counts[decision.accepted if decision.accepted is not None else len(drafts) + decision.correction] += 1
+    observed = [c for c, e in zip(counts, expected) if e > 0]
+    assert sum(c for c, e in zip(counts, expected) if e == 0) == 0
+    assert chisquare(observed, [e * n for e in expected if e > 0]).pvalue > 1e-3

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU checks and figures issue #14 asks for, in parts that each fit one device call (10 min).
+# On the GPU machine of the `device` tool, after the three staging calls of
+# ../shared/device/stage-embedded (carry .device-stage/3, .device-stage/whl, .device-stage/env.sh):
+#
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh tests     # the suite on CUDA
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh costs     # one forward: eager / static / CUDA graphs
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh bench     # end to end, bf16, with hf-static
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh cpu16     # the same on the 16-core CPU
+#
+# Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
+set -uo pipefail
+part=${1:?which part: tests, costs, bench or cpu16}
+out=${OUT:-benchmarks/results/gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+py=python3
+bench=(-m rsd_cli bench --variants ar,sd,rsd-c,auto --depths 1,2,3 --width 3 --temperatures 1,0
+       --limit 4 -n 128 --no-assisted --json)
+case $part in
+  tests)  # the GPU-only tests first (CUDA graphs), then everything; the log comes back either way
+    $py -m pytest -p no:warnings -q -rs tests/test_compiled.py -k cuda 2>&1 | tee "$out/cuda-tests.txt"
+    $py -m pytest -p no:warnings -q -x -n 8 2>&1 | tee "$out/suite.txt" ;;
+  costs)
+    $py benchmarks/runtime_cost.py --rows 1,2,4,8,16 --out "$out/runtime-cost.json" 2>&1 | tee "$out/runtime-cost.txt" ;;
+  bench)  # the default profile: bf16 on a GPU
+    $py "${bench[@]}" --compile off,on,auto --hf-static > "$out/bench-gpu.json" ;;
+  cpu16)
+    CUDA_VISIBLE_DEVICES= $py "${bench[@]}" --compile off,on,auto --hf-static > "$out/bench-cpu16.json" ;;
+  *) echo "unknown part $part: tests, costs, bench or cpu16" >&2; exit 2 ;;
+esac
