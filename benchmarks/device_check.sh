@@ -20,7 +20,8 @@ bench=(-m rsd_cli bench --variants ar,sd,rsd-c,auto --depths 1,2,3 --width 3 --t
 case $part in
   tests)  # the GPU-only tests first (CUDA graphs), then everything; the log comes back either way
     $py -m pytest -p no:warnings -q -rs tests/test_compiled.py -k cuda 2>&1 | tee "$out/cuda-tests.txt"
-    $py -m pytest -p no:warnings -q -x -n 8 2>&1 | tee "$out/suite.txt" ;;
+    workers=(); $py -c "import xdist" 2>/dev/null && workers=(-n 8)  # pytest-xdist where it is installed
+    $py -m pytest -p no:warnings -q -x "${workers[@]}" 2>&1 | tee "$out/suite.txt" ;;
   costs)
     $py benchmarks/runtime_cost.py --rows 1,2,4,8,16 --out "$out/runtime-cost.json" 2>&1 | tee "$out/runtime-cost.txt" ;;
   bench)  # the default profile: bf16 on a GPU
