@@ -23,7 +23,8 @@ case $part in
     workers=(); $py -c "import xdist" 2>/dev/null && workers=(-n 8)  # pytest-xdist where it is installed
     $py -m pytest -p no:warnings -q -x "${workers[@]}" 2>&1 | tee "$out/suite.txt" ;;
   costs)
-    $py benchmarks/runtime_cost.py --rows 1,2,4,8,16 --out "$out/runtime-cost.json" 2>&1 | tee "$out/runtime-cost.txt" ;;
+    $py benchmarks/runtime_cost.py --rows 1,2,4,8,16 --out "$out/runtime-cost.json" 2>&1 |
+      tee "$out/runtime-cost.txt" ;;
   bench)  # the default profile: bf16 on a GPU
     $py "${bench[@]}" --compile off,on,auto --hf-static > "$out/bench-gpu.json" ;;
   cpu16)

@@ -114,6 +114,10 @@ def measure(make_target: Callable, make_draft: Callable | None, prefix: int = 96
     new tokens (rolled back after each), the fastest of `repeats`."""
     import torch
 
+    def synchronised(cache) -> None:  # logits stay on the device: wait for a GPU's work to end
+        if cache.device.type == "cuda":
+            torch.cuda.synchronize(cache.device)
+
     def table(make_cache, sizes) -> dict[int, float]:
         cache = make_cache()
         cache.extend([1] * prefix)
@@ -124,11 +128,15 @@ def measure(make_target: Callable, make_draft: Callable | None, prefix: int = 96
             visible = torch.ones(n, prefix + n, dtype=torch.bool)
             best = math.inf
             for _ in range(repeats):
+                synchronised(cache)
                 start = time.perf_counter()
                 cache.forward([1] * n, [prefix + i for i in range(n)], visible)
+                synchronised(cache)
                 best = min(best, time.perf_counter() - start)
                 cache.keep(list(range(prefix)))
             out[n] = best
+        if hasattr(cache, "release"):
+            cache.release()  # (a static-shape cache's buffers go back to its model)
         return out
 
     return Costs(table(make_target, TARGET_SIZES), table(make_draft, DRAFT_SIZES) if make_draft else {})

@@ -232,7 +232,8 @@ class CompiledModel:
             except Exception as e:  # noqa: BLE001 - a driver, library or op that cannot be captured
                 self.graphed = False  # this model runs its static shapes without graphs from now on
                 self._captured.clear()
-                self.notice(f"capturing a CUDA graph failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
+                reason = str(e).splitlines()[0] if str(e) else ""
+                self.notice(f"capturing a CUDA graph failed ({type(e).__name__}: {reason}): "
                             f"the static-cache runtime runs without graphs")
                 return self.forward(tokens, positions, mask, keys, values, rows, slots)
         inputs, graph, logits = self._captured[key]

@@ -320,11 +320,15 @@ class Decoder:
         """This step's shape: the configured one, or auto's choice from the steps before it."""
         if self.shape.variant != "auto":
             return self.shape
+        return self._auto_policy().next_shape()
+
+    def _auto_policy(self):
+        """auto.AutoShape for --variant auto, made (its costs measured) at its first use."""
         if self.policy is None:
             from .auto import for_decoder
 
             self.policy = for_decoder(self, self.notice)
-        return self.policy.next_shape()
+        return self.policy
 
     @property
     def greedy_ranking(self) -> bool:
@@ -343,6 +347,8 @@ class Decoder:
             raise RsdError("the prompt is empty")
         if self.context_length and len(prompt) >= self.context_length:
             raise RsdError(f"the prompt has {len(prompt)} tokens but the model's context holds {self.context_length}")
+        if self.shape.variant == "auto":  # costs measured (once) before this generation's caches
+            self._auto_policy()             # hold a static-shape runtime's shared buffers
         # static-cache buffers: room for the prompt, some answer and one tree; they double when full
         capacity = min(len(prompt) + min(max_tokens, 512), self.context_length or 2**31) + self.shape.max_nodes + 1
         target = self._cache(self.target_model, self.runtimes.target, capacity)
@@ -409,7 +415,8 @@ class Decoder:
         base = len(seq) - 1
         visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
         logits = target.forward(tree.tokens, [base + d for d in tree.depths], visible)
-        p = logits_to_probs(logits, self.sampling, self._seen(self.sampling, seq, tree, range(len(tree)), logits.device))
+        seen = self._seen(self.sampling, seq, tree, range(len(tree)), logits.device)
+        p = logits_to_probs(logits, self.sampling, seen)
         checks, path, node = [], [], 0
         while tree.draws[node]:
             draws = tree.draws[node]

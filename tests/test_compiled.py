@@ -170,6 +170,20 @@ def test_first_two_tokens_follow_the_target_distribution_on_static_shapes(pair, 
     assert chi_square_pvalue(counts, exact_joint(pair[0], sampling) * N_SAMPLES) > 1e-3
 
 
+def test_auto_measures_its_costs_on_the_static_shape_caches(pair, static_runtimes, monkeypatch, tmp_path):
+    """auto times forwards on caches of the generation's own kind: with static shapes (CUDA graphs
+    on a GPU) those must hold the shared buffers, so they are measured before the generation's."""
+    from rsd_cli import auto
+
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(auto, "_MEASURED", {})
+    made = []
+    real = Decoder._cache
+    monkeypatch.setattr(Decoder, "_cache", lambda self, *args: made.append(real(self, *args)) or made[-1])
+    assert run(pair, static_runtimes, make_shape("auto"), SamplingParams(0.0), 25, 0) == plain_greedy(pair[0], 25)
+    assert len(made) == 4 and all(cache.static for cache in made)  # 2 measured, 2 generating
+
+
 def test_static_shape_buffers_serve_one_generation_at_a_time(pair):
     """CUDA graphs replay on the buffers they were captured with, so a model's static-shape
     generations share one set: taken by one live cache at a time, handed back when its generation
@@ -277,8 +291,8 @@ def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
     reference = run(pair, None, shape, sampling, 30, seed=3)
     assert run(pair, runtimes[True], shape, sampling, 30, seed=3) == reference
     assert run(pair, runtimes[False], shape, sampling, 30, seed=3) == reference
-    assert run(pair, Runtimes(CompiledModel(pair[0], False, static_shapes=True),
-                              CompiledModel(pair[1], False, static_shapes=True)), shape, sampling, 30, seed=3) == reference
+    static = Runtimes(CompiledModel(pair[0], False, static_shapes=True), CompiledModel(pair[1], False, static_shapes=True))
+    assert run(pair, static, shape, sampling, 30, seed=3) == reference
 
 
 def test_unsupported_models_are_named_with_a_reason():

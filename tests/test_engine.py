@@ -347,7 +347,8 @@ def test_a_step_moves_only_a_few_numbers_to_the_host(pair, monkeypatch, runtime,
     """Device-resident maths: outside the model forwards, a step reads no tensor value on its own
     and moves values to the host only through `to_host`, each time a few numbers: one transfer per
     drafted level (its tokens), one or two per tried node (the first draft's fate, then the others')
-    and one for the correction or bonus token. Run on the CPU as it runs on a GPU: the support search (CPU only) is off."""
+    and one for the correction or bonus token. Run on the CPU as it runs on a GPU: the support
+    search (CPU only) is off."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     from rsd_cli import compiled, sampling, verification
