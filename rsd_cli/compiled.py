@@ -11,8 +11,8 @@ model's own modules (weights, norms and rotary tables are read, never copied):
   are written at their slots (the cache's running length onwards), the accepted path compacted by
   one index copy for all layers;
 - the attention mask is additive float (n, kv_len) over the used part of the buffers;
-- token counts are padded to a few buckets (1, 2, 4, 8, 16; padding rows write beyond the used
-  length and see only themselves), and the used length is a dynamic dimension, so a handful of
+- token counts are padded to a few buckets (1, 2, 4, 8, 16, and 32, 64 on static shapes; padding
+  rows write beyond the used length and see only themselves), and the used length is a dynamic dimension, so a handful of
   compiled graphs of one decoder layer serve every tree, every layer and the early-exit draft;
   prompts and trees of more than 16 tokens run the same code uncompiled, where overhead matters less;
 - on CPU each linear product runs the kernel measured fastest for its shape and row count
@@ -43,14 +43,17 @@ from .engine import ChainExtension, full_vocabulary, unchanged_prefix
 from .small_batch import TORCH, kernel_linear, kernels_of, packed_of
 
 BUCKETS = (1, 2, 4, 8, 16)
+# CUDA graphs take milliseconds to capture, not a compile: trees and draft levels up to 64 nodes
+# (what `auto` drafts) replay too, where one forward costs about the same for 1 or 64 tokens
+STATIC_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # scaled_dot_product_attention(enable_gqa=)
 SUPPORTED_TYPES = ("llama",)  # what the tests cover; other Llama-style decoders would follow the same shape
 ROPE_TYPES = ("default", "linear", "llama3")  # rotary tables that depend on the position alone
 
 
-def bucket(n: int) -> int | None:
+def bucket(n: int, sizes: tuple[int, ...] = BUCKETS) -> int | None:
     """The padded token count for n tokens, or None when n is beyond the compiled sizes."""
-    return next((b for b in BUCKETS if b >= n), None)
+    return next((b for b in sizes if b >= n), None)
 
 
 def unsupported(model) -> str | None:
@@ -180,6 +183,7 @@ class CompiledModel:
         self.graphs: set[int] = set()  # token counts compiled so far
         self.graphed = compile and self.device.type == "cuda"  # CUDA graphs instead of torch.compile
         self.static_shapes = self.graphed if static_shapes is None else static_shapes
+        self.buckets = STATIC_BUCKETS if self.static_shapes else BUCKETS  # token counts padded to
         self._inductor = compile and not self.graphed
         # the layers compiled; embedding, final norm and head stay eager (a few ops, and a graph per
         # head size would double the compiles)
@@ -335,8 +339,9 @@ class StaticLM(ChainExtension):
         """Same contract as CachedLM.forward: visible is (n, length + n) bool over cache + new keys."""
         start = time.perf_counter()
         n = len(tokens)
-        static = self.static and bucket(n) is not None  # (a prompt runs the other path, on the same buffers)
-        size = (bucket(n) or n) if self.compiled.compiled or static else n
+        sizes = self.compiled.buckets
+        static = self.static and bucket(n, sizes) is not None  # (a longer prompt: the other path, same buffers)
+        size = (bucket(n, sizes) or n) if self.compiled.compiled or static else n
         if self.length + size > self.capacity:
             self._grow(self.length + size)
         pad = size - n
