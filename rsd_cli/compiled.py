@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from transformers.models.llama.modeling_llama import rotate_half
 
-from .engine import ChainExtension, full_vocabulary, unchanged_prefix
+from .engine import ChainExtension, ForwardClock, full_vocabulary, unchanged_prefix
 from .small_batch import TORCH, kernel_linear, kernels_of, packed_of
 
 BUCKETS = (1, 2, 4, 8, 16)
@@ -323,7 +323,7 @@ class StaticLM(ChainExtension):
         self.keys, self.values = buffers or compiled.new_buffers(capacity)
         self.capacity = self.keys.shape[2]
         self.length = 0
-        self.forward_seconds = 0.0
+        self.clock = ForwardClock(compiled.device)
         self.calls = 0
 
     @property
@@ -334,10 +334,14 @@ class StaticLM(ChainExtension):
     def device(self) -> torch.device:
         return self.compiled.device
 
+    @property
+    def forward_seconds(self) -> float:
+        return self.clock.seconds
+
     def forward(self, tokens: list[int], positions: list[int], visible: torch.Tensor,
                 last_only: bool = False) -> torch.Tensor:
         """Same contract as CachedLM.forward: visible is (n, length + n) bool over cache + new keys."""
-        start = time.perf_counter()
+        start = self.clock.start()
         n = len(tokens)
         sizes = self.compiled.buckets
         static = self.static and bucket(n, sizes) is not None  # (a longer prompt: the other path, same buffers)
@@ -364,7 +368,7 @@ class StaticLM(ChainExtension):
                 logits = self.compiled.forward(*inputs, self.keys, self.values, rows.to(device))
         self.length += n
         logits = full_vocabulary(logits[:, : self.vocab_size].float(), self.vocab_size)  # stays on the device
-        self.forward_seconds += time.perf_counter() - start
+        self.clock.stop(start)
         self.calls += 1
         return logits
 

@@ -35,6 +35,40 @@ def unchanged_prefix(indices: list[int]) -> int:
     return prefix
 
 
+class ForwardClock:
+    """Seconds a cache's forwards took. On a CUDA device the work runs after the call returns (the
+    logits stay there), so it is timed with CUDA events, read once they have happened (a step's
+    transfers to the host wait for them anyway); elsewhere with the host's clock."""
+
+    def __init__(self, device: torch.device):
+        self.device = device if device.type == "cuda" else None
+        self.done = 0.0
+        self.pending: list[tuple] = []  # (start, end) events not read yet
+
+    def start(self):
+        if self.device is None:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def stop(self, started) -> None:
+        if self.device is None:
+            self.done += time.perf_counter() - started
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(torch.cuda.current_stream(self.device))
+        self.pending.append((started, end))
+
+    @property
+    def seconds(self) -> float:
+        for start, end in self.pending:
+            end.synchronize()
+            self.done += start.elapsed_time(end) / 1000
+        self.pending.clear()
+        return self.done
+
+
 class ChainExtension:
     """`extend` for a cache that has `length` and `forward` (CachedLM here, compiled.StaticLM)."""
 
@@ -59,8 +93,12 @@ class CachedLM(ChainExtension):
         self.device = input_device(model)  # a placed model's layers move what they get to their own devices
         self.vocab_size = vocab_size
         self.cache = DynamicCache(config=model.config)
-        self.forward_seconds = 0.0
+        self.clock = ForwardClock(self.device)
         self.calls = 0
+
+    @property
+    def forward_seconds(self) -> float:
+        return self.clock.seconds
 
     @property
     def length(self) -> int:
@@ -73,7 +111,7 @@ class CachedLM(ChainExtension):
         Returns (n, V) logits, or (1, V) with last_only. Transformers wants an additive float
         mask (0 where visible, dtype min elsewhere): a boolean 4D mask is not honoured everywhere.
         """
-        start = time.perf_counter()
+        start = self.clock.start()
         dtype = self.model.dtype
         device = self.device
         mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
@@ -89,7 +127,7 @@ class CachedLM(ChainExtension):
         # the logits stay on the device (a placed model's on its input device): sampling and
         # verification run there, and only a few numbers a step come to the host
         logits = full_vocabulary(out.logits[0, :, : self.vocab_size].float().to(self.device), self.vocab_size)
-        self.forward_seconds += time.perf_counter() - start
+        self.clock.stop(start)
         self.calls += 1
         return logits
 
