@@ -5,8 +5,8 @@ the probability of accepting x_k given that x_1..x_(k-1) were rejected, and the 
 distribution used after each rejection. ``decide`` turns a plan into a random outcome. The
 exact-enumeration tests use the plans directly, so they check the very code the engine runs.
 All maths is in float64, on the device the distributions are on: a plan is computed without
-moving anything to the host, and `decide` moves one number (which draft was accepted) and, after
-a rejection, the correction token.
+moving anything to the host; `verify` moves whether the first draft was accepted, after a
+rejection which later one was (`decide`), and after rejecting them all the correction token.
 """
 
 from __future__ import annotations
