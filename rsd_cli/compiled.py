@@ -12,8 +12,9 @@ model's own modules (weights, norms and rotary tables are read, never copied):
   one index copy for all layers;
 - the attention mask is additive float (n, kv_len) over the used part of the buffers;
 - token counts are padded to a few buckets (1, 2, 4, 8, 16, and 32, 64 on static shapes; padding
-  rows write beyond the used length and see only themselves), and the used length is a dynamic dimension, so a handful of
-  compiled graphs of one decoder layer serve every tree, every layer and the early-exit draft;
+  rows write beyond the used length and see only themselves), and the used length is a dynamic
+  dimension, so a handful of compiled graphs of one decoder layer serve every tree, every layer
+  and the early-exit draft;
   prompts and trees of more than 16 tokens run the same code uncompiled, where overhead matters less;
 - on CPU each linear product runs the kernel measured fastest for its shape and row count
   (`small_batch`: oneDNN on packed weights on an AMD EPYC), inside compiled graphs too, where it is
@@ -183,7 +184,7 @@ class CompiledModel:
         self.graphs: set[int] = set()  # token counts compiled so far
         self.graphed = compile and self.device.type == "cuda"  # CUDA graphs instead of torch.compile
         self.static_shapes = self.graphed if static_shapes is None else static_shapes
-        self.buckets = STATIC_BUCKETS if self.static_shapes else BUCKETS  # token counts padded to
+        self.buckets = STATIC_BUCKETS if self.static_shapes else BUCKETS  # what token counts are padded to
         self._inductor = compile and not self.graphed
         # the layers compiled; embedding, final norm and head stay eager (a few ops, and a graph per
         # head size would double the compiles)
