@@ -9,8 +9,9 @@ def stats_line(stats: Stats, configured: str | None = None) -> str:
     """The one-line summary; it names the shapes drafted when they are not just `configured`."""
     per_depth = " ".join(f"{a:.2f}" for a in stats.acceptance_per_depth) or "-"
     used = stats.shapes_used()
-    shapes = "" if len(used) <= 1 and [name for name, _ in used] in ([], [configured]) else "shapes " + ", ".join(f"{name} ×{n}" for name, n in used[:3]) + \
-        (", …" if len(used) > 3 else "") + " · "
+    shapes = ""
+    if len(used) > 1 or [name for name, _ in used] not in ([], [configured]):
+        shapes = "shapes " + ", ".join(f"{name} ×{n}" for name, n in used[:3]) + (", …" if len(used) > 3 else "") + " · "
     return shapes + (
         f"{stats.steps} steps · {stats.new_tokens} tokens · block efficiency {stats.block_efficiency:.2f} · "
         f"acceptance {stats.acceptance_rate:.2f} (per depth {per_depth}) · {stats.tokens_per_second:.1f} tok/s · "
