@@ -42,7 +42,9 @@ for role, model in (("target", pair.target), ("draft", pair.draft)):
     runtimes[role] = {
         "transformers eager": lambda m=model: CachedLM(m, pair.vocab_size),
         "static cache, uncompiled": lambda m=model: StaticLM(CompiledModel(m, compile=False), pair.vocab_size, 512),
-        "static cache, compiled": lambda c=compiled: StaticLM(c, pair.vocab_size, 512),
+        # (on a CUDA device "compiled" means CUDA graphs of the static shapes)
+        "static cache, CUDA graphs" if compiled.graphed else "static cache, compiled":
+            lambda c=compiled: StaticLM(c, pair.vocab_size, 512),
     }
 
 
