@@ -14,7 +14,7 @@ import time
 import torch
 
 from rsd_cli.compiled import CompiledModel, StaticLM, warm_up
-from rsd_cli.engine import CachedLM
+from rsd_cli.engine import CachedLM, synchronise
 from rsd_cli.models import load_pair
 from rsd_cli.profiles import load_profile
 
@@ -48,11 +48,6 @@ for role, model in (("target", pair.target), ("draft", pair.draft)):
     }
 
 
-def sync() -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 results = {}
 for role, backends in runtimes.items():
     caches = {}
@@ -66,10 +61,10 @@ for role, backends in runtimes.items():
             visible = torch.ones(n, PREFIX + n, dtype=torch.bool)
             visible[:, PREFIX:] = torch.ones(n, n, dtype=torch.bool).tril()
             for name, lm in caches.items():
-                sync()
+                synchronise(device)
                 start = time.perf_counter()
                 lm.forward(tokens, list(range(PREFIX, PREFIX + n)), visible)
-                sync()
+                synchronise(device)
                 times[(name, n)].append(time.perf_counter() - start)
                 lm.keep(list(range(PREFIX)))
     for (name, n), ts in times.items():

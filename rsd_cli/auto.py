@@ -25,7 +25,6 @@ acceptance does not predict.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -112,31 +111,14 @@ class Costs:
 def measure(make_target: Callable, make_draft: Callable | None, prefix: int = 96, repeats: int = 3) -> Costs:
     """Time forwards on fresh caches of the engine's own kind: a `prefix`-token context, then n
     new tokens (rolled back after each), the fastest of `repeats`."""
-    import torch
-
-    def synchronised(cache) -> None:  # logits stay on the device: wait for a GPU's work to end
-        if cache.device.type == "cuda":
-            torch.cuda.synchronize(cache.device)
+    from .engine import timed_chain
 
     def table(make_cache, sizes) -> dict[int, float]:
         cache = make_cache()
         cache.extend([1] * prefix)
-        cache.forward([1], [prefix], torch.ones(1, prefix + 1, dtype=torch.bool))  # first-call costs, untimed
-        cache.keep(list(range(prefix)))
-        out = {}
-        for n in sizes:
-            visible = torch.ones(n, prefix + n, dtype=torch.bool)
-            best = math.inf
-            for _ in range(repeats):
-                synchronised(cache)
-                start = time.perf_counter()
-                cache.forward([1] * n, [prefix + i for i in range(n)], visible)
-                synchronised(cache)
-                best = min(best, time.perf_counter() - start)
-                cache.keep(list(range(prefix)))
-            out[n] = best
-        if hasattr(cache, "release"):
-            cache.release()  # (a static-shape cache's buffers go back to its model)
+        timed_chain(cache, 1)  # first-call costs, untimed
+        out = {n: min(timed_chain(cache, n) for _ in range(repeats)) for n in sizes}
+        cache.release()  # (a static-shape cache's buffers go back to its model)
         return out
 
     return Costs(table(make_target, TARGET_SIZES), table(make_draft, DRAFT_SIZES) if make_draft else {})

@@ -32,7 +32,6 @@ compare the two runtimes' logits, greedy outputs and sampled distributions.
 from __future__ import annotations
 
 import math
-import time
 import weakref
 
 import torch
@@ -40,7 +39,7 @@ import torch.nn.functional as F
 
 from transformers.models.llama.modeling_llama import rotate_half
 
-from .engine import ChainExtension, ForwardClock, full_vocabulary, unchanged_prefix
+from .engine import ChainExtension, ForwardClock, full_vocabulary, timed_chain, unchanged_prefix
 from .small_batch import TORCH, kernel_linear, kernels_of, packed_of
 
 BUCKETS = (1, 2, 4, 8, 16)
@@ -401,45 +400,16 @@ WARM_SIZES = (1, 2, 4)  # token counts every variant uses (draft steps, small tr
 VERDICT_REPEATS = 7
 
 
-def _scratch_forward(runtime: CompiledModel, n: int, past: int, buffers) -> float:
-    """One forward of n tokens after `past` cached ones on scratch buffers, made in inference mode
-    as StaticLM.forward makes its inputs (so the compiled graphs' guards match); returns seconds."""
-    keys, values = buffers
-    with torch.inference_mode():
-        tokens = torch.zeros(n, dtype=torch.long, device=runtime.device)
-        mask = torch.zeros(n, past + n, device=runtime.device)
-        rows = torch.arange(n, device=runtime.device)
-        if runtime.device.type == "cuda":
-            torch.cuda.synchronize(runtime.device)
-        start = time.perf_counter()
-        runtime.forward(tokens, tokens, mask, keys, values, rows)
-        if runtime.device.type == "cuda":
-            torch.cuda.synchronize(runtime.device)
-    return time.perf_counter() - start
-
-
 def warm_up(runtime: CompiledModel, sizes=WARM_SIZES) -> None:
-    """Run (so compile) the given token counts once on scratch buffers."""
-    buffers = runtime.new_buffers(max(sizes) + 8)
-    for n in sizes:
-        _scratch_forward(runtime, n, 4, buffers)
-
-
-def _generation_forward(lm: StaticLM, n: int) -> float:
-    """Seconds of one n-token chain forward on `lm` as a generation makes it; the cache is then
-    cut back to what it held."""
-    past = lm.length
-    visible = torch.ones(n, past + n, dtype=torch.bool)
-    visible[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
-    if lm.device.type == "cuda":
-        torch.cuda.synchronize(lm.device)
-    start = time.perf_counter()
-    lm.forward(list(range(n)), list(range(past, past + n)), visible)
-    if lm.device.type == "cuda":
-        torch.cuda.synchronize(lm.device)
-    seconds = time.perf_counter() - start
-    lm.keep(list(range(past)))
-    return seconds
+    """Run (so compile) the given token counts once on scratch buffers, with inputs made in
+    inference mode as StaticLM.forward makes them (so the compiled graphs' guards match)."""
+    keys, values = runtime.new_buffers(max(sizes) + 8)
+    past = 4
+    with torch.inference_mode():
+        for n in sizes:
+            tokens = torch.zeros(n, dtype=torch.long, device=runtime.device)
+            mask = torch.zeros(n, past + n, device=runtime.device)
+            runtime.forward(tokens, tokens, mask, keys, values, torch.arange(n, device=runtime.device))
 
 
 def compiled_gain(model) -> float:
@@ -457,7 +427,7 @@ def compiled_gain(model) -> float:
     for _ in range(VERDICT_REPEATS + 1):
         for runtime, lm in caches.items():
             for i, n in enumerate((1, 4)):
-                best[runtime][i] = min(best[runtime][i], _generation_forward(lm, n))
+                best[runtime][i] = min(best[runtime][i], timed_chain(lm, n))
     for lm in caches.values():
         lm.release()
     return sum(best[compiled]) / sum(best[eager])

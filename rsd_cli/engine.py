@@ -35,6 +35,25 @@ def unchanged_prefix(indices: list[int]) -> int:
     return prefix
 
 
+def synchronise(device: torch.device) -> None:
+    """Wait for a CUDA device's queued work (a forward returns before it ends); elsewhere nothing."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_chain(cache, n: int) -> float:
+    """Seconds one n-token chain forward takes on `cache` (every row's logits, as a tree's
+    verification or a draft level asks for; a GPU's work included); the cache is then cut back."""
+    past = cache.length
+    synchronise(cache.device)
+    start = time.perf_counter()
+    cache.extend([1] * n, last_only=False)
+    synchronise(cache.device)
+    seconds = time.perf_counter() - start
+    cache.keep(list(range(past)))
+    return seconds
+
+
 class ForwardClock:
     """Seconds a cache's forwards took. On a CUDA device the work runs after the call returns (the
     logits stay there), so it is timed with CUDA events, read once they have happened (a step's
@@ -78,6 +97,10 @@ class ChainExtension:
         visible = torch.ones(n, past + n, dtype=torch.bool)
         visible[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
         return self.forward(tokens, list(range(past, past + n)), visible, last_only)
+
+    def release(self) -> None:
+        """Hand back what the cache borrowed from its runtime (a static-shape runtime's shared
+        buffers, see compiled.StaticLM); nothing for transformers' cache."""
 
 
 class CachedLM(ChainExtension):
@@ -400,7 +423,8 @@ class Decoder:
             yield from self._steps(list(prompt), max_tokens, target, draft, generator)
         finally:  # a static-shape runtime's shared buffers go back to its model for the next generation
             for lm in (target, draft):
-                getattr(lm, "release", lambda: None)()
+                if lm is not None:
+                    lm.release()
 
     def _steps(self, seq: list[int], max_tokens: int, target, draft, generator: torch.Generator) -> Iterator[StepEvent]:
         """generate's loop on its caches; seq (the prompt) grows by each step's tokens."""

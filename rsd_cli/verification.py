@@ -46,6 +46,11 @@ def _normalise_(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     return x.mul_(scale).addcmul_(fallback, (~has_mass).to(x.dtype))  # + fallback x (0 or 1): exact
 
 
+def _acceptance(target_mass: torch.Tensor, draft_mass: torch.Tensor) -> torch.Tensor:
+    """min(1, r(x) / q(x)), 1 where q(x) = 0: the probability of accepting drafts x."""
+    return torch.where(draft_mass > 0, target_mass / draft_mass, 1.0).clamp(max=1.0)
+
+
 def rrs_plan(p: torch.Tensor, q: torch.Tensor, drafts: list[int], rule: Rule) -> Plan:
     """Recursive rejection sampling at one node; p, q are (V,) target and draft distributions."""
     r = p.double()
@@ -66,9 +71,7 @@ def rrs_plan(p: torch.Tensor, q: torch.Tensor, drafts: list[int], rule: Rule) ->
             q_k[x] = 0
     if not drafts:
         return Plan(p.new_zeros(0, dtype=torch.float64), [])
-    target_mass, draft_mass = torch.stack(target_mass), torch.stack(draft_mass)
-    accept = torch.where(draft_mass > 0, target_mass / draft_mass, 1.0).clamp(max=1.0)  # min(1, r/q)
-    return Plan(accept, residuals)
+    return Plan(_acceptance(torch.stack(target_mass), torch.stack(draft_mass)), residuals)
 
 
 def _beta(p: torch.Tensor, q: torch.Tensor, rho: float) -> float:
@@ -169,8 +172,7 @@ def decide(node_plan: Plan, generator: torch.Generator, start: int = 0) -> Decis
 def first_acceptance(p: torch.Tensor, q: torch.Tensor, x: int) -> torch.Tensor:
     """accept[0] of rrs_plan(p, q, [x, ...]) without its residuals: min(1, p(x) / q(x)) with q
     normalised, by the very float operations the plan makes. (1,) on p's device."""
-    q_x = q[x:x + 1].double() / q.sum(dtype=torch.float64)
-    return torch.where(q_x > 0, p[x:x + 1].double() / q_x, 1.0).clamp(max=1.0)
+    return _acceptance(p[x:x + 1].double(), q[x:x + 1].double() / q.sum(dtype=torch.float64))
 
 
 def verify(p: torch.Tensor, q: torch.Tensor, drafts: list[int], rule: Rule,
