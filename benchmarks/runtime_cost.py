@@ -14,7 +14,7 @@ import time
 import torch
 
 from rsd_cli.compiled import CompiledModel, StaticLM, warm_up
-from rsd_cli.engine import CachedLM, synchronise
+from rsd_cli.engine import CachedLM, timed_chain
 from rsd_cli.models import load_pair
 from rsd_cli.profiles import load_profile
 
@@ -57,16 +57,8 @@ for role, backends in runtimes.items():
     times = {(name, n): [] for name in backends for n in rows}
     for _ in range(args.repeats):  # interleaved: each backend in turn, every size
         for n in rows:
-            tokens = list(range(100, 100 + n))
-            visible = torch.ones(n, PREFIX + n, dtype=torch.bool)
-            visible[:, PREFIX:] = torch.ones(n, n, dtype=torch.bool).tril()
             for name, lm in caches.items():
-                synchronise(device)
-                start = time.perf_counter()
-                lm.forward(tokens, list(range(PREFIX, PREFIX + n)), visible)
-                synchronise(device)
-                times[(name, n)].append(time.perf_counter() - start)
-                lm.keep(list(range(PREFIX)))
+                times[(name, n)].append(timed_chain(lm, n))
     for (name, n), ts in times.items():
         results.setdefault(role, {}).setdefault(name, {})[n] = statistics.median(ts) * 1000
 
