@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
 from .engine import ChainExtension, ForwardClock, full_vocabulary, timed_chain, unchanged_prefix
-from .small_batch import TORCH, kernel_linear, kernels_of, packed_of
+from .small_batch import TORCH, kernel_linear, kernels_of, prepared_copies
 
 BUCKETS = (1, 2, 4, 8, 16)
 # CUDA graphs take milliseconds to capture, not a compile: trees and draft levels up to 64 nodes
@@ -82,11 +82,11 @@ PLACEMENT_REASONS = ("a model placed over several devices", "a model whose weigh
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small: tuple) -> torch.Tensor:
-    """small = (the CPU kernels this layer's shape measured fastest with, its packed weight or None):
-    small_batch.kernels_of / packed_of."""
-    kernels, packed = small
+    """small = (the CPU kernels this layer's shape measured fastest with, the copies of its weight
+    they run on): small_batch.kernels_of / prepared_copies."""
+    kernels, prepared = small
     if kernels != TORCH:
-        return kernel_linear(x, weight, bias, kernels, packed)
+        return kernel_linear(x, weight, bias, kernels, prepared)
     return F.linear(x, weight, bias)
 
 
@@ -194,8 +194,8 @@ class CompiledModel:
         self._pool = None  # one CUDA memory pool for all this model's graphs (they run one at a time)
 
     def _kernels(self, linear) -> tuple:
-        """(the CPU kernels of this linear, its packed weight or None)."""
-        return kernels_of(linear), packed_of(linear)
+        """(the CPU kernels of this linear, the copies of its weight they run on)."""
+        return kernels_of(linear), prepared_copies(linear)
 
     def new_buffers(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         _, kv_heads, head_dim, _, _ = self.dims

@@ -11,7 +11,10 @@ fastest differs by machine, by shape and by row count. Four compute the same pro
   for CPU linears), on the layer's own weight;
 - "packed": the same on a copy of the weight in oneDNN's blocked layout, made once at load
   (`torch.ops.mkldnn._reorder_linear_weight`): more memory (the copy), and few-row products
-  nearly as cheap as one row.
+  nearly as cheap as one row;
+- "blocks": for a weight that holds 4-bit or 8-bit quantised blocks (a GGUF model's, such as the
+  embedded one), rsd's own kernel on those blocks (`blocks`): 0.75 or 1.125 bytes a weight
+  streamed instead of 4, each weight rebuilt exactly.
 
 Measured on a 2-core AMD EPYC (Zen 5, streaming the weights from memory as a forward does):
 torch's product reaches 11-14 GB/s on the 49k-row output head of SmolLM2-135M (7-14 ms for
@@ -46,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 64  # above this, prompt prefill: F.linear is the right kernel
-KERNELS = ("torch", "transposed", "onednn", "packed")
+KERNELS = ("torch", "transposed", "onednn", "packed", "blocks")
 TORCH = ("torch", "torch")  # (kernel for a single row, kernel for 2 to MAX_ROWS rows)
 
 
@@ -96,37 +99,43 @@ def onednn_available() -> bool:
 
 def kernel_for(x: torch.Tensor, weight: torch.Tensor, kernels: tuple) -> str:
     """The kernel for this product: kernels = (for one row, for 2 to MAX_ROWS rows), names from
-    KERNELS; torch's for prompts and for products that need gradients (oneDNN's op has no
-    backward here)."""
+    KERNELS; torch's for prompts and for products that need gradients (oneDNN's op and rsd's
+    kernel have no backward)."""
     rows = x.numel() // x.shape[-1]
     kernel = "torch" if rows > MAX_ROWS else kernels[rows > 1]
-    if kernel in ("onednn", "packed") and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if kernel != "torch" and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return "torch"
     return kernel
 
 
 def run_kernel(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               packed: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) by this kernel; "packed" uses `packed`, the weight's packed copy
-    (oneDNN on the weight itself when there is none)."""
-    if kernel in ("onednn", "packed"):
-        return onednn_linear(x, packed if kernel == "packed" and packed is not None else weight, bias)
+               prepared: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) by this kernel; "packed" and "blocks" run on `prepared`, the copy
+    of the weight they need (prepared_of), oneDNN on the weight itself where there is none."""
+    if kernel == "blocks" and prepared is not None and x.dtype == torch.float32:
+        from .blocks import blocks_linear
+
+        return blocks_linear(x, prepared, bias)
+    if kernel in ("onednn", "packed", "blocks") and onednn_available():
+        return onednn_linear(x, prepared if kernel == "packed" and prepared is not None else weight, bias)
     if kernel == "transposed":
         return transposed_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: tuple,
-                  packed: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) by the kernel chosen for this row count (kernel_for). Inside a
-    graph torch.compile traces, the product is one opaque operation (`rsd::linear`) that runs the
-    same kernel, so compiled graphs fuse what lies around it and keep the measured kernel."""
+                  prepared: dict | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) by the kernel chosen for this row count (kernel_for), on its
+    copy of the weight in `prepared` (prepared_copies). Inside a graph torch.compile traces, the
+    product is one opaque operation (`rsd::linear`) that runs the same kernel, so compiled graphs
+    fuse what lies around it and keep the measured kernel."""
     kernel = kernel_for(x, weight, kernels)
+    copy = (prepared or {}).get(kernel)
     if kernel != "torch" and torch.compiler.is_compiling():
         if _COMPILABLE:
-            return torch.ops.rsd.linear(x, weight, bias, packed, kernel)
+            return torch.ops.rsd.linear(x, weight, bias, copy, kernel)
         kernel = "torch"  # a torch without custom operators: inductor's own product
-    return run_kernel(kernel, x, weight, bias, packed)
+    return run_kernel(kernel, x, weight, bias, copy)
 
 
 def _register_operator() -> bool:
@@ -153,7 +162,7 @@ _COMPILABLE = _register_operator()
 
 def _forward(self, x):
     kernel = kernel_for(x, self.weight, self._rsd_kernels)
-    return run_kernel(kernel, x, self.weight, self.bias, packed_of(self) if kernel == "packed" else None)
+    return run_kernel(kernel, x, self.weight, self.bias, prepared_of(self, kernel))
 
 
 def _version(tensor: torch.Tensor) -> int:
@@ -162,8 +171,9 @@ def _version(tensor: torch.Tensor) -> int:
 
 
 class _Packed:
-    """A layer's packed weight and the weight and version it was made from. A copy of the layer
-    (copy.deepcopy: oneDNN's packed tensors cannot be copied) packs its own at first use."""
+    """A copy of a layer's weight that a kernel runs on (oneDNN's packed layout, quantised blocks;
+    None: the weight has none) and the weight and version it was made from. A copy of the layer
+    (copy.deepcopy: oneDNN's packed tensors cannot be copied) makes its own at first use."""
 
     __slots__ = ("weight", "version", "tensor")
 
@@ -175,26 +185,62 @@ class _Packed:
         return _Packed(None, None)
 
 
-def packed_of(module) -> torch.Tensor | None:
-    """The layer's packed weight if it has one and its weight has not changed since (a trained,
-    reassigned or copied weight is packed again)."""
-    entry = module.__dict__.get("_rsd_packed")
+def _quantised_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    from .blocks import quantised_blocks
+
+    return quantised_blocks(weight)
+
+
+# the kernels that run on a copy of the weight: where a layer keeps it, and how it is made
+COPIES = {"packed": ("_rsd_packed", lambda weight: packed_weight(weight)),  # (looked up at each call)
+          "blocks": ("_rsd_blocks", lambda weight: _quantised_blocks(weight))}
+
+
+def prepared_of(module, kernel: str) -> torch.Tensor | None:
+    """The layer's copy of its weight for this kernel (COPIES) if it has one and its weight has
+    not changed since (a trained, reassigned or copied weight gets its copy made again)."""
+    if kernel not in COPIES:
+        return None
+    attribute, make = COPIES[kernel]
+    entry = module.__dict__.get(attribute)
     if entry is None:
         return None
     if entry.weight is not module.weight or _version(entry.weight) != entry.version:
-        entry = module._rsd_packed = _Packed(module.weight, packed_weight(module.weight))
+        entry = _Packed(module.weight, make(module.weight))
+        setattr(module, attribute, entry)
     return entry.tensor
 
 
-def _pack(modules: list) -> None:
-    """Give each layer a packed copy of its weight (layers sharing a weight share the copy)."""
+def packed_of(module) -> torch.Tensor | None:
+    """The layer's oneDNN-packed weight, or None."""
+    return prepared_of(module, "packed")
+
+
+def blocks_of(module) -> torch.Tensor | None:
+    """The layer's weight as quantised blocks (blocks.quantised_blocks), or None."""
+    return prepared_of(module, "blocks")
+
+
+def prepared_copies(module) -> dict[str, torch.Tensor]:
+    """{kernel: its copy of the weight} for the kernels this layer uses that run on one."""
+    copies = {kernel: prepared_of(module, kernel) for kernel in set(kernels_of(module)) & set(COPIES)}
+    return {kernel: copy for kernel, copy in copies.items() if copy is not None}
+
+
+def _prepare(modules: list, kernel: str) -> None:
+    """Give each layer its copy of the weight for this kernel (layers sharing a weight share it)."""
+    attribute, make = COPIES[kernel]
     copies: dict[int, _Packed] = {}
     for module in modules:
-        if module.__dict__.get("_rsd_packed") is None:
+        if module.__dict__.get(attribute) is None:
             weight = module.weight
             if id(weight) not in copies:
-                copies[id(weight)] = _Packed(weight, packed_weight(weight))
-            module._rsd_packed = copies[id(weight)]
+                copies[id(weight)] = _Packed(weight, make(weight))
+            setattr(module, attribute, copies[id(weight)])
+
+
+def _pack(modules: list) -> None:
+    _prepare(modules, "packed")
 
 
 def available_memory() -> int | None:
@@ -228,12 +274,21 @@ CALIBRATION_BYTES = 64 * 2**20  # enough weights to stream from memory, not from
 
 def mode() -> str:
     """RSD_SMALL_BATCH_MATMUL: "auto" (default: per shape, where measured faster), "0" or "torch"
-    (torch's everywhere), "1" or "transposed", "onednn" (that kernel everywhere it applies)."""
+    (torch's everywhere), "1" or "transposed", "onednn", "packed", "blocks" (that kernel
+    everywhere it applies; "blocks" on quantised weights, torch's on the others)."""
     value = os.environ.get("RSD_SMALL_BATCH_MATMUL", "auto").strip().lower()
     value = {"1": "transposed", "torch": "0"}.get(value, value)
     if value in ("onednn", "packed") and not onednn_available():
         return "0"
+    if value == "blocks" and not blocks_available():
+        return "0"
     return value if value in ("0", *KERNELS[1:]) else "auto"
+
+
+def blocks_available() -> bool:
+    from .blocks import available
+
+    return available()
 
 
 def _candidate(module) -> bool:
@@ -251,13 +306,18 @@ def install(model, verdicts: Verdicts | None = None) -> int:
         return 0
     if verdicts is None and forced == "auto":
         verdicts = Verdicts.load()
-    by_shape: dict[tuple[int, int], list] = {}
-    for module in model.modules():
-        if _candidate(module):
-            by_shape.setdefault(tuple(module.weight.shape), []).append(module)
+    candidates = [module for module in model.modules() if _candidate(module)]
+    if forced in ("auto", "blocks") and blocks_available():
+        _prepare(candidates, "blocks")  # (None for weights that are not quantised blocks)
+    by_shape: dict[tuple, list] = {}  # (shape, block format or None) -> layers
+    for module in candidates:
+        by_shape.setdefault((tuple(module.weight.shape), _block_format(module)), []).append(module)
     count = 0
-    for modules in by_shape.values():
-        kernels = (forced, forced) if verdicts is None else verdicts.kernels([m.weight for m in modules])
+    for (_, quantised), modules in by_shape.items():
+        if verdicts is not None:
+            kernels = verdicts.kernels([m.weight for m in modules], [blocks_of(m) for m in modules] if quantised else None)
+        else:
+            kernels = (forced, forced) if forced != "blocks" or quantised else TORCH
         if "packed" in kernels:
             if room_to_pack(modules):
                 _pack(modules)
@@ -272,6 +332,13 @@ def install(model, verdicts: Verdicts | None = None) -> int:
     if verdicts is not None:
         verdicts.save()
     return count
+
+
+def _block_format(module) -> str | None:
+    from .blocks import block_format
+
+    blocks = blocks_of(module)
+    return None if blocks is None else block_format(blocks)
 
 
 def uses_small_batch(module) -> bool:
@@ -307,25 +374,30 @@ def _calibration_share(weights: list[torch.Tensor]) -> list[torch.Tensor]:
     return weights[: -(-CALIBRATION_BYTES // each)]
 
 
-def available_kernels() -> tuple[str, ...]:
-    return KERNELS if onednn_available() else KERNELS[:2]
+def available_kernels(quantised: bool = False) -> tuple[str, ...]:
+    """The kernels this torch and machine offer; "blocks" only for weights held as quantised blocks."""
+    kernels = KERNELS[:4] if onednn_available() else KERNELS[:2]
+    return (*kernels, "blocks") if quantised and blocks_available() else kernels
 
 
-def _timed_runs(weights: list[torch.Tensor], kernels) -> dict:
-    """One callable per kernel running x through all the weights (packed ones on packed copies)."""
-    packed = [packed_weight(w) if "packed" in kernels else None for w in weights]
-    return {k: (lambda x, k=k: [run_kernel(k, x, w, None, p) for w, p in zip(weights, packed)]) for k in kernels}
+def _timed_runs(weights: list[torch.Tensor], kernels, blocks: list | None = None) -> dict:
+    """One callable per kernel running x through all the weights (packed ones on packed copies,
+    "blocks" on `blocks`, the weights' quantised blocks)."""
+    copies = {"packed": [packed_weight(w) for w in weights] if "packed" in kernels else None, "blocks": blocks}
+    return {k: (lambda x, k=k: [run_kernel(k, x, w, None, c) for w, c in zip(weights, copies.get(k) or [None] * len(weights))])
+            for k in kernels}
 
 
-def measure_kernels(weights: list[torch.Tensor], rows: tuple[int, ...]) -> dict[str, float]:
+def measure_kernels(weights: list[torch.Tensor], rows: tuple[int, ...], blocks: list | None = None) -> dict[str, float]:
     """Seconds each available kernel takes for these (out, in) weights of one shape, summed over
-    the row counts. Each timing runs through all the weights in turn, as a forward does, so they
-    come from memory rather than a warm cache (the first CALIBRATION_BYTES of them: a big model's
-    calibration stays short)."""
+    the row counts (with `blocks`, their quantised blocks, rsd's kernel on those too). Each timing
+    runs through all the weights in turn, as a forward does, so they come from memory rather
+    than a warm cache (the first CALIBRATION_BYTES of them: a big model's calibration stays short)."""
     weights = _calibration_share(weights)
-    totals = dict.fromkeys(available_kernels(), 0.0)
+    blocks = blocks[: len(weights)] if blocks is not None else None
+    totals = dict.fromkeys(available_kernels(quantised=blocks is not None), 0.0)
     with torch.inference_mode():
-        runs = _timed_runs(weights, totals)
+        runs = _timed_runs(weights, totals, blocks)
         for n in rows:
             x = torch.randn(n, weights[0].shape[1])
             for run in runs.values():
@@ -370,14 +442,18 @@ class Verdicts:
         path = cache_dir() / "small-batch.json" if path is None else path
         return cls(path, read_json_table(path))
 
-    def kernels(self, weights: list[torch.Tensor]) -> tuple[str, str]:
-        """(kernel for one row, for 2-64 rows) for a model's layers of one shape, measured
-        together the first time."""
+    def kernels(self, weights: list[torch.Tensor], blocks: list | None = None) -> tuple[str, str]:
+        """(kernel for one row, for 2-64 rows) for a model's layers of one shape (with `blocks`,
+        their quantised blocks: a verdict of its own), measured together the first time."""
+        from .blocks import block_format
+
         out_features, in_features = weights[0].shape
-        key = f"{self.machine} | {in_features}x{out_features} | kernels"
+        quantised = f" {block_format(blocks[0])}" if blocks is not None else ""
+        key = f"{self.machine} | {in_features}x{out_features}{quantised} | kernels"
         known = self.known.get(key)
-        if not (isinstance(known, list) and len(known) == 2 and set(known) <= set(available_kernels())):
-            known = [fastest(measure_kernels(weights, rows)) for rows in CALIBRATION_ROWS]
+        if not (isinstance(known, list) and len(known) == 2
+                and set(known) <= set(available_kernels(quantised=blocks is not None))):
+            known = [fastest(measure_kernels(weights, rows, blocks)) for rows in CALIBRATION_ROWS]
             self.known[key] = known
             self.changed = True
         return tuple(known)

@@ -13,7 +13,9 @@ from rsd_cli.models import load_model
 from tiny import tiny_model, tiny_tokenizer
 
 
-KERNELS = [k for k in small_batch.KERNELS if k not in ("onednn", "packed") or small_batch.onednn_available()]
+# (the "blocks" kernel serves quantised weights only: tests/test_blocks.py)
+KERNELS = [k for k in small_batch.KERNELS if k not in ("onednn", "packed", "blocks") or
+           (k != "blocks" and small_batch.onednn_available())]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12, 15, 16, 17, 64, 65, 130])
@@ -93,7 +95,7 @@ class Fixed:
     def __init__(self, kernels_by_shape):
         self.kernels_by_shape, self.asked = kernels_by_shape, []
 
-    def kernels(self, weights):
+    def kernels(self, weights, blocks=None):
         out_features, in_features = weights[0].shape
         assert all(w.shape == weights[0].shape for w in weights)
         self.asked.append((in_features, out_features))
@@ -126,7 +128,7 @@ def test_verdicts_are_measured_once_per_machine_and_shape_then_read_back(monkeyp
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "auto")
     measured = []
 
-    def measure(weights, rows):
+    def measure(weights, rows, blocks=None):
         measured.append((len(weights), *weights[0].shape, rows))
         wide = weights[0].shape[0] == 32
         return {"torch": 1.0, "transposed": 0.5 if rows != (1,) or wide else 1.2, "onednn": 0.7}
@@ -142,7 +144,7 @@ def test_verdicts_are_measured_once_per_machine_and_shape_then_read_back(monkeyp
     fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(8, 32))
     assert small_batch.install(fresh, small_batch.Verdicts.load(path)) == 2
     assert len(measured) == 4  # read back, not measured again
-    monkeypatch.setattr(small_batch, "measure_kernels", lambda w, rows: {"torch": 1.0, "transposed": 1.3, "onednn": 0.95})
+    monkeypatch.setattr(small_batch, "measure_kernels", lambda w, rows, blocks=None: {"torch": 1.0, "transposed": 1.3, "onednn": 0.95})
     monkeypatch.setattr(small_batch, "machine", lambda: "another cpu")
     other = torch.nn.Sequential(torch.nn.Linear(8, 16))
     assert small_batch.install(other, small_batch.Verdicts.load(path)) == 0  # 5% faster is not enough
@@ -151,7 +153,7 @@ def test_verdicts_are_measured_once_per_machine_and_shape_then_read_back(monkeyp
 
 def test_an_unreadable_or_unwritable_cache_only_means_measuring_again(monkeypatch, tmp_path):
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "auto")
-    monkeypatch.setattr(small_batch, "measure_kernels", lambda w, rows: {"torch": 1.0, "transposed": 0.5})
+    monkeypatch.setattr(small_batch, "measure_kernels", lambda w, rows, blocks=None: {"torch": 1.0, "transposed": 0.5})
     broken = tmp_path / "small-batch.json"
     broken.write_text("{not json")
     assert small_batch.install(torch.nn.Linear(8, 16), small_batch.Verdicts.load(broken)) == 1

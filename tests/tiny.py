@@ -108,3 +108,33 @@ def write_tiny_gguf(path: Path, model) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def quantise_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """The float32 values llama.cpp's Q4_1 quantisation gives back for this (out, in) weight:
+    per block of 32 along a row, d = (max - min) / 15 and m = min as half floats, q = round((x -
+    min) / d), each weight d * q + m (what transformers dequantises a GGUF file into)."""
+    blocks = weight.detach().float().reshape(weight.shape[0], -1, 32)
+    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    d = (high - low) / 15
+    q = torch.floor((blocks - low) / torch.where(d > 0, d, 1.0) + 0.5).clamp(0, 15)
+    return (q * d.half().float() + low.half().float()).reshape(weight.shape)
+
+
+def quantise_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's Q8_0: per block of 32, d = max |x| / 127 as a half float, each weight d * round(x / d)."""
+    blocks = weight.detach().float().reshape(weight.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(blocks / torch.where(d > 0, d, 1.0)).clamp(-127, 127)
+    return (q * d.half().float()).reshape(weight.shape)
+
+
+def quantise_like_gguf(model):
+    """The model's weights as a Q4_1 GGUF file holds them (the embedded model's format): its
+    decoder layers' linears Q4_1, embeddings and output head Q8_0. In place; returns the model."""
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and module.weight.shape[1] % 32 == 0:
+                quantise = quantise_q4_1 if ".layers." in f".{name}" else quantise_q8_0
+                module.weight.copy_(quantise(module.weight))
+    return model

@@ -1,0 +1,263 @@
+"""Linear products on weights kept in the 4-bit and 8-bit blocks they were quantised in.
+
+The embedded model is a GGUF file quantised by llama.cpp: every layer's weights are Q4_1 blocks
+(32 weights along a row share a scale d and an offset m, each weight d * q + m with q in 0..15)
+and the output head is Q8_0 blocks (d * q, q in -127..127), d and m half-precision floats.
+transformers dequantises them into float32 tensors, so a forward streams 4 bytes for each
+weight that holds 4 or 8 bits: 540 MB per forward of a 135M model, on a CPU the whole cost of a
+forward of a few tokens.
+
+Here such a weight is recognised from its float32 values alone (the blocks are recovered and
+checked to give back every value bit for bit; any other weight is left as it is) and kept as
+its blocks beside the float32 one: 0.75 bytes a weight for Q4_1, 1.125 for Q8_0. A small C
+kernel, compiled once per machine with the system's C compiler into the rsd cache folder,
+multiplies a few rows by them, rebuilding each weight in a register as it goes: d * q is exact
+in float32 and + m rounds once, so every weight it multiplies is the float32 weight itself,
+and the result is the same product as any other kernel's, only summed in its own order (as
+between any two GEMM kernels; see small_batch). Where there is no C compiler, or the CPU
+lacks AVX-512, a plain C loop does the same (or the kernel is simply not offered).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+BLOCK = 32  # weights per block along a row
+Q4_1_BYTES = 24  # 16 bytes of 4-bit q (byte j: q[j] in the low nibble, q[j + 16] in the high one), d, m (float32)
+Q8_0_BYTES = 36  # 32 int8 q, d (float32)
+CHUNK_BYTES = 2**18  # weights checked a few hundred rows at a time
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define BLOCK 32
+#define ROWS 4
+
+static inline float f32_at(const uint8_t* p) { float v; memcpy(&v, p, 4); return v; }
+
+#ifdef __AVX512F__
+/* a block's 32 weights as two 16-lane vectors: exactly the float32 weights (d * q is exact) */
+static inline void q4_1_weights(const uint8_t* blk, __m512* w0, __m512* w1) {
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)blk));
+  const __m512 d = _mm512_set1_ps(f32_at(blk + 16)), m = _mm512_set1_ps(f32_at(blk + 20));
+  *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), d, m);
+  *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
+}
+static inline void q8_0_weights(const uint8_t* blk, __m512* w0, __m512* w1) {
+  const __m512 d = _mm512_set1_ps(f32_at(blk + 32));
+  *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)blk))), d);
+  *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 16)))), d);
+}
+/* R rows of x (R, K) against one weight row: y[r * N] for each */
+#define DOT_ROWS(FORMAT, BYTES, R)                                                            \
+static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y, int N) {   \
+  __m512 a0[R], a1[R];                                                                        \
+  for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();                            \
+  for (int b = 0; b < K / BLOCK; b++) {                                                       \
+    __m512 w0, w1;                                                                            \
+    FORMAT##_weights(wn + (size_t)b * BYTES, &w0, &w1);                                       \
+    for (int r = 0; r < R; r++) {                                                             \
+      a0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (size_t)r * K + b * BLOCK), w0, a0[r]);     \
+      a1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (size_t)r * K + b * BLOCK + 16), w1, a1[r]); \
+    }                                                                                         \
+  }                                                                                           \
+  for (int r = 0; r < R; r++) y[(size_t)r * N] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r])); \
+}
+#else
+static inline void q4_1_weights(const uint8_t* blk, float* w) {
+  const float d = f32_at(blk + 16), m = f32_at(blk + 20);
+  for (int j = 0; j < 16; j++) {
+    w[j] = d * (float)(blk[j] & 15) + m;
+    w[j + 16] = d * (float)(blk[j] >> 4) + m;
+  }
+}
+static inline void q8_0_weights(const uint8_t* blk, float* w) {
+  const float d = f32_at(blk + 32);
+  for (int j = 0; j < 32; j++) w[j] = d * (float)(int8_t)blk[j];
+}
+#define DOT_ROWS(FORMAT, BYTES, R)                                                            \
+static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y, int N) {   \
+  float acc[R][BLOCK], w[BLOCK];                                                              \
+  memset(acc, 0, sizeof acc);                                                                 \
+  for (int b = 0; b < K / BLOCK; b++) {                                                       \
+    FORMAT##_weights(wn + (size_t)b * BYTES, w);                                              \
+    for (int r = 0; r < R; r++)                                                               \
+      for (int j = 0; j < BLOCK; j++) acc[r][j] += x[(size_t)r * K + b * BLOCK + j] * w[j];   \
+  }                                                                                           \
+  for (int r = 0; r < R; r++) {                                                               \
+    float s = 0.f;                                                                            \
+    for (int j = 0; j < BLOCK; j++) s += acc[r][j];                                           \
+    y[(size_t)r * N] = s;                                                                     \
+  }                                                                                           \
+}
+#endif
+
+#define FORMAT_KERNELS(FORMAT, BYTES)                                                         \
+DOT_ROWS(FORMAT, BYTES, 1) DOT_ROWS(FORMAT, BYTES, 2) DOT_ROWS(FORMAT, BYTES, 3)              \
+DOT_ROWS(FORMAT, BYTES, 4)                                                                    \
+static void FORMAT##_linear(const float* x, const uint8_t* w, float* y, int M, int N, int K,  \
+                            int threads) {                                                    \
+  const size_t row_bytes = (size_t)(K / BLOCK) * BYTES;                                       \
+  _Pragma("omp parallel for num_threads(threads) schedule(static)")                           \
+  for (int n = 0; n < N; n++) {                                                               \
+    const uint8_t* wn = w + (size_t)n * row_bytes;                                            \
+    int r = 0;                                                                                \
+    for (; r + ROWS <= M; r += ROWS) FORMAT##_rows_4(x + (size_t)r * K, K, wn, y + (size_t)r * N + n, N); \
+    switch (M - r) {                                                                          \
+      case 3: FORMAT##_rows_3(x + (size_t)r * K, K, wn, y + (size_t)r * N + n, N); break;     \
+      case 2: FORMAT##_rows_2(x + (size_t)r * K, K, wn, y + (size_t)r * N + n, N); break;     \
+      case 1: FORMAT##_rows_1(x + (size_t)r * K, K, wn, y + (size_t)r * N + n, N); break;     \
+    }                                                                                         \
+  }                                                                                           \
+}
+FORMAT_KERNELS(q4_1, 24)
+FORMAT_KERNELS(q8_0, 36)
+
+/* y (M, N) = x (M, K) @ W^T, W (N, K) as N rows of K / 32 blocks of `block_bytes` bytes */
+void blocks_linear(const float* x, const uint8_t* w, float* y, int M, int N, int K, int block_bytes,
+                   int threads) {
+  if (block_bytes == 24) q4_1_linear(x, w, y, M, N, K, threads);
+  else q8_0_linear(x, w, y, M, N, K, threads);
+}
+"""
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+@functools.cache
+def library():
+    """The compiled kernel (ctypes), built once per machine into the rsd cache folder; None where
+    it cannot be built or loaded (no C compiler, RSD_BLOCK_KERNELS=0)."""
+    from .models import cache_dir
+
+    if os.environ.get("RSD_BLOCK_KERNELS", "1").strip() == "0":
+        return None
+    return build(cache_dir() / "kernels")
+
+
+def build(folder: Path, flags: tuple[str, ...] = FLAGS):
+    """The kernel compiled with these flags into `folder` (once: the file is named by the source,
+    compiler and flags) and loaded; None where that fails."""
+    compiler = _compiler()
+    if compiler is None:
+        return None
+    digest = hashlib.sha256("\0".join([SOURCE, compiler, *flags]).encode()).hexdigest()[:16]
+    path = folder / f"blocks-{digest}.so"
+    try:
+        if not path.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            source = path.with_suffix(f".{os.getpid()}.c")
+            source.write_text(SOURCE)
+            built = path.with_suffix(f".{os.getpid()}.so")
+            try:
+                subprocess.run([compiler, *flags, str(source), "-o", str(built)], check=True, capture_output=True,
+                               timeout=120)
+            finally:
+                source.unlink(missing_ok=True)
+            built.replace(path)  # whole or not at all: another process may be loading it
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    pointer, integer = ctypes.c_void_p, ctypes.c_int
+    lib.blocks_linear.argtypes = [pointer, pointer, pointer, integer, integer, integer, integer, integer]
+    lib.blocks_linear.restype = None
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _exact(values: torch.Tensor, rebuilt: torch.Tensor) -> bool:
+    return bool(torch.equal(rebuilt, values))
+
+
+def q4_1_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """(out, in) float32 weight -> (out, in / 32, 24) uint8 Q4_1 blocks that give back every value
+    exactly, or None where the weight is not such blocks. A block's smallest weight is m (q = 0)
+    and its largest d * 15 + m (as llama.cpp quantises); d and m half-precision values."""
+    out_features, in_features = weight.shape
+    blocks = weight.detach().reshape(out_features, in_features // BLOCK, BLOCK)
+    low, high = blocks.amin(-1), blocks.amax(-1)
+    if not _exact(low, low.half().float()):
+        return None
+    scale = ((high - low) / 15).half().float()
+    q = torch.round((blocks - low[..., None]) / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(0, 15)
+    if not _exact(blocks, q * scale[..., None] + low[..., None]):  # (q * scale is exact: one rounding, as the kernel's)
+        return None
+    q = q.to(torch.uint8)
+    nibbles = q[..., :16] | (q[..., 16:] << 4)
+    return torch.cat([nibbles, _bytes(scale), _bytes(low)], dim=-1).contiguous()
+
+
+def q8_0_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """(out, in) float32 weight -> (out, in / 32, 36) uint8 Q8_0 blocks (d * q, |q| <= 127, d a
+    half-precision value: a block's largest magnitude is d * 127) or None."""
+    out_features, in_features = weight.shape
+    blocks = weight.detach().reshape(out_features, in_features // BLOCK, BLOCK)
+    scale = (blocks.abs().amax(-1) / 127).half().float()
+    q = torch.round(blocks / torch.where(scale > 0, scale, 1.0)[..., None]).clamp_(-127, 127)
+    if not _exact(blocks, q * scale[..., None]):
+        return None
+    return torch.cat([q.to(torch.int8).view(torch.uint8), _bytes(scale)], dim=-1).contiguous()
+
+
+def _bytes(values: torch.Tensor) -> torch.Tensor:
+    """(..., ) float32 -> (..., 4) uint8: its bytes, as the kernel reads them."""
+    return values.contiguous().view(torch.uint8).reshape(*values.shape, 4)
+
+
+def quantised_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight's Q4_1 or Q8_0 blocks (see q4_1_blocks), or None: not a float32 CPU matrix whose
+    rows split into blocks of 32, or its values are not exactly such blocks."""
+    if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu"
+            or weight.shape[1] % BLOCK or not torch.isfinite(weight).all()):
+        return None
+    rows = max(1, CHUNK_BYTES // (4 * weight.shape[1]))
+    with torch.no_grad():
+        for blocks_of in (q4_1_blocks, q8_0_blocks):
+            parts = []
+            for chunk in weight.detach().split(rows):  # (a chunk's temporaries stay in the CPU's caches)
+                parts.append(blocks_of(chunk))
+                if parts[-1] is None:
+                    break
+            else:
+                return torch.cat(parts)
+    return None
+
+
+def block_format(blocks: torch.Tensor) -> str:
+    return "q4_1" if blocks.shape[-1] == Q4_1_BYTES else "q8_0"
+
+
+def blocks_linear(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None = None, lib=None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for the weight these blocks hold: x (..., in) float32 (lib: the
+    kernel library, library()'s by default)."""
+    lib = lib or library()
+    out_features, in_blocks, block_bytes = blocks.shape
+    in_features = in_blocks * BLOCK
+    flat = x.reshape(-1, in_features).contiguous()
+    out = torch.empty(flat.shape[0], out_features, dtype=torch.float32)
+    if flat.shape[0]:
+        lib.blocks_linear(flat.data_ptr(), blocks.data_ptr(), out.data_ptr(), flat.shape[0], out_features,
+                          in_features, block_bytes, torch.get_num_threads())
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], out_features)

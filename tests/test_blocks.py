@@ -1,0 +1,210 @@
+"""Weights held as quantised blocks (Q4_1, Q8_0: what a GGUF file such as the embedded model's
+holds): recognised from their float32 values only when every value comes back bit for bit,
+multiplied by rsd's C kernel to F.linear's product (AVX-512 and the portable loop), chosen per
+shape like the other small-batch kernels, and decoding on them keeps its exactness."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rsd_cli import blocks, small_batch
+from rsd_cli.compiled import CompiledModel
+from rsd_cli.engine import Runtimes
+from rsd_cli.sampling import SamplingParams
+from test_compiled import run
+from test_engine import MC_SHAPES, N_SAMPLES, V, chi_square_pvalue, exact_joint, plain_greedy, shapes
+from tiny import quantise_like_gguf, quantise_q4_1, quantise_q8_0, tiny_model
+
+pytestmark = pytest.mark.skipif(not blocks.available(), reason="no C compiler to build the kernel")
+
+FORMATS = {"q4_1": quantise_q4_1, "q8_0": quantise_q8_0}
+
+
+def weight(fmt: str, out_features: int = 40, in_features: int = 96, seed: int = 0) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return FORMATS[fmt](torch.randn(out_features, in_features) * 0.05)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_blocks_are_recognised_only_where_they_give_back_every_value(fmt):
+    w = weight(fmt)
+    found = blocks.quantised_blocks(w)
+    assert found is not None and blocks.block_format(found) == fmt
+    assert found.shape == (40, 3, blocks.Q4_1_BYTES if fmt == "q4_1" else blocks.Q8_0_BYTES)
+    nudged = w.clone()
+    nudged[7, 50] = torch.nextafter(nudged[7, 50], torch.tensor(1.0))  # one value off by one ulp
+    assert blocks.quantised_blocks(nudged) is None
+    assert blocks.quantised_blocks(torch.randn(40, 96)) is None  # float weights
+    assert blocks.quantised_blocks(w[:, :80]) is None  # rows not made of whole blocks
+    assert blocks.quantised_blocks(w.bfloat16()) is None
+    infinite = w.clone()
+    infinite[0, 0] = float("inf")
+    assert blocks.quantised_blocks(infinite) is None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 64])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_kernel_computes_linear_s_product(fmt, rows):
+    w, bias = weight(fmt, seed=rows), torch.randn(40)
+    found = blocks.quantised_blocks(w)
+    x = torch.randn(2, rows, 96)
+    exact = (x.double() @ w.double().T).float()
+    torch.testing.assert_close(blocks.blocks_linear(x, found), exact, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(blocks.blocks_linear(x[0], found, bias), exact[0] + bias, rtol=1e-5, atol=1e-5)
+    assert blocks.blocks_linear(x[:, :0], found).shape == (2, 0, 40)
+
+
+def test_the_portable_loop_computes_the_same_product(tmp_path):
+    """Where the CPU lacks AVX-512 the kernel is the plain C loop: built here without it."""
+    portable = blocks.build(tmp_path, (*blocks.FLAGS, "-mno-avx512f"))
+    assert portable is not None and list(tmp_path.glob("*.c")) == []
+    for fmt in FORMATS:
+        w = weight(fmt)
+        x = torch.randn(6, 96)
+        torch.testing.assert_close(blocks.blocks_linear(x, blocks.quantised_blocks(w), lib=portable),
+                                   F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def quantised_layer(fmt="q4_1", in_features=64, out_features=48) -> torch.nn.Linear:
+    layer = torch.nn.Linear(in_features, out_features, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(FORMATS[fmt](layer.weight))
+    return layer
+
+
+def test_forced_blocks_serve_quantised_layers_and_leave_the_others(monkeypatch):
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "blocks")
+    model = torch.nn.Sequential(quantised_layer(), torch.nn.Linear(48, 64), quantised_layer("q8_0", 64, 64))
+    assert small_batch.install(model) == 2
+    assert [small_batch.kernels_of(layer) for layer in model] == [("blocks", "blocks"), small_batch.TORCH,
+                                                                   ("blocks", "blocks")]
+    ran = []
+    real = blocks.blocks_linear
+    monkeypatch.setattr(blocks, "blocks_linear", lambda *args: ran.append(args[1].shape[-1]) or real(*args))
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        got = model(x)
+        prompt = model(torch.randn(65, 64))  # prompts (more than 64 rows): torch's product
+    assert ran == [blocks.Q4_1_BYTES, blocks.Q8_0_BYTES]
+    torch.testing.assert_close(got, F.linear(F.linear(F.linear(x, model[0].weight), model[1].weight, model[1].bias),
+                                             model[2].weight), rtol=1e-5, atol=1e-5)
+    assert prompt.shape == (65, 64)
+
+
+class Recorded:
+    """Verdicts that record what they were asked: blocks for quantised layers, packed elsewhere."""
+
+    def __init__(self):
+        self.asked = []
+
+    def kernels(self, weights, found=None):
+        self.asked.append((tuple(weights[0].shape), None if found is None else blocks.block_format(found[0])))
+        return ("blocks", "blocks") if found is not None else ("onednn", "onednn")
+
+    def save(self):
+        pass
+
+
+def test_auto_measures_quantised_layers_apart_from_float_ones_of_the_same_shape(monkeypatch, tmp_path):
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "auto")
+    model = torch.nn.Sequential(quantised_layer(), torch.nn.Linear(64, 48, bias=False), quantised_layer())
+    verdicts = Recorded()
+    small_batch.install(model, verdicts)
+    assert sorted(verdicts.asked, key=str) == [((48, 64), "q4_1"), ((48, 64), None)]
+    assert [small_batch.kernels_of(layer)[0] for layer in model] == ["blocks", "onednn", "blocks"]
+    # measured for real, the verdict of quantised layers has a key of its own and may name blocks
+    measured = []
+    monkeypatch.setattr(small_batch, "measure_kernels", lambda w, rows, found=None: measured.append(found is not None)
+                        or {k: (0.1 if k == "blocks" else 1.0) for k in small_batch.available_kernels(found is not None)})
+    path = tmp_path / "small-batch.json"
+    small_batch.install(copy.deepcopy(model), small_batch.Verdicts.load(path))
+    assert sorted(measured) == [False, False, True, True]  # one and several rows, each kind
+    assert any(key.endswith("64x48 q4_1 | kernels") for key in small_batch.Verdicts.load(path).known)
+
+
+def test_a_changed_weight_gets_its_blocks_again_or_another_kernel(monkeypatch):
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "blocks")
+    layer = quantised_layer()
+    small_batch.install(layer)
+    first = small_batch.blocks_of(layer)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        layer.weight.copy_(quantise_q4_1(torch.randn(48, 64)))
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+        assert small_batch.blocks_of(layer) is not first
+        layer.weight.add_(1e-3)  # no longer blocks: oneDNN's (or torch's) product on the weight
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+        assert small_batch.blocks_of(layer) is None
+
+
+def test_gradients_take_torch_s_product(monkeypatch):
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "blocks")
+    layer = quantised_layer()
+    small_batch.install(layer)
+    x = torch.randn(3, 64, requires_grad=True)
+    layer(x).square().sum().backward()
+    expected = 2 * F.linear(x, layer.weight).detach() @ layer.weight
+    torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_without_a_c_compiler_the_kernel_is_not_offered(monkeypatch):
+    monkeypatch.setattr(blocks, "_compiler", lambda: None)
+    blocks.library.cache_clear()
+    try:
+        assert not blocks.available()
+        assert "blocks" not in small_batch.available_kernels(quantised=True)
+        monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "blocks")
+        assert small_batch.mode() == "0"
+        layer = quantised_layer()
+        assert small_batch.install(layer) == 0
+    finally:
+        blocks.library.cache_clear()
+
+
+# decoding on quantised weights: the kernel changes no distribution
+
+
+class AllBlocks:
+    def kernels(self, weights, found=None):
+        return ("blocks", "blocks") if found is not None else small_batch.TORCH
+
+    def save(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def quantised_pair():
+    """A tiny pair quantised as a GGUF file holds it, twice: on torch's product (the reference) and
+    on the blocks kernel (both runtimes: transformers' forward, and the static cache compiled)."""
+    reference = tuple(quantise_like_gguf(tiny_model(V, layers=layers, seed=seed, scale=0.1))
+                      for layers, seed in ((2, 0), (1, 1)))
+    kernel = tuple(copy.deepcopy(model) for model in reference)
+    for model in kernel:
+        small_batch.install(model, AllBlocks())
+    assert small_batch.kernels_of(kernel[0].model.layers[1].mlp.down_proj) == ("blocks", "blocks")
+    assert small_batch.kernels_of(kernel[0].lm_head) == ("blocks", "blocks")  # (Q8_0, one block a row)
+    return reference, kernel, Runtimes(CompiledModel(kernel[0], True), CompiledModel(kernel[1], True), "on")
+
+
+@pytest.mark.parametrize("shape", shapes(), ids=lambda s: s.describe())
+def test_greedy_on_the_blocks_kernel_equals_plain_greedy(quantised_pair, shape):
+    reference, kernel, compiled = quantised_pair
+    expected = plain_greedy(reference[0], 25)
+    greedy = SamplingParams(temperature=0)
+    assert run(kernel, Runtimes(), shape, greedy, 25, seed=0) == expected
+    assert run(kernel, compiled, shape, greedy, 25, seed=0) == expected
+
+
+@pytest.mark.parametrize("shape", [MC_SHAPES[1], MC_SHAPES[4]], ids=lambda s: s.describe())
+def test_first_two_tokens_follow_the_target_distribution_on_the_blocks_kernel(quantised_pair, shape):
+    reference, kernel, compiled = quantised_pair
+    sampling = SamplingParams(temperature=1.0)
+    counts = torch.zeros(V, V)
+    for seed in range(N_SAMPLES):
+        first, second = run(kernel, compiled, shape, sampling, 2, seed)[:2]
+        counts[first, second] += 1
+    assert chi_square_pvalue(counts, exact_joint(reference[0], sampling) * N_SAMPLES) > 1e-3
