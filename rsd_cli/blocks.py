@@ -1,4 +1,4 @@
-"""Linear products on weights kept in the 4-bit and 8-bit blocks they were quantised in.
+"""Linear products on weights kept in the 4-bit, 8-bit or 16-bit form they were stored in.
 
 The embedded model is a GGUF file quantised by llama.cpp: every layer's weights are Q4_1 blocks
 (32 weights along a row share a scale d and an offset m, each weight d * q + m with q in 0..15)
@@ -9,10 +9,13 @@ forward of a few tokens.
 
 Here such a weight is recognised from its float32 values alone (the blocks are recovered and
 checked to give back every value bit for bit; any other weight is left as it is) and kept as
-its blocks beside the float32 one: 0.75 bytes a weight for Q4_1, 1.125 for Q8_0. A small C
+its blocks beside the float32 one: 0.75 bytes a weight for Q4_1, 1.125 for Q8_0. Weights whose
+values are half-precision or bfloat16 floats (the embedded draft's adapter is stored in float16;
+models published in bfloat16 and loaded in float32 on a CPU) are kept as those, 2 bytes. A small C
 kernel, compiled once per machine with the system's C compiler into the rsd cache folder,
 multiplies a few rows by them, rebuilding each weight in a register as it goes: d * q is exact
-in float32 and + m rounds once, so every weight it multiplies is the float32 weight itself,
+in float32 and + m rounds once (and a 16-bit float widens exactly), so every weight it
+multiplies is the float32 weight itself,
 and the result is the same product as any other kernel's, only summed in its own order (as
 between any two GEMM kernels; see small_batch). Where there is no C compiler, or the CPU
 lacks AVX-512, a plain C loop does the same (or the kernel is simply not offered).
@@ -33,6 +36,7 @@ import torch
 BLOCK = 32  # weights per block along a row
 Q4_1_BYTES = 24  # 16 bytes of 4-bit q (byte j: q[j] in the low nibble, q[j + 16] in the high one), d, m (float32)
 Q8_0_BYTES = 36  # 32 int8 q, d (float32)
+FORMATS = ("q4_1", "q8_0", "f16", "bf16")  # the kernel's format codes 0-3
 CHUNK_BYTES = 2**18  # weights checked a few hundred rows at a time
 
 SOURCE = r"""
@@ -43,7 +47,6 @@ SOURCE = r"""
 #endif
 
 #define BLOCK 32
-#define ROWS 4
 
 static inline float f32_at(const uint8_t* p) { float v; memcpy(&v, p, 4); return v; }
 
@@ -59,6 +62,17 @@ static inline void q8_0_weights(const uint8_t* blk, __m512* w0, __m512* w1) {
   const __m512 d = _mm512_set1_ps(f32_at(blk + 32));
   *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)blk))), d);
   *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 16)))), d);
+}
+static inline void f16_weights(const uint8_t* blk, __m512* w0, __m512* w1) {
+  *w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
+  *w1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32)));
+}
+static inline __m512 bf16_16(const uint8_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline void bf16_weights(const uint8_t* blk, __m512* w0, __m512* w1) {
+  *w0 = bf16_16(blk);
+  *w1 = bf16_16(blk + 32);
 }
 /* R rows of x (R, K) against one weight row: y[r * N] for each */
 #define DOT_ROWS(FORMAT, BYTES, R)                                                            \
@@ -87,6 +101,23 @@ static inline void q8_0_weights(const uint8_t* blk, float* w) {
   const float d = f32_at(blk + 32);
   for (int j = 0; j < 32; j++) w[j] = d * (float)(int8_t)blk[j];
 }
+static inline float half_to_float(uint16_t h) {  /* exact, for finite values */
+  const uint32_t exponent = (h >> 10) & 31, mantissa = h & 1023;
+  float v;
+  if (exponent == 0) {
+    v = (float)mantissa * 5.9604644775390625e-08f;  /* subnormal: mantissa * 2^-24 */
+  } else {
+    const uint32_t bits = ((exponent + 112) << 23) | (mantissa << 13);
+    memcpy(&v, &bits, 4);
+  }
+  return (h & 0x8000) ? -v : v;
+}
+static inline void f16_weights(const uint8_t* blk, float* w) {
+  for (int j = 0; j < 32; j++) { uint16_t h; memcpy(&h, blk + 2 * j, 2); w[j] = half_to_float(h); }
+}
+static inline void bf16_weights(const uint8_t* blk, float* w) {
+  for (int j = 0; j < 32; j++) { uint16_t h; memcpy(&h, blk + 2 * j, 2); uint32_t bits = (uint32_t)h << 16; memcpy(w + j, &bits, 4); }
+}
 #define DOT_ROWS(FORMAT, BYTES, R)                                                            \
 static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y, int N) {   \
   float acc[R][BLOCK], w[BLOCK];                                                              \
@@ -104,9 +135,12 @@ static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y
 }
 #endif
 
+/* one weight row (a column of y) at a time, against the rows of x 8, then 4 at a time (each
+   block rebuilt once for them), then the 1-3 left; one stream through the weights per thread
+   (measured faster here than tiles of 2 or 4 weight rows) */
 #define FORMAT_KERNELS(FORMAT, BYTES)                                                         \
 DOT_ROWS(FORMAT, BYTES, 1) DOT_ROWS(FORMAT, BYTES, 2) DOT_ROWS(FORMAT, BYTES, 3)              \
-DOT_ROWS(FORMAT, BYTES, 4)                                                                    \
+DOT_ROWS(FORMAT, BYTES, 4) DOT_ROWS(FORMAT, BYTES, 8)                                         \
 static void FORMAT##_linear(const float* x, const uint8_t* w, float* y, int M, int N, int K,  \
                             int threads) {                                                    \
   const size_t row_bytes = (size_t)(K / BLOCK) * BYTES;                                       \
@@ -114,7 +148,8 @@ static void FORMAT##_linear(const float* x, const uint8_t* w, float* y, int M, i
   for (int n = 0; n < N; n++) {                                                               \
     const uint8_t* wn = w + (size_t)n * row_bytes;                                            \
     int r = 0;                                                                                \
-    for (; r + ROWS <= M; r += ROWS) FORMAT##_rows_4(x + (size_t)r * K, K, wn, y + (size_t)r * N + n, N); \
+    for (; r + 8 <= M; r += 8) FORMAT##_rows_8(x + (size_t)r * K, K, wn, y + (size_t)r * N + n, N); \
+    for (; r + 4 <= M; r += 4) FORMAT##_rows_4(x + (size_t)r * K, K, wn, y + (size_t)r * N + n, N); \
     switch (M - r) {                                                                          \
       case 3: FORMAT##_rows_3(x + (size_t)r * K, K, wn, y + (size_t)r * N + n, N); break;     \
       case 2: FORMAT##_rows_2(x + (size_t)r * K, K, wn, y + (size_t)r * N + n, N); break;     \
@@ -124,12 +159,19 @@ static void FORMAT##_linear(const float* x, const uint8_t* w, float* y, int M, i
 }
 FORMAT_KERNELS(q4_1, 24)
 FORMAT_KERNELS(q8_0, 36)
+FORMAT_KERNELS(f16, 64)
+FORMAT_KERNELS(bf16, 64)
 
-/* y (M, N) = x (M, K) @ W^T, W (N, K) as N rows of K / 32 blocks of `block_bytes` bytes */
-void blocks_linear(const float* x, const uint8_t* w, float* y, int M, int N, int K, int block_bytes,
+/* y (M, N) = x (M, K) @ W^T, W (N, K) as N rows of K / 32 blocks of one format:
+   0 Q4_1, 1 Q8_0, 2 half floats, 3 bfloat16 */
+void blocks_linear(const float* x, const uint8_t* w, float* y, int M, int N, int K, int format,
                    int threads) {
-  if (block_bytes == 24) q4_1_linear(x, w, y, M, N, K, threads);
-  else q8_0_linear(x, w, y, M, N, K, threads);
+  switch (format) {
+    case 0: q4_1_linear(x, w, y, M, N, K, threads); break;
+    case 1: q8_0_linear(x, w, y, M, N, K, threads); break;
+    case 2: f16_linear(x, w, y, M, N, K, threads); break;
+    case 3: bf16_linear(x, w, y, M, N, K, threads); break;
+  }
 }
 """
 
@@ -219,20 +261,34 @@ def q8_0_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.cat([q.to(torch.int8).view(torch.uint8), _bytes(scale)], dim=-1).contiguous()
 
 
+def f16_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """(out, in) float32 weight whose every value is a half-precision float (an adapter stored in
+    float16) -> those values as float16 (out, in / 32, 32), or None."""
+    half = weight.detach().half()
+    return half.reshape(weight.shape[0], -1, BLOCK).contiguous() if _exact(weight, half.float()) else None
+
+
+def bf16_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """The same for bfloat16 values (a model published in bfloat16, loaded in float32 on a CPU)."""
+    brain = weight.detach().bfloat16()
+    return brain.reshape(weight.shape[0], -1, BLOCK).contiguous() if _exact(weight, brain.float()) else None
+
+
 def _bytes(values: torch.Tensor) -> torch.Tensor:
     """(..., ) float32 -> (..., 4) uint8: its bytes, as the kernel reads them."""
     return values.contiguous().view(torch.uint8).reshape(*values.shape, 4)
 
 
 def quantised_blocks(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight's Q4_1 or Q8_0 blocks (see q4_1_blocks), or None: not a float32 CPU matrix whose
-    rows split into blocks of 32, or its values are not exactly such blocks."""
+    """The weight in the most compact of FORMATS that holds its values exactly (q4_1_blocks,
+    q8_0_blocks, f16_blocks, bf16_blocks), or None: not a float32 CPU matrix whose rows split into
+    blocks of 32, or its values are none of those."""
     if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu"
             or weight.shape[1] % BLOCK or not torch.isfinite(weight).all()):
         return None
     rows = max(1, CHUNK_BYTES // (4 * weight.shape[1]))
     with torch.no_grad():
-        for blocks_of in (q4_1_blocks, q8_0_blocks):
+        for blocks_of in (q4_1_blocks, q8_0_blocks, f16_blocks, bf16_blocks):  # the most compact first
             parts = []
             for chunk in weight.detach().split(rows):  # (a chunk's temporaries stay in the CPU's caches)
                 parts.append(blocks_of(chunk))
@@ -244,20 +300,25 @@ def quantised_blocks(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def block_format(blocks: torch.Tensor) -> str:
+    """One of FORMATS: half floats are kept as float16 or bfloat16 tensors, Q4_1 and Q8_0 as bytes."""
+    if blocks.dtype == torch.float16:
+        return "f16"
+    if blocks.dtype == torch.bfloat16:
+        return "bf16"
     return "q4_1" if blocks.shape[-1] == Q4_1_BYTES else "q8_0"
 
 
 def blocks_linear(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None = None, lib=None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for the weight these blocks hold: x (..., in) float32 (lib: the
+    """F.linear(x, weight, bias) for the weight these blocks hold (quantised_blocks): x (..., in) float32 (lib: the
     kernel library, library()'s by default)."""
     lib = lib or library()
-    out_features, in_blocks, block_bytes = blocks.shape
+    out_features, in_blocks, _ = blocks.shape
     in_features = in_blocks * BLOCK
     flat = x.reshape(-1, in_features).contiguous()
     out = torch.empty(flat.shape[0], out_features, dtype=torch.float32)
     if flat.shape[0]:
         lib.blocks_linear(flat.data_ptr(), blocks.data_ptr(), out.data_ptr(), flat.shape[0], out_features,
-                          in_features, block_bytes, torch.get_num_threads())
+                          in_features, FORMATS.index(block_format(blocks)), torch.get_num_threads())
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], out_features)

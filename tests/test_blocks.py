@@ -1,5 +1,5 @@
 """Weights held as quantised blocks (Q4_1, Q8_0: what a GGUF file such as the embedded model's
-holds): recognised from their float32 values only when every value comes back bit for bit,
+holds) or as 16-bit floats (the embedded draft's adapter, bfloat16 models): recognised from their float32 values only when every value comes back bit for bit,
 multiplied by rsd's C kernel to F.linear's product (AVX-512 and the portable loop), chosen per
 shape like the other small-batch kernels, and decoding on them keeps its exactness."""
 
@@ -21,12 +21,15 @@ from tiny import quantise_like_gguf, quantise_q4_1, quantise_q8_0, tiny_model
 
 pytestmark = pytest.mark.skipif(not blocks.available(), reason="no C compiler to build the kernel")
 
-FORMATS = {"q4_1": quantise_q4_1, "q8_0": quantise_q8_0}
+FORMATS = {"q4_1": quantise_q4_1, "q8_0": quantise_q8_0, "f16": lambda w: w.detach().half().float(),
+           "bf16": lambda w: w.detach().bfloat16().float()}
+LAST = {"q4_1": blocks.Q4_1_BYTES, "q8_0": blocks.Q8_0_BYTES, "f16": 32, "bf16": 32}
 
 
 def weight(fmt: str, out_features: int = 40, in_features: int = 96, seed: int = 0) -> torch.Tensor:
     torch.manual_seed(seed)
-    return FORMATS[fmt](torch.randn(out_features, in_features) * 0.05)
+    scale = 1e5 if fmt == "bf16" else 0.05  # (small bfloat16 values are half floats too: the smaller form)
+    return FORMATS[fmt](torch.randn(out_features, in_features) * scale)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -34,7 +37,7 @@ def test_blocks_are_recognised_only_where_they_give_back_every_value(fmt):
     w = weight(fmt)
     found = blocks.quantised_blocks(w)
     assert found is not None and blocks.block_format(found) == fmt
-    assert found.shape == (40, 3, blocks.Q4_1_BYTES if fmt == "q4_1" else blocks.Q8_0_BYTES)
+    assert found.shape == (40, 3, LAST[fmt])
     nudged = w.clone()
     nudged[7, 50] = torch.nextafter(nudged[7, 50], torch.tensor(1.0))  # one value off by one ulp
     assert blocks.quantised_blocks(nudged) is None
@@ -53,8 +56,9 @@ def test_the_kernel_computes_linear_s_product(fmt, rows):
     found = blocks.quantised_blocks(w)
     x = torch.randn(2, rows, 96)
     exact = (x.double() @ w.double().T).float()
-    torch.testing.assert_close(blocks.blocks_linear(x, found), exact, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(blocks.blocks_linear(x[0], found, bias), exact[0] + bias, rtol=1e-5, atol=1e-5)
+    atol = 1e-5 * w.abs().max().item() * 20
+    torch.testing.assert_close(blocks.blocks_linear(x, found), exact, rtol=1e-5, atol=atol)
+    torch.testing.assert_close(blocks.blocks_linear(x[0], found, bias), exact[0] + bias, rtol=1e-5, atol=atol)
     assert blocks.blocks_linear(x[:, :0], found).shape == (2, 0, 40)
 
 
@@ -64,9 +68,13 @@ def test_the_portable_loop_computes_the_same_product(tmp_path):
     assert portable is not None and list(tmp_path.glob("*.c")) == []
     for fmt in FORMATS:
         w = weight(fmt)
+        if fmt == "f16":  # zeros, negative and subnormal half floats widen exactly too
+            w[0, :6] = torch.tensor([0.0, -0.0, 2**-24, -3 * 2**-24, 1023 * 2**-24, -(2**-14)])
         x = torch.randn(6, 96)
+        if fmt == "f16":
+            x[:, :6] = 2.0**20  # (so the subnormal weights' products show in the sums)
         torch.testing.assert_close(blocks.blocks_linear(x, blocks.quantised_blocks(w), lib=portable),
-                                   F.linear(x, w), rtol=1e-5, atol=1e-5)
+                                   F.linear(x, w), rtol=1e-5, atol=1e-5 * w.abs().max().item() * 20)
 
 
 def quantised_layer(fmt="q4_1", in_features=64, out_features=48) -> torch.nn.Linear:
@@ -89,7 +97,7 @@ def test_forced_blocks_serve_quantised_layers_and_leave_the_others(monkeypatch):
     with torch.inference_mode():
         got = model(x)
         prompt = model(torch.randn(65, 64))  # prompts (more than 64 rows): torch's product
-    assert ran == [blocks.Q4_1_BYTES, blocks.Q8_0_BYTES]
+    assert ran == [LAST["q4_1"], LAST["q8_0"]]
     torch.testing.assert_close(got, F.linear(F.linear(F.linear(x, model[0].weight), model[1].weight, model[1].bias),
                                              model[2].weight), rtol=1e-5, atol=1e-5)
     assert prompt.shape == (65, 64)
