@@ -92,7 +92,7 @@ def test_static_cache_matches_transformers_for_trees_pruning_and_growth(pair, ru
 class AllPacked:
     """Kernel verdicts: oneDNN on packed weights for every layer shape and row count."""
 
-    def kernels(self, weights):
+    def kernels(self, weights, blocks=None):
         return ("packed", "packed")
 
     def save(self):
