@@ -1,7 +1,8 @@
 """Cost of one target forward for 1..N new tokens after a 150-token cache, with each CPU linear
-kernel rsd can use (torch's `F.linear`, the transposed product, oneDNN's inner product) in every
-layer, and with what the per-machine calibration ("auto") picked per shape; interleaved in one
-process, on transformers' forward.
+kernel rsd can use (torch's `F.linear`, the transposed product, oneDNN's inner product on the
+weight and on a packed copy, rsd's kernel on quantised blocks where the weights are such) in
+every layer, and with what the per-machine calibration ("auto") picked per shape; interleaved
+in one process, on transformers' forward.
 
 A speculative step verifies a tree of n nodes in one forward; what it can gain depends on how
 much more n rows cost than one. Run: .venv/bin/python benchmarks/forward_cost.py [--repeats 9]
@@ -32,6 +33,12 @@ linears = [m for m in pair.target.modules() if isinstance(m, torch.nn.Linear)]
 chosen = {id(m): small_batch.kernels_of(m) for m in linears}
 os.environ["RSD_SMALL_BATCH_MATMUL"] = "1"
 small_batch.install(pair.target)  # every layer patched; which kernel each uses is set below
+if small_batch.onednn_available():
+    small_batch._prepare(linears, "packed")  # (each kernel on its own copy of the weights)
+quantised = small_batch.blocks_available()
+if quantised:
+    small_batch._prepare(linears, "blocks")
+    quantised = all(small_batch.blocks_of(m) is not None for m in linears)
 
 
 def use(kernel: str) -> None:
@@ -43,7 +50,7 @@ torch.manual_seed(0)
 lm = CachedLM(pair.target, pair.vocab_size)
 lm.extend(torch.randint(0, pair.vocab_size, (150,)).tolist())
 rows = [int(r) for r in args.rows.split(",")]
-kernels = [*small_batch.available_kernels(), "auto"]
+kernels = [*small_batch.available_kernels(quantised), "auto"]
 times: dict[tuple[int, str], list[float]] = {}
 for _ in range(args.repeats):
     for n in rows:

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
 from .engine import ChainExtension, ForwardClock, full_vocabulary, timed_chain, unchanged_prefix
-from .small_batch import TORCH, kernel_linear, kernels_of, prepared_copies
+from .blocks import blocks_linear
+from .small_batch import MAX_ROWS, TORCH, blocks_of, kernel_linear, kernels_of, prepared_copies
 
 BUCKETS = (1, 2, 4, 8, 16)
 # CUDA graphs take milliseconds to capture, not a compile: trees and draft levels up to 64 nodes
@@ -97,21 +98,28 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple, dims: tuple,
-                  slots: torch.Tensor | None = None) -> torch.Tensor:
+                  slots: torch.Tensor | None = None, fused: tuple = (None, None)) -> torch.Tensor:
     """One Llama decoder layer on n new tokens. x (n, hidden); cos, sin (n, head_dim); mask (n, kv_len)
     additive, the new tokens at slots kv_len - n .. kv_len - 1 of keys, values (kv_heads, capacity,
     head_dim), written in place. With `slots` (n,) (static shapes, what a CUDA graph replays) the
     new tokens go to those slots and the mask covers the whole capacity: no size depends on the
     cache's length. `weights` are the layer's tensors, `small` the CPU kernels of its
     linears (small_batch.kernels_of), dims = (heads, kv_heads, head_dim, scaling, eps). Every layer of a model (and
-    of its early-exit draft, adapter included) has the same shapes: one compiled graph serves them all."""
+    of its early-exit draft, adapter included) has the same shapes: one compiled graph serves them all.
+    `fused` = (q, k and v's quantised blocks in one, gate and up's in one) or None each (fused_blocks):
+    one call of the blocks kernel instead of three or two, the same arithmetic for every output."""
     ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd = weights
     heads, kv_heads, head_dim, scaling, eps = dims
     n, kv_len = x.shape[0], mask.shape[1]
+    fused = fused if n <= MAX_ROWS and not torch.compiler.is_compiling() else (None, None)
     h = _rms_norm(x, ln1, eps)
-    q = _linear(h, wq, bq, small[0]).view(n, heads, head_dim).transpose(0, 1)  # (H, n, hd)
-    k = _linear(h, wk, bk, small[1]).view(n, kv_heads, head_dim).transpose(0, 1)  # (KVH, n, hd)
-    v = _linear(h, wv, bv, small[2]).view(n, kv_heads, head_dim).transpose(0, 1)
+    if fused[0] is not None:
+        q, k, v = blocks_linear(h, fused[0]).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    else:
+        q, k, v = _linear(h, wq, bq, small[0]), _linear(h, wk, bk, small[1]), _linear(h, wv, bv, small[2])
+    q = q.view(n, heads, head_dim).transpose(0, 1)  # (H, n, hd)
+    k = k.view(n, kv_heads, head_dim).transpose(0, 1)  # (KVH, n, hd)
+    v = v.view(n, kv_heads, head_dim).transpose(0, 1)
     q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     if slots is None:
         keys[:, kv_len - n: kv_len] = k
@@ -130,7 +138,23 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
                                          scale=scaling, **grouped)[0]  # (H, n, hd)
     x = x + _linear(out.transpose(0, 1).reshape(n, heads * head_dim), wo, bo, small[3])
     h = _rms_norm(x, ln2, eps)
-    return x + _linear(F.silu(_linear(h, wg, None, small[4])) * _linear(h, wu, None, small[5]), wd, None, small[6])
+    if fused[1] is not None:
+        gate, up = blocks_linear(h, fused[1]).chunk(2, -1)
+    else:
+        gate, up = _linear(h, wg, None, small[4]), _linear(h, wu, None, small[5])
+    return x + _linear(F.silu(gate) * up, wd, None, small[6])
+
+
+def fused_blocks(linears) -> torch.Tensor | None:
+    """These linears' quantised blocks stacked into one weight's (their outputs side by side), where
+    each runs the blocks kernel for every row count, in the same format and without a bias."""
+    from .blocks import block_format
+
+    found = [blocks_of(linear) for linear in linears]
+    if (any(b is None or kernels_of(linear) != ("blocks", "blocks") or linear.bias is not None
+            for b, linear in zip(found, linears)) or len({block_format(b) for b in found}) > 1):
+        return None
+    return torch.cat(found)
 
 
 def final_logits(x, norm, eps: float, head, small: tuple) -> torch.Tensor:
@@ -170,7 +194,8 @@ class CompiledModel:
             # detached views (same storage): a trained adapter's tensors and the target's then pass
             # the same guards, and one graph serves both
             self.layers.append((tuple(None if w is None else w.detach() for w in weights),
-                                tuple(self._kernels(linear) for linear in linears)))
+                                tuple(self._kernels(linear) for linear in linears),
+                                (fused_blocks(linears[:3]), fused_blocks(linears[4:6]))))
         self.head_small = self._kernels(model.lm_head)
         self.norm_eps = inner.norm.variance_epsilon
         self.device = inner.embed_tokens.weight.device
@@ -280,12 +305,12 @@ class CompiledModel:
             self.graphs.add(tokens.shape[0])
         x = self.model.model.embed_tokens(tokens)  # (n, hidden)
         cos, sin = self.cos[positions], self.sin[positions]
-        for index, (weights, small) in enumerate(self.layers):
+        for index, (weights, small, fused) in enumerate(self.layers):
             layer_keys, layer_values = keys[index], values[index]
             if compiled:
                 torch._dynamo.maybe_mark_dynamic(layer_keys, 1)
                 torch._dynamo.maybe_mark_dynamic(layer_values, 1)
-            x = layer(x, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims, slots)
+            x = layer(x, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims, slots, fused)
         return final_logits(x[rows], self.model.model.norm.weight, self.norm_eps, self.model.lm_head.weight,
                             self.head_small)
 

@@ -195,24 +195,51 @@ def quantised_pair():
         small_batch.install(model, AllBlocks())
     assert small_batch.kernels_of(kernel[0].model.layers[1].mlp.down_proj) == ("blocks", "blocks")
     assert small_batch.kernels_of(kernel[0].lm_head) == ("blocks", "blocks")  # (Q8_0, one block a row)
-    return reference, kernel, Runtimes(CompiledModel(kernel[0], True), CompiledModel(kernel[1], True), "on")
+    return reference, kernel, {compile: Runtimes(CompiledModel(kernel[0], compile), CompiledModel(kernel[1], compile),
+                                                  "on" if compile else "auto") for compile in (True, False)}
 
 
 @pytest.mark.parametrize("shape", shapes(), ids=lambda s: s.describe())
 def test_greedy_on_the_blocks_kernel_equals_plain_greedy(quantised_pair, shape):
-    reference, kernel, compiled = quantised_pair
+    reference, kernel, static = quantised_pair
     expected = plain_greedy(reference[0], 25)
     greedy = SamplingParams(temperature=0)
     assert run(kernel, Runtimes(), shape, greedy, 25, seed=0) == expected
-    assert run(kernel, compiled, shape, greedy, 25, seed=0) == expected
+    for runtimes in static.values():  # compiled, and uncompiled with fused projections
+        assert run(kernel, runtimes, shape, greedy, 25, seed=0) == expected
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 64, 65])
+def test_fused_projections_give_the_separate_products_bit_for_bit(quantised_pair, rows):
+    """On the static-cache runtime uncompiled, q/k/v and gate/up run as one call of the kernel each."""
+    _, kernel, static = quantised_pair
+    runtime = static[False].target
+    assert all(fused[0] is not None and fused[1] is not None for _, _, fused in runtime.layers)
+    assert runtime.layers[0][2][0].shape[0] == 32 + 2 * 16  # q rows, then k's and v's (2 of 4 heads' width)
+    tokens = torch.randint(0, V, (rows,), generator=torch.Generator().manual_seed(rows))
+    mask = torch.zeros(rows, rows).masked_fill_(torch.ones(rows, rows, dtype=torch.bool).triu(1), -torch.inf)
+    everything = torch.arange(rows)
+
+    def logits() -> torch.Tensor:
+        keys, values = runtime.new_buffers(rows)
+        with torch.inference_mode():
+            return runtime.forward(tokens, everything, mask, keys, values, everything)
+
+    fused = logits()
+    layers = runtime.layers
+    runtime.layers = [(weights, small, (None, None)) for weights, small, _ in layers]
+    try:
+        assert torch.equal(fused, logits())
+    finally:
+        runtime.layers = layers
 
 
 @pytest.mark.parametrize("shape", [MC_SHAPES[1], MC_SHAPES[4]], ids=lambda s: s.describe())
 def test_first_two_tokens_follow_the_target_distribution_on_the_blocks_kernel(quantised_pair, shape):
-    reference, kernel, compiled = quantised_pair
+    reference, kernel, static = quantised_pair
     sampling = SamplingParams(temperature=1.0)
     counts = torch.zeros(V, V)
     for seed in range(N_SAMPLES):
-        first, second = run(kernel, compiled, shape, sampling, 2, seed)[:2]
+        first, second = run(kernel, static[False], shape, sampling, 2, seed)[:2]
         counts[first, second] += 1
     assert chi_square_pvalue(counts, exact_joint(reference[0], sampling) * N_SAMPLES) > 1e-3

@@ -92,3 +92,50 @@ def test_the_compiled_runtime_is_greedy_exact_on_the_embedded_pair(embedded_pair
                       CompiledModel(pair.draft, False, static_shapes=True), "on")
     for variant in ("sd", "rsd-c"):
         assert tokens(variant, static) == reference, variant
+
+
+def test_the_blocks_kernel_runs_the_embedded_model_s_own_weights_exactly(embedded_pair, monkeypatch):
+    """Loaded with the kernel on quantised blocks: the target's layers (Q4_1) and head (Q8_0) and the
+    draft's float16 adapter run on it; logits match oneDNN's float32 products, and greedy output of
+    every variant on the static-cache runtime (fused projections) is `ar`'s on transformers' forward
+    with packed float32 weights."""
+    import torch
+
+    from rsd_cli import blocks, small_batch
+    from rsd_cli.compiled import CompiledModel
+    from rsd_cli.engine import Runtimes
+    from rsd_cli.generation import complete
+    from rsd_cli.models import load_pair
+    from rsd_cli.prompting import encode_prompt
+    from rsd_cli.runtime import apply_flags, make_decoder
+
+    if not blocks.available():
+        pytest.skip("no C compiler for the kernel")
+    profile, packed = embedded_pair
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "blocks")
+    pair = load_pair(profile)
+    layer = pair.target.model.layers[7]
+    formats = {blocks.block_format(small_batch.blocks_of(m)) for m in (layer.self_attn.q_proj, layer.mlp.down_proj)}
+    assert formats == {"q4_1"} and blocks.block_format(small_batch.blocks_of(pair.target.lm_head)) == "q8_0"
+    assert blocks.block_format(small_batch.blocks_of(pair.draft.model.layers[-1].mlp.up_proj)) == "f16"
+    assert small_batch.kernels_of(pair.target.lm_head) == ("blocks", "blocks")
+    ids = encode_prompt(pair.tokenizer, "Name three colours of the rainbow.")
+    with torch.inference_mode():
+        torch.testing.assert_close(pair.target(torch.tensor([ids])).logits,
+                                   packed.target(torch.tensor([ids])).logits, rtol=0, atol=2e-3)
+
+    def tokens(name, which, runtimes):
+        apply_flags(profile, {"variant": name, "temperature": 0.0, "branching": "2,2,1", "beam_width": 2,
+                              "depth": 3, "draft_len": 3})
+        saved, which.runtimes = which.runtimes, runtimes
+        try:
+            return complete(make_decoder(which, profile), ids, 24, seed=0)[0]
+        finally:
+            which.runtimes = saved
+
+    reference = tokens("ar", packed, Runtimes())
+    static = Runtimes(CompiledModel(pair.target, compile=False), CompiledModel(pair.draft, compile=False), "auto")
+    assert all(fused[0] is not None for _, _, fused in static.target.layers)
+    assert tokens("ar", pair, Runtimes()) == reference
+    for variant in ("ar", "sd", "rsd-c", "rsd-s"):
+        assert tokens(variant, pair, static) == reference, variant
