@@ -18,7 +18,9 @@ model's own modules (weights, norms and rotary tables are read, never copied):
   prompts and trees of more than 16 tokens run the same code uncompiled, where overhead matters less;
 - on CPU each linear product runs the kernel measured fastest for its shape and row count
   (`small_batch`: oneDNN on packed weights on an AMD EPYC), inside compiled graphs too, where it is
-  one opaque operator (`rsd::linear`) between the kernels inductor fuses;
+  one opaque operator (`rsd::linear`) between the kernels inductor fuses; uncompiled, a layer whose
+  linears all run on quantised blocks (`blocks`: the embedded model's own Q4_1 weights) is one
+  call of rsd's C library, and otherwise its q/k/v and gate/up products run as one call each;
 - on a CUDA device "compiled" means CUDA graphs instead: each bucketed token count's whole forward
   (embedding, every layer, head) is captured once and replayed, on static shapes (KV buffers
   shared by a model's generations, new tokens written at slots given as a tensor, masks over the
@@ -40,10 +42,14 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
 from .engine import ChainExtension, ForwardClock, full_vocabulary, timed_chain, unchanged_prefix
-from .blocks import blocks_linear
+from .blocks import NativeForward, NativeLayer, blocks_linear
 from .small_batch import MAX_ROWS, TORCH, blocks_of, kernel_linear, kernels_of, prepared_copies
 
 BUCKETS = (1, 2, 4, 8, 16)
+# the C layer's attention reads every key once per query row and head: where rows x keys exceed
+# this, torch's attention (SDPA) is faster (measured on a 2-core AMD EPYC: a 1-token forward is
+# faster in C at any length, 4 tokens up to ~300 keys, 8 tokens up to ~150)
+NATIVE_ATTENTION = 1200
 # CUDA graphs take milliseconds to capture, not a compile: trees and draft levels up to 64 nodes
 # (what `auto` drafts) replay too, where one forward costs about the same for 1 or 64 tokens
 STATIC_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -145,16 +151,31 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     return x + _linear(F.silu(gate) * up, wd, None, small[6])
 
 
+def _native_layer(layer, fused: tuple):
+    """The layer as a blocks.NativeLayer where all its linears run on blocks (q/k/v and gate/up
+    stacked in `fused`), else None."""
+    a, m = layer.self_attn, layer.mlp
+    if fused[0] is None or fused[1] is None or not (_on_blocks(a.o_proj) and _on_blocks(m.down_proj)):
+        return None
+    return NativeLayer((layer.input_layernorm.weight, layer.post_attention_layernorm.weight), fused[0],
+                       blocks_of(a.o_proj), fused[1], blocks_of(m.down_proj))
+
+
+def _on_blocks(linear) -> bool:
+    """Whether this linear has quantised blocks and runs the blocks kernel (for one row or for
+    several: a layer's small products measure within noise of each other), without a bias."""
+    return blocks_of(linear) is not None and "blocks" in kernels_of(linear) and linear.bias is None
+
+
 def fused_blocks(linears) -> torch.Tensor | None:
     """These linears' quantised blocks stacked into one weight's (their outputs side by side), where
-    each runs the blocks kernel for every row count, in the same format and without a bias."""
+    each runs the blocks kernel for every row count (_on_blocks), all in the same format."""
     from .blocks import block_format
 
-    found = [blocks_of(linear) for linear in linears]
-    if (any(b is None or kernels_of(linear) != ("blocks", "blocks") or linear.bias is not None
-            for b, linear in zip(found, linears)) or len({block_format(b) for b in found}) > 1):
+    if not all(_on_blocks(linear) for linear in linears):
         return None
-    return torch.cat(found)
+    found = [blocks_of(linear) for linear in linears]
+    return torch.cat(found) if len({block_format(b) for b in found}) == 1 else None
 
 
 def final_logits(x, norm, eps: float, head, small: tuple) -> torch.Tensor:
@@ -197,6 +218,10 @@ class CompiledModel:
                                 tuple(self._kernels(linear) for linear in linears),
                                 (fused_blocks(linears[:3]), fused_blocks(linears[4:6]))))
         self.head_small = self._kernels(model.lm_head)
+        # layers on quantised blocks run as one call of the blocks library each (uncompiled CPU path)
+        native = [_native_layer(layer, fused) for layer, (_, _, fused) in zip(inner.layers, self.layers)]
+        self.native = native if any(native) else None
+        self.intermediate = cfg.intermediate_size
         self.norm_eps = inner.norm.variance_epsilon
         self.device = inner.embed_tokens.weight.device
         self.dtype = inner.embed_tokens.weight.dtype
@@ -299,13 +324,23 @@ class CompiledModel:
         (m, rows of the head) logits. Sizes in BUCKETS run the compiled graphs (the used length and
         the capacity are dynamic dimensions), others eager."""
         compiled = self._inductor and tokens.shape[0] in BUCKETS
+        n = tokens.shape[0]
+        native = self.native if (not compiled and slots is None
+                                 and (n == 1 or n * mask.shape[1] <= NATIVE_ATTENTION)) else None
         layer = self._layer if compiled else decoder_layer
         if compiled:
             torch._dynamo.maybe_mark_dynamic(mask, 1)
             self.graphs.add(tokens.shape[0])
         x = self.model.model.embed_tokens(tokens)  # (n, hidden)
         cos, sin = self.cos[positions], self.sin[positions]
+        if native is not None:
+            heads, kv_heads, head_dim, scaling, eps = self.dims
+            run = NativeForward(x, cos, sin, mask, (x.shape[1], heads, kv_heads, head_dim, self.intermediate, scaling, eps))
         for index, (weights, small, fused) in enumerate(self.layers):
+            if native is not None and native[index] is not None:
+                run.x = x.contiguous()
+                x = run.layer(native[index], keys[index], values[index])
+                continue
             layer_keys, layer_values = keys[index], values[index]
             if compiled:
                 torch._dynamo.maybe_mark_dynamic(layer_keys, 1)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rsd_cli import blocks, small_batch
+from rsd_cli import blocks, compiled, small_batch
 from rsd_cli.compiled import CompiledModel
 from rsd_cli.engine import Runtimes
 from rsd_cli.sampling import SamplingParams
@@ -209,9 +209,12 @@ def test_greedy_on_the_blocks_kernel_equals_plain_greedy(quantised_pair, shape):
         assert run(kernel, runtimes, shape, greedy, 25, seed=0) == expected
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 64, 65])
-def test_fused_projections_give_the_separate_products_bit_for_bit(quantised_pair, rows):
-    """On the static-cache runtime uncompiled, q/k/v and gate/up run as one call of the kernel each."""
+@pytest.mark.parametrize("rows", [1, 3, 8, 34, 35, 65])
+def test_whole_layers_in_c_and_fused_projections_give_torch_s_layer(quantised_pair, rows, monkeypatch):
+    """On the static-cache runtime uncompiled, each layer whose linears all run on blocks is one
+    call of the C library (norms, products, rotary embedding, cache write, attention): the same
+    logits as the layer in torch operations; there q/k/v and gate/up run as one product each,
+    bit for bit the separate products."""
     _, kernel, static = quantised_pair
     runtime = static[False].target
     assert all(fused[0] is not None and fused[1] is not None for _, _, fused in runtime.layers)
@@ -225,13 +228,21 @@ def test_fused_projections_give_the_separate_products_bit_for_bit(quantised_pair
         with torch.inference_mode():
             return runtime.forward(tokens, everything, mask, keys, values, everything)
 
-    fused = logits()
-    layers = runtime.layers
-    runtime.layers = [(weights, small, (None, None)) for weights, small, _ in layers]
+    native, layers = runtime.native, runtime.layers
+    assert native is not None and len(native) == len(layers)
+    calls = []
+    real = blocks.NativeForward.layer
+    monkeypatch.setattr(blocks.NativeForward, "layer", lambda *args: calls.append(1) or real(*args))
+    whole = logits()  # each layer one call of the C library (many rows x keys: the torch code below)
+    assert len(calls) == (len(layers) if rows == 1 or rows * rows <= compiled.NATIVE_ATTENTION else 0)
     try:
+        runtime.native = None  # the layer in torch operations, q/k/v and gate/up fused
+        fused = logits()
+        runtime.layers = [(weights, small, (None, None)) for weights, small, _ in layers]
         assert torch.equal(fused, logits())
     finally:
-        runtime.layers = layers
+        runtime.native, runtime.layers = native, layers
+    torch.testing.assert_close(whole, fused, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [MC_SHAPES[1], MC_SHAPES[4]], ids=lambda s: s.describe())
@@ -243,3 +254,23 @@ def test_first_two_tokens_follow_the_target_distribution_on_the_blocks_kernel(qu
         first, second = run(kernel, static[False], shape, sampling, 2, seed)[:2]
         counts[first, second] += 1
     assert chi_square_pvalue(counts, exact_joint(reference[0], sampling) * N_SAMPLES) > 1e-3
+
+
+def test_the_c_layer_matches_transformers_for_trees_pruning_and_growth(quantised_pair):
+    """The tree test of test_compiled on the C layers: a 6-node tree after the prompt, pruning to one
+    path, chains past the buffers' first capacity — every logit as transformers' eager forward on
+    torch's products."""
+    from rsd_cli.compiled import StaticLM
+    from rsd_cli.engine import CachedLM
+    from test_compiled import assert_same_tree_logits
+
+    reference, _, static = quantised_pair
+    ours, theirs = StaticLM(static[False].target, V, capacity=12), CachedLM(reference[0], V)
+    base = assert_same_tree_logits(ours, theirs)
+    kept = list(range(base)) + [base + n for n in (0, 1, 3, 5)]
+    for lm in (ours, theirs):
+        lm.keep(kept)
+    for chain in ([2], [1, 3], [4, 0, 2], [1] * 9, [3, 2] * 10):
+        torch.testing.assert_close(ours.extend(chain, last_only=False), theirs.extend(chain, last_only=False),
+                                   atol=1e-5, rtol=1e-5)
+    assert ours.capacity > 12 and ours.length == theirs.length
