@@ -33,7 +33,10 @@ from .drafting import Shape, make_shape
 MAX_NODES = 64  # the largest tree auto drafts (a budget lowers it)
 MAX_DEPTH = 8
 CHOOSE_EVERY = 4  # steps between choices
-EXPLORE_EVERY = 8  # while plain decoding pays most, every 8th step drafts anyway, to keep measuring
+EXPLORE_EVERY = 8  # while plain decoding pays most, every 8th step drafts anyway (and while drafting
+# pays, every 8th step decodes plainly), to keep measuring what is not chosen
+RARELY = 4  # ... every 32nd once that other kind was timed and is expected clearly slower,
+CLEARLY_SLOWER = 0.95  # below this fraction of the current shape's expected tokens per second
 TARGET_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 PRIOR = (0.5, 0.2, 0.1)  # P(accept the k-th candidate | the ones before rejected), before any data
@@ -42,6 +45,8 @@ SCALE_MEMORY = 0.2  # how fast the cost scales follow the measured step times
 MEASURED_MEMORY = 0.3  # how fast a used shape's measured time ratio follows new steps
 WARM_UP_STEPS = 2  # a shape's first steps are not timed: on a 2-core EPYC the first two forwards
 # of a new token count took 6-8 ms more than later ones (oneDNN sets up kernels for each new size)
+CAUGHT_UP = 2  # tokens a drafting step's draft call reads in the steady state (the correction or bonus,
+# and an accepted leaf it never read); more after plain steps, a cost of switching, not of the shape
 OPTIMISM = 0.5  # standard errors added to an acceptance rate (so wider shapes get tried)
 
 
@@ -205,7 +210,7 @@ class AutoShape:
         self.uses: dict[Shape, int] = {}  # shape -> steps of it observed (after the first step)
         self.current: Shape | None = None
         self.steps = 0
-        self.since_draft = 0  # steps since the last one that drafted
+        self.since_other = 0  # steps since the last one of the other kind (drafting or plain) than now
 
     def step_seconds(self, shape: Shape) -> tuple[float, float]:
         """(draft, target) seconds predicted for one step of `shape`."""
@@ -226,8 +231,17 @@ class AutoShape:
         """A step's time: the cost model's, scaled to this run's step times, and for a shape the run
         has used, times what its steps took over that (its sampling and verification, its kernels).
         That ratio, not the time itself, is what a shape keeps: when the whole machine slows down
-        or speeds up (a busy neighbour), every shape's estimate moves with the scales alike."""
-        return sum(self.step_seconds(shape)) * self.measured.get(shape, 1.0)
+        or speeds up (a busy neighbour), every shape's estimate moves with the scales alike. A
+        drafting shape not used yet takes the mean ratio of those used: what drafting costs beyond
+        the forwards (draws, verification), which the forward costs leave out, is much the same
+        for every tree, and where forwards are cheap it decides whether drafting pays."""
+        return sum(self.step_seconds(shape)) * self.measured.get(shape, self._unmeasured_ratio(shape))
+
+    def _unmeasured_ratio(self, shape: Shape) -> float:
+        if shape.depth == 0:
+            return 1.0
+        drafting = [ratio for used, ratio in self.measured.items() if used.depth]
+        return sum(drafting) / len(drafting) if drafting else 1.0
 
     def rate(self, shape: Shape) -> float:
         """Expected tokens per second."""
@@ -235,13 +249,27 @@ class AutoShape:
 
     def next_shape(self) -> Shape:
         if self.current is None or self.steps % self.every == 0:
-            self.current = max(self.shapes, key=self.rate)
+            before, self.current = self.current, max(self.shapes, key=self.rate)
+            if before is not None and bool(before.depth) != bool(self.current.depth):
+                self.since_other = 0  # (the other kind was just running)
         self.steps += 1
-        self.since_draft = 0 if self.current.depth else self.since_draft + 1
-        if self.since_draft >= EXPLORE_EVERY:  # plain decoding learns nothing: now and then, draft
-            self.since_draft = 0
-            return max((s for s in self.shapes if s.depth), key=self.rate, default=self.current)
+        self.since_other += 1
+        if self.since_other % EXPLORE_EVERY == 0:  # now and then, the best shape of the other kind
+            other = max((s for s in self.shapes if bool(s.depth) != bool(self.current.depth)), key=self.rate,
+                        default=self.current)
+            if self.since_other < EXPLORE_EVERY * RARELY and self._clearly_slower(other):
+                return self.current
+            self.since_other = 0
+            return other
         return self.current
+
+    def _clearly_slower(self, shape: Shape) -> bool:
+        """Whether steps of this shape's kind (drafting or plain) were timed — a drafting shape not
+        used takes the used ones' ratio to the model — and it is expected clearly slower than the
+        current one (where forwards are cheap, drafting's own costs can outweigh what it gains;
+        where they are not, plain decoding's one token a step)."""
+        timed = any(bool(used.depth) == bool(shape.depth) for used in self.measured)
+        return timed and self.rate(shape) < CLEARLY_SLOWER * self.rate(self.current)
 
     def observe(self, event) -> None:
         """Learn from a finished step: its verified nodes and how long its forwards took."""
@@ -250,6 +278,8 @@ class AutoShape:
             return
         self.uses[event.shape] = self.uses.get(event.shape, 0) + 1
         if self.uses[event.shape] <= WARM_UP_STEPS:  # a new token count's first calls set kernels up
+            return
+        if event.caught_up > CAUGHT_UP:  # after plain steps the draft reads what it missed: not a step's time
             return
         draft, target = self.step_seconds(event.shape)
         if target > 0 and event.verify_seconds > 0:
@@ -276,7 +306,7 @@ def cost_key(decoder) -> str:
     from .small_batch import signature
 
     kernels = hashlib.sha256(signature(decoder.target_model, decoder.draft_model).encode()).hexdigest()[:12]
-    return (f"costs v2 | {verdict_key(decoder.target_model)} | target {fingerprint(decoder.target_model)} | "
+    return (f"costs v3 | {verdict_key(decoder.target_model)} | target {fingerprint(decoder.target_model)} | "
             f"draft {fingerprint(decoder.draft_model)} | {decoder.runtimes.describe()} | kernels {kernels}")
 
 

@@ -205,6 +205,7 @@ class StepEvent:
     draft_seconds: float
     verify_seconds: float
     forward_seconds: float  # model forward passes only, both models (the first step: + the prompt's)
+    caught_up: int = 0  # tokens the draft read before drafting (1-2 a step; more after plain steps of auto)
     finished: str | None = None  # "eos" | "length" | "context" | "stop" (a stop string) once generation ends
     stop: str | None = None  # the stop string that ended generation (set by generation.complete)
 
@@ -355,7 +356,10 @@ class Runtimes:
                 return "transformers eager"
             if runtime.graphed:
                 return "static cache, CUDA graphs"
-            return "static cache, compiled" if runtime.compiled else "static cache, uncompiled"
+            if runtime.compiled:
+                return "static cache, compiled"
+            # (layers on quantised weights run as one call of rsd's C library each: compiled.NativeLayer)
+            return "static cache, uncompiled, C layers" if runtime.native else "static cache, uncompiled"
         return one(self.target) if one(self.target) == one(self.draft) else \
             f"target {one(self.target)}, draft {one(self.draft)}"
 
@@ -470,6 +474,7 @@ class Decoder:
         start = time.perf_counter()
         forward_before = target.forward_seconds + (draft.forward_seconds if draft else 0.0)
         draft_calls_before = draft.calls if draft else 0
+        caught_up = len(seq) - draft.length if draft is not None and shape.depth > 0 else 0
         tree, draft_index = self._draft(shape, seq, draft if shape.depth > 0 else None, generator)
         drafted = time.perf_counter()
 
@@ -502,7 +507,7 @@ class Decoder:
             step=step, shape=shape, tree=tree, p=p, checks=checks, path=path,
             extra_token=extra, extra_kind=kind, emitted=[],
             draft_calls=(draft.calls - draft_calls_before) if draft else 0,
-            draft_seconds=drafted - start, verify_seconds=end - drafted,
+            draft_seconds=drafted - start, verify_seconds=end - drafted, caught_up=caught_up,
             forward_seconds=target.forward_seconds + (draft.forward_seconds if draft else 0.0) - forward_before,
         )
 

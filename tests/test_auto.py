@@ -78,7 +78,7 @@ def test_a_shape_used_is_timed_by_its_own_steps():
     assert before == pytest.approx(1.1)
 
     class Step:
-        step, checks, draft_seconds, verify_seconds = 1, [check(3, 0)], 5.0, 0.45
+        step, checks, draft_seconds, verify_seconds, caught_up = 1, [check(3, 0)], 5.0, 0.45, 1
 
     Step.shape = shape
     policy.observe(Step)  # the first step's draft call read the prompt too: its time is not learnt
@@ -89,6 +89,10 @@ def test_a_shape_used_is_timed_by_its_own_steps():
     for _ in range(auto.WARM_UP_STEPS):  # a shape's first steps set kernels up: not learnt either
         policy.observe(Step)
     assert policy.seconds(shape) == before
+    Step.caught_up, Step.draft_seconds = 9, 0.5  # after plain steps: the draft read 9 tokens it missed
+    policy.observe(Step)
+    assert policy.seconds(shape) == before  # a cost of switching, not of the shape: not learnt
+    Step.caught_up, Step.draft_seconds = 2, 0.05
     policy.observe(Step)
     assert policy.seconds(shape) == pytest.approx(0.5)  # measured: used from now on
     assert policy.seconds(make_shape("sd", draft_len=1)) < before  # the model, scaled towards what was measured
@@ -101,7 +105,7 @@ def test_a_used_shape_s_estimate_follows_the_machine_s_speed():
     tree, chain = make_shape("rsd-c", branching=(3,)), make_shape("sd", draft_len=1)
 
     class Step:
-        step, checks, shape, draft_seconds, verify_seconds = 2, [check(3, 0)], tree, 0.1, 1.0
+        step, checks, shape, draft_seconds, verify_seconds, caught_up = 2, [check(3, 0)], tree, 0.1, 1.0, 1
 
     policy.observe(Step)
     assert policy.seconds(tree) == pytest.approx(1.1)
@@ -124,6 +128,30 @@ def test_the_choice_follows_costs_and_acceptance():
     assert hopeless.ranking(3)[0][0] == "ar"
     chosen = [hopeless.next_shape().describe() for _ in range(14)]  # steps 2..15
     assert chosen.count("ar") == 13 and chosen[6] != "ar"  # but every 8th step drafts, so acceptance is still measured
+
+
+def test_a_drafting_shape_timed_and_found_slower_is_tried_rarely():
+    """Where drafting's own step costs outweigh its gain (measured, not just modelled), plain decoding
+    drafts every 32nd step instead of every 8th; a drafting shape not timed yet takes the timed
+    ones' ratio to the model."""
+    policy = AutoShape(Costs({1: 1.0, 2: 1.05, 64: 3.0}, {1: 0.1, 32: 0.5}))
+    for _ in range(100):  # (steps) two thirds of first drafts accepted, never a later one
+        for step in ([check(6, None)], [check(1, 0)], [check(1, 0)]):
+            policy.acceptance.observe(step)
+    chain, tree = make_shape("sd", draft_len=1), make_shape("rsd-c", branching=(2,))
+    assert policy.rate(chain) > policy.rate(make_shape("ar"))  # as modelled: drafting pays
+
+    class Step:
+        step, checks, shape, draft_seconds, verify_seconds, caught_up = 2, [], chain, 0.6, 2.0, 1  # 2.6 s, modelled 1.15
+
+    for _ in range(auto.WARM_UP_STEPS + 1):
+        policy.observe(Step)
+    assert policy.seconds(tree) == pytest.approx(policy.seconds(chain) * sum(policy.step_seconds(tree))
+                                                  / sum(policy.step_seconds(chain)))
+    assert max(policy.rate(s) for s in policy.shapes if s.depth) < auto.CLEARLY_SLOWER * policy.rate(make_shape("ar"))
+    chosen = [policy.next_shape().describe() for _ in range(64)]
+    drafted = [i for i, name in enumerate(chosen) if name != "ar"]
+    assert len(drafted) == 2 and drafted[1] - drafted[0] == auto.EXPLORE_EVERY * auto.RARELY
 
 
 def run(pair, decoder_shape, sampling, max_tokens, seed, policy=None, warm_up_seed=None):
