@@ -184,6 +184,14 @@ class AllBlocks:
         pass
 
 
+def install_blocks(model) -> None:
+    """The blocks kernel wherever the weights are blocks (whatever RSD_SMALL_BATCH_MATMUL the test
+    environment sets: verdicts decide here)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RSD_SMALL_BATCH_MATMUL", "auto")
+        small_batch.install(model, AllBlocks())
+
+
 @pytest.fixture(scope="module")
 def quantised_pair():
     """A tiny pair quantised as a GGUF file holds it, twice: on torch's product (the reference) and
@@ -192,7 +200,7 @@ def quantised_pair():
                       for layers, seed in ((2, 0), (1, 1)))
     kernel = tuple(copy.deepcopy(model) for model in reference)
     for model in kernel:
-        small_batch.install(model, AllBlocks())
+        install_blocks(model)
     assert small_batch.kernels_of(kernel[0].model.layers[1].mlp.down_proj) == ("blocks", "blocks")
     assert small_batch.kernels_of(kernel[0].lm_head) == ("blocks", "blocks")  # (Q8_0, one block a row)
     return reference, kernel, {compile: Runtimes(CompiledModel(kernel[0], compile), CompiledModel(kernel[1], compile),
@@ -274,3 +282,26 @@ def test_the_c_layer_matches_transformers_for_trees_pruning_and_growth(quantised
         torch.testing.assert_close(ours.extend(chain, last_only=False), theirs.extend(chain, last_only=False),
                                    atol=1e-5, rtol=1e-5)
     assert ours.capacity > 12 and ours.length == theirs.length
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16"])
+def test_a_model_of_16_bit_values_runs_on_c_layers_greedy_exactly(fmt):
+    """A model published in bfloat16 (or float16) and loaded in float32 on a CPU: every linear is kept
+    as 16-bit floats, every layer runs in C, and the greedy output is plain decoding's."""
+    reference = []
+    for layers, seed in ((2, 0), (1, 1)):
+        model = tiny_model(V, layers=layers, seed=seed, scale=0.1)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.copy_(FORMATS[fmt](parameter) if fmt == "f16" else parameter.bfloat16().float())
+        reference.append(model)
+    kernel = tuple(copy.deepcopy(model) for model in reference)
+    for model in kernel:
+        install_blocks(model)
+    # (bfloat16 values this small are half floats too, kept as those: the same 2 bytes)
+    assert blocks.block_format(small_batch.blocks_of(kernel[0].model.layers[0].mlp.up_proj)) in ("f16", fmt)
+    static = Runtimes(CompiledModel(kernel[0], False), CompiledModel(kernel[1], False), "auto")
+    assert static.target.native is not None and all(static.target.native)
+    expected = plain_greedy(reference[0], 25)
+    for shape in shapes()[:5:2]:  # ar, mss, rsd-c
+        assert run(kernel, static, shape, SamplingParams(temperature=0), 25, seed=0) == expected
