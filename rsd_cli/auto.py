@@ -154,9 +154,11 @@ class Acceptance:
     tried: dict[tuple[int, int], int] = field(default_factory=dict)
     accepted: dict[tuple[int, int], int] = field(default_factory=dict)
     _rates: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # since the last observe
+    _levels: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # likewise
 
     def observe(self, checks) -> None:
         self._rates.clear()
+        self._levels.clear()
         for depth, check in enumerate(checks):
             for rank in range(check.decision.tried):
                 self.tried[rank, depth] = self.tried.get((rank, depth), 0) + 1
@@ -181,10 +183,12 @@ class Acceptance:
 
     def level(self, branching: int, depth: int) -> float:
         """P(one of `branching` candidates is accepted) at `depth`."""
-        rejected = 1.0
-        for rank in range(branching):
-            rejected *= 1 - self.rate(rank, depth)
-        return 1 - rejected
+        if (branching, depth) not in self._levels:
+            rejected = 1.0
+            for rank in range(branching):
+                rejected *= 1 - self.rate(rank, depth)
+            self._levels[branching, depth] = 1 - rejected
+        return self._levels[branching, depth]
 
 
 def expected_tokens(shape: Shape, acceptance: Acceptance) -> float:
