@@ -34,6 +34,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -283,7 +284,7 @@ void blocks_layer(float* x, int n, const float* cos, const float* sin, const flo
       row[j] = g / (1.f + expf(-g)) * row[I + j];
     }
   }
-  /* down: rows of gate_up are 2 I apart; the product reads them through a packed copy */
+  /* down reads its rows contiguous: silu(gate) * up copied out of gate_up's rows (2 I apart) */
   float* act = scores + (size_t)threads * kv_len;  /* (n, I) */
   for (int i = 0; i < n; i++) memcpy(act + (size_t)i * I, gate_up + (size_t)i * 2 * I, I * sizeof(float));
   blocks_linear(act, down_w, o, n, D, I, formats[3], threads);
@@ -310,13 +311,22 @@ def library():
     return build(cache_dir() / "kernels")
 
 
+def _cpu() -> str:
+    """This CPU's model and instruction sets (-march=native code runs only where they are the same)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags", "Features"))}))
+
+
 def build(folder: Path, flags: tuple[str, ...] = FLAGS):
-    """The kernel compiled with these flags into `folder` (once: the file is named by the source,
-    compiler and flags) and loaded; None where that fails."""
+    """The kernel compiled with these flags into `folder` (once per source, compiler, flags and CPU:
+    a cache folder shared by other machines keeps one file each) and loaded; None where that fails."""
     compiler = _compiler()
     if compiler is None:
         return None
-    digest = hashlib.sha256("\0".join([SOURCE, compiler, *flags]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256("\0".join([SOURCE, compiler, *flags, _cpu()]).encode()).hexdigest()[:16]
     path = folder / f"blocks-{digest}.so"
     try:
         if not path.exists():

@@ -103,7 +103,7 @@ def kernel_for(x: torch.Tensor, weight: torch.Tensor, kernels: tuple) -> str:
     kernel have no backward)."""
     rows = x.numel() // x.shape[-1]
     kernel = "torch" if rows > MAX_ROWS else kernels[rows > 1]
-    if kernel != "torch" and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if kernel in ("onednn", "packed", "blocks") and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return "torch"
     return kernel
 
@@ -170,7 +170,7 @@ def _version(tensor: torch.Tensor) -> int:
     return -1 if tensor.is_inference() else tensor._version
 
 
-class _Packed:
+class _WeightCopy:
     """A copy of a layer's weight that a kernel runs on (oneDNN's packed layout, quantised blocks;
     None: the weight has none) and the weight and version it was made from. A copy of the layer
     (copy.deepcopy: oneDNN's packed tensors cannot be copied) makes its own at first use."""
@@ -181,8 +181,8 @@ class _Packed:
         self.weight, self.tensor = weight, tensor
         self.version = _version(weight) if weight is not None else -1
 
-    def __deepcopy__(self, memo) -> _Packed:
-        return _Packed(None, None)
+    def __deepcopy__(self, memo) -> _WeightCopy:
+        return _WeightCopy(None, None)
 
 
 def _quantised_blocks(weight: torch.Tensor) -> torch.Tensor | None:
@@ -206,7 +206,7 @@ def prepared_of(module, kernel: str) -> torch.Tensor | None:
     if entry is None:
         return None
     if entry.weight is not module.weight or _version(entry.weight) != entry.version:
-        entry = _Packed(module.weight, make(module.weight))
+        entry = _WeightCopy(module.weight, make(module.weight))
         setattr(module, attribute, entry)
     return entry.tensor
 
@@ -230,12 +230,12 @@ def prepared_copies(module) -> dict[str, torch.Tensor]:
 def _prepare(modules: list, kernel: str) -> None:
     """Give each layer its copy of the weight for this kernel (layers sharing a weight share it)."""
     attribute, make = COPIES[kernel]
-    copies: dict[int, _Packed] = {}
+    copies: dict[int, _WeightCopy] = {}
     for module in modules:
         if module.__dict__.get(attribute) is None:
             weight = module.weight
             if id(weight) not in copies:
-                copies[id(weight)] = _Packed(weight, make(weight))
+                copies[id(weight)] = _WeightCopy(weight, make(weight))
             setattr(module, attribute, copies[id(weight)])
 
 
