@@ -161,6 +161,19 @@ def _native_layer(layer, fused: tuple):
                        blocks_of(a.o_proj), fused[1], blocks_of(m.down_proj))
 
 
+def _room_to_fuse(layers) -> bool:
+    """Stacked copies of q/k/v's and gate/up's blocks only while they take at most half the memory
+    still available (as small_batch's packed copies)."""
+    from .small_batch import available_memory
+
+    stacked = [blocks_of(linear) for layer in layers
+               for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                              layer.mlp.gate_proj, layer.mlp.up_proj)]
+    needed = sum(b.numel() * b.element_size() for b in stacked if b is not None)
+    free = available_memory()
+    return needed == 0 or free is None or needed <= free // 2
+
+
 def _on_blocks(linear) -> bool:
     """Whether this linear has quantised blocks and runs the blocks kernel (for one row or for
     several: a layer's small products measure within noise of each other), without a bias."""
@@ -206,6 +219,7 @@ class CompiledModel:
         self.dims = (cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim, attn.scaling,
                      inner.layers[0].input_layernorm.variance_epsilon)
         self.layers = []
+        fuse = _room_to_fuse(inner.layers)
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
             linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
@@ -216,7 +230,7 @@ class CompiledModel:
             # the same guards, and one graph serves both
             self.layers.append((tuple(None if w is None else w.detach() for w in weights),
                                 tuple(self._kernels(linear) for linear in linears),
-                                (fused_blocks(linears[:3]), fused_blocks(linears[4:6]))))
+                                (fused_blocks(linears[:3]), fused_blocks(linears[4:6])) if fuse else (None, None)))
         self.head_small = self._kernels(model.lm_head)
         # layers on quantised blocks run as one call of the blocks library each (uncompiled CPU path)
         native = [_native_layer(layer, fused) for layer, (_, _, fused) in zip(inner.layers, self.layers)]

@@ -254,9 +254,11 @@ def available_memory() -> int | None:
     return None
 
 
-def room_to_pack(modules: list) -> bool:
-    """Packed copies only while they take at most half the memory still available."""
-    needed = sum(w.numel() * w.element_size() for w in {id(m.weight): m.weight for m in modules}.values())
+def room_to_pack(modules: list, bytes_per_weight: float | None = None) -> bool:
+    """Packed copies (or quantised blocks, at most `bytes_per_weight` each) only while they take at
+    most half the memory still available."""
+    weights = {id(m.weight): m.weight for m in modules}.values()
+    needed = sum(w.numel() * (bytes_per_weight or w.element_size()) for w in weights)
     free = available_memory()
     return free is None or needed <= free // 2
 
@@ -307,7 +309,7 @@ def install(model, verdicts: Verdicts | None = None) -> int:
     if verdicts is None and forced == "auto":
         verdicts = Verdicts.load()
     candidates = [module for module in model.modules() if _candidate(module)]
-    if forced in ("auto", "blocks") and blocks_available():
+    if forced in ("auto", "blocks") and blocks_available() and room_to_pack(candidates, bytes_per_weight=2):
         _prepare(candidates, "blocks")  # (None for weights that are not quantised blocks)
     by_shape: dict[tuple, list] = {}  # (shape, block format or None) -> layers
     for module in candidates:

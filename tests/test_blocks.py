@@ -149,6 +149,16 @@ def test_a_changed_weight_gets_its_blocks_again_or_another_kernel(monkeypatch):
         assert small_batch.blocks_of(layer) is None
 
 
+def test_without_room_for_the_blocks_the_layers_keep_their_float_weights(monkeypatch):
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "blocks")
+    layer = quantised_layer()
+    monkeypatch.setattr(small_batch, "available_memory", lambda: 2 * 48 * 64 * 2 - 1)  # half of it < 2 bytes a weight
+    assert small_batch.install(layer) == 0 and small_batch.blocks_of(layer) is None
+    monkeypatch.setattr(small_batch, "available_memory", lambda: 2 * 48 * 64 * 2)
+    other = quantised_layer()
+    assert small_batch.install(other) == 1 and small_batch.blocks_of(other) is not None
+
+
 def test_gradients_take_torch_s_product(monkeypatch):
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "blocks")
     layer = quantised_layer()
@@ -305,3 +315,16 @@ def test_a_model_of_16_bit_values_runs_on_c_layers_greedy_exactly(fmt):
     expected = plain_greedy(reference[0], 25)
     for shape in shapes()[:5:2]:  # ar, mss, rsd-c
         assert run(kernel, static, shape, SamplingParams(temperature=0), 25, seed=0) == expected
+
+
+def test_without_room_for_stacked_copies_the_layers_run_in_torch(quantised_pair, monkeypatch):
+    _, kernel, static = quantised_pair
+    monkeypatch.setattr(small_batch, "available_memory", lambda: 1024)
+    tight = CompiledModel(kernel[0], compile=False)
+    assert tight.native is None and all(fused == (None, None) for _, _, fused in tight.layers)
+    tokens = torch.tensor([1, 3, 4])
+    mask = torch.zeros(3, 3).masked_fill_(torch.ones(3, 3, dtype=torch.bool).triu(1), -torch.inf)
+    with torch.inference_mode():
+        logits = [runtime.forward(tokens, torch.arange(3), mask, *runtime.new_buffers(3), torch.arange(3))
+                  for runtime in (tight, static[False].target)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
