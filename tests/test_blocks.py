@@ -1,7 +1,8 @@
 """Weights held as quantised blocks (Q4_1, Q8_0: what a GGUF file such as the embedded model's
-holds) or as 16-bit floats (the embedded draft's adapter, bfloat16 models): recognised from their float32 values only when every value comes back bit for bit,
-multiplied by rsd's C kernel to F.linear's product (AVX-512 and the portable loop), chosen per
-shape like the other small-batch kernels, and decoding on them keeps its exactness."""
+holds) or as 16-bit floats (the embedded draft's adapter, bfloat16 models): recognised from
+their float32 values only when every value comes back bit for bit, multiplied by rsd's C kernel
+to F.linear's product (AVX-512 and the portable loop), chosen per shape like the other
+small-batch kernels; whole layers in C give torch's layer; decoding on them keeps its exactness."""
 
 from __future__ import annotations
 
@@ -205,7 +206,8 @@ def install_blocks(model) -> None:
 @pytest.fixture(scope="module")
 def quantised_pair():
     """A tiny pair quantised as a GGUF file holds it, twice: on torch's product (the reference) and
-    on the blocks kernel (both runtimes: transformers' forward, and the static cache compiled)."""
+    on the blocks kernel, with the static-cache runtime compiled (True) and uncompiled (False: C
+    layers) for the latter."""
     reference = tuple(quantise_like_gguf(tiny_model(V, layers=layers, seed=seed, scale=0.1))
                       for layers, seed in ((2, 0), (1, 1)))
     kernel = tuple(copy.deepcopy(model) for model in reference)
