@@ -467,14 +467,13 @@ class NativeLayer:
 
 
 class NativeForward:
-    """One forward's inputs for `blocks_layer`, prepared once for all its layers: x (n, D), the
-    residual stream, updated in place by each layer; cos, sin (n, hd); mask (n, kv_len) additive,
-    the new tokens at slots kv_len - n .. kv_len - 1 of a layer's keys and values (kv_heads,
-    capacity, hd); dims = (D, heads, kv_heads, hd, intermediate, scaling, eps)."""
+    """One forward's inputs for `blocks_layer`, prepared once for all its layers: cos, sin (n, hd);
+    mask (n, kv_len) additive, the new tokens at slots kv_len - n .. kv_len - 1 of a layer's keys
+    and values (kv_heads, capacity, hd); dims = (D, heads, kv_heads, hd, intermediate, scaling, eps)."""
 
-    def __init__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, dims: tuple):
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, dims: tuple):
         self.lib = library()
-        self.x, self.cos, self.sin, self.mask = (t.contiguous() for t in (x, cos, sin, mask))
+        self.cos, self.sin, self.mask = (t.contiguous() for t in (cos, sin, mask))
         size, heads, kv_heads, head_dim, intermediate, self.scaling, self.eps = dims
         n, kv_len = mask.shape
         self.threads = torch.get_num_threads()
@@ -482,12 +481,14 @@ class NativeForward:
                                    + self.threads * kv_len)
         self.shape = torch.tensor([size, heads, kv_heads, head_dim, intermediate], dtype=torch.int32)
 
-    def layer(self, layer: NativeLayer, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """x through this layer (keys, values: its (kv_heads, capacity, hd) buffers, contiguous)."""
+    def layer(self, layer: NativeLayer, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """x (n, D), the residual stream, through this layer (keys, values: its (kv_heads, capacity,
+        hd) buffers, contiguous); returned, updated in place where it was contiguous."""
+        x = x.contiguous()
         n, kv_len = self.mask.shape
-        self.lib.blocks_layer(self.x.data_ptr(), n, self.cos.data_ptr(), self.sin.data_ptr(), self.mask.data_ptr(),
+        self.lib.blocks_layer(x.data_ptr(), n, self.cos.data_ptr(), self.sin.data_ptr(), self.mask.data_ptr(),
                               kv_len, keys.data_ptr(), values.data_ptr(), keys.shape[1],
                               layer.norms[0].data_ptr(), layer.norms[1].data_ptr(),
                               *(w.data_ptr() for w in layer.weights), layer.formats.data_ptr(), self.shape.data_ptr(),
                               self.scaling, self.eps, self.threads, self.scratch.data_ptr())
-        return self.x
+        return x

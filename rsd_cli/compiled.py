@@ -164,14 +164,13 @@ def _native_layer(layer, fused: tuple):
 def _room_to_fuse(layers) -> bool:
     """Stacked copies of q/k/v's and gate/up's blocks only while they take at most half the memory
     still available (as small_batch's packed copies)."""
-    from .small_batch import available_memory
+    from .small_batch import room_for
 
     stacked = [blocks_of(linear) for layer in layers
                for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                               layer.mlp.gate_proj, layer.mlp.up_proj)]
     needed = sum(b.numel() * b.element_size() for b in stacked if b is not None)
-    free = available_memory()
-    return needed == 0 or free is None or needed <= free // 2
+    return needed == 0 or room_for(needed)
 
 
 def _on_blocks(linear) -> bool:
@@ -349,11 +348,10 @@ class CompiledModel:
         cos, sin = self.cos[positions], self.sin[positions]
         if native is not None:
             heads, kv_heads, head_dim, scaling, eps = self.dims
-            run = NativeForward(x, cos, sin, mask, (x.shape[1], heads, kv_heads, head_dim, self.intermediate, scaling, eps))
+            run = NativeForward(cos, sin, mask, (x.shape[1], heads, kv_heads, head_dim, self.intermediate, scaling, eps))
         for index, (weights, small, fused) in enumerate(self.layers):
             if native is not None and native[index] is not None:
-                run.x = x.contiguous()
-                x = run.layer(native[index], keys[index], values[index])
+                x = run.layer(native[index], x, keys[index], values[index])
                 continue
             layer_keys, layer_values = keys[index], values[index]
             if compiled:

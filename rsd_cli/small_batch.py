@@ -239,10 +239,6 @@ def _prepare(modules: list, kernel: str) -> None:
             setattr(module, attribute, copies[id(weight)])
 
 
-def _pack(modules: list) -> None:
-    _prepare(modules, "packed")
-
-
 def available_memory() -> int | None:
     """Bytes of memory still available (MemAvailable), None where unknown."""
     try:
@@ -258,7 +254,11 @@ def room_to_pack(modules: list, bytes_per_weight: float | None = None) -> bool:
     """Packed copies (or quantised blocks, at most `bytes_per_weight` each) only while they take at
     most half the memory still available."""
     weights = {id(m.weight): m.weight for m in modules}.values()
-    needed = sum(w.numel() * (bytes_per_weight or w.element_size()) for w in weights)
+    return room_for(sum(w.numel() * (bytes_per_weight or w.element_size()) for w in weights))
+
+
+def room_for(needed: int) -> bool:
+    """Whether copies of `needed` bytes take at most half the memory still available (or it is unknown)."""
     free = available_memory()
     return free is None or needed <= free // 2
 
@@ -322,7 +322,7 @@ def install(model, verdicts: Verdicts | None = None) -> int:
             kernels = (forced, forced) if forced != "blocks" or quantised else TORCH
         if "packed" in kernels:
             if room_to_pack(modules):
-                _pack(modules)
+                _prepare(modules, "packed")
             else:
                 kernels = tuple("onednn" if k == "packed" else k for k in kernels)
         if kernels != TORCH:
