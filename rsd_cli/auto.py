@@ -9,18 +9,21 @@ maximising   expected emitted tokens / expected step time,   from
   a shape this run has used is timed by its own steps (sampling and verification included);
 - an **acceptance model** of this run: the probability that the draft's k-th ranked candidate
   is accepted after the ones before it were rejected, at depth d (the factors of RSD-C's block
-  efficiency), counted from this run's verified nodes with a weak prior.
+  efficiency), counted from this run's verified nodes with a weak prior;
+- a **memory** of earlier runs with the same machine, models, runtime and sampling settings
+  (`auto.json` in the rsd cache folder): a run starts from the last one's acceptance counts
+  (scaled down, so its own steps soon outweigh them), scales and timed shapes, so a one-off
+  `rsd generate` does not spend its first steps finding out again that drafting does (not) pay.
 
-Why the output stays exactly the target's: a step's shape is fixed from *earlier* steps
-(their tokens, acceptances and timings) before the step draws any random number or sees its
-target distributions. For every fixed shape, recursive rejection sampling emits tokens whose
-law given everything before the step is the target's; the shape is part of "everything
+Why the output stays exactly the target's: a step's shape is fixed from *earlier* steps (their
+tokens, acceptances and timings, and earlier runs') before the step draws any random number or
+sees its target distributions. For every fixed shape, recursive rejection sampling emits tokens
+whose law given everything before the step is the target's; the shape is part of "everything
 before", so each token, conditioned on the whole past, is still drawn from the target's
 distribution — whatever rule picked the shape. (A rule that looked at the current step's p
 would break this: it could, say, draft deeper exactly when the target is confident.) rsd-s is
 not searched: its block efficiency depends on how beams share parents, which per-rank
-acceptance does not predict.
-"""
+acceptance does not predict."""
 
 from __future__ import annotations
 
@@ -35,8 +38,12 @@ MAX_DEPTH = 8
 CHOOSE_EVERY = 4  # steps between choices
 EXPLORE_EVERY = 8  # while plain decoding pays most, every 8th step drafts anyway (and while drafting
 # pays, every 8th step decodes plainly), to keep measuring what is not chosen
-RARELY = 4  # ... every 32nd once that other kind was timed and is expected clearly slower,
+RARELY = 16  # ... after 128 steps once that other kind was timed and is expected clearly slower, then
+# after twice as many each time it still is, up to LONGEST_GAP (drafting after plain steps first reads
+# what it missed, ~0.3 ms a token for the embedded draft on 2 cores: exploring costs that much)
 CLEARLY_SLOWER = 0.95  # below this fraction of the current shape's expected tokens per second
+LONGEST_GAP = 1024
+EXPLORE_BURST = 2  # an exploration runs this many steps: the first after a switch is not timed (see observe)
 TARGET_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 PRIOR = (0.5, 0.2, 0.1)  # P(accept the k-th candidate | the ones before rejected), before any data
@@ -45,9 +52,16 @@ SCALE_MEMORY = 0.2  # how fast the cost scales follow the measured step times
 MEASURED_MEMORY = 0.3  # how fast a used shape's measured time ratio follows new steps
 WARM_UP_STEPS = 2  # a shape's first steps are not timed: on a 2-core EPYC the first two forwards
 # of a new token count took 6-8 ms more than later ones (oneDNN sets up kernels for each new size)
-CAUGHT_UP = 2  # tokens a drafting step's draft call reads in the steady state (the correction or bonus,
-# and an accepted leaf it never read); more after plain steps, a cost of switching, not of the shape
+OUTLIER = 1.25  # the most one step's time can move an estimate, as a ratio to it (see _bounded)
 OPTIMISM = 0.5  # standard errors added to an acceptance rate (so wider shapes get tried)
+MEMORY_TRIES = 32  # a run starts from earlier runs' acceptance counts scaled down to at most this many
+# tries per rank and depth, so that its own steps soon outweigh them
+
+
+def _bounded(ratio: float) -> float:
+    """A measured / expected time ratio, limited to [1 / OUTLIER, OUTLIER]: one slow step (a page
+    fault, a busy neighbour) moves an estimate a little, a lasting change in a few steps."""
+    return min(max(ratio, 1 / OUTLIER), OUTLIER)
 
 
 def candidates(max_nodes: int = MAX_NODES) -> list[Shape]:
@@ -165,6 +179,24 @@ class Acceptance:
                 if check.decision.accepted == rank:
                     self.accepted[rank, depth] = self.accepted.get((rank, depth), 0) + 1
 
+    def as_json(self, most: int = MEMORY_TRIES) -> list[list[float]]:
+        """[rank, depth, tried, accepted] per cell, each cell scaled down to at most `most` tries."""
+        cells = []
+        for (rank, depth), tried in sorted(self.tried.items()):
+            scale = min(1.0, most / tried)
+            cells.append([rank, depth, tried * scale, self.accepted.get((rank, depth), 0) * scale])
+        return cells
+
+    @classmethod
+    def from_json(cls, cells: list) -> "Acceptance":
+        acceptance = cls()
+        for rank, depth, tried, accepted in cells:
+            if not (0 <= float(accepted) <= float(tried)):
+                raise ValueError("accepted more than tried")
+            acceptance.tried[int(rank), int(depth)] = float(tried)
+            acceptance.accepted[int(rank), int(depth)] = float(accepted)
+        return acceptance
+
     def rate(self, rank: int, depth: int) -> float:
         """P(accept candidate `rank` | earlier ones rejected) at `depth`: the rank's rate over all
         depths (from a prior), moved towards this depth's own counts as they accumulate, plus an
@@ -203,7 +235,8 @@ def expected_tokens(shape: Shape, acceptance: Acceptance) -> float:
 class AutoShape:
     """Chooses each step's shape from past steps only (see the module's docstring)."""
 
-    def __init__(self, costs: Costs, max_nodes: int = MAX_NODES, every: int = CHOOSE_EVERY, vocab: int | None = None):
+    def __init__(self, costs: Costs, max_nodes: int = MAX_NODES, every: int = CHOOSE_EVERY, vocab: int | None = None,
+                 memory_key: str | None = None):
         self.costs = costs
         self.shapes = [s for s in candidates(max_nodes) if vocab is None or max(s.branching, default=1) <= vocab]
         self.every = every
@@ -215,6 +248,10 @@ class AutoShape:
         self.current: Shape | None = None
         self.steps = 0
         self.since_other = 0  # steps since the last one of the other kind (drafting or plain) than now
+        self.burst: list[Shape] = []  # the rest of an exploration
+        self._last_kind: bool | None = None  # whether the last observed step drafted
+        self.rare_gap = EXPLORE_EVERY * RARELY  # steps between explorations of a kind clearly slower
+        self.memory_key = memory_key  # where `save` keeps what this run learnt (None: nowhere)
 
     def step_seconds(self, shape: Shape) -> tuple[float, float]:
         """(draft, target) seconds predicted for one step of `shape`."""
@@ -256,14 +293,23 @@ class AutoShape:
             before, self.current = self.current, max(self.shapes, key=self.rate)
             if before is not None and bool(before.depth) != bool(self.current.depth):
                 self.since_other = 0  # (the other kind was just running)
+                self.rare_gap = EXPLORE_EVERY * RARELY
         self.steps += 1
         self.since_other += 1
+        if self.burst:
+            self.since_other = 0
+            return self.burst.pop()
         if self.since_other % EXPLORE_EVERY == 0:  # now and then, the best shape of the other kind
             other = max((s for s in self.shapes if bool(s.depth) != bool(self.current.depth)), key=self.rate,
                         default=self.current)
-            if self.since_other < EXPLORE_EVERY * RARELY and self._clearly_slower(other):
+            if not self._clearly_slower(other):
+                self.rare_gap = EXPLORE_EVERY * RARELY
+            elif self.since_other < self.rare_gap:
                 return self.current
+            else:
+                self.rare_gap = min(2 * self.rare_gap, LONGEST_GAP)
             self.since_other = 0
+            self.burst = [other] * (EXPLORE_BURST - 1)
             return other
         return self.current
 
@@ -278,21 +324,55 @@ class AutoShape:
     def observe(self, event) -> None:
         """Learn from a finished step: its verified nodes and how long its forwards took."""
         self.acceptance.observe(event.checks)
+        switched = self._last_kind is not None and self._last_kind != bool(event.shape.depth)
+        self._last_kind = bool(event.shape.depth)
         if event.step == 1:  # its draft call also read the whole prompt: not a step's time
             return
         self.uses[event.shape] = self.uses.get(event.shape, 0) + 1
         if self.uses[event.shape] <= WARM_UP_STEPS:  # a new token count's first calls set kernels up
             return
-        if event.caught_up > CAUGHT_UP:  # after plain steps the draft reads what it missed: not a step's time
-            return
+        if switched:  # a cost of switching, not of the shape: after plain steps the draft reads what it
+            return    # missed, and a plain step after drafting ones measured ~7% slower than in a run
         draft, target = self.step_seconds(event.shape)
         if target > 0 and event.verify_seconds > 0:
-            self.target_scale *= (event.verify_seconds / target) ** SCALE_MEMORY
+            pace = _bounded(event.verify_seconds / target) ** SCALE_MEMORY
+            self.target_scale *= pace
+            if draft == 0:  # a plain step: the machine's pace, which the draft shares (a busy neighbour slows
+                self.draft_scale *= pace  # both; what drafting costs beyond that, drafting steps tell)
         if draft > 0 and event.draft_seconds > 0:
-            self.draft_scale *= (event.draft_seconds / draft) ** SCALE_MEMORY
+            self.draft_scale *= _bounded(event.draft_seconds / draft) ** SCALE_MEMORY
         ratio = (event.draft_seconds + event.verify_seconds) / sum(self.step_seconds(event.shape))
         known = self.measured.get(event.shape)
-        self.measured[event.shape] = ratio if known is None else known + MEASURED_MEMORY * (ratio - known)
+        if known is not None:
+            ratio = known * (1 + MEASURED_MEMORY * (_bounded(ratio / known) - 1))
+        self.measured[event.shape] = ratio
+
+    def remembered(self) -> dict:
+        """What a later run on this machine, these models and sampling settings starts from: the
+        acceptance counts (scaled down), the cost model's scales and each timed shape's ratio."""
+        return {"acceptance": self.acceptance.as_json(), "scales": [self.target_scale, self.draft_scale],
+                "ratios": {shape.describe(): ratio for shape, ratio in self.measured.items()}}
+
+    def recall(self, memory: dict) -> None:
+        """Start from what an earlier run remembered (see `remembered`); raises on a malformed one."""
+        named = {shape.describe(): shape for shape in self.shapes}
+        ratios = {named[name]: float(ratio) for name, ratio in memory["ratios"].items() if name in named}
+        target_scale, draft_scale = (float(scale) for scale in memory["scales"])
+        if not all(0 < value < math.inf for value in (*ratios.values(), target_scale, draft_scale)):
+            raise ValueError("a scale or ratio is not positive")
+        self.acceptance = Acceptance.from_json(memory["acceptance"])
+        self.measured, self.target_scale, self.draft_scale = ratios, target_scale, draft_scale
+
+    def save(self) -> None:
+        """Keep what this run learnt for the next one (`auto.json` in the rsd cache folder)."""
+        if self.memory_key is None:
+            return
+        from .models import read_json_table, write_json_table
+
+        path = memory_path()
+        known = read_json_table(path)
+        known[self.memory_key] = self.remembered()
+        write_json_table(path, known)
 
     def ranking(self, top: int = 5) -> list[tuple[str, float]]:
         """The best shapes now and their expected tokens per second (for reports and tests)."""
@@ -317,8 +397,17 @@ def cost_key(decoder) -> str:
 _MEASURED: dict[str, Costs] = {}  # this process's costs by key: chat's answers and bench rows measure once
 
 
+def memory_path():
+    from .models import cache_dir
+
+    return cache_dir() / "auto.json"
+
+
 def for_decoder(decoder, notice=lambda message: None) -> AutoShape:
-    """An AutoShape for this decoder's models and runtimes, costs measured once per machine."""
+    """An AutoShape for this decoder's models and runtimes, costs measured once per machine, starting
+    from what earlier runs with the same machine, models, runtime and sampling settings learnt."""
+    from .models import read_json_table
+
     key = cost_key(decoder)
     if key not in _MEASURED:
         capacity = 96 + 2 * MAX_NODES + 1
@@ -328,4 +417,12 @@ def for_decoder(decoder, notice=lambda message: None) -> AutoShape:
                            lambda: decoder._cache(decoder.draft_model, decoder.runtimes.draft, capacity))
 
         _MEASURED[key] = cached_costs(key, measure_now, notice)
-    return AutoShape(_MEASURED[key], decoder.shape.max_nodes, vocab=decoder.vocab_size)
+    memory_key = f"{key} | {decoder.sampling}"
+    policy = AutoShape(_MEASURED[key], decoder.shape.max_nodes, vocab=decoder.vocab_size, memory_key=memory_key)
+    memory = read_json_table(memory_path()).get(memory_key)
+    if memory is not None:
+        try:
+            policy.recall(memory)
+        except (KeyError, ValueError, TypeError, AttributeError):  # written by another version: start afresh
+            policy = AutoShape(_MEASURED[key], decoder.shape.max_nodes, vocab=decoder.vocab_size, memory_key=memory_key)
+    return policy

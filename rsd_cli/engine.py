@@ -205,7 +205,6 @@ class StepEvent:
     draft_seconds: float
     verify_seconds: float
     forward_seconds: float  # model forward passes only, both models (the first step: + the prompt's)
-    caught_up: int = 0  # tokens the draft read before drafting (1-2 a step; more after plain steps of auto)
     finished: str | None = None  # "eos" | "length" | "context" | "stop" (a stop string) once generation ends
     stop: str | None = None  # the stop string that ended generation (set by generation.complete)
 
@@ -429,6 +428,8 @@ class Decoder:
             for lm in (target, draft):
                 if lm is not None:
                     lm.release()
+            if self.policy is not None:  # what auto learnt, for the next run
+                self.policy.save()
 
     def _steps(self, seq: list[int], max_tokens: int, target, draft, generator: torch.Generator) -> Iterator[StepEvent]:
         """generate's loop on its caches; seq (the prompt) grows by each step's tokens."""
@@ -474,7 +475,6 @@ class Decoder:
         start = time.perf_counter()
         forward_before = target.forward_seconds + (draft.forward_seconds if draft else 0.0)
         draft_calls_before = draft.calls if draft else 0
-        caught_up = len(seq) - draft.length if draft is not None and shape.depth > 0 else 0
         tree, draft_index = self._draft(shape, seq, draft if shape.depth > 0 else None, generator)
         drafted = time.perf_counter()
 
@@ -507,7 +507,7 @@ class Decoder:
             step=step, shape=shape, tree=tree, p=p, checks=checks, path=path,
             extra_token=extra, extra_kind=kind, emitted=[],
             draft_calls=(draft.calls - draft_calls_before) if draft else 0,
-            draft_seconds=drafted - start, verify_seconds=end - drafted, caught_up=caught_up,
+            draft_seconds=drafted - start, verify_seconds=end - drafted,
             forward_seconds=target.forward_seconds + (draft.forward_seconds if draft else 0.0) - forward_before,
         )
 

@@ -14,7 +14,7 @@ from tiny import save_tiny_pair  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def isolated_dirs(tmp_path, monkeypatch):
-    """Config in a temp dir; no user profile or environment override leaks into a test. Loaded
+    """Config and --variant auto's memory in a temp dir; no user profile or environment override leaks into a test. Loaded
     models use oneDNN's CPU linear on packed weights wherever it can apply (what "auto" picks on AMD EPYCs), so every
     engine and CLI test runs through it (its per-machine "auto" choice is tested on its own)."""
     monkeypatch.setenv("RSD_CONFIG_DIR", str(tmp_path / "config"))
@@ -25,6 +25,9 @@ def isolated_dirs(tmp_path, monkeypatch):
     # transformers' eager forward unless a test asks for the static-cache runtime (test_compiled.py):
     # the default "auto" would make every test's backend depend on this machine's cached verdict
     monkeypatch.setenv("RSD_RUNTIME_COMPILE", "off")
+    # what --variant auto learnt in earlier runs: per test (tests must not steer each other's choices)
+    from rsd_cli import auto
+    monkeypatch.setattr(auto, "memory_path", lambda: tmp_path / "auto.json")
     return tmp_path
 
 
