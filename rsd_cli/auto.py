@@ -35,7 +35,7 @@ from .drafting import Shape, make_shape
 
 MAX_NODES = 64  # the largest tree auto drafts (a budget lowers it)
 MAX_DEPTH = 8
-CHOOSE_EVERY = 4  # steps between choices
+CHOOSE_EVERY = 8  # steps between choices (a choice rates every shape: ~0.25 ms in Python)
 EXPLORE_EVERY = 8  # while plain decoding pays most, every 8th step drafts anyway (and while drafting
 # pays, every 8th step decodes plainly), to keep measuring what is not chosen
 RARELY = 16  # ... after 128 steps once that other kind was timed and is expected clearly slower, then
@@ -249,6 +249,7 @@ class AutoShape:
         self.steps = 0
         self.since_other = 0  # steps since the last one of the other kind (drafting or plain) than now
         self.burst: list[Shape] = []  # the rest of an exploration
+        self.other: tuple[Shape, bool] | None = None  # the other kind's best shape, and whether clearly slower
         self._last_kind: bool | None = None  # whether the last observed step drafted
         self.rare_gap = EXPLORE_EVERY * RARELY  # steps between explorations of a kind clearly slower
         self.memory_key = memory_key  # where `save` keeps what this run learnt (None: nowhere)
@@ -290,19 +291,15 @@ class AutoShape:
 
     def next_shape(self) -> Shape:
         if self.current is None or self.steps % self.every == 0:
-            before, self.current = self.current, max(self.shapes, key=self.rate)
-            if before is not None and bool(before.depth) != bool(self.current.depth):
-                self.since_other = 0  # (the other kind was just running)
-                self.rare_gap = EXPLORE_EVERY * RARELY
+            self._choose()
         self.steps += 1
         self.since_other += 1
         if self.burst:
             self.since_other = 0
             return self.burst.pop()
         if self.since_other % EXPLORE_EVERY == 0:  # now and then, the best shape of the other kind
-            other = max((s for s in self.shapes if bool(s.depth) != bool(self.current.depth)), key=self.rate,
-                        default=self.current)
-            if not self._clearly_slower(other):
+            other, clearly_slower = self.other
+            if not clearly_slower:
                 self.rare_gap = EXPLORE_EVERY * RARELY
             elif self.since_other < self.rare_gap:
                 return self.current
@@ -313,13 +310,21 @@ class AutoShape:
             return other
         return self.current
 
-    def _clearly_slower(self, shape: Shape) -> bool:
-        """Whether steps of this shape's kind (drafting or plain) were timed — a drafting shape not
-        used takes the used ones' ratio to the model — and it is expected clearly slower than the
-        current one (where forwards are cheap, drafting's own costs can outweigh what it gains;
-        where they are not, plain decoding's one token a step)."""
-        timed = any(bool(used.depth) == bool(shape.depth) for used in self.measured)
-        return timed and self.rate(shape) < CLEARLY_SLOWER * self.rate(self.current)
+    def _choose(self) -> None:
+        """Rate every shape once: the best is the current one; the best of the other kind (drafting
+        or plain) is the one to explore, and whether it is clearly slower — only once steps of its
+        kind were timed (a drafting shape not used takes the used ones' ratio to the model): where
+        forwards are cheap, drafting's own costs can outweigh what it gains; where they are not,
+        plain decoding's one token a step."""
+        rates = {shape: self.rate(shape) for shape in self.shapes}
+        before, self.current = self.current, max(self.shapes, key=rates.__getitem__)
+        if before is not None and bool(before.depth) != bool(self.current.depth):
+            self.since_other = 0  # (the other kind was just running)
+            self.rare_gap = EXPLORE_EVERY * RARELY
+        others = [shape for shape in self.shapes if bool(shape.depth) != bool(self.current.depth)]
+        other = max(others, key=rates.__getitem__, default=self.current)
+        timed = any(bool(used.depth) == bool(other.depth) for used in self.measured)
+        self.other = (other, timed and rates[other] < CLEARLY_SLOWER * rates[self.current])
 
     def observe(self, event) -> None:
         """Learn from a finished step: its verified nodes and how long its forwards took."""
@@ -342,10 +347,9 @@ class AutoShape:
         if draft > 0 and event.draft_seconds > 0:
             self.draft_scale *= _bounded(event.draft_seconds / draft) ** SCALE_MEMORY
         ratio = (event.draft_seconds + event.verify_seconds) / sum(self.step_seconds(event.shape))
-        known = self.measured.get(event.shape)
-        if known is not None:
-            ratio = known * (1 + MEASURED_MEMORY * (_bounded(ratio / known) - 1))
-        self.measured[event.shape] = ratio
+        # from what the shape was expected to take before (its first step too: one step can be an outlier)
+        known = self.measured.get(event.shape, self._unmeasured_ratio(event.shape))
+        self.measured[event.shape] = known * (1 + MEASURED_MEMORY * (_bounded(ratio / known) - 1))
 
     def remembered(self) -> dict:
         """What a later run on this machine, these models and sampling settings starts from: the
