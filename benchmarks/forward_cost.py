@@ -43,7 +43,7 @@ if quantised:
 
 def use(kernel: str) -> None:
     for module in linears:
-        module._rsd_kernels = chosen[id(module)] if kernel == "auto" else (kernel, kernel)
+        module._rsd_kernels = chosen[id(module)] if kernel == "auto" else (kernel, kernel, "torch")
 
 
 torch.manual_seed(0)

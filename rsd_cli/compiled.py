@@ -117,7 +117,9 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd = weights
     heads, kv_heads, head_dim, scaling, eps = dims
     n, kv_len = x.shape[0], mask.shape[1]
-    fused = fused if n <= MAX_ROWS and not torch.compiler.is_compiling() else (None, None)
+    # stacked blocks where the blocks kernel serves this many rows (prompts: where it measured faster)
+    on_blocks = n <= MAX_ROWS or small[0][0][2] == "blocks"
+    fused = fused if on_blocks and not torch.compiler.is_compiling() else (None, None)
     h = _rms_norm(x, ln1, eps)
     if fused[0] is not None:
         q, k, v = blocks_linear(h, fused[0]).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
@@ -176,7 +178,7 @@ def _room_to_fuse(layers) -> bool:
 def _on_blocks(linear) -> bool:
     """Whether this linear has quantised blocks and runs the blocks kernel (for one row or for
     several: a layer's small products measure within noise of each other), without a bias."""
-    return blocks_of(linear) is not None and "blocks" in kernels_of(linear) and linear.bias is None
+    return blocks_of(linear) is not None and "blocks" in kernels_of(linear)[:2] and linear.bias is None
 
 
 def fused_blocks(linears) -> torch.Tensor | None:

@@ -24,14 +24,16 @@ a 2-core Intel Xeon (Sapphire Rapids) torch's own kernel was the fast one. On th
 4-token forward of that model costs 1.1x a 1-token one (1.4x on its own weights), which is what
 tree verification needs. So by default
 ("auto") each layer shape is timed once per machine with every kernel, for one row and for
-2-8 rows apart, and keeps torch's unless another takes at most 90% of its time; the verdicts
-are cached under the rsd cache folder. RSD_SMALL_BATCH_MATMUL picks one kernel everywhere
+2-8 rows apart, and keeps torch's unless another takes at most 90% of its time — and a shape
+held as quantised blocks is timed for prompts too (128 rows, torch's against "blocks": on the
+2-core EPYC blocks took 0.65x MKL's time at 128-256 rows); the verdicts are cached under the
+rsd cache folder. RSD_SMALL_BATCH_MATMUL picks one kernel everywhere
 instead: "0" or "torch", "1" or "transposed", "onednn", "packed". Packed copies are made only
 while they take at most half the memory still available (else "onednn" serves those layers).
 
 The result is the same product; only the order of the float additions inside it may differ, as
-between any two GEMM kernels. Prompts (more than 64 rows) and anything that needs gradients
-(distillation) run on `F.linear`; in a compiled graph the chosen kernel is an opaque operator
+between any two GEMM kernels. Prompts (more than 64 rows) run on `F.linear` unless their blocks
+measured faster; anything that needs gradients (distillation) runs on `F.linear`; in a compiled graph the chosen kernel is an opaque operator
 (`rsd::linear`, torch >= 2.4) that inductor calls between its fused kernels.
 """
 
@@ -48,9 +50,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 64  # above this, prompt prefill: F.linear is the right kernel
+MAX_ROWS = 64  # above this, prompt prefill: F.linear's GEMM, or the blocks kernel where measured faster
 KERNELS = ("torch", "transposed", "onednn", "packed", "blocks")
-TORCH = ("torch", "torch")  # (kernel for a single row, kernel for 2 to MAX_ROWS rows)
+TORCH = ("torch", "torch", "torch")  # kernels for a single row, for 2 to MAX_ROWS rows, for more (prompts)
 
 
 def _padded_rows(rows: int) -> int:
@@ -98,11 +100,11 @@ def onednn_available() -> bool:
 
 
 def kernel_for(x: torch.Tensor, weight: torch.Tensor, kernels: tuple) -> str:
-    """The kernel for this product: kernels = (for one row, for 2 to MAX_ROWS rows), names from
-    KERNELS; torch's for prompts and for products that need gradients (oneDNN's op and rsd's
-    kernel have no backward)."""
+    """The kernel for this product: kernels = (for one row, for 2 to MAX_ROWS rows, for more),
+    names from KERNELS; torch's for products that need gradients (oneDNN's op and rsd's kernel
+    have no backward)."""
     rows = x.numel() // x.shape[-1]
-    kernel = "torch" if rows > MAX_ROWS else kernels[rows > 1]
+    kernel = kernels[0] if rows == 1 else kernels[1] if rows <= MAX_ROWS else kernels[2]
     if kernel in ("onednn", "packed", "blocks") and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return "torch"
     return kernel
@@ -264,11 +266,12 @@ def room_for(needed: int) -> bool:
 
 
 def kernels_of(module) -> tuple[str, str]:
-    """(kernel for a single row, for 2-64 rows) this layer uses; TORCH for an unpatched layer."""
+    """(kernel for a single row, for 2-64 rows, for more) this layer uses; TORCH for an unpatched layer."""
     return getattr(module, "_rsd_kernels", TORCH) if uses_small_batch(module) else TORCH
 
 
 CALIBRATION_ROWS = ((1,), (2, 4, 8))  # single rows (plain decoding, catch-up); trees and draft levels
+PROMPT_ROWS = (128,)  # prompts, timed for quantised blocks only (torch's GEMM against the blocks kernel)
 CALIBRATION_REPEATS = 5
 REQUIRED_GAIN = 0.9  # another kernel must take at most 90% of torch's time, summed over the rows
 CALIBRATION_BYTES = 64 * 2**20  # enough weights to stream from memory, not from a CPU cache
@@ -319,7 +322,7 @@ def install(model, verdicts: Verdicts | None = None) -> int:
         if verdicts is not None:
             kernels = verdicts.kernels([m.weight for m in modules], [blocks_of(m) for m in modules] if quantised else None)
         else:
-            kernels = (forced, forced) if forced != "blocks" or quantised else TORCH
+            kernels = ((forced,) * 3 if quantised else TORCH) if forced == "blocks" else (forced, forced, "torch")
         if "packed" in kernels:
             if room_to_pack(modules):
                 _prepare(modules, "packed")
@@ -390,14 +393,15 @@ def _timed_runs(weights: list[torch.Tensor], kernels, blocks: list | None = None
             for k in kernels}
 
 
-def measure_kernels(weights: list[torch.Tensor], rows: tuple[int, ...], blocks: list | None = None) -> dict[str, float]:
-    """Seconds each available kernel takes for these (out, in) weights of one shape, summed over
-    the row counts (with `blocks`, their quantised blocks, rsd's kernel on those too). Each timing
+def measure_kernels(weights: list[torch.Tensor], rows: tuple[int, ...], blocks: list | None = None,
+                    kernels: tuple[str, ...] | None = None) -> dict[str, float]:
+    """Seconds each available kernel (or each of `kernels`) takes for these (out, in) weights of one
+    shape, summed over the row counts (with `blocks`, their quantised blocks, rsd's kernel on those too). Each timing
     runs through all the weights in turn, as a forward does, so they come from memory rather
     than a warm cache (the first CALIBRATION_BYTES of them: a big model's calibration stays short)."""
     weights = _calibration_share(weights)
     blocks = blocks[: len(weights)] if blocks is not None else None
-    totals = dict.fromkeys(available_kernels(quantised=blocks is not None), 0.0)
+    totals = dict.fromkeys(kernels or available_kernels(quantised=blocks is not None), 0.0)
     with torch.inference_mode():
         runs = _timed_runs(weights, totals, blocks)
         for n in rows:
@@ -429,7 +433,8 @@ def machine() -> str:
 
 
 class Verdicts:
-    """Per weight shape on this machine: the fastest kernel for one row and for 2-8 rows.
+    """Per weight shape on this machine: the fastest kernel for one row, for 2-8 rows and (for
+    quantised blocks) for prompts.
     Measured once, then read from `small-batch.json` in the rsd cache folder (a lost or
     unwritable file only means measuring again)."""
 
@@ -445,17 +450,20 @@ class Verdicts:
         return cls(path, read_json_table(path))
 
     def kernels(self, weights: list[torch.Tensor], blocks: list | None = None) -> tuple[str, str]:
-        """(kernel for one row, for 2-64 rows) for a model's layers of one shape (with `blocks`,
-        their quantised blocks: a verdict of its own), measured together the first time."""
+        """(kernel for one row, for 2-64 rows, for more) for a model's layers of one shape (with
+        `blocks`, their quantised blocks: a verdict of its own), measured together the first time."""
         from .blocks import block_format
 
         out_features, in_features = weights[0].shape
         quantised = f" {block_format(blocks[0])}" if blocks is not None else ""
         key = f"{self.machine} | {in_features}x{out_features}{quantised} | kernels"
         known = self.known.get(key)
-        if not (isinstance(known, list) and len(known) == 2
+        if not (isinstance(known, list) and len(known) == 3
                 and set(known) <= set(available_kernels(quantised=blocks is not None))):
             known = [fastest(measure_kernels(weights, rows, blocks)) for rows in CALIBRATION_ROWS]
+            prompts = blocks is not None and "blocks" in available_kernels(quantised=True)
+            known.append(fastest(measure_kernels(weights, PROMPT_ROWS, blocks, ("torch", "blocks")))
+                         if prompts else "torch")
             self.known[key] = known
             self.changed = True
         return tuple(known)

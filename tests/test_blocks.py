@@ -107,16 +107,15 @@ def test_forced_blocks_serve_quantised_layers_and_leave_the_others(monkeypatch):
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "blocks")
     model = torch.nn.Sequential(quantised_layer(), torch.nn.Linear(48, 64), quantised_layer("q8_0", 64, 64))
     assert small_batch.install(model) == 2
-    assert [small_batch.kernels_of(layer) for layer in model] == [("blocks", "blocks"), small_batch.TORCH,
-                                                                   ("blocks", "blocks")]
+    assert [small_batch.kernels_of(layer) for layer in model] == [("blocks",) * 3, small_batch.TORCH, ("blocks",) * 3]
     ran = []
     real = blocks.blocks_linear
     monkeypatch.setattr(blocks, "blocks_linear", lambda *args: ran.append(args[1].shape[-1]) or real(*args))
     x = torch.randn(3, 64)
     with torch.inference_mode():
         got = model(x)
-        prompt = model(torch.randn(65, 64))  # prompts (more than 64 rows): torch's product
-    assert ran == [LAST["q4_1"], LAST["q8_0"]]
+        prompt = model(torch.randn(65, 64))  # prompts (more than 64 rows): the blocks kernel too
+    assert ran == [LAST["q4_1"], LAST["q8_0"]] * 2
     torch.testing.assert_close(got, F.linear(F.linear(F.linear(x, model[0].weight), model[1].weight, model[1].bias),
                                              model[2].weight), rtol=1e-5, atol=1e-5)
     assert prompt.shape == (65, 64)
@@ -130,7 +129,7 @@ class Recorded:
 
     def kernels(self, weights, found=None):
         self.asked.append((tuple(weights[0].shape), None if found is None else blocks.block_format(found[0])))
-        return ("blocks", "blocks") if found is not None else ("onednn", "onednn")
+        return ("blocks", "blocks", "torch") if found is not None else ("onednn", "onednn", "torch")
 
     def save(self):
         pass
@@ -145,12 +144,16 @@ def test_auto_measures_quantised_layers_apart_from_float_ones_of_the_same_shape(
     assert [small_batch.kernels_of(layer)[0] for layer in model] == ["blocks", "onednn", "blocks"]
     # measured for real, the verdict of quantised layers has a key of its own and may name blocks
     measured = []
-    monkeypatch.setattr(small_batch, "measure_kernels", lambda w, rows, found=None: measured.append(found is not None)
-                        or {k: (0.1 if k == "blocks" else 1.0) for k in small_batch.available_kernels(found is not None)})
+    monkeypatch.setattr(small_batch, "measure_kernels", lambda w, rows, found=None, kernels=None: measured.append(
+        (found is not None, rows)) or {k: (0.1 if k == "blocks" else 1.0)
+                                      for k in kernels or small_batch.available_kernels(found is not None)})
     path = tmp_path / "small-batch.json"
-    small_batch.install(copy.deepcopy(model), small_batch.Verdicts.load(path))
-    assert sorted(measured) == [False, False, True, True]  # one and several rows, each kind
+    installed = copy.deepcopy(model)
+    small_batch.install(installed, small_batch.Verdicts.load(path))
+    # one and several rows for each kind; prompts for quantised layers only
+    assert sorted(measured) == [(False, (1,)), (False, (2, 4, 8)), (True, (1,)), (True, (2, 4, 8)), (True, (128,))]
     assert any(key.endswith("64x48 q4_1 | kernels") for key in small_batch.Verdicts.load(path).known)
+    assert small_batch.kernels_of(installed[0]) == ("blocks",) * 3 and small_batch.kernels_of(installed[1])[2] == "torch"
 
 
 def test_a_changed_weight_gets_its_blocks_again_or_another_kernel(monkeypatch):
@@ -207,7 +210,7 @@ def test_without_a_c_compiler_the_kernel_is_not_offered(monkeypatch):
 
 class AllBlocks:
     def kernels(self, weights, found=None):
-        return ("blocks", "blocks") if found is not None else small_batch.TORCH
+        return ("blocks",) * 3 if found is not None else small_batch.TORCH
 
     def save(self):
         pass
@@ -231,8 +234,8 @@ def quantised_pair():
     kernel = tuple(copy.deepcopy(model) for model in reference)
     for model in kernel:
         install_blocks(model)
-    assert small_batch.kernels_of(kernel[0].model.layers[1].mlp.down_proj) == ("blocks", "blocks")
-    assert small_batch.kernels_of(kernel[0].lm_head) == ("blocks", "blocks")  # (Q8_0, one block a row)
+    assert small_batch.kernels_of(kernel[0].model.layers[1].mlp.down_proj) == ("blocks",) * 3
+    assert small_batch.kernels_of(kernel[0].lm_head) == ("blocks",) * 3  # (Q8_0, one block a row)
     return reference, kernel, {compile: Runtimes(CompiledModel(kernel[0], compile), CompiledModel(kernel[1], compile),
                                                   "on" if compile else "auto") for compile in (True, False)}
 

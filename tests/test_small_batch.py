@@ -28,10 +28,10 @@ def test_same_product_as_linear_for_every_row_count(rows, bias, kernel, monkeypa
     x = torch.randn(1, rows, 24)
     expected = F.linear(x, layer.weight, layer.bias)
     assert small_batch.install(layer) == (kernel != "torch")
-    assert small_batch.kernels_of(layer) == (kernel, kernel)
+    assert small_batch.kernels_of(layer) == ((kernel, kernel, "torch") if kernel != "torch" else small_batch.TORCH)
     with torch.inference_mode():
         got = layer(x)
-        direct = small_batch.kernel_linear(x, layer.weight, layer.bias, (kernel, kernel))
+        direct = small_batch.kernel_linear(x, layer.weight, layer.bias, (kernel, kernel, "torch"))
     assert got.shape == expected.shape and got.is_contiguous()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(direct, expected, rtol=1e-5, atol=1e-5)
@@ -109,10 +109,11 @@ def test_auto_installs_the_kernels_measured_faster_for_each_shape(monkeypatch):
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "auto")
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8), torch.nn.Linear(8, 8),
                                 torch.nn.Linear(8, 16))
-    verdicts = Fixed({(8, 16): ("onednn", "transposed"), (16, 8): ("torch", "onednn")})
+    verdicts = Fixed({(8, 16): ("onednn", "transposed", "torch"), (16, 8): ("torch", "onednn", "torch")})
     assert small_batch.install(model, verdicts) == 3
     assert [small_batch.kernels_of(layer) for layer in model] == [
-        ("onednn", "transposed"), ("torch", "onednn"), small_batch.TORCH, ("onednn", "transposed")]
+        ("onednn", "transposed", "torch"), ("torch", "onednn", "torch"), small_batch.TORCH,
+        ("onednn", "transposed", "torch")]
     assert "forward" not in model[2].__dict__  # torch's everywhere: left as it was
     assert sorted(verdicts.asked) == [(8, 8), (8, 16), (16, 8)]  # once per shape
     calls = []
@@ -128,7 +129,7 @@ def test_verdicts_are_measured_once_per_machine_and_shape_then_read_back(monkeyp
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "auto")
     measured = []
 
-    def measure(weights, rows, blocks=None):
+    def measure(weights, rows, blocks=None, kernels=None):
         measured.append((len(weights), *weights[0].shape, rows))
         wide = weights[0].shape[0] == 32
         return {"torch": 1.0, "transposed": 0.5 if rows != (1,) or wide else 1.2, "onednn": 0.7}
@@ -138,7 +139,8 @@ def test_verdicts_are_measured_once_per_machine_and_shape_then_read_back(monkeyp
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(8, 16), torch.nn.Linear(8, 32))
     assert small_batch.install(model, small_batch.Verdicts.load(path)) == 3
     assert measured == [(2, 16, 8, (1,)), (2, 16, 8, (2, 4, 8)), (1, 32, 8, (1,)), (1, 32, 8, (2, 4, 8))]
-    assert [small_batch.kernels_of(layer) for layer in model] == [("onednn", "transposed")] * 2 + [("transposed",) * 2]
+    assert [small_batch.kernels_of(layer) for layer in model] == [("onednn", "transposed", "torch")] * 2 + [
+        ("transposed", "transposed", "torch")]
     saved = json.loads(path.read_text())
     assert len(saved) == 2 and all(key.startswith(small_batch.machine()) for key in saved)
     fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(8, 32))
@@ -229,18 +231,18 @@ def test_without_room_for_packed_copies_the_layers_use_oneDNN_on_their_own_weigh
     monkeypatch.setattr(small_batch, "available_memory", lambda: 2 * 16 * 8 * 4 - 1)  # half of it < one weight
     layer = torch.nn.Linear(8, 16)
     assert small_batch.install(layer) == 1
-    assert small_batch.kernels_of(layer) == ("onednn", "onednn") and small_batch.packed_of(layer) is None
+    assert small_batch.kernels_of(layer) == ("onednn", "onednn", "torch") and small_batch.packed_of(layer) is None
     monkeypatch.setattr(small_batch, "available_memory", lambda: 2 * 16 * 8 * 4)
     other = torch.nn.Linear(8, 16)
     small_batch.install(other)
-    assert small_batch.kernels_of(other) == ("packed", "packed") and small_batch.packed_of(other) is not None
+    assert small_batch.kernels_of(other) == ("packed", "packed", "torch") and small_batch.packed_of(other) is not None
 
 
 def test_the_signature_names_each_shape_s_kernels(monkeypatch):
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "auto")
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
-    small_batch.install(model, Fixed({(8, 16): ("onednn", "transposed")}))
-    assert small_batch.signature(model) == "16x8 torch/torch, 8x16 onednn/transposed"
+    small_batch.install(model, Fixed({(8, 16): ("onednn", "transposed", "torch")}))
+    assert small_batch.signature(model) == "16x8 torch/torch/torch, 8x16 onednn/transposed/torch"
 
 
 def test_a_copied_layer_packs_its_own_weight(monkeypatch):
