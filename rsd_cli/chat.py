@@ -53,6 +53,7 @@ class ChatSession:
     last_stats: object = None
     turns: int = 0
     learnt: tuple = (None, None, None)  # (shape, sampling, auto.AutoShape) of the last answer
+    kept: object = None  # the last answer's KV caches (engine.KeptCaches): the next one reads only what is new
 
     def command(self, line: str, console) -> bool:
         """Run a slash command; returns False when the session should end."""
@@ -118,6 +119,7 @@ class ChatSession:
         decoder = make_decoder(self.pair, self.profile)
         if (decoder.shape, decoder.sampling) == self.learnt[:2]:  # auto goes on from what earlier answers taught it
             decoder.policy = self.learnt[2]
+        decoder.keep_caches, decoder.kept = True, self.kept
         ids = encode_prompt(self.pair.tokenizer, message, system=self.system, history=self.history)
         seed = seed_of(self.profile)
         if seed is not None:
@@ -129,10 +131,12 @@ class ChatSession:
                                                   seed, out=out, console=console, live=self.tree,
                                                   stops=stops_of(self.profile))
         except KeyboardInterrupt:
+            self.kept = decoder.kept  # (None where the stop came in the middle of a step)
             out.write("\n")
             console.print("[dim](answer stopped)[/dim]")
             self.history.pop()
             return
+        self.kept = decoder.kept
         out.write("\n")
         out.flush()
         self.last_stats = stats

@@ -35,6 +35,16 @@ def unchanged_prefix(indices: list[int]) -> int:
     return prefix
 
 
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences have in common."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def synchronise(device: torch.device) -> None:
     """Wait for a CUDA device's queued work (a forward returns before it ends); elsewhere nothing."""
     if device.type == "cuda":
@@ -363,8 +373,27 @@ class Runtimes:
             f"target {one(self.target)}, draft {one(self.draft)}"
 
 
+@dataclass
+class KeptCaches:
+    """A finished generation's KV caches and the tokens they hold (see Decoder.keep_caches)."""
+
+    target: object  # CachedLM or compiled.StaticLM
+    draft: object | None  # the same kind; it holds a prefix of `tokens`
+    tokens: list[int]  # what the target's cache holds, position by position
+    owner: tuple  # (target model, draft model, runtimes) the caches belong to
+
+    def release(self) -> None:
+        for lm in (self.target, self.draft):
+            if lm is not None:
+                lm.release()
+
+
 class Decoder:
-    """Runs one variant on a target / draft pair. Models are loaded once; caches per call."""
+    """Runs one variant on a target / draft pair. Models are loaded once; caches per call, unless
+    `keep_caches` is set: then a generation leaves its caches in `kept`, and a later generation
+    given them (a chat's next answer, on a decoder of the same models and runtimes) reads only
+    the part of its prompt they do not already hold. Reused keys and values are the ones the
+    models computed for those tokens at those positions, so the output is still the target's."""
 
     def __init__(self, target, draft, vocab_size: int, shape: Shape, sampling: SamplingParams,
                  eos_ids: set[int], context_length: int | None = None, runtimes: Runtimes | None = None,
@@ -378,6 +407,8 @@ class Decoder:
         self.eos_ids = eos_ids
         self.context_length = context_length
         self.policy = None  # auto.AutoShape for --variant auto: made at the first generate (it measures costs)
+        self.keep_caches = False  # leave each generation's caches in `kept` instead of releasing them
+        self.kept: KeptCaches | None = None  # caches a generation may start from (see the class docstring)
         self.notice = notice  # one line for the user (auto's first cost measurement)
 
     def _next_shape(self) -> Shape:
@@ -415,32 +446,61 @@ class Decoder:
             self._auto_policy()             # hold a static-shape runtime's shared buffers
         # static-cache buffers: room for the prompt, some answer and one tree; they double when full
         capacity = min(len(prompt) + min(max_tokens, 512), self.context_length or 2**31) + self.shape.max_nodes + 1
-        target = self._cache(self.target_model, self.runtimes.target, capacity)
         drafts = self.shape.depth > 0 or self.shape.variant == "auto"
-        draft = self._cache(self.draft_model, self.runtimes.draft, capacity) if drafts else None
+        target, draft, held = self._reused(prompt, drafts)
+        target = target or self._cache(self.target_model, self.runtimes.target, capacity)
+        if drafts and draft is None:
+            draft = self._cache(self.draft_model, self.runtimes.draft, capacity)
         # p, q and every draw live on the target's device, with a generator there (a seed gives
         # the same output on the same kind of device)
         generator = torch.Generator(device=target.device)
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
         try:
-            yield from self._steps(list(prompt), max_tokens, target, draft, generator)
-        finally:  # a static-shape runtime's shared buffers go back to its model for the next generation
-            for lm in (target, draft):
-                if lm is not None:
-                    lm.release()
+            yield from self._steps(list(prompt), max_tokens, target, draft, generator, held)
+        finally:
+            caches = KeptCaches(target, draft, held, (self.target_model, self.draft_model, self.runtimes))
+            # kept only between steps (an interrupted forward leaves a cache holding other tokens)
+            if self.keep_caches and target.length == len(held) and (draft is None or draft.length <= len(held)):
+                self.kept = caches
+            else:  # a static-shape runtime's shared buffers go back to its model for the next generation
+                caches.release()
             if self.policy is not None:  # what auto learnt, for the next run
                 self.policy.save()
 
-    def _steps(self, seq: list[int], max_tokens: int, target, draft, generator: torch.Generator) -> Iterator[StepEvent]:
-        """generate's loop on its caches; seq (the prompt) grows by each step's tokens."""
-        if len(seq) > 1:
-            target.extend(seq[:-1])
-        prefill_seconds = target.forward_seconds  # reported with the first step's forwards
+    def _reused(self, prompt: list[int], drafts: bool) -> tuple:
+        """(target cache, draft cache or None, the tokens the target's holds) from `kept`, cut to the
+        beginning they share with this prompt (whose last token is read by the first step); Nones
+        and [] where nothing is kept for these models and runtimes."""
+        kept, self.kept = self.kept, None
+        if kept is None or kept.owner != (self.target_model, self.draft_model, self.runtimes):
+            if kept is not None:
+                kept.release()
+            return None, None, []
+        common = shared_prefix(kept.tokens, prompt[:-1])
+        kept.target.keep(list(range(common)))
+        draft = kept.draft
+        if draft is not None and not drafts:
+            draft.release()
+            draft = None
+        if draft is not None:
+            draft.keep(list(range(min(common, draft.length))))
+        return kept.target, draft, kept.tokens[:common]
+
+    def _steps(self, seq: list[int], max_tokens: int, target, draft, generator: torch.Generator,
+               held: list[int]) -> Iterator[StepEvent]:
+        """generate's loop on its caches; seq (the prompt) grows by each step's tokens, `held` is kept
+        equal to the tokens the target's cache holds."""
+        before = target.forward_seconds
+        if len(seq) - 1 > target.length:  # (a kept cache may hold the prompt's beginning already)
+            target.extend(seq[target.length: -1])
+        held[:] = seq[:-1]
+        prefill_seconds = target.forward_seconds - before  # reported with the first step's forwards
         produced = 0
         step = 0
         while produced < max_tokens:
             step += 1
             event = self._step(step, self._next_shape(), seq, target, draft, generator)
+            held[:] = seq + [event.tree.tokens[n] for n in event.path]  # the root and the accepted path
             if self.policy is not None:
                 self.policy.observe(event)
             if step == 1:

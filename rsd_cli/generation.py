@@ -93,19 +93,23 @@ def complete(decoder, prompt_ids: list[int], max_tokens: int, seed: int | None, 
     events: list[StepEvent] = []
     tokens: list[int] = []
     start = time.perf_counter()
-    for event in decoder.generate(prompt_ids, max_tokens, seed):
-        if text is not None:
-            text.cut(event)
-        tokens.extend(event.emitted)
-        stats.add(event)
-        stats.wall_seconds = time.perf_counter() - start
-        if not keep_events:
-            events.clear()
-        events.append(event)
-        if on_event:
-            on_event(event, stats)
-        if event.finished:
-            break  # a stop string: the decoder is left mid-generation, and closed
+    steps = decoder.generate(prompt_ids, max_tokens, seed)
+    try:
+        for event in steps:
+            if text is not None:
+                text.cut(event)
+            tokens.extend(event.emitted)
+            stats.add(event)
+            stats.wall_seconds = time.perf_counter() - start
+            if not keep_events:
+                events.clear()
+            events.append(event)
+            if on_event:
+                on_event(event, stats)
+            if event.finished:
+                break  # a stop string: the decoder is left mid-generation
+    finally:
+        steps.close()  # its caches released (or kept) now, not when the generator is collected
     return tokens, stats, events
 
 

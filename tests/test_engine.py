@@ -382,3 +382,75 @@ def test_a_step_moves_only_a_few_numbers_to_the_host(pair, monkeypatch, runtime,
         allowed = sum(e.shape.depth + 2 * e.levels_tried + 1 for e in events)  # a rejection costs a second one
         assert 0 < len(transfers) <= allowed, shape.describe()
         assert max(transfers) <= 3 * max(shape.width, max(shape.branching, default=1)), shape.describe()
+
+
+def greedy_of(target, prompt: list[int], n: int) -> list[int]:
+    """The target's own greedy continuation of `prompt`, one full forward per token."""
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(full_logits(target, tokens)[-1].argmax()))
+    return tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("runtime", ["transformers", "static"])
+@pytest.mark.parametrize("shape", [make_shape("ar"), make_shape("sd", draft_len=2), make_shape("rsd-c", branching=(2, 2)),
+                                   make_shape("auto")], ids=lambda s: s.describe())
+def test_a_kept_cache_reads_only_what_the_next_prompt_does_not_share(pair, monkeypatch, runtime, shape):
+    """A chat's next answer: its prompt is the conversation so far plus something new. With the
+    last answer's caches kept, the prefill reads only what they do not hold, and the answer is the
+    one a fresh decoder gives (greedy: token for token)."""
+    from rsd_cli.compiled import CompiledModel
+    from rsd_cli.engine import ChainExtension, Runtimes
+
+    runtimes = Runtimes(CompiledModel(pair[0], False), CompiledModel(pair[1], False), "off") \
+        if runtime == "static" else None
+    greedy = SamplingParams(temperature=0)
+
+    def decoder(kept=None) -> Decoder:
+        made = Decoder(pair[0], pair[1], V, shape, greedy, set(), runtimes=runtimes)
+        made.keep_caches, made.kept = True, kept
+        return made
+
+    first = decoder()
+    answer = [t for e in first.generate(PROMPT, 9, seed=0) for t in e.emitted]
+    assert answer == greedy_of(pair[0], PROMPT, 9)
+    held = first.kept.tokens
+    assert held == (PROMPT + answer)[: len(held)] and len(held) >= len(PROMPT) and first.kept.target.length == len(held)
+    read = []
+    real = ChainExtension.extend
+    monkeypatch.setattr(ChainExtension, "extend", lambda self, tokens, *a: read.append(len(tokens)) or real(self, tokens, *a))
+    follow_up = PROMPT + answer + [2, 5, 1]
+    second = decoder(first.kept)
+    assert [t for e in second.generate(follow_up, 7, seed=0) for t in e.emitted] == greedy_of(pair[0], follow_up, 7)
+    assert read[0] == len(follow_up) - 1 - len(held)  # the prefill: only what the cache did not hold
+    # a prompt that parts from what is held half-way: the shared beginning is kept, the rest read again
+    read.clear()
+    other = PROMPT + answer[:3] + [0, 0, 2]
+    assert [t for e in decoder(second.kept).generate(other, 5, seed=0) for t in e.emitted] == greedy_of(pair[0], other, 5)
+    assert read[0] == len(other) - 1 - len(PROMPT + answer[:3])
+
+
+def test_kept_caches_are_dropped_when_a_step_breaks_off_or_the_models_differ(pair, monkeypatch):
+    decoder = Decoder(pair[0], pair[1], V, make_shape("sd", draft_len=2), SamplingParams(), set())
+    decoder.keep_caches = True
+    steps = decoder.generate(PROMPT, 20, seed=0)
+    next(steps)
+    real = CachedLM.forward
+
+    def interrupted(self, *args, **kwargs):  # Ctrl-C in the target's forward, after the draft's
+        if self.model is pair[0]:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(CachedLM, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        next(steps)
+    assert decoder.kept is None  # the draft's cache held this step's tree: nothing kept
+    monkeypatch.setattr(CachedLM, "forward", real)
+    list(decoder.generate(PROMPT, 4, seed=0))
+    kept = decoder.kept
+    assert kept is not None
+    other = Decoder(pair[1], pair[1], V, make_shape("ar"), SamplingParams(temperature=0), set())
+    other.keep_caches, other.kept = True, kept  # another target: its caches are not used
+    assert [t for e in other.generate(PROMPT, 4, seed=0) for t in e.emitted] == greedy_of(pair[1], PROMPT, 4)
+    assert other.kept is not kept and other.kept.target is not kept.target

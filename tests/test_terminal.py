@@ -55,6 +55,33 @@ def test_chat_scripted_session(tiny_profile, tmp_path):
     assert conversation["messages"][1]["content"] in result.stdout
 
 
+@pytest.mark.parametrize("variant", ["ar", "sd"])
+def test_chat_reads_only_what_is_new_in_the_conversation(tiny_profile, monkeypatch, variant):
+    """Each answer's prompt is the whole conversation; the last answer's caches hold most of it, so
+    only the rest is read, and the answer is the one a fresh decoder gives (greedy)."""
+    from rsd_cli.chat import ChatSession
+    from rsd_cli.engine import ChainExtension
+    from rsd_cli.generation import complete
+    from rsd_cli.models import load_pair
+    from rsd_cli.profiles import load_profile
+    from rsd_cli.prompting import encode_prompt
+    from rsd_cli.runtime import apply_flags, make_decoder
+
+    profile = apply_flags(load_profile(str(tiny_profile)), {"variant": variant, "max_tokens": 8, "temperature": 0.0})
+    session = ChatSession(load_pair(profile), profile)
+    console = Console(file=io.StringIO())
+    session.answer("hello", io.StringIO(), console)
+    prompt = encode_prompt(session.pair.tokenizer, "and again", history=session.history)
+    read = []
+    real = ChainExtension.extend
+    monkeypatch.setattr(ChainExtension, "extend", lambda self, tokens, *a: read.append(len(tokens)) or real(self, tokens, *a))
+    session.answer("and again", io.StringIO(), console)
+    assert 0 < read[0] < len(prompt) - 10  # the target's prefill: the new message, not the conversation
+    monkeypatch.setattr(ChainExtension, "extend", real)
+    fresh, _, _ = complete(make_decoder(session.pair, profile), prompt, 8, None)
+    assert session.history[-1]["content"] == session.pair.tokenizer.decode(fresh, skip_special_tokens=True)
+
+
 def test_chat_ends_on_end_of_input(tiny_profile):
     result = invoke("chat", "-p", tiny_profile, "-n", "3", input="hi\n")
     assert result.exit_code == 0 and result.stdout.strip()
