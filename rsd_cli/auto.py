@@ -358,7 +358,8 @@ class AutoShape:
                 "ratios": {shape.describe(): ratio for shape, ratio in self.measured.items()}}
 
     def recall(self, memory: dict) -> None:
-        """Start from what an earlier run remembered (see `remembered`); raises on a malformed one."""
+        """Start from what an earlier run remembered (see `remembered`); raises on a malformed one,
+        leaving the policy as it was."""
         named = {shape.describe(): shape for shape in self.shapes}
         ratios = {named[name]: float(ratio) for name, ratio in memory["ratios"].items() if name in named}
         target_scale, draft_scale = (float(scale) for scale in memory["scales"])
@@ -428,5 +429,5 @@ def for_decoder(decoder, notice=lambda message: None) -> AutoShape:
         try:
             policy.recall(memory)
         except (KeyError, ValueError, TypeError, AttributeError):  # written by another version: start afresh
-            policy = AutoShape(_MEASURED[key], decoder.shape.max_nodes, vocab=decoder.vocab_size, memory_key=memory_key)
+            pass
     return policy

@@ -144,12 +144,11 @@ static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y
 }
 #endif
 
-/* one weight row (a column of y) at a time, against the rows of x 8, then 4 at a time (each
-   block rebuilt once for them), then the 1-3 left; one stream through the weights per thread
-   (measured faster here than tiles of 2 or 4 weight rows) */
-/* Weight rows per tile: a tile's rows are multiplied by each 8 rows of x in turn while they are
-   in the CPU's first caches (x re-read for every weight row spilled them past 16 rows: 24 rows
-   took 2.3x 16); at least 4 tiles a thread, at most 32 rows a tile. */
+/* y = x W^T over tiles of weight rows (tile_columns: at least 4 tiles a thread, at most 32 rows
+   a tile): each tile's rows, one at a time, against 8 rows of x (then 4, then the 1-3 left; each
+   block rebuilt once for them), then the next 8 rows of x, so those rows stay in the CPU's first
+   caches (re-reading all of x for every weight row spilled them past 16 rows: 24 rows took 2.3x
+   16). One weight row at a time measured faster here than register tiles of 2 or 4. */
 static int tile_columns(int N, int threads) {
   int cols = N / (4 * threads);
   return cols > 32 ? 32 : cols < 1 ? 1 : cols;

@@ -14,9 +14,10 @@ from tiny import save_tiny_pair  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def isolated_dirs(tmp_path, monkeypatch):
-    """Config and --variant auto's memory in a temp dir; no user profile or environment override leaks into a test. Loaded
-    models use oneDNN's CPU linear on packed weights wherever it can apply (what "auto" picks on AMD EPYCs), so every
-    engine and CLI test runs through it (its per-machine "auto" choice is tested on its own)."""
+    """Config and --variant auto's memory in a temp dir; no user profile or environment override
+    leaks into a test. Loaded models use oneDNN's CPU linear on packed weights wherever it can apply
+    (what "auto" picks on AMD EPYCs), so every engine and CLI test runs through it (its per-machine
+    "auto" choice is tested on its own)."""
     monkeypatch.setenv("RSD_CONFIG_DIR", str(tmp_path / "config"))
     for name in list(__import__("os").environ):
         if name.startswith("RSD_") and name not in ("RSD_CONFIG_DIR", "RSD_CACHE_DIR"):
