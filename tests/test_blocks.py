@@ -46,9 +46,10 @@ def test_blocks_are_recognised_only_where_they_give_back_every_value(fmt):
     assert blocks.quantised_blocks(torch.randn(40, 96)) is None  # float weights
     assert blocks.quantised_blocks(w[:, :80]) is None  # rows not made of whole blocks
     assert blocks.quantised_blocks(w.bfloat16()) is None
-    infinite = w.clone()
-    infinite[0, 0] = float("inf")
-    assert blocks.quantised_blocks(infinite) is None
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        broken = w.clone()
+        broken[13, 40] = bad
+        assert blocks.quantised_blocks(broken) is None
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 64])
