@@ -42,8 +42,9 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
 from .engine import ChainExtension, ForwardClock, full_vocabulary, timed_chain, unchanged_prefix
-from .blocks import NativeForward, NativeLayer, blocks_linear
-from .small_batch import MAX_ROWS, TORCH, blocks_of, kernel_linear, kernels_of, prepared_copies
+from .blocks import NativeForward, NativeLayer, block_format, blocks_linear
+from .small_batch import (MAX_ROWS, TORCH, blocks_of, kernel_linear, kernels_of, machine, prepared_copies, room_for,
+                          signature)
 
 BUCKETS = (1, 2, 4, 8, 16)
 # the C layer's attention reads every key once per query row and head: where rows x keys exceed
@@ -166,8 +167,6 @@ def _native_layer(layer, fused: tuple):
 def _room_to_fuse(layers) -> bool:
     """Stacked copies of q/k/v's and gate/up's blocks only while they take at most half the memory
     still available (as small_batch's packed copies)."""
-    from .small_batch import room_for
-
     stacked = [blocks_of(linear) for layer in layers
                for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                               layer.mlp.gate_proj, layer.mlp.up_proj)]
@@ -184,8 +183,6 @@ def _on_blocks(linear) -> bool:
 def fused_blocks(linears) -> torch.Tensor | None:
     """These linears' quantised blocks stacked into one weight's (their outputs side by side), where
     each runs the blocks kernel for every row count (_on_blocks), all in the same format."""
-    from .blocks import block_format
-
     if not all(_on_blocks(linear) for linear in linears):
         return None
     found = [blocks_of(linear) for linear in linears]
@@ -517,8 +514,6 @@ def verdict_key(model) -> str:
     """What the verdict depends on: the machine, device, dtype, the layer's shape and the CPU kernels
     its linears use (an early-exit draft shares its target's layers; the layer count does not enter:
     layers run one compiled graph each)."""
-    from .small_batch import machine, signature
-
     cfg = model.config
     p = next(model.parameters())
     key = (f"{machine()} | {p.device.type} | {str(p.dtype).removeprefix('torch.')} | {cfg.model_type} "

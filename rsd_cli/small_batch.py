@@ -463,11 +463,10 @@ class Verdicts:
         if not (isinstance(known, list) and len(known) == 3
                 and set(known) <= set(available_kernels(quantised=blocks is not None))):
             known = [fastest(measure_kernels(weights, rows, blocks)) for rows in CALIBRATION_ROWS]
-            prompts = blocks is not None and "blocks" in available_kernels(quantised=True)
             # (no margin asked of blocks here: its copies exist anyway, and with one the 0.6-0.8x it
             # measured on the 2-core EPYC came out as torch's in some calibrations, slowing prompts 20%)
             known.append(fastest(measure_kernels(weights, PROMPT_ROWS, blocks, ("torch", "blocks")), required=1.0)
-                         if prompts else "torch")
+                         if blocks is not None else "torch")
             self.known[key] = known
             self.changed = True
         return tuple(known)
