@@ -192,9 +192,35 @@ def test_a_single_row_padded_to_two_gives_torch_s_product():
     torch.testing.assert_close(padded, torch.nn.functional.linear(x, weight, bias))
 
 
+def test_kernels_are_timed_in_interleaved_rounds_in_a_rotating_order(monkeypatch):
+    """A slow spell of the machine during one round falls on every kernel alike: the medians and
+    the verdict stay those of the other rounds."""
+    order, spell = [], iter([9.0] * 3 + [0.0] * 100)  # the first round's three timings run 9 s slow
+    speed = {"torch": 1.0, "transposed": 0.8, "onednn": 1.1}
+    monkeypatch.setattr(small_batch, "_seconds", lambda fn, x: fn(x) + next(spell))
+    runs = {name: (lambda x, name=name: order.append(name) or speed[name]) for name in speed}
+    medians = small_batch._interleaved_medians(runs, torch.zeros(1), 3)
+    assert order == ["torch", "transposed", "onednn", "transposed", "onednn", "torch", "onednn", "torch", "transposed"]
+    assert medians == speed
+    assert small_batch.fastest(medians) == "transposed"
+
+
+def test_a_close_verdict_is_measured_twice_more_and_the_medians_decide():
+    measurements = iter([{"torch": 1.0, "blocks": 0.88}, {"torch": 1.0, "blocks": 0.97}, {"torch": 1.0, "blocks": 0.95}])
+    assert small_batch.close_call({"torch": 1.0, "blocks": 0.88})
+    assert small_batch.settled_fastest(lambda: next(measurements)) == "torch"  # 0.88 once; 0.95 the median
+    assert next(measurements, None) is None
+    clear = iter([{"torch": 1.0, "blocks": 0.6}, {"torch": 1.0, "blocks": 2.0}])
+    assert small_batch.settled_fastest(lambda: next(clear)) == "blocks"  # far from the threshold: once
+    assert next(clear) == {"torch": 1.0, "blocks": 2.0}
+    prompts = iter([{"torch": 1.0, "blocks": 1.05}, {"torch": 1.0, "blocks": 0.9}, {"torch": 1.0, "blocks": 0.97}])
+    assert small_batch.settled_fastest(lambda: next(prompts), required=1.0) == "blocks"  # prompts: no margin
+    assert not small_batch.close_call({"torch": 1.0})  # torch alone: nothing to decide
+
+
 def test_calibration_streams_a_bounded_share_of_a_big_model(monkeypatch):
     timed = []
-    monkeypatch.setattr(small_batch, "_median_seconds", lambda fn, x: timed.append(len(fn(x))) or 1.0)
+    monkeypatch.setattr(small_batch, "_seconds", lambda fn, x: timed.append(len(fn(x))) or 1.0)
     monkeypatch.setattr(small_batch, "CALIBRATION_BYTES", 3 * 64 * 32 * 4)  # three 64x32 fp32 weights
     weights = [torch.randn(64, 32) for _ in range(10)]
     assert set(small_batch.measure_kernels(weights, (1, 2)).values()) == {2.0}
