@@ -241,6 +241,100 @@ static void rotate(float* x, int heads, int hd, const float* cos, const float* s
   }
 }
 
+
+/* out (hd) = softmax(q . k_j * scaling + mask_j) v_j over the keys j < kv_len of one head (keys,
+   values (kv_len, hd) rows); s: kv_len floats of scratch. Masked keys (-inf) weigh exactly 0. */
+#ifdef __AVX512F__
+/* e^x in 16 lanes for x <= 0, as Cephes' expf: x = n ln 2 + r, e^r by a degree-7 polynomial, times
+   2^n (vscalefps); relative error ~1e-7, as torch's vectorised exp. Below -87 (masked): 0. */
+static inline __m512 exp16(__m512 x) {
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
+}
+#endif
+
+static void attend(const float* q, const float* keys, const float* values, const float* mask, int kv_len,
+                   int hd, float scaling, float* s, float* out) {
+  float top = -INFINITY;
+#ifdef __AVX512F__
+  if (hd % 64 == 0) {
+    const int vectors = hd / 16;
+    for (int j = 0; j < kv_len; j++) {  /* scores: 16 running sums a key, added up in a tree */
+      const float* k = keys + (size_t)j * hd;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+      for (int v = 1; v < vectors; v++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * v), _mm512_loadu_ps(k + 16 * v), acc);
+      s[j] = _mm512_reduce_add_ps(acc) * scaling + mask[j];
+      top = s[j] > top ? s[j] : top;
+    }
+    __m512 sums = _mm512_setzero_ps();
+    for (int j = 0; j < kv_len; j += 16) {  /* weights e^(s - top), 16 keys at a time */
+      const __mmask16 lanes = kv_len - j >= 16 ? 0xFFFF : (__mmask16)((1u << (kv_len - j)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s + j), _mm512_set1_ps(top)));
+      _mm512_mask_storeu_ps(s + j, lanes, e);
+      sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(lanes, e));
+    }
+    const __m512 scale = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sums));
+    for (int d0 = 0; d0 < hd; d0 += 64) {  /* the weighted values, in registers */
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int j = 0; j < kv_len; j++) {
+        if (s[j] == 0.f) continue;  /* masked (or vanishing) keys */
+        const __m512 p = _mm512_set1_ps(s[j]);
+        const float* v = values + (size_t)j * hd + d0;
+        a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v), a0);
+        a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16), a1);
+        a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 32), a2);
+        a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 48), a3);
+      }
+      _mm512_storeu_ps(out + d0, _mm512_mul_ps(a0, scale));
+      _mm512_storeu_ps(out + d0 + 16, _mm512_mul_ps(a1, scale));
+      _mm512_storeu_ps(out + d0 + 32, _mm512_mul_ps(a2, scale));
+      _mm512_storeu_ps(out + d0 + 48, _mm512_mul_ps(a3, scale));
+    }
+    return;
+  }
+#endif
+  for (int j = 0; j < kv_len; j++) {
+    s[j] = dot(q, keys + (size_t)j * hd, hd) * scaling + mask[j];
+    if (s[j] > top) top = s[j];
+  }
+  float total = 0.f;
+  for (int j = 0; j < kv_len; j++) { s[j] = expf(s[j] - top); total += s[j]; }
+  for (int d = 0; d < hd; d++) out[d] = 0.f;
+  for (int j = 0; j < kv_len; j++) {
+    if (s[j] == 0.f) continue;  /* masked (or vanishing) keys */
+    const float p = s[j] / total;
+    const float* v = values + (size_t)j * hd;
+    for (int d = 0; d < hd; d++) out[d] += p * v[d];
+  }
+}
+
+
+/* out[j] = silu(gate[j]) * gate[I + j] for j0 <= j < j1: gate / (1 + e^-gate) times up */
+static void silu_times(const float* gate, int I, int j0, int j1, float* out) {
+  int j = j0;
+#ifdef __AVX512F__
+  for (; j + 16 <= j1; j += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + j);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
+                                            _mm512_loadu_ps(gate + I + j)));
+  }
+#endif
+  for (; j < j1; j++) out[j] = gate[j] / (1.f + expf(-gate[j])) * gate[I + j];
+}
+
 /* One Llama decoder layer on n new tokens, every linear on weights in one of the formats above
    (biases: none), the residual stream x (n, D) updated in place. New keys and values go to slots
    kv_len - n .. kv_len - 1 of keys, values (kv_heads, capacity, hd); mask (n, kv_len) additive.
@@ -275,39 +369,22 @@ void blocks_layer(float* x, int n, const float* cos, const float* sin, const flo
   #pragma omp parallel for num_threads(threads) schedule(static)
   for (int task = 0; task < H * n; task++) {  /* softmax(q k^T * scaling + mask) v, one head of one row */
     const int head = task / n, i = task % n, kh = head / group;
-    float* s = scores + (size_t)omp_get_thread_num() * kv_len;
-    const float* q = qkv + (size_t)i * QKV + (size_t)head * hd;
-    const float* m = mask + (size_t)i * kv_len;
-    float top = -INFINITY;
-    for (int j = 0; j < kv_len; j++) {
-      s[j] = dot(q, keys + ((size_t)kh * capacity + j) * hd, hd) * scaling + m[j];
-      if (s[j] > top) top = s[j];
-    }
-    float total = 0.f;
-    for (int j = 0; j < kv_len; j++) { s[j] = expf(s[j] - top); total += s[j]; }
-    float* out = attn + (size_t)i * Q + (size_t)head * hd;
-    for (int d = 0; d < hd; d++) out[d] = 0.f;
-    for (int j = 0; j < kv_len; j++) {
-      if (s[j] == 0.f) continue;  /* masked (or vanishing) keys */
-      const float p = s[j] / total;
-      const float* v = values + ((size_t)kh * capacity + j) * hd;
-      for (int d = 0; d < hd; d++) out[d] += p * v[d];
-    }
+    attend(qkv + (size_t)i * QKV + (size_t)head * hd, keys + (size_t)kh * capacity * hd,
+           values + (size_t)kh * capacity * hd, mask + (size_t)i * kv_len, kv_len, hd, scaling,
+           scores + (size_t)omp_get_thread_num() * kv_len, attn + (size_t)i * Q + (size_t)head * hd);
   }
   blocks_linear(attn, o_w, o, n, D, Q, formats[1], threads);
   for (size_t e = 0; e < (size_t)n * D; e++) x[e] += o[e];
   rms_norm(x, ln2, eps, h, n, D);
   blocks_linear(h, gate_up_w, gate_up, n, 2 * I, D, formats[2], threads);
-  for (int i = 0; i < n; i++) {
-    float* row = gate_up + (size_t)i * 2 * I;
-    for (int j = 0; j < I; j++) {
-      const float g = row[j];
-      row[j] = g / (1.f + expf(-g)) * row[I + j];
-    }
-  }
-  /* down reads its rows contiguous: silu(gate) * up copied out of gate_up's rows (2 I apart) */
+  /* silu(gate) * up, into rows of their own (down reads its rows contiguous), in chunks the threads share */
   float* act = scores + (size_t)threads * kv_len;  /* (n, I) */
-  for (int i = 0; i < n; i++) memcpy(act + (size_t)i * I, gate_up + (size_t)i * 2 * I, I * sizeof(float));
+  const int chunks = (I + 255) / 256;
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (int task = 0; task < n * chunks; task++) {
+    const int i = task / chunks, j0 = task % chunks * 256, j1 = j0 + 256 < I ? j0 + 256 : I;
+    silu_times(gate_up + (size_t)i * 2 * I, I, j0, j1, act + (size_t)i * I);
+  }
   blocks_linear(act, down_w, o, n, D, I, formats[3], threads);
   for (size_t e = 0; e < (size_t)n * D; e++) x[e] += o[e];
 }

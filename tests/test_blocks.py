@@ -276,7 +276,7 @@ def test_whole_layers_in_c_and_fused_projections_give_torch_s_layer(quantised_pa
     real = blocks.NativeForward.layer
     monkeypatch.setattr(blocks.NativeForward, "layer", lambda *args: calls.append(1) or real(*args))
     whole = logits()  # each layer one call of the C library (many rows x keys: the torch code below)
-    assert len(calls) == (len(layers) if rows == 1 or rows * rows <= compiled.NATIVE_ATTENTION else 0)
+    assert len(calls) == (len(layers) if compiled.native_rows(rows, rows) else 0)
     try:
         runtime.native = None  # the layer in torch operations, q/k/v and gate/up fused
         fused = logits()
@@ -285,6 +285,51 @@ def test_whole_layers_in_c_and_fused_projections_give_torch_s_layer(quantised_pa
     finally:
         runtime.native, runtime.layers = native, layers
     torch.testing.assert_close(whole, fused, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 24])
+def test_whole_layers_in_c_with_64_wide_heads_over_a_long_cache_give_torch_s_layer(rows, monkeypatch):
+    """Heads 64 wide take the C layer's vectorised attention (16 keys' weights at a time, masked
+    keys weighing exactly 0): after 90 cached tokens (192 for 24 new ones: up to 16 rows, or 8 keys
+    a row, run in C), n new ones with a tree's mask (some cached keys and some new ones hidden)
+    give the logits of the layer in torch operations."""
+    from transformers import LlamaForCausalLM
+
+    from tiny import tiny_config
+
+    torch.manual_seed(rows)
+    model = quantise_like_gguf(LlamaForCausalLM(tiny_config(V, 2, 0.1, head_dim=64)).eval())
+    install_blocks(model)
+    runtime = CompiledModel(model, compile=False)
+    assert runtime.native is not None and all(runtime.native)
+    past, generator = max(90, 8 * rows), torch.Generator().manual_seed(rows)
+    keys, values = runtime.new_buffers(past + rows)
+    prefix = torch.randint(0, V, (past,), generator=generator)
+    causal = torch.zeros(past, past).masked_fill_(torch.ones(past, past, dtype=torch.bool).triu(1), -torch.inf)
+    with torch.inference_mode():
+        runtime.forward(prefix, torch.arange(past), causal, keys, values, torch.arange(past))
+    visible = torch.rand(rows, past + rows, generator=generator) > 0.3  # a tree's: hidden keys here and there
+    visible[:, past:] &= torch.ones(rows, rows, dtype=torch.bool).tril()
+    visible[:, past:] |= torch.eye(rows, dtype=torch.bool)  # each token sees itself
+    visible[:, [3, 50]] = False  # hidden from every row: whatever their values, they weigh nothing
+    values[:, :, [3, 50]] = 1e38
+    mask = torch.zeros(rows, past + rows).masked_fill_(~visible, -torch.inf)
+    tokens = torch.randint(0, V, (rows,), generator=generator)
+    positions = past + torch.randint(0, rows, (rows,), generator=generator)
+
+    def logits() -> torch.Tensor:
+        k, v = keys.clone(), values.clone()
+        with torch.inference_mode():
+            return runtime.forward(tokens, positions, mask, k, v, torch.arange(rows))
+
+    calls = []
+    real = blocks.NativeForward.layer
+    monkeypatch.setattr(blocks.NativeForward, "layer", lambda *args: calls.append(1) or real(*args))
+    whole = logits()
+    assert len(calls) == 2
+    native, runtime.native = runtime.native, None
+    torch.testing.assert_close(whole, logits(), rtol=1e-5, atol=1e-5)
+    runtime.native = native
 
 
 @pytest.mark.parametrize("shape", [MC_SHAPES[1], MC_SHAPES[4]], ids=lambda s: s.describe())
