@@ -394,7 +394,12 @@ def cost_key(decoder) -> str:
     from .models import fingerprint
     from .small_batch import signature
 
-    kernels = hashlib.sha256(signature(decoder.target_model, decoder.draft_model).encode()).hexdigest()[:12]
+    used = signature(decoder.target_model, decoder.draft_model)
+    if "blocks" in used:  # a new version of rsd's C library (kernels, C layers) has costs of its own
+        from .blocks import version
+
+        used += f" | C library {version()}"
+    kernels = hashlib.sha256(used.encode()).hexdigest()[:12]
     return (f"costs v3 | {verdict_key(decoder.target_model)} | target {fingerprint(decoder.target_model)} | "
             f"draft {fingerprint(decoder.draft_model)} | {decoder.runtimes.describe()} | kernels {kernels}")
 

@@ -455,6 +455,12 @@ def available() -> bool:
     return library() is not None
 
 
+@functools.cache
+def version() -> str:
+    """A short digest of the C source: what measured costs of its kernels and layers depend on."""
+    return hashlib.sha256(SOURCE.encode()).hexdigest()[:12]
+
+
 def _exact(values: torch.Tensor, rebuilt: torch.Tensor) -> bool:
     return bool(torch.equal(rebuilt, values))
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rsd_cli import blocks, compiled, small_batch
+from rsd_cli import auto, blocks, compiled, small_batch
 from rsd_cli.compiled import CompiledModel
-from rsd_cli.engine import Runtimes
+from rsd_cli.drafting import make_shape
+from rsd_cli.engine import Decoder, Runtimes
 from rsd_cli.sampling import SamplingParams
 from test_compiled import run
 from test_engine import MC_SHAPES, N_SAMPLES, V, chi_square_pvalue, exact_joint, plain_greedy, shapes
@@ -330,6 +331,15 @@ def test_whole_layers_in_c_with_64_wide_heads_over_a_long_cache_give_torch_s_lay
     native, runtime.native = runtime.native, None
     torch.testing.assert_close(whole, logits(), rtol=1e-5, atol=1e-5)
     runtime.native = native
+
+
+def test_auto_measures_costs_again_for_another_version_of_the_c_library(quantised_pair, monkeypatch):
+    _, kernel, static = quantised_pair
+    decoder = Decoder(kernel[0], kernel[1], V, make_shape("auto"), SamplingParams(), {2}, None, static[False])
+    key = auto.cost_key(decoder)
+    assert key == auto.cost_key(decoder)
+    monkeypatch.setattr(blocks, "version", lambda: "another")
+    assert auto.cost_key(decoder) != key
 
 
 @pytest.mark.parametrize("shape", [MC_SHAPES[1], MC_SHAPES[4]], ids=lambda s: s.describe())
