@@ -1,0 +1,69 @@
+"""Forward cost of the uncompiled static-cache runtime (C layers) with this checkout's C library
+against the one of an earlier commit, interleaved in one process: ms per forward of n new tokens
+after a cache of P tokens, medians over rounds.
+
+Run on a quiet machine:
+    .venv/bin/python benchmarks/c_layers_ab.py --before be392ee [--role target|draft]
+        [--prefixes 150,1000,2000] [--rows 1,2,4,8,16] [--rounds 3]
+
+The earlier commit's library runs under that commit's rule for which forwards take whole layers
+in C (`--before-rule`: "rows x keys <= 1200", the rule before Session 13, or "same").
+"""
+
+import argparse
+import re
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from rsd_cli import blocks, compiled
+from rsd_cli.compiled import CompiledModel, StaticLM
+from rsd_cli.engine import timed_chain
+from rsd_cli.models import load_pair
+from rsd_cli.profiles import load_profile
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--before", required=True, help="git revision whose rsd_cli/blocks.py C source to compare")
+parser.add_argument("--before-rule", default="rows x keys <= 1200", choices=["rows x keys <= 1200", "same"])
+parser.add_argument("--role", default="target", choices=["target", "draft"])
+parser.add_argument("--profile", default="default")
+parser.add_argument("--prefixes", default="150,1000,2000")
+parser.add_argument("--rows", default="1,2,4,8,16")
+parser.add_argument("--rounds", type=int, default=3)
+args = parser.parse_args()
+
+earlier = subprocess.run(["git", "show", f"{args.before}:rsd_cli/blocks.py"], capture_output=True, text=True,
+                         check=True).stdout
+current = blocks.SOURCE
+blocks.SOURCE = re.search(r'SOURCE = r"""(.*?)"""', earlier, re.S).group(1)
+folder = Path(tempfile.mkdtemp(prefix="rsd-c-ab-"))
+before_lib = blocks.build(folder / "before")
+blocks.SOURCE = current
+after_lib = blocks.build(folder / "after")
+assert before_lib is not None and after_lib is not None, "a C library did not build"
+rule = compiled.native_rows
+before_rule = rule if args.before_rule == "same" else (lambda n, keys: n == 1 or n * keys <= 1200)
+variants = {"before": (before_lib, before_rule), "after": (after_lib, rule)}
+
+profile = load_profile(args.profile)
+profile.set("runtime", "compile", "off", "benchmark")
+pair = load_pair(profile)
+model = pair.target if args.role == "target" else pair.draft
+runtime = CompiledModel(model, compile=False)
+for prefix in (int(p) for p in args.prefixes.split(",")):
+    cache = StaticLM(runtime, model.config.vocab_size, prefix + 100)
+    cache.extend(list(range(100, 100 + prefix)))
+    line = []
+    for n in (int(r) for r in args.rows.split(",")):
+        times = {name: [] for name in variants}
+        for _ in range(args.rounds):
+            for name, (lib, native_rows) in variants.items():
+                blocks.library = lambda lib=lib: lib  # (NativeForward and the products look it up per call)
+                compiled.native_rows = native_rows
+                for _ in range(2):
+                    timed_chain(cache, n)
+                times[name].append(statistics.median(timed_chain(cache, n) for _ in range(15)) * 1e3)
+        before, after = (statistics.median(times[name]) for name in variants)
+        line.append(f"n={n} {before:.2f} -> {after:.2f} ({after / before:.2f}x)")
+    print(f"{args.role}, {prefix} cached: " + " | ".join(line), flush=True)
