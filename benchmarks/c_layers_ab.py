@@ -7,7 +7,8 @@ Run on a quiet machine:
         [--prefixes 150,1000,2000] [--rows 1,2,4,8,16] [--rounds 3]
 
 The earlier commit's library runs under that commit's rule for which forwards take whole layers
-in C (`--before-rule`: "rows x keys <= 1200", the rule before Session 13, or "same").
+in C (`--before-rule`: "rows x keys <= 1200", the rule before 2026-11-23, or "same": every
+forward, as now).
 """
 
 import argparse
@@ -17,7 +18,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from rsd_cli import blocks, compiled
+from rsd_cli import blocks
 from rsd_cli.compiled import CompiledModel, StaticLM
 from rsd_cli.engine import timed_chain
 from rsd_cli.models import load_pair
@@ -42,15 +43,16 @@ before_lib = blocks.build(folder / "before")
 blocks.SOURCE = current
 after_lib = blocks.build(folder / "after")
 assert before_lib is not None and after_lib is not None, "a C library did not build"
-rule = compiled.native_rows
-before_rule = rule if args.before_rule == "same" else (lambda n, keys: n == 1 or n * keys <= 1200)
-variants = {"before": (before_lib, before_rule), "after": (after_lib, rule)}
+every = lambda n, keys: True  # noqa: E731
+before_rule = every if args.before_rule == "same" else (lambda n, keys: n == 1 or n * keys <= 1200)
+variants = {"before": (before_lib, before_rule), "after": (after_lib, every)}
 
 profile = load_profile(args.profile)
 profile.set("runtime", "compile", "off", "benchmark")
 pair = load_pair(profile)
 model = pair.target if args.role == "target" else pair.draft
 runtime = CompiledModel(model, compile=False)
+native = runtime.native
 for prefix in (int(p) for p in args.prefixes.split(",")):
     cache = StaticLM(runtime, model.config.vocab_size, prefix + 100)
     cache.extend(list(range(100, 100 + prefix)))
@@ -58,9 +60,9 @@ for prefix in (int(p) for p in args.prefixes.split(",")):
     for n in (int(r) for r in args.rows.split(",")):
         times = {name: [] for name in variants}
         for _ in range(args.rounds):
-            for name, (lib, native_rows) in variants.items():
+            for name, (lib, in_c) in variants.items():
                 blocks.library = lambda lib=lib: lib  # (NativeForward and the products look it up per call)
-                compiled.native_rows = native_rows
+                runtime.native = native if in_c(n, prefix + n) else None  # else torch's layer
                 for _ in range(2):
                     timed_chain(cache, n)
                 times[name].append(statistics.median(timed_chain(cache, n) for _ in range(15)) * 1e3)

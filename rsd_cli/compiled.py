@@ -47,13 +47,11 @@ from .small_batch import (MAX_ROWS, TORCH, blocks_of, kernel_linear, kernels_of,
                           signature)
 
 BUCKETS = (1, 2, 4, 8, 16)
-# whole layers in C (blocks.NativeLayer) for up to NATIVE_ROWS new tokens, and up to MAX_ROWS where
-# the cache holds at least NATIVE_KEYS_PER_ROW keys a token: beyond, torch's layer (its attention,
-# SDPA, and activation) is faster. Measured on a 2-core AMD EPYC, the embedded target, C against
-# torch's: 4 / 16 / 32 / 64 tokens after 150 cached 6.1 / 23.1 / 41.1 / 79.9 against 9.1 / 25.4 /
-# 42.0 / 78.0 ms; after 1000 cached 8.7 / 29.3 / 52.2 / 100.1 against 13.4 / 35.1 / 58.7 / 106.3
-NATIVE_ROWS = 16
-NATIVE_KEYS_PER_ROW = 8
+# whole layers in C (blocks.NativeLayer) for every forward that can take them: measured on a 2-core
+# AMD EPYC, the embedded target, C against torch's layer (its attention SDPA), ms: 4 / 16 / 32 / 64
+# tokens after 150 cached 6.1 / 23.1 / 41.1 / 79.9 against 9.1 / 25.4 / 42.0 / 78.0, after 1000
+# cached 8.7 / 29.3 / 52.2 / 100.1 against 13.4 / 35.1 / 58.7 / 106.3; prompts of 32 / 64 / 128 /
+# 512 / 1000 tokens 39.9 / 74.5 / 112 / 557 / 1201 against 39.0 / 71.6 / 126 / 593 / 1252
 # CUDA graphs take milliseconds to capture, not a compile: trees and draft levels up to 64 nodes
 # (what `auto` drafts) replay too, where one forward costs about the same for 1 or 64 tokens
 STATIC_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -65,11 +63,6 @@ ROPE_TYPES = ("default", "linear", "llama3")  # rotary tables that depend on the
 def bucket(n: int, sizes: tuple[int, ...] = BUCKETS) -> int | None:
     """The padded token count for n tokens, or None when n is beyond the compiled sizes."""
     return next((b for b in sizes if b >= n), None)
-
-
-def native_rows(n: int, keys: int) -> bool:
-    """Whether a forward of n new tokens over `keys` keys (cached and new) runs whole layers in C."""
-    return n <= NATIVE_ROWS or (n <= MAX_ROWS and keys >= NATIVE_KEYS_PER_ROW * n)
 
 
 def unsupported(model) -> str | None:
@@ -344,8 +337,7 @@ class CompiledModel:
         (m, rows of the head) logits. Sizes in BUCKETS run the compiled graphs (the used length and
         the capacity are dynamic dimensions), others eager."""
         compiled = self._inductor and tokens.shape[0] in BUCKETS
-        n = tokens.shape[0]
-        native = self.native if (not compiled and slots is None and native_rows(n, mask.shape[1])) else None
+        native = self.native if not compiled and slots is None else None
         layer = self._layer if compiled else decoder_layer
         if compiled:
             torch._dynamo.maybe_mark_dynamic(mask, 1)
