@@ -62,10 +62,12 @@ static inline float f32_at(const uint8_t* p) { float v; memcpy(&v, p, 4); return
 #ifdef __AVX512F__
 /* a block's 32 weights as two 16-lane vectors: exactly the float32 weights (d * q is exact) */
 static inline void q4_1_weights(const uint8_t* blk, __m512* w0, __m512* w1) {
+  /* the 16 values d * k + m (k = 0..15), looked up by each nibble (vpermps reads an index's low 4 bits) */
   const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)blk));
-  const __m512 d = _mm512_set1_ps(f32_at(blk + 16)), m = _mm512_set1_ps(f32_at(blk + 20));
-  *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), d, m);
-  *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
+  const __m512 values = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                        _mm512_set1_ps(f32_at(blk + 16)), _mm512_set1_ps(f32_at(blk + 20)));
+  *w0 = _mm512_permutexvar_ps(q, values);
+  *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), values);
 }
 static inline void q8_0_weights(const uint8_t* blk, __m512* w0, __m512* w1) {
   const __m512 d = _mm512_set1_ps(f32_at(blk + 32));
