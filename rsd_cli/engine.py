@@ -6,6 +6,7 @@ inspect-tree, bench, --json) and the tests consume these events.
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -28,11 +29,10 @@ def full_vocabulary(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def unchanged_prefix(indices: list[int]) -> int:
     """How many cache positions `keep(indices)` leaves where they are: the leading run of
-    indices equal to their own position; only the rest (the accepted path) has to move."""
-    prefix = 0
-    while prefix < len(indices) and indices[prefix] == prefix:
-        prefix += 1
-    return prefix
+    indices equal to their own position; only the rest (the accepted path) has to move.
+    Indices ascend and differ, so indices[i] >= i, and indices[i] == i exactly in that run: a
+    binary search finds its end (a step keeps the whole context: O(log n), not a Python loop)."""
+    return bisect.bisect_left(range(len(indices)), True, key=lambda i: indices[i] != i)
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:

@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from rsd_cli.drafting import VARIANTS, Shape, make_shape, shape_for_budget
-from rsd_cli.engine import CachedLM, Decoder, Stats
+from rsd_cli.engine import CachedLM, Decoder, Stats, unchanged_prefix
 from rsd_cli.sampling import SamplingParams, logits_to_probs
 from rsd_cli.tree import DraftTree
 from rsd_cli.verification import Rule
@@ -454,3 +454,14 @@ def test_kept_caches_are_dropped_when_a_step_breaks_off_or_the_models_differ(pai
     other.keep_caches, other.kept = True, kept  # another target: its caches are not used
     assert [t for e in other.generate(PROMPT, 4, seed=0) for t in e.emitted] == greedy_of(pair[1], PROMPT, 4)
     assert other.kept is not kept and other.kept.target is not kept.target
+
+
+def test_the_unchanged_prefix_of_kept_positions_is_the_leading_run_in_place():
+    assert unchanged_prefix([]) == 0
+    assert unchanged_prefix(list(range(500))) == 500  # a plain step keeps everything in place
+    assert unchanged_prefix([*range(300), 302, 305]) == 300  # the accepted path moves down
+    assert unchanged_prefix([*range(300), 300, 304]) == 301
+    assert unchanged_prefix([1, 2, 3]) == 0
+    for kept in ([0], [0, 1, 3], [0, 2], [*range(7), 9, 10, 11]):  # against the definition
+        expected = next((i for i, index in enumerate(kept) if index != i), len(kept))
+        assert unchanged_prefix(kept) == expected
