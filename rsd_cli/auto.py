@@ -13,7 +13,8 @@ maximising   expected emitted tokens / expected step time,   from
 - a **memory** of earlier runs with the same machine, models, runtime and sampling settings
   (`auto.json` in the rsd cache folder): a run starts from the last one's acceptance counts
   (scaled down, so its own steps soon outweigh them), scales and timed shapes, so a one-off
-  `rsd generate` does not spend its first steps finding out again that drafting does (not) pay.
+  `rsd generate` does not spend its first steps finding out again that drafting does (not) pay;
+  with new sampling settings, from the last run's scales and timed shapes (any settings').
 
 Why the output stays exactly the target's: a step's shape is fixed from *earlier* steps (their
 tokens, acceptances and timings, and earlier runs') before the step draws any random number or
@@ -236,7 +237,7 @@ class AutoShape:
     """Chooses each step's shape from past steps only (see the module's docstring)."""
 
     def __init__(self, costs: Costs, max_nodes: int = MAX_NODES, every: int = CHOOSE_EVERY, vocab: int | None = None,
-                 memory_key: str | None = None):
+                 memory_key: str | None = None, timing_key: str | None = None):
         self.costs = costs
         self.shapes = [s for s in candidates(max_nodes) if vocab is None or max(s.branching, default=1) <= vocab]
         self.every = every
@@ -253,6 +254,7 @@ class AutoShape:
         self._last_kind: bool | None = None  # whether the last observed step drafted
         self.rare_gap = EXPLORE_EVERY * RARELY  # steps between explorations of a kind clearly slower
         self.memory_key = memory_key  # where `save` keeps what this run learnt (None: nowhere)
+        self.timing_key = timing_key  # where it keeps its timings for runs with other sampling settings
 
     def step_seconds(self, shape: Shape) -> tuple[float, float]:
         """(draft, target) seconds predicted for one step of `shape`."""
@@ -358,18 +360,21 @@ class AutoShape:
                 "ratios": {shape.describe(): ratio for shape, ratio in self.measured.items()}}
 
     def recall(self, memory: dict) -> None:
-        """Start from what an earlier run remembered (see `remembered`); raises on a malformed one,
-        leaving the policy as it was."""
+        """Start from what an earlier run remembered (see `remembered`; without "acceptance", only
+        its timings: a run with other sampling settings); raises on a malformed one, leaving the
+        policy as it was."""
         named = {shape.describe(): shape for shape in self.shapes}
         ratios = {named[name]: float(ratio) for name, ratio in memory["ratios"].items() if name in named}
         target_scale, draft_scale = (float(scale) for scale in memory["scales"])
         if not all(0 < value < math.inf for value in (*ratios.values(), target_scale, draft_scale)):
             raise ValueError("a scale or ratio is not positive")
-        self.acceptance = Acceptance.from_json(memory["acceptance"])
+        if "acceptance" in memory:
+            self.acceptance = Acceptance.from_json(memory["acceptance"])
         self.measured, self.target_scale, self.draft_scale = ratios, target_scale, draft_scale
 
     def save(self) -> None:
-        """Keep what this run learnt for the next one (`auto.json` in the rsd cache folder)."""
+        """Keep what this run learnt for the next one (`auto.json` in the rsd cache folder): all of
+        it for runs with the same sampling settings, its timings for runs with any."""
         if self.memory_key is None:
             return
         from .models import read_json_table, write_json_table
@@ -377,6 +382,8 @@ class AutoShape:
         path = memory_path()
         known = read_json_table(path)
         known[self.memory_key] = self.remembered()
+        if self.timing_key is not None:
+            known[self.timing_key] = {key: value for key, value in known[self.memory_key].items() if key != "acceptance"}
         write_json_table(path, known)
 
     def ranking(self, top: int = 5) -> list[tuple[str, float]]:
@@ -427,9 +434,13 @@ def for_decoder(decoder, notice=lambda message: None) -> AutoShape:
                            lambda: decoder._cache(decoder.draft_model, decoder.runtimes.draft, capacity))
 
         _MEASURED[key] = cached_costs(key, measure_now, notice)
-    memory_key = f"{key} | {decoder.sampling}"
-    policy = AutoShape(_MEASURED[key], decoder.shape.max_nodes, vocab=decoder.vocab_size, memory_key=memory_key)
-    memory = read_json_table(memory_path()).get(memory_key)
+    memory_key, timing_key = f"{key} | {decoder.sampling}", f"{key} | timings, any sampling"
+    policy = AutoShape(_MEASURED[key], decoder.shape.max_nodes, vocab=decoder.vocab_size, memory_key=memory_key,
+                       timing_key=timing_key)
+    known = read_json_table(memory_path())
+    # what a run with these sampling settings learnt, else the timings of one with other settings
+    # (how long each shape's steps take hardly depends on them; how often drafts are accepted does)
+    memory = known.get(memory_key, known.get(timing_key))
     if memory is not None:
         try:
             policy.recall(memory)

@@ -196,7 +196,7 @@ def test_what_auto_learnt_is_where_the_next_run_starts():
         later.recall({"ratios": {}})
 
 
-def test_runs_with_the_same_machine_models_and_sampling_share_what_auto_learnt(pair):
+def test_runs_with_the_same_machine_models_and_sampling_share_what_auto_learnt_others_its_timings(pair):
     def decoder(temperature: float) -> Decoder:
         return Decoder(pair[0], pair[1], V, make_shape("auto"), SamplingParams(temperature=temperature), set())
 
@@ -205,14 +205,19 @@ def test_runs_with_the_same_machine_models_and_sampling_share_what_auto_learnt(p
     assert first.policy.measured and first.policy.acceptance.tried  # (it drafted and timed some steps)
     later = auto.for_decoder(decoder(1.0))  # where a later run starts
     assert later.remembered() == json.loads(json.dumps(first.policy.remembered()))
-    assert auto.for_decoder(decoder(0.5)).acceptance.tried == {}  # other sampling settings: learnt afresh
+    other = auto.for_decoder(decoder(0.5))  # other sampling settings: acceptance learnt afresh, timings kept
+    assert other.acceptance.tried == {} and other.remembered()["acceptance"] == []
+    assert {k: v for k, v in other.remembered().items() if k != "acceptance"} == {
+        k: v for k, v in later.remembered().items() if k != "acceptance"}
     auto.memory_path().write_text("{not json")  # a damaged file: a fresh start, no error
     assert auto.for_decoder(decoder(1.0)).acceptance.tried == {}
     key = f"{auto.cost_key(decoder(1.0))} | {SamplingParams(temperature=1.0)}"
     auto.memory_path().write_text(json.dumps({key: {"ratios": 3}}))  # written by another version
     assert auto.for_decoder(decoder(1.0)).acceptance.tried == {}
     list(decoder(1.0).generate(PROMPT, 4, seed=2))  # and overwritten by this one
-    assert set(json.loads(auto.memory_path().read_text())[key]) == {"acceptance", "scales", "ratios"}
+    saved = json.loads(auto.memory_path().read_text())
+    assert set(saved[key]) == {"acceptance", "scales", "ratios"}
+    assert set(saved[f"{auto.cost_key(decoder(1.0))} | timings, any sampling"]) == {"scales", "ratios"}
 
 
 def test_the_choice_follows_costs_and_acceptance():
