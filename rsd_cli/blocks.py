@@ -497,6 +497,16 @@ def q8_0_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.cat([q.to(torch.int8).view(torch.uint8), _bytes(scale)], dim=-1).contiguous()
 
 
+def round_to_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """A float (out, in) weight as llama.cpp's Q8_0 holds it: per block of 32 along a row, d = the
+    largest magnitude / 127 as a half float, each weight d * round(w / d). Float32 values that
+    `q8_0_blocks` recognises (1.125 bytes a weight for the kernel)."""
+    blocks = weight.detach().float().reshape(weight.shape[0], -1, BLOCK)
+    d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+    q = torch.round(blocks / torch.where(d > 0, d, 1.0)).clamp_(-127, 127)
+    return (q * d).reshape(weight.shape)
+
+
 def f16_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     """(out, in) float32 weight whose every value is a half-precision float (an adapter stored in
     float16) -> those values as float16 (out, in / 32, 32), or None."""

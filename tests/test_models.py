@@ -246,3 +246,37 @@ def test_adapters_written_before_the_dtype_free_fingerprint_still_load(tmp_path)
     assert models.load_adapter(path, target, 1) is not None
     with pytest.raises(RsdError, match="trained for another target"):
         models.load_adapter(path, tiny_model(40, layers=3, seed=5), 1)
+
+
+def test_an_adapter_is_rounded_to_8_bit_blocks_where_the_kernel_runs_them(tmp_path, monkeypatch):
+    """On a CPU with rsd's kernel the adapter's (float16-stored) linears become Q8_0 blocks, each
+    weight within half a step of its block's scale; elsewhere, or asked not to, they stay as stored."""
+    from rsd_cli import blocks, small_batch
+
+    if not small_batch.blocks_available():
+        pytest.skip("no blocks kernel here (no C compiler)")
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "auto")
+    target = tiny_model(40, layers=3, seed=0)
+    path = tmp_path / "adapter.safetensors"
+    models.save_adapter(models.new_adapter(target, 1, head_rows=20), path, target, 1, {"vocab": 20})
+
+    def linears(adapter) -> list[torch.Tensor]:
+        return [m.weight.clone() for m in adapter.modules() if isinstance(m, torch.nn.Linear)]
+
+    stored = linears(models.load_adapter(path, target, 1, vocab=20))
+    adapter = models.load_adapter(path, target, 1, vocab=20)
+    assert models.round_adapter(adapter)
+    rounded = linears(adapter)
+    assert len(rounded) == 8  # q, k, v, o, gate, up, down and the head
+    for before, after in zip(stored, rounded):
+        found = blocks.quantised_blocks(after)
+        assert found is not None and blocks.block_format(found) == "q8_0"
+        scale = before.reshape(before.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 127
+        assert ((after - before).reshape(scale.shape[0], -1, 32).abs() <= scale * 0.5 + 1e-9).all()
+        assert not torch.equal(after, before)
+    monkeypatch.setenv("RSD_ADAPTER_BLOCKS", "0")
+    kept = models.load_adapter(path, target, 1, vocab=20)
+    assert not models.round_adapter(kept) and all(torch.equal(a, b) for a, b in zip(linears(kept), stored))
+    monkeypatch.delenv("RSD_ADAPTER_BLOCKS")
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "torch")  # the kernel not used: nothing to gain
+    assert not models.round_adapter(models.load_adapter(path, target, 1, vocab=20))
