@@ -1,6 +1,6 @@
 """Would a lower-precision draft pay? The default draft's call cost (1 new token after a 150-token
-cache, median of 30) and its expected acceptance on held-out answers at T=1, in float32, with
-bfloat16 weights, and with torch's dynamic int8 quantisation of its linear layers (weights per
+cache, median of 30) and its expected acceptance on held-out answers at T=1, in float32, with its
+adapter rounded to Q8_0 blocks (what loading does where rsd's kernel runs), with bfloat16 weights, and with torch's dynamic int8 quantisation of its linear layers (weights per
 channel, activations per tensor at run time). Exactness never depends on the draft's precision;
 only speed and acceptance do.
 
@@ -15,6 +15,8 @@ import warnings
 
 import torch
 
+from rsd_cli import small_batch
+from rsd_cli.blocks import round_to_q8_0
 from rsd_cli.distill import Recipe, expected_acceptance, sample_answers
 from rsd_cli.engine import CachedLM
 from rsd_cli.models import early_exit_draft, embedded_adapter, load_adapter, load_pair
@@ -53,6 +55,17 @@ def int8(draft):
     return draft
 
 
+def q8_0_adapter(draft):
+    """The adapter rounded to Q8_0 blocks, as load_pair does where rsd's kernel runs it."""
+    for module in (draft.model.layers[-1], draft.lm_head):
+        for linear in module.modules():
+            if isinstance(linear, torch.nn.Linear):
+                with torch.no_grad():
+                    linear.weight.copy_(round_to_q8_0(linear.weight))
+    small_batch.install(draft)
+    return draft
+
+
 def bf16(draft):
     for module in [draft.model.layers, draft.lm_head]:
         module.to(torch.bfloat16)
@@ -77,7 +90,8 @@ def call_ms(draft, repeats: int = 30) -> float:
 answers = sample_answers(pair.target, pair.tokenizer, builtin_prompts("eval"), args.tokens, Recipe(seed=args.seed),
                          "eval", lambda *a: None)
 rows = []
-for name, make in (("float32", fresh_draft), ("bfloat16", lambda: bf16(fresh_draft())),
+for name, make in (("float32", fresh_draft), ("q8_0 adapter", lambda: q8_0_adapter(fresh_draft())),
+                   ("bfloat16", lambda: bf16(fresh_draft())),
                    ("int8 dynamic", lambda: int8(fresh_draft()))):
     draft = make()
     rows.append({"draft": name, "call_ms": call_ms(draft),
