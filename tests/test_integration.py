@@ -96,7 +96,7 @@ def test_the_compiled_runtime_is_greedy_exact_on_the_embedded_pair(embedded_pair
 
 def test_the_blocks_kernel_runs_the_embedded_model_s_own_weights_exactly(embedded_pair, monkeypatch):
     """Loaded with the kernel on quantised blocks: the target's layers (Q4_1) and head (Q8_0) and the
-    draft's float16 adapter run on it; logits match oneDNN's float32 products, and greedy output of
+    draft's adapter (stored in float16, rounded to Q8_0 at load) run on it; logits match oneDNN's float32 products, and greedy output of
     every variant on the static-cache runtime (fused projections) is `ar`'s on transformers' forward
     with packed float32 weights."""
     import torch
@@ -117,7 +117,8 @@ def test_the_blocks_kernel_runs_the_embedded_model_s_own_weights_exactly(embedde
     layer = pair.target.model.layers[7]
     formats = {blocks.block_format(small_batch.blocks_of(m)) for m in (layer.self_attn.q_proj, layer.mlp.down_proj)}
     assert formats == {"q4_1"} and blocks.block_format(small_batch.blocks_of(pair.target.lm_head)) == "q8_0"
-    assert blocks.block_format(small_batch.blocks_of(pair.draft.model.layers[-1].mlp.up_proj)) == "f16"
+    assert blocks.block_format(small_batch.blocks_of(pair.draft.model.layers[-1].mlp.up_proj)) == "q8_0"
+    assert blocks.block_format(small_batch.blocks_of(pair.draft.lm_head)) == "q8_0"
     assert small_batch.kernels_of(pair.target.lm_head) == ("blocks",) * 3
     ids = encode_prompt(pair.tokenizer, "Name three colours of the rainbow.")
     with torch.inference_mode():
