@@ -405,10 +405,10 @@ def _timed_runs(weights: list[torch.Tensor], kernels, blocks: list | None = None
 
 
 def measure_kernels(weights: list[torch.Tensor], rows: tuple[int, ...], blocks: list | None = None,
-                    kernels: tuple[str, ...] | None = None, repeats: int = CALIBRATION_REPEATS) -> dict[str, float]:
+                    kernels: tuple[str, ...] | None = None) -> dict[str, float]:
     """Seconds each available kernel (or each of `kernels`) takes for these (out, in) weights of one
     shape, summed over the row counts (with `blocks`, their quantised blocks, rsd's kernel on those
-    too): medians of `repeats` interleaved rounds. Each timing runs through all the weights in
+    too): medians of CALIBRATION_REPEATS interleaved rounds. Each timing runs through all the weights in
     turn, as a forward does, so they come from memory rather than a warm cache (the first
     CALIBRATION_BYTES of them: a big model's calibration stays short)."""
     weights = _calibration_share(weights)
@@ -420,7 +420,7 @@ def measure_kernels(weights: list[torch.Tensor], rows: tuple[int, ...], blocks: 
             x = torch.randn(n, weights[0].shape[1])
             for run in runs.values():
                 run(x)  # warm-up: first-call allocations and oneDNN primitive creation
-            for kernel, seconds in _interleaved_medians(runs, x, repeats).items():
+            for kernel, seconds in _interleaved_medians(runs, x, CALIBRATION_REPEATS).items():
                 totals[kernel] += seconds
     return totals
 

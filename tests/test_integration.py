@@ -96,9 +96,9 @@ def test_the_compiled_runtime_is_greedy_exact_on_the_embedded_pair(embedded_pair
 
 def test_the_blocks_kernel_runs_the_embedded_model_s_own_weights_exactly(embedded_pair, monkeypatch):
     """Loaded with the kernel on quantised blocks: the target's layers (Q4_1) and head (Q8_0) and the
-    draft's adapter (stored in float16, rounded to Q8_0 at load) run on it; logits match oneDNN's float32 products, and greedy output of
-    every variant on the static-cache runtime (fused projections) is `ar`'s on transformers' forward
-    with packed float32 weights."""
+    draft's adapter (stored in float16, rounded to Q8_0 at load) run on it; logits match oneDNN's
+    float32 products, and greedy output of every variant on the static-cache runtime (fused
+    projections) is `ar`'s on transformers' forward with packed float32 weights."""
     import torch
 
     from rsd_cli import blocks, small_batch
