@@ -392,6 +392,21 @@ void blocks_layer(float* x, int n, const float* cos, const float* sin, const flo
   blocks_linear(act, down_w, o, n, D, I, formats[3], threads);
   for (size_t e = 0; e < (size_t)n * D; e++) x[e] += o[e];
 }
+
+/* blocks_layer for `count` consecutive layers in one call (one Python call a forward, not one a
+   layer): layer l's input and post-attention norms, q/k/v, o, gate/up and down weights and formats
+   at pointers[7 l .. 7 l + 6], its keys and values at keys + l * layer_stride (floats), values + ... */
+void blocks_layers(float* x, int n, const float* cos, const float* sin, const float* mask, int kv_len,
+                   float* keys, float* values, int64_t layer_stride, int capacity, const int64_t* pointers,
+                   int count, const int* dims, float scaling, float eps, int threads, float* scratch) {
+  for (int l = 0; l < count; l++) {
+    const int64_t* p = pointers + (size_t)l * 7;
+    blocks_layer(x, n, cos, sin, mask, kv_len, keys + (size_t)l * layer_stride, values + (size_t)l * layer_stride,
+                 capacity, (const float*)(intptr_t)p[0], (const float*)(intptr_t)p[1], (const uint8_t*)(intptr_t)p[2],
+                 (const uint8_t*)(intptr_t)p[3], (const uint8_t*)(intptr_t)p[4], (const uint8_t*)(intptr_t)p[5],
+                 (const int*)(intptr_t)p[6], dims, scaling, eps, threads, scratch);
+  }
+}
 """
 
 
@@ -452,6 +467,9 @@ def build(folder: Path, flags: tuple[str, ...] = FLAGS):
                                  pointer, pointer, pointer, pointer, pointer, pointer, pointer, pointer,
                                  real, real, integer, pointer]
     lib.blocks_layer.restype = None
+    lib.blocks_layers.argtypes = [pointer, integer, pointer, pointer, pointer, integer, pointer, pointer, ctypes.c_int64,
+                                  integer, pointer, integer, pointer, real, real, integer, pointer]
+    lib.blocks_layers.restype = None
     return lib
 
 
@@ -591,6 +609,15 @@ class NativeLayer:
         self.formats = torch.tensor([FORMATS.index(block_format(w)) for w in self.weights], dtype=torch.int32)
 
 
+def native_table(layers: list[NativeLayer]) -> torch.Tensor:
+    """(7 x layers,) int64: each layer's norm, weight and format addresses, for `NativeForward.layers`
+    (the tensors stay alive with the layers)."""
+    return torch.tensor([address for layer in layers
+                         for address in (layer.norms[0].data_ptr(), layer.norms[1].data_ptr(),
+                                         *(w.data_ptr() for w in layer.weights), layer.formats.data_ptr())],
+                        dtype=torch.int64)
+
+
 class NativeForward:
     """One forward's inputs for `blocks_layer`, prepared once for all its layers: cos, sin (n, hd);
     mask (n, kv_len) additive, the new tokens at slots kv_len - n .. kv_len - 1 of a layer's keys
@@ -605,6 +632,17 @@ class NativeForward:
         self.scratch = torch.empty(n * (2 * size + (2 * heads + 2 * kv_heads) * head_dim + 3 * intermediate)
                                    + self.threads * kv_len)
         self.shape = torch.tensor([size, heads, kv_heads, head_dim, intermediate], dtype=torch.int32)
+
+    def layers(self, table: torch.Tensor, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """x (n, D) through every layer of `table` (native_table) in one call of the library: keys,
+        values (layers, kv_heads, capacity, hd), contiguous. The same arithmetic as `layer` on each."""
+        x = x.contiguous()
+        n, kv_len = self.mask.shape
+        self.lib.blocks_layers(x.data_ptr(), n, self.cos.data_ptr(), self.sin.data_ptr(), self.mask.data_ptr(),
+                               kv_len, keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.shape[2],
+                               table.data_ptr(), table.shape[0] // 7, self.shape.data_ptr(), self.scaling, self.eps,
+                               self.threads, self.scratch.data_ptr())
+        return x
 
     def layer(self, layer: NativeLayer, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """x (n, D), the residual stream, through this layer (keys, values: its (kv_heads, capacity,

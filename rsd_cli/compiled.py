@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
 from .engine import ChainExtension, ForwardClock, full_vocabulary, timed_chain, unchanged_prefix
-from .blocks import NativeForward, NativeLayer, block_format, blocks_linear
+from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, native_table
 from .small_batch import (MAX_ROWS, TORCH, blocks_of, kernel_linear, kernels_of, machine, prepared_copies, room_for,
                           signature)
 
@@ -234,6 +234,7 @@ class CompiledModel:
         # layers on quantised blocks run as one call of the blocks library each (uncompiled CPU path)
         native = [_native_layer(layer, fused) for layer, (_, _, fused) in zip(inner.layers, self.layers)]
         self.native = native if any(native) else None
+        self._table: tuple = (None, None)  # (native list, its native_table): every layer in one call
         self.intermediate = cfg.intermediate_size
         self.norm_eps = inner.norm.variance_epsilon
         self.device = inner.embed_tokens.weight.device
@@ -283,6 +284,12 @@ class CompiledModel:
     def release(self, lm) -> None:
         if self._holder is not None and self._holder() is lm:
             self._holder = None
+
+    def _native_table(self, native: list) -> torch.Tensor:
+        """blocks.native_table of these layers, made once (and again if `native` is replaced)."""
+        if self._table[0] is not native:
+            self._table = (native, native_table(native))
+        return self._table[1]
 
     def replay(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
                keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -347,6 +354,10 @@ class CompiledModel:
         if native is not None:
             heads, kv_heads, head_dim, scaling, eps = self.dims
             run = NativeForward(cos, sin, mask, (x.shape[1], heads, kv_heads, head_dim, self.intermediate, scaling, eps))
+            if all(native) and keys.is_contiguous() and values.is_contiguous():
+                x = run.layers(self._native_table(native), x, keys, values)
+                return final_logits(x[rows], self.model.model.norm.weight, self.norm_eps, self.model.lm_head.weight,
+                                    self.head_small)
         for index, (weights, small, fused) in enumerate(self.layers):
             if native is not None and native[index] is not None:
                 x = run.layer(native[index], x, keys[index], values[index])

@@ -263,6 +263,16 @@ def test_greedy_on_the_blocks_kernel_equals_plain_greedy(quantised_pair, shape):
         assert run(kernel, runtimes, shape, greedy, 25, seed=0) == expected
 
 
+def layers_in_c(monkeypatch) -> list[int]:
+    """Counts the layers the C library runs (one call for them all, or one call a layer)."""
+    counted = []
+    whole, one = blocks.NativeForward.layers, blocks.NativeForward.layer
+    monkeypatch.setattr(blocks.NativeForward, "layers", lambda self, table, *args: counted.append(table.shape[0] // 7)
+                        or whole(self, table, *args))
+    monkeypatch.setattr(blocks.NativeForward, "layer", lambda *args: counted.append(1) or one(*args))
+    return counted
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 34, 35, 65])
 def test_whole_layers_in_c_and_fused_projections_give_torch_s_layer(quantised_pair, rows, monkeypatch):
     """On the static-cache runtime uncompiled, each layer whose linears all run on blocks is one
@@ -284,11 +294,9 @@ def test_whole_layers_in_c_and_fused_projections_give_torch_s_layer(quantised_pa
 
     native, layers = runtime.native, runtime.layers
     assert native is not None and len(native) == len(layers)
-    calls = []
-    real = blocks.NativeForward.layer
-    monkeypatch.setattr(blocks.NativeForward, "layer", lambda *args: calls.append(1) or real(*args))
-    whole = logits()  # each layer one call of the C library, whatever the rows (65: a prompt's)
-    assert len(calls) == len(layers)
+    counted = layers_in_c(monkeypatch)
+    whole = logits()  # every layer in one call of the C library, whatever the rows (65: a prompt's)
+    assert counted == [len(layers)]
     try:
         runtime.native = None  # the layer in torch operations, q/k/v and gate/up fused
         fused = logits()
@@ -334,14 +342,23 @@ def test_whole_layers_in_c_with_64_wide_heads_over_a_long_cache_give_torch_s_lay
         with torch.inference_mode():
             return runtime.forward(tokens, positions, mask, k, v, torch.arange(rows))
 
-    calls = []
-    real = blocks.NativeForward.layer
-    monkeypatch.setattr(blocks.NativeForward, "layer", lambda *args: calls.append(1) or real(*args))
+    counted = layers_in_c(monkeypatch)
     whole = logits()
-    assert len(calls) == 2
+    assert counted == [2]
     native, runtime.native = runtime.native, None
     torch.testing.assert_close(whole, logits(), rtol=1e-5, atol=1e-5)
     runtime.native = native
+    # one call for every layer is one call a layer, bit for bit (the residual stream and the caches)
+    heads, kv_heads, head_dim, scaling, eps = runtime.dims
+    run = blocks.NativeForward(runtime.cos[positions], runtime.sin[positions], mask,
+                               (32, heads, kv_heads, head_dim, runtime.intermediate, scaling, eps))
+    x = torch.randn(rows, 32, generator=generator)
+    k1, v1, k2, v2 = keys.clone(), values.clone(), keys.clone(), values.clone()
+    together = run.layers(runtime._native_table(native), x.clone(), k1, v1)
+    apart = x.clone()
+    for index, layer in enumerate(native):
+        apart = run.layer(layer, apart, k2[index], v2[index])
+    assert torch.equal(together, apart) and torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
 def test_auto_measures_costs_again_for_another_version_of_the_c_library(quantised_pair, monkeypatch):
