@@ -407,6 +407,14 @@ void blocks_layers(float* x, int n, const float* cos, const float* sin, const fl
                  (const int*)(intptr_t)p[6], dims, scaling, eps, threads, scratch);
   }
 }
+
+/* logits (m, N) = head(rms_norm(x[rows])): the final norm of the residual stream's rows `rows` (m of
+   them) and the output head (N rows of blocks in `format`); scratch: m * D floats */
+void blocks_head(const float* x, const int64_t* rows, int m, int D, const float* norm, float eps,
+                 const uint8_t* head, int N, int format, int threads, float* scratch, float* logits) {
+  for (int r = 0; r < m; r++) rms_norm(x + (size_t)rows[r] * D, norm, eps, scratch + (size_t)r * D, 1, D);
+  blocks_linear(scratch, head, logits, m, N, D, format, threads);
+}
 """
 
 
@@ -470,6 +478,9 @@ def build(folder: Path, flags: tuple[str, ...] = FLAGS):
     lib.blocks_layers.argtypes = [pointer, integer, pointer, pointer, pointer, integer, pointer, pointer, ctypes.c_int64,
                                   integer, pointer, integer, pointer, real, real, integer, pointer]
     lib.blocks_layers.restype = None
+    lib.blocks_head.argtypes = [pointer, pointer, integer, integer, pointer, real, pointer, integer, integer, integer,
+                                pointer, pointer]
+    lib.blocks_head.restype = None
     return lib
 
 
@@ -643,6 +654,17 @@ class NativeForward:
                                table.data_ptr(), table.shape[0] // 7, self.shape.data_ptr(), self.scaling, self.eps,
                                self.threads, self.scratch.data_ptr())
         return x
+
+    def head(self, x: torch.Tensor, rows: torch.Tensor, norm: torch.Tensor, eps: float, head: torch.Tensor) -> torch.Tensor:
+        """(m, N) logits of x's rows `rows` (int64): the final norm (weight `norm`) and the output head
+        held as blocks `head` (N, D / 32, bytes), in one call of the library."""
+        x, rows, norm = x.contiguous(), rows.contiguous(), norm.detach().float().contiguous()
+        m, (n_out, _, _) = rows.shape[0], head.shape
+        logits = torch.empty(m, n_out)
+        scratch = torch.empty(m, x.shape[1])
+        self.lib.blocks_head(x.data_ptr(), rows.data_ptr(), m, x.shape[1], norm.data_ptr(), eps, head.data_ptr(), n_out,
+                             FORMATS.index(block_format(head)), self.threads, scratch.data_ptr(), logits.data_ptr())
+        return logits
 
     def layer(self, layer: NativeLayer, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """x (n, D), the residual stream, through this layer (keys, values: its (kv_heads, capacity,

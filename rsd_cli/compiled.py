@@ -356,6 +356,10 @@ class CompiledModel:
             run = NativeForward(cos, sin, mask, (x.shape[1], heads, kv_heads, head_dim, self.intermediate, scaling, eps))
             if all(native) and keys.is_contiguous() and values.is_contiguous():
                 x = run.layers(self._native_table(native), x, keys, values)
+                head, m = blocks_of(self.model.lm_head), rows.shape[0]
+                kernel = self.head_small[0][0 if m == 1 else 1 if m <= MAX_ROWS else 2]
+                if head is not None and kernel == "blocks" and self.model.lm_head.bias is None:  # norm and head: one call
+                    return run.head(x, rows, self.model.model.norm.weight, self.norm_eps, head)
                 return final_logits(x[rows], self.model.model.norm.weight, self.norm_eps, self.model.lm_head.weight,
                                     self.head_small)
         for index, (weights, small, fused) in enumerate(self.layers):

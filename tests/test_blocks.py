@@ -263,13 +263,15 @@ def test_greedy_on_the_blocks_kernel_equals_plain_greedy(quantised_pair, shape):
         assert run(kernel, runtimes, shape, greedy, 25, seed=0) == expected
 
 
-def layers_in_c(monkeypatch) -> list[int]:
-    """Counts the layers the C library runs (one call for them all, or one call a layer)."""
+def layers_in_c(monkeypatch) -> list:
+    """Counts the layers the C library runs (one call for them all, or one call a layer), and
+    "head" where it runs the final norm and the output head too."""
     counted = []
-    whole, one = blocks.NativeForward.layers, blocks.NativeForward.layer
+    whole, one, head = blocks.NativeForward.layers, blocks.NativeForward.layer, blocks.NativeForward.head
     monkeypatch.setattr(blocks.NativeForward, "layers", lambda self, table, *args: counted.append(table.shape[0] // 7)
                         or whole(self, table, *args))
     monkeypatch.setattr(blocks.NativeForward, "layer", lambda *args: counted.append(1) or one(*args))
+    monkeypatch.setattr(blocks.NativeForward, "head", lambda *args: counted.append("head") or head(*args))
     return counted
 
 
@@ -296,7 +298,7 @@ def test_whole_layers_in_c_and_fused_projections_give_torch_s_layer(quantised_pa
     assert native is not None and len(native) == len(layers)
     counted = layers_in_c(monkeypatch)
     whole = logits()  # every layer in one call of the C library, whatever the rows (65: a prompt's)
-    assert counted == [len(layers)]
+    assert counted == [len(layers), "head"]  # (the head on blocks for every row count: norm and head in C)
     try:
         runtime.native = None  # the layer in torch operations, q/k/v and gate/up fused
         fused = logits()
@@ -337,14 +339,15 @@ def test_whole_layers_in_c_with_64_wide_heads_over_a_long_cache_give_torch_s_lay
     tokens = torch.randint(0, V, (rows,), generator=generator)
     positions = past + torch.randint(0, rows, (rows,), generator=generator)
 
-    def logits() -> torch.Tensor:
+    def logits(out_rows=None) -> torch.Tensor:
         k, v = keys.clone(), values.clone()
         with torch.inference_mode():
-            return runtime.forward(tokens, positions, mask, k, v, torch.arange(rows))
+            return runtime.forward(tokens, positions, mask, k, v, torch.arange(rows) if out_rows is None else out_rows)
 
     counted = layers_in_c(monkeypatch)
     whole = logits()
-    assert counted == [2]
+    assert counted == [2, "head"]
+    assert torch.equal(logits(torch.tensor([rows - 1, 0])), whole[[rows - 1, 0]])  # the rows asked for, in order
     native, runtime.native = runtime.native, None
     torch.testing.assert_close(whole, logits(), rtol=1e-5, atol=1e-5)
     runtime.native = native
