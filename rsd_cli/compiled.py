@@ -231,7 +231,8 @@ class CompiledModel:
                                 tuple(self._kernels(linear) for linear in linears),
                                 (fused_blocks(linears[:3]), fused_blocks(linears[4:6])) if fuse else (None, None)))
         self.head_small = self._kernels(model.lm_head)
-        # layers on quantised blocks run as one call of the blocks library each (uncompiled CPU path)
+        # layers on quantised blocks run in the blocks library (uncompiled CPU path): all of a forward's
+        # layers in one call where every layer can, then the final norm and head in one more
         native = [_native_layer(layer, fused) for layer, (_, _, fused) in zip(inner.layers, self.layers)]
         self.native = native if any(native) else None
         self._table: tuple = (None, None)  # (native list, its native_table): every layer in one call
