@@ -529,8 +529,10 @@ def q8_0_blocks(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def round_to_q8_0(weight: torch.Tensor) -> torch.Tensor:
-    """A float (out, in) weight as llama.cpp's Q8_0 holds it: per block of 32 along a row, d = the
-    largest magnitude / 127 as a half float, each weight d * round(w / d). Float32 values that
+    """A float (out, in) weight in llama.cpp's Q8_0 format: per block of 32 along a row, d = the
+    largest magnitude / 127 as a half float, each weight d * round(w / d) with that stored d
+    (llama.cpp's quantiser divides by d before rounding it to a half float, so a few of its
+    weights land one step apart; tests/tiny.py's quantise_q8_0 does that). Float32 values that
     `q8_0_blocks` recognises (1.125 bytes a weight for the kernel)."""
     blocks = weight.detach().float().reshape(weight.shape[0], -1, BLOCK)
     d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()

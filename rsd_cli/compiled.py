@@ -43,8 +43,8 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from .engine import ChainExtension, ForwardClock, full_vocabulary, timed_chain, unchanged_prefix
 from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, native_table
-from .small_batch import (MAX_ROWS, TORCH, blocks_of, kernel_linear, kernels_of, machine, prepared_copies, room_for,
-                          signature)
+from .small_batch import (MAX_ROWS, TORCH, blocks_of, kernel_linear, kernel_of_rows, kernels_of, machine,
+                          prepared_copies, room_for, signature)
 
 BUCKETS = (1, 2, 4, 8, 16)
 # whole layers in C (blocks.NativeLayer) for every forward that can take them: measured on a 2-core
@@ -352,26 +352,27 @@ class CompiledModel:
             self.graphs.add(tokens.shape[0])
         x = self.model.model.embed_tokens(tokens)  # (n, hidden)
         cos, sin = self.cos[positions], self.sin[positions]
+        # every layer in one call of the C library where each can run there, else layer by layer
+        in_c = native is not None and all(native) and keys.is_contiguous() and values.is_contiguous()
         if native is not None:
             heads, kv_heads, head_dim, scaling, eps = self.dims
             run = NativeForward(cos, sin, mask, (x.shape[1], heads, kv_heads, head_dim, self.intermediate, scaling, eps))
-            if all(native) and keys.is_contiguous() and values.is_contiguous():
-                x = run.layers(self._native_table(native), x, keys, values)
-                head, m = blocks_of(self.model.lm_head), rows.shape[0]
-                kernel = self.head_small[0][0 if m == 1 else 1 if m <= MAX_ROWS else 2]
-                if head is not None and kernel == "blocks" and self.model.lm_head.bias is None:  # norm and head: one call
-                    return run.head(x, rows, self.model.model.norm.weight, self.norm_eps, head)
-                return final_logits(x[rows], self.model.model.norm.weight, self.norm_eps, self.model.lm_head.weight,
-                                    self.head_small)
-        for index, (weights, small, fused) in enumerate(self.layers):
-            if native is not None and native[index] is not None:
-                x = run.layer(native[index], x, keys[index], values[index])
-                continue
-            layer_keys, layer_values = keys[index], values[index]
-            if compiled:
-                torch._dynamo.maybe_mark_dynamic(layer_keys, 1)
-                torch._dynamo.maybe_mark_dynamic(layer_values, 1)
-            x = layer(x, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims, slots, fused)
+        if in_c:
+            x = run.layers(self._native_table(native), x, keys, values)
+        else:
+            for index, (weights, small, fused) in enumerate(self.layers):
+                if native is not None and native[index] is not None:
+                    x = run.layer(native[index], x, keys[index], values[index])
+                    continue
+                layer_keys, layer_values = keys[index], values[index]
+                if compiled:
+                    torch._dynamo.maybe_mark_dynamic(layer_keys, 1)
+                    torch._dynamo.maybe_mark_dynamic(layer_values, 1)
+                x = layer(x, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims, slots, fused)
+        head = blocks_of(self.model.lm_head)
+        if (in_c and head is not None and self.model.lm_head.bias is None
+                and kernel_of_rows(rows.shape[0], self.head_small[0]) == "blocks"):  # the norm and head: one more call
+            return run.head(x, rows, self.model.model.norm.weight, self.norm_eps, head)
         return final_logits(x[rows], self.model.model.norm.weight, self.norm_eps, self.model.lm_head.weight,
                             self.head_small)
 

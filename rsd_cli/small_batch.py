@@ -100,12 +100,16 @@ def onednn_available() -> bool:
         return False
 
 
+def kernel_of_rows(rows: int, kernels: tuple) -> str:
+    """kernels = (for one row, for 2 to MAX_ROWS rows, for more): the one for this many rows."""
+    return kernels[0] if rows == 1 else kernels[1] if rows <= MAX_ROWS else kernels[2]
+
+
 def kernel_for(x: torch.Tensor, weight: torch.Tensor, kernels: tuple) -> str:
     """The kernel for this product: kernels = (for one row, for 2 to MAX_ROWS rows, for more),
     names from KERNELS; torch's for products that need gradients (oneDNN's op and rsd's kernel
     have no backward)."""
-    rows = x.numel() // x.shape[-1]
-    kernel = kernels[0] if rows == 1 else kernels[1] if rows <= MAX_ROWS else kernels[2]
+    kernel = kernel_of_rows(x.numel() // x.shape[-1], kernels)
     if kernel in ("onednn", "packed", "blocks") and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return "torch"
     return kernel
@@ -408,9 +412,9 @@ def measure_kernels(weights: list[torch.Tensor], rows: tuple[int, ...], blocks: 
                     kernels: tuple[str, ...] | None = None) -> dict[str, float]:
     """Seconds each available kernel (or each of `kernels`) takes for these (out, in) weights of one
     shape, summed over the row counts (with `blocks`, their quantised blocks, rsd's kernel on those
-    too): medians of CALIBRATION_REPEATS interleaved rounds. Each timing runs through all the weights in
-    turn, as a forward does, so they come from memory rather than a warm cache (the first
-    CALIBRATION_BYTES of them: a big model's calibration stays short)."""
+    too): medians of CALIBRATION_REPEATS interleaved rounds. Each timing runs through all the
+    weights in turn, as a forward does, so they come from memory rather than a warm cache (the
+    first CALIBRATION_BYTES of them: a big model's calibration stays short)."""
     weights = _calibration_share(weights)
     blocks = blocks[: len(weights)] if blocks is not None else None
     totals = dict.fromkeys(kernels or available_kernels(quantised=blocks is not None), 0.0)
