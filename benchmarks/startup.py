@@ -1,26 +1,49 @@
-"""`rsd --help` latency and the second load of the default pair (no dequantisation).
+"""How long rsd takes to start: `rsd --help`, a whole one-token `rsd generate` (a process as a user or
+a script starts it: imports, loading the default pair, set-up, one token), loaded light (rsd's own
+Llama modules) and through transformers (RSD_LIGHT_LOAD=0), alternating, and the second load of the
+default pair in this process (no dequantisation).
 
-Run: .venv/bin/python benchmarks/startup.py
+Run on a quiet machine: .venv/bin/python benchmarks/startup.py [--runs 5]
 """
 
+import argparse
+import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+parser = argparse.ArgumentParser()
+parser.add_argument("--runs", type=int, default=5)
+args = parser.parse_args()
+
 rsd = Path(sys.executable).with_name("rsd")
-times = []
-for _ in range(5):
+
+
+def seconds(command: list[str], **env: str) -> float:
     start = time.perf_counter()
-    subprocess.run([str(rsd), "--help"], capture_output=True, check=True)
-    times.append(time.perf_counter() - start)
-print(f"rsd --help: median {statistics.median(times):.2f} s over 5 runs")
+    subprocess.run(command, capture_output=True, check=True, env={**os.environ, **env})
+    return time.perf_counter() - start
+
+
+times = [seconds([str(rsd), "--help"]) for _ in range(args.runs)]
+print(f"rsd --help: median {statistics.median(times):.2f} s over {args.runs} runs")
+
+generate = [str(rsd), "generate", "Hi", "-n", "1"]
+seconds(generate)  # caches warm: the converted model, kernels, verdicts, costs
+runs: dict[str, list[float]] = {"light": [], "transformers": []}
+for _ in range(args.runs):  # alternating: a busy moment of the machine hits both
+    runs["light"].append(seconds(generate, RSD_LIGHT_LOAD="1"))
+    runs["transformers"].append(seconds(generate, RSD_LIGHT_LOAD="0"))
+for how, values in runs.items():
+    print(f'rsd generate "Hi" -n 1, loaded {how}: median {statistics.median(values):.2f} s '
+          f"(min {min(values):.2f}, max {max(values):.2f}) over {args.runs} runs")
 
 from rsd_cli.models import load_pair  # noqa: E402
 from rsd_cli.profiles import load_profile  # noqa: E402
 
-load_pair(load_profile("default"))  # make sure the cache exists
+load_pair(load_profile("default"), light=True)  # make sure the cache exists
 start = time.perf_counter()
-pair = load_pair(load_profile("default"))
-print(f"load of the default pair from the cache: {time.perf_counter() - start:.1f} s ({pair.description})")
+pair = load_pair(load_profile("default"), light=True)
+print(f"load of the default pair from the cache, light: {time.perf_counter() - start:.1f} s ({pair.description})")

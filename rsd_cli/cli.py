@@ -178,14 +178,16 @@ class Loader:
         self.console = _stderr_console()
         self.quiet = quiet or not self.console.is_terminal
 
-    def load(self, profile):
+    def load(self, profile, light: bool = True):
+        """light: the pair runs only on its runtimes (not bench's transformers peers): see load_pair."""
         from .models import load_pair
 
         if self.quiet:
-            return load_pair(profile, notice=notice)
+            return load_pair(profile, notice=notice, light=light)
         with self.console.status("loading models…") as status:  # notices print above the spinner
             return load_pair(profile, progress=lambda m: status.update(m),
-                             notice=lambda m: self.console.print(f"rsd: {m}", markup=False, highlight=False))
+                             notice=lambda m: self.console.print(f"rsd: {m}", markup=False, highlight=False),
+                             light=light)
 
     def target_location(self, profile) -> str:
         """The target's source as from_pretrained takes it (a GGUF file is converted here, once)."""
@@ -392,7 +394,7 @@ def bench(
 
     loader = Loader()
     runtime_mb = runtime_rss_mb(loader.target_location(prof))  # before any weights load
-    pair = loader.load(prof)
+    pair = loader.load(prof, light=False)  # the peers and --compile off run transformers' forward
     from .runtime import runtimes_of
 
     compiles = compiles or [prof["runtime"]["compile"]]

@@ -39,12 +39,10 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from transformers.models.llama.modeling_llama import rotate_half
-
 from .engine import ChainExtension, ForwardClock, full_vocabulary, timed_chain, unchanged_prefix
 from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, native_table
 from .small_batch import (MAX_ROWS, TORCH, blocks_of, kernel_linear, kernel_of_rows, kernels_of, machine,
-                          prepared_copies, room_for, signature)
+                          prepared_copies, register_operator, room_for, signature)
 
 BUCKETS = (1, 2, 4, 8, 16)
 # whole layers in C (blocks.NativeLayer) for every forward that can take them: measured on a 2-core
@@ -88,6 +86,12 @@ def unsupported(model) -> str | None:
 
 
 PLACEMENT_REASONS = ("a model placed over several devices", "a model whose weights accelerate offloads")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' Llama rotation (its modeling module costs ~0.7 s to import; rsd_cli/llama.py)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small: tuple) -> torch.Tensor:
@@ -396,6 +400,7 @@ def _compiled(fn):
         if hasattr(config, name):
             setattr(config, name, max(getattr(config, name), 64))
     config.automatic_dynamic_shapes = False
+    register_operator()  # rsd::linear, what compiled graphs call for the measured kernels
     return torch.compile(fn, fullgraph=True)
 
 

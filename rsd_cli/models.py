@@ -411,14 +411,52 @@ def quiet_transformers() -> None:
     logging.disable_progress_bar()
 
 
-def load_model(source: str, device, dtype, progress: Progress = _quiet, placement: Placement | None = None):
-    """Model and tokenizer, on `device`, or placed over devices by accelerate (`placement`)."""
+def light_load_enabled() -> bool:
+    """RSD_LIGHT_LOAD=0 loads every model through transformers (see rsd_cli/llama.py)."""
+    return os.environ.get("RSD_LIGHT_LOAD", "1").strip() != "0"
+
+
+def _light_tokenizer(folder: Path):
+    """The tokenizer of a folder whose tokenizer_config.json names transformers' generic fast
+    tokenizer, loaded as that class directly (AutoTokenizer would read the model's config first,
+    importing its modeling code); None for any other tokenizer."""
+    try:
+        named = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if named not in ("TokenizersBackend", "PreTrainedTokenizerFast") or not (folder / "tokenizer.json").is_file():
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    return _from_pretrained(PreTrainedTokenizerFast, str(folder), True)
+
+
+def load_model(source: str, device, dtype, progress: Progress = _quiet, placement: Placement | None = None,
+               light: bool = False):
+    """Model and tokenizer, on `device`, or placed over devices by accelerate (`placement`).
+    light: the caller runs the model on rsd's static-cache runtime only, so a Llama checkpoint in a
+    local folder may load without transformers' modeling code (rsd_cli/llama.py): ~2 s sooner."""
+    location, local = resolve_source(source, progress)
+    progress(f"loading {source}")
+    if light and local and placement is None and light_load_enabled():
+        from . import llama
+
+        if llama.why_not(Path(location)) is None:
+            quiet_transformers()
+            tokenizer = _light_tokenizer(Path(location))
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = _from_pretrained(AutoTokenizer, location, local)
+            model = llama.load(Path(location), device, dtype)
+            from . import small_batch
+
+            small_batch.install(model)
+            return model, tokenizer
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
-
-    location, local = resolve_source(source, progress)
-    progress(f"loading {source}")
     tokenizer = _from_pretrained(AutoTokenizer, location, local)
     kwargs = placement.kwargs() if placement is not None else {}
     with contextlib.redirect_stderr(io.StringIO()) if placement is not None else contextlib.nullcontext():
@@ -561,9 +599,11 @@ def _empty_adapter(target, index: int, head_rows: int | None):
     accelerate's hooks and offloaded weights, which a copy must not take along."""
     import torch
 
+    from .llama import uninitialised
+
     inner = _decoder_parts(target)
     config = target.config
-    with torch.device("meta"):
+    with torch.device("meta"), uninitialised():
         adapter = torch.nn.ModuleDict({"layer": type(inner.layers[0])(config, index)})
         if head_rows is not None:
             adapter["norm"] = type(inner.norm)(config.hidden_size, eps=config.rms_norm_eps)
@@ -580,6 +620,8 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
     In BPE vocabularies low ids are the early, frequent merges."""
     import torch
 
+    from .llama import uninitialised
+
     inner = _decoder_parts(target)
     total = inner.config.num_hidden_layers if hasattr(inner, "config") else len(inner.layers)
     if layers >= total:
@@ -588,7 +630,7 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
     config.num_hidden_layers = layers + (adapter is not None)
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[: config.num_hidden_layers]
-    with torch.device("meta"):
+    with torch.device("meta"), uninitialised():
         draft = type(target)(config)
     draft.model.embed_tokens = inner.embed_tokens
     kept = list(inner.layers[:layers])
@@ -604,7 +646,7 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
         weight = draft.lm_head.weight
         if weight.device.type == "meta":  # offloaded by accelerate: the draft keeps its rows in memory
             weight = tensor_value(draft.lm_head, "weight")[:vocab].to(execution_device(draft.lm_head)).clone()
-        with torch.device("meta"):
+        with torch.device("meta"), uninitialised():
             draft.lm_head = torch.nn.Linear(config.hidden_size, vocab, bias=False)
         draft.lm_head.weight = torch.nn.Parameter(weight[:vocab], requires_grad=weight.requires_grad)
     draft.generation_config = target.generation_config
@@ -755,11 +797,15 @@ class ModelPair:
     notice: Callable[[str], None] = _quiet  # one line for the user, as loading printed them
 
 
-def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet) -> ModelPair:
+def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, light: bool = False) -> ModelPair:
+    """light: the caller runs the pair only through `pair.runtimes` (generate, chat, inspect-tree;
+    not bench's transformers peers): with --compile auto or on, Llama checkpoints then load without
+    transformers' modeling code (load_model)."""
     target_place, device, dtype = target_placement(profile)
     draft_place = placement_of(profile, "draft")
     target_source = profile.resolve_path(profile["target"]["source"])
-    target, tokenizer = load_model(target_source, device, dtype, progress, target_place)
+    light = light and profile["runtime"]["compile"] != "off"
+    target, tokenizer = load_model(target_source, device, dtype, progress, target_place, light)
     draft_cfg = profile["draft"]
     if draft_cfg["kind"] == "early-exit":
         path = adapter_path(draft_cfg["adapter"], profile, target, draft_cfg["layers"])
@@ -774,7 +820,7 @@ def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet) -
             raise RsdError(f"{profile.path}: draft.kind = \"model\" needs draft.source")
         # unless placed itself, a separate draft goes where the target's inputs go (its first GPU)
         draft, draft_tok = load_model(profile.resolve_path(draft_cfg["source"]), input_device(target), dtype,
-                                      progress, draft_place)
+                                      progress, draft_place, light)
         check_same_tokenizer(tokenizer, draft_tok)
         what = draft_cfg["source"]
     vocab = target.config.vocab_size

@@ -145,8 +145,20 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return run_kernel(kernel, x, weight, bias, copy)
 
 
+_COMPILABLE = None  # whether rsd::linear is registered: register_operator()
+
+
+def register_operator() -> bool:
+    """rsd::linear for compiled graphs (torch >= 2.4), registered once before the first compile
+    (compiled._compiled; registering costs ~0.15 s, which a process that compiles nothing skips);
+    False where this torch cannot register it: compiled graphs then use torch's product."""
+    global _COMPILABLE
+    if _COMPILABLE is None:
+        _COMPILABLE = _register_operator()
+    return _COMPILABLE
+
+
 def _register_operator() -> bool:
-    """rsd::linear for compiled graphs (torch >= 2.4); False where this torch cannot register it."""
     if not hasattr(torch.library, "custom_op"):
         return False
     try:
@@ -164,7 +176,6 @@ def _register_operator() -> bool:
     return True
 
 
-_COMPILABLE = _register_operator()
 
 
 def _forward(self, x):

@@ -1,0 +1,230 @@
+"""Llama-architecture checkpoints loaded without transformers' modeling code.
+
+Importing transformers' Llama model costs ~2 s of a 2-core CPU's time (its modeling code pulls
+torch._dynamo, torch.distributed and every model's import structure in), about half of what a
+short `rsd generate` takes. rsd's static-cache runtime (`compiled.CompiledModel`) reads a model's
+weights, norms and rotary tables but never calls its forward, so where that runtime runs both
+models, the checkpoint is loaded into the modules below instead: the same module tree, parameter
+names and constructors as transformers' `LlamaForCausalLM` (the early-exit draft, the adapter and
+the fingerprint work on it unchanged), without a forward of its own. A checkpoint this module
+does not cover (another architecture, a rotary scaling, remote code, quantised weights, no
+safetensors), a placement over devices and `--compile off` load through transformers as before;
+RSD_LIGHT_LOAD=0 always does. Tests compare both loads: state dicts, fingerprints, rotary tables
+and logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from .errors import RsdError
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+LOADED_BY = "rsd (without transformers' modeling code)"
+
+
+def _rope(raw: dict) -> tuple[float, str]:
+    """(rope_theta, rope_type) as transformers 4 (rope_theta, rope_scaling) or 5 (rope_parameters)
+    write them in config.json."""
+    parameters = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    theta = parameters.get("rope_theta", raw.get("rope_theta", 10000.0))
+    kinds = (parameters.get("rope_type"), scaling.get("rope_type"), scaling.get("type"))
+    # any scaling named anywhere decides (which one transformers would apply is not ours to guess)
+    return float(theta), next((k for k in kinds if k and k != "default"), "default")
+
+
+def why_not(folder: Path) -> str | None:
+    """Why this model folder must load through transformers, or None when it can load here."""
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return "no readable config.json"
+    if raw.get("model_type") != "llama" or raw.get("architectures", ["LlamaForCausalLM"]) != ["LlamaForCausalLM"]:
+        return f"a {raw.get('model_type')} model"
+    if raw.get("auto_map") or raw.get("quantization_config"):
+        return "remote code or quantised weights"
+    if raw.get("hidden_act", "silu") != "silu" or raw.get("mlp_bias") or raw.get("pretraining_tp", 1) != 1:
+        return "layers that differ from Llama's"
+    if _rope(raw)[1] != "default":
+        return f"rope type {_rope(raw)[1]!r}"
+    if not ((folder / WEIGHTS).is_file() or (folder / INDEX).is_file()):
+        return "no safetensors weights"
+    return None
+
+
+def read_config(folder: Path) -> SimpleNamespace:
+    """config.json with transformers' defaults for what it leaves out (LlamaConfig's)."""
+    raw = json.loads((folder / "config.json").read_text())
+    theta, kind = _rope(raw)
+    values = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": None, "hidden_act": "silu",
+              "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "pad_token_id": None, "bos_token_id": 1,
+              "eos_token_id": 2, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+              "head_dim": None, **raw, "rope_parameters": {"rope_theta": theta, "rope_type": kind}}
+    if values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    if values["head_dim"] is None:
+        values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+    values.pop("rope_scaling", None)
+    values.pop("rope_theta", None)
+    return SimpleNamespace(**values)
+
+
+def read_generation_config(folder: Path) -> SimpleNamespace:
+    """generation_config.json (rsd reads its eos_token_id), or the config's ids where it is missing."""
+    try:
+        raw = json.loads((folder / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        raw = {}
+    return SimpleNamespace(**raw)
+
+
+@contextlib.contextmanager
+def uninitialised():
+    """Linear and embedding modules made without drawing initial values, for modules whose values
+    are loaded next: on "meta" those draws import torch._dynamo (~0.7 s) and are thrown away."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+
+class RotaryEmbedding(nn.Module):
+    """cos and sin of each position's angles, as transformers' default rotary embedding makes them
+    (float32 angles, then the input's dtype)."""
+
+    rope_type = "default"
+    attention_scaling = 1.0
+
+    def __init__(self, config):
+        super().__init__()
+        dim = config.head_dim
+        base = config.rope_parameters["rope_theta"]
+        # on the CPU even while the modules are made on "meta" (load): a table, computed, not loaded
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim ** -0.5
+        heads, kv_heads, bias = config.num_attention_heads, config.num_key_value_heads, config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class Decoder(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(DecoderLayer(config, index) for index in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+class LlamaForCausalLM(nn.Module):
+    """transformers' LlamaForCausalLM's modules and parameter names, without its forward: rsd's
+    static-cache runtime computes with them."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.generation_config = SimpleNamespace(eos_token_id=config.eos_token_id)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def forward(self, *args, **kwargs):
+        raise RsdError(f"this model was loaded by {LOADED_BY}: it runs on rsd's static-cache runtime only "
+                       "(load it with --compile on or auto, or RSD_LIGHT_LOAD=0 for transformers' forward)")
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if (folder / WEIGHTS).is_file():
+        return load_file(str(folder / WEIGHTS))
+    shards = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors.update(load_file(str(folder / shard)))
+    return tensors
+
+
+def load(folder: Path, device, dtype) -> LlamaForCausalLM:
+    """The checkpoint in `folder` (why_not(folder) is None) on `device` in `dtype`, in eval mode."""
+    config = read_config(folder)
+    with torch.device("meta"), uninitialised():
+        model = LlamaForCausalLM(config)
+    try:
+        tensors = {name: tensor.to(dtype=dtype) for name, tensor in _tensors(folder).items()}
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise RsdError(f"cannot read the weights in {folder}: {str(e).splitlines()[0]}") from None
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or unexpected:
+        raise RsdError(f"the weights in {folder} do not fit its config.json ({len(missing)} missing, e.g. "
+                       f"{(missing or ['-'])[0]}; {len(unexpected)} unexpected, e.g. {(unexpected or ['-'])[0]})")
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.generation_config = read_generation_config(folder)
+    if not hasattr(model.generation_config, "eos_token_id"):
+        model.generation_config.eos_token_id = config.eos_token_id
+    return model.to(device).eval()
+

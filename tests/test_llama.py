@@ -1,0 +1,222 @@
+"""Light loading (rsd_cli/llama.py): a Llama checkpoint read into rsd's own modules, without
+transformers' modeling code, must be the model transformers loads — the same tensors under the same
+names, fingerprint, rotary tables, end-of-sequence ids and logits on the static-cache runtime — and
+be used only where nothing runs transformers' forward."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from rsd_cli import llama, models
+from rsd_cli.cli import app
+from rsd_cli.compiled import CompiledModel, StaticLM
+from rsd_cli.errors import RsdError
+from tiny import tiny_model, tiny_tokenizer
+
+V = 40
+
+
+def _save(model, folder: Path, **save) -> Path:
+    model.save_pretrained(folder, **save)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _both(folder: Path):
+    """(light model, transformers' model) of the same folder."""
+    light = models.load_model(str(folder), torch.device("cpu"), torch.float32, light=True)[0]
+    full = models.load_model(str(folder), torch.device("cpu"), torch.float32)[0]
+    return light, full
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return _save(tiny_model(V, layers=3, seed=4, scale=0.3), tmp_path_factory.mktemp("light") / "m")
+
+
+def test_a_llama_folder_loads_light_and_holds_transformers_tensors_names_and_fingerprint(tiny_dir):
+    assert llama.why_not(tiny_dir) is None
+    light, full = _both(tiny_dir)
+    assert isinstance(light, llama.LlamaForCausalLM) and not isinstance(full, llama.LlamaForCausalLM)
+    ours, theirs = light.state_dict(), full.state_dict()
+    assert list(ours) == list(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    assert models.fingerprint(light) == models.fingerprint(full)
+    assert models.weight_sample(light) == models.weight_sample(full)
+    assert models.params_read(light) == models.params_read(full)
+    assert models._eos_ids(tiny_tokenizer(), light) == models._eos_ids(tiny_tokenizer(), full)
+    positions = torch.arange(256)[None]
+    for a, b in zip(light.model.rotary_emb(torch.zeros(1), positions), full.model.rotary_emb(torch.zeros(1), positions)):
+        assert torch.equal(a, b)
+    assert (light.model.layers[1].self_attn.head_dim, light.model.layers[1].self_attn.scaling) == \
+        (full.model.layers[1].self_attn.head_dim, full.model.layers[1].self_attn.scaling)
+    with pytest.raises(RsdError, match="static-cache runtime only"):
+        light(torch.tensor([[1, 2]]))
+
+
+def test_the_generic_fast_tokenizer_loads_without_the_models_config(tiny_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    light, full = models._light_tokenizer(tiny_dir), AutoTokenizer.from_pretrained(str(tiny_dir))
+    assert light is not None and type(light) is type(full)
+    text = "hello, world!\nwho's there?"
+    assert light.encode(text) == full.encode(text) and light.decode(light.encode(text)) == full.decode(full.encode(text))
+    chat = [{"role": "user", "content": "hi"}]
+    assert light.apply_chat_template(chat, add_generation_prompt=True) == \
+        full.apply_chat_template(chat, add_generation_prompt=True)
+    assert (light.eos_token_id, light.get_vocab()) == (full.eos_token_id, full.get_vocab())
+    other = tmp_path / "other"
+    shutil.copytree(tiny_dir, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer"}))
+    assert models._light_tokenizer(other) is None  # a class of its own: AutoTokenizer picks it
+
+
+def _static_logits(model, tokens: list[int]) -> torch.Tensor:
+    lm = StaticLM(CompiledModel(model, compile=False), V, capacity=32)
+    with torch.inference_mode():
+        return lm.extend(tokens, last_only=False)
+
+
+def test_light_models_give_transformers_logits_and_so_does_their_early_exit_draft(tiny_dir):
+    light, full = _both(tiny_dir)
+    tokens = [1, 5, 9, 3, 17, 22, 8, 30]
+    ours = _static_logits(light, tokens)
+    assert torch.equal(ours, _static_logits(full, tokens))
+    with torch.inference_mode():
+        eager = full(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(ours, eager, atol=1e-5, rtol=1e-5)
+    # an early-exit draft (adapter + own norm and 16-row head) on each: the same modules, the same logits
+    drafts = []
+    for target in (light, full):
+        adapter = models.new_adapter(target, 2, head_rows=16)
+        drafts.append(models.early_exit_draft(target, 2, adapter, vocab=16))
+    assert type(drafts[0]) is llama.LlamaForCausalLM
+    assert list(drafts[0].state_dict()) == list(drafts[1].state_dict())
+    assert torch.equal(_static_logits(drafts[0], tokens), _static_logits(drafts[1], tokens))
+
+
+def test_tied_and_sharded_checkpoints_load_light(tmp_path):
+    tied = tiny_model(V, layers=2, seed=5)
+    tied.config.tie_word_embeddings = True
+    tied.tie_weights()
+    light, full = _both(_save(tied, tmp_path / "tied"))
+    assert light.lm_head.weight is light.model.embed_tokens.weight
+    assert models.fingerprint(light) == models.fingerprint(full)
+    assert torch.equal(light.lm_head.weight, full.lm_head.weight)
+
+    sharded = _save(tiny_model(V, layers=2, seed=6), tmp_path / "sharded", max_shard_size="20KB")
+    assert (sharded / llama.INDEX).is_file() and not (sharded / llama.WEIGHTS).exists()
+    light, full = _both(sharded)
+    for name, tensor in full.state_dict().items():
+        assert torch.equal(light.state_dict()[name], tensor), name
+
+
+def _edited(folder: Path, tmp_path: Path, **changes) -> Path:
+    copy = tmp_path / "edited"
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config.update(changes)
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+@pytest.mark.parametrize("changes, reason, loads", [
+    ({"model_type": "mistral"}, "a mistral model", False),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}}, "rope type 'llama3'", False),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope type 'linear'", True),
+    ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantised", False),
+    ({"auto_map": {"AutoModelForCausalLM": "x.Y"}}, "remote code", False),
+    ({"hidden_act": "gelu"}, "differ from Llama", True),
+])
+def test_what_light_loading_does_not_cover_loads_through_transformers(tiny_dir, tmp_path, changes, reason, loads):
+    folder = _edited(tiny_dir, tmp_path, **changes)
+    assert reason in llama.why_not(folder)
+    if loads:  # (the others transformers reads in ways of its own; the reason is what counts here)
+        model = models.load_model(str(folder), torch.device("cpu"), torch.float32, light=True)[0]
+        assert not isinstance(model, llama.LlamaForCausalLM)
+
+
+def test_no_safetensors_or_unfitting_tensors(tiny_dir, tmp_path):
+    folder = tmp_path / "bin"
+    shutil.copytree(tiny_dir, folder)
+    (folder / llama.WEIGHTS).unlink()
+    assert llama.why_not(folder) == "no safetensors weights"
+    wrong = _edited(tiny_dir, tmp_path, num_hidden_layers=4)  # the file holds 3 layers
+    with pytest.raises(RsdError, match="do not fit its config.json .9 missing"):
+        llama.load(wrong, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture
+def uncompiled_verdict(tmp_path, monkeypatch):
+    """--compile auto without measuring (compiling) here: compiling does not pay."""
+    from rsd_cli import compiled
+
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(compiled, "compiled_gain", lambda model: 1.5)
+
+
+def test_light_only_where_the_static_cache_runtime_runs_both_models(tiny_profile, monkeypatch, uncompiled_verdict):
+    from rsd_cli.profiles import load_profile
+
+    for compile, light, expected in (("auto", True, True), ("off", True, False), ("auto", False, False)):
+        monkeypatch.setenv("RSD_RUNTIME_COMPILE", compile)
+        pair = models.load_pair(load_profile(str(tiny_profile)), light=light)
+        assert isinstance(pair.target, llama.LlamaForCausalLM) is expected, (compile, light)
+        assert isinstance(pair.draft, llama.LlamaForCausalLM) is expected, (compile, light)
+        assert (pair.runtimes.target is not None) is (compile != "off")
+    monkeypatch.setenv("RSD_RUNTIME_COMPILE", "auto")
+    monkeypatch.setenv("RSD_LIGHT_LOAD", "0")
+    pair = models.load_pair(load_profile(str(tiny_profile)), light=True)
+    assert not isinstance(pair.target, llama.LlamaForCausalLM)
+
+
+def test_generate_prints_the_same_answer_loaded_light_or_not(tiny_profile, monkeypatch, uncompiled_verdict):
+    monkeypatch.setenv("RSD_RUNTIME_COMPILE", "auto")
+    runner = CliRunner()
+    answers = []
+    for light in ("1", "0"):
+        monkeypatch.setenv("RSD_LIGHT_LOAD", light)
+        result = runner.invoke(app, ["generate", "hello there", "--profile", str(tiny_profile), "--json", "-n", "12",
+                                     "-t", "1", "--seed", "3", "-v", "rsd-c"])
+        assert result.exit_code == 0, result.output
+        answers.append(json.loads(result.stdout.splitlines()[-1])["token_ids"])
+    assert answers[0] == answers[1] and len(answers[0]) == 12
+
+
+def test_a_light_load_imports_no_modeling_code(tiny_profile, tiny_pair_dir, tmp_path, monkeypatch):
+    """What makes it light: transformers' Llama modeling module (and torch._dynamo, which it and
+    initialising modules on "meta" pull in) stay unimported through a whole generation, once the
+    compile verdict is known (it is cached: here written beforehand, "does not pay")."""
+    from rsd_cli import compiled
+
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "torch")
+    target = models.load_model(str(tiny_pair_dir / "target"), "cpu", torch.float32, light=True)[0]
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "compile.json").write_text(json.dumps(
+        {compiled.verdict_key(target): {"compiled_over_eager": 1.5, "compile": False}}))
+    script = (
+        "import sys\n"
+        "import torch\n"
+        "torch.set_num_threads(1)\n"  # the verdict key counts threads: as in this process
+        "from rsd_cli.cli import app\n"
+        f"sys.argv = ['rsd', 'generate', 'hi', '--profile', {str(tiny_profile)!r}, '-n', '4', '--compile', 'auto']\n"
+        "try:\n    app()\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.endswith('modeling_llama') or m == 'torch._dynamo'))\n"
+    )
+    env = {**os.environ, "RSD_CONFIG_DIR": str(tmp_path / "config"), "RSD_CACHE_DIR": str(tmp_path / "cache"),
+           "RSD_SMALL_BATCH_MATMUL": "torch"}
+    env.pop("RSD_LIGHT_LOAD", None)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.stdout.splitlines()[-1] == "[]", done.stdout + done.stderr
