@@ -55,8 +55,13 @@ def why_not(folder: Path) -> str | None:
         return "layers that differ from Llama's"
     if _rope(raw)[1] != "default":
         return f"rope type {_rope(raw)[1]!r}"
-    if not ((folder / WEIGHTS).is_file() or (folder / INDEX).is_file()):
-        return "no safetensors weights"
+    if not (folder / WEIGHTS).is_file():
+        try:
+            shards = set(json.loads((folder / INDEX).read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return "no safetensors weights"
+        if not all((folder / shard).is_file() for shard in shards):  # (a download cut short)
+            return "safetensors shards missing"
     return None
 
 

@@ -431,24 +431,36 @@ def _light_tokenizer(folder: Path):
     return _from_pretrained(PreTrainedTokenizerFast, str(folder), True)
 
 
+def _hub_snapshot(repo_id: str) -> Path | None:
+    """The folder of a hub model's files in the local hub cache (its main revision), or None."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached, or a hub library that differs: transformers finds it
+        return None
+
+
 def load_model(source: str, device, dtype, progress: Progress = _quiet, placement: Placement | None = None,
                light: bool = False):
     """Model and tokenizer, on `device`, or placed over devices by accelerate (`placement`).
     light: the caller runs the model on rsd's static-cache runtime only, so a Llama checkpoint in a
-    local folder may load without transformers' modeling code (rsd_cli/llama.py): ~2 s sooner."""
+    local folder or in the local hub cache may load without transformers' modeling code
+    (rsd_cli/llama.py): ~2 s sooner."""
     location, local = resolve_source(source, progress)
     progress(f"loading {source}")
-    if light and local and placement is None and light_load_enabled():
+    if light and placement is None and light_load_enabled():
         from . import llama
 
-        if llama.why_not(Path(location)) is None:
+        folder = Path(location) if local else _hub_snapshot(location)
+        if folder is not None and llama.why_not(folder) is None:
             quiet_transformers()
-            tokenizer = _light_tokenizer(Path(location))
+            tokenizer = _light_tokenizer(folder)
             if tokenizer is None:
                 from transformers import AutoTokenizer
 
                 tokenizer = _from_pretrained(AutoTokenizer, location, local)
-            model = llama.load(Path(location), device, dtype)
+            model = llama.load(folder, device, dtype)
             from . import small_batch
 
             small_batch.install(model)

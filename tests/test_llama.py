@@ -122,6 +122,26 @@ def test_tied_and_sharded_checkpoints_load_light(tmp_path):
         assert torch.equal(light.state_dict()[name], tensor), name
 
 
+def test_a_hub_model_in_the_local_hub_cache_loads_light(tiny_dir, tmp_path, monkeypatch):
+    """A hub id whose files are in the hub cache (its main revision) loads light from there; one
+    with a shard missing (a download cut short) or not cached at all loads through transformers."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--tiny--llama"
+    shutil.copytree(tiny_dir, repo / "snapshots" / "c0ffee")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c0ffee")
+    model = models.load_model("tiny/llama", torch.device("cpu"), torch.float32, light=True)[0]
+    assert isinstance(model, llama.LlamaForCausalLM)
+    assert models.fingerprint(model) == models.fingerprint(_both(tiny_dir)[1])
+    assert models._hub_snapshot("tiny/absent") is None
+
+    sharded = _save(tiny_model(V, layers=2, seed=6), tmp_path / "sharded", max_shard_size="20KB")
+    next(sharded.glob("model-00002-*.safetensors")).unlink()
+    assert llama.why_not(sharded) == "safetensors shards missing"
+
+
 def _edited(folder: Path, tmp_path: Path, **changes) -> Path:
     copy = tmp_path / "edited"
     shutil.copytree(folder, copy)
