@@ -53,6 +53,30 @@ def test_blocks_are_recognised_only_where_they_give_back_every_value(fmt):
         assert blocks.quantised_blocks(broken) is None
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_the_c_library_makes_the_blocks_torch_makes_and_turns_down_the_same_weights(fmt, tmp_path):
+    """q4_1_blocks / q8_0_blocks in one pass of the C library (the default and a build without
+    AVX-512) against the same functions on torch's operations: the same bytes, the same refusals."""
+    make = {"q4_1": blocks.q4_1_blocks, "q8_0": blocks.q8_0_blocks}[fmt]
+    w = weight(fmt, 64, 256, seed=3)
+    w[5, :32] = 0.25  # a constant block (d = 0)
+    w[6, 32:64] = torch.linspace(-1, 1, 32)
+    w[6, 32:64] = FORMATS[fmt](w[6:7])[0, 32:64]
+    w[9, 64:96] *= 2**-20  # tiny scales (half-float subnormals)
+    w = FORMATS[fmt](w)
+    nudged = w.clone()  # one value off by an ulp, not its block's smallest or largest (d and m stay)
+    block = nudged[40, 192:224]
+    inner = next(j for j in range(32) if block.min() < block[j] < block.max())
+    block[inner] = torch.nextafter(block[inner], block.max())
+    plain = torch.randn(64, 256) * 0.05
+    libraries = [blocks.library(), blocks.build(tmp_path, (*blocks.FLAGS, "-mno-avx512f"))]
+    for lib in libraries:
+        found = make(w, lib)
+        assert found is not None and torch.equal(found, make(w, False))
+        assert make(nudged, lib) is None and make(nudged, False) is None
+        assert make(plain, lib) is None and make(plain, False) is None
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 64])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_kernel_computes_linear_s_product(fmt, rows):
