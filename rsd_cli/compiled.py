@@ -262,6 +262,15 @@ class CompiledModel:
         self._captured: dict[tuple, tuple] = {}  # (token count, buffer address) -> (inputs, graph, logits)
         self._pool = None  # one CUDA memory pool for all this model's graphs (they run one at a time)
 
+    @property
+    def all_in_c(self) -> bool:
+        """Whether every layer runs in rsd's C library here (uncompiled, on a CPU: blocks.NativeLayer).
+        `auto` then stays uncompiled without measuring: a compiled layer runs the same products
+        (rsd::linear) with its other operations and a graph call around them, which one call of the
+        library for all layers undercuts (the embedded target, 1 token on a 2-core AMD EPYC: 4.6 ms
+        in C, 9.9 ms compiled), and measuring would compile for ~18 s on a first run."""
+        return self.native is not None and all(self.native) and self.device.type == "cpu"
+
     def _kernels(self, linear) -> tuple:
         """(the CPU kernels of this linear, the copies of its weight they run on)."""
         return kernels_of(linear), prepared_copies(linear)
@@ -567,7 +576,8 @@ def compile_pays(model, progress=lambda message: None, notice=lambda message: No
 def runtime_for(model, setting: str, role: str, progress=lambda message: None, notice=lambda message: None):
     """The CompiledModel a --compile setting gives this model, or None for transformers' eager
     forward. "off": eager transformers; "on": the static-cache runtime, compiled; "auto": the
-    static-cache runtime, compiled where it measured faster on this machine (cached verdict)."""
+    static-cache runtime, compiled where it measured faster on this machine (cached verdict), and
+    uncompiled without measuring where every layer runs in C (CompiledModel.all_in_c)."""
     if setting == "off":
         return None
     reason = unsupported(model)
@@ -577,8 +587,12 @@ def runtime_for(model, setting: str, role: str, progress=lambda message: None, n
             what = "--compile on" if setting == "on" else "the static-cache runtime"
             notice(f"{what} does not apply to the {role} ({reason}): it runs on transformers' eager forward")
         return None
+    if setting == "auto":
+        uncompiled = CompiledModel(model, compile=False, notice=notice)
+        if uncompiled.all_in_c:  # nothing to measure: compiled graphs run the same products with more overhead
+            return uncompiled
     compile = setting == "on" or compile_pays(model, progress, notice)
-    runtime = CompiledModel(model, compile=compile, notice=notice)
+    runtime = uncompiled if setting == "auto" and not compile else CompiledModel(model, compile=compile, notice=notice)
     if compile and not runtime.graphed:  # (CUDA graphs are captured at their first use: milliseconds)
         first = _first_compile_here(model)
         if first:

@@ -287,6 +287,25 @@ def test_greedy_on_the_blocks_kernel_equals_plain_greedy(quantised_pair, shape):
         assert run(kernel, runtimes, shape, greedy, 25, seed=0) == expected
 
 
+def test_auto_stays_uncompiled_without_measuring_where_every_layer_runs_in_c(quantised_pair, tmp_path, monkeypatch):
+    """--compile auto on a model whose layers all run in the C library: the uncompiled runtime, with
+    no compile to measure (nothing compiled, no verdict written); a model with a layer outside it
+    is measured as before."""
+    from rsd_cli import compiled
+
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    measured = []
+    monkeypatch.setattr(compiled, "compiled_gain", lambda model: measured.append(model) or 0.5)
+    _, kernel, _ = quantised_pair
+    runtime = compiled.runtime_for(kernel[0], "auto", "target")
+    assert runtime is not None and runtime.all_in_c and not runtime.compiled
+    assert measured == [] and not (tmp_path / "cache" / "compile.json").exists()
+    assert compiled.runtime_for(kernel[0], "on", "target").compiled  # asked for: compiled all the same
+    plain = tiny_model(V, layers=1)  # float weights: torch's layer, so measured (here: compiling pays)
+    runtime = compiled.runtime_for(plain, "auto", "target")
+    assert measured == [plain] and runtime.compiled and not runtime.all_in_c
+
+
 def layers_in_c(monkeypatch) -> list:
     """Counts the layers the C library runs (one call for them all, or one call a layer), and
     "head" where it runs the final norm and the output head too."""
