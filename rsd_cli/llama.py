@@ -83,13 +83,14 @@ def read_config(folder: Path) -> SimpleNamespace:
     return SimpleNamespace(**values)
 
 
-def read_generation_config(folder: Path) -> SimpleNamespace:
-    """generation_config.json (rsd reads its eos_token_id), or the config's ids where it is missing."""
+def read_generation_config(folder: Path, config) -> SimpleNamespace:
+    """generation_config.json (rsd reads its eos_token_id), the config's eos_token_id where it
+    names none (as transformers' generation config falls back to the model's)."""
     try:
         raw = json.loads((folder / "generation_config.json").read_text())
     except (OSError, ValueError):
         raw = {}
-    return SimpleNamespace(**raw)
+    return SimpleNamespace(**{"eos_token_id": config.eos_token_id, **raw})
 
 
 @contextlib.contextmanager
@@ -220,6 +221,8 @@ def load(folder: Path, device, dtype) -> LlamaForCausalLM:
         raise RsdError(f"cannot read the weights in {folder}: {str(e).splitlines()[0]}") from None
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
+    for name in [name for name in tensors if name.endswith("rotary_emb.inv_freq")]:  # (older checkpoints saved
+        del tensors[name]  # the rotary table, which transformers also ignores: it is computed)
     expected = set(model.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:
@@ -228,8 +231,6 @@ def load(folder: Path, device, dtype) -> LlamaForCausalLM:
     model.load_state_dict(tensors, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.generation_config = read_generation_config(folder)
-    if not hasattr(model.generation_config, "eos_token_id"):
-        model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config = read_generation_config(folder, config)
     return model.to(device).eval()
 

@@ -115,6 +115,20 @@ def test_tied_and_sharded_checkpoints_load_light(tmp_path):
     assert models.fingerprint(light) == models.fingerprint(full)
     assert torch.equal(light.lm_head.weight, full.lm_head.weight)
 
+    from safetensors.torch import load_file, save_file
+
+    older = _save(tiny_model(V, layers=2, seed=7), tmp_path / "older")  # with the rotary table saved, as some were
+    tensors = load_file(str(older / llama.WEIGHTS))
+    tensors["model.rotary_emb.inv_freq"] = torch.ones(4)
+    save_file(tensors, str(older / llama.WEIGHTS), metadata={"format": "pt"})
+    generation = json.loads((older / "generation_config.json").read_text())
+    (older / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [2, 5]}))
+    light, full = _both(older)
+    assert models.fingerprint(light) == models.fingerprint(full)
+    assert models._eos_ids(tiny_tokenizer(), light) == models._eos_ids(tiny_tokenizer(), full) == {2, 5}
+    (older / "generation_config.json").unlink()
+    assert llama.load(older, torch.device("cpu"), torch.float32).generation_config.eos_token_id == 2  # the config's
+
     sharded = _save(tiny_model(V, layers=2, seed=6), tmp_path / "sharded", max_shard_size="20KB")
     assert (sharded / llama.INDEX).is_file() and not (sharded / llama.WEIGHTS).exists()
     light, full = _both(sharded)
