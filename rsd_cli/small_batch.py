@@ -176,8 +176,6 @@ def _register_operator() -> bool:
     return True
 
 
-
-
 def _forward(self, x):
     kernel = kernel_for(x, self.weight, self._rsd_kernels)
     return run_kernel(kernel, x, self.weight, self.bias, prepared_of(self, kernel))
