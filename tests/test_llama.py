@@ -82,10 +82,13 @@ def test_the_generic_fast_tokenizer_loads_without_the_models_config(tiny_dir, tm
     assert models._light_tokenizer(other) is None  # a class of its own: AutoTokenizer picks it
 
 
-def _static_logits(model, tokens: list[int]) -> torch.Tensor:
-    lm = StaticLM(CompiledModel(model, compile=False), V, capacity=32)
+def _static_logits(model, tokens: list[int], static_shapes: bool = False) -> torch.Tensor:
+    """Logits of every token on the static-cache runtime (static_shapes: the path CUDA graphs replay)."""
+    lm = StaticLM(CompiledModel(model, compile=False, static_shapes=static_shapes), V, capacity=32)
     with torch.inference_mode():
-        return lm.extend(tokens, last_only=False)
+        logits = lm.extend(tokens, last_only=False)
+    lm.release()
+    return logits
 
 
 def test_light_models_give_transformers_logits_and_so_does_their_early_exit_draft(tiny_dir):
@@ -96,6 +99,7 @@ def test_light_models_give_transformers_logits_and_so_does_their_early_exit_draf
     with torch.inference_mode():
         eager = full(torch.tensor([tokens])).logits[0]
     torch.testing.assert_close(ours, eager, atol=1e-5, rtol=1e-5)
+    assert torch.equal(_static_logits(light, tokens[:4], True), _static_logits(full, tokens[:4], True))
     # an early-exit draft (adapter + own norm and 16-row head) on each: the same modules, the same logits
     drafts = []
     for target in (light, full):
