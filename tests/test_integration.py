@@ -38,6 +38,31 @@ def test_rsd_generate_on_the_embedded_default():
     assert "block efficiency" in result.stderr and "Paris" not in result.stderr
 
 
+def test_the_embedded_pair_loaded_light_samples_the_same_tokens(embedded_pair, monkeypatch):
+    """Loaded without transformers' modeling code (rsd_cli/llama.py, what generate, chat and
+    inspect-tree do), the embedded pair is the same pair: fingerprint, adapter, runtime, and the
+    tokens a seeded `sd` sampling run draws."""
+    from rsd_cli import llama
+    from rsd_cli.generation import complete
+    from rsd_cli.models import fingerprint, load_pair
+    from rsd_cli.profiles import load_profile
+    from rsd_cli.prompting import encode_prompt
+    from rsd_cli.runtime import apply_flags, make_decoder
+
+    profile, pair = embedded_pair
+    monkeypatch.delenv("RSD_SMALL_BATCH_MATMUL")  # the kernels the module's pair loaded with (its own choice)
+    light = load_pair(load_profile("default", environ={}), light=True)
+    assert isinstance(light.target, llama.LlamaForCausalLM) and not isinstance(pair.target, llama.LlamaForCausalLM)
+    assert fingerprint(light.target) == fingerprint(pair.target) and light.description == pair.description
+    assert light.runtimes.describe() == pair.runtimes.describe()
+    settings = {"variant": "sd", "draft_len": 2, "temperature": 0.7}
+    ids = encode_prompt(pair.tokenizer, "Name three colours of the rainbow.")
+    assert encode_prompt(light.tokenizer, "Name three colours of the rainbow.") == ids
+    sampled = [complete(make_decoder(p, apply_flags(load_profile("default", environ={}), settings)), ids, 32, seed=5)[0]
+               for p in (light, pair)]
+    assert sampled[0] == sampled[1] and len(sampled[0]) == 32
+
+
 @pytest.mark.parametrize("variant", ["sd", "mss", "spectr", "rsd-c", "rsd-s", "auto"])
 def test_every_variant_is_greedy_exact_on_the_embedded_pair(embedded_pair, variant):
     from rsd_cli.generation import complete
