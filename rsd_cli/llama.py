@@ -53,16 +53,22 @@ def why_not(folder: Path) -> str | None:
         return "remote code or quantised weights"
     if raw.get("hidden_act", "silu") != "silu" or raw.get("mlp_bias") or raw.get("pretraining_tp", 1) != 1:
         return "layers that differ from Llama's"
-    if _rope(raw)[1] != "default":
-        return f"rope type {_rope(raw)[1]!r}"
+    rope_type = _rope(raw)[1]
+    if rope_type != "default":
+        return f"rope type {rope_type!r}"
     if not (folder / WEIGHTS).is_file():
         try:
-            shards = set(json.loads((folder / INDEX).read_text())["weight_map"].values())
+            shards = _shards(folder)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return "no safetensors weights"
         if not all((folder / shard).is_file() for shard in shards):  # (a download cut short)
             return "safetensors shards missing"
     return None
+
+
+def _shards(folder: Path) -> list[str]:
+    """The files a sharded checkpoint's index names, in order."""
+    return sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
 
 
 def read_config(folder: Path) -> SimpleNamespace:
@@ -203,9 +209,8 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 
     if (folder / WEIGHTS).is_file():
         return load_file(str(folder / WEIGHTS))
-    shards = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
     tensors: dict[str, torch.Tensor] = {}
-    for shard in shards:
+    for shard in _shards(folder):
         tensors.update(load_file(str(folder / shard)))
     return tensors
 
