@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from .engine import ChainExtension, ForwardClock, full_vocabulary, timed_chain, unchanged_prefix
 from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, native_table
-from .small_batch import (MAX_ROWS, TORCH, blocks_of, kernel_linear, kernel_of_rows, kernels_of, machine,
+from .small_batch import (MAX_ROWS, TORCH, blocks_of, enrol, kernel_linear, kernel_of_rows, kernels_of, machine,
                           prepared_copies, register_operator, room_for, signature)
 
 BUCKETS = (1, 2, 4, 8, 16)
@@ -97,6 +97,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small: tuple) -> torch.Tensor:
     """small = (the CPU kernels this layer's shape measured fastest with, the copies of its weight
     they run on): small_batch.kernels_of / prepared_copies."""
+    if torch.compiler.is_compiling():  # the weight's enrolled kernels (CompiledModel): graphs do not depend on them
+        return kernel_linear(x, weight, bias, TORCH)
     kernels, prepared = small
     if kernels != TORCH:
         return kernel_linear(x, weight, bias, kernels, prepared)
@@ -257,6 +259,10 @@ class CompiledModel:
         # the layers compiled; embedding, final norm and head stay eager (a few ops, and a graph per
         # head size would double the compiles)
         self._layer = _compiled(decoder_layer) if self._inductor else decoder_layer
+        if self._inductor:  # compiled graphs find each weight's kernels by its address (one graph for all)
+            for weights, small, _ in self.layers:
+                for weight, (kernels, prepared) in zip(weights[1:9:2] + weights[10:], small):
+                    enrol(weight, kernels, prepared)
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # static shapes: shared KV buffers
         self._holder = None  # weak reference to the StaticLM using them
         self._captured: dict[tuple, tuple] = {}  # (token count, buffer address) -> (inputs, graph, logits)

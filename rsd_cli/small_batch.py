@@ -46,6 +46,7 @@ import platform
 import statistics
 import time
 import types
+import weakref
 from pathlib import Path
 
 import torch
@@ -134,15 +135,37 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   prepared: dict | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) by the kernel chosen for this row count (kernel_for), on its
     copy of the weight in `prepared` (prepared_copies). Inside a graph torch.compile traces, the
-    product is one opaque operation (`rsd::linear`) that runs the same kernel, so compiled graphs
-    fuse what lies around it and keep the measured kernel."""
-    kernel = kernel_for(x, weight, kernels)
-    copy = (prepared or {}).get(kernel)
-    if kernel != "torch" and torch.compiler.is_compiling():
+    product is one opaque operation (`rsd::linear`) that runs the kernels enrolled for the weight
+    (`enrol`; none: torch's), so compiled graphs fuse what lies around it and keep the measured
+    kernel, and one graph serves layers whose kernels or weight formats differ."""
+    if torch.compiler.is_compiling():
         if _COMPILABLE:
-            return torch.ops.rsd.linear(x, weight, bias, copy, kernel)
-        kernel = "torch"  # a torch without custom operators: inductor's own product
-    return run_kernel(kernel, x, weight, bias, copy)
+            return torch.ops.rsd.linear(x, weight, bias)
+        return F.linear(x, weight, bias)  # a torch without custom operators: inductor's own product
+    kernel = kernel_for(x, weight, kernels)
+    return run_kernel(kernel, x, weight, bias, (prepared or {}).get(kernel))
+
+
+_ENROLLED: dict[int, tuple] = {}  # a weight's address -> (weak reference to it, its kernels, its copies)
+
+
+def enrol(weight: torch.Tensor, kernels: tuple, prepared: dict) -> None:
+    """What rsd::linear runs for this weight in compiled graphs: these kernels on these copies.
+    Looked up by the weight's address when the graph runs, not traced into it: a compiled graph
+    holds no kernel name or copy, so the embedded draft's adapter layer (half-precision blocks,
+    kernels of its own) replays the target's layers' graphs instead of compiling three more."""
+    _ENROLLED[weight.data_ptr()] = (weakref.ref(weight), kernels, prepared)
+
+
+def enrolled(weight: torch.Tensor) -> tuple[tuple, dict]:
+    """(kernels, copies) enrolled for this weight; torch's where none (or where the enrolled
+    weight is gone and its memory reused)."""
+    found = _ENROLLED.get(weight.data_ptr())
+    if found is not None:
+        held = found[0]()
+        if held is not None and held.shape == weight.shape and held.dtype == weight.dtype:
+            return found[1], found[2]
+    return TORCH, {}
 
 
 _COMPILABLE = None  # whether rsd::linear is registered: register_operator()
@@ -163,13 +186,15 @@ def _register_operator() -> bool:
         return False
     try:
         @torch.library.custom_op("rsd::linear", mutates_args=(),
-                                 schema="(Tensor x, Tensor weight, Tensor? bias, Tensor? packed, str kernel) -> Tensor")
-        def linear_operator(x, weight, bias, packed, kernel):
-            out = run_kernel(kernel, x, weight, bias, packed)
+                                 schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+        def linear_operator(x, weight, bias):
+            kernels, prepared = enrolled(weight)
+            kernel = kernel_for(x, weight, kernels)
+            out = run_kernel(kernel, x, weight, bias, prepared.get(kernel))
             return out.clone() if out is x else out  # (an operator's output must not alias its input)
 
         @linear_operator.register_fake
-        def _(x, weight, bias, packed, kernel):
+        def _(x, weight, bias):
             return x.new_empty((*x.shape[:-1], weight.shape[0]))
     except Exception:  # noqa: BLE001 - an API that differs in this torch: compiled graphs use torch's product
         return False

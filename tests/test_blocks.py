@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from rsd_cli import auto, blocks, small_batch
-from rsd_cli.compiled import CompiledModel
+from rsd_cli.compiled import CompiledModel, StaticLM
 from rsd_cli.drafting import make_shape
-from rsd_cli.engine import Decoder, Runtimes
+from rsd_cli.engine import CachedLM, Decoder, Runtimes
 from rsd_cli.sampling import SamplingParams
 from test_compiled import run
 from test_engine import MC_SHAPES, N_SAMPLES, V, chi_square_pvalue, exact_joint, plain_greedy, shapes
@@ -285,6 +285,44 @@ def test_greedy_on_the_blocks_kernel_equals_plain_greedy(quantised_pair, shape):
     assert run(kernel, Runtimes(), shape, greedy, 25, seed=0) == expected
     for runtimes in static.values():  # compiled, and uncompiled with fused projections
         assert run(kernel, runtimes, shape, greedy, 25, seed=0) == expected
+
+
+@pytest.mark.skipif(not hasattr(torch.library, "custom_op"), reason="torch < 2.4: compiled graphs use torch's product")
+def test_one_compiled_graph_serves_layers_of_every_weight_format_and_kernel(monkeypatch):
+    """Compiled graphs hold no kernel name and no weight copy (rsd::linear finds them by the
+    weight's address): a model whose first layer is Q4_1 blocks and whose second is half-precision
+    blocks (what the embedded draft's adapter is) with one product on torch's kernel compiles one
+    graph for a token count, not one per layer kind, and each product still runs its own kernel —
+    the logits of transformers' forward on the same weights."""
+    model = quantise_like_gguf(tiny_model(V, layers=2, seed=4, scale=0.1))
+    with torch.no_grad():
+        for linear in model.model.layers[1].modules():
+            if isinstance(linear, torch.nn.Linear):
+                linear.weight.copy_(linear.weight.half().float())
+    reference = copy.deepcopy(model)
+    install_blocks(model)
+    layers = model.model.layers
+    assert blocks.block_format(small_batch.blocks_of(layers[0].self_attn.q_proj)) == "q4_1"
+    assert blocks.block_format(small_batch.blocks_of(layers[1].self_attn.q_proj)) == "f16"
+    layers[1].mlp.up_proj._rsd_kernels = small_batch.TORCH  # (still patched: run_kernel's "torch")
+    ran = []
+    real = small_batch.run_kernel
+    monkeypatch.setattr(small_batch, "run_kernel", lambda kernel, *args: ran.append(kernel) or real(kernel, *args))
+    torch._dynamo.reset()  # (graphs other tests compiled would serve this one's layers anyway)
+    runtime = CompiledModel(model, compile=True)
+    ours = StaticLM(runtime, V, capacity=32)
+    ours.extend([3, 1, 4, 1, 5])  # (a first forward: the cache's length is not yet a dynamic dimension)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    ran.clear()
+    visible = torch.ones(8, 5 + 8, dtype=torch.bool).tril(5)
+    logits = ours.forward([t % V for t in range(8)], list(range(5, 13)), visible)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1  # for both layers
+    assert runtime.graphs == {8}
+    assert ran.count("blocks") >= 7 + 6 and ran.count("torch") == 1  # each product on its own kernel
+    expected = CachedLM(reference, V)
+    expected.extend([3, 1, 4, 1, 5])
+    torch.testing.assert_close(logits, expected.forward([t % V for t in range(8)], list(range(5, 13)), visible),
+                               atol=1e-4, rtol=1e-4)
 
 
 def test_auto_stays_uncompiled_without_measuring_where_every_layer_runs_in_c(quantised_pair, tmp_path, monkeypatch):
