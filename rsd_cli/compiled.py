@@ -416,7 +416,59 @@ def _compiled(fn):
             setattr(config, name, max(getattr(config, name), 64))
     config.automatic_dynamic_shapes = False
     register_operator()  # rsd::linear, what compiled graphs call for the measured kernels
+    _remember_isa_probes()
     return torch.compile(fn, fullgraph=True)
+
+
+def _isa_key() -> str:
+    """What inductor's instruction set probes depend on: the machine, torch and the C++ compiler."""
+    import os
+    import shutil
+
+    compiler = os.environ.get("CXX", "g++")
+    path = shutil.which(compiler) or compiler
+    try:
+        stamp = os.stat(path).st_mtime_ns
+    except OSError:
+        stamp = 0
+    return f"instruction set probes | {machine()} | {path} {stamp}"
+
+
+def _remember_isa_probes() -> None:
+    """inductor finds which vector instruction sets it may use by building a small library with
+    each the CPU lists and loading it in a new Python process, in every process that compiles
+    (six on a 2-core AMD EPYC: ~0.9 s of each --compile on start). Each probe's answer depends on
+    the machine, torch, the compiler and the probe alone, so it is kept (`compile.json` in the rsd
+    cache folder) and given back to later processes: the same answers, the same instruction sets,
+    the same code and cached graphs. Where this torch lays its probes out otherwise, it probes
+    as before."""
+    import hashlib
+
+    from .models import cache_dir, read_json_table, write_json_table
+
+    try:
+        from torch._inductor.cpu_vec_isa import VecISA
+
+        probe = VecISA.check_build
+    except (ImportError, AttributeError):
+        return
+    if getattr(probe, "remembered", False):
+        return
+
+    def check_build(isa, code: str) -> bool:
+        path, key = cache_dir() / "compile.json", _isa_key()
+        question = f"{type(isa).__name__} {isa.build_arch_flags()} {hashlib.sha256(code.encode()).hexdigest()[:16]}"
+        answers = read_json_table(path).get(key)
+        if isinstance(answers, dict) and isinstance(answers.get(question), bool):
+            return answers[question]
+        answer = bool(probe(isa, code))
+        known = read_json_table(path)
+        known[key] = {**(known[key] if isinstance(known.get(key), dict) else {}), question: answer}
+        write_json_table(path, known)
+        return answer
+
+    check_build.remembered = True
+    VecISA.check_build = check_build
 
 
 class StaticLM(ChainExtension):

@@ -327,6 +327,33 @@ def test_auto_measures_once_per_machine_and_keeps_the_verdict(tmp_path, monkeypa
     assert compiled.runtime_for(model, "auto", "target").compiled
 
 
+def test_inductor_s_instruction_set_probes_are_answered_once_per_machine(tmp_path, monkeypatch):
+    """inductor's probes (build a small library with an instruction set's flags, load it in a new
+    Python process) run once per machine, torch and compiler: a later process gets the same
+    answers back from compile.json, True and False alike; another probe is still run."""
+    cpu_vec_isa = pytest.importorskip("torch._inductor.cpu_vec_isa")
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    probed = []
+
+    def probe(isa, code):
+        probed.append((str(isa), code))
+        return "unusable" not in code
+
+    for process in range(2):  # each starts from torch's own probe
+        monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", probe)
+        compiled._remember_isa_probes()
+        compiled._remember_isa_probes()  # (once a process: not wrapped twice)
+        isa = cpu_vec_isa.VecAVX2()
+        assert isa.check_build("usable code") is True and isa.check_build("unusable code") is False
+        assert len(probed) == 2
+    wider = cpu_vec_isa.VecAVX2()
+    wider._arch_flags += " -mavx512bf16"  # (as torch's AVX-512 probe for bfloat16 widens its flags)
+    assert wider.check_build("usable code") and len(probed) == 3
+    assert cpu_vec_isa.VecAVX512().check_build("usable code") and len(probed) == 4
+    monkeypatch.setenv("CXX", str(tmp_path / "another-compiler"))
+    assert isa.check_build("usable code") and len(probed) == 5
+
+
 def test_generate_with_compile_on_off_and_auto_gives_the_same_greedy_text(tiny_profile, monkeypatch):
     runner = CliRunner()
     outputs, runtimes = {}, {}
