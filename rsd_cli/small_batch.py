@@ -152,8 +152,8 @@ _ENROLLED: dict[int, tuple] = {}  # a weight's address -> (weak reference to it,
 def enrol(weight: torch.Tensor, kernels: tuple, prepared: dict) -> None:
     """What rsd::linear runs for this weight in compiled graphs: these kernels on these copies.
     Looked up by the weight's address when the graph runs, not traced into it: a compiled graph
-    holds no kernel name or copy, so the embedded draft's adapter layer (half-precision blocks,
-    kernels of its own) replays the target's layers' graphs instead of compiling three more."""
+    holds no kernel name or copy, so the embedded draft's adapter layer (Q8_0 blocks beside the
+    target's Q4_1, kernels of its own) replays the target's layers' graphs instead of compiling three more."""
     _ENROLLED[weight.data_ptr()] = (weakref.ref(weight), kernels, prepared)
 
 

@@ -291,7 +291,7 @@ def test_greedy_on_the_blocks_kernel_equals_plain_greedy(quantised_pair, shape):
 def test_one_compiled_graph_serves_layers_of_every_weight_format_and_kernel(monkeypatch):
     """Compiled graphs hold no kernel name and no weight copy (rsd::linear finds them by the
     weight's address): a model whose first layer is Q4_1 blocks and whose second is half-precision
-    blocks (what the embedded draft's adapter is) with one product on torch's kernel compiles one
+    blocks (a draft's adapter stored in float16 and not rounded) with one product on torch's kernel compiles one
     graph for a token count, not one per layer kind, and each product still runs its own kernel —
     the logits of transformers' forward on the same weights."""
     model = quantise_like_gguf(tiny_model(V, layers=2, seed=4, scale=0.1))
