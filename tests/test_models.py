@@ -32,6 +32,33 @@ def test_gguf_is_dequantised_once_then_loaded_from_the_cache(tmp_path, monkeypat
     assert models.gguf_to_cache(gguf_file) == cached
 
 
+def test_a_conversion_parses_the_gguf_file_once_and_writes_the_same_files(tmp_path, monkeypatch):
+    """transformers reads a GGUF file for the config, the weights and the tokenizer, and builds
+    gguf's tensor name table once per module: within rsd's conversion each is made once, gguf is
+    left as it was, and the files written are those a conversion without it writes."""
+    import contextlib
+
+    import gguf
+
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_file, tiny_model(40, layers=2, seed=0, scale=0.3))
+    reads, tables = [], []
+    reader, table = gguf.GGUFReader, gguf.get_tensor_name_map
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *args, **kw: reads.append(args) or reader(*args, **kw))
+    monkeypatch.setattr(gguf, "get_tensor_name_map", lambda *args: tables.append(args) or table(*args))
+    counting = gguf.GGUFReader
+    cached = models.gguf_to_cache(gguf_file)
+    assert len(reads) == 1 and len(tables) == 1
+    assert gguf.GGUFReader is counting
+    monkeypatch.setattr(models, "_gguf_parsed_once", contextlib.nullcontext)
+    models._convert_gguf(gguf_file, tmp_path / "plain", lambda message: None)
+    assert len(reads) >= 1 + 3 and len(tables) >= 1 + 2  # without it: each read and table again
+    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json"):
+        assert (cached / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
+
+
 def test_the_gguf_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch):
     """A second venv installing the same model file (another path, another mtime) reuses the
     converted copy; a different file at the same path does not."""
