@@ -220,6 +220,21 @@ def test_runs_with_the_same_machine_models_and_sampling_share_what_auto_learnt_o
     assert set(saved[f"{auto.cost_key(decoder(1.0))} | timings, any sampling"]) == {"scales", "ratios"}
 
 
+def test_expected_tokens_are_worked_out_again_only_after_drafting_steps():
+    """What a choice works out from acceptance is kept through plain steps (they teach it nothing)
+    and worked out again after a drafting step: the same values as from the counts afresh."""
+    acceptance = auto.Acceptance()
+    chain = make_shape("sd", draft_len=2)
+    before = auto.expected_tokens(chain, acceptance)
+    acceptance.observe([])  # a plain step
+    assert acceptance._expected == {chain.branching: before}
+    for _ in range(50):
+        acceptance.observe([check(1, 0), check(1, 0)])
+    after = auto.expected_tokens(chain, acceptance)
+    assert after > before + 0.5
+    assert after == auto.expected_tokens(chain, auto.Acceptance.from_json(acceptance.as_json(most=10**6)))
+
+
 def test_the_choice_follows_costs_and_acceptance():
     confident = AutoShape(flat(1.0))
     for _ in range(200):
