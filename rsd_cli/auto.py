@@ -251,6 +251,7 @@ class AutoShape:
         self.acceptance = Acceptance()
         self.target_scale = self.draft_scale = 1.0
         self.measured: dict[Shape, float] = {}  # shape -> its steps' time over the scaled model's (moving average)
+        self._drafting_ratio: float | None = None  # the mean of the drafting shapes' in `measured` (worked out)
         self._modelled: dict[Shape, tuple[float, float]] = {}  # shape -> step_seconds before scaling
         self.uses: dict[Shape, int] = {}  # shape -> steps of it observed (after the first step)
         self.current: Shape | None = None
@@ -292,8 +293,10 @@ class AutoShape:
     def _unmeasured_ratio(self, shape: Shape) -> float:
         if shape.depth == 0:
             return 1.0
-        drafting = [ratio for used, ratio in self.measured.items() if used.depth]
-        return sum(drafting) / len(drafting) if drafting else 1.0
+        if self._drafting_ratio is None:  # (a choice asks for it ~120 times; drafting steps change it)
+            drafting = [ratio for used, ratio in self.measured.items() if used.depth]
+            self._drafting_ratio = sum(drafting) / len(drafting) if drafting else 1.0
+        return self._drafting_ratio
 
     def rate(self, shape: Shape) -> float:
         """Expected tokens per second."""
@@ -360,6 +363,7 @@ class AutoShape:
         # from what the shape was expected to take before (its first step too: one step can be an outlier)
         known = self.measured.get(event.shape, self._unmeasured_ratio(event.shape))
         self.measured[event.shape] = known * (1 + MEASURED_MEMORY * (_bounded(ratio / known) - 1))
+        self._drafting_ratio = None
 
     def remembered(self) -> dict:
         """What a later run on this machine, these models and sampling settings starts from: the
@@ -379,6 +383,7 @@ class AutoShape:
         if "acceptance" in memory:
             self.acceptance = Acceptance.from_json(memory["acceptance"])
         self.measured, self.target_scale, self.draft_scale = ratios, target_scale, draft_scale
+        self._drafting_ratio = None
 
     def save(self) -> None:
         """Keep what this run learnt for the next one (`auto.json` in the rsd cache folder): all of
