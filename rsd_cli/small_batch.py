@@ -146,25 +146,28 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return run_kernel(kernel, x, weight, bias, (prepared or {}).get(kernel))
 
 
-_ENROLLED: dict[int, tuple] = {}  # a weight's address -> (weak reference to it, its kernels, its copies)
+_ENROLLED: dict[int, tuple] = {}  # a weight's address -> (weak references to it and its copies, its kernels)
 
 
 def enrol(weight: torch.Tensor, kernels: tuple, prepared: dict) -> None:
     """What rsd::linear runs for this weight in compiled graphs: these kernels on these copies.
     Looked up by the weight's address when the graph runs, not traced into it: a compiled graph
     holds no kernel name or copy, so the embedded draft's adapter layer (Q8_0 blocks beside the
-    target's Q4_1, kernels of its own) replays the target's layers' graphs instead of compiling three more."""
-    _ENROLLED[weight.data_ptr()] = (weakref.ref(weight), kernels, prepared)
+    target's Q4_1, kernels of its own) replays the target's layers' graphs instead of compiling
+    three more. Held weakly: the copies live as long as their layer, not as long as the process."""
+    copies = {kernel: weakref.ref(copy) for kernel, copy in prepared.items()}
+    _ENROLLED[weight.data_ptr()] = (weakref.ref(weight), copies, kernels)
 
 
 def enrolled(weight: torch.Tensor) -> tuple[tuple, dict]:
     """(kernels, copies) enrolled for this weight; torch's where none (or where the enrolled
-    weight is gone and its memory reused)."""
+    weight or a copy is gone, its memory perhaps reused)."""
     found = _ENROLLED.get(weight.data_ptr())
     if found is not None:
-        held = found[0]()
-        if held is not None and held.shape == weight.shape and held.dtype == weight.dtype:
-            return found[1], found[2]
+        held, copies = found[0](), {kernel: ref() for kernel, ref in found[1].items()}
+        if (held is not None and held.shape == weight.shape and held.dtype == weight.dtype
+                and all(copy is not None for copy in copies.values())):
+            return found[2], copies
     return TORCH, {}
 
 

@@ -7,6 +7,8 @@ small-batch kernels; whole layers in C give torch's layer; decoding on them keep
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -323,6 +325,10 @@ def test_one_compiled_graph_serves_layers_of_every_weight_format_and_kernel(monk
     expected.extend([3, 1, 4, 1, 5])
     torch.testing.assert_close(logits, expected.forward([t % V for t in range(8)], list(range(5, 13)), visible),
                                atol=1e-4, rtol=1e-4)
+    blocks_copy = weakref.ref(small_batch.blocks_of(layers[0].self_attn.q_proj))
+    del ours, runtime, model, layers
+    gc.collect()
+    assert blocks_copy() is None  # what rsd::linear was told of goes with the model
 
 
 def test_auto_stays_uncompiled_without_measuring_where_every_layer_runs_in_c(quantised_pair, tmp_path, monkeypatch):
