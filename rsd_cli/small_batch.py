@@ -35,7 +35,7 @@ The result is the same product; only the order of the float additions inside it 
 between any two GEMM kernels. Prompts (more than 64 rows) run on `F.linear` unless their blocks
 measured faster; anything that needs gradients (distillation) runs on `F.linear`; in a compiled
 graph the chosen kernel is an opaque operator (`rsd::linear`, torch >= 2.4) that inductor calls
-between its fused kernels.
+between its fused kernels, finding the weight's kernels by its address (`enrol`) when it runs.
 """
 
 from __future__ import annotations
