@@ -467,27 +467,31 @@ def load_model(source: str, device, dtype, progress: Progress = _quiet, placemen
     (rsd_cli/llama.py): ~2 s sooner."""
     location, local = resolve_source(source, progress)
     progress(f"loading {source}")
+    quiet_transformers()
+    model = tokenizer = None
     if light and placement is None and light_load_enabled():
         from . import llama
 
         folder = Path(location) if local else _hub_snapshot(location)
         if folder is not None and llama.why_not(folder) is None:
-            quiet_transformers()
             tokenizer = _light_tokenizer(folder)
-            if tokenizer is None:
-                from transformers import AutoTokenizer
-
-                tokenizer = _from_pretrained(AutoTokenizer, location, local)
             model = llama.load(folder, device, dtype)
-            from . import small_batch
+    if tokenizer is None:
+        from transformers import AutoTokenizer
 
-            small_batch.install(model)
-            return model, tokenizer
+        tokenizer = _from_pretrained(AutoTokenizer, location, local)
+    if model is None:
+        model = _transformers_model(location, local, device, dtype, placement)
+    from . import small_batch
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    small_batch.install(model)
+    return model, tokenizer
 
-    quiet_transformers()
-    tokenizer = _from_pretrained(AutoTokenizer, location, local)
+
+def _transformers_model(location: str, local: bool, device, dtype, placement: Placement | None):
+    """The model loaded by transformers, on `device` or placed by accelerate, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
     kwargs = placement.kwargs() if placement is not None else {}
     with contextlib.redirect_stderr(io.StringIO()) if placement is not None else contextlib.nullcontext():
         # accelerate prints "Some parameters are on the meta device..." when it offloads
@@ -497,11 +501,7 @@ def load_model(source: str, device, dtype, progress: Progress = _quiet, placemen
         model = model.to(device)
     elif not getattr(model, "hf_device_map", None):  # it fitted on one device: accelerate left no map
         model.hf_device_map = {"": str(next(model.parameters()).device)}
-    model.eval()
-    from . import small_batch
-
-    small_batch.install(model)
-    return model, tokenizer
+    return model.eval()
 
 
 def import_model_code(location: str) -> None:
