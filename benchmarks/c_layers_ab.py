@@ -1,10 +1,10 @@
 """Forward cost of the uncompiled static-cache runtime (C layers) with this checkout's C library
 against the one of an earlier commit, interleaved in one process: ms per forward of n new tokens
-after a cache of P tokens, medians over rounds.
+after a cache of P tokens, and of a P-token prompt (prefill), medians over rounds.
 
 Run on a quiet machine:
     .venv/bin/python benchmarks/c_layers_ab.py --before be392ee [--role target|draft]
-        [--prefixes 150,1000,2000] [--rows 1,2,4,8,16] [--rounds 3]
+        [--prefixes 150,1000,2000] [--rows 1,2,4,8,16] [--rounds 3] [--no-prefill]
 
 The earlier commit's library runs under that commit's rule for which forwards take whole layers
 in C (`--before-rule`: "rows x keys <= 1200", the rule before 2026-11-23, or "same": every
@@ -16,6 +16,7 @@ import re
 import statistics
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from rsd_cli import blocks
@@ -32,6 +33,7 @@ parser.add_argument("--profile", default="default")
 parser.add_argument("--prefixes", default="150,1000,2000")
 parser.add_argument("--rows", default="1,2,4,8,16")
 parser.add_argument("--rounds", type=int, default=3)
+parser.add_argument("--no-prefill", action="store_true", help="skip timing the P-token prompts")
 args = parser.parse_args()
 
 earlier = subprocess.run(["git", "show", f"{args.before}:rsd_cli/blocks.py"], capture_output=True, text=True,
@@ -43,6 +45,12 @@ before_lib = blocks.build(folder / "before")
 blocks.SOURCE = current
 after_lib = blocks.build(folder / "after")
 assert before_lib is not None and after_lib is not None, "a C library did not build"
+if not hasattr(before_lib, "blocks_scratch"):  # (before 2026-11-24 the scratch's size was worked out in Python)
+    def old_scratch(n, kv_len, dims, threads):
+        import ctypes
+        size, heads, kv_heads, head_dim, intermediate = ctypes.cast(dims, ctypes.POINTER(ctypes.c_int32))[:5]
+        return n * (2 * size + (2 * heads + 2 * kv_heads) * head_dim + 3 * intermediate) + threads * kv_len
+    before_lib.blocks_scratch = old_scratch
 every = lambda n, keys: True  # noqa: E731
 before_rule = every if args.before_rule == "same" else (lambda n, keys: n == 1 or n * keys <= 1200)
 variants = {"before": (before_lib, before_rule), "after": (after_lib, every)}
@@ -69,3 +77,17 @@ for prefix in (int(p) for p in args.prefixes.split(",")):
         before, after = (statistics.median(times[name]) for name in variants)
         line.append(f"n={n} {before:.2f} -> {after:.2f} ({after / before:.2f}x)")
     print(f"{args.role}, {prefix} cached: " + " | ".join(line), flush=True)
+    if args.no_prefill:
+        continue
+    times = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, (lib, in_c) in variants.items():
+            blocks.library = lambda lib=lib: lib
+            runtime.native = native if in_c(prefix, prefix) else None
+            fresh = StaticLM(runtime, model.config.vocab_size, prefix + 1)
+            start = time.perf_counter()
+            fresh.extend(list(range(100, 100 + prefix)))
+            times[name].append(time.perf_counter() - start)
+            fresh.release()
+    before, after = (statistics.median(times[name]) for name in variants)
+    print(f"{args.role}, a {prefix}-token prompt: {before:.2f} -> {after:.2f} s ({after / before:.2f}x)", flush=True)

@@ -245,8 +245,6 @@ static void rotate(float* x, int heads, int hd, const float* cos, const float* s
 }
 
 
-/* out (hd) = softmax(q . k_j * scaling + mask_j) v_j over the keys j < kv_len of one head (keys,
-   values (kv_len, hd) rows); s: kv_len floats of scratch. Masked keys (-inf) weigh exactly 0. */
 #ifdef __AVX512F__
 /* e^x in 16 lanes, as Cephes' expf: x = n ln 2 + r, e^r by a degree-7 polynomial, times 2^n
    (vscalefps); relative error ~1e-7, as torch's vectorised exp. Below -87 (softmax's masked keys,
@@ -269,58 +267,225 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
-static void attend(const float* q, const float* keys, const float* values, const float* mask, int kv_len,
-                   int hd, float scaling, float* s, float* out) {
+/* Attention over the cached keys in chunks of KEY_CHUNK slots (at multiples of it): for each query
+   (a head of a row) and chunk, softmax's part over the chunk's visible keys — its largest score
+   `top`, the sum of e^(s - top) and the values weighted by e^(s - top) — and the parts folded in
+   chunk order (rescaled to the larger top). A query's arithmetic depends only on its own scores
+   and values, never on which other rows or heads share the call, nor on the threads: a token gets
+   the same bits alone, in a chain or in a tree. The heads of a key/value head (grouped-query
+   attention) and up to ROW_TILE rows read a chunk together, once, while it is in the CPU's caches
+   (reading every key once per query made long caches memory-bound: 4000 cached tokens took
+   three times a 150-token forward); chunks wholly hidden from a query (a prompt's causal mask)
+   are skipped. Where there are few such tasks for the threads, the chunks are shared out too and
+   their parts folded after (the same arithmetic). */
+#define KEY_CHUNK 64
+#define ROW_TILE 4
+#define PART(hd) ((size_t)(hd) + 2)  /* a part: top, sum, the weighted values (hd) */
+#define SPLIT_FLOATS (1 << 22)       /* most scratch the chunks' parts may take (16 MB) */
+
+#ifdef __AVX512F__
+/* lane t = the sum of a[t]'s 16 lanes (the same additions, in the same order, for every t) */
+static inline __m512 sum16(const __m512* a) {
+  __m512 c[8], d[4], e[2];
+  for (int i = 0; i < 8; i++)  /* c[i]: 8 sums of a[2i] (lanes 0-7), 8 of a[2i + 1] */
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; i++)  /* d[i]: 4 sums each of a[4i .. 4i + 3], by 128-bit quarter */
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88), _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; i++)  /* e[i], quarter r: 2 sums of a[8i + r], 2 of a[8i + 4 + r] */
+    e[i] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0x88), _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0xDD));
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);  /* f[4r + t]: a[4t + r] */
+}
+#endif
+
+/* A query's part over keys j0 .. j1 - 1 (mask: the query's row of the additive mask; s: j1 - j0
+   floats of scratch) into part; 0 (part untouched) where every key there is hidden. */
+static int chunk_part(const float* q, const float* keys, const float* values, const float* mask, int j0, int j1,
+                      int hd, float scaling, float* s, float* part) {
   float top = -INFINITY;
+  const int count = j1 - j0;
 #ifdef __AVX512F__
   if (hd % 64 == 0) {
     const int vectors = hd / 16;
-    for (int j = 0; j < kv_len; j++) {  /* scores: 16 running sums a key, added up in a tree */
-      const float* k = keys + (size_t)j * hd;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
-      for (int v = 1; v < vectors; v++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * v), _mm512_loadu_ps(k + 16 * v), acc);
-      s[j] = _mm512_reduce_add_ps(acc) * scaling + mask[j];
-      top = s[j] > top ? s[j] : top;
+    __m512 tops = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < count; j += 16) {  /* scores, 16 keys at a time: 16 running sums a key, added up in a tree */
+      const __mmask16 lanes = count - j >= 16 ? 0xFFFF : (__mmask16)((1u << (count - j)) - 1);
+      const __m512 m = _mm512_maskz_loadu_ps(lanes, mask + j0 + j);
+      const __mmask16 seen = _mm512_mask_cmp_ps_mask(lanes, m, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+      if (!seen) {  /* 16 hidden keys */
+        _mm512_storeu_ps(s + j, _mm512_set1_ps(-INFINITY));
+        continue;
+      }
+      __m512 acc[16];
+      for (int t = 0; t < 16; t++) {  /* (past the chunk's end: its last key again, then hidden) */
+        const float* k = keys + (size_t)(j0 + j + (t < count - j ? t : count - j - 1)) * hd;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+        for (int v = 1; v < vectors; v++) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * v), _mm512_loadu_ps(k + 16 * v), a);
+        acc[t] = a;
+      }
+      const __m512 scores = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY),
+                                                 _mm512_fmadd_ps(sum16(acc), _mm512_set1_ps(scaling), m));
+      _mm512_storeu_ps(s + j, scores);
+      tops = _mm512_max_ps(tops, scores);
     }
+    top = _mm512_reduce_max_ps(tops);
+    if (top == -INFINITY) return 0;
     __m512 sums = _mm512_setzero_ps();
-    for (int j = 0; j < kv_len; j += 16) {  /* weights e^(s - top), 16 keys at a time */
-      const __mmask16 lanes = kv_len - j >= 16 ? 0xFFFF : (__mmask16)((1u << (kv_len - j)) - 1);
+    for (int j = 0; j < count; j += 16) {  /* weights e^(s - top), 16 keys at a time */
+      const __mmask16 lanes = count - j >= 16 ? 0xFFFF : (__mmask16)((1u << (count - j)) - 1);
       const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s + j), _mm512_set1_ps(top)));
       _mm512_mask_storeu_ps(s + j, lanes, e);
       sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(lanes, e));
     }
-    const __m512 scale = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sums));
-    for (int d0 = 0; d0 < hd; d0 += 64) {  /* the weighted values, in registers */
-      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int j = 0; j < kv_len; j++) {
-        if (s[j] == 0.f) continue;  /* masked (or vanishing) keys */
-        const __m512 p = _mm512_set1_ps(s[j]);
-        const float* v = values + (size_t)j * hd + d0;
-        a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v), a0);
-        a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16), a1);
-        a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 32), a2);
-        a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 48), a3);
+    part[0] = top;
+    part[1] = _mm512_reduce_add_ps(sums);
+    for (int d0 = 0; d0 < hd; d0 += 64) {  /* the weighted values, in registers: even and odd keys apart */
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+      for (int j = 0; j < count; j += 2) {
+        if (s[j] != 0.f) {  /* (hidden or vanishing keys weigh nothing, whatever their values) */
+          const __m512 p = _mm512_set1_ps(s[j]);
+          const float* v = values + (size_t)(j0 + j) * hd + d0;
+          a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v), a0);
+          a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16), a1);
+          a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 32), a2);
+          a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 48), a3);
+        }
+        if (j + 1 < count && s[j + 1] != 0.f) {
+          const __m512 p = _mm512_set1_ps(s[j + 1]);
+          const float* v = values + (size_t)(j0 + j + 1) * hd + d0;
+          b0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v), b0);
+          b1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16), b1);
+          b2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 32), b2);
+          b3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 48), b3);
+        }
       }
-      _mm512_storeu_ps(out + d0, _mm512_mul_ps(a0, scale));
-      _mm512_storeu_ps(out + d0 + 16, _mm512_mul_ps(a1, scale));
-      _mm512_storeu_ps(out + d0 + 32, _mm512_mul_ps(a2, scale));
-      _mm512_storeu_ps(out + d0 + 48, _mm512_mul_ps(a3, scale));
+      _mm512_storeu_ps(part + 2 + d0, _mm512_add_ps(a0, b0));
+      _mm512_storeu_ps(part + 2 + d0 + 16, _mm512_add_ps(a1, b1));
+      _mm512_storeu_ps(part + 2 + d0 + 32, _mm512_add_ps(a2, b2));
+      _mm512_storeu_ps(part + 2 + d0 + 48, _mm512_add_ps(a3, b3));
     }
-    return;
+    return 1;
   }
 #endif
-  for (int j = 0; j < kv_len; j++) {
-    s[j] = dot(q, keys + (size_t)j * hd, hd) * scaling + mask[j];
-    if (s[j] > top) top = s[j];
+  for (int j = j0; j < j1; j++) {
+    s[j - j0] = mask[j] == -INFINITY ? -INFINITY : dot(q, keys + (size_t)j * hd, hd) * scaling + mask[j];
+    if (s[j - j0] > top) top = s[j - j0];
   }
+  if (top == -INFINITY) return 0;
   float total = 0.f;
-  for (int j = 0; j < kv_len; j++) { s[j] = expf(s[j] - top); total += s[j]; }
-  for (int d = 0; d < hd; d++) out[d] = 0.f;
-  for (int j = 0; j < kv_len; j++) {
-    if (s[j] == 0.f) continue;  /* masked (or vanishing) keys */
-    const float p = s[j] / total;
-    const float* v = values + (size_t)j * hd;
-    for (int d = 0; d < hd; d++) out[d] += p * v[d];
+  for (int j = 0; j < count; j++) { s[j] = expf(s[j] - top); total += s[j]; }
+  part[0] = top;
+  part[1] = total;
+  float* acc = part + 2;
+  for (int d = 0; d < hd; d++) acc[d] = 0.f;
+  for (int j = 0; j < count; j++) {
+    if (s[j] == 0.f) continue;  /* hidden (or vanishing) keys */
+    const float* v = values + (size_t)(j0 + j) * hd;
+    for (int d = 0; d < hd; d++) acc[d] += s[j] * v[d];
+  }
+  return 1;
+}
+
+/* state (a part; top -inf: nothing yet) and a later chunk's part, folded into state */
+static void fold(float* state, const float* part, int hd) {
+  if (state[0] == -INFINITY) {
+    memcpy(state, part, PART(hd) * sizeof(float));
+    return;
+  }
+  const float top = state[0] > part[0] ? state[0] : part[0];
+  const float a = expf(state[0] - top), b = expf(part[0] - top);
+  state[0] = top;
+  for (size_t d = 1; d < PART(hd); d++) state[d] = state[d] * a + part[d] * b;
+}
+
+/* out (hd) = the weighted values over their weights' sum */
+static void finish(const float* state, int hd, float* out) {
+  if (state[0] == -INFINITY) {  /* every key hidden (no row of rsd's masks) */
+    for (int d = 0; d < hd; d++) out[d] = 0.f;
+    return;
+  }
+  const float scale = 1.f / state[1];
+  for (int d = 0; d < hd; d++) out[d] = state[2 + d] * scale;
+}
+
+/* How the attention of n rows over kv_len keys is shared out: tasks of one key/value head, `heads`
+   of its query heads (all of the group, or one), up to ROW_TILE rows and `spans` chunk ranges of
+   the keys (one: all chunks; else a chunk each, parts folded after in chunk order). */
+typedef struct { int tiles, chunks, spans, heads, tasks; } Plan;
+
+static Plan attention_plan(int n, int kv_len, int H, int KVH, int hd, int threads) {
+  Plan p;
+  const int group = H / KVH;
+  p.tiles = (n + ROW_TILE - 1) / ROW_TILE;
+  p.chunks = (kv_len + KEY_CHUNK - 1) / KEY_CHUNK;
+  p.spans = KVH * p.tiles < 4 * threads && p.chunks > 1
+            && (size_t)n * H * p.chunks * PART(hd) <= SPLIT_FLOATS ? p.chunks : 1;
+  p.heads = KVH * p.tiles * p.spans < 2 * threads ? 1 : group;
+  p.tasks = KVH * (group / p.heads) * p.tiles * p.spans;
+  return p;
+}
+
+/* floats of scratch `attention` takes */
+static size_t attention_scratch(int n, int kv_len, int H, int KVH, int hd, int threads) {
+  const Plan p = attention_plan(n, kv_len, H, KVH, hd, threads);
+  const size_t each = KEY_CHUNK + PART(hd) * (1 + (size_t)ROW_TILE * (H / KVH));  /* a thread's */
+  return (size_t)threads * each + (p.spans > 1 ? (size_t)n * H * p.chunks * PART(hd) : 0);
+}
+
+/* attn (n, H * hd) = softmax(q k^T * scaling + mask) v for every head of every row: queries in
+   qkv (n rows of `stride`, heads first), keys and values (KVH, capacity, hd), mask (n, kv_len). */
+static void attention(const float* qkv, int stride, const float* keys, const float* values, int capacity,
+                      const float* mask, int n, int kv_len, int H, int KVH, int hd, float scaling, int threads,
+                      float* scratch, float* attn) {
+  const Plan p = attention_plan(n, kv_len, H, KVH, hd, threads);
+  const int group = H / KVH, subsets = group / p.heads;
+  const size_t each = KEY_CHUNK + PART(hd) * (1 + (size_t)ROW_TILE * group);
+  float* parts = scratch + (size_t)threads * each;  /* split: (n, H, chunks) parts */
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (int task = 0; task < p.tasks; task++) {
+    int rest = task;
+    const int span = rest % p.spans; rest /= p.spans;
+    const int tile = rest % p.tiles; rest /= p.tiles;
+    const int subset = rest % subsets; rest /= subsets;
+    const int kh = rest;
+    float* s = scratch + (size_t)omp_get_thread_num() * each;
+    float* part = s + KEY_CHUNK;
+    float* states = part + PART(hd);  /* whole: (rows of the tile, heads) states */
+    const int i0 = tile * ROW_TILE, i1 = i0 + ROW_TILE < n ? i0 + ROW_TILE : n;
+    const int h0 = kh * group + subset * p.heads, h1 = h0 + p.heads;
+    const float* k = keys + (size_t)kh * capacity * hd;
+    const float* v = values + (size_t)kh * capacity * hd;
+    const int c0 = p.spans > 1 ? span : 0, c1 = p.spans > 1 ? span + 1 : p.chunks;
+    if (p.spans == 1)
+      for (int q = 0; q < (i1 - i0) * p.heads; q++) states[(size_t)q * PART(hd)] = -INFINITY;
+    for (int c = c0; c < c1; c++) {
+      const int j0 = c * KEY_CHUNK, j1 = j0 + KEY_CHUNK < kv_len ? j0 + KEY_CHUNK : kv_len;
+      for (int i = i0; i < i1; i++)
+        for (int h = h0; h < h1; h++) {
+          const float* query = qkv + (size_t)i * stride + (size_t)h * hd;
+          const float* row_mask = mask + (size_t)i * kv_len;
+          if (p.spans > 1) {
+            float* out = parts + (((size_t)i * H + h) * p.chunks + c) * PART(hd);
+            if (!chunk_part(query, k, v, row_mask, j0, j1, hd, scaling, s, out)) out[0] = -INFINITY;
+          } else if (chunk_part(query, k, v, row_mask, j0, j1, hd, scaling, s, part)) {
+            fold(states + ((size_t)(i - i0) * p.heads + (h - h0)) * PART(hd), part, hd);
+          }
+        }
+    }
+    if (p.spans == 1)
+      for (int i = i0; i < i1; i++)
+        for (int h = h0; h < h1; h++)
+          finish(states + ((size_t)(i - i0) * p.heads + (h - h0)) * PART(hd), hd, attn + ((size_t)i * H + h) * hd);
+  }
+  if (p.spans == 1) return;
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (int q = 0; q < n * H; q++) {  /* the parts of a query, folded in chunk order */
+    float* state = parts + (size_t)q * p.chunks * PART(hd);
+    for (int c = 1; c < p.chunks; c++) {
+      const float* part = state + (size_t)c * PART(hd);
+      if (part[0] != -INFINITY) fold(state, part, hd);
+    }
+    finish(state, hd, attn + (size_t)q * hd);
   }
 }
 
@@ -343,20 +508,20 @@ static void silu_times(const float* gate, int I, int j0, int j1, float* out) {
    (biases: none), the residual stream x (n, D) updated in place. New keys and values go to slots
    kv_len - n .. kv_len - 1 of keys, values (kv_heads, capacity, hd); mask (n, kv_len) additive.
    linears: q, k and v stacked (formats[0]), o (formats[1]), gate and up stacked (formats[2]),
-   down (formats[3]). dims: D, heads, kv_heads, hd, intermediate. scratch: at least
-   n * (2 * D + (heads + 2 * kv_heads) * hd + heads * hd + 3 * I) + threads * kv_len floats. */
+   down (formats[3]). dims: D, heads, kv_heads, hd, intermediate. scratch: blocks_scratch floats. */
 void blocks_layer(float* x, int n, const float* cos, const float* sin, const float* mask, int kv_len,
                   float* keys, float* values, int capacity, const float* ln1, const float* ln2,
                   const uint8_t* qkv_w, const uint8_t* o_w, const uint8_t* gate_up_w, const uint8_t* down_w,
                   const int* formats, const int* dims, float scaling, float eps, int threads, float* scratch) {
   const int D = dims[0], H = dims[1], KVH = dims[2], hd = dims[3], I = dims[4];
-  const int Q = H * hd, KV = KVH * hd, QKV = Q + 2 * KV, group = H / KVH;
+  const int Q = H * hd, KV = KVH * hd, QKV = Q + 2 * KV;
   float* h = scratch;                      /* (n, D) */
   float* qkv = h + (size_t)n * D;          /* (n, QKV) */
   float* attn = qkv + (size_t)n * QKV;     /* (n, Q) */
   float* o = attn + (size_t)n * Q;         /* (n, D) */
-  float* gate_up = o + (size_t)n * D;      /* (n, 2 I), then silu(gate) * up in its first I of each row */
-  float* scores = gate_up + (size_t)n * 2 * I;  /* (threads, kv_len) */
+  float* gate_up = o + (size_t)n * D;      /* (n, 2 I) */
+  float* act = gate_up + (size_t)n * 2 * I;  /* (n, I): silu(gate) * up */
+  float* rest = act + (size_t)n * I;       /* attention's */
 
   rms_norm(x, ln1, eps, h, n, D);
   blocks_linear(h, qkv_w, qkv, n, QKV, D, formats[0], threads);
@@ -370,19 +535,12 @@ void blocks_layer(float* x, int n, const float* cos, const float* sin, const flo
       memcpy(values + ((size_t)kh * capacity + slot) * hd, row + Q + KV + (size_t)kh * hd, hd * sizeof(float));
     }
   }
-  #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int task = 0; task < H * n; task++) {  /* softmax(q k^T * scaling + mask) v, one head of one row */
-    const int head = task / n, i = task % n, kh = head / group;
-    attend(qkv + (size_t)i * QKV + (size_t)head * hd, keys + (size_t)kh * capacity * hd,
-           values + (size_t)kh * capacity * hd, mask + (size_t)i * kv_len, kv_len, hd, scaling,
-           scores + (size_t)omp_get_thread_num() * kv_len, attn + (size_t)i * Q + (size_t)head * hd);
-  }
+  attention(qkv, QKV, keys, values, capacity, mask, n, kv_len, H, KVH, hd, scaling, threads, rest, attn);
   blocks_linear(attn, o_w, o, n, D, Q, formats[1], threads);
   for (size_t e = 0; e < (size_t)n * D; e++) x[e] += o[e];
   rms_norm(x, ln2, eps, h, n, D);
   blocks_linear(h, gate_up_w, gate_up, n, 2 * I, D, formats[2], threads);
   /* silu(gate) * up, into rows of their own (down reads its rows contiguous), in chunks the threads share */
-  float* act = scores + (size_t)threads * kv_len;  /* (n, I) */
   const int chunks = (I + 255) / 256;
   #pragma omp parallel for num_threads(threads) schedule(static)
   for (int task = 0; task < n * chunks; task++) {
@@ -406,6 +564,13 @@ void blocks_layers(float* x, int n, const float* cos, const float* sin, const fl
                  (const uint8_t*)(intptr_t)p[3], (const uint8_t*)(intptr_t)p[4], (const uint8_t*)(intptr_t)p[5],
                  (const int*)(intptr_t)p[6], dims, scaling, eps, threads, scratch);
   }
+}
+
+/* floats of scratch blocks_layer (and blocks_layers) takes for n new tokens over kv_len keys */
+int64_t blocks_scratch(int n, int kv_len, const int* dims, int threads) {
+  const int D = dims[0], H = dims[1], KVH = dims[2], hd = dims[3], I = dims[4];
+  return (int64_t)n * (2 * D + (H + 2 * KVH) * hd + H * hd + 3 * I)
+         + (int64_t)attention_scratch(n, kv_len, H, KVH, hd, threads);
 }
 
 /* Q4_1 blocks (nblocks, 24 bytes) of a float32 weight, given each block's smallest value m and
@@ -533,6 +698,8 @@ def build(folder: Path, flags: tuple[str, ...] = FLAGS):
     lib.blocks_head.argtypes = [pointer, pointer, integer, integer, pointer, real, pointer, integer, integer, integer,
                                 pointer, pointer]
     lib.blocks_head.restype = None
+    lib.blocks_scratch.argtypes = [integer, integer, pointer, integer]
+    lib.blocks_scratch.restype = ctypes.c_int64
     lib.q4_1_pack.argtypes = [pointer, pointer, pointer, ctypes.c_int64, pointer, integer]
     lib.q4_1_pack.restype = ctypes.c_int64
     lib.q8_0_pack.argtypes = [pointer, pointer, ctypes.c_int64, pointer, integer]
@@ -714,9 +881,8 @@ class NativeForward:
         size, heads, kv_heads, head_dim, intermediate, self.scaling, self.eps = dims
         n, kv_len = mask.shape
         self.threads = torch.get_num_threads()
-        self.scratch = torch.empty(n * (2 * size + (2 * heads + 2 * kv_heads) * head_dim + 3 * intermediate)
-                                   + self.threads * kv_len)
         self.shape = torch.tensor([size, heads, kv_heads, head_dim, intermediate], dtype=torch.int32)
+        self.scratch = torch.empty(self.lib.blocks_scratch(n, kv_len, self.shape.data_ptr(), self.threads))
 
     def layers(self, table: torch.Tensor, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """x (n, D) through every layer of `table` (native_table) in one call of the library: keys,

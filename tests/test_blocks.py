@@ -451,6 +451,77 @@ def test_whole_layers_in_c_with_64_wide_heads_over_a_long_cache_give_torch_s_lay
     assert torch.equal(together, apart) and torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
+def _model_on_c_layers(seed: int) -> CompiledModel:
+    from transformers import LlamaForCausalLM
+
+    from tiny import tiny_config
+
+    torch.manual_seed(seed)
+    model = quantise_like_gguf(LlamaForCausalLM(tiny_config(V, 2, 0.1, head_dim=64)).eval())
+    install_blocks(model)
+    runtime = CompiledModel(model, compile=False)
+    assert runtime.native is not None and all(runtime.native)
+    return runtime
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
+def test_a_token_gets_the_same_bits_alone_in_a_chain_or_a_tree_over_a_long_cache(portable, monkeypatch, tmp_path):
+    """The C layer's attention goes over the cache in chunks of keys (several here: 200 cached
+    tokens), a key/value head's query heads and a few rows together, and shares chunks out among
+    the threads when there are few rows; a query's arithmetic must not depend on any of that: a
+    prompt prefilled at once or token by token, and a tree's rows computed together, in part, or
+    on one thread, give the same logits and caches bit for bit, and torch's layer within float32
+    rounding. Also where the CPU lacks AVX-512 (the portable loops, built here without it)."""
+    if portable:
+        lib = blocks.build(tmp_path, (*blocks.FLAGS, "-mno-avx512f"))
+        assert lib is not None
+        monkeypatch.setattr(blocks, "library", lambda: lib)
+    runtime = _model_on_c_layers(7)
+    past, rows, generator = 200, 12, torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, V, (past,), generator=generator)
+
+    def causal(n: int, before: int = 0) -> torch.Tensor:
+        return torch.zeros(n, before + n).masked_fill_(torch.ones(n, before + n, dtype=torch.bool).triu(before + 1),
+                                                       -torch.inf)
+
+    with torch.inference_mode():
+        keys, values = runtime.new_buffers(past + rows)
+        at_once = runtime.forward(prompt, torch.arange(past), causal(past), keys, values, torch.arange(past))
+        one_keys, one_values = runtime.new_buffers(past + rows)
+        by_token = torch.cat([runtime.forward(prompt[t:t + 1], torch.tensor([t]), causal(1, t), one_keys, one_values,
+                                              torch.tensor([0])) for t in range(past)])
+    assert torch.equal(at_once, by_token)
+    assert torch.equal(keys, one_keys) and torch.equal(values, one_values)
+
+    visible = torch.rand(rows, past + rows, generator=generator) > 0.2  # a tree's: hidden keys here and there,
+    visible[:, 64:128] = False  # a whole chunk hidden from every row,
+    visible[:, past:] &= torch.ones(rows, rows, dtype=torch.bool).tril()  # no row sees a later one
+    visible[:, past:] |= torch.eye(rows, dtype=torch.bool)
+    mask = torch.zeros(rows, past + rows).masked_fill_(~visible, -torch.inf)
+    tokens = torch.randint(0, V, (rows,), generator=generator)
+    positions = past + torch.randint(0, rows, (rows,), generator=generator)
+
+    def tree(n: int, threads: int | None = None, native=runtime.native) -> tuple:
+        k, v = keys.clone(), values.clone()
+        before, runtime.native = runtime.native, native
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(threads or threads_before)
+        try:
+            with torch.inference_mode():
+                logits = runtime.forward(tokens[:n], positions[:n], mask[:n, : past + n], k, v, torch.arange(n))
+        finally:
+            torch.set_num_threads(threads_before)
+            runtime.native = before
+        return logits, k[:, :, : past + n], v[:, :, : past + n]
+
+    whole = tree(rows)
+    for part in (tree(1), tree(5), tree(rows, threads=1), tree(rows, threads=3)):
+        n = part[0].shape[0]
+        assert all(torch.equal(a, b[..., :n, :] if a.dim() == 2 else b[:, :, : past + n])
+                   for a, b in zip(part, whole))
+    torch.testing.assert_close(tree(rows, native=None)[0], whole[0], rtol=1e-5, atol=1e-5)  # torch's layer
+
+
 def test_auto_measures_costs_again_for_another_version_of_the_c_library(quantised_pair, monkeypatch):
     _, kernel, static = quantised_pair
     decoder = Decoder(kernel[0], kernel[1], V, make_shape("auto"), SamplingParams(), {2}, None, static[False])
