@@ -40,17 +40,17 @@ earlier = subprocess.run(["git", "show", f"{args.before}:rsd_cli/blocks.py"], ca
                          check=True).stdout
 current = blocks.SOURCE
 blocks.SOURCE = re.search(r'SOURCE = r"""(.*?)"""', earlier, re.S).group(1)
+if "blocks_scratch" not in blocks.SOURCE:  # (before 2026-11-24 Python worked out the scratch's size)
+    blocks.SOURCE += """
+int64_t blocks_scratch(int n, int kv_len, const int* dims, int threads) {
+  return (int64_t)n * (2 * dims[0] + (2 * dims[1] + 2 * dims[2]) * dims[3] + 3 * dims[4]) + (int64_t)threads * kv_len;
+}
+"""
 folder = Path(tempfile.mkdtemp(prefix="rsd-c-ab-"))
 before_lib = blocks.build(folder / "before")
 blocks.SOURCE = current
 after_lib = blocks.build(folder / "after")
 assert before_lib is not None and after_lib is not None, "a C library did not build"
-if not hasattr(before_lib, "blocks_scratch"):  # (before 2026-11-24 the scratch's size was worked out in Python)
-    def old_scratch(n, kv_len, dims, threads):
-        import ctypes
-        size, heads, kv_heads, head_dim, intermediate = ctypes.cast(dims, ctypes.POINTER(ctypes.c_int32))[:5]
-        return n * (2 * size + (2 * heads + 2 * kv_heads) * head_dim + 3 * intermediate) + threads * kv_len
-    before_lib.blocks_scratch = old_scratch
 every = lambda n, keys: True  # noqa: E731
 before_rule = every if args.before_rule == "same" else (lambda n, keys: n == 1 or n * keys <= 1200)
 variants = {"before": (before_lib, before_rule), "after": (after_lib, every)}

@@ -300,8 +300,9 @@ static inline __m512 sum16(const __m512* a) {
 
 /* A query's part over keys j0 .. j1 - 1 (mask: the query's row of the additive mask; s: j1 - j0
    floats of scratch) into part; 0 (part untouched) where every key there is hidden. */
-static int chunk_part(const float* q, const float* keys, const float* values, const float* mask, int j0, int j1,
-                      int hd, float scaling, float* s, float* part) {
+static inline __attribute__((always_inline))
+int chunk_part_hd(const float* q, const float* keys, const float* values, const float* mask, int j0, int j1,
+                  int hd, float scaling, float* s, float* part) {
   float top = -INFINITY;
   const int count = j1 - j0;
 #ifdef __AVX512F__
@@ -384,6 +385,13 @@ static int chunk_part(const float* q, const float* keys, const float* values, co
     for (int d = 0; d < hd; d++) acc[d] += s[j] * v[d];
   }
   return 1;
+}
+
+static int chunk_part(const float* q, const float* keys, const float* values, const float* mask, int j0, int j1,
+                      int hd, float scaling, float* s, float* part) {
+  if (hd == 64)  /* (the commonest head size, its loops unrolled: the sums stay in registers) */
+    return chunk_part_hd(q, keys, values, mask, j0, j1, 64, scaling, s, part);
+  return chunk_part_hd(q, keys, values, mask, j0, j1, hd, scaling, s, part);
 }
 
 /* state (a part; top -inf: nothing yet) and a later chunk's part, folded into state */
