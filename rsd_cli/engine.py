@@ -411,11 +411,12 @@ class Decoder:
         self.kept: KeptCaches | None = None  # caches a generation may start from (see the class docstring)
         self.notice = notice  # one line for the user (auto's first cost measurement)
 
-    def _next_shape(self) -> Shape:
-        """This step's shape: the configured one, or auto's choice from the steps before it."""
+    def _next_shape(self, lag: int = 0, remaining: int | None = None) -> Shape:
+        """This step's shape: the configured one, or auto's choice from the steps before it (lag:
+        tokens the draft has not read yet; remaining: tokens the answer may still take)."""
         if self.shape.variant != "auto":
             return self.shape
-        return self._auto_policy().next_shape()
+        return self._auto_policy().next_shape(lag, remaining)
 
     def _auto_policy(self):
         """auto.AutoShape for --variant auto, made (its costs measured) at its first use."""
@@ -499,7 +500,8 @@ class Decoder:
         step = 0
         while produced < max_tokens:
             step += 1
-            event = self._step(step, self._next_shape(), seq, target, draft, generator)
+            lag = len(seq) - draft.length if draft is not None else 0
+            event = self._step(step, self._next_shape(lag, max_tokens - produced), seq, target, draft, generator)
             held[:] = seq + [event.tree.tokens[n] for n in event.path]  # the root and the accepted path
             if self.policy is not None:
                 self.policy.observe(event)

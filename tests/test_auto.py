@@ -275,6 +275,59 @@ def test_a_drafting_shape_timed_and_found_slower_is_tried_rarely():
     assert drafted == [gap - 1, gap, 3 * gap, 3 * gap + 1]  # two steps after `gap` plain ones, then after twice as many
 
 
+def test_a_draft_far_behind_drafts_only_where_the_answer_left_repays_its_catch_up():
+    """Before it can draft, the draft reads what it has not seen (a new prompt, the tokens of plain
+    steps): a long prompt costs it ~1 s on a 2-core EPYC, ~130 plain steps. A drafting shape then
+    gives way to plain decoding (its explorations too) unless the tokens the answer may still take
+    are expected to save more than that; a short catch-up, or no limit, drafts as before."""
+    policy = AutoShape(Costs({1: 1.0, 2: 1.05, 64: 3.0}, {1: 0.1, 32: 0.5}))  # a token of catch-up: ~0.016 s
+    for _ in range(100):
+        policy.acceptance.observe([check(1, 0)])  # every first draft accepted
+    chain = make_shape("sd", draft_len=1)
+    best = policy.next_shape()
+    assert best.depth > 0 and policy.rate(best) > policy.rate(make_shape("ar"))  # drafting pays
+    saved = policy.seconds(make_shape("ar")) - 1 / policy.rate(best)  # seconds a token
+    catch_up = policy.costs.draft_at(3000)
+    assert catch_up > auto.CATCH_UP_STEPS * policy.seconds(make_shape("ar"))
+    too_few = int(catch_up / saved) - 1
+    assert policy.next_shape(lag=3000, remaining=too_few).describe() == "ar"
+    assert policy.next_shape(lag=3000, remaining=too_few + 2) == best
+    assert policy.next_shape(lag=3000) == best  # (no limit)
+    assert policy.next_shape(lag=40, remaining=1) == best  # a short catch-up: as before
+    assert policy.next_shape(lag=1, remaining=1) == best  # (the root, read by every drafting step)
+    # plain decoding chosen, its explorations of drafting wait for a catch-up that pays too
+    hopeless = AutoShape(Costs({1: 1.0, 64: 64.0}, {1: 0.3, 32: 0.5}))
+    for _ in range(200):
+        hopeless.acceptance.observe([check(6, None)])
+    assert {hopeless.next_shape(lag=3000 + i, remaining=10).describe() for i in range(40)} == {"ar"}
+    explored = {hopeless.next_shape(lag=40, remaining=10).describe() for i in range(40)}  # (a short catch-up)
+    assert explored != {"ar"} and chain in hopeless.shapes
+
+
+def test_auto_does_not_draft_on_a_long_prompt_for_a_short_answer(pair):
+    """End to end: with costs where drafting pays, a prompt the draft would need longer to read
+    than a short answer can repay is answered by plain steps, the draft never called; a short
+    prompt drafts."""
+    class Pays(AcceptanceOnly):
+        pass
+
+    def policy() -> AutoShape:
+        made = Pays(Costs({1: 1.0, 2: 1.05, 64: 3.0}, {1: 0.02, 32: 2.0}))  # a 200-token catch-up: ~13 s
+        for _ in range(100):
+            made.acceptance.observe([check(1, 0)])
+        return made
+
+    long_prompt = (PROMPT * 40)[:200]
+    sampling = SamplingParams(temperature=1.0)
+    decoder = Decoder(pair[0], pair[1], V, make_shape("auto"), sampling, set())
+    decoder.policy = policy()
+    events = list(decoder.generate(long_prompt, 6, 0))
+    assert {e.shape.describe() for e in events} == {"ar"} and sum(e.draft_calls for e in events) == 0
+    decoder.policy = policy()
+    events = list(decoder.generate(PROMPT, 6, 0))
+    assert all(e.shape.depth > 0 for e in events) and sum(e.draft_calls for e in events) > 0
+
+
 def run(pair, decoder_shape, sampling, max_tokens, seed, policy=None, warm_up_seed=None):
     """Tokens and events of one generation; with warm_up_seed, after an earlier (random) one on
     the same decoder, whose steps the policy has learnt from."""
