@@ -298,11 +298,34 @@ static inline __m512 sum16(const __m512* a) {
 }
 #endif
 
-/* A query's part over keys j0 .. j1 - 1 (mask: the query's row of the additive mask; s: j1 - j0
-   floats of scratch) into part; 0 (part untouched) where every key there is hidden. */
+/* What a row of the mask holds over a chunk of keys, worked out once a forward (not once a layer
+   and head: a prompt's mask rows are far from the CPU's caches): every key hidden (-inf), every
+   key seen as it is (0: the mask need not be read), or some of each (or other values). */
+enum { HIDDEN, SEEN, MIXED };
+
+/* kinds (n, chunks): each row's chunks of KEY_CHUNK keys of the mask (n, kv_len) */
+static void chunk_kinds(const float* mask, int n, int kv_len, int threads, uint8_t* kinds) {
+  const int chunks = (kv_len + KEY_CHUNK - 1) / KEY_CHUNK;
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (int i = 0; i < n; i++)
+    for (int c = 0; c < chunks; c++) {
+      const float* m = mask + (size_t)i * kv_len;
+      const int j1 = (c + 1) * KEY_CHUNK < kv_len ? (c + 1) * KEY_CHUNK : kv_len;
+      int hidden = 1, seen = 1;
+      for (int j = c * KEY_CHUNK; j < j1; j++) {
+        hidden &= m[j] == -INFINITY;
+        seen &= m[j] == 0.f;
+      }
+      kinds[(size_t)i * chunks + c] = hidden ? HIDDEN : seen ? SEEN : MIXED;
+    }
+}
+
+/* A query's part over keys j0 .. j1 - 1 of a chunk of this kind (SEEN or MIXED; mask: the query's
+   row of the additive mask, read only where MIXED; s: j1 - j0 floats of scratch) into part; 0
+   (part untouched) where every key there is hidden. */
 static inline __attribute__((always_inline))
-int chunk_part_hd(const float* q, const float* keys, const float* values, const float* mask, int j0, int j1,
-                  int hd, float scaling, float* s, float* part) {
+int chunk_part_hd(const float* q, const float* keys, const float* values, const float* mask, int kind, int j0,
+                  int j1, int hd, float scaling, float* s, float* part) {
   float top = -INFINITY;
   const int count = j1 - j0;
 #ifdef __AVX512F__
@@ -311,8 +334,8 @@ int chunk_part_hd(const float* q, const float* keys, const float* values, const 
     __m512 tops = _mm512_set1_ps(-INFINITY);
     for (int j = 0; j < count; j += 16) {  /* scores, 16 keys at a time: 16 running sums a key, added up in a tree */
       const __mmask16 lanes = count - j >= 16 ? 0xFFFF : (__mmask16)((1u << (count - j)) - 1);
-      const __m512 m = _mm512_maskz_loadu_ps(lanes, mask + j0 + j);
-      const __mmask16 seen = _mm512_mask_cmp_ps_mask(lanes, m, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+      const __m512 m = kind == SEEN ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(lanes, mask + j0 + j);
+      const __mmask16 seen = kind == SEEN ? lanes : _mm512_mask_cmp_ps_mask(lanes, m, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
       if (!seen) {  /* 16 hidden keys */
         _mm512_storeu_ps(s + j, _mm512_set1_ps(-INFINITY));
         continue;
@@ -369,7 +392,8 @@ int chunk_part_hd(const float* q, const float* keys, const float* values, const 
   }
 #endif
   for (int j = j0; j < j1; j++) {
-    s[j - j0] = mask[j] == -INFINITY ? -INFINITY : dot(q, keys + (size_t)j * hd, hd) * scaling + mask[j];
+    const float m = kind == SEEN ? 0.f : mask[j];
+    s[j - j0] = m == -INFINITY ? -INFINITY : dot(q, keys + (size_t)j * hd, hd) * scaling + m;
     if (s[j - j0] > top) top = s[j - j0];
   }
   if (top == -INFINITY) return 0;
@@ -387,11 +411,11 @@ int chunk_part_hd(const float* q, const float* keys, const float* values, const 
   return 1;
 }
 
-static int chunk_part(const float* q, const float* keys, const float* values, const float* mask, int j0, int j1,
-                      int hd, float scaling, float* s, float* part) {
+static int chunk_part(const float* q, const float* keys, const float* values, const float* mask, int kind, int j0,
+                      int j1, int hd, float scaling, float* s, float* part) {
   if (hd == 64)  /* (the commonest head size, its loops unrolled: the sums stay in registers) */
-    return chunk_part_hd(q, keys, values, mask, j0, j1, 64, scaling, s, part);
-  return chunk_part_hd(q, keys, values, mask, j0, j1, hd, scaling, s, part);
+    return chunk_part_hd(q, keys, values, mask, kind, j0, j1, 64, scaling, s, part);
+  return chunk_part_hd(q, keys, values, mask, kind, j0, j1, hd, scaling, s, part);
 }
 
 /* state (a part; top -inf: nothing yet) and a later chunk's part, folded into state */
@@ -441,10 +465,11 @@ static size_t attention_scratch(int n, int kv_len, int H, int KVH, int hd, int t
 }
 
 /* attn (n, H * hd) = softmax(q k^T * scaling + mask) v for every head of every row: queries in
-   qkv (n rows of `stride`, heads first), keys and values (KVH, capacity, hd), mask (n, kv_len). */
+   qkv (n rows of `stride`, heads first), keys and values (KVH, capacity, hd), mask (n, kv_len) and
+   its chunk_kinds. */
 static void attention(const float* qkv, int stride, const float* keys, const float* values, int capacity,
-                      const float* mask, int n, int kv_len, int H, int KVH, int hd, float scaling, int threads,
-                      float* scratch, float* attn) {
+                      const float* mask, const uint8_t* kinds, int n, int kv_len, int H, int KVH, int hd,
+                      float scaling, int threads, float* scratch, float* attn) {
   const Plan p = attention_plan(n, kv_len, H, KVH, hd, threads);
   const int group = H / KVH, subsets = group / p.heads;
   const size_t each = KEY_CHUNK + PART(hd) * (1 + (size_t)ROW_TILE * group);
@@ -472,10 +497,12 @@ static void attention(const float* qkv, int stride, const float* keys, const flo
         for (int h = h0; h < h1; h++) {
           const float* query = qkv + (size_t)i * stride + (size_t)h * hd;
           const float* row_mask = mask + (size_t)i * kv_len;
+          const int kind = kinds[(size_t)i * p.chunks + c];
           if (p.spans > 1) {
             float* out = parts + (((size_t)i * H + h) * p.chunks + c) * PART(hd);
-            if (!chunk_part(query, k, v, row_mask, j0, j1, hd, scaling, s, out)) out[0] = -INFINITY;
-          } else if (chunk_part(query, k, v, row_mask, j0, j1, hd, scaling, s, part)) {
+            if (kind == HIDDEN || !chunk_part(query, k, v, row_mask, kind, j0, j1, hd, scaling, s, out))
+              out[0] = -INFINITY;
+          } else if (kind != HIDDEN && chunk_part(query, k, v, row_mask, kind, j0, j1, hd, scaling, s, part)) {
             fold(states + ((size_t)(i - i0) * p.heads + (h - h0)) * PART(hd), part, hd);
           }
         }
@@ -516,9 +543,10 @@ static void silu_times(const float* gate, int I, int j0, int j1, float* out) {
    (biases: none), the residual stream x (n, D) updated in place. New keys and values go to slots
    kv_len - n .. kv_len - 1 of keys, values (kv_heads, capacity, hd); mask (n, kv_len) additive.
    linears: q, k and v stacked (formats[0]), o (formats[1]), gate and up stacked (formats[2]),
-   down (formats[3]). dims: D, heads, kv_heads, hd, intermediate. scratch: blocks_scratch floats. */
-void blocks_layer(float* x, int n, const float* cos, const float* sin, const float* mask, int kv_len,
-                  float* keys, float* values, int capacity, const float* ln1, const float* ln2,
+   down (formats[3]). dims: D, heads, kv_heads, hd, intermediate. scratch: blocks_scratch floats;
+   kinds: the mask's chunk_kinds. */
+static void layer(float* x, int n, const float* cos, const float* sin, const float* mask, const uint8_t* kinds,
+                  int kv_len, float* keys, float* values, int capacity, const float* ln1, const float* ln2,
                   const uint8_t* qkv_w, const uint8_t* o_w, const uint8_t* gate_up_w, const uint8_t* down_w,
                   const int* formats, const int* dims, float scaling, float eps, int threads, float* scratch) {
   const int D = dims[0], H = dims[1], KVH = dims[2], hd = dims[3], I = dims[4];
@@ -543,7 +571,7 @@ void blocks_layer(float* x, int n, const float* cos, const float* sin, const flo
       memcpy(values + ((size_t)kh * capacity + slot) * hd, row + Q + KV + (size_t)kh * hd, hd * sizeof(float));
     }
   }
-  attention(qkv, QKV, keys, values, capacity, mask, n, kv_len, H, KVH, hd, scaling, threads, rest, attn);
+  attention(qkv, QKV, keys, values, capacity, mask, kinds, n, kv_len, H, KVH, hd, scaling, threads, rest, attn);
   blocks_linear(attn, o_w, o, n, D, Q, formats[1], threads);
   for (size_t e = 0; e < (size_t)n * D; e++) x[e] += o[e];
   rms_norm(x, ln2, eps, h, n, D);
@@ -559,27 +587,49 @@ void blocks_layer(float* x, int n, const float* cos, const float* sin, const flo
   for (size_t e = 0; e < (size_t)n * D; e++) x[e] += o[e];
 }
 
+/* floats of scratch `layer` takes */
+static size_t layer_scratch(int n, int kv_len, const int* dims, int threads) {
+  const int D = dims[0], H = dims[1], KVH = dims[2], hd = dims[3], I = dims[4];
+  return (size_t)n * (2 * D + (H + 2 * KVH) * hd + H * hd + 3 * I) + attention_scratch(n, kv_len, H, KVH, hd, threads);
+}
+
+/* floats of scratch blocks_layer and blocks_layers take for n new tokens over kv_len keys: the
+   layer's, then the mask's chunk kinds (bytes) */
+int64_t blocks_scratch(int n, int kv_len, const int* dims, int threads) {
+  return (int64_t)(layer_scratch(n, kv_len, dims, threads) + ((size_t)n * ((kv_len + KEY_CHUNK - 1) / KEY_CHUNK) + 3) / 4);
+}
+
+static uint8_t* mask_kinds(const float* mask, int n, int kv_len, const int* dims, int threads, float* scratch) {
+  uint8_t* kinds = (uint8_t*)(scratch + layer_scratch(n, kv_len, dims, threads));
+  chunk_kinds(mask, n, kv_len, threads, kinds);
+  return kinds;
+}
+
+/* `layer` (above) on one layer */
+void blocks_layer(float* x, int n, const float* cos, const float* sin, const float* mask, int kv_len,
+                  float* keys, float* values, int capacity, const float* ln1, const float* ln2,
+                  const uint8_t* qkv_w, const uint8_t* o_w, const uint8_t* gate_up_w, const uint8_t* down_w,
+                  const int* formats, const int* dims, float scaling, float eps, int threads, float* scratch) {
+  layer(x, n, cos, sin, mask, mask_kinds(mask, n, kv_len, dims, threads, scratch), kv_len, keys, values, capacity,
+        ln1, ln2, qkv_w, o_w, gate_up_w, down_w, formats, dims, scaling, eps, threads, scratch);
+}
+
 /* blocks_layer for `count` consecutive layers in one call (one Python call a forward, not one a
    layer): layer l's input and post-attention norms, q/k/v, o, gate/up and down weights and formats
    at pointers[7 l .. 7 l + 6], its keys and values at keys + l * layer_stride (floats), values + ... */
 void blocks_layers(float* x, int n, const float* cos, const float* sin, const float* mask, int kv_len,
                    float* keys, float* values, int64_t layer_stride, int capacity, const int64_t* pointers,
                    int count, const int* dims, float scaling, float eps, int threads, float* scratch) {
+  const uint8_t* kinds = mask_kinds(mask, n, kv_len, dims, threads, scratch);  /* (one mask for every layer) */
   for (int l = 0; l < count; l++) {
     const int64_t* p = pointers + (size_t)l * 7;
-    blocks_layer(x, n, cos, sin, mask, kv_len, keys + (size_t)l * layer_stride, values + (size_t)l * layer_stride,
-                 capacity, (const float*)(intptr_t)p[0], (const float*)(intptr_t)p[1], (const uint8_t*)(intptr_t)p[2],
-                 (const uint8_t*)(intptr_t)p[3], (const uint8_t*)(intptr_t)p[4], (const uint8_t*)(intptr_t)p[5],
-                 (const int*)(intptr_t)p[6], dims, scaling, eps, threads, scratch);
+    layer(x, n, cos, sin, mask, kinds, kv_len, keys + (size_t)l * layer_stride, values + (size_t)l * layer_stride,
+          capacity, (const float*)(intptr_t)p[0], (const float*)(intptr_t)p[1], (const uint8_t*)(intptr_t)p[2],
+          (const uint8_t*)(intptr_t)p[3], (const uint8_t*)(intptr_t)p[4], (const uint8_t*)(intptr_t)p[5],
+          (const int*)(intptr_t)p[6], dims, scaling, eps, threads, scratch);
   }
 }
 
-/* floats of scratch blocks_layer (and blocks_layers) takes for n new tokens over kv_len keys */
-int64_t blocks_scratch(int n, int kv_len, const int* dims, int threads) {
-  const int D = dims[0], H = dims[1], KVH = dims[2], hd = dims[3], I = dims[4];
-  return (int64_t)n * (2 * D + (H + 2 * KVH) * hd + H * hd + 3 * I)
-         + (int64_t)attention_scratch(n, kv_len, H, KVH, hd, threads);
-}
 
 /* Q4_1 blocks (nblocks, 24 bytes) of a float32 weight, given each block's smallest value m and
    its scale d (a half float): q = round((w - m) / d) in 0..15 (d = 0: q = 0), two per byte, then d
