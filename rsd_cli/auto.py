@@ -62,7 +62,7 @@ MEMORY_TRIES = 32  # a run starts from earlier runs' acceptance counts scaled do
 # tries per rank and depth, so that its own steps soon outweigh them
 CATCH_UP_STEPS = 4  # a draft that has this many plain steps' time or less to read before it can draft
 # (what it missed: a new prompt, plain steps) drafts whenever drafting is chosen; a longer read (a long
-# prompt: ~1 s for 2700 tokens on a 2-core EPYC, 130 plain steps) only where the answer's remaining
+# prompt: ~1 s for 3655 tokens on a 2-core EPYC, 130 plain steps) only where the answer's remaining
 # tokens are expected to save more than it costs
 
 
