@@ -288,13 +288,16 @@ static inline __m512 exp16(__m512 x) {
 static inline __m512 sum16(const __m512* a) {
   __m512 c[8], d[4], e[2];
   for (int i = 0; i < 8; i++)  /* c[i]: 8 sums of a[2i] (lanes 0-7), 8 of a[2i + 1] */
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
   for (int i = 0; i < 4; i++)  /* d[i]: 4 sums each of a[4i .. 4i + 3], by 128-bit quarter */
-    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88), _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
   for (int i = 0; i < 2; i++)  /* e[i], quarter r: 2 sums of a[8i + r], 2 of a[8i + 4 + r] */
     e[i] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0x88), _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], 0xDD));
   const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);  /* f[4r + t]: a[4t + r] */
+  /* f[4r + t] is a[4t + r]'s sum */
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
 }
 #endif
 
@@ -332,10 +335,11 @@ int chunk_part_hd(const float* q, const float* keys, const float* values, const 
   if (hd % 64 == 0) {
     const int vectors = hd / 16;
     __m512 tops = _mm512_set1_ps(-INFINITY);
-    for (int j = 0; j < count; j += 16) {  /* scores, 16 keys at a time: 16 running sums a key, added up in a tree */
+    for (int j = 0; j < count; j += 16) {  /* scores of 16 keys: 16 running sums a key, added up in a tree */
       const __mmask16 lanes = count - j >= 16 ? 0xFFFF : (__mmask16)((1u << (count - j)) - 1);
       const __m512 m = kind == SEEN ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(lanes, mask + j0 + j);
-      const __mmask16 seen = kind == SEEN ? lanes : _mm512_mask_cmp_ps_mask(lanes, m, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+      const __mmask16 seen = kind == SEEN ? lanes
+                             : _mm512_mask_cmp_ps_mask(lanes, m, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
       if (!seen) {  /* 16 hidden keys */
         _mm512_storeu_ps(s + j, _mm512_set1_ps(-INFINITY));
         continue;
@@ -344,7 +348,8 @@ int chunk_part_hd(const float* q, const float* keys, const float* values, const 
       for (int t = 0; t < 16; t++) {  /* (past the chunk's end: its last key again, then hidden) */
         const float* k = keys + (size_t)(j0 + j + (t < count - j ? t : count - j - 1)) * hd;
         __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
-        for (int v = 1; v < vectors; v++) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * v), _mm512_loadu_ps(k + 16 * v), a);
+        for (int v = 1; v < vectors; v++)
+          a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * v), _mm512_loadu_ps(k + 16 * v), a);
         acc[t] = a;
       }
       const __m512 scores = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY),
@@ -596,7 +601,8 @@ static size_t layer_scratch(int n, int kv_len, const int* dims, int threads) {
 /* floats of scratch blocks_layer and blocks_layers take for n new tokens over kv_len keys: the
    layer's, then the mask's chunk kinds (bytes) */
 int64_t blocks_scratch(int n, int kv_len, const int* dims, int threads) {
-  return (int64_t)(layer_scratch(n, kv_len, dims, threads) + ((size_t)n * ((kv_len + KEY_CHUNK - 1) / KEY_CHUNK) + 3) / 4);
+  const size_t kinds = (size_t)n * ((kv_len + KEY_CHUNK - 1) / KEY_CHUNK);
+  return (int64_t)(layer_scratch(n, kv_len, dims, threads) + (kinds + 3) / 4);
 }
 
 static uint8_t* mask_kinds(const float* mask, int n, int kv_len, const int* dims, int threads, float* scratch) {
