@@ -143,6 +143,10 @@ def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, conso
     hold_text = live and getattr(out, "isatty", lambda: False)()
     view = Live(console=console, transient=True, refresh_per_second=8) if live else nullcontext()
     with view as display:
+        if display is not None:  # until the first step: a long prompt takes seconds to read
+            from rich.text import Text
+
+            display.update(Text(f"reading the prompt ({len(prompt_ids)} tokens)…", style="dim"))
         def on_event(event: StepEvent, stats: Stats) -> None:
             piece = text.piece
             shown.append(piece)

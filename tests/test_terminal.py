@@ -202,6 +202,26 @@ def test_live_view_keeps_stdout_plain(tiny_profile):
     assert result.stdout.strip()
 
 
+def test_the_live_view_says_the_prompt_is_being_read_until_the_first_step(monkeypatch):
+    """A long prompt takes seconds to read (6 s for 4000 tokens on a 2-core CPU): the live view
+    says so instead of showing nothing until the first step."""
+    from rich.console import Console
+
+    from rsd_cli import generation
+
+    def slow_first_step(decoder, prompt_ids, *args):
+        time.sleep(0.5)  # (the live view refreshes 8 times a second)
+        return [], generation.Stats(), []
+
+    monkeypatch.setattr(generation, "complete", slow_first_step)
+    console = Console(force_terminal=True, record=True, width=60, file=io.StringIO())
+    pair = type("Pair", (), {"tokenizer": None})()
+    monkeypatch.setattr(generation, "StopText", lambda tokenizer, stops: type(
+        "Text", (), {"flush": lambda self: "", "text": "", "matched": ""})())
+    generation.stream_completion(pair, None, list(range(1234)), 4, 0, out=io.StringIO(), console=console, live=True)
+    assert "reading the prompt (1234 tokens)" in console.export_text()
+
+
 def test_ctrl_c_during_model_load_and_during_generation(tiny_profile, monkeypatch):
     from rsd_cli import engine, models
 
