@@ -279,7 +279,7 @@ static inline __m512 exp16(__m512 x) {
    are skipped. Where there are few such tasks for the threads, the chunks are shared out too and
    their parts folded after (the same arithmetic). */
 #define KEY_CHUNK 64
-#define ROW_TILE 4
+#define ROW_TILE 8
 #define PART(hd) ((size_t)(hd) + 2)  /* a part: top, sum, the weighted values (hd) */
 #define SPLIT_FLOATS (1 << 22)       /* most scratch the chunks' parts may take (16 MB) */
 
