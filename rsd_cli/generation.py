@@ -146,7 +146,7 @@ def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, conso
         if display is not None:  # until the first step: a long prompt takes seconds to read
             from rich.text import Text
 
-            display.update(Text(f"reading the prompt ({len(prompt_ids)} tokens)…", style="dim"))
+            display.update(Text(f"reading the prompt ({len(prompt_ids)} tokens)…", style="dim"), refresh=True)
         def on_event(event: StepEvent, stats: Stats) -> None:
             piece = text.piece
             shown.append(piece)

@@ -210,8 +210,7 @@ def test_the_live_view_says_the_prompt_is_being_read_until_the_first_step(monkey
     from rsd_cli import generation
 
     def slow_first_step(decoder, prompt_ids, *args):
-        time.sleep(0.5)  # (the live view refreshes 8 times a second)
-        return [], generation.Stats(), []
+        return [], generation.Stats(), []  # (the view is drawn at once, not at its next refresh)
 
     monkeypatch.setattr(generation, "complete", slow_first_step)
     console = Console(force_terminal=True, record=True, width=60, file=io.StringIO())
