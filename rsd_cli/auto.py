@@ -24,10 +24,10 @@ tokens, acceptances and timings, earlier runs', the tokens left to the answer) b
 draws any random number or sees its target distributions. For every fixed shape, recursive
 rejection sampling emits tokens whose law given everything before the step is the target's; the
 shape is part of "everything before", so each token, conditioned on the whole past, is still drawn
-from the target's distribution — whatever rule picked the shape. (A rule that looked at the current step's p
-would break this: it could, say, draft deeper exactly when the target is confident.) rsd-s is
-not searched: its block efficiency depends on how beams share parents, which per-rank
-acceptance does not predict."""
+from the target's distribution — whatever rule picked the shape. (A rule that looked at the
+current step's p would break this: it could, say, draft deeper exactly when the target is
+confident.) rsd-s is not searched: its block efficiency depends on how beams share parents, which
+per-rank acceptance does not predict."""
 
 from __future__ import annotations
 

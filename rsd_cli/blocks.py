@@ -283,6 +283,8 @@ static inline __m512 exp16(__m512 x) {
 #define PART(hd) ((size_t)(hd) + 2)  /* a part: top, sum, the weighted values (hd) */
 #define SPLIT_FLOATS (1 << 22)       /* most scratch the chunks' parts may take (16 MB) */
 
+static inline int key_chunks(int kv_len) { return (kv_len + KEY_CHUNK - 1) / KEY_CHUNK; }
+
 #ifdef __AVX512F__
 /* lane t = the sum of a[t]'s 16 lanes (the same additions, in the same order, for every t) */
 static inline __m512 sum16(const __m512* a) {
@@ -308,7 +310,7 @@ enum { HIDDEN, SEEN, MIXED };
 
 /* kinds (n, chunks): each row's chunks of KEY_CHUNK keys of the mask (n, kv_len) */
 static void chunk_kinds(const float* mask, int n, int kv_len, int threads, uint8_t* kinds) {
-  const int chunks = (kv_len + KEY_CHUNK - 1) / KEY_CHUNK;
+  const int chunks = key_chunks(kv_len);
   #pragma omp parallel for num_threads(threads) schedule(static)
   for (int i = 0; i < n; i++)
     for (int c = 0; c < chunks; c++) {
@@ -454,7 +456,7 @@ static Plan attention_plan(int n, int kv_len, int H, int KVH, int hd, int thread
   Plan p;
   const int group = H / KVH;
   p.tiles = (n + ROW_TILE - 1) / ROW_TILE;
-  p.chunks = (kv_len + KEY_CHUNK - 1) / KEY_CHUNK;
+  p.chunks = key_chunks(kv_len);
   p.spans = KVH * p.tiles < 4 * threads && p.chunks > 1
             && (size_t)n * H * p.chunks * PART(hd) <= SPLIT_FLOATS ? p.chunks : 1;
   p.heads = KVH * p.tiles * p.spans < 2 * threads ? 1 : group;
@@ -462,11 +464,15 @@ static Plan attention_plan(int n, int kv_len, int H, int KVH, int hd, int thread
   return p;
 }
 
-/* floats of scratch `attention` takes */
+/* floats of a thread's scratch in `attention`: a chunk's scores, a part, a tile's states */
+static size_t thread_scratch(int hd, int group) {
+  return KEY_CHUNK + PART(hd) * (1 + (size_t)ROW_TILE * group);
+}
+
+/* floats of scratch `attention` takes: the threads', then (split) the chunks' parts */
 static size_t attention_scratch(int n, int kv_len, int H, int KVH, int hd, int threads) {
   const Plan p = attention_plan(n, kv_len, H, KVH, hd, threads);
-  const size_t each = KEY_CHUNK + PART(hd) * (1 + (size_t)ROW_TILE * (H / KVH));  /* a thread's */
-  return (size_t)threads * each + (p.spans > 1 ? (size_t)n * H * p.chunks * PART(hd) : 0);
+  return (size_t)threads * thread_scratch(hd, H / KVH) + (p.spans > 1 ? (size_t)n * H * p.chunks * PART(hd) : 0);
 }
 
 /* attn (n, H * hd) = softmax(q k^T * scaling + mask) v for every head of every row: queries in
@@ -477,7 +483,7 @@ static void attention(const float* qkv, int stride, const float* keys, const flo
                       float scaling, int threads, float* scratch, float* attn) {
   const Plan p = attention_plan(n, kv_len, H, KVH, hd, threads);
   const int group = H / KVH, subsets = group / p.heads;
-  const size_t each = KEY_CHUNK + PART(hd) * (1 + (size_t)ROW_TILE * group);
+  const size_t each = thread_scratch(hd, group);
   float* parts = scratch + (size_t)threads * each;  /* split: (n, H, chunks) parts */
   #pragma omp parallel num_threads(threads)
   {  /* one region: its loops part at a barrier (~0.2 us, a new region ~0.4 on 2 cores) */
@@ -605,7 +611,7 @@ static size_t layer_scratch(int n, int kv_len, const int* dims, int threads) {
 /* floats of scratch blocks_layer and blocks_layers take for n new tokens over kv_len keys: the
    layer's, then the mask's chunk kinds (bytes) */
 int64_t blocks_scratch(int n, int kv_len, const int* dims, int threads) {
-  const size_t kinds = (size_t)n * ((kv_len + KEY_CHUNK - 1) / KEY_CHUNK);
+  const size_t kinds = (size_t)n * key_chunks(kv_len);
   return (int64_t)(layer_scratch(n, kv_len, dims, threads) + (kinds + 3) / 4);
 }
 

@@ -147,6 +147,7 @@ def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, conso
             from rich.text import Text
 
             display.update(Text(f"reading the prompt ({len(prompt_ids)} tokens)…", style="dim"), refresh=True)
+
         def on_event(event: StepEvent, stats: Stats) -> None:
             piece = text.piece
             shown.append(piece)
