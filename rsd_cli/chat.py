@@ -54,6 +54,7 @@ class ChatSession:
     turns: int = 0
     learnt: tuple = (None, None, None)  # (shape, sampling, auto.AutoShape) of the last answer
     kept: object = None  # the last answer's KV caches (engine.KeptCaches): the next one reads only what is new
+    window: int = 0  # history[window:] is what the model is shown (older messages no longer fit its context)
 
     def command(self, line: str, console) -> bool:
         """Run a slash command; returns False when the session should end."""
@@ -65,6 +66,7 @@ class ChatSession:
             console.print(HELP, markup=False, highlight=False)
         elif name == "clear":
             self.history.clear()
+            self.window = 0
             console.print("conversation cleared")
         elif name == "system":
             self.system = arg or None
@@ -114,13 +116,14 @@ class ChatSession:
     def load(self, path: Path) -> None:
         """Resume a conversation written by `save`: its system prompt and messages replace these."""
         self.system, self.history = read_conversation(path)
+        self.window = 0
 
     def answer(self, message: str, out, console) -> None:
         decoder = make_decoder(self.pair, self.profile)
         if (decoder.shape, decoder.sampling) == self.learnt[:2]:  # auto goes on from what earlier answers taught it
             decoder.policy = self.learnt[2]
         decoder.keep_caches, decoder.kept = True, self.kept
-        ids = encode_prompt(self.pair.tokenizer, message, system=self.system, history=self.history)
+        ids = self.prompt_ids(message, console)
         seed = seed_of(self.profile)
         if seed is not None:
             seed += self.turns  # reproducible session, but not the same draw every turn
@@ -129,7 +132,11 @@ class ChatSession:
         try:
             _, stats, _, text = stream_completion(self.pair, decoder, ids, self.profile["sampling"]["max_tokens"],
                                                   seed, out=out, console=console, live=self.tree,
-                                                  stops=stops_of(self.profile))
+                                                  stops=stops_of(self.profile), reading_note=True)
+        except RsdError:  # not answered: the message leaves the conversation (the next one would fail too)
+            self.kept = decoder.kept
+            self.history.pop()
+            raise
         except KeyboardInterrupt:
             self.kept = decoder.kept  # (None where the stop came in the middle of a step)
             out.write("\n")
@@ -142,6 +149,30 @@ class ChatSession:
         self.last_stats = stats
         self.learnt = (decoder.shape, decoder.sampling, decoder.policy)
         self.history.append({"role": "assistant", "content": text})
+
+    def prompt_ids(self, message: str, console) -> list[int]:
+        """The prompt for `message`: the system prompt and as many of the latest messages as fit
+        the model's context with room for an answer (max_tokens, at most half the context); the
+        ones before are left out, the window starting at a user message (a note the first time)."""
+        limit = self.pair.context_length
+        room = min(self.profile["sampling"]["max_tokens"], limit // 2) if limit else 0
+        start = min(self.window, len(self.history))
+        while True:
+            ids = encode_prompt(self.pair.tokenizer, message, system=self.system, history=self.history[start:])
+            if not limit or len(ids) + room <= limit or start == len(self.history):
+                break
+            start += 1
+            while start < len(self.history) and self.history[start]["role"] != "user":
+                start += 1
+        if limit and len(ids) >= limit:
+            raise RsdError(f"this message needs {len(ids)} tokens (chat template and system prompt included), "
+                           f"but the model's context holds {limit}: not sent")
+        if start > self.window == 0:  # said once a conversation; the window moves on quietly
+            console.print(f"[dim](the conversation outgrew the model's context of {limit} tokens: from now on the "
+                          f"oldest messages are left out, the latest {len(self.history) - start} of "
+                          f"{len(self.history)} kept; /save keeps all)[/dim]")
+        self.window = start
+        return ids
 
 
 def read_conversation(path: Path) -> tuple[str | None, list[dict]]:

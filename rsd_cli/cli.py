@@ -158,7 +158,7 @@ def read_prompt(prompt: str | None, stdin=None) -> str:
     elif prompt is None and not piped:
         raise UsageError("no prompt: give one as an argument, or pipe it in (use - to read stdin)")
     if not text.strip():
-        raise RsdError("the prompt is empty")
+        raise UsageError("the prompt is empty")
     return text
 
 

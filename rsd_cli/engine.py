@@ -468,6 +468,14 @@ class Decoder:
             if self.policy is not None:  # what auto learnt, for the next run
                 self.policy.save()
 
+    def unread(self, prompt: list[int]) -> int:
+        """How many of the prompt's tokens the target still has to read: all, unless the caches
+        kept from the last generation hold its beginning (see _reused)."""
+        kept = self.kept
+        if kept is None or kept.owner != (self.target_model, self.draft_model, self.runtimes):
+            return len(prompt)
+        return len(prompt) - shared_prefix(kept.tokens, prompt[:-1])
+
     def _reused(self, prompt: list[int], drafts: bool) -> tuple:
         """(target cache, draft cache or None, the tokens the target's holds) from `kept`, cut to the
         beginning they share with this prompt (whose last token is read by the first step); Nones

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import time
 from contextlib import nullcontext
 
@@ -128,13 +129,54 @@ def token_logprobs(event: StepEvent, top: int, tokenizer) -> list[dict]:
     return records
 
 
+def reading_line(count: int):
+    from rich.text import Text
+
+    return Text(f"reading the prompt ({count} tokens)…", style="dim")
+
+
+READING_NOTE_DELAY = 0.5  # seconds of reading before ReadingNote draws its line
+
+
+class ReadingNote:
+    """"reading the prompt (N tokens)…" on a terminal `console` while a prompt is read without
+    the live view: drawn only once reading has taken READING_NOTE_DELAY (a short prompt shows
+    nothing, so nothing flickers) and gone before the answer's first text is written."""
+
+    def __init__(self, console, count: int):
+        from rich.live import Live
+
+        self.live = Live(reading_line(count), console=console, transient=True, auto_refresh=False,
+                         redirect_stdout=False, redirect_stderr=False)
+        self.lock = threading.Lock()
+        self.done = False
+        self.timer = threading.Timer(READING_NOTE_DELAY, self._show)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _show(self) -> None:
+        with self.lock:
+            if not self.done:
+                self.live.start(refresh=True)
+
+    def stop(self) -> None:
+        self.timer.cancel()
+        with self.lock:
+            if not self.done:
+                self.done = True
+                if self.live.is_started:
+                    self.live.stop()
+
+
 def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, console=None, live=False,
-                      write_text=True, keep_events=False, stops: list[str] = (), on_step=None):
+                      write_text=True, keep_events=False, stops: list[str] = (), on_step=None,
+                      reading_note=False):
     """One completion with text streamed to `out` and, optionally, the live view on `console`.
     Returns (token ids, stats, events, text): the text ends before a stop string.
 
     With the live view on and stdout on the same terminal, the text is written once at the end
-    (the live region would otherwise fight with it); piped stdout still streams.
+    (the live region would otherwise fight with it); piped stdout still streams. Without it,
+    `reading_note` shows that a long prompt is being read (see ReadingNote) on a terminal console.
     """
     from rich.live import Live
 
@@ -142,13 +184,16 @@ def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, conso
     shown: list[str] = []
     hold_text = live and getattr(out, "isatty", lambda: False)()
     view = Live(console=console, transient=True, refresh_per_second=8) if live else nullcontext()
+    unread = decoder.unread(prompt_ids)  # (a chat's kept caches hold most of its prompt)
+    note = ReadingNote(console, unread) if reading_note and not live and console is not None \
+        and console.is_terminal else None
     with view as display:
         if display is not None:  # until the first step: a long prompt takes seconds to read
-            from rich.text import Text
-
-            display.update(Text(f"reading the prompt ({len(prompt_ids)} tokens)…", style="dim"), refresh=True)
+            display.update(reading_line(unread), refresh=True)
 
         def on_event(event: StepEvent, stats: Stats) -> None:
+            if note is not None:
+                note.stop()
             piece = text.piece
             shown.append(piece)
             if write_text and not hold_text and piece:
@@ -159,7 +204,11 @@ def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, conso
             if on_step is not None:
                 on_step(event)
 
-        tokens, stats, events = complete(decoder, prompt_ids, max_tokens, seed, on_event, keep_events, text)
+        try:
+            tokens, stats, events = complete(decoder, prompt_ids, max_tokens, seed, on_event, keep_events, text)
+        finally:
+            if note is not None:
+                note.stop()
     tail = text.flush()
     if write_text:
         out.write(("".join(shown) if hold_text else "") + tail)

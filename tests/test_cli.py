@@ -140,7 +140,7 @@ def test_prompt_longer_than_the_context(cli, tiny_profile):
 
 
 def test_empty_prompt_and_bad_stdin(cli, tiny_profile):
-    assert_clean_error(cli("generate", "   ", "-p", tiny_profile, input=""), 1, "the prompt is empty")
+    assert_clean_error(cli("generate", "   ", "-p", tiny_profile, input=""), 2, "the prompt is empty")
     assert_clean_error(cli("generate", "-", "-p", tiny_profile, input=b"\xff\xfe bad"), 1, "not valid UTF-8")
 
 

@@ -72,11 +72,15 @@ def test_chat_reads_only_what_is_new_in_the_conversation(tiny_profile, monkeypat
     console = Console(file=io.StringIO())
     session.answer("hello", io.StringIO(), console)
     prompt = encode_prompt(session.pair.tokenizer, "and again", history=session.history)
+    decoder = make_decoder(session.pair, profile)
+    decoder.kept = session.kept
+    unread = decoder.unread(prompt)  # what the "reading the prompt" line counts
     read = []
     real = ChainExtension.extend
     monkeypatch.setattr(ChainExtension, "extend", lambda self, tokens, *a: read.append(len(tokens)) or real(self, tokens, *a))
     session.answer("and again", io.StringIO(), console)
     assert 0 < read[0] < len(prompt) - 10  # the target's prefill: the new message, not the conversation
+    assert unread == read[0] + 1  # (+ the prompt's last token, read by the first step)
     monkeypatch.setattr(ChainExtension, "extend", real)
     fresh, _, _ = complete(make_decoder(session.pair, profile), prompt, 8, None)
     assert session.history[-1]["content"] == session.pair.tokenizer.decode(fresh, skip_special_tokens=True)
@@ -93,6 +97,72 @@ def test_chat_clear_and_help(tiny_profile, tmp_path):
     assert result.exit_code == 0
     assert "/system TEXT" in result.stderr
     assert json.loads(saved.read_text())["messages"] == []
+
+
+def test_chat_keeps_answering_when_the_conversation_outgrows_the_context(tiny_profile, tmp_path):
+    """The tiny model's context holds 256 tokens (~75 a message here): later answers are given on the
+    latest messages that fit, said once; a message too long on its own is refused and not kept
+    (every later message would fail with it); /save keeps the whole conversation."""
+    saved = tmp_path / "c.json"
+    message = " ".join(["hello world"] * 5)
+    script = "\n".join([message] * 6 + ["word " * 400, "hi", f"/save {saved}", "/bye"]) + "\n"
+    result = invoke("chat", "-p", tiny_profile, "-n", "8", input=script)
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.count("the conversation outgrew the model's context of 256 tokens") == 1
+    assert result.stderr.count("error:") == 1
+    assert "error: this message needs 2005 tokens" in result.stderr and "not sent" in result.stderr
+    messages = json.loads(saved.read_text())["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"] * 7
+    assert messages[-2]["content"] == "hi" and all(m["content"] for m in messages[1::2])
+
+
+def test_a_chat_answer_that_fails_leaves_its_message_out_of_the_conversation(tiny_profile, monkeypatch):
+    """Otherwise the conversation would hold two user messages in a row, and a message that
+    broke the answer (e.g. one the model cannot read) would break every later one."""
+    from rsd_cli import chat
+    from rsd_cli.errors import RsdError
+    from rsd_cli.models import load_pair
+    from rsd_cli.profiles import load_profile
+    from rsd_cli.runtime import apply_flags
+
+    profile = apply_flags(load_profile(str(tiny_profile)), {"variant": "ar", "max_tokens": 4})
+    session = chat.ChatSession(load_pair(profile), profile)
+    console = Console(file=io.StringIO())
+    session.answer("hello", io.StringIO(), console)
+    real = chat.stream_completion
+
+    def failing(*args, **kwargs):
+        raise RsdError("the device ran out of memory")
+
+    monkeypatch.setattr(chat, "stream_completion", failing)
+    with pytest.raises(RsdError):
+        session.answer("this one fails", io.StringIO(), console)
+    assert [m["role"] for m in session.history] == ["user", "assistant"]
+    monkeypatch.setattr(chat, "stream_completion", real)
+    session.answer("and this one works", io.StringIO(), console)
+    assert [m["content"] for m in session.history[::2]] == ["hello", "and this one works"]
+
+
+def test_chat_window_starts_at_a_user_message_and_holds_what_fits(tiny_pair_dir):
+    from rsd_cli.chat import ChatSession
+    from rsd_cli.prompting import encode_prompt
+
+    class Pair:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(tiny_pair_dir / "target")
+        context_length = 256
+
+    history = [{"role": "assistant", "content": "welcome"}]
+    for n in range(8):
+        history += [{"role": "user", "content": f"question {n} " * 5}, {"role": "assistant", "content": f"a{n} " * 4}]
+    session = ChatSession(Pair(), {"sampling": {"max_tokens": 40}}, history=history)
+    console = Console(file=io.StringIO(), width=200)
+    ids = session.prompt_ids("last one", console)
+    window = history[session.window:]
+    assert 0 < session.window and window[0]["role"] == "user"
+    assert ids == encode_prompt(Pair.tokenizer, "last one", history=window)
+    assert len(ids) + 40 <= 256 < len(encode_prompt(Pair.tokenizer, "last one", history=history[session.window - 2:])) + 40
+    assert "the latest %d of 17 kept" % len(window) in console.file.getvalue()
 
 
 def _read_until(fd: int, marker: bytes, timeout: float = 60) -> bytes:
@@ -217,8 +287,34 @@ def test_the_live_view_says_the_prompt_is_being_read_until_the_first_step(monkey
     pair = type("Pair", (), {"tokenizer": None})()
     monkeypatch.setattr(generation, "StopText", lambda tokenizer, stops: type(
         "Text", (), {"flush": lambda self: "", "text": "", "matched": ""})())
-    generation.stream_completion(pair, None, list(range(1234)), 4, 0, out=io.StringIO(), console=console, live=True)
+    decoder = type("Decoder", (), {"unread": lambda self, prompt: len(prompt)})()
+    generation.stream_completion(pair, decoder, list(range(1234)), 4, 0, out=io.StringIO(), console=console, live=True)
     assert "reading the prompt (1234 tokens)" in console.export_text()
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_without_the_live_view_a_slow_prompt_read_is_noted_on_a_terminal(monkeypatch, slow):
+    """`rsd chat` (no tree view by default): a prompt that takes a while to read gets a transient
+    "reading the prompt" line, counting only what the kept caches do not hold; a quick one none."""
+    from rsd_cli import generation
+
+    console = Console(force_terminal=True, record=True, width=60, file=io.StringIO())
+
+    def first_step_after_the_note(decoder, prompt_ids, *args):
+        deadline = time.time() + (10 if slow else 0)
+        while time.time() < deadline and "reading the prompt" not in console.export_text(clear=False):
+            time.sleep(0.01)
+        return [], generation.Stats(), []
+
+    monkeypatch.setattr(generation, "complete", first_step_after_the_note)
+    monkeypatch.setattr(generation, "READING_NOTE_DELAY", 0.05 if slow else 10)
+    monkeypatch.setattr(generation, "StopText", lambda tokenizer, stops: type(
+        "Text", (), {"flush": lambda self: "", "text": "", "matched": ""})())
+    pair = type("Pair", (), {"tokenizer": None})()
+    decoder = type("Decoder", (), {"unread": lambda self, prompt: len(prompt) - 1000})()
+    generation.stream_completion(pair, decoder, list(range(1234)), 4, 0, out=io.StringIO(), console=console,
+                                 reading_note=True)
+    assert ("reading the prompt (234 tokens)" in console.export_text()) == slow
 
 
 def test_ctrl_c_during_model_load_and_during_generation(tiny_profile, monkeypatch):
