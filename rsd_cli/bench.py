@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .drafting import Shape, make_shape, shape_for_budget
 from .engine import Stats
@@ -119,6 +119,8 @@ def plan_jobs(profile, variants: list[str], temperatures: list[float], budgets: 
                 shape = shape_of(apply_flags(profile, {"variant": variant}))
             else:
                 shape = setting.shape(variant, width)
+                if variant == "lookup":  # (its n-gram length is the profile's)
+                    shape = replace(shape, width=profile["decoding"]["ngram"])
             jobs.append((variant, setting, shape))
     return jobs
 

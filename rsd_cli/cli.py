@@ -96,8 +96,9 @@ def complete_profile(incomplete: str) -> list[str]:
 
 ProfileOpt = Annotated[Optional[str], typer.Option("--profile", "-p", help="Profile name or path to a .toml file.",
                                                    autocompletion=complete_profile, show_default=False)]
-VariantOpt = Annotated[Optional[str], typer.Option("--variant", "-v", help="ar, sd, mss, spectr, rsd-c, rsd-s, or auto "
-                                                   "(the shape that pays most here, re-chosen as it goes).",
+VariantOpt = Annotated[Optional[str], typer.Option("--variant", "-v", help="ar, sd, mss, spectr, rsd-c, rsd-s, lookup "
+                                                   "(drafts from the context, no model), or auto (the shape that pays "
+                                                   "most here, re-chosen as it goes).",
                                                    rich_help_panel=DRAFT, show_default=False)]
 TemperatureOpt = Annotated[Optional[float], typer.Option("--temperature", "-t", help="0 is greedy.",
                                                          rich_help_panel=SAMPLING, show_default=False)]
@@ -114,7 +115,7 @@ MaxTokensOpt = Annotated[Optional[int], typer.Option("--max-tokens", "-n", rich_
                                                      show_default=False)]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Makes the run reproducible.",
                                                 rich_help_panel=SAMPLING, show_default=False)]
-DraftLenOpt = Annotated[Optional[int], typer.Option("--draft-len", help="sd: draft length γ.",
+DraftLenOpt = Annotated[Optional[int], typer.Option("--draft-len", help="sd: draft length γ; lookup: at most γ tokens.",
                                                     rich_help_panel=DRAFT, show_default=False)]
 BranchingOpt = Annotated[Optional[str], typer.Option("--branching", help="mss, rsd-c: factors per depth, e.g. 3,2,2.",
                                                      rich_help_panel=DRAFT, show_default=False)]
@@ -339,7 +340,7 @@ def _csv_list(text: str, kind, name: str) -> list:
 @cli_errors
 def bench(
     profile: ProfileOpt = None,
-    variants: Annotated[str, typer.Option("--variants", help="Comma-separated variants.")] = "ar,sd,mss,spectr,rsd-c,rsd-s,auto",
+    variants: Annotated[str, typer.Option("--variants", help="Comma-separated variants.")] = "ar,sd,mss,spectr,rsd-c,rsd-s,lookup,auto",
     budgets: Annotated[Optional[str], typer.Option("--budgets", help="Fixed target budgets, e.g. 6,10,14,21,30.",
                                                    show_default=False)] = None,
     depths: Annotated[Optional[str], typer.Option("--depths", help="Fixed draft lengths L, e.g. 2,4.",

@@ -1,4 +1,5 @@
-"""Tree builders per variant. They call the draft model level by level through `expand`."""
+"""Tree builders per variant. They call the draft model level by level through `expand`; the
+`lookup` variant drafts without a model, from what the context already holds (NgramIndex)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from .sampling import gumbel_top_k_rows, sample_with_replacement, sample_with_re
 from .tree import DraftTree
 from .verification import Rule
 
-VARIANTS = ("ar", "sd", "mss", "spectr", "rsd-c", "rsd-s", "auto")
+VARIANTS = ("ar", "sd", "mss", "spectr", "rsd-c", "rsd-s", "lookup", "auto")
 
 # expand(tree, nodes) -> (len(nodes), V) draft distributions at those nodes, one draft forward
 Expand = Callable[[DraftTree, list[int]], torch.Tensor]
@@ -20,8 +21,9 @@ Expand = Callable[[DraftTree, list[int]], torch.Tensor]
 
 @dataclass(frozen=True)
 class Shape:
-    """What one step drafts. `branching` is per depth (sd, mss, rsd-c); `width` is the beam
-    width (rsd-s) or the number of drafts (spectr); `depth` is the tree depth L."""
+    """What one step drafts. `branching` is per depth (sd, mss, rsd-c, lookup); `width` is the
+    beam width (rsd-s), the number of drafts (spectr) or the longest n-gram matched (lookup);
+    `depth` is the tree depth L (lookup: the most tokens it drafts)."""
 
     variant: str
     branching: tuple[int, ...] = ()
@@ -31,6 +33,10 @@ class Shape:
     @property
     def rule(self) -> Rule:
         return {"mss": Rule.WITH_REPLACEMENT, "spectr": Rule.KSEQ}.get(self.variant, Rule.WITHOUT_REPLACEMENT)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.depth > 0 and self.variant != "lookup"
 
     @property
     def max_nodes(self) -> int:
@@ -50,6 +56,8 @@ class Shape:
             return self.variant
         if self.variant == "sd":
             return f"sd γ={self.depth}"
+        if self.variant == "lookup":
+            return f"lookup γ={self.depth}"
         if self.variant == "rsd-s":
             return f"rsd-s W={self.width} L={self.depth}"
         if self.variant == "spectr":
@@ -58,11 +66,13 @@ class Shape:
 
 
 def make_shape(variant: str, *, draft_len: int = 4, branching: tuple[int, ...] = (2, 2, 1),
-               beam_width: int = 3, depth: int = 4, num_drafts: int = 3, nodes: int = 0) -> Shape:
+               beam_width: int = 3, depth: int = 4, num_drafts: int = 3, nodes: int = 0, ngram: int = 3) -> Shape:
     if variant == "ar":
         return Shape("ar")
     if variant == "sd":
         return Shape("sd", (1,) * draft_len, 1, draft_len)
+    if variant == "lookup":
+        return Shape("lookup", (1,) * draft_len, ngram, draft_len)
     if variant in ("mss", "rsd-c"):
         return Shape(variant, tuple(branching), 1, len(branching))
     if variant == "rsd-s":
@@ -91,8 +101,8 @@ def shape_for_budget(variant: str, budget: int) -> Shape:
         return Shape("ar") if variant == "ar" else make_shape(variant, draft_len=0, branching=(), depth=0)
     width = 1 if budget < 10 else 2 if budget < 25 else 3
     depth = (budget - 1) // width
-    if variant == "sd":
-        return make_shape("sd", draft_len=budget - 1)
+    if variant in ("sd", "lookup"):
+        return make_shape(variant, draft_len=budget - 1)
     return make_shape(variant, branching=(width,) + (1,) * (depth - 1), beam_width=width,
                       depth=depth, num_drafts=width)
 
@@ -176,3 +186,42 @@ def _stochastic_beam_tree(tree: DraftTree, shape: Shape, expand: Expand, gen: to
         log_prob, score = level.log_prob, level.score
         if depth < shape.depth:
             _expand_into(tree, beams, expand)
+
+
+class NgramIndex:
+    """Where each n-gram (n = 1..longest) of a growing token sequence last occurred with a token
+    after it: prompt lookup decoding's draft (Saxena 2023; transformers' prompt_lookup_num_tokens,
+    vLLM's ngram). Answers that repeat their context (a corrected text, edited code, a summary
+    quoting its source, a list) get long drafts at no model cost."""
+
+    def __init__(self, longest: int):
+        self.longest = longest
+        self.after: dict[tuple[int, ...], int] = {}  # n-gram -> where the token after its latest occurrence is
+        self.indexed = 0  # n-grams ending before this position are in `after`
+
+    def continuation(self, seq: list[int], count: int) -> list[int]:
+        """Up to `count` tokens that followed the latest earlier occurrence of the longest n-gram
+        ending `seq` (the longest n that occurred before); [] when not even its last token did."""
+        for end in range(self.indexed, len(seq) - 1):  # an n-gram ending at `end` is followed by seq[end + 1]
+            for n in range(1, min(self.longest, end + 1) + 1):
+                self.after[tuple(seq[end - n + 1: end + 1])] = end + 1
+        self.indexed = max(self.indexed, len(seq) - 1)
+        for n in range(min(self.longest, len(seq)), 0, -1):
+            start = self.after.get(tuple(seq[-n:]))
+            if start is not None:
+                return seq[start: start + count]
+        return []
+
+
+def lookup_tree(root: int, continuation: list[int], vocab_size: int, device) -> DraftTree:
+    """A chain of the looked-up tokens, each drafted with certainty: q is one-hot, so recursive
+    rejection accepts token x with probability p(x) and after a rejection draws from p without x
+    (renormalised) — exactly the target's distribution, like any draft whose q is known."""
+    tree = DraftTree.rooted_at(root)
+    node = 0
+    for token in continuation:
+        q = torch.zeros(vocab_size, device=device)
+        q[token] = 1.0
+        tree.q[node] = q
+        node, _ = tree.add_draw(node, token)
+    return tree

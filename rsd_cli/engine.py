@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from .drafting import Shape, build_tree
+from .drafting import NgramIndex, Shape, build_tree, lookup_tree
 from .errors import RsdError
 from .sampling import SamplingParams, logits_to_probs, sample
 from .tree import DraftTree
@@ -409,6 +409,7 @@ class Decoder:
         self.policy = None  # auto.AutoShape for --variant auto: made at the first generate (it measures costs)
         self.keep_caches = False  # leave each generation's caches in `kept` instead of releasing them
         self.kept: KeptCaches | None = None  # caches a generation may start from (see the class docstring)
+        self.ngrams: NgramIndex | None = None  # the lookup variant's index of this generation's tokens
         self.notice = notice  # one line for the user (auto's first cost measurement)
 
     def _next_shape(self, lag: int = 0, remaining: int | None = None) -> Shape:
@@ -447,7 +448,8 @@ class Decoder:
             self._auto_policy()             # hold a static-shape runtime's shared buffers
         # static-cache buffers: room for the prompt, some answer and one tree; they double when full
         capacity = min(len(prompt) + min(max_tokens, 512), self.context_length or 2**31) + self.shape.max_nodes + 1
-        drafts = self.shape.depth > 0 or self.shape.variant == "auto"
+        drafts = self.shape.uses_draft_model or self.shape.variant == "auto"
+        self.ngrams = NgramIndex(self.shape.width) if self.shape.variant == "lookup" else None
         target, draft, held = self._reused(prompt, drafts)
         target = target or self._cache(self.target_model, self.runtimes.target, capacity)
         if drafts and draft is None:
@@ -545,7 +547,7 @@ class Decoder:
         start = time.perf_counter()
         forward_before = target.forward_seconds + (draft.forward_seconds if draft else 0.0)
         draft_calls_before = draft.calls if draft else 0
-        tree, draft_index = self._draft(shape, seq, draft if shape.depth > 0 else None, generator)
+        tree, draft_index = self._draft(shape, seq, draft if shape.uses_draft_model else None, generator)
         drafted = time.perf_counter()
 
         # verify: root + every node in one target forward; node i sits at position base + depth
@@ -600,6 +602,9 @@ class Decoder:
         """Build this step's tree. Returns it and the draft-cache position of each node the
         draft model has processed (needed to prune the draft cache afterwards)."""
         root = seq[-1]
+        if shape.variant == "lookup" and shape.depth:
+            continuation = self.ngrams.continuation(seq, shape.depth)
+            return lookup_tree(root, continuation, self.vocab_size, generator.device), {}
         if draft is None:
             return DraftTree.rooted_at(root), {}
         device = generator.device  # the target's: the draft's q joins p there

@@ -20,7 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-VARIANTS = ("ar", "sd", "mss", "spectr", "rsd-c", "rsd-s", "auto")
+VARIANTS = ("ar", "sd", "mss", "spectr", "rsd-c", "rsd-s", "lookup", "auto")
 
 
 def _positive(v) -> str | None:
@@ -148,7 +148,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
     },
     "decoding": {
         "variant": Key(str, "sd", _one_of(*VARIANTS)),
-        "draft_len": Key(int, 4, _positive, "sd: draft length γ"),
+        "draft_len": Key(int, 4, _positive, "sd: draft length γ; lookup: the most tokens drafted"),
+        "ngram": Key(int, 3, _positive, "lookup: the longest n-gram of the context's end looked up (down to 1)"),
         "branching": Key(list, [2, 2, 1], _branching, "mss, rsd-c: branching factor per depth"),
         "beam_width": Key(int, 3, _positive, "rsd-s: beam width W"),
         "depth": Key(int, 4, _positive, "rsd-s, spectr: tree depth L"),

@@ -63,9 +63,12 @@ def shape_of(profile: Profile, vocab_size: int | None = None) -> Shape:
     variant = d["variant"]
     if d["budget"]:
         shape = shape_for_budget(variant, d["budget"])
+        if variant == "lookup" and shape.depth:
+            shape = make_shape("lookup", draft_len=shape.depth, ngram=d["ngram"])
     else:
         shape = make_shape(variant, draft_len=d["draft_len"], branching=tuple(d["branching"]),
-                           beam_width=d["beam_width"], depth=d["depth"], num_drafts=d["num_drafts"])
+                           beam_width=d["beam_width"], depth=d["depth"], num_drafts=d["num_drafts"],
+                           ngram=d["ngram"])
     if vocab_size is not None:
         widest = max(shape.branching, default=1) if variant in ("mss", "rsd-c") else shape.width
         if variant in ("rsd-c", "rsd-s") and widest > vocab_size:

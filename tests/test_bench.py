@@ -21,13 +21,13 @@ def test_bench_runs_end_to_end_with_every_field_and_a_plot(tiny_profile, tmp_pat
     assert report["small_batch_layers"] == 30  # (3 + 1) layers x (q, k, v, o, gate, up, down) + 2 heads
     assert "packed/packed" in report["cpu_kernels"]  # which kernels computed these results
     variants = {r["variant"] for r in rows}
-    assert variants == {"ar", "sd", "mss", "spectr", "rsd-c", "rsd-s", "auto", "hf-assisted", "hf-static"}
+    assert variants == {"ar", "sd", "mss", "spectr", "rsd-c", "rsd-s", "lookup", "auto", "hf-assisted", "hf-static"}
     for row in rows:
         assert FIELDS <= set(row), row
     auto_rows = [r for r in rows if r["variant"] == "auto"]  # one per temperature: it picks its own trees
     assert len(auto_rows) == 2 and all(r["budget"] is None and r["shapes_used"] for r in auto_rows)
     tree_rows = [r for r in rows if r["variant"] not in ("ar", "auto", "hf-assisted", "hf-static")]
-    assert len(tree_rows) == 5 * 2 * 2  # variants x budgets x temperatures
+    assert len(tree_rows) == 6 * 2 * 2  # variants x budgets x temperatures
     assert all(r["target_tokens_per_step"] <= r["budget"] for r in tree_rows)
     assert all(r["speedup_vs_ar"] > 0 for r in rows)
     ar = [r for r in rows if r["variant"] == "ar"]

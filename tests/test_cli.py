@@ -58,7 +58,7 @@ def test_seeded_runs_repeat_and_greedy_variants_agree(cli, tiny_profile):
 
     assert text("--seed", "5") == text("--seed", "5")
     greedy = text("-t", "0", "-v", "ar")
-    for variant in ("sd", "mss", "spectr", "rsd-c", "rsd-s"):
+    for variant in ("sd", "mss", "spectr", "rsd-c", "rsd-s", "lookup"):
         assert text("-t", "0", "-v", variant) == greedy, variant
 
 

@@ -73,18 +73,18 @@ def shapes():
             make_shape("rsd-s", beam_width=3, depth=3)]
 
 
-def run(pair, shape, sampling, max_tokens, seed, eos=frozenset()):
+def run(pair, shape, sampling, max_tokens, seed, eos=frozenset(), prompt=PROMPT):
     target, draft = pair
     decoder = Decoder(target, draft, V, shape, sampling, set(eos))
-    return [t for event in decoder.generate(PROMPT, max_tokens, seed) for t in event.emitted]
+    return [t for event in decoder.generate(prompt, max_tokens, seed) for t in event.emitted]
 
 
-def plain_greedy(target, n: int) -> list[int]:
-    """The target's own greedy continuation of PROMPT, one full forward per token."""
-    tokens = list(PROMPT)
+def plain_greedy(target, n: int, prompt=PROMPT) -> list[int]:
+    """The target's own greedy continuation of the prompt, one full forward per token."""
+    tokens = list(prompt)
     for _ in range(n):
         tokens.append(int(full_logits(target, tokens)[-1].argmax()))
-    return tokens[len(PROMPT):]
+    return tokens[len(prompt):]
 
 
 @pytest.mark.parametrize("shape", shapes(), ids=lambda s: s.describe())
@@ -110,12 +110,12 @@ def test_greedy_trees_try_the_drafts_best_tokens_and_stay_exact(pair, shape):
     assert any(e.checks[0].decision.accepted not in (None, 0) for e in events)
 
 
-def exact_joint(target, sampling) -> torch.Tensor:
+def exact_joint(target, sampling, prompt=PROMPT) -> torch.Tensor:
     """(V, V) target probability of the first two generated tokens."""
-    first = logits_to_probs(full_logits(target, PROMPT)[-1], sampling).double()
+    first = logits_to_probs(full_logits(target, prompt)[-1], sampling).double()
     joint = torch.zeros(V, V, dtype=torch.float64)
     for x in range(V):
-        joint[x] = first[x] * logits_to_probs(full_logits(target, PROMPT + [x])[-1], sampling).double()
+        joint[x] = first[x] * logits_to_probs(full_logits(target, prompt + [x])[-1], sampling).double()
     return joint
 
 
@@ -130,10 +130,10 @@ def chi_square_pvalue(counts: torch.Tensor, expected: torch.Tensor) -> float:
     return float(chisquare(obs[keep].numpy(), exp[keep].numpy()).pvalue)
 
 
-def sample_pairs(pair, shape, sampling, n: int) -> torch.Tensor:
+def sample_pairs(pair, shape, sampling, n: int, prompt=PROMPT) -> torch.Tensor:
     counts = torch.zeros(V, V)
     for seed in range(n):
-        first, second = run(pair, shape, sampling, 2, seed)[:2]
+        first, second = run(pair, shape, sampling, 2, seed, prompt=prompt)[:2]
         counts[first, second] += 1
     return counts
 
@@ -169,6 +169,66 @@ def test_the_monte_carlo_test_detects_a_biased_verifier(monkeypatch):
     assert chi_square_pvalue(sample_pairs(pair, shape, sampling, N_SAMPLES), expected) > 1e-3
     monkeypatch.setattr(Shape, "rule", property(lambda self: Rule.BIASED))
     assert chi_square_pvalue(sample_pairs(pair, shape, sampling, N_SAMPLES), expected) < 1e-6
+
+
+REPEATING = [1, 3, 4, 2, 5, 1, 3, 4]  # its end, 1 3 4, occurred before: lookup drafts 2 5 1 ...
+
+
+def test_lookup_drafts_what_followed_the_latest_occurrence_of_the_longest_ngram():
+    from rsd_cli.drafting import NgramIndex
+
+    index = NgramIndex(3)
+    assert index.continuation([7], 4) == []
+    assert index.continuation(REPEATING, 2) == [2, 5]
+    assert index.continuation(REPEATING + [0], 4) == []  # 0 never occurred before
+    seq = REPEATING + [0, 4, 9, 3, 4]  # 3 4 occurred twice before: the latest occurrence wins
+    assert index.continuation(seq, 3) == [0, 4, 9]
+    assert NgramIndex(3).continuation([5, 5, 5], 4) == [5]  # an occurrence overlapping the end drafts up to it
+    longest = [1, 2, 7, 2, 8, 1, 2]  # "1 2" was followed by 7, the latest "2" by 8: the longer match wins
+    assert NgramIndex(3).continuation(longest, 1) == [7] and NgramIndex(1).continuation(longest, 1) == [8]
+    grown = NgramIndex(3)  # grown step by step, the index answers as one built at once
+    for end in range(1, len(seq) + 1):
+        assert grown.continuation(seq[:end], 3) == NgramIndex(3).continuation(seq[:end], 3)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_lookup_drafts_from_the_context_and_stays_exact(pair, temperature):
+    """Greedy: plain greedy. Sampling: the first two tokens' joint distribution is the target's,
+    on a prompt whose end repeats, so the first step drafts (one-hot q) at depths 1 and 2."""
+    shape = make_shape("lookup", draft_len=2)
+    sampling = SamplingParams(temperature=temperature)
+    target, draft = pair
+    events = list(Decoder(target, draft, V, shape, sampling, set()).generate(REPEATING, 12, seed=1))
+    assert events[0].tree.tokens == [4, 2, 5] and events[0].draft_calls == 0
+    assert all(float(q.max()) == 1.0 == float(q.sum()) for e in events for q in e.tree.q.values())
+    if temperature == 0:
+        assert run(pair, shape, sampling, 25, seed=0, prompt=REPEATING) == plain_greedy(target, 25, REPEATING)
+        return
+    counts = sample_pairs(pair, shape, sampling, N_SAMPLES, REPEATING)
+    expected = exact_joint(target, sampling, REPEATING) * N_SAMPLES
+    assert chi_square_pvalue(counts, expected) > 1e-3
+    reached = [run(pair, shape, sampling, 2, seed, prompt=REPEATING) for seed in range(200)]
+    assert any(r[:2] == [2, 5] for r in reached) and any(r[0] != 2 for r in reached)  # accepted and rejected
+
+
+def test_the_monte_carlo_test_detects_a_lookup_draft_that_lies_about_its_q(pair, monkeypatch):
+    """Negative control: verifying the looked-up chain as if it had been drawn from a uniform q
+    (it was drafted with certainty) biases the output, and the same test sees it."""
+    from rsd_cli import drafting
+
+    real = drafting.lookup_tree
+
+    def uniform_q(*args):
+        tree = real(*args)
+        for node in tree.q:
+            tree.q[node] = torch.full_like(tree.q[node], 1 / V)
+        return tree
+
+    monkeypatch.setattr("rsd_cli.engine.lookup_tree", uniform_q)
+    sampling = SamplingParams(temperature=1.0)
+    counts = sample_pairs(pair, make_shape("lookup", draft_len=2), sampling, N_SAMPLES, REPEATING)
+    expected = exact_joint(pair[0], sampling, REPEATING) * N_SAMPLES
+    assert chi_square_pvalue(counts, expected) < 1e-6
 
 
 def test_same_seed_same_output(pair):

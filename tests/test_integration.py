@@ -63,7 +63,7 @@ def test_the_embedded_pair_loaded_light_samples_the_same_tokens(embedded_pair, m
     assert sampled[0] == sampled[1] and len(sampled[0]) == 32
 
 
-@pytest.mark.parametrize("variant", ["sd", "mss", "spectr", "rsd-c", "rsd-s", "auto"])
+@pytest.mark.parametrize("variant", ["sd", "mss", "spectr", "rsd-c", "rsd-s", "lookup", "auto"])
 def test_every_variant_is_greedy_exact_on_the_embedded_pair(embedded_pair, variant):
     from rsd_cli.generation import complete
     from rsd_cli.prompting import encode_prompt
