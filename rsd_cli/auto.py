@@ -1,7 +1,9 @@
 """`--variant auto`: the tree shape that pays most on this machine, re-chosen as generation goes.
 
 Every few steps the policy picks, among ar, sd chains and rsd-c branching vectors, the shape
-maximising   expected emitted tokens / expected step time,   from
+maximising   expected emitted tokens / expected step time;  and on every step where the context's
+end occurred before, it weighs a `lookup` chain of what followed it (no draft model: only the
+target's forward of its tokens) against that shape, by the same measure. Both come from
 
 - a **cost model** of this machine: the target's forward time for a tree of n nodes and the
   draft's for a level of w nodes, measured once per machine, model pair and runtime (~seconds,
@@ -9,7 +11,9 @@ maximising   expected emitted tokens / expected step time,   from
   a shape this run has used is timed by its own steps (sampling and verification included);
 - an **acceptance model** of this run: the probability that the draft's k-th ranked candidate
   is accepted after the ones before it were rejected, at depth d (the factors of RSD-C's block
-  efficiency), counted from this run's verified nodes with a weak prior;
+  efficiency), counted from this run's verified nodes with a weak prior; for lookup drafts, the
+  probability that the looked-up token at depth d is accepted, apart for each length n of the
+  n-gram matched (a 3-token match predicts far better than a 1-token one);
 - a **memory** of earlier runs with the same machine, models, runtime and sampling settings
   (`auto.json` in the rsd cache folder): a run starts from the last one's acceptance counts
   (scaled down, so its own steps soon outweigh them), scales and timed shapes, so a one-off
@@ -60,6 +64,7 @@ OUTLIER = 1.25  # the most one step's time can move an estimate, as a ratio to i
 OPTIMISM = 0.5  # standard errors added to an acceptance rate (so wider shapes get tried)
 MEMORY_TRIES = 32  # a run starts from earlier runs' acceptance counts scaled down to at most this many
 # tries per rank and depth, so that its own steps soon outweigh them
+LOOKUP_NGRAM = 3  # lookup drafts follow the context's longest matching n-gram, n = 3, 2 or 1
 CATCH_UP_STEPS = 4  # a draft that has this many plain steps' time or less to read before it can draft
 # (what it missed: a new prompt, plain steps) drafts whenever drafting is chosen; a longer read (a long
 # prompt: ~1 s for 3655 tokens on a 2-core EPYC, 130 plain steps) only where the answer's remaining
@@ -268,6 +273,11 @@ class AutoShape:
         self.other: tuple[Shape, bool] | None = None  # the other kind's best shape, and whether clearly slower
         self._last_kind: bool | None = None  # whether the last observed step drafted
         self.rare_gap = EXPLORE_EVERY * RARELY  # steps between explorations of a kind clearly slower
+        self.lookups = [make_shape("lookup", draft_len=g, ngram=LOOKUP_NGRAM)
+                        for g in range(1, min(MAX_DEPTH, max_nodes - 1) + 1)]  # lookup chains, by length
+        self.longest_lookup = len(self.lookups)
+        self.lookup_acceptance = {n: Acceptance() for n in range(1, LOOKUP_NGRAM + 1)}  # by n-gram matched
+        self.matched = 0  # the n-gram length behind the last next_shape's lookup chain
         self.memory_key = memory_key  # where `save` keeps what this run learnt (None: nowhere)
         self.timing_key = timing_key  # where it keeps its timings for runs with other sampling settings
 
@@ -282,6 +292,8 @@ class AutoShape:
         """(draft, target) seconds of one step from the measured costs, unscaled."""
         if shape.depth == 0:
             return 0.0, self.costs.target_at(1)
+        if not shape.uses_draft_model:  # lookup: a chain drafted without a model
+            return 0.0, self.costs.target_at(1 + shape.depth)
         sizes = level_sizes(shape)
         draft = self.costs.draft_at(1) + sum(self.costs.draft_at(n) for n in sizes[:-1])  # catch-up + levels
         return draft, self.costs.target_at(1 + sum(sizes))
@@ -300,24 +312,39 @@ class AutoShape:
     def _unmeasured_ratio(self, shape: Shape) -> float:
         if shape.depth == 0:
             return 1.0
+        if not shape.uses_draft_model:  # lookup: the lookup chains' own (no draws, no draft forwards)
+            used = [ratio for chain, ratio in self.measured.items() if chain.variant == "lookup"]
+            return sum(used) / len(used) if used else 1.0
         if self._drafting_ratio is None:  # (a choice asks for it ~120 times; drafting steps change it)
-            drafting = [ratio for used, ratio in self.measured.items() if used.depth]
+            drafting = [ratio for used, ratio in self.measured.items() if used.uses_draft_model]
             self._drafting_ratio = sum(drafting) / len(drafting) if drafting else 1.0
         return self._drafting_ratio
 
-    def rate(self, shape: Shape) -> float:
-        """Expected tokens per second."""
-        return expected_tokens(shape, self.acceptance) / self.seconds(shape)
+    def rate(self, shape: Shape, matched: int = 0) -> float:
+        """Expected tokens per second (a lookup chain: after an n-gram of `matched` tokens)."""
+        acceptance = self.lookup_acceptance[matched] if shape.variant == "lookup" else self.acceptance
+        return expected_tokens(shape, acceptance) / self.seconds(shape)
 
-    def next_shape(self, lag: int = 0, remaining: int | None = None) -> Shape:
+    def next_shape(self, lag: int = 0, remaining: int | None = None, lookup: tuple[int, int] = (0, 0)) -> Shape:
         """The next step's shape. lag: tokens the draft has yet to read before it can draft (a
         drafting step reads them first); remaining: at most how many tokens the answer has left
-        (None: no limit). A drafting shape whose catch-up would cost more than it can save over
-        those tokens gives way to plain decoding (exploration included: it would pay it too)."""
+        (None: no limit); lookup: (n, count) — the context's end matched an earlier n-gram of n
+        tokens followed by `count` tokens (0, 0: none). A drafting shape whose catch-up would cost
+        more than it can save over those tokens gives way to plain decoding (exploration
+        included: it would pay it too); a lookup chain of what followed the match replaces the
+        shape where it is expected to emit more tokens a second."""
         shape = self._next()
         if shape.depth and not self._catch_up_pays(shape, lag, remaining):
             self.burst.clear()
-            return self.shapes[0]  # ar
+            shape = self.shapes[0]  # ar
+        matched, available = lookup
+        self.matched = matched
+        if available and matched:
+            chains = self.lookups[:available]
+            rates = [self.rate(chain, matched) for chain in chains]
+            best = max(range(len(chains)), key=rates.__getitem__)
+            if rates[best] > self.rate(shape):
+                return chains[best]
         return shape
 
     def _catch_up_pays(self, shape: Shape, lag: int, remaining: int | None) -> bool:
@@ -362,14 +389,18 @@ class AutoShape:
             self.rare_gap = EXPLORE_EVERY * RARELY
         others = [shape for shape in self.shapes if bool(shape.depth) != bool(self.current.depth)]
         other = max(others, key=rates.__getitem__, default=self.current)
-        timed = any(bool(used.depth) == bool(other.depth) for used in self.measured)
+        timed = any(bool(used.depth) == bool(other.depth) for used in self.measured if used.variant != "lookup")
         self.other = (other, timed and rates[other] < CLEARLY_SLOWER * rates[self.current])
 
     def observe(self, event) -> None:
         """Learn from a finished step: its verified nodes and how long its forwards took."""
-        self.acceptance.observe(event.checks)
-        switched = self._last_kind is not None and self._last_kind != bool(event.shape.depth)
-        self._last_kind = bool(event.shape.depth)
+        if event.shape.variant == "lookup":
+            self.lookup_acceptance[self.matched].observe(event.checks)
+        else:
+            self.acceptance.observe(event.checks)
+        # (the draft model's steps and the others: after a run of the others it first reads what it missed)
+        switched = self._last_kind is not None and self._last_kind != event.shape.uses_draft_model
+        self._last_kind = event.shape.uses_draft_model
         if event.step == 1:  # its draft call also read the whole prompt: not a step's time
             return
         self.uses[event.shape] = self.uses.get(event.shape, 0) + 1
@@ -395,19 +426,22 @@ class AutoShape:
         """What a later run on this machine, these models and sampling settings starts from: the
         acceptance counts (scaled down), the cost model's scales and each timed shape's ratio."""
         return {"acceptance": self.acceptance.as_json(), "scales": [self.target_scale, self.draft_scale],
-                "ratios": {shape.describe(): ratio for shape, ratio in self.measured.items()}}
+                "ratios": {shape.describe(): ratio for shape, ratio in self.measured.items()},
+                "lookup": {str(n): acceptance.as_json() for n, acceptance in self.lookup_acceptance.items()}}
 
     def recall(self, memory: dict) -> None:
         """Start from what an earlier run remembered (see `remembered`; without "acceptance", only
         its timings: a run with other sampling settings); raises on a malformed one, leaving the
         policy as it was."""
-        named = {shape.describe(): shape for shape in self.shapes}
+        named = {shape.describe(): shape for shape in self.shapes + self.lookups}
         ratios = {named[name]: float(ratio) for name, ratio in memory["ratios"].items() if name in named}
         target_scale, draft_scale = (float(scale) for scale in memory["scales"])
         if not all(0 < value < math.inf for value in (*ratios.values(), target_scale, draft_scale)):
             raise ValueError("a scale or ratio is not positive")
         if "acceptance" in memory:
+            lookup = {int(n): Acceptance.from_json(cells) for n, cells in memory.get("lookup", {}).items()}
             self.acceptance = Acceptance.from_json(memory["acceptance"])
+            self.lookup_acceptance.update({n: a for n, a in lookup.items() if n in self.lookup_acceptance})
         self.measured, self.target_scale, self.draft_scale = ratios, target_scale, draft_scale
         self._drafting_ratio = None
 
@@ -422,7 +456,8 @@ class AutoShape:
         known = read_json_table(path)
         known[self.memory_key] = self.remembered()
         if self.timing_key is not None:
-            known[self.timing_key] = {key: value for key, value in known[self.memory_key].items() if key != "acceptance"}
+            known[self.timing_key] = {key: value for key, value in known[self.memory_key].items()
+                                      if key not in ("acceptance", "lookup")}
         write_json_table(path, known)
 
     def ranking(self, top: int = 5) -> list[tuple[str, float]]:

@@ -202,6 +202,10 @@ class NgramIndex:
     def continuation(self, seq: list[int], count: int) -> list[int]:
         """Up to `count` tokens that followed the latest earlier occurrence of the longest n-gram
         ending `seq` (the longest n that occurred before); [] when not even its last token did."""
+        return self.match(seq, count)[1]
+
+    def match(self, seq: list[int], count: int) -> tuple[int, list[int]]:
+        """(n, continuation): the n of that longest n-gram (0 when none occurred) and the tokens."""
         for end in range(self.indexed, len(seq) - 1):  # an n-gram ending at `end` is followed by seq[end + 1]
             for n in range(1, min(self.longest, end + 1) + 1):
                 self.after[tuple(seq[end - n + 1: end + 1])] = end + 1
@@ -209,8 +213,8 @@ class NgramIndex:
         for n in range(min(self.longest, len(seq)), 0, -1):
             start = self.after.get(tuple(seq[-n:]))
             if start is not None:
-                return seq[start: start + count]
-        return []
+                return n, seq[start: start + count]
+        return 0, []
 
 
 def lookup_tree(root: int, continuation: list[int], vocab_size: int, device) -> DraftTree:

@@ -412,12 +412,15 @@ class Decoder:
         self.ngrams: NgramIndex | None = None  # the lookup variant's index of this generation's tokens
         self.notice = notice  # one line for the user (auto's first cost measurement)
 
-    def _next_shape(self, lag: int = 0, remaining: int | None = None) -> Shape:
+    def _next_shape(self, lag: int = 0, remaining: int | None = None, seq: list[int] = ()) -> Shape:
         """This step's shape: the configured one, or auto's choice from the steps before it (lag:
-        tokens the draft has not read yet; remaining: tokens the answer may still take)."""
+        tokens the draft has not read yet; remaining: tokens the answer may still take; seq: the
+        tokens so far, where auto looks for a lookup draft)."""
         if self.shape.variant != "auto":
             return self.shape
-        return self._auto_policy().next_shape(lag, remaining)
+        policy = self._auto_policy()
+        n, continuation = self.ngrams.match(seq, policy.longest_lookup) if seq else (0, [])
+        return policy.next_shape(lag, remaining, lookup=(n, len(continuation)))
 
     def _auto_policy(self):
         """auto.AutoShape for --variant auto, made (its costs measured) at its first use."""
@@ -449,7 +452,12 @@ class Decoder:
         # static-cache buffers: room for the prompt, some answer and one tree; they double when full
         capacity = min(len(prompt) + min(max_tokens, 512), self.context_length or 2**31) + self.shape.max_nodes + 1
         drafts = self.shape.uses_draft_model or self.shape.variant == "auto"
-        self.ngrams = NgramIndex(self.shape.width) if self.shape.variant == "lookup" else None
+        if self.shape.variant == "auto":
+            from .auto import LOOKUP_NGRAM
+
+            self.ngrams = NgramIndex(LOOKUP_NGRAM)
+        else:
+            self.ngrams = NgramIndex(self.shape.width) if self.shape.variant == "lookup" else None
         target, draft, held = self._reused(prompt, drafts)
         target = target or self._cache(self.target_model, self.runtimes.target, capacity)
         if drafts and draft is None:
@@ -511,7 +519,7 @@ class Decoder:
         while produced < max_tokens:
             step += 1
             lag = len(seq) - draft.length if draft is not None else 0
-            event = self._step(step, self._next_shape(lag, max_tokens - produced), seq, target, draft, generator)
+            event = self._step(step, self._next_shape(lag, max_tokens - produced, seq), seq, target, draft, generator)
             held[:] = seq + [event.tree.tokens[n] for n in event.path]  # the root and the accepted path
             if self.policy is not None:
                 self.policy.observe(event)

@@ -201,14 +201,16 @@ def test_runs_with_the_same_machine_models_and_sampling_share_what_auto_learnt_o
         return Decoder(pair[0], pair[1], V, make_shape("auto"), SamplingParams(temperature=temperature), set())
 
     first = decoder(1.0)
-    list(first.generate(PROMPT, 16, seed=1))
+    list(first.generate(PROMPT, 48, seed=1))
     assert first.policy.measured and first.policy.acceptance.tried  # (it drafted and timed some steps)
+    assert any(a.tried for a in first.policy.lookup_acceptance.values())  # (and looked some up)
     later = auto.for_decoder(decoder(1.0))  # where a later run starts
     assert later.remembered() == json.loads(json.dumps(first.policy.remembered()))
     other = auto.for_decoder(decoder(0.5))  # other sampling settings: acceptance learnt afresh, timings kept
     assert other.acceptance.tried == {} and other.remembered()["acceptance"] == []
-    assert {k: v for k, v in other.remembered().items() if k != "acceptance"} == {
-        k: v for k, v in later.remembered().items() if k != "acceptance"}
+    assert all(a.tried == {} for a in other.lookup_acceptance.values())
+    assert {k: v for k, v in other.remembered().items() if k not in ("acceptance", "lookup")} == {
+        k: v for k, v in later.remembered().items() if k not in ("acceptance", "lookup")}
     auto.memory_path().write_text("{not json")  # a damaged file: a fresh start, no error
     assert auto.for_decoder(decoder(1.0)).acceptance.tried == {}
     key = f"{auto.cost_key(decoder(1.0))} | {SamplingParams(temperature=1.0)}"
@@ -216,8 +218,34 @@ def test_runs_with_the_same_machine_models_and_sampling_share_what_auto_learnt_o
     assert auto.for_decoder(decoder(1.0)).acceptance.tried == {}
     list(decoder(1.0).generate(PROMPT, 4, seed=2))  # and overwritten by this one
     saved = json.loads(auto.memory_path().read_text())
-    assert set(saved[key]) == {"acceptance", "scales", "ratios"}
+    assert set(saved[key]) == {"acceptance", "scales", "ratios", "lookup"}
     assert set(saved[f"{auto.cost_key(decoder(1.0))} | timings, any sampling"]) == {"scales", "ratios"}
+
+
+def test_a_lookup_chain_replaces_the_shape_where_its_match_predicts_well():
+    """Each step, where the context's end matched an earlier n-gram, a chain of what followed it
+    (no draft model) is weighed against the chosen shape by expected tokens a second, with its
+    acceptance learnt apart for each match length n; what it accepts teaches the draft nothing."""
+    from types import SimpleNamespace
+
+    policy = AutoShape(Costs({1: 1.0, 2: 1.1, 4: 1.3, 8: 4.0, 64: 40.0}, {1: 5.0, 32: 5.0}))  # the draft never pays
+    for _ in range(200):  # 3-token matches are followed by what came after them; 1-token ones are not
+        policy.lookup_acceptance[3].observe([check(1, 0)] * 4)
+        policy.lookup_acceptance[1].observe([check(1, None)])
+    plain = policy.next_shape()
+    assert plain.variant == "ar"
+    chain = policy.next_shape(lookup=(3, 6))
+    assert chain.variant == "lookup" and not chain.uses_draft_model and 2 <= chain.depth <= 6
+    assert policy.next_shape(lookup=(3, 2)).depth == 2  # no longer than what followed the match
+    assert policy.next_shape(lookup=(1, 6)).variant == "ar"  # a 1-token match predicts nothing here
+    assert policy.next_shape(lookup=(0, 0)).variant == "ar"
+    policy.next_shape(lookup=(3, 6))
+    tried = dict(policy.lookup_acceptance[3].tried)
+    step = SimpleNamespace(shape=chain, checks=[check(1, 0), check(1, None)], step=5, draft_seconds=0.0,
+                           verify_seconds=1.2)
+    policy.observe(step)
+    assert policy.lookup_acceptance[3].tried[0, 1] == tried[0, 1] + 1 and policy.acceptance.tried == {}
+    assert policy.step_seconds(chain)[0] == 0  # no draft forwards in its time
 
 
 def test_expected_tokens_are_worked_out_again_only_after_drafting_steps():
@@ -322,7 +350,8 @@ def test_auto_does_not_draft_on_a_long_prompt_for_a_short_answer(pair):
     decoder = Decoder(pair[0], pair[1], V, make_shape("auto"), sampling, set())
     decoder.policy = policy()
     events = list(decoder.generate(long_prompt, 6, 0))
-    assert {e.shape.describe() for e in events} == {"ar"} and sum(e.draft_calls for e in events) == 0
+    # (the prompt repeats itself: lookup chains, which need no draft, may be chosen)
+    assert not any(e.shape.uses_draft_model for e in events) and sum(e.draft_calls for e in events) == 0
     decoder.policy = policy()
     events = list(decoder.generate(PROMPT, 6, 0))
     assert all(e.shape.depth > 0 for e in events) and sum(e.draft_calls for e in events) > 0
@@ -342,7 +371,7 @@ def run(pair, decoder_shape, sampling, max_tokens, seed, policy=None, warm_up_se
 def test_greedy_auto_equals_plain_greedy(pair):
     tokens, events = run(pair, make_shape("auto"), SamplingParams(temperature=0), 25, seed=0)
     assert tokens == plain_greedy(pair[0], 25)
-    assert all(e.shape.variant in ("ar", "sd", "rsd-c") for e in events)
+    assert all(e.shape.variant in ("ar", "sd", "rsd-c", "lookup") for e in events)
 
 
 class AcceptanceOnly(AutoShape):
@@ -350,7 +379,8 @@ class AcceptanceOnly(AutoShape):
     made-up costs below, which are chosen so that acceptance decides."""
 
     def observe(self, event) -> None:
-        self.acceptance.observe(event.checks)
+        looked_up = event.shape.variant == "lookup"
+        (self.lookup_acceptance[self.matched] if looked_up else self.acceptance).observe(event.checks)
 
 
 def switching_policy() -> AutoShape:
@@ -371,6 +401,7 @@ def test_auto_follows_the_target_distribution_while_its_shape_changes(pair):
         counts[tokens[0], tokens[1]] += 1
         shapes.add(tuple(e.shape.describe() for e in events))
     assert len({first for first, *_ in shapes}) > 1  # the test exercises history-dependent choices
+    assert any(name.startswith("lookup") for names in shapes for name in names)  # lookup chains among them
     assert chi_square_pvalue(counts, exact_joint(pair[0], sampling) * N_SAMPLES) > 1e-3
 
 
