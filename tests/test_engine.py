@@ -191,6 +191,24 @@ def test_lookup_drafts_what_followed_the_latest_occurrence_of_the_longest_ngram(
         assert grown.continuation(seq[:end], 3) == NgramIndex(3).continuation(seq[:end], 3)
 
 
+def test_the_ngram_index_finds_what_a_search_of_the_whole_sequence_finds():
+    from rsd_cli.drafting import NgramIndex
+
+    def search(seq, longest, count):  # the definition, scanning back from the end
+        for n in range(min(longest, len(seq)), 0, -1):
+            for start in range(len(seq) - n - 1, -1, -1):
+                if seq[start:start + n] == seq[-n:]:
+                    return n, seq[start + n: start + n + count]
+        return 0, []
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(100):
+        seq = torch.randint(0, 5, (int(torch.randint(1, 50, (), generator=generator)),), generator=generator).tolist()
+        index = NgramIndex(3)
+        for end in range(1, len(seq) + 1):  # step by step, as a generation grows it
+            assert index.match(seq[:end], 4) == search(seq[:end], 3, 4)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 def test_lookup_drafts_from_the_context_and_stays_exact(pair, temperature):
     """Greedy: plain greedy. Sampling: the first two tokens' joint distribution is the target's,
