@@ -167,7 +167,7 @@ class ChatSession:
         if limit and len(ids) >= limit:
             raise RsdError(f"this message needs {len(ids)} tokens (chat template and system prompt included), "
                            f"but the model's context holds {limit}: not sent")
-        if start > self.window == 0:  # said once a conversation; the window moves on quietly
+        if self.window == 0 and start > 0:  # said once a conversation; the window moves on quietly
             console.print(f"[dim](the conversation outgrew the model's context of {limit} tokens: from now on the "
                           f"oldest messages are left out, the latest {len(self.history) - start} of "
                           f"{len(self.history)} kept; /save keeps all)[/dim]")
