@@ -20,7 +20,7 @@ HELP = """commands:
   /clear                forget the conversation
   /system TEXT          set the system prompt (empty TEXT clears it)
   /set KEY VALUE        KEY: temperature, top_p, top_k, min_p, repetition_penalty,
-                        max_tokens, variant, seed, stop
+                        max_tokens, variant, draft_len, ngram, seed, stop
                         (/set stop TEXT: one stop string; /set stop ["a", "b"]: several; [] none)
   /stats                statistics of the last answer
   /tree on|off          live view of the draft tree while answering
@@ -40,7 +40,7 @@ def _stop_list(value: str) -> list[str]:
 
 
 SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
-            "max_tokens": int, "variant": str, "seed": int, "stop": _stop_list}
+            "max_tokens": int, "variant": str, "draft_len": int, "ngram": int, "seed": int, "stop": _stop_list}
 
 
 @dataclass

@@ -117,6 +117,8 @@ SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Makes the run re
                                                 rich_help_panel=SAMPLING, show_default=False)]
 DraftLenOpt = Annotated[Optional[int], typer.Option("--draft-len", help="sd: draft length γ; lookup: at most γ tokens.",
                                                     rich_help_panel=DRAFT, show_default=False)]
+NgramOpt = Annotated[Optional[int], typer.Option("--ngram", help="lookup: the longest n-gram of the context's end "
+                                                "looked up (down to 1).", rich_help_panel=DRAFT, show_default=False)]
 BranchingOpt = Annotated[Optional[str], typer.Option("--branching", help="mss, rsd-c: factors per depth, e.g. 3,2,2.",
                                                      rich_help_panel=DRAFT, show_default=False)]
 BeamWidthOpt = Annotated[Optional[int], typer.Option("--beam-width", help="rsd-s: beam width W.",
@@ -218,6 +220,7 @@ def generate(
     max_tokens: MaxTokensOpt = None,
     seed: SeedOpt = None,
     draft_len: DraftLenOpt = None,
+    ngram: NgramOpt = None,
     branching: BranchingOpt = None,
     beam_width: BeamWidthOpt = None,
     depth: DepthOpt = None,
@@ -267,6 +270,7 @@ def chat(
     max_tokens: MaxTokensOpt = None,
     seed: SeedOpt = None,
     draft_len: DraftLenOpt = None,
+    ngram: NgramOpt = None,
     branching: BranchingOpt = None,
     beam_width: BeamWidthOpt = None,
     depth: DepthOpt = None,
@@ -310,6 +314,7 @@ def inspect_tree(
     repetition_penalty: RepetitionPenaltyOpt = None,
     seed: SeedOpt = None,
     draft_len: DraftLenOpt = None,
+    ngram: NgramOpt = None,
     branching: BranchingOpt = None,
     beam_width: BeamWidthOpt = None,
     depth: DepthOpt = None,

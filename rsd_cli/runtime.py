@@ -12,6 +12,7 @@ from .profiles import SCHEMA, Profile
 FLAG_KEYS = {
     "variant": ("decoding", "variant"),
     "draft_len": ("decoding", "draft_len"),
+    "ngram": ("decoding", "ngram"),
     "branching": ("decoding", "branching"),
     "beam_width": ("decoding", "beam_width"),
     "depth": ("decoding", "depth"),

@@ -60,6 +60,7 @@ def test_seeded_runs_repeat_and_greedy_variants_agree(cli, tiny_profile):
     greedy = text("-t", "0", "-v", "ar")
     for variant in ("sd", "mss", "spectr", "rsd-c", "rsd-s", "lookup"):
         assert text("-t", "0", "-v", variant) == greedy, variant
+    assert text("-t", "0", "-v", "lookup", "--ngram", "1", "--draft-len", "6") == greedy
 
 
 def test_samples_json_prints_one_object_per_line(cli, tiny_profile):
