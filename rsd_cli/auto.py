@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .drafting import Shape, make_shape
+from .drafting import LOOKUP_NGRAM, Shape, make_shape
 
 MAX_NODES = 64  # the largest tree auto drafts (a budget lowers it)
 MAX_DEPTH = 8
@@ -64,7 +64,6 @@ OUTLIER = 1.25  # the most one step's time can move an estimate, as a ratio to i
 OPTIMISM = 0.5  # standard errors added to an acceptance rate (so wider shapes get tried)
 MEMORY_TRIES = 32  # a run starts from earlier runs' acceptance counts scaled down to at most this many
 # tries per rank and depth, so that its own steps soon outweigh them
-LOOKUP_NGRAM = 3  # lookup drafts follow the context's longest matching n-gram, n = 3, 2 or 1
 CATCH_UP_STEPS = 4  # a draft that has this many plain steps' time or less to read before it can draft
 # (what it missed: a new prompt, plain steps) drafts whenever drafting is chosen; a longer read (a long
 # prompt: ~1 s for 3655 tokens on a 2-core EPYC, 130 plain steps) only where the answer's remaining

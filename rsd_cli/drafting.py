@@ -14,6 +14,7 @@ from .tree import DraftTree
 from .verification import Rule
 
 VARIANTS = ("ar", "sd", "mss", "spectr", "rsd-c", "rsd-s", "lookup", "auto")
+LOOKUP_NGRAM = 3  # lookup drafts follow the context's longest matching n-gram, n = 3 down to 1 (auto's, the default)
 
 # expand(tree, nodes) -> (len(nodes), V) draft distributions at those nodes, one draft forward
 Expand = Callable[[DraftTree, list[int]], torch.Tensor]
@@ -66,7 +67,8 @@ class Shape:
 
 
 def make_shape(variant: str, *, draft_len: int = 4, branching: tuple[int, ...] = (2, 2, 1),
-               beam_width: int = 3, depth: int = 4, num_drafts: int = 3, nodes: int = 0, ngram: int = 3) -> Shape:
+               beam_width: int = 3, depth: int = 4, num_drafts: int = 3, nodes: int = 0,
+               ngram: int = LOOKUP_NGRAM) -> Shape:
     if variant == "ar":
         return Shape("ar")
     if variant == "sd":

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from .drafting import NgramIndex, Shape, build_tree, lookup_tree
+from .drafting import LOOKUP_NGRAM, NgramIndex, Shape, build_tree, lookup_tree
 from .errors import RsdError
 from .sampling import SamplingParams, logits_to_probs, sample
 from .tree import DraftTree
@@ -409,7 +409,7 @@ class Decoder:
         self.policy = None  # auto.AutoShape for --variant auto: made at the first generate (it measures costs)
         self.keep_caches = False  # leave each generation's caches in `kept` instead of releasing them
         self.kept: KeptCaches | None = None  # caches a generation may start from (see the class docstring)
-        self.ngrams: NgramIndex | None = None  # the lookup variant's index of this generation's tokens
+        self.ngrams: NgramIndex | None = None  # lookup's and auto's index of this generation's tokens
         self.notice = notice  # one line for the user (auto's first cost measurement)
 
     def _next_shape(self, lag: int = 0, remaining: int | None = None, seq: list[int] = ()) -> Shape:
@@ -452,12 +452,8 @@ class Decoder:
         # static-cache buffers: room for the prompt, some answer and one tree; they double when full
         capacity = min(len(prompt) + min(max_tokens, 512), self.context_length or 2**31) + self.shape.max_nodes + 1
         drafts = self.shape.uses_draft_model or self.shape.variant == "auto"
-        if self.shape.variant == "auto":
-            from .auto import LOOKUP_NGRAM
-
-            self.ngrams = NgramIndex(LOOKUP_NGRAM)
-        else:
-            self.ngrams = NgramIndex(self.shape.width) if self.shape.variant == "lookup" else None
+        longest = {"lookup": self.shape.width, "auto": LOOKUP_NGRAM}.get(self.shape.variant)
+        self.ngrams = NgramIndex(longest) if longest else None
         target, draft, held = self._reused(prompt, drafts)
         target = target or self._cache(self.target_model, self.runtimes.target, capacity)
         if drafts and draft is None:

@@ -184,9 +184,9 @@ def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, conso
     shown: list[str] = []
     hold_text = live and getattr(out, "isatty", lambda: False)()
     view = Live(console=console, transient=True, refresh_per_second=8) if live else nullcontext()
-    unread = decoder.unread(prompt_ids)  # (a chat's kept caches hold most of its prompt)
-    note = ReadingNote(console, unread) if reading_note and not live and console is not None \
-        and console.is_terminal else None
+    noted = reading_note and not live and console is not None and console.is_terminal
+    unread = decoder.unread(prompt_ids) if live or noted else 0  # (a chat's kept caches hold most of its prompt)
+    note = ReadingNote(console, unread) if noted else None
     with view as display:
         if display is not None:  # until the first step: a long prompt takes seconds to read
             display.update(reading_line(unread), refresh=True)
