@@ -160,11 +160,11 @@ static int tile_columns(int N, int threads) {
 #define FORMAT_KERNELS(FORMAT, BYTES)                                                         \
 DOT_ROWS(FORMAT, BYTES, 1) DOT_ROWS(FORMAT, BYTES, 2) DOT_ROWS(FORMAT, BYTES, 3)              \
 DOT_ROWS(FORMAT, BYTES, 4) DOT_ROWS(FORMAT, BYTES, 8)                                         \
-static void FORMAT##_linear(const float* x, const uint8_t* w, float* y, int M, int N, int K,  \
-                            int threads) {                                                    \
+static void FORMAT##_linear_team(const float* x, const uint8_t* w, float* y, int M, int N,   \
+                                 int K, int threads) {                                        \
   const size_t row_bytes = (size_t)(K / BLOCK) * BYTES;                                       \
   const int cols = tile_columns(N, threads);                                                  \
-  _Pragma("omp parallel for num_threads(threads) schedule(static)")                           \
+  _Pragma("omp for schedule(static)")                                                         \
   for (int n0 = 0; n0 < N; n0 += cols) {                                                      \
     const int n1 = n0 + cols < N ? n0 + cols : N;                                             \
     for (int r0 = 0; r0 < M; r0 += 8) {                                                       \
@@ -196,15 +196,23 @@ FORMAT_KERNELS(f16, 64)
 FORMAT_KERNELS(bf16, 64)
 
 /* y (M, N) = x (M, K) @ W^T, W (N, K) as N rows of K / 32 blocks of one format:
-   0 Q4_1, 1 Q8_0, 2 half floats, 3 bfloat16 */
+   0 Q4_1, 1 Q8_0, 2 half floats, 3 bfloat16; shared out among the threads of the team that calls
+   it (each of its threads calls it: an orphaned loop, a barrier at its end) */
+static void linear_team(const float* x, const uint8_t* w, float* y, int M, int N, int K, int format,
+                        int threads) {
+  switch (format) {
+    case 0: q4_1_linear_team(x, w, y, M, N, K, threads); break;
+    case 1: q8_0_linear_team(x, w, y, M, N, K, threads); break;
+    case 2: f16_linear_team(x, w, y, M, N, K, threads); break;
+    case 3: bf16_linear_team(x, w, y, M, N, K, threads); break;
+  }
+}
+
+/* linear_team on a team of its own */
 void blocks_linear(const float* x, const uint8_t* w, float* y, int M, int N, int K, int format,
                    int threads) {
-  switch (format) {
-    case 0: q4_1_linear(x, w, y, M, N, K, threads); break;
-    case 1: q8_0_linear(x, w, y, M, N, K, threads); break;
-    case 2: f16_linear(x, w, y, M, N, K, threads); break;
-    case 3: bf16_linear(x, w, y, M, N, K, threads); break;
-  }
+  #pragma omp parallel num_threads(threads)
+  linear_team(x, w, y, M, N, K, format, threads);
 }
 
 #include <math.h>
@@ -308,10 +316,11 @@ static inline __m512 sum16(const __m512* a) {
    key seen as it is (0: the mask need not be read), or some of each (or other values). */
 enum { HIDDEN, SEEN, MIXED };
 
-/* kinds (n, chunks): each row's chunks of KEY_CHUNK keys of the mask (n, kv_len) */
-static void chunk_kinds(const float* mask, int n, int kv_len, int threads, uint8_t* kinds) {
+/* kinds (n, chunks): each row's chunks of KEY_CHUNK keys of the mask (n, kv_len); rows shared out
+   among the calling team's threads */
+static void chunk_kinds(const float* mask, int n, int kv_len, uint8_t* kinds) {
   const int chunks = key_chunks(kv_len);
-  #pragma omp parallel for num_threads(threads) schedule(static)
+  #pragma omp for schedule(static)
   for (int i = 0; i < n; i++)
     for (int c = 0; c < chunks; c++) {
       const float* m = mask + (size_t)i * kv_len;
@@ -477,7 +486,7 @@ static size_t attention_scratch(int n, int kv_len, int H, int KVH, int hd, int t
 
 /* attn (n, H * hd) = softmax(q k^T * scaling + mask) v for every head of every row: queries in
    qkv (n rows of `stride`, heads first), keys and values (KVH, capacity, hd), mask (n, kv_len) and
-   its chunk_kinds. */
+   its chunk_kinds; shared out among the calling team's `threads` threads. */
 static void attention(const float* qkv, int stride, const float* keys, const float* values, int capacity,
                       const float* mask, const uint8_t* kinds, int n, int kv_len, int H, int KVH, int hd,
                       float scaling, int threads, float* scratch, float* attn) {
@@ -485,8 +494,7 @@ static void attention(const float* qkv, int stride, const float* keys, const flo
   const int group = H / KVH, subsets = group / p.heads;
   const size_t each = thread_scratch(hd, group);
   float* parts = scratch + (size_t)threads * each;  /* split: (n, H, chunks) parts */
-  #pragma omp parallel num_threads(threads)
-  {  /* one region: its loops part at a barrier (~0.2 us, a new region ~0.4 on 2 cores) */
+  {  /* two loops shared out among the calling team, a barrier after each */
     #pragma omp for schedule(static)
     for (int task = 0; task < p.tasks; task++) {
       int rest = task;
@@ -559,7 +567,10 @@ static void silu_times(const float* gate, int I, int j0, int j1, float* out) {
    kv_len - n .. kv_len - 1 of keys, values (kv_heads, capacity, hd); mask (n, kv_len) additive.
    linears: q, k and v stacked (formats[0]), o (formats[1]), gate and up stacked (formats[2]),
    down (formats[3]). dims: D, heads, kv_heads, hd, intermediate. scratch: blocks_scratch floats;
-   kinds: the mask's chunk_kinds. */
+   kinds: the mask's chunk_kinds. Every thread of a team of `threads` calls it: each step is a loop
+   shared out among them, the next begins after the barrier at its end (one parallel region a
+   forward, not six a layer: a barrier costs ~0.2 us on 2 cores, a new region ~0.4, and more with
+   more threads). */
 static void layer(float* x, int n, const float* cos, const float* sin, const float* mask, const uint8_t* kinds,
                   int kv_len, float* keys, float* values, int capacity, const float* ln1, const float* ln2,
                   const uint8_t* qkv_w, const uint8_t* o_w, const uint8_t* gate_up_w, const uint8_t* down_w,
@@ -574,8 +585,10 @@ static void layer(float* x, int n, const float* cos, const float* sin, const flo
   float* act = gate_up + (size_t)n * 2 * I;  /* (n, I): silu(gate) * up */
   float* rest = act + (size_t)n * I;       /* attention's */
 
-  rms_norm(x, ln1, eps, h, n, D);
-  blocks_linear(h, qkv_w, qkv, n, QKV, D, formats[0], threads);
+  #pragma omp for schedule(static)
+  for (int i = 0; i < n; i++) rms_norm(x + (size_t)i * D, ln1, eps, h + (size_t)i * D, 1, D);
+  linear_team(h, qkv_w, qkv, n, QKV, D, formats[0], threads);
+  #pragma omp for schedule(static)
   for (int i = 0; i < n; i++) {
     float* row = qkv + (size_t)i * QKV;
     rotate(row, H, hd, cos + (size_t)i * hd, sin + (size_t)i * hd);
@@ -587,19 +600,23 @@ static void layer(float* x, int n, const float* cos, const float* sin, const flo
     }
   }
   attention(qkv, QKV, keys, values, capacity, mask, kinds, n, kv_len, H, KVH, hd, scaling, threads, rest, attn);
-  blocks_linear(attn, o_w, o, n, D, Q, formats[1], threads);
-  for (size_t e = 0; e < (size_t)n * D; e++) x[e] += o[e];
-  rms_norm(x, ln2, eps, h, n, D);
-  blocks_linear(h, gate_up_w, gate_up, n, 2 * I, D, formats[2], threads);
+  linear_team(attn, o_w, o, n, D, Q, formats[1], threads);
+  #pragma omp for schedule(static)
+  for (int i = 0; i < n; i++) {
+    for (int j = 0; j < D; j++) x[(size_t)i * D + j] += o[(size_t)i * D + j];
+    rms_norm(x + (size_t)i * D, ln2, eps, h + (size_t)i * D, 1, D);
+  }
+  linear_team(h, gate_up_w, gate_up, n, 2 * I, D, formats[2], threads);
   /* silu(gate) * up, into rows of their own (down reads its rows contiguous), in chunks the threads share */
   const int chunks = (I + 255) / 256;
-  #pragma omp parallel for num_threads(threads) schedule(static)
+  #pragma omp for schedule(static)
   for (int task = 0; task < n * chunks; task++) {
     const int i = task / chunks, j0 = task % chunks * 256, j1 = j0 + 256 < I ? j0 + 256 : I;
     silu_times(gate_up + (size_t)i * 2 * I, I, j0, j1, act + (size_t)i * I);
   }
-  blocks_linear(act, down_w, o, n, D, I, formats[3], threads);
-  for (size_t e = 0; e < (size_t)n * D; e++) x[e] += o[e];
+  linear_team(act, down_w, o, n, D, I, formats[3], threads);
+  #pragma omp for schedule(static)
+  for (int e = 0; e < n * D; e++) x[e] += o[e];
 }
 
 /* floats of scratch `layer` takes */
@@ -615,10 +632,9 @@ int64_t blocks_scratch(int n, int kv_len, const int* dims, int threads) {
   return (int64_t)(layer_scratch(n, kv_len, dims, threads) + (kinds + 3) / 4);
 }
 
-static uint8_t* mask_kinds(const float* mask, int n, int kv_len, const int* dims, int threads, float* scratch) {
-  uint8_t* kinds = (uint8_t*)(scratch + layer_scratch(n, kv_len, dims, threads));
-  chunk_kinds(mask, n, kv_len, threads, kinds);
-  return kinds;
+/* where blocks_layer(s) keep the mask's chunk kinds: after the layer's scratch */
+static uint8_t* kinds_in(float* scratch, int n, int kv_len, const int* dims, int threads) {
+  return (uint8_t*)(scratch + layer_scratch(n, kv_len, dims, threads));
 }
 
 /* `layer` (above) on one layer */
@@ -626,8 +642,13 @@ void blocks_layer(float* x, int n, const float* cos, const float* sin, const flo
                   float* keys, float* values, int capacity, const float* ln1, const float* ln2,
                   const uint8_t* qkv_w, const uint8_t* o_w, const uint8_t* gate_up_w, const uint8_t* down_w,
                   const int* formats, const int* dims, float scaling, float eps, int threads, float* scratch) {
-  layer(x, n, cos, sin, mask, mask_kinds(mask, n, kv_len, dims, threads, scratch), kv_len, keys, values, capacity,
-        ln1, ln2, qkv_w, o_w, gate_up_w, down_w, formats, dims, scaling, eps, threads, scratch);
+  uint8_t* kinds = kinds_in(scratch, n, kv_len, dims, threads);
+  #pragma omp parallel num_threads(threads)
+  {
+    chunk_kinds(mask, n, kv_len, kinds);
+    layer(x, n, cos, sin, mask, kinds, kv_len, keys, values, capacity, ln1, ln2, qkv_w, o_w, gate_up_w, down_w,
+          formats, dims, scaling, eps, threads, scratch);
+  }
 }
 
 /* blocks_layer for `count` consecutive layers in one call (one Python call a forward, not one a
@@ -636,13 +657,17 @@ void blocks_layer(float* x, int n, const float* cos, const float* sin, const flo
 void blocks_layers(float* x, int n, const float* cos, const float* sin, const float* mask, int kv_len,
                    float* keys, float* values, int64_t layer_stride, int capacity, const int64_t* pointers,
                    int count, const int* dims, float scaling, float eps, int threads, float* scratch) {
-  const uint8_t* kinds = mask_kinds(mask, n, kv_len, dims, threads, scratch);  /* (one mask for every layer) */
-  for (int l = 0; l < count; l++) {
-    const int64_t* p = pointers + (size_t)l * 7;
-    layer(x, n, cos, sin, mask, kinds, kv_len, keys + (size_t)l * layer_stride, values + (size_t)l * layer_stride,
-          capacity, (const float*)(intptr_t)p[0], (const float*)(intptr_t)p[1], (const uint8_t*)(intptr_t)p[2],
-          (const uint8_t*)(intptr_t)p[3], (const uint8_t*)(intptr_t)p[4], (const uint8_t*)(intptr_t)p[5],
-          (const int*)(intptr_t)p[6], dims, scaling, eps, threads, scratch);
+  uint8_t* kinds = kinds_in(scratch, n, kv_len, dims, threads);  /* (one mask for every layer) */
+  #pragma omp parallel num_threads(threads)
+  {  /* one region for every layer */
+    chunk_kinds(mask, n, kv_len, kinds);
+    for (int l = 0; l < count; l++) {
+      const int64_t* p = pointers + (size_t)l * 7;
+      layer(x, n, cos, sin, mask, kinds, kv_len, keys + (size_t)l * layer_stride, values + (size_t)l * layer_stride,
+            capacity, (const float*)(intptr_t)p[0], (const float*)(intptr_t)p[1], (const uint8_t*)(intptr_t)p[2],
+            (const uint8_t*)(intptr_t)p[3], (const uint8_t*)(intptr_t)p[4], (const uint8_t*)(intptr_t)p[5],
+            (const int*)(intptr_t)p[6], dims, scaling, eps, threads, scratch);
+    }
   }
 }
 
