@@ -354,8 +354,9 @@ def bench(
                                                  "rsd-c), beam width (rsd-s), drafts (spectr) [default: the "
                                                  "profile's beam_width].", show_default=False)] = None,
     temperatures: Annotated[str, typer.Option("--temperatures", help="Comma-separated temperatures.")] = "1.0",
-    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A prompt file, one per line "
-                                                    "(default: the built-in held-out set).", show_default=False)] = None,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A prompt file, one per line, or .jsonl: a "
+                                                    "JSON string or {\"prompt\": ...} a line (default: the built-in "
+                                                    "held-out set).", show_default=False)] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, help="Use the first N prompts.")] = 4,
     repeats: Annotated[int, typer.Option("--repeats", min=1)] = 1,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1)] = 64,
@@ -525,7 +526,8 @@ def distill(
         help="Train the draft its own final norm and head (its rows go into the file) or share the target's; "
              "default: --train-head with --vocab, else shared.")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A file of training prompts, one per line.",
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A file of training prompts, one per line (.jsonl: "
+                                                    "a JSON string or {\"prompt\": ...} a line).",
                                                     show_default=False)] = None,
 ):
     """Train an adapter layer that turns the target's first layers into a good draft."""

@@ -10,19 +10,11 @@ from .distill import Recipe, sample_answers, teacher_labels, train
 from .errors import RsdError, UsageError
 from .models import (cache_dir, describe_layers, exact_fingerprint, layers_per_device, load_model, save_adapter,
                      target_placement)
-from .prompting import builtin_prompts
+from .prompting import builtin_prompts, read_prompt_file
 
 
 def _read_prompts(path: Path | None) -> list[str]:
-    if path is None:
-        return builtin_prompts("train")
-    try:
-        prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise RsdError(f"cannot read prompts from {path}: {e}") from None
-    if not prompts:
-        raise RsdError(f"{path} holds no prompts")
-    return prompts
+    return builtin_prompts("train") if path is None else read_prompt_file(path)
 
 
 def _data_cache(target, prompts: list[str], recipe: Recipe) -> Path:

@@ -2,13 +2,44 @@
 
 from __future__ import annotations
 
+import json
 from importlib import resources
+from pathlib import Path
+
+from .errors import RsdError
 
 
 def builtin_prompts(name: str) -> list[str]:
     """A built-in prompt set: "train" (distillation) or "eval" (held out, for benchmarks)."""
     text = (resources.files("rsd_cli") / "prompts" / f"{name}.txt").read_text(encoding="utf-8")
     return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def read_prompt_file(path: Path) -> list[str]:
+    """Prompts from a file: one a line, or in a .jsonl file one a line as a JSON string or an object
+    with a "prompt" string (prompts that hold line breaks: code, documents)."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RsdError(f"cannot read prompts from {path}: {e}") from None
+    prompts = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            prompts.append(line.strip())
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError as e:
+            raise RsdError(f"{path}, line {number}: not JSON ({e})") from None
+        value = value.get("prompt") if isinstance(value, dict) else value
+        if not isinstance(value, str) or not value.strip():
+            raise RsdError(f'{path}, line {number}: neither a prompt string nor an object with a "prompt" string')
+        prompts.append(value)
+    if not prompts:
+        raise RsdError(f"{path} holds no prompts")
+    return prompts
 
 
 def messages_for(prompt: str, system: str | None = None, history: list[dict] | None = None) -> list[dict]:

@@ -121,3 +121,30 @@ def test_runtime_baseline_includes_the_model_code_but_no_weights(tiny_pair_dir):
     without = subprocess.run([sys.executable, "-c", code.format("")], capture_output=True, text=True)
     assert with_code.stdout.strip() == "True", with_code.stderr
     assert without.stdout.strip() == "False", without.stderr
+
+
+def test_prompt_files_take_one_prompt_a_line_or_jsonl_with_line_breaks(tiny_profile, tmp_path):
+    import pytest
+
+    from rsd_cli.errors import RsdError
+    from rsd_cli.prompting import read_prompt_file
+
+    plain = tmp_path / "prompts.txt"
+    plain.write_text("first prompt\n\n  second prompt  \n", encoding="utf-8")
+    assert read_prompt_file(plain) == ["first prompt", "second prompt"]
+    lines = tmp_path / "prompts.jsonl"
+    lines.write_text('"Fix the typo:\\ndef add(a, b):\\n    retrun a + b"\n\n{"prompt": "Sum up:\\nx\\ny", "id": 7}\n',
+                     encoding="utf-8")
+    assert read_prompt_file(lines) == ["Fix the typo:\ndef add(a, b):\n    retrun a + b", "Sum up:\nx\ny"]
+    for bad, message in (('{"text": "x"}', "line 1: neither"), ('"a"\n{oops', "line 2: not JSON"), ("", "no prompts")):
+        broken = tmp_path / "broken.jsonl"
+        broken.write_text(bad, encoding="utf-8")
+        with pytest.raises(RsdError, match=message):
+            read_prompt_file(broken)
+    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--prompts", str(lines), "--variants", "ar,lookup",
+                                      "--depths", "2", "--limit", "2", "-n", "4", "--json", "--no-assisted",
+                                      "--no-hf-static"])
+    assert result.exit_code == 0, result.stderr
+    assert {row["variant"] for row in json.loads(result.stdout)["results"]} == {"ar", "lookup"}
+    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--prompts", str(broken)])
+    assert result.exit_code == 1 and "no prompts" in result.stderr
