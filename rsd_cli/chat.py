@@ -151,19 +151,23 @@ class ChatSession:
         self.history.append({"role": "assistant", "content": text})
 
     def prompt_ids(self, message: str, console) -> list[int]:
-        """The prompt for `message`: the system prompt and as many of the latest messages as fit
-        the model's context with room for an answer (max_tokens, at most half the context); the
-        ones before are left out, the window starting at a user message (a note the first time)."""
+        """The prompt for `message`: the system prompt and the latest messages. Once they no longer
+        fit the model's context with room for an answer (max_tokens, at most half the context), the
+        oldest are left out until the rest takes at most half of it, the window starting at a user
+        message (a note the first time): it then stays put for a while, so the next answers still
+        find most of their prompt in the kept caches instead of reading the whole conversation
+        again each time."""
         limit = self.pair.context_length
         room = min(self.profile["sampling"]["max_tokens"], limit // 2) if limit else 0
         start = min(self.window, len(self.history))
-        while True:
-            ids = encode_prompt(self.pair.tokenizer, message, system=self.system, history=self.history[start:])
-            if not limit or len(ids) + room <= limit or start == len(self.history):
-                break
-            start += 1
-            while start < len(self.history) and self.history[start]["role"] != "user":
+        ids = encode_prompt(self.pair.tokenizer, message, system=self.system, history=self.history[start:])
+        if limit and len(ids) + room > limit:
+            goal = min(limit // 2, limit - room)
+            while len(ids) > goal and start < len(self.history):
                 start += 1
+                while start < len(self.history) and self.history[start]["role"] != "user":
+                    start += 1
+                ids = encode_prompt(self.pair.tokenizer, message, system=self.system, history=self.history[start:])
         if limit and len(ids) >= limit:
             raise RsdError(f"this message needs {len(ids)} tokens (chat template and system prompt included), "
                            f"but the model's context holds {limit}: not sent")

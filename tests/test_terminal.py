@@ -157,12 +157,18 @@ def test_chat_window_starts_at_a_user_message_and_holds_what_fits(tiny_pair_dir)
         history += [{"role": "user", "content": f"question {n} " * 5}, {"role": "assistant", "content": f"a{n} " * 4}]
     session = ChatSession(Pair(), {"sampling": {"max_tokens": 40}}, history=history)
     console = Console(file=io.StringIO(), width=200)
+    assert len(encode_prompt(Pair.tokenizer, "last one", history=history)) + 40 > 256  # (it outgrew the context)
     ids = session.prompt_ids("last one", console)
     window = history[session.window:]
     assert 0 < session.window and window[0]["role"] == "user"
     assert ids == encode_prompt(Pair.tokenizer, "last one", history=window)
-    assert len(ids) + 40 <= 256 < len(encode_prompt(Pair.tokenizer, "last one", history=history[session.window - 2:])) + 40
+    # what is left takes at most half the context: one message pair more would not
+    assert len(ids) <= 128 < len(encode_prompt(Pair.tokenizer, "last one", history=history[session.window - 2:]))
     assert "the latest %d of 17 kept" % len(window) in console.file.getvalue()
+    first = session.window  # the next answers keep that window (their prompts begin as this one did)
+    history += [{"role": "user", "content": "last one"}, {"role": "assistant", "content": "ok"}]
+    assert session.prompt_ids("and one more", console)[:len(ids) - 8] == ids[:len(ids) - 8]
+    assert session.window == first
 
 
 def _read_until(fd: int, marker: bytes, timeout: float = 60) -> bytes:
