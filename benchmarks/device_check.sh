@@ -7,10 +7,11 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh costs     # one forward: eager / static / CUDA graphs
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh bench     # end to end, bf16, with hf-static
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh cpu16     # the same on the 16-core CPU
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh lookup    # lookup on grounded prompts, GPU then 16 cores
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
-part=${1:?which part: tests, costs, bench or cpu16}
+part=${1:?which part: tests, costs, bench, cpu16 or lookup}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -29,5 +30,10 @@ case $part in
     $py "${bench[@]}" --compile off,on,auto --hf-static > "$out/bench-gpu.json" ;;
   cpu16)
     CUDA_VISIBLE_DEVICES= $py "${bench[@]}" --compile off,on,auto --hf-static > "$out/bench-cpu16.json" ;;
-  *) echo "unknown part $part: tests, costs, bench or cpu16" >&2; exit 2 ;;
+  lookup)  # where an extra verified token is nearly free, lookup's block efficiency should be its speed-up
+    grounded=(-m rsd_cli bench --prompts benchmarks/grounded-prompts.txt --limit 8 --variants ar,sd,lookup,auto
+              --depths 1,4 --temperatures 0.7,0 -n 128 --no-assisted --json)
+    $py "${grounded[@]}" --hf-static > "$out/lookup-gpu.json"
+    CUDA_VISIBLE_DEVICES= $py "${grounded[@]}" > "$out/lookup-cpu16.json" ;;
+  *) echo "unknown part $part: tests, costs, bench, cpu16 or lookup" >&2; exit 2 ;;
 esac
