@@ -342,9 +342,17 @@ class AutoShape:
             chains = self.lookups[:available]
             rates = [self.rate(chain, matched) for chain in chains]
             best = max(range(len(chains)), key=rates.__getitem__)
-            if rates[best] > self.rate(shape):
+            if rates[best] > self._rate_after(shape, lag):
                 return chains[best]
         return shape
+
+    def _rate_after(self, shape: Shape, lag: int) -> float:
+        """`rate`, with what the draft has to read first beyond the one token a drafting step's
+        time counts (after lookup chains or plain steps: the tokens they added)."""
+        if not shape.uses_draft_model or lag <= 1:
+            return self.rate(shape)
+        catch_up = (self.costs.draft_at(lag) - self.costs.draft_at(1)) * self.draft_scale
+        return expected_tokens(shape, self.acceptance) / (self.seconds(shape) + max(catch_up, 0.0))
 
     def _catch_up_pays(self, shape: Shape, lag: int, remaining: int | None) -> bool:
         plain = self.seconds(self.shapes[0])

@@ -248,6 +248,21 @@ def test_a_lookup_chain_replaces_the_shape_where_its_match_predicts_well():
     assert policy.step_seconds(chain)[0] == 0  # no draft forwards in its time
 
 
+def test_a_lookup_chain_is_weighed_against_drafting_with_what_the_draft_must_read_first():
+    """After lookup chains the draft has their tokens to read before it drafts: a drafting shape
+    that wins with nothing to read can lose to a lookup chain then."""
+    policy = AutoShape(Costs({1: 1.0, 2: 1.02, 64: 2.0}, {1: 0.1, 32: 3.2}), max_nodes=2)  # a draft token: 0.1
+    for _ in range(200):
+        policy.acceptance.observe([check(1, 0)] * 1)  # the draft's token is always accepted
+        policy.lookup_acceptance[2].observe([check(1, 0) if _ % 5 else check(1, None)])  # lookup: 0.8
+    drafting = policy.next_shape()
+    assert drafting.uses_draft_model
+    assert policy.next_shape(lag=1, lookup=(2, 4)) == drafting
+    chain = policy.next_shape(lag=12, lookup=(2, 4))  # 11 more tokens to read: ~1.1 s
+    assert chain.variant == "lookup"
+    assert policy._rate_after(drafting, 12) < policy.rate(chain, 2) < policy.rate(drafting)
+
+
 def test_expected_tokens_are_worked_out_again_only_after_drafting_steps():
     """What a choice works out from acceptance is kept through plain steps (they teach it nothing)
     and worked out again after a drafting step: the same values as from the counts afresh."""
