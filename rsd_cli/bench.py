@@ -399,7 +399,9 @@ def memory_summary(pair, runtime_mb: float = 0.0) -> dict:
         for p in model.parameters():
             storage = p.untyped_storage()
             tensors[storage.data_ptr()] = storage.nbytes()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+    # kB on Linux; the kernel's high-water mark is updated in batches, so it can trail by a few pages
+    # an RSS read since (the runtime's, measured in a process whose peak came before: a test run)
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, current_rss_mb(), runtime_mb)
     weights = sum(tensors.values()) / 2**20
     return {"peak_rss_mb": peak, "runtime_rss_mb": runtime_mb, "weights_mb": weights,
             "peak_over_weights": peak / weights if weights else None,

@@ -16,7 +16,8 @@ def test_bench_runs_end_to_end_with_every_field_and_a_plot(tiny_profile, tmp_pat
     report = json.loads(result.stdout)
     rows = report["results"]
     assert report["memory"]["peak_rss_mb"] > report["memory"]["weights_mb"] > 0
-    assert 0 < report["memory"]["runtime_rss_mb"] < report["memory"]["peak_rss_mb"]
+    assert 0 < report["memory"]["runtime_rss_mb"] <= report["memory"]["peak_rss_mb"]  # (equal: a test process
+    # whose peak came in earlier tests)
     assert report["memory"]["model_peak_over_weights"] < report["memory"]["peak_over_weights"]
     assert report["small_batch_layers"] == 30  # (3 + 1) layers x (q, k, v, o, gate, up, down) + 2 heads
     assert "packed/packed" in report["cpu_kernels"]  # which kernels computed these results
