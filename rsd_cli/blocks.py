@@ -229,14 +229,10 @@ static inline float dot(const float* a, const float* b, int n) {
   return sum;
 }
 
-/* out (n, D) = weight * (x * 1 / sqrt(mean(x^2) + eps)), as transformers' LlamaRMSNorm in float32 */
-static void rms_norm(const float* x, const float* weight, float eps, float* out, int n, int D) {
-  for (int i = 0; i < n; i++) {
-    const float* xi = x + (size_t)i * D;
-    const float sum = dot(xi, xi, D);
-    const float r = 1.f / sqrtf(sum / D + eps);
-    for (int j = 0; j < D; j++) out[(size_t)i * D + j] = weight[j] * (xi[j] * r);
-  }
+/* out (D) = weight * (x * 1 / sqrt(mean(x^2) + eps)) for one row, as transformers' LlamaRMSNorm in float32 */
+static void rms_norm(const float* x, const float* weight, float eps, float* out, int D) {
+  const float r = 1.f / sqrtf(dot(x, x, D) / D + eps);
+  for (int j = 0; j < D; j++) out[j] = weight[j] * (x[j] * r);
 }
 
 /* x (heads, hd) of one token rotated in place: x * cos + rotate_half(x) * sin */
@@ -494,55 +490,54 @@ static void attention(const float* qkv, int stride, const float* keys, const flo
   const int group = H / KVH, subsets = group / p.heads;
   const size_t each = thread_scratch(hd, group);
   float* parts = scratch + (size_t)threads * each;  /* split: (n, H, chunks) parts */
-  {  /* two loops shared out among the calling team, a barrier after each */
-    #pragma omp for schedule(static)
-    for (int task = 0; task < p.tasks; task++) {
-      int rest = task;
-      const int span = rest % p.spans; rest /= p.spans;
-      const int tile = rest % p.tiles; rest /= p.tiles;
-      const int subset = rest % subsets; rest /= subsets;
-      const int kh = rest;
-      float* s = scratch + (size_t)omp_get_thread_num() * each;
-      float* part = s + KEY_CHUNK;
-      float* states = part + PART(hd);  /* whole: (rows of the tile, heads) states */
-      const int i0 = tile * ROW_TILE, i1 = i0 + ROW_TILE < n ? i0 + ROW_TILE : n;
-      const int h0 = kh * group + subset * p.heads, h1 = h0 + p.heads;
-      const float* k = keys + (size_t)kh * capacity * hd;
-      const float* v = values + (size_t)kh * capacity * hd;
-      const int c0 = p.spans > 1 ? span : 0, c1 = p.spans > 1 ? span + 1 : p.chunks;
-      if (p.spans == 1)
-        for (int q = 0; q < (i1 - i0) * p.heads; q++) states[(size_t)q * PART(hd)] = -INFINITY;
-      for (int c = c0; c < c1; c++) {
-        const int j0 = c * KEY_CHUNK, j1 = j0 + KEY_CHUNK < kv_len ? j0 + KEY_CHUNK : kv_len;
-        for (int i = i0; i < i1; i++)
-          for (int h = h0; h < h1; h++) {
-            const float* query = qkv + (size_t)i * stride + (size_t)h * hd;
-            const float* row_mask = mask + (size_t)i * kv_len;
-            const int kind = kinds[(size_t)i * p.chunks + c];
-            if (p.spans > 1) {
-              float* out = parts + (((size_t)i * H + h) * p.chunks + c) * PART(hd);
-              if (kind == HIDDEN || !chunk_part(query, k, v, row_mask, kind, j0, j1, hd, scaling, s, out))
-                out[0] = -INFINITY;
-            } else if (kind != HIDDEN && chunk_part(query, k, v, row_mask, kind, j0, j1, hd, scaling, s, part)) {
-              fold(states + ((size_t)(i - i0) * p.heads + (h - h0)) * PART(hd), part, hd);
-            }
+  /* two loops shared out among the calling team, a barrier after each */
+  #pragma omp for schedule(static)
+  for (int task = 0; task < p.tasks; task++) {
+    int rest = task;
+    const int span = rest % p.spans; rest /= p.spans;
+    const int tile = rest % p.tiles; rest /= p.tiles;
+    const int subset = rest % subsets; rest /= subsets;
+    const int kh = rest;
+    float* s = scratch + (size_t)omp_get_thread_num() * each;
+    float* part = s + KEY_CHUNK;
+    float* states = part + PART(hd);  /* whole: (rows of the tile, heads) states */
+    const int i0 = tile * ROW_TILE, i1 = i0 + ROW_TILE < n ? i0 + ROW_TILE : n;
+    const int h0 = kh * group + subset * p.heads, h1 = h0 + p.heads;
+    const float* k = keys + (size_t)kh * capacity * hd;
+    const float* v = values + (size_t)kh * capacity * hd;
+    const int c0 = p.spans > 1 ? span : 0, c1 = p.spans > 1 ? span + 1 : p.chunks;
+    if (p.spans == 1)
+      for (int q = 0; q < (i1 - i0) * p.heads; q++) states[(size_t)q * PART(hd)] = -INFINITY;
+    for (int c = c0; c < c1; c++) {
+      const int j0 = c * KEY_CHUNK, j1 = j0 + KEY_CHUNK < kv_len ? j0 + KEY_CHUNK : kv_len;
+      for (int i = i0; i < i1; i++)
+        for (int h = h0; h < h1; h++) {
+          const float* query = qkv + (size_t)i * stride + (size_t)h * hd;
+          const float* row_mask = mask + (size_t)i * kv_len;
+          const int kind = kinds[(size_t)i * p.chunks + c];
+          if (p.spans > 1) {
+            float* out = parts + (((size_t)i * H + h) * p.chunks + c) * PART(hd);
+            if (kind == HIDDEN || !chunk_part(query, k, v, row_mask, kind, j0, j1, hd, scaling, s, out))
+              out[0] = -INFINITY;
+          } else if (kind != HIDDEN && chunk_part(query, k, v, row_mask, kind, j0, j1, hd, scaling, s, part)) {
+            fold(states + ((size_t)(i - i0) * p.heads + (h - h0)) * PART(hd), part, hd);
           }
-      }
-      if (p.spans == 1)
-        for (int i = i0; i < i1; i++)
-          for (int h = h0; h < h1; h++)
-            finish(states + ((size_t)(i - i0) * p.heads + (h - h0)) * PART(hd), hd, attn + ((size_t)i * H + h) * hd);
-    }
-    if (p.spans > 1) {
-      #pragma omp for schedule(static)
-      for (int q = 0; q < n * H; q++) {  /* the parts of a query, folded in chunk order */
-        float* state = parts + (size_t)q * p.chunks * PART(hd);
-        for (int c = 1; c < p.chunks; c++) {
-          const float* part = state + (size_t)c * PART(hd);
-          if (part[0] != -INFINITY) fold(state, part, hd);
         }
-        finish(state, hd, attn + (size_t)q * hd);
+    }
+    if (p.spans == 1)
+      for (int i = i0; i < i1; i++)
+        for (int h = h0; h < h1; h++)
+          finish(states + ((size_t)(i - i0) * p.heads + (h - h0)) * PART(hd), hd, attn + ((size_t)i * H + h) * hd);
+  }
+  if (p.spans > 1) {
+    #pragma omp for schedule(static)
+    for (int q = 0; q < n * H; q++) {  /* the parts of a query, folded in chunk order */
+      float* state = parts + (size_t)q * p.chunks * PART(hd);
+      for (int c = 1; c < p.chunks; c++) {
+        const float* part = state + (size_t)c * PART(hd);
+        if (part[0] != -INFINITY) fold(state, part, hd);
       }
+      finish(state, hd, attn + (size_t)q * hd);
     }
   }
 }
@@ -586,7 +581,7 @@ static void layer(float* x, int n, const float* cos, const float* sin, const flo
   float* rest = act + (size_t)n * I;       /* attention's */
 
   #pragma omp for schedule(static)
-  for (int i = 0; i < n; i++) rms_norm(x + (size_t)i * D, ln1, eps, h + (size_t)i * D, 1, D);
+  for (int i = 0; i < n; i++) rms_norm(x + (size_t)i * D, ln1, eps, h + (size_t)i * D, D);
   linear_team(h, qkv_w, qkv, n, QKV, D, formats[0], threads);
   #pragma omp for schedule(static)
   for (int i = 0; i < n; i++) {
@@ -604,7 +599,7 @@ static void layer(float* x, int n, const float* cos, const float* sin, const flo
   #pragma omp for schedule(static)
   for (int i = 0; i < n; i++) {
     for (int j = 0; j < D; j++) x[(size_t)i * D + j] += o[(size_t)i * D + j];
-    rms_norm(x + (size_t)i * D, ln2, eps, h + (size_t)i * D, 1, D);
+    rms_norm(x + (size_t)i * D, ln2, eps, h + (size_t)i * D, D);
   }
   linear_team(h, gate_up_w, gate_up, n, 2 * I, D, formats[2], threads);
   /* silu(gate) * up, into rows of their own (down reads its rows contiguous), in chunks the threads share */
@@ -637,21 +632,7 @@ static uint8_t* kinds_in(float* scratch, int n, int kv_len, const int* dims, int
   return (uint8_t*)(scratch + layer_scratch(n, kv_len, dims, threads));
 }
 
-/* `layer` (above) on one layer */
-void blocks_layer(float* x, int n, const float* cos, const float* sin, const float* mask, int kv_len,
-                  float* keys, float* values, int capacity, const float* ln1, const float* ln2,
-                  const uint8_t* qkv_w, const uint8_t* o_w, const uint8_t* gate_up_w, const uint8_t* down_w,
-                  const int* formats, const int* dims, float scaling, float eps, int threads, float* scratch) {
-  uint8_t* kinds = kinds_in(scratch, n, kv_len, dims, threads);
-  #pragma omp parallel num_threads(threads)
-  {
-    chunk_kinds(mask, n, kv_len, kinds);
-    layer(x, n, cos, sin, mask, kinds, kv_len, keys, values, capacity, ln1, ln2, qkv_w, o_w, gate_up_w, down_w,
-          formats, dims, scaling, eps, threads, scratch);
-  }
-}
-
-/* blocks_layer for `count` consecutive layers in one call (one Python call a forward, not one a
+/* `layer` (above) for `count` consecutive layers in one call (one Python call a forward, not one a
    layer): layer l's input and post-attention norms, q/k/v, o, gate/up and down weights and formats
    at pointers[7 l .. 7 l + 6], its keys and values at keys + l * layer_stride (floats), values + ... */
 void blocks_layers(float* x, int n, const float* cos, const float* sin, const float* mask, int kv_len,
@@ -669,6 +650,18 @@ void blocks_layers(float* x, int n, const float* cos, const float* sin, const fl
             (const int*)(intptr_t)p[6], dims, scaling, eps, threads, scratch);
     }
   }
+}
+
+/* `layer` (above) on one layer: blocks_layers for one */
+void blocks_layer(float* x, int n, const float* cos, const float* sin, const float* mask, int kv_len,
+                  float* keys, float* values, int capacity, const float* ln1, const float* ln2,
+                  const uint8_t* qkv_w, const uint8_t* o_w, const uint8_t* gate_up_w, const uint8_t* down_w,
+                  const int* formats, const int* dims, float scaling, float eps, int threads, float* scratch) {
+  const int64_t pointers[7] = {(int64_t)(intptr_t)ln1, (int64_t)(intptr_t)ln2, (int64_t)(intptr_t)qkv_w,
+                               (int64_t)(intptr_t)o_w, (int64_t)(intptr_t)gate_up_w, (int64_t)(intptr_t)down_w,
+                               (int64_t)(intptr_t)formats};
+  blocks_layers(x, n, cos, sin, mask, kv_len, keys, values, 0, capacity, pointers, 1, dims, scaling, eps, threads,
+                scratch);
 }
 
 
@@ -728,7 +721,7 @@ int64_t q8_0_pack(const float* w, const float* scale, int64_t nblocks, uint8_t* 
    them) and the output head (N rows of blocks in `format`); scratch: m * D floats */
 void blocks_head(const float* x, const int64_t* rows, int m, int D, const float* norm, float eps,
                  const uint8_t* head, int N, int format, int threads, float* scratch, float* logits) {
-  for (int r = 0; r < m; r++) rms_norm(x + (size_t)rows[r] * D, norm, eps, scratch + (size_t)r * D, 1, D);
+  for (int r = 0; r < m; r++) rms_norm(x + (size_t)rows[r] * D, norm, eps, scratch + (size_t)r * D, D);
   blocks_linear(scratch, head, logits, m, N, D, format, threads);
 }
 """
