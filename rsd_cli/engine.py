@@ -477,21 +477,26 @@ class Decoder:
     def unread(self, prompt: list[int]) -> int:
         """How many of the prompt's tokens the target still has to read: all, unless the caches
         kept from the last generation hold its beginning (see _reused)."""
+        return len(prompt) - (self._kept_prefix(prompt) or 0)
+
+    def _kept_prefix(self, prompt: list[int]) -> int | None:
+        """How many of the prompt's first tokens `kept` holds (the last one is read by the first
+        step); None where nothing is kept for these models and runtimes."""
         kept = self.kept
         if kept is None or kept.owner != (self.target_model, self.draft_model, self.runtimes):
-            return len(prompt)
-        return len(prompt) - shared_prefix(kept.tokens, prompt[:-1])
+            return None
+        return shared_prefix(kept.tokens, prompt[:-1])
 
     def _reused(self, prompt: list[int], drafts: bool) -> tuple:
         """(target cache, draft cache or None, the tokens the target's holds) from `kept`, cut to the
-        beginning they share with this prompt (whose last token is read by the first step); Nones
-        and [] where nothing is kept for these models and runtimes."""
+        beginning they share with this prompt; Nones and [] where nothing is kept for these models
+        and runtimes."""
+        common = self._kept_prefix(prompt)
         kept, self.kept = self.kept, None
-        if kept is None or kept.owner != (self.target_model, self.draft_model, self.runtimes):
+        if common is None:
             if kept is not None:
                 kept.release()
             return None, None, []
-        common = shared_prefix(kept.tokens, prompt[:-1])
         kept.target.keep(list(range(common)))
         draft = kept.draft
         if draft is not None and not drafts:
