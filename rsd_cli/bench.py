@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from .drafting import Shape, make_shape, shape_for_budget
+from .drafting import LOOKUP_NGRAM, Shape, make_shape, shape_for_budget
 from .engine import Stats
 from .generation import StopText, complete
 from .prompting import encode_prompt
@@ -19,14 +19,14 @@ class Setting:
     budget: int | None  # fixed target budget regime
     depth: int | None  # fixed draft length regime
 
-    def shape(self, variant: str, width: int) -> Shape:
+    def shape(self, variant: str, width: int, ngram: int = LOOKUP_NGRAM) -> Shape:
         if variant == "ar":
             return make_shape("ar")
         if self.budget is not None:
-            return shape_for_budget(variant, self.budget)
+            return shape_for_budget(variant, self.budget, ngram)
         depth = self.depth
         return make_shape(variant, draft_len=depth, branching=(width,) + (1,) * (depth - 1), beam_width=width,
-                          depth=depth, num_drafts=width)
+                          depth=depth, num_drafts=width, ngram=ngram)
 
 
 def settings_for(temperatures, budgets, depths) -> list[Setting]:
@@ -118,9 +118,7 @@ def plan_jobs(profile, variants: list[str], temperatures: list[float], budgets: 
             if setting.budget is None and setting.depth is None:  # the profile's own shape
                 shape = shape_of(apply_flags(profile, {"variant": variant}))
             else:
-                shape = setting.shape(variant, width)
-                if variant == "lookup":  # (its n-gram length is the profile's)
-                    shape = replace(shape, width=profile["decoding"]["ngram"])
+                shape = setting.shape(variant, width, profile["decoding"]["ngram"])
             jobs.append((variant, setting, shape))
     return jobs
 

@@ -88,8 +88,8 @@ def make_shape(variant: str, *, draft_len: int = 4, branching: tuple[int, ...] =
     raise ValueError(f"unknown variant {variant!r}")
 
 
-def shape_for_budget(variant: str, budget: int) -> Shape:
-    """A tree whose node count (root included) is at most `budget`.
+def shape_for_budget(variant: str, budget: int, ngram: int = LOOKUP_NGRAM) -> Shape:
+    """A tree whose node count (root included) is at most `budget` (lookup: matching up to `ngram`).
 
     Width grows slowly with the budget (1 up to 9 nodes, 2 up to 24, then 3) and the rest goes
     into depth: every width-w shape is a root plus w chains of the same length, so all variants
@@ -100,11 +100,11 @@ def shape_for_budget(variant: str, budget: int) -> Shape:
     if variant == "auto":
         return make_shape("auto", nodes=budget)
     if variant == "ar" or budget == 1:
-        return Shape("ar") if variant == "ar" else make_shape(variant, draft_len=0, branching=(), depth=0)
+        return Shape("ar") if variant == "ar" else make_shape(variant, draft_len=0, branching=(), depth=0, ngram=ngram)
     width = 1 if budget < 10 else 2 if budget < 25 else 3
     depth = (budget - 1) // width
     if variant in ("sd", "lookup"):
-        return make_shape(variant, draft_len=budget - 1)
+        return make_shape(variant, draft_len=budget - 1, ngram=ngram)
     return make_shape(variant, branching=(width,) + (1,) * (depth - 1), beam_width=width,
                       depth=depth, num_drafts=width)
 

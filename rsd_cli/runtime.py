@@ -63,9 +63,7 @@ def shape_of(profile: Profile, vocab_size: int | None = None) -> Shape:
     d = profile["decoding"]
     variant = d["variant"]
     if d["budget"]:
-        shape = shape_for_budget(variant, d["budget"])
-        if variant == "lookup" and shape.depth:
-            shape = make_shape("lookup", draft_len=shape.depth, ngram=d["ngram"])
+        shape = shape_for_budget(variant, d["budget"], d["ngram"])
     else:
         shape = make_shape(variant, draft_len=d["draft_len"], branching=tuple(d["branching"]),
                            beam_width=d["beam_width"], depth=d["depth"], num_drafts=d["num_drafts"],
