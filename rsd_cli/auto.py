@@ -351,12 +351,16 @@ class AutoShape:
         time counts (after lookup chains or plain steps: the tokens they added)."""
         if not shape.uses_draft_model or lag <= 1:
             return self.rate(shape)
-        catch_up = (self.costs.draft_at(lag) - self.costs.draft_at(1)) * self.draft_scale
-        return expected_tokens(shape, self.acceptance) / (self.seconds(shape) + max(catch_up, 0.0))
+        beyond = self._catch_up_seconds(lag) - self._catch_up_seconds(1)
+        return expected_tokens(shape, self.acceptance) / (self.seconds(shape) + max(beyond, 0.0))
+
+    def _catch_up_seconds(self, lag: int) -> float:
+        """The draft's forward of the `lag` tokens it has yet to read, at this run's pace."""
+        return self.costs.draft_at(lag) * self.draft_scale
 
     def _catch_up_pays(self, shape: Shape, lag: int, remaining: int | None) -> bool:
         plain = self.seconds(self.shapes[0])
-        catch_up = self.costs.draft_at(lag) * self.draft_scale if lag > 1 else 0.0
+        catch_up = self._catch_up_seconds(lag) if lag > 1 else 0.0
         if catch_up <= CATCH_UP_STEPS * plain or remaining is None:
             return True
         saved = plain - 1 / self.rate(shape)  # seconds a token, expected
