@@ -316,32 +316,41 @@ class CompiledModel:
         """A static-shape forward: logits of every row (mask (n, capacity), slots (n,)). Graphed: the
         CUDA graph captured for this token count and these buffers (at its first use), fed by
         copying the inputs into its own; otherwise a plain call."""
-        rows = torch.arange(tokens.shape[0], device=self.device)
         if not self.graphed:
+            rows = torch.arange(tokens.shape[0], device=self.device)
             return self.forward(tokens, positions, mask, keys, values, rows, slots)
         key = (tokens.shape[0], keys.data_ptr())
         if key not in self._captured:
             try:
-                self._captured[key] = self._capture(tokens, positions, mask, slots, keys, values, rows)
+                self._captured[key] = self._capture(tokens, positions, mask, slots, keys, values)
             except Exception as e:  # noqa: BLE001 - a driver, library or op that cannot be captured
                 self.graphed = False  # this model runs its static shapes without graphs from now on
                 self._captured.clear()
                 reason = str(e).splitlines()[0] if str(e) else ""
                 self.notice(f"capturing a CUDA graph failed ({type(e).__name__}: {reason}): "
                             f"the static-cache runtime runs without graphs")
-                return self.forward(tokens, positions, mask, keys, values, rows, slots)
+                return self.replay(tokens, positions, mask, slots, keys, values)
         inputs, graph, logits = self._captured[key]
         for buffer, value in zip(inputs, (tokens, positions, mask, slots)):
             buffer.copy_(value)
         graph.replay()
         return logits.clone()  # the graph's output buffer is overwritten by its next replay
 
-    def _capture(self, tokens, positions, mask, slots, keys, values, rows) -> tuple:
-        inputs = tuple(t.clone() for t in (tokens, positions, mask, slots))  # the graph's input buffers
+    def _capture(self, tokens, positions, mask, slots, keys, values) -> tuple:
+        """(the graph's input buffers, the graph, its output buffer). A graph reads and writes
+        the addresses it was captured with and holds no reference to their tensors: everything
+        it reads stays alive in what this returns (the inputs, `rows` among them), in the model
+        (weights, rotary tables) or in the shared KV buffers (their graphs dropped when replaced)."""
+        rows = torch.arange(tokens.shape[0], device=self.device)  # every row's logits
+        inputs = tuple(t.clone() for t in (tokens, positions, mask, slots)) + (rows,)
 
         def run() -> torch.Tensor:
-            return self.forward(inputs[0], inputs[1], inputs[2], keys, values, rows, inputs[3])
+            return self.forward(inputs[0], inputs[1], inputs[2], keys, values, inputs[4], inputs[3])
 
+        return (inputs, *self._graph_of(run))
+
+    def _graph_of(self, run) -> tuple:
+        """(a CUDA graph of what run() launches, its output buffer)."""
         # one run outside the graph first (libraries set their workspaces up); it makes the same
         # writes to the KV buffers as the replay that follows
         side = torch.cuda.Stream(self.device)
@@ -354,7 +363,7 @@ class CompiledModel:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = run()
-        return inputs, graph, logits
+        return graph, logits
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,6 +5,7 @@ for trees and pruned caches, the same greedy output for every variant, the targe
 from __future__ import annotations
 
 import json
+import weakref
 
 import pytest
 import torch
@@ -209,31 +210,44 @@ def test_static_shape_buffers_serve_one_generation_at_a_time(pair):
 
 class RecordedForward:
     """A stand-in for a captured CUDA graph on the CPU: replay() runs the forward again on the
-    inputs recorded at capture (the graph's own buffers) and writes the same output buffer."""
+    tensors it was recorded with and writes the same output buffer. Like a graph, it holds no
+    reference to them (only their addresses): one freed meanwhile fails the test, where a real
+    graph would read whatever the memory holds by then."""
 
-    def __init__(self, runtime, inputs, keys, values, rows):
-        self.run = lambda: runtime.forward(inputs[0], inputs[1], inputs[2], keys, values, rows, inputs[3])
-        self.logits = self.run()
-        self.replays = 0
+    def __init__(self, runtime, run):
+        recorded = []
+
+        def recording(*args):
+            recorded.append([weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in args])
+            return CompiledModel.forward(runtime, *args)
+
+        runtime.forward = recording  # run() calls it once
+        try:
+            self.logits = run()
+        finally:
+            del runtime.forward
+        self.runtime, self.recorded, self.replays = runtime, recorded[0], 0
 
     def replay(self):
-        self.logits.copy_(self.run())
+        args = [a() if isinstance(a, weakref.ref) else a for a in self.recorded]
+        assert all(a is not None for a in args), "a tensor the graph reads was freed"
+        self.logits.copy_(CompiledModel.forward(self.runtime, *args))
         self.replays += 1
 
 
 def test_graph_replays_feed_their_inputs_and_a_failed_capture_falls_back(pair, monkeypatch):
     """The replay protocol on the CPU, with recorded forwards for graphs: each call copies its
-    inputs into the graph's buffers, every token count gets its own graph, outputs are copies (a
-    later replay does not change them), and the output is plain greedy. A capture that fails
-    says so once and leaves the model on static shapes without graphs, with the same output."""
+    inputs into the graph's buffers, every tensor a graph reads outlives it, every token count
+    gets its own graph, outputs are copies (a later replay does not change them), and the output
+    is plain greedy. A capture that fails says so once and leaves the model on static shapes
+    without graphs, with the same output."""
     graphs = []
 
-    def capture(self, tokens, positions, mask, slots, keys, values, rows):
-        inputs = tuple(t.clone() for t in (tokens, positions, mask, slots))
-        graphs.append(RecordedForward(self, inputs, keys, values, rows))
-        return inputs, graphs[-1], graphs[-1].logits
+    def capture(self, run):
+        graphs.append(RecordedForward(self, run))
+        return graphs[-1], graphs[-1].logits
 
-    monkeypatch.setattr(CompiledModel, "_capture", capture)
+    monkeypatch.setattr(CompiledModel, "_graph_of", capture)
     notices = []
     target, draft = (CompiledModel(model, False, static_shapes=True, notice=notices.append) for model in pair)
     target.graphed = draft.graphed = True  # as on a CUDA device
