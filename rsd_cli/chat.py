@@ -12,7 +12,7 @@ from .generation import stream_completion
 from .models import describe_layers
 from .prompting import encode_prompt
 from .render import stats_line
-from .runtime import apply_flags, make_decoder, seed_of, stops_of
+from .runtime import FLAG_KEYS, make_decoder, seed_of, stops_of
 
 HELP = """commands:
   /help                 this help
@@ -20,8 +20,10 @@ HELP = """commands:
   /clear                forget the conversation
   /system TEXT          set the system prompt (empty TEXT clears it)
   /set KEY VALUE        KEY: temperature, top_p, top_k, min_p, repetition_penalty,
-                        max_tokens, variant, draft_len, ngram, seed, stop
-                        (/set stop TEXT: one stop string; /set stop ["a", "b"]: several; [] none)
+                        max_tokens, seed, stop, variant, draft_len, ngram, branching,
+                        beam_width, depth, num_drafts, budget (0: off)
+                        (/set stop TEXT: one stop string; /set stop ["a", "b"]: several; [] none;
+                        /set branching 3,2: factors per depth)
   /stats                statistics of the last answer
   /tree on|off          live view of the draft tree while answering
   /save FILE            write the conversation as JSON
@@ -39,8 +41,17 @@ def _stop_list(value: str) -> list[str]:
     return parsed
 
 
+def _branching(value: str) -> list[int]:
+    """`/set branching 3,2,2`: the factors per depth."""
+    return [int(part) for part in value.replace(" ", "").split(",") if part]
+
+
+# what /set takes (the flags' names, runtime.FLAG_KEYS) -> how its text is read
 SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
-            "max_tokens": int, "variant": str, "draft_len": int, "ngram": int, "seed": int, "stop": _stop_list}
+            "max_tokens": int, "seed": int, "stop": _stop_list, "variant": str, "draft_len": int, "ngram": int,
+            "branching": _branching, "beam_width": int, "depth": int, "num_drafts": int, "budget": int}
+EXPECTED = {float: "a number", int: "an integer", _stop_list: "a string or a JSON list of strings",
+            _branching: "integers separated by commas, like 3,2,2"}
 
 
 @dataclass
@@ -78,14 +89,17 @@ class ChatSession:
             try:
                 typed = SETTABLE[key](value.strip())
             except ValueError:
-                expected = {float: "a number", int: "an integer"}.get(SETTABLE[key], "a string or a JSON list of strings")
-                raise RsdError(f"/set {key}: {value.strip()!r} is not {expected}") from None
-            if key == "stop":  # [] clears (apply_flags would take an empty list for "not given")
-                self.profile.set("sampling", "stop", typed, "chat /set")
-            else:
-                apply_flags(self.profile, {key: typed})
-            make_decoder(self.pair, self.profile)  # validates the shape now, not at the next answer
-            console.print(f"{key} = {typed}")
+                raise RsdError(f"/set {key}: {value.strip()!r} is not {EXPECTED[SETTABLE[key]]}") from None
+            table, entry = FLAG_KEYS[key]
+            before = self.profile.values[table][entry], self.profile.origins[table][entry]
+            try:  # checked like a profile entry; the shape now, not at the next answer
+                self.profile.set(table, entry, typed, "/set")
+                shape = make_decoder(self.pair, self.profile).shape
+            except RsdError:  # a setting refused leaves the session as it was
+                self.profile.values[table][entry], self.profile.origins[table][entry] = before
+                raise
+            what = f" · {shape.describe()}" if table == "decoding" else ""
+            console.print(f"{key} = {typed}{what}")
         elif name == "stats":
             console.print(stats_line(self.last_stats) if self.last_stats else "no answer yet", highlight=False)
         elif name == "tree":

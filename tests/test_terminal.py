@@ -55,6 +55,30 @@ def test_chat_scripted_session(tiny_profile, tmp_path):
     assert conversation["messages"][1]["content"] in result.stdout
 
 
+def test_chat_sets_every_tree_setting_and_a_refused_one_changes_nothing(tiny_profile, tmp_path):
+    """/set takes the tree settings the flags take (the shape each gives is shown); a value the
+    profile or the shape refuses is an error that leaves the setting as it was, so the next
+    answer is given (the tiny vocabulary has 40 tokens: a root cannot have 1000 children)."""
+    saved = tmp_path / "c.json"
+    script = "\n".join([
+        "/set variant rsd-c", "/set branching 3,2", "/set branching 1000", "/set branching 3,x", "/set budget 6",
+        "/set budget 0", "/set variant rsd-s", "/set beam_width 0", "/set beam_width 2", "/set depth 3",
+        "/set variant spectr", "/set num_drafts 2", "/set variant rsd-c", "hello", f"/save {saved}", "/bye",
+    ]) + "\n"
+    result = invoke("chat", "-p", tiny_profile, "-n", "5", "-t", "0", input=script)
+    assert result.exit_code == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    for line in ["branching = [3, 2] · rsd-c b=(3,2)", "budget = 6 · rsd-c b=(1,1,1,1,1)",
+                 "budget = 0 · rsd-c b=(3,2)", "beam_width = 2 · rsd-s W=2 L=4", "depth = 3 · rsd-s W=2 L=3",
+                 "num_drafts = 2 · spectr K=2 L=3", "variant = rsd-c · rsd-c b=(3,2)",
+                 "error: branching factor 1000 is larger than the vocabulary (40 tokens)",
+                 "error: /set branching: '3,x' is not integers separated by commas, like 3,2,2",
+                 "error: /set: decoding.beam_width must be at least 1 (got 0)"]:
+        assert line in result.stderr
+    assert result.stderr.count("error:") == 3
+    assert [m["role"] for m in json.loads(saved.read_text())["messages"]] == ["user", "assistant"]
+
+
 @pytest.mark.parametrize("variant", ["ar", "sd"])
 def test_chat_reads_only_what_is_new_in_the_conversation(tiny_profile, monkeypatch, variant):
     """Each answer's prompt is the whole conversation; the last answer's caches hold most of it, so
