@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,6 +232,77 @@ def read_message(read_line) -> str | None:
     return "\n".join(lines)
 
 
+COMMANDS = ("/help", "/bye", "/exit", "/clear", "/system", "/set", "/stats", "/tree", "/save", "/load")
+HISTORY_LINES = 1000
+
+
+def history_file() -> Path | None:
+    """Where the lines typed in `rsd chat` are kept for the next session (Up recalls them):
+    $RSD_CHAT_HISTORY (empty: nowhere), else $XDG_STATE_HOME/rsd/chat_history."""
+    chosen = os.environ.get("RSD_CHAT_HISTORY")
+    if chosen is not None:
+        return Path(chosen).expanduser() if chosen.strip() else None
+    base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(base) / "rsd" / "chat_history"
+
+
+def completions(line: str) -> list[str]:
+    """The lines Tab may complete a line typed so far to: a command, /set's keys, /tree on|off."""
+    words = line.split(" ")
+    if len(words) == 1:
+        return [c + " " for c in COMMANDS if c.startswith(words[0])] if line.startswith("/") else []
+    if len(words) == 2 and words[0] == "/set":
+        return [f"/set {key} " for key in SETTABLE if key.startswith(words[1])]
+    if len(words) == 2 and words[0] == "/tree":
+        return [f"/tree {value}" for value in ("on", "off") if value.startswith(words[1])]
+    return []
+
+
+def terminal_reader(console):
+    """A line reader with editing, history (kept in history_file()) and Tab completion, where
+    stdin and stdout are both a terminal and Python has readline (its prompt is written to stdout
+    then, the same terminal); None elsewhere: piped input is read as it comes, and piped output
+    receives only the answers."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return None
+    try:
+        import readline
+    except ImportError:  # Windows, or a Python built without it
+        return None
+    path = history_file()
+    if path is not None:
+        try:
+            readline.read_history_file(str(path))
+        except OSError:  # none yet, or unreadable: start afresh
+            pass
+    readline.set_history_length(HISTORY_LINES)
+    readline.set_completer_delims("")  # the whole line is what completions() sees
+
+    def complete(text: str, state: int) -> str | None:
+        found = completions(text)
+        return found[state] if state < len(found) else None
+
+    readline.set_completer(complete)
+    binding = "bind ^I rl_complete" if "libedit" in (readline.__doc__ or "") else "tab: complete"
+    readline.parse_and_bind(binding)
+
+    def read(prompt: str) -> str:
+        console.file.flush()
+        return input(prompt)
+
+    def save() -> None:
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(str(path))
+        except OSError as e:
+            console.print(f"[dim]chat history not saved to {path}: {e.strerror or e}[/dim]")
+
+    read.save = save
+    return read
+
+
 def run_chat(pair, profile, *, system: str | None, tree: bool, console, out=None, read_line=None,
              history: list[dict] | None = None) -> None:
     out = out or sys.stdout
@@ -244,7 +316,14 @@ def run_chat(pair, profile, *, system: str | None, tree: bool, console, out=None
             raise EOFError
         return line.rstrip("\n")
 
-    read_line = read_line or default_read
+    read_line = read_line or terminal_reader(console) or default_read
+    try:
+        _converse(session, pair, profile, console, out, read_line)
+    finally:
+        getattr(read_line, "save", lambda: None)()
+
+
+def _converse(session, pair, profile, console, out, read_line) -> None:
     runtime = pair.runtimes.describe() if pair.runtimes else "transformers eager"
     if pair.placement and "target" in pair.placement:
         runtime += f" · target layers {describe_layers(pair.placement['target'])}"

@@ -229,6 +229,38 @@ def test_chat_in_a_real_pseudo_terminal(tiny_profile, tmp_path):
         os.close(primary)
 
 
+def test_chat_on_a_terminal_recalls_earlier_lines_and_completes_commands(tiny_profile, tmp_path):
+    """On a terminal, lines are read with editing: Up recalls the last line (from this session,
+    then from the history file the next session reads), Tab completes commands and /set's keys."""
+    history, saved = tmp_path / "history", tmp_path / "c.json"
+    env = dict(os.environ, RSD_CONFIG_DIR=str(tmp_path), RSD_CHAT_HISTORY=str(history), TERM="xterm", COLUMNS="80")
+
+    def session(*typed: bytes) -> bytes:
+        primary, secondary = pty.openpty()
+        proc = subprocess.Popen([sys.executable, "-m", "rsd_cli", "chat", "-p", str(tiny_profile), "-n", "3"],
+                                stdin=secondary, stdout=secondary, stderr=secondary, env=env, close_fds=True)
+        os.close(secondary)
+        shown = b""
+        try:
+            shown += _read_until(primary, "you› ".encode())
+            for keys in typed:
+                os.write(primary, keys)
+                shown += _read_until(primary, "you› ".encode())
+            os.write(primary, b"/bye\n")
+            assert proc.wait(timeout=60) == 0, shown
+        finally:
+            proc.kill()
+            os.close(primary)
+        return shown
+
+    session(b"hello there\n", b"\x1b[A\n", b"/set tem\t0\n", f"/sa\t{saved}\n".encode())
+    assert [m["content"] for m in json.loads(saved.read_text())["messages"][::2]] == ["hello there"] * 2
+    shown = session(b"/set max_tokens 2\n", b"\x1b[A\x1b[A\x1b[A\x1b[A\n", f"/save {saved}\n".encode())
+    assert b"temperature = 0.0" in shown  # recalled from the first session: four lines up
+    assert history.read_text().splitlines()[:5] == ["hello there", "/set temperature 0", f"/save {saved}", "/bye",
+                                                    "/set max_tokens 2"]  # a line recalled as is: kept once
+
+
 def test_inspect_tree_text_json_and_svg(tiny_profile, tmp_path):
     text = invoke("inspect-tree", "hello", "-p", tiny_profile, "-v", "rsd-c", "--branching", "3,2", "--step", "2",
                   input="")
