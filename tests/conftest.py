@@ -14,7 +14,7 @@ from tiny import save_tiny_pair  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def isolated_dirs(tmp_path, monkeypatch):
-    """Config and --variant auto's memory in a temp dir; no user profile or environment override
+    """Config, chat history and --variant auto's memory in a temp dir; no user profile or environment override
     leaks into a test. Loaded models use oneDNN's CPU linear on packed weights wherever it can apply
     (what "auto" picks on AMD EPYCs), so every engine and CLI test runs through it (its per-machine
     "auto" choice is tested on its own)."""
@@ -23,6 +23,7 @@ def isolated_dirs(tmp_path, monkeypatch):
         if name.startswith("RSD_") and name not in ("RSD_CONFIG_DIR", "RSD_CACHE_DIR"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "packed")
+    monkeypatch.setenv("RSD_CHAT_HISTORY", str(tmp_path / "chat_history"))  # chat on a pseudo-terminal
     # transformers' eager forward unless a test asks for the static-cache runtime (test_compiled.py):
     # the default "auto" would make every test's backend depend on this machine's cached verdict
     monkeypatch.setenv("RSD_RUNTIME_COMPILE", "off")
