@@ -51,7 +51,10 @@ RARELY = 16  # ... after 128 steps once that other kind was timed and is expecte
 # what it missed, ~0.3 ms a token for the embedded draft on 2 cores: exploring costs that much)
 CLEARLY_SLOWER = 0.95  # below this fraction of the current shape's expected tokens per second
 LONGEST_GAP = 1024
-EXPLORE_BURST = 2  # an exploration runs this many steps: the first after a switch is not timed (see observe)
+RARE_TIMED = 4  # timed steps in an exploration of a kind clearly slower (one in the others): enough to
+# overturn an estimate that is wrong (an old run's, a slow spell's) within one exploration, where a
+# single step moves it by at most MEASURED_MEMORY * (OUTLIER - 1); the first step after a switch,
+# and a shape's first steps in a process, are not timed (see observe)
 TARGET_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 PRIOR = (0.5, 0.2, 0.1)  # P(accept the k-th candidate | the ones before rejected), before any data
@@ -272,6 +275,7 @@ class AutoShape:
         self.other: tuple[Shape, bool] | None = None  # the other kind's best shape, and whether clearly slower
         self._last_kind: bool | None = None  # whether the last observed step drafted
         self.rare_gap = EXPLORE_EVERY * RARELY  # steps between explorations of a kind clearly slower
+        self._explored: tuple = (None, 0, self.rare_gap)  # (drafting, since_other, rare_gap) of the last run
         self.lookups = [make_shape("lookup", draft_len=g, ngram=LOOKUP_NGRAM)
                         for g in range(1, min(MAX_DEPTH, max_nodes - 1) + 1)]  # lookup chains, by length
         self.longest_lookup = len(self.lookups)
@@ -383,7 +387,9 @@ class AutoShape:
             else:
                 self.rare_gap = min(2 * self.rare_gap, LONGEST_GAP)
             self.since_other = 0
-            self.burst = [other] * (EXPLORE_BURST - 1)
+            # untimed steps first: the switch's, or the warm-up's where this process has not run it yet
+            untimed = max(1, WARM_UP_STEPS - self.uses.get(other, 0))
+            self.burst = [other] * (untimed + (RARE_TIMED if clearly_slower else 1) - 1)
             return other
         return self.current
 
@@ -395,6 +401,10 @@ class AutoShape:
         plain decoding's one token a step."""
         rates = {shape: self.rate(shape) for shape in self.shapes}
         before, self.current = self.current, max(self.shapes, key=rates.__getitem__)
+        if before is None and self._explored[0] == bool(self.current.depth):
+            # the last run chose the same kind: its exploration clock goes on (else a string of
+            # short answers would never reach the gap, and an old belief would never be tested)
+            _, self.since_other, self.rare_gap = self._explored
         if before is not None and bool(before.depth) != bool(self.current.depth):
             self.since_other = 0  # (the other kind was just running)
             self.rare_gap = EXPLORE_EVERY * RARELY
@@ -436,9 +446,14 @@ class AutoShape:
     def remembered(self) -> dict:
         """What a later run on this machine, these models and sampling settings starts from: the
         acceptance counts (scaled down), the cost model's scales and each timed shape's ratio."""
-        return {"acceptance": self.acceptance.as_json(), "scales": [self.target_scale, self.draft_scale],
-                "ratios": {shape.describe(): ratio for shape, ratio in self.measured.items()},
-                "lookup": {str(n): acceptance.as_json() for n, acceptance in self.lookup_acceptance.items()}}
+        memory = {"acceptance": self.acceptance.as_json(), "scales": [self.target_scale, self.draft_scale],
+                  "ratios": {shape.describe(): ratio for shape, ratio in self.measured.items()},
+                  "lookup": {str(n): acceptance.as_json() for n, acceptance in self.lookup_acceptance.items()}}
+        if self.current is not None:  # where the exploration of the other kind stands (see _choose)
+            memory["exploring"] = [bool(self.current.depth), self.since_other, self.rare_gap]
+        elif self._explored[0] is not None:  # (no step yet: as recalled)
+            memory["exploring"] = list(self._explored)
+        return memory
 
     def recall(self, memory: dict) -> None:
         """Start from what an earlier run remembered (see `remembered`; without "acceptance", only
@@ -453,6 +468,9 @@ class AutoShape:
             lookup = {int(n): Acceptance.from_json(cells) for n, cells in memory.get("lookup", {}).items()}
             self.acceptance = Acceptance.from_json(memory["acceptance"])
             self.lookup_acceptance.update({n: a for n, a in lookup.items() if n in self.lookup_acceptance})
+        if "exploring" in memory:
+            drafting, since_other, rare_gap = memory["exploring"]
+            self._explored = (bool(drafting), int(since_other), int(rare_gap))
         self.measured, self.target_scale, self.draft_scale = ratios, target_scale, draft_scale
         self._drafting_ratio = None
 
@@ -468,7 +486,7 @@ class AutoShape:
         known[self.memory_key] = self.remembered()
         if self.timing_key is not None:
             known[self.timing_key] = {key: value for key, value in known[self.memory_key].items()
-                                      if key not in ("acceptance", "lookup")}
+                                      if key not in ("acceptance", "lookup", "exploring")}
         write_json_table(path, known)
 
     def ranking(self, top: int = 5) -> list[tuple[str, float]]:
