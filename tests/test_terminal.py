@@ -255,6 +255,13 @@ def test_chat_on_a_terminal_recalls_earlier_lines_and_completes_commands(tiny_pr
 
     session(b"hello there\n", b"\x1b[A\n", b"/set tem\t0\n", f"/sa\t{saved}\n".encode())
     assert [m["content"] for m in json.loads(saved.read_text())["messages"][::2]] == ["hello there"] * 2
+    import readline
+
+    if readline._READLINE_LIBRARY_VERSION >= "8.1" and "libedit" not in (readline.__doc__ or ""):
+        # a paste of several lines (the terminal brackets it) is one message, not one per line
+        session(b"\x1b[200~first line\nsecond line\x1b[201~\n", f"/save {saved}\n".encode())
+        assert [m["content"] for m in json.loads(saved.read_text())["messages"][::2]] == ["first line\nsecond line"]
+    history.write_text("\n".join(history.read_text().splitlines()[:4]) + "\n")  # (the first session's lines)
     shown = session(b"/set max_tokens 2\n", b"\x1b[A\x1b[A\x1b[A\x1b[A\n", f"/save {saved}\n".encode())
     assert b"temperature = 0.0" in shown  # recalled from the first session: four lines up
     assert history.read_text().splitlines()[:5] == ["hello there", "/set temperature 0", f"/save {saved}", "/bye",
