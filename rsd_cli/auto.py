@@ -464,14 +464,17 @@ class AutoShape:
         target_scale, draft_scale = (float(scale) for scale in memory["scales"])
         if not all(0 < value < math.inf for value in (*ratios.values(), target_scale, draft_scale)):
             raise ValueError("a scale or ratio is not positive")
+        explored = self._explored
+        if "exploring" in memory:
+            drafting, since_other, rare_gap = memory["exploring"]
+            explored = (bool(drafting), max(0, int(since_other)),
+                        min(max(int(rare_gap), EXPLORE_EVERY * RARELY), LONGEST_GAP))
         if "acceptance" in memory:
             lookup = {int(n): Acceptance.from_json(cells) for n, cells in memory.get("lookup", {}).items()}
             self.acceptance = Acceptance.from_json(memory["acceptance"])
             self.lookup_acceptance.update({n: a for n, a in lookup.items() if n in self.lookup_acceptance})
-        if "exploring" in memory:
-            drafting, since_other, rare_gap = memory["exploring"]
-            self._explored = (bool(drafting), int(since_other), int(rare_gap))
         self.measured, self.target_scale, self.draft_scale = ratios, target_scale, draft_scale
+        self._explored = explored
         self._drafting_ratio = None
 
     def save(self) -> None:
