@@ -827,6 +827,12 @@ class ModelPair:
     notice: Callable[[str], None] = _quiet  # one line for the user, as loading printed them
 
 
+def passive_threads() -> bool:
+    """Whether OpenMP's threads are told to sleep rather than spin while they wait (a forward of
+    the C layers waits at a few hundred barriers, each then a wake-up by the kernel)."""
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+
+
 def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, light: bool = False) -> ModelPair:
     """light: the caller runs the pair only through `pair.runtimes` (generate, chat, inspect-tree;
     not bench's transformers peers): with --compile auto or on, Llama checkpoints then load without
@@ -861,6 +867,9 @@ def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, l
                  if counts}
     for role, counts in placement.items():
         notice(f"the {role}'s layers: {describe_layers(counts)}")
+    if passive_threads() and input_device(target).type == "cpu":
+        notice("OMP_WAIT_POLICY=PASSIVE makes forwards on the CPU several times slower "
+               "(3.4x on a 2-core AMD EPYC); unset it for speed")
     pair = ModelPair(
         target=target, draft=draft, tokenizer=tokenizer, vocab_size=vocab,
         eos_ids=_eos_ids(tokenizer, target),

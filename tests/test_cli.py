@@ -37,6 +37,16 @@ def test_generate_streams_text_to_stdout_and_stats_to_stderr(cli, tiny_profile):
     assert "block efficiency" in result.stderr and "tok/s" in result.stderr
 
 
+def test_sleeping_openmp_threads_are_named_once_as_the_reason_for_slow_forwards(cli, tiny_profile):
+    """OMP_WAIT_POLICY=PASSIVE makes a CPU forward ~3x slower (its threads sleep at each barrier):
+    said in one line, with the same answer; nothing said without it."""
+    passive = cli("generate", "hello", "-p", tiny_profile, "-t", "0", input="", env={"OMP_WAIT_POLICY": "passive"})
+    assert passive.exit_code == 0, passive.stderr
+    assert passive.stderr.count("rsd: OMP_WAIT_POLICY=PASSIVE makes forwards on the CPU several times slower") == 1
+    plain = cli("generate", "hello", "-p", tiny_profile, "-t", "0", input="", env={"OMP_WAIT_POLICY": "ACTIVE"})
+    assert "OMP_WAIT_POLICY" not in plain.stderr and plain.stdout == passive.stdout
+
+
 def test_generate_json_has_every_field(cli, tiny_profile):
     result = cli("generate", "hello", "-p", tiny_profile, "--json", "-n", "10", "-t", "0", input="")
     assert result.exit_code == 0, result.stderr
