@@ -295,6 +295,7 @@ def terminal_reader(console):
             return
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch(mode=0o600)  # what was typed is for this user's eyes only (as a shell's history)
             readline.write_history_file(str(path))
         except OSError as e:
             console.print(f"[dim]chat history not saved to {path}: {e.strerror or e}[/dim]")

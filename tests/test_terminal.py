@@ -255,6 +255,7 @@ def test_chat_on_a_terminal_recalls_earlier_lines_and_completes_commands(tiny_pr
 
     session(b"hello there\n", b"\x1b[A\n", b"/set tem\t0\n", f"/sa\t{saved}\n".encode())
     assert [m["content"] for m in json.loads(saved.read_text())["messages"][::2]] == ["hello there"] * 2
+    assert history.stat().st_mode & 0o777 == 0o600  # readable by this user only
     import readline
 
     if readline._READLINE_LIBRARY_VERSION >= "8.1" and "libedit" not in (readline.__doc__ or ""):
