@@ -221,9 +221,20 @@ def run_generate(pair, profile, text: str, *, system=None, raw=False, samples=1,
                  show_stats=True, step_table=False, live=False, console=None, out=None, logprobs: int = 0) -> None:
     out = out or sys.stdout
     decoder = make_decoder(pair, profile)
+    decoder.keep_caches = samples > 1  # later samples read only what the caches do not hold: not the prompt
     prompt_ids = encode_prompt(pair.tokenizer, text, system=system, raw=raw)
     base_seed = seed_of(profile)
     max_tokens = profile["sampling"]["max_tokens"]
+    try:
+        _samples(pair, profile, decoder, prompt_ids, base_seed, max_tokens, samples, as_json, show_stats,
+                 step_table, live, console, out, logprobs)
+    finally:
+        if decoder.kept is not None:
+            decoder.kept.release()
+
+
+def _samples(pair, profile, decoder, prompt_ids, base_seed, max_tokens, samples, as_json, show_stats,
+             step_table, live, console, out, logprobs) -> None:
     for index in range(samples):
         seed = None if base_seed is None else base_seed + index
         if samples > 1 and not as_json and index:

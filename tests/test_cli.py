@@ -81,6 +81,27 @@ def test_samples_json_prints_one_object_per_line(cli, tiny_profile):
     assert [json.loads(line)["seed"] for line in lines] == [7, 8, 9]
 
 
+def test_samples_read_the_prompt_once_and_give_what_separate_runs_give(cli, tiny_profile, monkeypatch):
+    """Each sample after the first starts from the caches the one before left (the prompt read
+    once); the tokens are those of separate runs with the same seeds."""
+    from rsd_cli.engine import ChainExtension
+
+    read = []
+    real = ChainExtension.extend
+    monkeypatch.setattr(ChainExtension, "extend", lambda self, tokens, *a: read.append(len(tokens)) or real(self, tokens, *a))
+    prompt = "hello there, " * 8
+    result = cli("generate", prompt, "-p", tiny_profile, "--samples", "3", "--json", "-n", "6", input="")
+    assert result.exit_code == 0, result.stderr
+    together = [json.loads(line)["token_ids"] for line in result.stdout.splitlines()]
+    prompt_reads = [n for n in read if n > 10]
+    assert len(prompt_reads) == 2  # the target's and the draft's, for the first sample only
+    alone = []
+    for seed in (7, 8, 9):
+        one = cli("generate", prompt, "-p", tiny_profile, "--seed", seed, "--json", "-n", "6", input="")
+        alone.append(json.loads(one.stdout)["token_ids"])
+    assert together == alone and len(read) > len(prompt_reads) + 6
+
+
 def test_budget_and_tree_flags(cli, tiny_profile):
     result = cli("generate", "hi", "-p", tiny_profile, "--json", "-n", "6", "-v", "rsd-s", "--budget", "10", input="")
     assert result.exit_code == 0, result.stderr
