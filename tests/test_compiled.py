@@ -161,6 +161,26 @@ def test_greedy_on_static_shapes_equals_plain_greedy(pair, static_runtimes, shap
     assert run(pair, static_runtimes, shape, SamplingParams(temperature=0), 25, seed=0) == plain_greedy(pair[0], 25)
 
 
+def test_trees_up_to_64_nodes_replay_on_their_buckets_and_give_plain_greedy(pair, monkeypatch):
+    """What auto drafts on a GPU: trees of 17-64 nodes run as graphs of 32 and 64 tokens (the
+    largest static buckets; the CPU tests' other trees stay within 16), with the graph stand-in."""
+    graphs = []
+
+    def capture(self, run):
+        graphs.append(RecordedForward(self, run))
+        return graphs[-1], graphs[-1].logits
+
+    monkeypatch.setattr(CompiledModel, "_graph_of", capture)
+    target, draft = (CompiledModel(model, False, static_shapes=True) for model in pair)
+    target.graphed = draft.graphed = True
+    runtimes = Runtimes(target, draft, "on")
+    for branching, bucket in (((4, 3, 1), 32), ((4, 3, 2), 64)):  # 29 and 41 nodes
+        shape = make_shape("rsd-c", branching=branching)
+        assert run(pair, runtimes, shape, SamplingParams(0.0), 20, 0) == plain_greedy(pair[0], 20), branching
+        assert bucket in {key[0] for key in target._captured}
+    assert all(graph.replays >= 1 for graph in graphs)
+
+
 @pytest.mark.parametrize("shape", [MC_SHAPES[1], MC_SHAPES[4]], ids=lambda s: s.describe())
 def test_first_two_tokens_follow_the_target_distribution_on_static_shapes(pair, static_runtimes, shape):
     sampling = SamplingParams(temperature=1.0)
