@@ -54,7 +54,9 @@ BUCKETS = (1, 2, 4, 8, 16)
 # (what `auto` drafts) replay too, where one forward costs about the same for 1 or 64 tokens
 STATIC_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # scaled_dot_product_attention(enable_gqa=)
-SUPPORTED_TYPES = ("llama",)  # what the tests cover; other Llama-style decoders would follow the same shape
+# Llama-style decoders the tests cover: Llama itself; Qwen2 (biases on q, k and v: the layer takes
+# them); Mistral (Llama's layer). Sliding-window attention is not covered (see `unsupported`).
+SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")  # rotary tables that depend on the position alone
 
 
@@ -76,6 +78,8 @@ def unsupported(model) -> str | None:
         return f"{type(model).__name__}'s layers differ from Llama's"
     if getattr(inner.rotary_emb, "rope_type", "default") not in ROPE_TYPES:
         return f"rope type {inner.rotary_emb.rope_type!r}"
+    if sliding_window(cfg):
+        return "sliding-window attention"
     placement = getattr(model, "hf_device_map", None) or {}
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1 or len(set(placement.values())) > 1:
@@ -83,6 +87,17 @@ def unsupported(model) -> str | None:
     if "disk" in placement.values() or any(d.type == "meta" for d in devices):
         return "a model whose weights accelerate offloads"
     return None
+
+
+def sliding_window(cfg) -> bool:
+    """Whether some layer attends to a window of recent tokens only (the runtime's layers see the
+    whole cache): per layer where the config lists layer types (Qwen2's `use_sliding_window`), else
+    a `sliding_window` shorter than the context (Mistral 7B v0.1's 4096)."""
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return any(kind == "sliding_attention" for kind in types)
+    window = getattr(cfg, "sliding_window", None)
+    return bool(window) and window < getattr(cfg, "max_position_embeddings", math.inf)
 
 
 PLACEMENT_REASONS = ("a model placed over several devices", "a model whose weights accelerate offloads")

@@ -19,7 +19,7 @@ from rsd_cli.engine import CachedLM, Decoder, Runtimes
 from rsd_cli.sampling import SamplingParams
 from rsd_cli.tree import DraftTree
 from test_engine import MC_SHAPES, N_SAMPLES, PROMPT, V, chi_square_pvalue, exact_joint, plain_greedy, shapes
-from tiny import tiny_model
+from tiny import tiny_model, tiny_relative
 
 
 @pytest.fixture(scope="module")
@@ -330,16 +330,44 @@ def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
     assert run(pair, static, shape, sampling, 30, seed=3) == reference
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
+    """Qwen2 (q, k and v with biases) and Mistral: tree logits, pruning and growth as transformers'
+    forward gives them on every backend, and each variant's greedy output is plain greedy."""
+    target, draft = tiny_relative(kind, V, layers=2, seed=0), tiny_relative(kind, V, layers=1, seed=1)
+    assert compiled.unsupported(target) is None
+    for backend in (CompiledModel(target, True), CompiledModel(target, False),
+                    CompiledModel(target, False, static_shapes=True)):
+        ours, reference = StaticLM(backend, V, capacity=12), CachedLM(target, V)
+        base = assert_same_tree_logits(ours, reference)
+        for lm in (ours, reference):
+            lm.keep(list(range(base)) + [base + n for n in (0, 1, 3, 5)])
+        for chain in ([2], [1, 3], [3, 2] * 10):
+            torch.testing.assert_close(ours.extend(chain), reference.extend(chain), atol=1e-5, rtol=1e-5)
+        ours.release()
+    runtimes = Runtimes(CompiledModel(target, False), CompiledModel(draft, False), "auto")
+    for shape in shapes():
+        assert run((target, draft), runtimes, shape, SamplingParams(temperature=0), 20, seed=0) == \
+            plain_greedy(target, 20), shape.describe()
+
+
 def test_unsupported_models_are_named_with_a_reason():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=64))
     assert "gpt2" in compiled.unsupported(gpt2)
     assert compiled.unsupported(tiny_model(V, layers=1)) is None
+    small = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256)
+    windowed = Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True, sliding_window=16, max_window_layers=1))
+    assert compiled.unsupported(windowed) == "sliding-window attention"  # its second layer sees 16 tokens
+    assert compiled.unsupported(MistralForCausalLM(MistralConfig(**small, sliding_window=16))) == \
+        "sliding-window attention"
+    assert compiled.unsupported(MistralForCausalLM(MistralConfig(**small, sliding_window=256))) is None  # the context
     notices = []
     assert compiled.runtime_for(gpt2, "on", "target", notice=notices.append) is None
     assert notices == ["--compile on does not apply to the target (a gpt2 model (the static-cache runtime covers "
-                       "llama)): it runs on transformers' eager forward"]
+                       "llama, qwen2, mistral)): it runs on transformers' eager forward"]
     assert compiled.runtime_for(gpt2, "auto", "target", notice=notices.append) is None and len(notices) == 1
     assert compiled.runtime_for(tiny_model(V, layers=1), "off", "target") is None
 
@@ -401,6 +429,26 @@ def test_generate_with_compile_on_off_and_auto_gives_the_same_greedy_text(tiny_p
     assert outputs["on"] == outputs["off"] == outputs["auto"]
     assert runtimes["on"] == "static cache, compiled" and runtimes["off"] == "transformers eager"
     assert runtimes["auto"].startswith("static cache")  # compiled or not: this machine's verdict
+
+
+def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtime(tmp_path):
+    """As a user runs it: a Qwen2 checkpoint folder, its first layer as the draft."""
+    from tiny import tiny_tokenizer
+
+    folder = tmp_path / "qwen2"
+    tiny_relative("qwen2", 40, layers=3, seed=0).save_pretrained(folder)  # (the tokenizer's 36 tokens)
+    tiny_tokenizer().save_pretrained(folder)
+    profile = tmp_path / "qwen2.toml"
+    profile.write_text(f'[target]\nsource = "{folder}"\n[draft]\nkind = "early-exit"\nlayers = 1\nadapter = ""\n'
+                       '[decoding]\nvariant = "sd"\n')
+    records = {}
+    for setting in ("off", "on"):
+        result = CliRunner().invoke(app, ["generate", "hello", "-p", str(profile), "-t", "0", "-n", "12",
+                                          "--compile", setting, "--json"])
+        assert result.exit_code == 0, result.stderr
+        records[setting] = json.loads(result.stdout)
+    assert records["on"]["token_ids"] == records["off"]["token_ids"]
+    assert records["on"]["runtime"] == "static cache, compiled" and records["off"]["runtime"] == "transformers eager"
 
 
 def test_bad_compile_settings_are_usage_errors(tiny_profile, tmp_path, monkeypatch):

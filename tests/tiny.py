@@ -37,6 +37,28 @@ def tiny_model(vocab: int = 40, layers: int = 2, seed: int = 0, scale: float = 0
     return model.eval()
 
 
+def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, scale: float = 0.3):
+    """A random model of another Llama-style family the static-cache runtime covers, as tiny_model:
+    "qwen2" (biases on q, k and v, set random here so that they matter) or "mistral"; with
+    sliding-window attention off (what the runtime covers)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                           "mistral": (MistralConfig, MistralForCausalLM)}[kind]
+    torch.manual_seed(seed)
+    model = model_class(config(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=scale, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, sliding_window=None))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+        for layer in model.model.layers:
+            for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                if linear.bias is not None:
+                    linear.bias.normal_(0.0, scale)
+    return model.eval()
+
+
 def tiny_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
