@@ -558,7 +558,7 @@ static void silu_times(const float* gate, int I, int j0, int j1, float* out) {
 }
 
 /* One Llama decoder layer on n new tokens, every linear on weights in one of the formats above
-   (biases: none), the residual stream x (n, D) updated in place. New keys and values go to slots
+   (biases: on q, k and v only, qkv_b (QKV) or NULL: Qwen2's), the residual stream x (n, D) updated in place. New keys and values go to slots
    kv_len - n .. kv_len - 1 of keys, values (kv_heads, capacity, hd); mask (n, kv_len) additive.
    linears: q, k and v stacked (formats[0]), o (formats[1]), gate and up stacked (formats[2]),
    down (formats[3]). dims: D, heads, kv_heads, hd, intermediate. scratch: blocks_scratch floats;
@@ -568,8 +568,9 @@ static void silu_times(const float* gate, int I, int j0, int j1, float* out) {
    more threads). */
 static void layer(float* x, int n, const float* cos, const float* sin, const float* mask, const uint8_t* kinds,
                   int kv_len, float* keys, float* values, int capacity, const float* ln1, const float* ln2,
-                  const uint8_t* qkv_w, const uint8_t* o_w, const uint8_t* gate_up_w, const uint8_t* down_w,
-                  const int* formats, const int* dims, float scaling, float eps, int threads, float* scratch) {
+                  const uint8_t* qkv_w, const float* qkv_b, const uint8_t* o_w, const uint8_t* gate_up_w,
+                  const uint8_t* down_w, const int* formats, const int* dims, float scaling, float eps, int threads,
+                  float* scratch) {
   const int D = dims[0], H = dims[1], KVH = dims[2], hd = dims[3], I = dims[4];
   const int Q = H * hd, KV = KVH * hd, QKV = Q + 2 * KV;
   float* h = scratch;                      /* (n, D) */
@@ -586,6 +587,8 @@ static void layer(float* x, int n, const float* cos, const float* sin, const flo
   #pragma omp for schedule(static)
   for (int i = 0; i < n; i++) {
     float* row = qkv + (size_t)i * QKV;
+    if (qkv_b)
+      for (int j = 0; j < QKV; j++) row[j] += qkv_b[j];
     rotate(row, H, hd, cos + (size_t)i * hd, sin + (size_t)i * hd);
     rotate(row + Q, KVH, hd, cos + (size_t)i * hd, sin + (size_t)i * hd);
     const int slot = kv_len - n + i;
@@ -633,8 +636,9 @@ static uint8_t* kinds_in(float* scratch, int n, int kv_len, const int* dims, int
 }
 
 /* `layer` (above) for `count` consecutive layers in one call (one Python call a forward, not one a
-   layer): layer l's input and post-attention norms, q/k/v, o, gate/up and down weights and formats
-   at pointers[7 l .. 7 l + 6], its keys and values at keys + l * layer_stride (floats), values + ... */
+   layer): layer l's input and post-attention norms, q/k/v weights and bias (0: none), o, gate/up and
+   down weights and formats at pointers[8 l .. 8 l + 7], its keys and values at keys + l * layer_stride
+   (floats), values + ... */
 void blocks_layers(float* x, int n, const float* cos, const float* sin, const float* mask, int kv_len,
                    float* keys, float* values, int64_t layer_stride, int capacity, const int64_t* pointers,
                    int count, const int* dims, float scaling, float eps, int threads, float* scratch) {
@@ -643,11 +647,11 @@ void blocks_layers(float* x, int n, const float* cos, const float* sin, const fl
   {  /* one region for every layer */
     chunk_kinds(mask, n, kv_len, kinds);
     for (int l = 0; l < count; l++) {
-      const int64_t* p = pointers + (size_t)l * 7;
+      const int64_t* p = pointers + (size_t)l * 8;
       layer(x, n, cos, sin, mask, kinds, kv_len, keys + (size_t)l * layer_stride, values + (size_t)l * layer_stride,
             capacity, (const float*)(intptr_t)p[0], (const float*)(intptr_t)p[1], (const uint8_t*)(intptr_t)p[2],
-            (const uint8_t*)(intptr_t)p[3], (const uint8_t*)(intptr_t)p[4], (const uint8_t*)(intptr_t)p[5],
-            (const int*)(intptr_t)p[6], dims, scaling, eps, threads, scratch);
+            (const float*)(intptr_t)p[3], (const uint8_t*)(intptr_t)p[4], (const uint8_t*)(intptr_t)p[5],
+            (const uint8_t*)(intptr_t)p[6], (const int*)(intptr_t)p[7], dims, scaling, eps, threads, scratch);
     }
   }
 }
@@ -655,11 +659,12 @@ void blocks_layers(float* x, int n, const float* cos, const float* sin, const fl
 /* `layer` (above) on one layer: blocks_layers for one */
 void blocks_layer(float* x, int n, const float* cos, const float* sin, const float* mask, int kv_len,
                   float* keys, float* values, int capacity, const float* ln1, const float* ln2,
-                  const uint8_t* qkv_w, const uint8_t* o_w, const uint8_t* gate_up_w, const uint8_t* down_w,
-                  const int* formats, const int* dims, float scaling, float eps, int threads, float* scratch) {
-  const int64_t pointers[7] = {(int64_t)(intptr_t)ln1, (int64_t)(intptr_t)ln2, (int64_t)(intptr_t)qkv_w,
-                               (int64_t)(intptr_t)o_w, (int64_t)(intptr_t)gate_up_w, (int64_t)(intptr_t)down_w,
-                               (int64_t)(intptr_t)formats};
+                  const uint8_t* qkv_w, const float* qkv_b, const uint8_t* o_w, const uint8_t* gate_up_w,
+                  const uint8_t* down_w, const int* formats, const int* dims, float scaling, float eps, int threads,
+                  float* scratch) {
+  const int64_t pointers[8] = {(int64_t)(intptr_t)ln1, (int64_t)(intptr_t)ln2, (int64_t)(intptr_t)qkv_w,
+                               (int64_t)(intptr_t)qkv_b, (int64_t)(intptr_t)o_w, (int64_t)(intptr_t)gate_up_w,
+                               (int64_t)(intptr_t)down_w, (int64_t)(intptr_t)formats};
   blocks_layers(x, n, cos, sin, mask, kv_len, keys, values, 0, capacity, pointers, 1, dims, scaling, eps, threads,
                 scratch);
 }
@@ -781,7 +786,7 @@ def build(folder: Path, flags: tuple[str, ...] = FLAGS):
     lib.blocks_linear.argtypes = [pointer, pointer, pointer, integer, integer, integer, integer, integer]
     lib.blocks_linear.restype = None
     lib.blocks_layer.argtypes = [pointer, integer, pointer, pointer, pointer, integer, pointer, pointer, integer,
-                                 pointer, pointer, pointer, pointer, pointer, pointer, pointer, pointer,
+                                 pointer, pointer, pointer, pointer, pointer, pointer, pointer, pointer, pointer,
                                  real, real, integer, pointer]
     lib.blocks_layer.restype = None
     lib.blocks_layers.argtypes = [pointer, integer, pointer, pointer, pointer, integer, pointer, pointer, ctypes.c_int64,
@@ -947,19 +952,30 @@ class NativeLayer:
     attention, the activation — in one call of the C library instead of ~40 torch operations,
     each ~1-40 us of dispatch on a CPU for a handful of tokens."""
 
-    def __init__(self, norms: tuple, qkv: torch.Tensor, o: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor):
+    def __init__(self, norms: tuple, qkv: torch.Tensor, o: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                 qkv_bias: torch.Tensor | None = None):
         self.norms = tuple(n.detach().float().contiguous() for n in norms)  # (input, post-attention) norm weights
         self.weights = (qkv, o, gate_up, down)
         self.formats = torch.tensor([FORMATS.index(block_format(w)) for w in self.weights], dtype=torch.int32)
+        # q, k and v's biases side by side (Qwen2's), added to the stacked product; None: none
+        self.qkv_bias = None if qkv_bias is None else qkv_bias.detach().float().contiguous()
+
+    @property
+    def bias_address(self) -> int:
+        return 0 if self.qkv_bias is None else self.qkv_bias.data_ptr()
+
+
+TABLE_ENTRIES = 8  # a layer's addresses in native_table
 
 
 def native_table(layers: list[NativeLayer]) -> torch.Tensor:
-    """(7 x layers,) int64: each layer's norm, weight and format addresses, for `NativeForward.layers`
-    (the tensors stay alive with the layers)."""
-    return torch.tensor([address for layer in layers
-                         for address in (layer.norms[0].data_ptr(), layer.norms[1].data_ptr(),
-                                         *(w.data_ptr() for w in layer.weights), layer.formats.data_ptr())],
-                        dtype=torch.int64)
+    """(8 x layers,) int64: each layer's norm, weight, q/k/v bias (0: none) and format addresses,
+    for `NativeForward.layers` (the tensors stay alive with the layers)."""
+    def addresses(layer: NativeLayer) -> tuple:
+        qkv, o, gate_up, down = (w.data_ptr() for w in layer.weights)
+        return (layer.norms[0].data_ptr(), layer.norms[1].data_ptr(), qkv, layer.bias_address, o, gate_up, down,
+                layer.formats.data_ptr())
+    return torch.tensor([address for layer in layers for address in addresses(layer)], dtype=torch.int64)
 
 
 class NativeForward:
@@ -983,8 +999,8 @@ class NativeForward:
         n, kv_len = self.mask.shape
         self.lib.blocks_layers(x.data_ptr(), n, self.cos.data_ptr(), self.sin.data_ptr(), self.mask.data_ptr(),
                                kv_len, keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.shape[2],
-                               table.data_ptr(), table.shape[0] // 7, self.shape.data_ptr(), self.scaling, self.eps,
-                               self.threads, self.scratch.data_ptr())
+                               table.data_ptr(), table.shape[0] // TABLE_ENTRIES, self.shape.data_ptr(), self.scaling,
+                               self.eps, self.threads, self.scratch.data_ptr())
         return x
 
     def head(self, x: torch.Tensor, rows: torch.Tensor, norm: torch.Tensor, eps: float, head: torch.Tensor) -> torch.Tensor:
@@ -1005,7 +1021,8 @@ class NativeForward:
         n, kv_len = self.mask.shape
         self.lib.blocks_layer(x.data_ptr(), n, self.cos.data_ptr(), self.sin.data_ptr(), self.mask.data_ptr(),
                               kv_len, keys.data_ptr(), values.data_ptr(), keys.shape[1],
-                              layer.norms[0].data_ptr(), layer.norms[1].data_ptr(),
-                              *(w.data_ptr() for w in layer.weights), layer.formats.data_ptr(), self.shape.data_ptr(),
+                              layer.norms[0].data_ptr(), layer.norms[1].data_ptr(), layer.weights[0].data_ptr(),
+                              layer.bias_address, *(w.data_ptr() for w in layer.weights[1:]), layer.formats.data_ptr(),
+                              self.shape.data_ptr(),
                               self.scaling, self.eps, self.threads, self.scratch.data_ptr())
         return x

@@ -146,6 +146,7 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     h = _rms_norm(x, ln1, eps)
     if fused[0] is not None:
         q, k, v = blocks_linear(h, fused[0]).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        q, k, v = (t if b is None else t + b for t, b in ((q, bq), (k, bk), (v, bv)))  # (Qwen2's biases)
     else:
         q, k, v = _linear(h, wq, bq, small[0]), _linear(h, wk, bk, small[1]), _linear(h, wv, bv, small[2])
     q = q.view(n, heads, head_dim).transpose(0, 1)  # (H, n, hd)
@@ -182,8 +183,11 @@ def _native_layer(layer, fused: tuple):
     a, m = layer.self_attn, layer.mlp
     if fused[0] is None or fused[1] is None or not (_on_blocks(a.o_proj) and _on_blocks(m.down_proj)):
         return None
+    qkv = (a.q_proj, a.k_proj, a.v_proj)
+    bias = None if all(p.bias is None for p in qkv) else \
+        torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in qkv])
     return NativeLayer((layer.input_layernorm.weight, layer.post_attention_layernorm.weight), fused[0],
-                       blocks_of(a.o_proj), fused[1], blocks_of(m.down_proj))
+                       blocks_of(a.o_proj), fused[1], blocks_of(m.down_proj), bias)
 
 
 def _room_to_fuse(layers) -> bool:
@@ -196,16 +200,18 @@ def _room_to_fuse(layers) -> bool:
     return needed == 0 or room_for(needed)
 
 
-def _on_blocks(linear) -> bool:
+def _on_blocks(linear, biased: bool = False) -> bool:
     """Whether this linear has quantised blocks and runs the blocks kernel (for one row or for
-    several: a layer's small products measure within noise of each other), without a bias."""
-    return blocks_of(linear) is not None and "blocks" in kernels_of(linear)[:2] and linear.bias is None
+    several: a layer's small products measure within noise of each other), without a bias
+    unless `biased` (its caller adds it)."""
+    return blocks_of(linear) is not None and "blocks" in kernels_of(linear)[:2] and (biased or linear.bias is None)
 
 
-def fused_blocks(linears) -> torch.Tensor | None:
+def fused_blocks(linears, biased: bool = False) -> torch.Tensor | None:
     """These linears' quantised blocks stacked into one weight's (their outputs side by side), where
-    each runs the blocks kernel for every row count (_on_blocks), all in the same format."""
-    if not all(_on_blocks(linear) for linear in linears):
+    each runs the blocks kernel for every row count (_on_blocks; with `biased`, biases are the
+    caller's to add), all in the same format."""
+    if not all(_on_blocks(linear, biased) for linear in linears):
         return None
     found = [blocks_of(linear) for linear in linears]
     return torch.cat(found) if len({block_format(b) for b in found}) == 1 else None
@@ -250,7 +256,8 @@ class CompiledModel:
             # the same guards, and one graph serves both
             self.layers.append((tuple(None if w is None else w.detach() for w in weights),
                                 tuple(self._kernels(linear) for linear in linears),
-                                (fused_blocks(linears[:3]), fused_blocks(linears[4:6])) if fuse else (None, None)))
+                                (fused_blocks(linears[:3], biased=True), fused_blocks(linears[4:6])) if fuse
+                                else (None, None)))
         self.head_small = self._kernels(model.lm_head)
         # layers on quantised blocks run in the blocks library (uncompiled CPU path): all of a forward's
         # layers in one call where every layer can, then the final norm and head in one more

@@ -355,7 +355,7 @@ def layers_in_c(monkeypatch) -> list:
     "head" where it runs the final norm and the output head too."""
     counted = []
     whole, one, head = blocks.NativeForward.layers, blocks.NativeForward.layer, blocks.NativeForward.head
-    monkeypatch.setattr(blocks.NativeForward, "layers", lambda self, table, *args: counted.append(table.shape[0] // 7)
+    monkeypatch.setattr(blocks.NativeForward, "layers", lambda self, table, *args: counted.append(table.shape[0] // blocks.TABLE_ENTRIES)
                         or whole(self, table, *args))
     monkeypatch.setattr(blocks.NativeForward, "layer", lambda *args: counted.append(1) or one(*args))
     monkeypatch.setattr(blocks.NativeForward, "head", lambda *args: counted.append("head") or head(*args))
@@ -560,6 +560,38 @@ def test_the_c_layer_matches_transformers_for_trees_pruning_and_growth(quantised
         torch.testing.assert_close(ours.extend(chain, last_only=False), theirs.extend(chain, last_only=False),
                                    atol=1e-5, rtol=1e-5)
     assert ours.capacity > 12 and ours.length == theirs.length
+
+
+def test_a_qwen2_model_runs_every_layer_in_c_with_its_q_k_v_biases(monkeypatch):
+    """Qwen2's layers add biases to q, k and v: on quantised weights every layer still runs in C,
+    the biases added to the stacked product, with transformers' logits for trees, pruning and
+    growth, and each variant's greedy output is plain greedy."""
+    from test_compiled import assert_same_tree_logits
+    from test_engine import PROMPT
+    from tiny import tiny_relative
+
+    reference = tuple(quantise_like_gguf(tiny_relative("qwen2", V, layers=layers, seed=seed, scale=0.1))
+                      for layers, seed in ((2, 0), (1, 1)))
+    kernel = tuple(copy.deepcopy(model) for model in reference)
+    for model in kernel:
+        install_blocks(model)
+    target, draft = (CompiledModel(model, False) for model in kernel)
+    assert target.all_in_c and all(layer.qkv_bias is not None for layer in target.native)
+    counted = layers_in_c(monkeypatch)
+    ours, theirs = StaticLM(target, V, capacity=12), CachedLM(reference[0], V)
+    base = assert_same_tree_logits(ours, theirs)
+    assert counted[:2] == [2, "head"]
+    for lm in (ours, theirs):
+        lm.keep(list(range(base)) + [base + n for n in (0, 1, 3, 5)])
+    for chain in ([2], [1, 3], [3, 2] * 10):
+        torch.testing.assert_close(ours.extend(chain, last_only=False), theirs.extend(chain, last_only=False),
+                                   atol=1e-5, rtol=1e-5)
+    ours.release()
+    runtimes = Runtimes(target, draft, "auto")
+    for shape in shapes():
+        decoder = Decoder(kernel[0], kernel[1], V, shape, SamplingParams(temperature=0), set(), runtimes=runtimes)
+        tokens = [t for event in decoder.generate(PROMPT, 20, 0) for t in event.emitted]
+        assert tokens == plain_greedy(reference[0], 20), shape.describe()
 
 
 @pytest.mark.parametrize("fmt", ["f16", "bf16"])
