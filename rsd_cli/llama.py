@@ -1,4 +1,4 @@
-"""Llama-architecture checkpoints loaded without transformers' modeling code.
+"""Llama-architecture checkpoints (Qwen2's and Mistral's too) loaded without transformers' modeling code.
 
 Importing transformers' Llama model costs ~2 s of a 2-core CPU's time (its modeling code pulls
 torch._dynamo, torch.distributed and every model's import structure in), about half of what a
@@ -28,6 +28,11 @@ from .errors import RsdError
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 LOADED_BY = "rsd (without transformers' modeling code)"
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+# what a Qwen2 or Mistral config.json must state to load here (their classes' defaults are not Llama's,
+# which read_config fills in; real checkpoints state them all)
+STATED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "max_position_embeddings", "rms_norm_eps")
 
 
 def _rope(raw: dict) -> tuple[float, str]:
@@ -47,8 +52,13 @@ def why_not(folder: Path) -> str | None:
         raw = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return "no readable config.json"
-    if raw.get("model_type") != "llama" or raw.get("architectures", ["LlamaForCausalLM"]) != ["LlamaForCausalLM"]:
-        return f"a {raw.get('model_type')} model"
+    kind = raw.get("model_type")
+    if kind not in ARCHITECTURES or raw.get("architectures", [ARCHITECTURES.get(kind)]) != [ARCHITECTURES[kind]]:
+        return f"a {kind} model"
+    if kind != "llama" and any(key not in raw for key in STATED):
+        return f"a config.json that leaves out {next(key for key in STATED if key not in raw)}"
+    if _window(raw) is not None:
+        return "sliding-window attention"
     if raw.get("auto_map") or raw.get("quantization_config"):
         return "remote code or quantised weights"
     if raw.get("hidden_act", "silu") != "silu" or raw.get("mlp_bias") or raw.get("pretraining_tp", 1) != 1:
@@ -63,6 +73,17 @@ def why_not(folder: Path) -> str | None:
             return "no safetensors weights"
         if not all((folder / shard).is_file() for shard in shards):  # (a download cut short)
             return "safetensors shards missing"
+    return None
+
+
+def _window(raw: dict) -> int | None:
+    """The sliding window the layers attend to, or None: Qwen2's where `use_sliding_window` (its
+    config drops the window otherwise), Mistral's where shorter than the context."""
+    window = raw.get("sliding_window")
+    if raw.get("model_type") == "qwen2":
+        return window if raw.get("use_sliding_window") and window else None
+    if raw.get("model_type") == "mistral" and window and window < raw.get("max_position_embeddings", 0):
+        return window
     return None
 
 
@@ -86,6 +107,7 @@ def read_config(folder: Path) -> SimpleNamespace:
         values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
     values.pop("rope_scaling", None)
     values.pop("rope_theta", None)
+    values["sliding_window"] = _window(raw)  # (None: why_not lets no window through)
     return SimpleNamespace(**values)
 
 
@@ -147,9 +169,10 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scaling = self.head_dim ** -0.5
         heads, kv_heads, bias = config.num_attention_heads, config.num_key_value_heads, config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=bias)
+        qkv_bias = bias or config.model_type == "qwen2"  # Qwen2's q, k and v have biases, its o none
+        self.q_proj = nn.Linear(config.hidden_size, heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=bias)
 
 
@@ -204,6 +227,17 @@ class LlamaForCausalLM(nn.Module):
                        "(load it with --compile on or auto, or RSD_LIGHT_LOAD=0 for transformers' forward)")
 
 
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """transformers' Qwen2ForCausalLM's modules and names: Llama's, with biases on q, k and v."""
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """transformers' MistralForCausalLM's modules and names: Llama's (no sliding window here)."""
+
+
+CLASSES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM}
+
+
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -219,7 +253,7 @@ def load(folder: Path, device, dtype) -> LlamaForCausalLM:
     """The checkpoint in `folder` (why_not(folder) is None) on `device` in `dtype`, in eval mode."""
     config = read_config(folder)
     with torch.device("meta"), uninitialised():
-        model = LlamaForCausalLM(config)
+        model = CLASSES[config.model_type](config)
     try:
         tensors = {name: tensor.to(dtype=dtype) for name, tensor in _tensors(folder).items()}
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file

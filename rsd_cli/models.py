@@ -462,9 +462,9 @@ def _hub_snapshot(repo_id: str) -> Path | None:
 def load_model(source: str, device, dtype, progress: Progress = _quiet, placement: Placement | None = None,
                light: bool = False):
     """Model and tokenizer, on `device`, or placed over devices by accelerate (`placement`).
-    light: the caller runs the model on rsd's static-cache runtime only, so a Llama checkpoint in a
-    local folder or in the local hub cache may load without transformers' modeling code
-    (rsd_cli/llama.py): ~2 s sooner."""
+    light: the caller runs the model on rsd's static-cache runtime only, so a Llama (Qwen2, Mistral)
+    checkpoint in a local folder or in the local hub cache may load without transformers' modeling
+    code (rsd_cli/llama.py): ~2 s sooner."""
     location, local = resolve_source(source, progress)
     progress(f"loading {source}")
     quiet_transformers()
@@ -474,8 +474,10 @@ def load_model(source: str, device, dtype, progress: Progress = _quiet, placemen
 
         folder = Path(location) if local else _hub_snapshot(location)
         if folder is not None and llama.why_not(folder) is None:
-            tokenizer = _light_tokenizer(folder)
             model = llama.load(folder, device, dtype)
+            # AutoTokenizer takes a generic tokenizer file as the generic class for Llama, but as a class
+            # of their own for other families (Qwen2Tokenizer, with its own pre-tokenising): theirs it loads
+            tokenizer = _light_tokenizer(folder) if model.config.model_type == "llama" else None
     if tokenizer is None:
         from transformers import AutoTokenizer
 

@@ -20,7 +20,8 @@ from rsd_cli import llama, models
 from rsd_cli.cli import app
 from rsd_cli.compiled import CompiledModel, StaticLM
 from rsd_cli.errors import RsdError
-from tiny import tiny_model, tiny_tokenizer
+from rsd_cli.prompting import encode_prompt
+from tiny import tiny_model, tiny_relative, tiny_tokenizer
 
 V = 40
 
@@ -108,6 +109,41 @@ def test_light_models_give_transformers_logits_and_so_does_their_early_exit_draf
     assert type(drafts[0]) is llama.LlamaForCausalLM
     assert list(drafts[0].state_dict()) == list(drafts[1].state_dict())
     assert torch.equal(_static_logits(drafts[0], tokens), _static_logits(drafts[1], tokens))
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+def test_qwen2_and_mistral_folders_load_light_as_transformers_loads_them(kind, tmp_path):
+    """The same tensors under the same names (Qwen2's q/k/v biases included), fingerprint, rotary
+    tables and logits on the static-cache runtime, and an early-exit draft of the same class."""
+    folder = _save(tiny_relative(kind, V, layers=3, seed=4), tmp_path / kind)
+    assert llama.why_not(folder) is None
+    light, full = _both(folder)
+    assert type(light) is llama.CLASSES[kind] and type(light).__name__ == type(full).__name__
+    ours, theirs = light.state_dict(), full.state_dict()
+    assert list(ours) == list(theirs) and any(name.endswith("q_proj.bias") for name in ours) == (kind == "qwen2")
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    assert models.fingerprint(light) == models.fingerprint(full)
+    tokens = [1, 5, 9, 3, 17, 22, 8, 30]
+    assert torch.equal(_static_logits(light, tokens), _static_logits(full, tokens))
+    with torch.inference_mode():
+        torch.testing.assert_close(_static_logits(light, tokens), full(torch.tensor([tokens])).logits[0],
+                                   atol=1e-5, rtol=1e-5)
+    draft = models.early_exit_draft(light, 2, models.new_adapter(light, 2, head_rows=16), vocab=16)
+    assert type(draft) is llama.CLASSES[kind]
+    # the tokenizer transformers picks for the family (Qwen2's own class reads a generic file its own
+    # way): the same prompt ids loaded light or not
+    tokenizers = [models.load_model(str(folder), torch.device("cpu"), torch.float32, light=flag)[1] for flag in (1, 0)]
+    assert encode_prompt(tokenizers[0], "hello, you") == encode_prompt(tokenizers[1], "hello, you")
+    config = json.loads((folder / "config.json").read_text())
+    windowed = {"qwen2": {"use_sliding_window": True, "sliding_window": 4},
+                "mistral": {"sliding_window": 4}}[kind]
+    assert llama.why_not(_edited(folder, tmp_path / "a", **windowed)) == "sliding-window attention"
+    assert llama.why_not(_edited(folder, tmp_path / "b", sliding_window=config["max_position_embeddings"])) is None
+    unstated = tmp_path / "unstated"
+    shutil.copytree(folder, unstated)
+    (unstated / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "rms_norm_eps"}))
+    assert llama.why_not(unstated) == "a config.json that leaves out rms_norm_eps"  # (its class's default, not Llama's)
 
 
 def test_tied_and_sharded_checkpoints_load_light(tmp_path):
