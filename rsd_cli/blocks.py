@@ -558,8 +558,9 @@ static void silu_times(const float* gate, int I, int j0, int j1, float* out) {
 }
 
 /* One Llama decoder layer on n new tokens, every linear on weights in one of the formats above
-   (biases: on q, k and v only, qkv_b (QKV) or NULL: Qwen2's), the residual stream x (n, D) updated in place. New keys and values go to slots
-   kv_len - n .. kv_len - 1 of keys, values (kv_heads, capacity, hd); mask (n, kv_len) additive.
+   (biases: on q, k and v only, Qwen2's, qkv_b (QKV) or NULL), the residual stream x (n, D) updated
+   in place. New keys and values go to slots kv_len - n .. kv_len - 1 of keys, values (kv_heads,
+   capacity, hd); mask (n, kv_len) additive.
    linears: q, k and v stacked (formats[0]), o (formats[1]), gate and up stacked (formats[2]),
    down (formats[3]). dims: D, heads, kv_heads, hd, intermediate. scratch: blocks_scratch floats;
    kinds: the mask's chunk_kinds. Every thread of a team of `threads` calls it: each step is a loop
@@ -1023,6 +1024,5 @@ class NativeForward:
                               kv_len, keys.data_ptr(), values.data_ptr(), keys.shape[1],
                               layer.norms[0].data_ptr(), layer.norms[1].data_ptr(), layer.weights[0].data_ptr(),
                               layer.bias_address, *(w.data_ptr() for w in layer.weights[1:]), layer.formats.data_ptr(),
-                              self.shape.data_ptr(),
-                              self.scaling, self.eps, self.threads, self.scratch.data_ptr())
+                              self.shape.data_ptr(), self.scaling, self.eps, self.threads, self.scratch.data_ptr())
         return x
