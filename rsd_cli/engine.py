@@ -447,6 +447,9 @@ class Decoder:
             raise RsdError("the prompt is empty")
         if self.context_length and len(prompt) >= self.context_length:
             raise RsdError(f"the prompt has {len(prompt)} tokens but the model's context holds {self.context_length}")
+        if max(prompt) >= self.vocab_size:  # (a tokenizer that does not fit the models: no forward could read it)
+            raise RsdError(f"the prompt holds token id {max(prompt)} but the models' vocabulary has "
+                           f"{self.vocab_size} tokens: the tokenizer does not fit them")
         if self.shape.variant == "auto":  # costs measured (once) before this generation's caches
             self._auto_policy()             # hold a static-shape runtime's shared buffers
         # static-cache buffers: room for the prompt, some answer and one tree; they double when full

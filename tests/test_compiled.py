@@ -442,6 +442,13 @@ def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtim
     profile.write_text(f'[target]\nsource = "{folder}"\n[draft]\nkind = "early-exit"\nlayers = 1\nadapter = ""\n'
                        '[decoding]\nvariant = "sd"\n')
     records = {}
+    small = tmp_path / "small"  # a model whose vocabulary the tokenizer's ids do not fit: a clear error
+    tiny_relative("qwen2", V, layers=2, seed=0).save_pretrained(small)
+    tiny_tokenizer().save_pretrained(small)
+    profile.with_name("small.toml").write_text(profile.read_text().replace(str(folder), str(small)))
+    result = CliRunner().invoke(app, ["generate", "hello", "-p", str(profile.with_name("small.toml")), "-n", "2"])
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert f"but the models' vocabulary has {V} tokens: the tokenizer does not fit them" in result.stderr
     for setting in ("off", "on"):
         result = CliRunner().invoke(app, ["generate", "hello", "-p", str(profile), "-t", "0", "-n", "12",
                                           "--compile", setting, "--json"])
