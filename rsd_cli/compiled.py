@@ -55,8 +55,8 @@ BUCKETS = (1, 2, 4, 8, 16)
 STATIC_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # scaled_dot_product_attention(enable_gqa=)
 # Llama-style decoders the tests cover: Llama itself; Qwen2 (biases on q, k and v: the layer takes
-# them); Mistral (Llama's layer). Sliding-window attention is not covered (see `unsupported`).
-SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
+# them); Mistral (Llama's layer); Qwen3 (below). Sliding-window attention is not covered (see `unsupported`).
+SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3")  # Qwen3: an RMS norm on each head of q and k
 ROPE_TYPES = ("default", "linear", "llama3")  # rotary tables that depend on the position alone
 
 
@@ -137,7 +137,7 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     of its early-exit draft, adapter included) has the same shapes: one compiled graph serves them all.
     `fused` = (q, k and v's quantised blocks in one, gate and up's in one) or None each (fused_blocks):
     one call of the blocks kernel instead of three or two, the same arithmetic for every output."""
-    ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd = weights
+    ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd, q_norm, k_norm = weights
     heads, kv_heads, head_dim, scaling, eps = dims
     n, kv_len = x.shape[0], mask.shape[1]
     # stacked blocks where the blocks kernel serves this many rows (prompts: where it measured faster)
@@ -149,8 +149,10 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
         q, k, v = (t if b is None else t + b for t, b in ((q, bq), (k, bk), (v, bv)))  # (Qwen2's biases)
     else:
         q, k, v = _linear(h, wq, bq, small[0]), _linear(h, wk, bk, small[1]), _linear(h, wv, bv, small[2])
-    q = q.view(n, heads, head_dim).transpose(0, 1)  # (H, n, hd)
-    k = k.view(n, kv_heads, head_dim).transpose(0, 1)  # (KVH, n, hd)
+    q, k = q.view(n, heads, head_dim), k.view(n, kv_heads, head_dim)
+    if q_norm is not None:  # Qwen3: each head of q and k RMS-normed before the rotation
+        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
+    q, k = q.transpose(0, 1), k.transpose(0, 1)  # (H, n, hd), (KVH, n, hd)
     v = v.view(n, kv_heads, head_dim).transpose(0, 1)
     q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     if slots is None:
@@ -181,7 +183,8 @@ def _native_layer(layer, fused: tuple):
     """The layer as a blocks.NativeLayer where all its linears run on blocks (q/k/v and gate/up
     stacked in `fused`), else None."""
     a, m = layer.self_attn, layer.mlp
-    if fused[0] is None or fused[1] is None or not (_on_blocks(a.o_proj) and _on_blocks(m.down_proj)):
+    if fused[0] is None or fused[1] is None or not (_on_blocks(a.o_proj) and _on_blocks(m.down_proj)) \
+            or hasattr(a, "q_norm"):  # (Qwen3's head norms: torch's operations)
         return None
     qkv = (a.q_proj, a.k_proj, a.v_proj)
     bias = None if all(p.bias is None for p in qkv) else \
@@ -249,9 +252,11 @@ class CompiledModel:
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
             linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+            head_norms = tuple(getattr(getattr(a, name, None), "weight", None) for name in ("q_norm", "k_norm"))
             weights = (layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
                        a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, a.o_proj.bias,
-                       layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
+                       layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
+                       *head_norms)
             # detached views (same storage): a trained adapter's tensors and the target's then pass
             # the same guards, and one graph serves both
             self.layers.append((tuple(None if w is None else w.detach() for w in weights),
@@ -283,7 +288,7 @@ class CompiledModel:
         self._layer = _compiled(decoder_layer) if self._inductor else decoder_layer
         if self._inductor:  # compiled graphs find each weight's kernels by its address (one graph for all)
             for weights, small, _ in self.layers:
-                for weight, (kernels, prepared) in zip(weights[1:9:2] + weights[10:], small):
+                for weight, (kernels, prepared) in zip(weights[1:9:2] + weights[10:13], small):
                     enrol(weight, kernels, prepared)
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # static shapes: shared KV buffers
         self._holder = None  # weak reference to the StaticLM using them

@@ -1,4 +1,4 @@
-"""Llama-architecture checkpoints (Qwen2's and Mistral's too) loaded without transformers' modeling code.
+"""Llama-architecture checkpoints (Qwen2's, Mistral's and Qwen3's too) loaded without transformers' modeling code.
 
 Importing transformers' Llama model costs ~2 s of a 2-core CPU's time (its modeling code pulls
 torch._dynamo, torch.distributed and every model's import structure in), about half of what a
@@ -28,7 +28,8 @@ from .errors import RsdError
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 LOADED_BY = "rsd (without transformers' modeling code)"
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 # what a Qwen2 or Mistral config.json must state to load here (their classes' defaults are not Llama's,
 # which read_config fills in; real checkpoints state them all)
 STATED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -80,7 +81,7 @@ def _window(raw: dict) -> int | None:
     """The sliding window the layers attend to, or None: Qwen2's where `use_sliding_window` (its
     config drops the window otherwise), Mistral's where shorter than the context."""
     window = raw.get("sliding_window")
-    if raw.get("model_type") == "qwen2":
+    if raw.get("model_type") in ("qwen2", "qwen3"):
         return window if raw.get("use_sliding_window") and window else None
     if raw.get("model_type") == "mistral" and window and window < raw.get("max_position_embeddings", 0):
         return window
@@ -174,6 +175,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=bias)
+        if config.model_type == "qwen3":  # an RMS norm on each head of q and k
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
 
 class MLP(nn.Module):
@@ -235,7 +239,12 @@ class MistralForCausalLM(LlamaForCausalLM):
     """transformers' MistralForCausalLM's modules and names: Llama's (no sliding window here)."""
 
 
-CLASSES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM}
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """transformers' Qwen3ForCausalLM's modules and names: Llama's, with an RMS norm on each head of q and k."""
+
+
+CLASSES = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM,
+           "qwen3": Qwen3ForCausalLM}
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:

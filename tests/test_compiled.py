@@ -330,10 +330,11 @@ def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
     assert run(pair, static, shape, sampling, 30, seed=3) == reference
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
-    """Qwen2 (q, k and v with biases) and Mistral: tree logits, pruning and growth as transformers'
-    forward gives them on every backend, and each variant's greedy output is plain greedy."""
+    """Qwen2 (q, k and v with biases), Mistral and Qwen3 (q and k normed per head): tree logits,
+    pruning and growth as transformers' forward gives them on every backend, and each variant's
+    greedy output is plain greedy."""
     target, draft = tiny_relative(kind, V, layers=2, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     assert compiled.unsupported(target) is None
     for backend in (CompiledModel(target, True), CompiledModel(target, False),
@@ -367,7 +368,7 @@ def test_unsupported_models_are_named_with_a_reason():
     notices = []
     assert compiled.runtime_for(gpt2, "on", "target", notice=notices.append) is None
     assert notices == ["--compile on does not apply to the target (a gpt2 model (the static-cache runtime covers "
-                       "llama, qwen2, mistral)): it runs on transformers' eager forward"]
+                       "llama, qwen2, mistral, qwen3)): it runs on transformers' eager forward"]
     assert compiled.runtime_for(gpt2, "auto", "target", notice=notices.append) is None and len(notices) == 1
     assert compiled.runtime_for(tiny_model(V, layers=1), "off", "target") is None
 

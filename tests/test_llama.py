@@ -111,10 +111,11 @@ def test_light_models_give_transformers_logits_and_so_does_their_early_exit_draf
     assert torch.equal(_static_logits(drafts[0], tokens), _static_logits(drafts[1], tokens))
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
-def test_qwen2_and_mistral_folders_load_light_as_transformers_loads_them(kind, tmp_path):
-    """The same tensors under the same names (Qwen2's q/k/v biases included), fingerprint, rotary
-    tables and logits on the static-cache runtime, and an early-exit draft of the same class."""
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3"])
+def test_qwen2_mistral_and_qwen3_folders_load_light_as_transformers_loads_them(kind, tmp_path):
+    """The same tensors under the same names (Qwen2's q/k/v biases, Qwen3's head norms included),
+    fingerprint, rotary tables and logits on the static-cache runtime, and an early-exit draft of
+    the same class."""
     folder = _save(tiny_relative(kind, V, layers=3, seed=4), tmp_path / kind)
     assert llama.why_not(folder) is None
     light, full = _both(folder)
@@ -136,8 +137,8 @@ def test_qwen2_and_mistral_folders_load_light_as_transformers_loads_them(kind, t
     tokenizers = [models.load_model(str(folder), torch.device("cpu"), torch.float32, light=flag)[1] for flag in (1, 0)]
     assert encode_prompt(tokenizers[0], "hello, you") == encode_prompt(tokenizers[1], "hello, you")
     config = json.loads((folder / "config.json").read_text())
-    windowed = {"qwen2": {"use_sliding_window": True, "sliding_window": 4},
-                "mistral": {"sliding_window": 4}}[kind]
+    windowed = {"qwen2": {"use_sliding_window": True, "sliding_window": 4}, "mistral": {"sliding_window": 4},
+                "qwen3": {"use_sliding_window": True, "sliding_window": 4}}[kind]
     assert llama.why_not(_edited(folder, tmp_path / "a", **windowed)) == "sliding-window attention"
     assert llama.why_not(_edited(folder, tmp_path / "b", sliding_window=config["max_position_embeddings"])) is None
     unstated = tmp_path / "unstated"

@@ -39,12 +39,14 @@ def tiny_model(vocab: int = 40, layers: int = 2, seed: int = 0, scale: float = 0
 
 def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, scale: float = 0.3):
     """A random model of another Llama-style family the static-cache runtime covers, as tiny_model:
-    "qwen2" (biases on q, k and v, set random here so that they matter) or "mistral"; with
-    sliding-window attention off (what the runtime covers)."""
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    "qwen2" (biases on q, k and v, set random here so that they matter), "mistral" or "qwen3" (an
+    RMS norm on each head of q and k, its weights random here too); with sliding-window attention
+    off (what the runtime covers)."""
+    from transformers import (MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
-    config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                           "mistral": (MistralConfig, MistralForCausalLM)}[kind]
+    config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
+                           "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[kind]
     torch.manual_seed(seed)
     model = model_class(config(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
@@ -56,6 +58,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
             for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 if linear.bias is not None:
                     linear.bias.normal_(0.0, scale)
+            for norm in (getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)):
+                if norm is not None:
+                    norm.weight.normal_(1.0, scale)
     return model.eval()
 
 
