@@ -558,7 +558,8 @@ static void silu_times(const float* gate, int I, int j0, int j1, float* out) {
 }
 
 /* One Llama decoder layer on n new tokens, every linear on weights in one of the formats above
-   (biases: on q, k and v only, Qwen2's, qkv_b (QKV) or NULL), the residual stream x (n, D) updated
+   (biases: on q, k and v only, Qwen2's, qkv_b (QKV) or NULL; q_norm, k_norm (hd): Qwen3's RMS norm
+   of each head of q and k before the rotation, or NULL), the residual stream x (n, D) updated
    in place. New keys and values go to slots kv_len - n .. kv_len - 1 of keys, values (kv_heads,
    capacity, hd); mask (n, kv_len) additive.
    linears: q, k and v stacked (formats[0]), o (formats[1]), gate and up stacked (formats[2]),
@@ -569,9 +570,9 @@ static void silu_times(const float* gate, int I, int j0, int j1, float* out) {
    more threads). */
 static void layer(float* x, int n, const float* cos, const float* sin, const float* mask, const uint8_t* kinds,
                   int kv_len, float* keys, float* values, int capacity, const float* ln1, const float* ln2,
-                  const uint8_t* qkv_w, const float* qkv_b, const uint8_t* o_w, const uint8_t* gate_up_w,
-                  const uint8_t* down_w, const int* formats, const int* dims, float scaling, float eps, int threads,
-                  float* scratch) {
+                  const uint8_t* qkv_w, const float* qkv_b, const float* q_norm, const float* k_norm,
+                  const uint8_t* o_w, const uint8_t* gate_up_w, const uint8_t* down_w, const int* formats,
+                  const int* dims, float scaling, float eps, int threads, float* scratch) {
   const int D = dims[0], H = dims[1], KVH = dims[2], hd = dims[3], I = dims[4];
   const int Q = H * hd, KV = KVH * hd, QKV = Q + 2 * KV;
   float* h = scratch;                      /* (n, D) */
@@ -590,6 +591,10 @@ static void layer(float* x, int n, const float* cos, const float* sin, const flo
     float* row = qkv + (size_t)i * QKV;
     if (qkv_b)
       for (int j = 0; j < QKV; j++) row[j] += qkv_b[j];
+    if (q_norm) {
+      for (int h = 0; h < H; h++) rms_norm(row + (size_t)h * hd, q_norm, eps, row + (size_t)h * hd, hd);
+      for (int h = 0; h < KVH; h++) rms_norm(row + Q + (size_t)h * hd, k_norm, eps, row + Q + (size_t)h * hd, hd);
+    }
     rotate(row, H, hd, cos + (size_t)i * hd, sin + (size_t)i * hd);
     rotate(row + Q, KVH, hd, cos + (size_t)i * hd, sin + (size_t)i * hd);
     const int slot = kv_len - n + i;
@@ -637,9 +642,9 @@ static uint8_t* kinds_in(float* scratch, int n, int kv_len, const int* dims, int
 }
 
 /* `layer` (above) for `count` consecutive layers in one call (one Python call a forward, not one a
-   layer): layer l's input and post-attention norms, q/k/v weights and bias (0: none), o, gate/up and
-   down weights and formats at pointers[8 l .. 8 l + 7], its keys and values at keys + l * layer_stride
-   (floats), values + ... */
+   layer): layer l's input and post-attention norms, q/k/v weights, bias and head norms (0: none), o,
+   gate/up and down weights and formats at pointers[10 l .. 10 l + 9], its keys and values at keys +
+   l * layer_stride (floats), values + ... */
 void blocks_layers(float* x, int n, const float* cos, const float* sin, const float* mask, int kv_len,
                    float* keys, float* values, int64_t layer_stride, int capacity, const int64_t* pointers,
                    int count, const int* dims, float scaling, float eps, int threads, float* scratch) {
@@ -648,11 +653,12 @@ void blocks_layers(float* x, int n, const float* cos, const float* sin, const fl
   {  /* one region for every layer */
     chunk_kinds(mask, n, kv_len, kinds);
     for (int l = 0; l < count; l++) {
-      const int64_t* p = pointers + (size_t)l * 8;
+      const int64_t* p = pointers + (size_t)l * 10;
       layer(x, n, cos, sin, mask, kinds, kv_len, keys + (size_t)l * layer_stride, values + (size_t)l * layer_stride,
             capacity, (const float*)(intptr_t)p[0], (const float*)(intptr_t)p[1], (const uint8_t*)(intptr_t)p[2],
-            (const float*)(intptr_t)p[3], (const uint8_t*)(intptr_t)p[4], (const uint8_t*)(intptr_t)p[5],
-            (const uint8_t*)(intptr_t)p[6], (const int*)(intptr_t)p[7], dims, scaling, eps, threads, scratch);
+            (const float*)(intptr_t)p[3], (const float*)(intptr_t)p[4], (const float*)(intptr_t)p[5],
+            (const uint8_t*)(intptr_t)p[6], (const uint8_t*)(intptr_t)p[7], (const uint8_t*)(intptr_t)p[8],
+            (const int*)(intptr_t)p[9], dims, scaling, eps, threads, scratch);
     }
   }
 }
@@ -660,12 +666,13 @@ void blocks_layers(float* x, int n, const float* cos, const float* sin, const fl
 /* `layer` (above) on one layer: blocks_layers for one */
 void blocks_layer(float* x, int n, const float* cos, const float* sin, const float* mask, int kv_len,
                   float* keys, float* values, int capacity, const float* ln1, const float* ln2,
-                  const uint8_t* qkv_w, const float* qkv_b, const uint8_t* o_w, const uint8_t* gate_up_w,
-                  const uint8_t* down_w, const int* formats, const int* dims, float scaling, float eps, int threads,
-                  float* scratch) {
-  const int64_t pointers[8] = {(int64_t)(intptr_t)ln1, (int64_t)(intptr_t)ln2, (int64_t)(intptr_t)qkv_w,
-                               (int64_t)(intptr_t)qkv_b, (int64_t)(intptr_t)o_w, (int64_t)(intptr_t)gate_up_w,
-                               (int64_t)(intptr_t)down_w, (int64_t)(intptr_t)formats};
+                  const uint8_t* qkv_w, const float* qkv_b, const float* q_norm, const float* k_norm,
+                  const uint8_t* o_w, const uint8_t* gate_up_w, const uint8_t* down_w, const int* formats,
+                  const int* dims, float scaling, float eps, int threads, float* scratch) {
+  const int64_t pointers[10] = {(int64_t)(intptr_t)ln1, (int64_t)(intptr_t)ln2, (int64_t)(intptr_t)qkv_w,
+                                (int64_t)(intptr_t)qkv_b, (int64_t)(intptr_t)q_norm, (int64_t)(intptr_t)k_norm,
+                                (int64_t)(intptr_t)o_w, (int64_t)(intptr_t)gate_up_w, (int64_t)(intptr_t)down_w,
+                                (int64_t)(intptr_t)formats};
   blocks_layers(x, n, cos, sin, mask, kv_len, keys, values, 0, capacity, pointers, 1, dims, scaling, eps, threads,
                 scratch);
 }
@@ -788,7 +795,7 @@ def build(folder: Path, flags: tuple[str, ...] = FLAGS):
     lib.blocks_linear.restype = None
     lib.blocks_layer.argtypes = [pointer, integer, pointer, pointer, pointer, integer, pointer, pointer, integer,
                                  pointer, pointer, pointer, pointer, pointer, pointer, pointer, pointer, pointer,
-                                 real, real, integer, pointer]
+                                 pointer, pointer, real, real, integer, pointer]
     lib.blocks_layer.restype = None
     lib.blocks_layers.argtypes = [pointer, integer, pointer, pointer, pointer, integer, pointer, pointer, ctypes.c_int64,
                                   integer, pointer, integer, pointer, real, real, integer, pointer]
@@ -954,27 +961,30 @@ class NativeLayer:
     each ~1-40 us of dispatch on a CPU for a handful of tokens."""
 
     def __init__(self, norms: tuple, qkv: torch.Tensor, o: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                 qkv_bias: torch.Tensor | None = None):
+                 qkv_bias: torch.Tensor | None = None, head_norms: tuple = (None, None)):
         self.norms = tuple(n.detach().float().contiguous() for n in norms)  # (input, post-attention) norm weights
         self.weights = (qkv, o, gate_up, down)
         self.formats = torch.tensor([FORMATS.index(block_format(w)) for w in self.weights], dtype=torch.int32)
-        # q, k and v's biases side by side (Qwen2's), added to the stacked product; None: none
-        self.qkv_bias = None if qkv_bias is None else qkv_bias.detach().float().contiguous()
+        # q, k and v's biases side by side (Qwen2's), added to the stacked product; q's and k's head
+        # norm weights (Qwen3's, (hd,) each); None: none
+        self.qkv_bias, *self.head_norms = (None if t is None else t.detach().float().contiguous()
+                                           for t in (qkv_bias, *head_norms))
 
     @property
-    def bias_address(self) -> int:
-        return 0 if self.qkv_bias is None else self.qkv_bias.data_ptr()
+    def extras(self) -> tuple[int, int, int]:
+        """The addresses of the q/k/v bias and of q's and k's head norms (0: none)."""
+        return tuple(0 if t is None else t.data_ptr() for t in (self.qkv_bias, *self.head_norms))
 
 
-TABLE_ENTRIES = 8  # a layer's addresses in native_table
+TABLE_ENTRIES = 10  # a layer's addresses in native_table
 
 
 def native_table(layers: list[NativeLayer]) -> torch.Tensor:
-    """(8 x layers,) int64: each layer's norm, weight, q/k/v bias (0: none) and format addresses,
-    for `NativeForward.layers` (the tensors stay alive with the layers)."""
+    """(10 x layers,) int64: each layer's norm, weight, q/k/v bias and head norm (0: none) and format
+    addresses, for `NativeForward.layers` (the tensors stay alive with the layers)."""
     def addresses(layer: NativeLayer) -> tuple:
         qkv, o, gate_up, down = (w.data_ptr() for w in layer.weights)
-        return (layer.norms[0].data_ptr(), layer.norms[1].data_ptr(), qkv, layer.bias_address, o, gate_up, down,
+        return (layer.norms[0].data_ptr(), layer.norms[1].data_ptr(), qkv, *layer.extras, o, gate_up, down,
                 layer.formats.data_ptr())
     return torch.tensor([address for layer in layers for address in addresses(layer)], dtype=torch.int64)
 
@@ -1023,6 +1033,6 @@ class NativeForward:
         self.lib.blocks_layer(x.data_ptr(), n, self.cos.data_ptr(), self.sin.data_ptr(), self.mask.data_ptr(),
                               kv_len, keys.data_ptr(), values.data_ptr(), keys.shape[1],
                               layer.norms[0].data_ptr(), layer.norms[1].data_ptr(), layer.weights[0].data_ptr(),
-                              layer.bias_address, *(w.data_ptr() for w in layer.weights[1:]), layer.formats.data_ptr(),
+                              *layer.extras, *(w.data_ptr() for w in layer.weights[1:]), layer.formats.data_ptr(),
                               self.shape.data_ptr(), self.scaling, self.eps, self.threads, self.scratch.data_ptr())
         return x

@@ -183,14 +183,14 @@ def _native_layer(layer, fused: tuple):
     """The layer as a blocks.NativeLayer where all its linears run on blocks (q/k/v and gate/up
     stacked in `fused`), else None."""
     a, m = layer.self_attn, layer.mlp
-    if fused[0] is None or fused[1] is None or not (_on_blocks(a.o_proj) and _on_blocks(m.down_proj)) \
-            or hasattr(a, "q_norm"):  # (Qwen3's head norms: torch's operations)
+    if fused[0] is None or fused[1] is None or not (_on_blocks(a.o_proj) and _on_blocks(m.down_proj)):
         return None
     qkv = (a.q_proj, a.k_proj, a.v_proj)
     bias = None if all(p.bias is None for p in qkv) else \
         torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in qkv])
+    head_norms = tuple(getattr(getattr(a, name, None), "weight", None) for name in ("q_norm", "k_norm"))  # Qwen3's
     return NativeLayer((layer.input_layernorm.weight, layer.post_attention_layernorm.weight), fused[0],
-                       blocks_of(a.o_proj), fused[1], blocks_of(m.down_proj), bias)
+                       blocks_of(a.o_proj), fused[1], blocks_of(m.down_proj), bias, head_norms)
 
 
 def _room_to_fuse(layers) -> bool:

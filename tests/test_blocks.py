@@ -562,21 +562,25 @@ def test_the_c_layer_matches_transformers_for_trees_pruning_and_growth(quantised
     assert ours.capacity > 12 and ours.length == theirs.length
 
 
-def test_a_qwen2_model_runs_every_layer_in_c_with_its_q_k_v_biases(monkeypatch):
-    """Qwen2's layers add biases to q, k and v: on quantised weights every layer still runs in C,
-    the biases added to the stacked product, with transformers' logits for trees, pruning and
-    growth, and each variant's greedy output is plain greedy."""
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_qwen2_and_qwen3_models_run_every_layer_in_c(kind, monkeypatch):
+    """Qwen2's layers add biases to q, k and v, Qwen3's RMS-norm each head of q and k: on quantised
+    weights every layer still runs in C (the biases added to the stacked product, the head norms
+    before the rotation), with transformers' logits for trees, pruning and growth, and each
+    variant's greedy output is plain greedy."""
     from test_compiled import assert_same_tree_logits
     from test_engine import PROMPT
     from tiny import tiny_relative
 
-    reference = tuple(quantise_like_gguf(tiny_relative("qwen2", V, layers=layers, seed=seed, scale=0.1))
+    reference = tuple(quantise_like_gguf(tiny_relative(kind, V, layers=layers, seed=seed, scale=0.1))
                       for layers, seed in ((2, 0), (1, 1)))
     kernel = tuple(copy.deepcopy(model) for model in reference)
     for model in kernel:
         install_blocks(model)
     target, draft = (CompiledModel(model, False) for model in kernel)
-    assert target.all_in_c and all(layer.qkv_bias is not None for layer in target.native)
+    assert target.all_in_c
+    assert all((layer.qkv_bias is not None, layer.head_norms[0] is not None) == (kind == "qwen2", kind == "qwen3")
+               for layer in target.native)
     counted = layers_in_c(monkeypatch)
     ours, theirs = StaticLM(target, V, capacity=12), CachedLM(reference[0], V)
     base = assert_same_tree_logits(ours, theirs)
