@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,15 +37,43 @@ STATED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "num_key_value_heads", "max_position_embeddings", "rms_norm_eps")
 
 
-def _rope(raw: dict) -> tuple[float, str]:
-    """(rope_theta, rope_type) as transformers 4 (rope_theta, rope_scaling) or 5 (rope_parameters)
-    write them in config.json."""
+ROPE_TYPES = {"default": (), "linear": ("factor",),  # the rotary scalings computed here: their parameters
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def _rope(raw: dict) -> tuple[float, str, dict]:
+    """(rope_theta, rope_type, every rope parameter) as transformers 4 (rope_theta, rope_scaling)
+    or 5 (rope_parameters) write them in config.json."""
     parameters = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or {}
     theta = parameters.get("rope_theta", raw.get("rope_theta", 10000.0))
     kinds = (parameters.get("rope_type"), scaling.get("rope_type"), scaling.get("type"))
     # any scaling named anywhere decides (which one transformers would apply is not ours to guess)
-    return float(theta), next((k for k in kinds if k and k != "default"), "default")
+    kind = next((k for k in kinds if k and k != "default"), "default")
+    return float(theta), kind, {**scaling, **parameters, "rope_theta": float(theta), "rope_type": kind}
+
+
+def inverse_frequencies(config) -> torch.Tensor:
+    """The rotary embedding's inverse frequencies, as transformers' rope functions compute them
+    (the same float32 operations in the same order: the tests compare the tables bit for bit)."""
+    parameters, dim = config.rope_parameters, config.head_dim
+    # on the CPU even while the modules are made on "meta" (load): a table, computed, not loaded
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float)
+    inv_freq = 1.0 / (parameters["rope_theta"] ** (steps / dim))
+    kind = parameters["rope_type"]
+    if kind == "linear":
+        return inv_freq / parameters["factor"]
+    if kind == "llama3":  # Llama 3.1's: long wavelengths divided by the factor, the middle ones smoothed
+        factor, low, high = parameters["factor"], parameters["low_freq_factor"], parameters["high_freq_factor"]
+        old_context = parameters["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_context / low, old_context / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
 
 
 def why_not(folder: Path) -> str | None:
@@ -64,8 +93,9 @@ def why_not(folder: Path) -> str | None:
         return "remote code or quantised weights"
     if raw.get("hidden_act", "silu") != "silu" or raw.get("mlp_bias") or raw.get("pretraining_tp", 1) != 1:
         return "layers that differ from Llama's"
-    rope_type = _rope(raw)[1]
-    if rope_type != "default":
+    _, rope_type, rope = _rope(raw)
+    if rope_type not in ROPE_TYPES or any(key not in rope for key in ROPE_TYPES[rope_type]) \
+            or rope.get("partial_rotary_factor", 1.0) != 1.0:
         return f"rope type {rope_type!r}"
     if not (folder / WEIGHTS).is_file():
         try:
@@ -96,12 +126,12 @@ def _shards(folder: Path) -> list[str]:
 def read_config(folder: Path) -> SimpleNamespace:
     """config.json with transformers' defaults for what it leaves out (LlamaConfig's)."""
     raw = json.loads((folder / "config.json").read_text())
-    theta, kind = _rope(raw)
+    rope = _rope(raw)[2]
     values = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
               "num_attention_heads": 32, "num_key_value_heads": None, "hidden_act": "silu",
               "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "pad_token_id": None, "bos_token_id": 1,
               "eos_token_id": 2, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
-              "head_dim": None, **raw, "rope_parameters": {"rope_theta": theta, "rope_type": kind}}
+              "head_dim": None, **raw, "rope_parameters": rope}
     if values["num_key_value_heads"] is None:
         values["num_key_value_heads"] = values["num_attention_heads"]
     if values["head_dim"] is None:
@@ -145,16 +175,12 @@ class RotaryEmbedding(nn.Module):
     """cos and sin of each position's angles, as transformers' default rotary embedding makes them
     (float32 angles, then the input's dtype)."""
 
-    rope_type = "default"
     attention_scaling = 1.0
 
     def __init__(self, config):
         super().__init__()
-        dim = config.head_dim
-        base = config.rope_parameters["rope_theta"]
-        # on the CPU even while the modules are made on "meta" (load): a table, computed, not loaded
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope_type = config.rope_parameters["rope_type"]
+        self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -147,6 +148,34 @@ def test_qwen2_mistral_and_qwen3_folders_load_light_as_transformers_loads_them(k
     assert llama.why_not(unstated) == "a config.json that leaves out rms_norm_eps"  # (its class's default, not Llama's)
 
 
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 32},
+    {"rope_type": "linear", "factor": 2.0},
+], ids=["llama3", "linear"])
+def test_rotary_scalings_load_light_with_transformers_tables(scaling, tmp_path):
+    """Llama 3.1's rotary scaling (long wavelengths divided, middle ones smoothed) and linear
+    scaling: the same tables bit for bit as transformers computes, so the same logits."""
+    from transformers import LlamaForCausalLM
+
+    from tiny import tiny_config
+
+    torch.manual_seed(3)
+    config = tiny_config(V, 2, 0.3, head_dim=32, rope_parameters={"rope_theta": 500000.0, **scaling})
+    folder = _save(LlamaForCausalLM(config).eval(), tmp_path / scaling["rope_type"])
+    assert llama.why_not(folder) is None
+    light, full = _both(folder)
+    assert light.model.rotary_emb.rope_type == full.model.rotary_emb.rope_type == scaling["rope_type"]
+    positions = torch.arange(256)[None]
+    for a, b in zip(light.model.rotary_emb(torch.zeros(1), positions), full.model.rotary_emb(torch.zeros(1), positions)):
+        assert torch.equal(a, b)
+    unscaled = llama.inverse_frequencies(SimpleNamespace(head_dim=32, rope_parameters={"rope_theta": 500000.0,
+                                                                                        "rope_type": "default"}))
+    assert not torch.equal(light.model.rotary_emb.inv_freq, unscaled)  # (the scaling did something)
+    tokens = [1, 5, 9, 3, 17, 22, 8, 30]
+    assert torch.equal(_static_logits(light, tokens), _static_logits(full, tokens))
+
+
 def test_tied_and_sharded_checkpoints_load_light(tmp_path):
     tied = tiny_model(V, layers=2, seed=5)
     tied.config.tie_word_embeddings = True
@@ -209,7 +238,7 @@ def _edited(folder: Path, tmp_path: Path, **changes) -> Path:
 @pytest.mark.parametrize("changes, reason, loads", [
     ({"model_type": "mistral"}, "a mistral model", False),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}}, "rope type 'llama3'", False),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope type 'linear'", True),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'", True),
     ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantised", False),
     ({"auto_map": {"AutoModelForCausalLM": "x.Y"}}, "remote code", False),
     ({"hidden_act": "gelu"}, "differ from Llama", True),
