@@ -562,12 +562,12 @@ def test_the_c_layer_matches_transformers_for_trees_pruning_and_growth(quantised
     assert ours.capacity > 12 and ours.length == theirs.length
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
-def test_qwen2_and_qwen3_models_run_every_layer_in_c(kind, monkeypatch):
-    """Qwen2's layers add biases to q, k and v, Qwen3's RMS-norm each head of q and k: on quantised
-    weights every layer still runs in C (the biases added to the stacked product, the head norms
-    before the rotation), with transformers' logits for trees, pruning and growth, and each
-    variant's greedy output is plain greedy."""
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral"])
+def test_qwen2_qwen3_and_mistral_models_run_every_layer_in_c(kind, monkeypatch):
+    """Qwen2's layers add biases to q, k and v, Qwen3's RMS-norm each head of q and k, Mistral's are
+    Llama's: on quantised weights every layer runs in C (the biases added to the stacked product,
+    the head norms before the rotation), with transformers' logits for trees, pruning and growth,
+    and each variant's greedy output is plain greedy."""
     from test_compiled import assert_same_tree_logits
     from test_engine import PROMPT
     from tiny import tiny_relative
