@@ -46,6 +46,20 @@ int64_t blocks_scratch(int n, int kv_len, const int* dims, int threads) {
   return (int64_t)n * (2 * dims[0] + (2 * dims[1] + 2 * dims[2]) * dims[3] + 3 * dims[4]) + (int64_t)threads * kv_len;
 }
 """
+# each library reads its own layout of the layer table (7 addresses a layer before 2026-11-24, then 8
+# with Qwen2's q/k/v bias, 10 with Qwen3's head norms): the table of each is made for it
+before_entries = int(re.search(r"pointers \+ \(size_t\)l \* (\d+)", blocks.SOURCE).group(1))
+current_table, current_entries = blocks.native_table, blocks.TABLE_ENTRIES
+
+
+def table_of(entries: int):
+    def native_table(layers):
+        full = current_table(layers).view(-1, current_entries)  # ln1, ln2, qkv, bias, q/k norms, o, gu, down, formats
+        kept = {10: list(range(10)), 8: [0, 1, 2, 3, 6, 7, 8, 9], 7: [0, 1, 2, 6, 7, 8, 9]}[entries]
+        return full[:, kept].reshape(-1).contiguous()
+    return native_table
+
+
 folder = Path(tempfile.mkdtemp(prefix="rsd-c-ab-"))
 before_lib = blocks.build(folder / "before")
 blocks.SOURCE = current
@@ -53,7 +67,17 @@ after_lib = blocks.build(folder / "after")
 assert before_lib is not None and after_lib is not None, "a C library did not build"
 every = lambda n, keys: True  # noqa: E731
 before_rule = every if args.before_rule == "same" else (lambda n, keys: n == 1 or n * keys <= 1200)
-variants = {"before": (before_lib, before_rule), "after": (after_lib, every)}
+variants = {"before": (before_lib, before_rule, before_entries), "after": (after_lib, every, blocks.TABLE_ENTRIES)}
+
+
+def use(lib, entries: int) -> None:
+    """Make `lib` the C library the runtime calls, with its table layout."""
+    blocks.library = lambda: lib  # (NativeForward and the products look it up per call)
+    blocks.native_table, blocks.TABLE_ENTRIES = table_of(entries), entries
+    runtime._table = (None, None)  # (the runtime keeps the table it made last)
+    import rsd_cli.compiled as compiled
+    compiled.native_table = blocks.native_table
+
 
 profile = load_profile(args.profile)
 profile.set("runtime", "compile", "off", "benchmark")
@@ -68,8 +92,8 @@ for prefix in (int(p) for p in args.prefixes.split(",")):
     for n in (int(r) for r in args.rows.split(",")):
         times = {name: [] for name in variants}
         for _ in range(args.rounds):
-            for name, (lib, in_c) in variants.items():
-                blocks.library = lambda lib=lib: lib  # (NativeForward and the products look it up per call)
+            for name, (lib, in_c, entries) in variants.items():
+                use(lib, entries)
                 runtime.native = native if in_c(n, prefix + n) else None  # else torch's layer
                 for _ in range(2):
                     timed_chain(cache, n)
@@ -81,8 +105,8 @@ for prefix in (int(p) for p in args.prefixes.split(",")):
         continue
     times = {name: [] for name in variants}
     for _ in range(args.rounds):
-        for name, (lib, in_c) in variants.items():
-            blocks.library = lambda lib=lib: lib
+        for name, (lib, in_c, entries) in variants.items():
+            use(lib, entries)
             runtime.native = native if in_c(prefix, prefix) else None
             fresh = StaticLM(runtime, model.config.vocab_size, prefix + 1)
             start = time.perf_counter()
