@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
@@ -247,7 +248,8 @@ def history_file() -> Path | None:
 
 
 def completions(line: str) -> list[str]:
-    """The lines Tab may complete a line typed so far to: a command, /set's keys, /tree on|off."""
+    """The lines Tab may complete a line typed so far to: a command, /set's keys, /tree on|off,
+    the files and folders /save and /load may name."""
     words = line.split(" ")
     if len(words) == 1:
         return [c + " " for c in COMMANDS if c.startswith(words[0])] if line.startswith("/") else []
@@ -255,6 +257,11 @@ def completions(line: str) -> list[str]:
         return [f"/set {key} " for key in SETTABLE if key.startswith(words[1])]
     if len(words) == 2 and words[0] == "/tree":
         return [f"/tree {value}" for value in ("on", "off") if value.startswith(words[1])]
+    if len(words) == 2 and words[0] in ("/save", "/load"):
+        typed, home = words[1], os.path.expanduser("~")
+        found = sorted(glob.glob(glob.escape(os.path.expanduser(typed)) + "*"))
+        shown = [f"~{path[len(home):]}" if typed.startswith("~") and path.startswith(home) else path for path in found]
+        return [f"{words[0]} {name}{'/' if os.path.isdir(path) else ''}" for name, path in zip(shown, found)]
     return []
 
 

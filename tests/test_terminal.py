@@ -229,6 +229,18 @@ def test_chat_in_a_real_pseudo_terminal(tiny_profile, tmp_path):
         os.close(primary)
 
 
+def test_chat_completes_commands_keys_and_the_paths_save_and_load_name(tmp_path, monkeypatch):
+    from rsd_cli.chat import completions
+
+    (tmp_path / "talk.json").write_text("{}")
+    (tmp_path / "talks").mkdir()
+    assert completions("/sa") == ["/save "] and completions("/set temp") == ["/set temperature "]
+    assert completions("/tree o") == ["/tree on", "/tree off"] and completions("hello") == []
+    assert completions(f"/load {tmp_path}/ta") == [f"/load {tmp_path}/talk.json", f"/load {tmp_path}/talks/"]
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert completions("/save ~/talk.") == ["/save ~/talk.json"]  # as typed, with ~
+
+
 def test_chat_on_a_terminal_recalls_earlier_lines_and_completes_commands(tiny_profile, tmp_path):
     """On a terminal, lines are read with editing: Up recalls the last line (from this session,
     then from the history file the next session reads), Tab completes commands and /set's keys."""
