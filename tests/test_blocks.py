@@ -355,7 +355,8 @@ def layers_in_c(monkeypatch) -> list:
     "head" where it runs the final norm and the output head too."""
     counted = []
     whole, one, head = blocks.NativeForward.layers, blocks.NativeForward.layer, blocks.NativeForward.head
-    monkeypatch.setattr(blocks.NativeForward, "layers", lambda self, table, *args: counted.append(table.shape[0] // blocks.TABLE_ENTRIES)
+    monkeypatch.setattr(blocks.NativeForward, "layers",
+                        lambda self, table, *args: counted.append(table.shape[0] // blocks.TABLE_ENTRIES)
                         or whole(self, table, *args))
     monkeypatch.setattr(blocks.NativeForward, "layer", lambda *args: counted.append(1) or one(*args))
     monkeypatch.setattr(blocks.NativeForward, "head", lambda *args: counted.append("head") or head(*args))

@@ -353,7 +353,8 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
 
 
 def test_unsupported_models_are_named_with_a_reason():
-    from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=64))
     assert "gpt2" in compiled.unsupported(gpt2)
