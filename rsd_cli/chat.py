@@ -305,7 +305,8 @@ def terminal_reader(console):
             path.touch(mode=0o600)  # what was typed is for this user's eyes only (as a shell's history)
             readline.write_history_file(str(path))
         except OSError as e:
-            console.print(f"[dim]chat history not saved to {path}: {e.strerror or e}[/dim]")
+            console.print(f"chat history not saved to {path}: {e.strerror or e}", style="dim", markup=False,
+                          highlight=False)  # (a path may hold brackets)
 
     read.save = save
     return read
