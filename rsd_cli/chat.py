@@ -14,7 +14,7 @@ from .generation import stream_completion
 from .models import describe_layers
 from .prompting import encode_prompt
 from .render import stats_line
-from .runtime import FLAG_KEYS, make_decoder, seed_of, stops_of
+from .runtime import FLAG_KEYS, branching_factors, make_decoder, seed_of, stops_of
 
 HELP = """commands:
   /help                 this help
@@ -43,17 +43,12 @@ def _stop_list(value: str) -> list[str]:
     return parsed
 
 
-def _branching(value: str) -> list[int]:
-    """`/set branching 3,2,2`: the factors per depth."""
-    return [int(part) for part in value.replace(" ", "").split(",") if part]
-
-
 # what /set takes (the flags' names, runtime.FLAG_KEYS) -> how its text is read
 SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
             "max_tokens": int, "seed": int, "stop": _stop_list, "variant": str, "draft_len": int, "ngram": int,
-            "branching": _branching, "beam_width": int, "depth": int, "num_drafts": int, "budget": int}
+            "branching": branching_factors, "beam_width": int, "depth": int, "num_drafts": int, "budget": int}
 EXPECTED = {float: "a number", int: "an integer", _stop_list: "a string or a JSON list of strings",
-            _branching: "integers separated by commas, like 3,2,2"}
+            branching_factors: "integers separated by commas, like 3,2,2"}
 
 
 @dataclass

@@ -55,8 +55,9 @@ BUCKETS = (1, 2, 4, 8, 16)
 STATIC_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # scaled_dot_product_attention(enable_gqa=)
 # Llama-style decoders the tests cover: Llama itself; Qwen2 (biases on q, k and v: the layer takes
-# them); Mistral (Llama's layer); Qwen3 (below). Sliding-window attention is not covered (see `unsupported`).
-SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3")  # Qwen3: an RMS norm on each head of q and k
+# them); Mistral (Llama's layer); Qwen3 (an RMS norm on each head of q and k). Sliding-window
+# attention is not covered (see `unsupported`).
+SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")  # rotary tables that depend on the position alone
 
 
@@ -188,9 +189,13 @@ def _native_layer(layer, fused: tuple):
     qkv = (a.q_proj, a.k_proj, a.v_proj)
     bias = None if all(p.bias is None for p in qkv) else \
         torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in qkv])
-    head_norms = tuple(getattr(getattr(a, name, None), "weight", None) for name in ("q_norm", "k_norm"))  # Qwen3's
     return NativeLayer((layer.input_layernorm.weight, layer.post_attention_layernorm.weight), fused[0],
-                       blocks_of(a.o_proj), fused[1], blocks_of(m.down_proj), bias, head_norms)
+                       blocks_of(a.o_proj), fused[1], blocks_of(m.down_proj), bias, _head_norms(a))
+
+
+def _head_norms(attention) -> tuple:
+    """The weights of Qwen3's RMS norms of each head of q and of k, or (None, None)."""
+    return tuple(getattr(getattr(attention, name, None), "weight", None) for name in ("q_norm", "k_norm"))
 
 
 def _room_to_fuse(layers) -> bool:
@@ -252,11 +257,10 @@ class CompiledModel:
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
             linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
-            head_norms = tuple(getattr(getattr(a, name, None), "weight", None) for name in ("q_norm", "k_norm"))
             weights = (layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
                        a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, a.o_proj.bias,
                        layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
-                       *head_norms)
+                       *_head_norms(a))
             # detached views (same storage): a trained adapter's tensors and the target's then pass
             # the same guards, and one graph serves both
             self.layers.append((tuple(None if w is None else w.detach() for w in weights),

@@ -225,48 +225,43 @@ def run_generate(pair, profile, text: str, *, system=None, raw=False, samples=1,
     prompt_ids = encode_prompt(pair.tokenizer, text, system=system, raw=raw)
     base_seed = seed_of(profile)
     max_tokens = profile["sampling"]["max_tokens"]
-    try:
-        _samples(pair, profile, decoder, prompt_ids, base_seed, max_tokens, samples, as_json, show_stats,
-                 step_table, live, console, out, logprobs)
+    try:  # (the caches the last sample left go back at the end)
+        for index in range(samples):
+            seed = None if base_seed is None else base_seed + index
+            if samples > 1 and not as_json and index:
+                out.write("\n---\n")
+            token_records: list[dict] = []
+            tokens, stats, events, text_out = stream_completion(
+                pair, decoder, prompt_ids, max_tokens, seed, out=out, console=console, live=live and not as_json,
+                write_text=not as_json, keep_events=step_table, stops=stops_of(profile),
+                on_step=(lambda event: token_records.extend(token_logprobs(event, logprobs, pair.tokenizer)))
+                if logprobs else None)
+            if as_json:
+                record = {
+                    "text": text_out,
+                    "token_ids": tokens,
+                    "profile": profile.name,
+                    "variant": decoder.shape.variant,
+                    "shape": decoder.shape.describe(),
+                    "runtime": decoder.runtimes.describe(),
+                    "placement": pair.placement,
+                    "seed": seed,
+                    "finish_reason": events[-1].finished if events else None,
+                    "stop": events[-1].stop if events else None,
+                    "stats": stats.as_dict(pair.draft_params, pair.target_params),
+                }
+                if logprobs:
+                    record["logprobs"] = token_records
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            else:
+                out.write("\n")
+            out.flush()
+            if console is not None:
+                if step_table:
+                    console.print(steps_table(events, pair.tokenizer))
+                if show_stats:
+                    shape = decoder.shape.describe()
+                    console.print(f"[dim]{shape} · {stats_line(stats, shape)}[/dim]")
     finally:
         if decoder.kept is not None:
             decoder.kept.release()
-
-
-def _samples(pair, profile, decoder, prompt_ids, base_seed, max_tokens, samples, as_json, show_stats,
-             step_table, live, console, out, logprobs) -> None:
-    for index in range(samples):
-        seed = None if base_seed is None else base_seed + index
-        if samples > 1 and not as_json and index:
-            out.write("\n---\n")
-        token_records: list[dict] = []
-        tokens, stats, events, text_out = stream_completion(
-            pair, decoder, prompt_ids, max_tokens, seed, out=out, console=console, live=live and not as_json,
-            write_text=not as_json, keep_events=step_table, stops=stops_of(profile),
-            on_step=(lambda event: token_records.extend(token_logprobs(event, logprobs, pair.tokenizer)))
-            if logprobs else None)
-        if as_json:
-            record = {
-                "text": text_out,
-                "token_ids": tokens,
-                "profile": profile.name,
-                "variant": decoder.shape.variant,
-                "shape": decoder.shape.describe(),
-                "runtime": decoder.runtimes.describe(),
-                "placement": pair.placement,
-                "seed": seed,
-                "finish_reason": events[-1].finished if events else None,
-                "stop": events[-1].stop if events else None,
-                "stats": stats.as_dict(pair.draft_params, pair.target_params),
-            }
-            if logprobs:
-                record["logprobs"] = token_records
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
-        else:
-            out.write("\n")
-        out.flush()
-        if console is not None:
-            if step_table:
-                console.print(steps_table(events, pair.tokenizer))
-            if show_stats:
-                console.print(f"[dim]{decoder.shape.describe()} · {stats_line(stats, decoder.shape.describe())}[/dim]")

@@ -29,10 +29,8 @@ from .errors import RsdError
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 LOADED_BY = "rsd (without transformers' modeling code)"
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
-# what a Qwen2 or Mistral config.json must state to load here (their classes' defaults are not Llama's,
-# which read_config fills in; real checkpoints state them all)
+# what a Qwen2, Qwen3 or Mistral config.json must state to load here (their classes' defaults are not
+# Llama's, which read_config fills in; real checkpoints state them all)
 STATED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "num_key_value_heads", "max_position_embeddings", "rms_norm_eps")
 
@@ -83,7 +81,8 @@ def why_not(folder: Path) -> str | None:
     except (OSError, ValueError):
         return "no readable config.json"
     kind = raw.get("model_type")
-    if kind not in ARCHITECTURES or raw.get("architectures", [ARCHITECTURES.get(kind)]) != [ARCHITECTURES[kind]]:
+    architecture = CLASSES[kind].__name__ if kind in CLASSES else None  # (transformers' class of that name)
+    if architecture is None or raw.get("architectures", [architecture]) != [architecture]:
         return f"a {kind} model"
     if kind != "llama" and any(key not in raw for key in STATED):
         return f"a config.json that leaves out {next(key for key in STATED if key not in raw)}"

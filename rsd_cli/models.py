@@ -462,7 +462,7 @@ def _hub_snapshot(repo_id: str) -> Path | None:
 def load_model(source: str, device, dtype, progress: Progress = _quiet, placement: Placement | None = None,
                light: bool = False):
     """Model and tokenizer, on `device`, or placed over devices by accelerate (`placement`).
-    light: the caller runs the model on rsd's static-cache runtime only, so a Llama (Qwen2, Mistral)
+    light: the caller runs the model on rsd's static-cache runtime only, so a Llama (Qwen2, Qwen3, Mistral)
     checkpoint in a local folder or in the local hub cache may load without transformers' modeling
     code (rsd_cli/llama.py): ~2 s sooner."""
     location, local = resolve_source(source, progress)

@@ -30,9 +30,14 @@ FLAG_KEYS = {
 }
 
 
+def branching_factors(text: str) -> list[int]:
+    """"3,2,2" -> [3, 2, 2] (ValueError where a part is not an integer)."""
+    return [int(part) for part in text.replace(" ", "").split(",") if part]
+
+
 def parse_branching(text: str) -> list[int]:
     try:
-        return [int(part) for part in text.replace(" ", "").split(",") if part]
+        return branching_factors(text)
     except ValueError:
         raise UsageError(f"--branching takes integers separated by commas, like 3,2,2 (got {text!r})") from None
 
