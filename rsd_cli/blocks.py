@@ -32,6 +32,7 @@ exponentials of softmax and SiLU by a vectorised polynomial (within ~1e-7, as to
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -45,7 +46,10 @@ import torch
 BLOCK = 32  # weights per block along a row
 Q4_1_BYTES = 24  # 16 bytes of 4-bit q (byte j: q[j] in the low nibble, q[j + 16] in the high one), d, m (float32)
 Q8_0_BYTES = 36  # 32 int8 q, d (float32)
-FORMATS = ("q4_1", "q8_0", "f16", "bf16")  # the kernel's format codes 0-3
+Q5_1_BYTES = 28  # Q4_1's 16 bytes of low nibbles, 4 bytes of fifth bits (bit j: q[j]'s), d, m (float32)
+Q8_16_BYTES = 40  # 32 int8 q, then a d (float32) for each 16 of them
+FORMATS = ("q4_1", "q8_0", "f16", "bf16", "q5_1", "q8_16")  # the kernel's format codes 0-5
+BYTES = {"q4_1": Q4_1_BYTES, "q8_0": Q8_0_BYTES, "q5_1": Q5_1_BYTES, "q8_16": Q8_16_BYTES}  # a block's, as bytes
 CHUNK_BYTES = 2**18  # weights checked a few hundred rows at a time (by torch; quantised_blocks)
 
 SOURCE = r"""
@@ -74,6 +78,27 @@ static inline void q8_0_weights(const uint8_t* blk, __m512* w0, __m512* w1) {
   const __m512 d = _mm512_set1_ps(f32_at(blk + 32));
   *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)blk))), d);
   *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 16)))), d);
+}
+static inline void q5_1_weights(const uint8_t* blk, __m512* w0, __m512* w1) {
+  /* the 32 values d * k + m (k = 0..31) in two vectors, looked up by each nibble with its fifth bit */
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)blk));
+  uint32_t high;
+  memcpy(&high, blk + 16, 4);
+  const __m512 d = _mm512_set1_ps(f32_at(blk + 20)), m = _mm512_set1_ps(f32_at(blk + 24));
+  const __m512 low_values = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), d, m);
+  const __m512 high_values = _mm512_fmadd_ps(_mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29,
+                                                            30, 31), d, m);
+  const __m512i sixteen = _mm512_set1_epi32(16), first = _mm512_and_si512(q, _mm512_set1_epi32(15));
+  const __m512i second = _mm512_srli_epi32(q, 4);
+  *w0 = _mm512_permutex2var_ps(low_values, _mm512_mask_or_epi32(first, (__mmask16)high, first, sixteen), high_values);
+  *w1 = _mm512_permutex2var_ps(low_values, _mm512_mask_or_epi32(second, (__mmask16)(high >> 16), second, sixteen),
+                               high_values);
+}
+static inline void q8_16_weights(const uint8_t* blk, __m512* w0, __m512* w1) {
+  *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)blk))),
+                      _mm512_set1_ps(f32_at(blk + 32)));
+  *w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 16)))),
+                      _mm512_set1_ps(f32_at(blk + 36)));
 }
 static inline void f16_weights(const uint8_t* blk, __m512* w0, __m512* w1) {
   *w0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
@@ -112,6 +137,22 @@ static inline void q4_1_weights(const uint8_t* blk, float* w) {
 static inline void q8_0_weights(const uint8_t* blk, float* w) {
   const float d = f32_at(blk + 32);
   for (int j = 0; j < 32; j++) w[j] = d * (float)(int8_t)blk[j];
+}
+static inline void q5_1_weights(const uint8_t* blk, float* w) {
+  const float d = f32_at(blk + 20), m = f32_at(blk + 24);
+  uint32_t high;
+  memcpy(&high, blk + 16, 4);
+  for (int j = 0; j < 16; j++) {
+    w[j] = d * (float)((blk[j] & 15) | (((high >> j) & 1) << 4)) + m;
+    w[j + 16] = d * (float)((blk[j] >> 4) | (((high >> (j + 16)) & 1) << 4)) + m;
+  }
+}
+static inline void q8_16_weights(const uint8_t* blk, float* w) {
+  const float d0 = f32_at(blk + 32), d1 = f32_at(blk + 36);
+  for (int j = 0; j < 16; j++) {
+    w[j] = d0 * (float)(int8_t)blk[j];
+    w[j + 16] = d1 * (float)(int8_t)blk[j + 16];
+  }
 }
 static inline float half_to_float(uint16_t h) {  /* exact, for finite values */
   const uint32_t exponent = (h >> 10) & 31, mantissa = h & 1023;
@@ -194,9 +235,11 @@ FORMAT_KERNELS(q4_1, 24)
 FORMAT_KERNELS(q8_0, 36)
 FORMAT_KERNELS(f16, 64)
 FORMAT_KERNELS(bf16, 64)
+FORMAT_KERNELS(q5_1, 28)
+FORMAT_KERNELS(q8_16, 40)
 
 /* y (M, N) = x (M, K) @ W^T, W (N, K) as N rows of K / 32 blocks of one format:
-   0 Q4_1, 1 Q8_0, 2 half floats, 3 bfloat16; shared out among the threads of the team that calls
+   0 Q4_1, 1 Q8_0, 2 half floats, 3 bfloat16, 4 Q5_1, 5 Q8 with a scale per 16; shared out among the threads of the team that calls
    it (each of its threads calls it: an orphaned loop, a barrier at its end) */
 static void linear_team(const float* x, const uint8_t* w, float* y, int M, int N, int K, int format,
                         int threads) {
@@ -205,6 +248,8 @@ static void linear_team(const float* x, const uint8_t* w, float* y, int M, int N
     case 1: q8_0_linear_team(x, w, y, M, N, K, threads); break;
     case 2: f16_linear_team(x, w, y, M, N, K, threads); break;
     case 3: bf16_linear_team(x, w, y, M, N, K, threads); break;
+    case 4: q5_1_linear_team(x, w, y, M, N, K, threads); break;
+    case 5: q8_16_linear_team(x, w, y, M, N, K, threads); break;
   }
 }
 
@@ -688,7 +733,7 @@ int64_t q4_1_pack(const float* w, const float* low, const float* scale, int64_t 
   #pragma omp parallel for num_threads(threads) reduction(+:bad) schedule(static)
   for (int64_t b = 0; b < nblocks; b++) {
     const float* x = w + b * BLOCK;
-    const float m = low[b], d = scale[b], divisor = d > 0 ? d : 1.0f;
+    const float m = low[b], d = scale[b], divisor = d != 0 ? d : 1.0f;
     uint8_t q[BLOCK];
     int exact = 1;
     for (int j = 0; j < BLOCK; j++) {
@@ -706,14 +751,14 @@ int64_t q4_1_pack(const float* w, const float* low, const float* scale, int64_t 
   return bad;
 }
 
-/* Q8_0 blocks (nblocks, 36 bytes) given each block's scale d (a half float): q = round(w / d) in
+/* Q8_0 blocks (nblocks, 36 bytes) given each block's scale d (a half float; negative in Q4_0 files): q = round(w / d) in
    -127..127, then d; returns how many blocks do not give back every value as d * q. */
 int64_t q8_0_pack(const float* w, const float* scale, int64_t nblocks, uint8_t* out, int threads) {
   int64_t bad = 0;
   #pragma omp parallel for num_threads(threads) reduction(+:bad) schedule(static)
   for (int64_t b = 0; b < nblocks; b++) {
     const float* x = w + b * BLOCK;
-    const float d = scale[b], divisor = d > 0 ? d : 1.0f;
+    const float d = scale[b], divisor = d != 0 ? d : 1.0f;
     int8_t q[BLOCK];
     int exact = 1;
     for (int j = 0; j < BLOCK; j++) {
@@ -726,6 +771,61 @@ int64_t q8_0_pack(const float* w, const float* scale, int64_t nblocks, uint8_t* 
     uint8_t* o = out + b * 36;
     memcpy(o, q, BLOCK);
     memcpy(o + 32, &d, 4);
+  }
+  return bad;
+}
+
+/* Q5_1 blocks (nblocks, 28 bytes) given each block's offset m and scale d: q = round((w - m) / d)
+   in 0..31, the low four bits two per byte as Q4_1's, the fifth bits (bit j of q[j]) in 4 bytes,
+   then d and m; returns how many blocks do not give back every value as d * q + m. */
+int64_t q5_1_pack(const float* w, const float* low, const float* scale, int64_t nblocks, uint8_t* out,
+                  int threads) {
+  int64_t bad = 0;
+  #pragma omp parallel for num_threads(threads) reduction(+:bad) schedule(static)
+  for (int64_t b = 0; b < nblocks; b++) {
+    const float* x = w + b * BLOCK;
+    const float m = low[b], d = scale[b], divisor = d != 0 ? d : 1.0f;
+    uint8_t q[BLOCK];
+    uint32_t high = 0;
+    int exact = 1;
+    for (int j = 0; j < BLOCK; j++) {
+      float r = nearbyintf((x[j] - m) / divisor);
+      r = r < 0.0f ? 0.0f : (r > 31.0f ? 31.0f : r);
+      exact &= (r * d + m == x[j]);
+      q[j] = (uint8_t)r;
+      high |= (uint32_t)(q[j] >> 4) << j;
+    }
+    bad += !exact;
+    uint8_t* o = out + b * 28;
+    for (int j = 0; j < 16; j++) o[j] = (uint8_t)((q[j] & 15) | ((q[j + 16] & 15) << 4));
+    memcpy(o + 16, &high, 4);
+    memcpy(o + 20, &d, 4);
+    memcpy(o + 24, &m, 4);
+  }
+  return bad;
+}
+
+/* Blocks of 32 int8 q with a scale for each 16 (nblocks, 40 bytes) given the scales (2 a block):
+   q = round(w / d) in -127..127, then the two scales; returns how many blocks do not give back
+   every value as d * q. */
+int64_t q8_16_pack(const float* w, const float* scale, int64_t nblocks, uint8_t* out, int threads) {
+  int64_t bad = 0;
+  #pragma omp parallel for num_threads(threads) reduction(+:bad) schedule(static)
+  for (int64_t b = 0; b < nblocks; b++) {
+    const float* x = w + b * BLOCK;
+    int8_t q[BLOCK];
+    int exact = 1;
+    for (int j = 0; j < BLOCK; j++) {
+      const float d = scale[2 * b + j / 16], divisor = d != 0 ? d : 1.0f;
+      float r = nearbyintf(x[j] / divisor);
+      r = r < -127.0f ? -127.0f : (r > 127.0f ? 127.0f : r);
+      exact &= (r * d == x[j]);
+      q[j] = (int8_t)r;
+    }
+    bad += !exact;
+    uint8_t* o = out + b * 40;
+    memcpy(o, q, BLOCK);
+    memcpy(o + 32, scale + 2 * b, 8);
   }
   return bad;
 }
@@ -809,6 +909,10 @@ def build(folder: Path, flags: tuple[str, ...] = FLAGS):
     lib.q4_1_pack.restype = ctypes.c_int64
     lib.q8_0_pack.argtypes = [pointer, pointer, ctypes.c_int64, pointer, integer]
     lib.q8_0_pack.restype = ctypes.c_int64
+    lib.q5_1_pack.argtypes = [pointer, pointer, pointer, ctypes.c_int64, pointer, integer]
+    lib.q5_1_pack.restype = ctypes.c_int64
+    lib.q8_16_pack.argtypes = [pointer, pointer, ctypes.c_int64, pointer, integer]
+    lib.q8_16_pack.restype = ctypes.c_int64
     return lib
 
 
@@ -914,6 +1018,9 @@ def quantised_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu"
             or weight.shape[1] % BLOCK or not _finite(weight)):
         return None
+    hint = getattr(weight, HINT, None)
+    if hint is not None and (found := hinted_blocks(weight, hint)) is not None:
+        return found
     # a few hundred rows at a time for torch (its temporaries stay in the CPU's caches); the C
     # library's one pass takes ~16 MB at a time (a weight of another format is turned down early)
     rows = max(1, CHUNK_BYTES * (64 if available() else 1) // (4 * weight.shape[1]))
@@ -929,13 +1036,56 @@ def quantised_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+HINT = "rsd_block_hint"  # the attribute of a weight (a Parameter) that holds its Hint, where a file gave one
+
+
+@dataclasses.dataclass(frozen=True)
+class Hint:
+    """A weight's quantisation as the file it came from states it (rsd_cli/gguf_hints.py), for
+    blocks its float32 values alone do not reveal: llama.cpp's K-quants give back d * q + m with d
+    and m products of half floats and 6-bit integers, and q need not reach 0 or 15 in a block.
+    format: one of BYTES; scale (out, in / 32), or (out, in / 16) for q8_16; offset (out, in / 32)
+    for q4_1 and q5_1 (None for the others). The blocks made from it are still checked against
+    every value, so a wrong hint only costs the kernel."""
+    format: str
+    scale: torch.Tensor
+    offset: torch.Tensor | None = None
+
+
+def hinted_blocks(weight: torch.Tensor, hint: Hint, lib=None) -> torch.Tensor | None:
+    """(out, in) float32 weight -> its blocks in the hint's format, made with the hint's scales and
+    offsets (q = round((w - m) / d) in the format's range), or None where they do not give back
+    every value exactly, the hint does not fit the weight, or there is no C library."""
+    lib = library() if lib is None else lib
+    out_features, in_features = weight.shape
+    group = 16 if hint.format == "q8_16" else BLOCK
+    affine = hint.format in ("q4_1", "q5_1")
+    if (not lib or hint.format not in BYTES or in_features % BLOCK or hint.scale.shape != (out_features, in_features // group)
+            or (hint.offset is not None) != affine
+            or (affine and hint.offset.shape != (out_features, in_features // BLOCK))):
+        return None
+    values = weight.detach().contiguous()
+    scale = hint.scale.float().contiguous()
+    out = torch.empty(out_features, in_features // BLOCK, BYTES[hint.format], dtype=torch.uint8)
+    count, threads = out_features * (in_features // BLOCK), torch.get_num_threads()
+    if affine:
+        pack = lib.q4_1_pack if hint.format == "q4_1" else lib.q5_1_pack
+        offset = hint.offset.float().contiguous()
+        bad = pack(values.data_ptr(), offset.data_ptr(), scale.data_ptr(), count, out.data_ptr(), threads)
+    else:
+        pack = lib.q8_0_pack if hint.format == "q8_0" else lib.q8_16_pack
+        bad = pack(values.data_ptr(), scale.data_ptr(), count, out.data_ptr(), threads)
+    return out if bad == 0 else None
+
+
 def block_format(blocks: torch.Tensor) -> str:
-    """One of FORMATS: half floats are kept as float16 or bfloat16 tensors, Q4_1 and Q8_0 as bytes."""
+    """One of FORMATS: half floats are kept as float16 or bfloat16 tensors, the others as bytes
+    (told apart by a block's size)."""
     if blocks.dtype == torch.float16:
         return "f16"
     if blocks.dtype == torch.bfloat16:
         return "bf16"
-    return "q4_1" if blocks.shape[-1] == Q4_1_BYTES else "q8_0"
+    return next(name for name, size in BYTES.items() if size == blocks.shape[-1])
 
 
 def blocks_linear(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None = None, lib=None) -> torch.Tensor:

@@ -301,19 +301,42 @@ def gguf_to_cache(gguf: Path, progress: Progress = _quiet) -> Path:
     """Dequantise a GGUF file once into a safetensors directory; later loads read that. Processes
     started together (a script's parallel first runs) convert once: the others wait for it."""
     target = _gguf_cache_path(gguf)
-    if (target / "rsd-complete").is_file():
+    if _converted(target, gguf):
         return target
     with _exclusive(target.with_name(target.name + ".lock")):
-        if (target / "rsd-complete").is_file():  # converted while this process waited
+        if _converted(target, gguf):  # converted while this process waited
             return target
         _convert_gguf(gguf, target, progress)
     _drop_path_keyed_copies(target)
     return target
 
 
+def _converted(target: Path, gguf: Path) -> bool:
+    """Whether `target` holds the whole conversion, with the file's block hints (gguf_hints): a
+    conversion by an earlier version of rsd, which kept none, stands only where the file has none
+    to keep (then marked so, not asked again)."""
+    marker = target / "rsd-complete"
+    try:
+        state = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    if "hints" in state:
+        return True
+    from .gguf_hints import hinted_types
+
+    if hinted_types(gguf):
+        return False
+    written = marker.with_name(f"rsd-complete.{os.getpid()}")
+    written.write_text(json.dumps({**state, "hints": 0}))
+    written.replace(marker)
+    return True
+
+
 def _convert_gguf(gguf: Path, target: Path, progress: Progress) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import gguf_hints
 
     quiet_transformers()
     progress(f"converting {gguf.name} to safetensors (once) in {target}")
@@ -321,6 +344,7 @@ def _convert_gguf(gguf: Path, target: Path, progress: Progress) -> None:
         with contextlib.redirect_stderr(io.StringIO()), _gguf_parsed_once():
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            hints = gguf_hints.read_hints(gguf, model) if gguf_hints.hinted_types(gguf) else {}
     except Exception as e:  # transformers raises many types for unreadable GGUF files
         raise RsdError(f"cannot load GGUF file {gguf}: {e}") from None
     # a GGUF-loaded model refuses save_pretrained while it remembers its quantiser
@@ -331,7 +355,9 @@ def _convert_gguf(gguf: Path, target: Path, progress: Progress) -> None:
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    (partial / "rsd-complete").write_text(json.dumps({"source": str(gguf), "key": "content"}))
+    if hints:
+        gguf_hints.save_hints(hints, partial)
+    (partial / "rsd-complete").write_text(json.dumps({"source": str(gguf), "key": "content", "hints": len(hints)}))
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
 
@@ -486,6 +512,10 @@ def load_model(source: str, device, dtype, progress: Progress = _quiet, placemen
         model = _transformers_model(location, local, device, dtype, placement)
     from . import small_batch
 
+    if local and placement is None and next(model.parameters()).device.type == "cpu":
+        from .gguf_hints import attach_hints
+
+        attach_hints(model, Path(location))  # (a converted GGUF file's quantisation, for the CPU kernels)
     small_batch.install(model)
     return model, tokenizer
 

@@ -17,12 +17,12 @@ CHAT_TEMPLATE = (
 def tiny_config(vocab: int = 40, layers: int = 2, seed_scale: float = 0.02, **extra):
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        initializer_range=seed_scale, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, **extra,
-    )
+    return LlamaConfig(**{
+        "vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "initializer_range": seed_scale, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+        "pad_token_id": 0, **extra,
+    })
 
 
 def tiny_model(vocab: int = 40, layers: int = 2, seed: int = 0, scale: float = 0.02):
@@ -87,8 +87,9 @@ def save_tiny_pair(root: Path, vocab: int = 40) -> tuple[Path, Path]:
     return target_dir, draft_dir
 
 
-def write_tiny_gguf(path: Path, model) -> None:
-    """Write a tiny Llama as an F32 GGUF file (with a byte-level BPE tokenizer), as llama.cpp would."""
+def write_tiny_gguf(path: Path, model, types=None) -> None:
+    """Write a tiny Llama as a GGUF file (with a byte-level BPE tokenizer), as llama.cpp would:
+    every tensor F32, or the type `types(gguf name)` names (quantise_k's; None: F32)."""
     import gguf
     import numpy as np
 
@@ -130,7 +131,12 @@ def write_tiny_gguf(path: Path, model) -> None:
             array = permute(array, cfg.num_attention_heads)
         elif "k_proj" in key:
             array = permute(array, cfg.num_key_value_heads)
-        writer.add_tensor(names[key], array)
+        kind = types(names[key]) if types is not None and array.ndim == 2 else None
+        if kind is None:
+            writer.add_tensor(names[key], array)
+        else:
+            writer.add_tensor(names[key], quantise_k(torch.from_numpy(array), kind),
+                              raw_dtype=gguf.GGMLQuantizationType[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -165,3 +171,75 @@ def quantise_like_gguf(model):
                 quantise = quantise_q4_1 if ".layers." in f".{name}" else quantise_q8_0
                 module.weight.copy_(quantise(module.weight))
     return model
+
+
+def _halves(values) -> "np.ndarray":
+    import numpy as np
+
+    return np.asarray(values, dtype=np.float32).astype(np.float16)
+
+
+def quantise_k(weight: torch.Tensor, type_name: str):
+    """The (out, in) weight as a GGUF file holds it in llama.cpp's type `type_name` ((out, row
+    bytes) uint8, what gguf's writer takes with raw_dtype): Q4_K, Q5_K or Q6_K made here (a plain
+    quantiser: each group's range, its scale and minimum rounded to 6 or 8 bits of the
+    super-block's, as llama.cpp lays them out; not its search for the best ones), the legacy types
+    by gguf's own quantiser. transformers dequantises these with gguf's dequantize."""
+    import gguf
+    import numpy as np
+
+    x = weight.detach().float().numpy().astype(np.float32)
+    rows = x.shape[0]
+    if type_name not in ("Q4_K", "Q5_K", "Q6_K"):
+        return gguf.quants.quantize(x, gguf.GGMLQuantizationType[type_name])
+    blocks = x.reshape(-1, 256)
+    n = blocks.shape[0]
+    if type_name == "Q6_K":
+        groups = blocks.reshape(n, 16, 16)
+        amax = np.abs(groups).max(-1)  # (n, 16)
+        scale = amax / 31
+        d = _halves(np.abs(scale).max(-1, keepdims=True) / 127)  # (n, 1)
+        df = d.astype(np.float32)
+        sc = np.clip(np.round(scale / np.where(df > 0, df, 1)), -128, 127).astype(np.int8)
+        step = df * sc.astype(np.float32)  # (n, 16)
+        q = np.clip(np.round(groups / np.where(step != 0, step, 1)[..., None]), -32, 31).astype(np.int32) + 32
+        q = q.reshape(n, 2, 4, 32).astype(np.uint8)  # (half, shift group, 32)
+        ql = np.zeros((n, 2, 64), np.uint8)
+        ql[:, :, :32] = (q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4)
+        ql[:, :, 32:] = (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)
+        qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+        out = np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d.view(np.uint8)], axis=1)
+        return out.reshape(rows, -1)
+    top = 15 if type_name == "Q4_K" else 31
+    groups = blocks.reshape(n, 8, 32)
+    low = np.minimum(groups.min(-1), 0)  # (n, 8): the offsets are -dmin * m with m >= 0
+    scale = (groups.max(-1) - low) / top
+    d = _halves(scale.max(-1, keepdims=True) / 63)
+    dmin = _halves((-low).max(-1, keepdims=True) / 63)
+    df, dminf = d.astype(np.float32), dmin.astype(np.float32)
+    sc = np.clip(np.round(scale / np.where(df > 0, df, 1)), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(-low / np.where(dminf > 0, dminf, 1)), 0, 63).astype(np.uint8)
+    step, offset = df * sc.astype(np.float32), dminf * m.astype(np.float32)
+    q = np.clip(np.round((groups + offset[..., None]) / np.where(step > 0, step, 1)[..., None]), 0, top)
+    q = q.astype(np.uint8)
+    packed = np.zeros((n, 12), np.uint8)  # gguf's Q4_K.get_scale_min, backwards
+    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+    pairs = q.reshape(n, 4, 2, 32)
+    qs = ((pairs[:, :, 0] & 15) | ((pairs[:, :, 1] & 15) << 4)).reshape(n, 128)
+    parts = [d.view(np.uint8), dmin.view(np.uint8), packed]
+    if type_name == "Q5_K":
+        qh = np.zeros((n, 32), np.uint8)
+        for j in range(8):
+            qh |= ((q[:, j] >> 4) & 1) << j
+        parts.append(qh)
+    out = np.concatenate([*parts, qs], axis=1)
+    return out.reshape(rows, -1)
+
+
+def dequantise_k(raw, type_name: str) -> torch.Tensor:
+    """What transformers loads from such a tensor: gguf's dequantize, as float32."""
+    import gguf
+
+    return torch.from_numpy(gguf.dequantize(raw, gguf.GGMLQuantizationType[type_name]).copy())

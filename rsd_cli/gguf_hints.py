@@ -1,0 +1,144 @@
+"""The scales and offsets of a GGUF file's quantised tensors, kept beside its converted weights
+so that the CPU kernels hold those weights as blocks (blocks.Hint) where their float32 values
+alone do not say how.
+
+transformers dequantises every tensor of a GGUF file into float32. Q4_1 and Q8_0 values are
+recognised from those floats (blocks.quantised_blocks), but llama.cpp's K-quants — Q4_K_M, the
+most common GGUF file, is Q4_K with Q6_K for some tensors — are not: a Q4_K weight is
+d * q - m per block of 32 with d and m products of a half float and a 6-bit integer, and q need
+not reach 0 or 15 in a block. Without their blocks such weights stream 4 bytes each a forward
+instead of 0.75. This module reads d and m from the file's own bytes, in the order transformers
+gives the rows (its own loader runs once more, with `gguf.dequantize` answering these instead of
+values), so that each becomes blocks of one of the kernel's formats that give back every float32
+value transformers made (q4_1 for Q4_K, q5_1 for Q5_K and Q5_1, q8_16 for Q6_K, q8_0 for Q4_0
+and Q5_0): the same arithmetic, d * q exact and one rounding for + m.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+HINTS_FILE = "rsd-block-hints.safetensors"
+QK_K = 256  # weights in a K-quant super-block
+
+# a GGUF tensor type -> (the kernel's format for it, weights a scale covers)
+FORMAT_OF = {"Q4_K": ("q4_1", 32), "Q5_K": ("q5_1", 32), "Q6_K": ("q8_16", 16), "Q4_0": ("q8_0", 32),
+             "Q5_0": ("q8_0", 32), "Q5_1": ("q5_1", 32)}
+# each type's block: its bytes and where its half-float d (and m, or K-quants' dmin) lie
+_LAYOUT = {"Q4_K": (144, 0, 2), "Q5_K": (176, 0, 2), "Q6_K": (210, 208, None), "Q4_0": (18, 0, None),
+           "Q5_0": (22, 0, None), "Q5_1": (24, 0, 2)}
+
+
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """(n, bytes) uint8 -> (n, 1) float32: the half float at byte `at` of each block."""
+    return np.ascontiguousarray(blocks[:, at:at + 2]).view(np.float16).astype(np.float32)
+
+
+def scales_and_offsets(data: np.ndarray, type_name: str) -> np.ndarray:
+    """A tensor of one of FORMAT_OF's types as the file holds it ((..., row bytes) uint8, gguf's
+    reader's `data`) -> (..., 2 * groups) float32: each group's scale d, then each group's offset m
+    (zeros where the type has none), so that its weight is d * q + m, as gguf's dequantize
+    computes it (d and m here are exact: half floats, or half floats times small integers)."""
+    size, d_at, m_at = _LAYOUT[type_name]
+    blocks = data.reshape(-1, size)
+    d = _half(blocks, d_at)
+    if type_name in ("Q4_K", "Q5_K"):  # d * sc - dmin * m per 32, sc and m 6-bit (gguf's unpacking)
+        from gguf.quants import Q4_K
+
+        sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+        scale, offset = d * sc.astype(np.float32), -(_half(blocks, m_at) * m.astype(np.float32))
+    elif type_name == "Q6_K":  # d * (int8 scale) per 16
+        scale = d * np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
+        offset = np.zeros_like(scale)
+    elif type_name == "Q5_1":
+        scale, offset = d, _half(blocks, m_at)
+    else:  # Q4_0, Q5_0: d * (q - 8), d * (q - 16): q8_0's d * q
+        scale, offset = d, np.zeros_like(d)
+    rows = data.shape[:-1]
+    return np.concatenate([scale.reshape(*rows, -1), offset.reshape(*rows, -1)], axis=-1)
+
+
+def hinted_types(gguf_path: Path) -> set[str]:
+    """The FORMAT_OF types among the file's tensors."""
+    import gguf
+
+    return {t.tensor_type.name for t in gguf.GGUFReader(str(gguf_path)).tensors} & set(FORMAT_OF)
+
+
+def read_hints(gguf_path: Path, model) -> dict[str, tuple[str, np.ndarray]]:
+    """{parameter name of `model` (the file loaded by transformers): (format, scales_and_offsets)}
+    for its tensors of FORMAT_OF's types, each row where transformers put it: transformers' GGUF
+    loader runs again with gguf's dequantize giving these instead of values (what it does to rows
+    — Llama's q and k are permuted back — it does to them; its name table maps them). Parameters
+    whose shape does not match are left out; {} where that loader cannot be run so."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    codes = list(FORMAT_OF)
+
+    def dequantize(data, qtype):  # each row: its scales and offsets, then its type's code
+        name = gguf.GGMLQuantizationType(qtype).name
+        if name not in FORMAT_OF:
+            return original(data, qtype)
+        hint = scales_and_offsets(data, name)
+        code = np.full((*hint.shape[:-1], 1), codes.index(name), dtype=np.float32)
+        return np.concatenate([hint, code], axis=-1)
+
+    original = gguf.dequantize
+    gguf.dequantize = dequantize
+    try:
+        tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
+    except Exception:  # another version of transformers' loader: the weights stay floats
+        return {}
+    finally:
+        gguf.dequantize = original
+    parameters = dict(model.named_parameters())
+    hints = {}
+    for name, tensor in tensors.items():
+        weight = parameters.get(name)
+        if weight is None or weight.dim() != 2 or tensor.dim() != 2 or tensor.shape[0] != weight.shape[0]:
+            continue
+        code = tensor[:, -1]
+        if not (code == code[0]).all() or not 0 <= int(code[0]) < len(codes):
+            continue
+        fmt, group = FORMAT_OF[codes[int(code[0])]]
+        if tensor.shape[1] == 2 * weight.shape[1] // group + 1 and weight.shape[1] % group == 0:
+            hints[name] = (fmt, tensor[:, :-1].contiguous())
+    return hints
+
+
+def save_hints(hints: dict, folder: Path) -> None:
+    """Write read_hints' answer into a converted model's folder (HINTS_FILE): each parameter's
+    scales and offsets, its format in the file's metadata."""
+    from safetensors.torch import save_file
+
+    save_file({name: values for name, (_, values) in hints.items()}, str(folder / HINTS_FILE),
+              metadata={name: fmt for name, (fmt, _) in hints.items()})
+
+
+def attach_hints(model, folder: Path) -> int:
+    """Give each parameter the folder's hint for it (blocks.Hint, as the attribute blocks.HINT),
+    where the folder has HINTS_FILE; returns how many got one."""
+    path = Path(folder) / HINTS_FILE
+    if not path.is_file():
+        return 0
+    import torch
+    from safetensors import safe_open
+
+    from .blocks import HINT, Hint
+
+    attached = 0
+    with safe_open(str(path), framework="pt") as f:
+        formats = f.metadata() or {}
+        for name, weight in model.named_parameters():
+            if name not in formats or name not in f.keys():
+                continue
+            values = f.get_tensor(name).to(torch.float32)
+            half = values.shape[1] // 2
+            affine = formats[name] in ("q4_1", "q5_1")
+            setattr(weight, HINT, Hint(formats[name], values[:, :half].contiguous(),
+                                       values[:, half:].contiguous() if affine else None))
+            attached += 1
+    return attached
