@@ -202,7 +202,7 @@ static int tile_columns(int N, int threads) {
 DOT_ROWS(FORMAT, BYTES, 1) DOT_ROWS(FORMAT, BYTES, 2) DOT_ROWS(FORMAT, BYTES, 3)              \
 DOT_ROWS(FORMAT, BYTES, 4) DOT_ROWS(FORMAT, BYTES, 8)                                         \
 static void FORMAT##_linear_team(const float* x, const uint8_t* w, float* y, int M, int N,   \
-                                 int K, int threads) {                                        \
+                                 int K, int ldy, int threads) {                               \
   const size_t row_bytes = (size_t)(K / BLOCK) * BYTES;                                       \
   const int cols = tile_columns(N, threads);                                                  \
   _Pragma("omp for schedule(static)")                                                         \
@@ -213,19 +213,19 @@ static void FORMAT##_linear_team(const float* x, const uint8_t* w, float* y, int
       const float* xt = x + (size_t)r0 * K;                                                   \
       for (int n = n0; n < n1; n++) {                                                         \
         const uint8_t* wn = w + (size_t)n * row_bytes;                                        \
-        float* yt = y + (size_t)r0 * N + n;                                                   \
+        float* yt = y + (size_t)r0 * ldy + n;                                                 \
         switch (m) {                                                                          \
-          case 8: FORMAT##_rows_8(xt, K, wn, yt, N); break;                                   \
-          case 7: FORMAT##_rows_4(xt, K, wn, yt, N);                                          \
-                  FORMAT##_rows_3(xt + (size_t)4 * K, K, wn, yt + (size_t)4 * N, N); break;   \
-          case 6: FORMAT##_rows_4(xt, K, wn, yt, N);                                          \
-                  FORMAT##_rows_2(xt + (size_t)4 * K, K, wn, yt + (size_t)4 * N, N); break;   \
-          case 5: FORMAT##_rows_4(xt, K, wn, yt, N);                                          \
-                  FORMAT##_rows_1(xt + (size_t)4 * K, K, wn, yt + (size_t)4 * N, N); break;   \
-          case 4: FORMAT##_rows_4(xt, K, wn, yt, N); break;                                   \
-          case 3: FORMAT##_rows_3(xt, K, wn, yt, N); break;                                   \
-          case 2: FORMAT##_rows_2(xt, K, wn, yt, N); break;                                   \
-          case 1: FORMAT##_rows_1(xt, K, wn, yt, N); break;                                   \
+          case 8: FORMAT##_rows_8(xt, K, wn, yt, ldy); break;                                 \
+          case 7: FORMAT##_rows_4(xt, K, wn, yt, ldy);                                        \
+                  FORMAT##_rows_3(xt + (size_t)4 * K, K, wn, yt + (size_t)4 * ldy, ldy); break; \
+          case 6: FORMAT##_rows_4(xt, K, wn, yt, ldy);                                        \
+                  FORMAT##_rows_2(xt + (size_t)4 * K, K, wn, yt + (size_t)4 * ldy, ldy); break; \
+          case 5: FORMAT##_rows_4(xt, K, wn, yt, ldy);                                        \
+                  FORMAT##_rows_1(xt + (size_t)4 * K, K, wn, yt + (size_t)4 * ldy, ldy); break; \
+          case 4: FORMAT##_rows_4(xt, K, wn, yt, ldy); break;                                 \
+          case 3: FORMAT##_rows_3(xt, K, wn, yt, ldy); break;                                 \
+          case 2: FORMAT##_rows_2(xt, K, wn, yt, ldy); break;                                 \
+          case 1: FORMAT##_rows_1(xt, K, wn, yt, ldy); break;                                 \
         }                                                                                     \
       }                                                                                       \
     }                                                                                         \
@@ -238,18 +238,43 @@ FORMAT_KERNELS(bf16, 64)
 FORMAT_KERNELS(q5_1, 28)
 FORMAT_KERNELS(q8_16, 40)
 
-/* y (M, N) = x (M, K) @ W^T, W (N, K) as N rows of K / 32 blocks of one format:
-   0 Q4_1, 1 Q8_0, 2 half floats, 3 bfloat16, 4 Q5_1, 5 Q8 with a scale per 16; shared out among the threads of the team that calls
-   it (each of its threads calls it: an orphaned loop, a barrier at its end) */
+static const int FORMAT_BYTES[6] = {24, 36, 64, 64, 28, 40};  /* a block's, in each format */
+
+/* y (M, N) = x (M, K) @ W^T, W (N, K) as N rows of K / 32 blocks of one format: 0 Q4_1, 1 Q8_0,
+   2 half floats, 3 bfloat16, 4 Q5_1, 5 int8 with a scale per 16; y's rows ldy floats apart.
+   Shared out among the threads of the team that calls it (each of its threads calls it: an
+   orphaned loop, a barrier at its end) */
+static void strided_team(const float* x, const uint8_t* w, float* y, int M, int N, int K, int ldy, int format,
+                         int threads) {
+  switch (format) {
+    case 0: q4_1_linear_team(x, w, y, M, N, K, ldy, threads); break;
+    case 1: q8_0_linear_team(x, w, y, M, N, K, ldy, threads); break;
+    case 2: f16_linear_team(x, w, y, M, N, K, ldy, threads); break;
+    case 3: bf16_linear_team(x, w, y, M, N, K, ldy, threads); break;
+    case 4: q5_1_linear_team(x, w, y, M, N, K, ldy, threads); break;
+    case 5: q8_16_linear_team(x, w, y, M, N, K, ldy, threads); break;
+  }
+}
+
 static void linear_team(const float* x, const uint8_t* w, float* y, int M, int N, int K, int format,
                         int threads) {
-  switch (format) {
-    case 0: q4_1_linear_team(x, w, y, M, N, K, threads); break;
-    case 1: q8_0_linear_team(x, w, y, M, N, K, threads); break;
-    case 2: f16_linear_team(x, w, y, M, N, K, threads); break;
-    case 3: bf16_linear_team(x, w, y, M, N, K, threads); break;
-    case 4: q5_1_linear_team(x, w, y, M, N, K, threads); break;
-    case 5: q8_16_linear_team(x, w, y, M, N, K, threads); break;
+  strided_team(x, w, y, M, N, K, N, format, threads);
+}
+
+/* linear_team for a weight stacked from `parts` weights (q, k, v; gate, up) of rows[p] rows each,
+   in formats[p], their blocks one after another: consecutive parts of one format in one loop (a
+   GGUF file's Q4_K_M holds v in Q6_K beside q and k in Q4_K) */
+static void stacked_team(const float* x, const uint8_t* w, float* y, int M, const int* rows, const int* formats,
+                         int parts, int K, int threads) {
+  int N = 0;
+  for (int p = 0; p < parts; p++) N += rows[p];
+  for (int p = 0, start = 0; p < parts;) {
+    int next = p, count = 0;
+    while (next < parts && formats[next] == formats[p]) count += rows[next++];
+    strided_team(x, w, y + start, M, count, K, N, formats[p], threads);
+    w += (size_t)count * (K / BLOCK) * FORMAT_BYTES[formats[p]];
+    start += count;
+    p = next;
   }
 }
 
@@ -607,8 +632,8 @@ static void silu_times(const float* gate, int I, int j0, int j1, float* out) {
    of each head of q and k before the rotation, or NULL), the residual stream x (n, D) updated
    in place. New keys and values go to slots kv_len - n .. kv_len - 1 of keys, values (kv_heads,
    capacity, hd); mask (n, kv_len) additive.
-   linears: q, k and v stacked (formats[0]), o (formats[1]), gate and up stacked (formats[2]),
-   down (formats[3]). dims: D, heads, kv_heads, hd, intermediate. scratch: blocks_scratch floats;
+   linears: q, k and v stacked (formats[0], [4], [5]), o (formats[1]), gate and up stacked
+   (formats[2], [6]), down (formats[3]). dims: D, heads, kv_heads, hd, intermediate. scratch: blocks_scratch floats;
    kinds: the mask's chunk_kinds. Every thread of a team of `threads` calls it: each step is a loop
    shared out among them, the next begins after the barrier at its end (one parallel region a
    forward, not six a layer: a barrier costs ~0.2 us on 2 cores, a new region ~0.4, and more with
@@ -630,7 +655,8 @@ static void layer(float* x, int n, const float* cos, const float* sin, const flo
 
   #pragma omp for schedule(static)
   for (int i = 0; i < n; i++) rms_norm(x + (size_t)i * D, ln1, eps, h + (size_t)i * D, D);
-  linear_team(h, qkv_w, qkv, n, QKV, D, formats[0], threads);
+  const int qkv_rows[3] = {Q, KV, KV}, qkv_formats[3] = {formats[0], formats[4], formats[5]};
+  stacked_team(h, qkv_w, qkv, n, qkv_rows, qkv_formats, 3, D, threads);
   #pragma omp for schedule(static)
   for (int i = 0; i < n; i++) {
     float* row = qkv + (size_t)i * QKV;
@@ -655,7 +681,8 @@ static void layer(float* x, int n, const float* cos, const float* sin, const flo
     for (int j = 0; j < D; j++) x[(size_t)i * D + j] += o[(size_t)i * D + j];
     rms_norm(x + (size_t)i * D, ln2, eps, h + (size_t)i * D, D);
   }
-  linear_team(h, gate_up_w, gate_up, n, 2 * I, D, formats[2], threads);
+  const int gate_up_rows[2] = {I, I}, gate_up_formats[2] = {formats[2], formats[6]};
+  stacked_team(h, gate_up_w, gate_up, n, gate_up_rows, gate_up_formats, 2, D, threads);
   /* silu(gate) * up, into rows of their own (down reads its rows contiguous), in chunks the threads share */
   const int chunks = (I + 255) / 256;
   #pragma omp for schedule(static)
@@ -1104,17 +1131,34 @@ def blocks_linear(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out_features)
 
 
+def _code(blocks: torch.Tensor) -> int:
+    return FORMATS.index(block_format(blocks))
+
+
+def _stacked(blocks, parts: int) -> tuple[torch.Tensor, list[int]]:
+    """Stacked blocks -> (them, each part's format code); a sequence of parts' blocks -> (their
+    bytes one after another, their format codes)."""
+    if isinstance(blocks, torch.Tensor):
+        return blocks, [_code(blocks)] * parts
+    return torch.cat([b.reshape(-1).view(torch.uint8) for b in blocks]), [_code(b) for b in blocks]
+
+
 class NativeLayer:
     """One Llama decoder layer whose linears all run on blocks (q/k/v and gate/up stacked), for
     `blocks_layer`: the whole layer — norms, products, rotary embedding, the cache write,
     attention, the activation — in one call of the C library instead of ~40 torch operations,
     each ~1-40 us of dispatch on a CPU for a handful of tokens."""
 
-    def __init__(self, norms: tuple, qkv: torch.Tensor, o: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+    def __init__(self, norms: tuple, qkv, o: torch.Tensor, gate_up, down: torch.Tensor,
                  qkv_bias: torch.Tensor | None = None, head_norms: tuple = (None, None)):
+        """qkv, gate_up: blocks stacked in one format, or the (q, k, v) and (gate, up) blocks in
+        formats of their own (a GGUF file's Q4_K_M: v in Q6_K beside q and k in Q4_K)."""
         self.norms = tuple(n.detach().float().contiguous() for n in norms)  # (input, post-attention) norm weights
+        (qkv, qkv_formats), (gate_up, gate_up_formats) = _stacked(qkv, 3), _stacked(gate_up, 2)
         self.weights = (qkv, o, gate_up, down)
-        self.formats = torch.tensor([FORMATS.index(block_format(w)) for w in self.weights], dtype=torch.int32)
+        # q, o, gate, down, then k, v and up (the C layer's order)
+        self.formats = torch.tensor([qkv_formats[0], _code(o), gate_up_formats[0], _code(down), *qkv_formats[1:],
+                                     gate_up_formats[1]], dtype=torch.int32)
         # q, k and v's biases side by side (Qwen2's), added to the stacked product; q's and k's head
         # norm weights (Qwen3's, (hd,) each); None: none
         self.qkv_bias, *self.head_norms = (None if t is None else t.detach().float().contiguous()

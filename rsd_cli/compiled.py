@@ -180,17 +180,25 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     return x + _linear(F.silu(gate) * up, wd, None, small[6])
 
 
-def _native_layer(layer, fused: tuple):
+def _native_layer(layer, fused: tuple, fuse: bool):
     """The layer as a blocks.NativeLayer where all its linears run on blocks (q/k/v and gate/up
-    stacked in `fused`), else None."""
+    stacked in `fused`, or, where their formats differ and there is room for a copy, their blocks
+    one after another), else None."""
     a, m = layer.self_attn, layer.mlp
-    if fused[0] is None or fused[1] is None or not (_on_blocks(a.o_proj) and _on_blocks(m.down_proj)):
-        return None
     qkv = (a.q_proj, a.k_proj, a.v_proj)
+    stacks = [found if found is not None else _parts(linears, biased) if fuse else None
+              for found, linears, biased in zip(fused, (qkv, (m.gate_proj, m.up_proj)), (True, False))]
+    if None in stacks or not (_on_blocks(a.o_proj) and _on_blocks(m.down_proj)):
+        return None
     bias = None if all(p.bias is None for p in qkv) else \
         torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in qkv])
-    return NativeLayer((layer.input_layernorm.weight, layer.post_attention_layernorm.weight), fused[0],
-                       blocks_of(a.o_proj), fused[1], blocks_of(m.down_proj), bias, _head_norms(a))
+    return NativeLayer((layer.input_layernorm.weight, layer.post_attention_layernorm.weight), stacks[0],
+                       blocks_of(a.o_proj), stacks[1], blocks_of(m.down_proj), bias, _head_norms(a))
+
+
+def _parts(linears, biased: bool) -> list | None:
+    """These linears' blocks, where each runs the blocks kernel for every row count (_on_blocks)."""
+    return [blocks_of(linear) for linear in linears] if all(_on_blocks(linear, biased) for linear in linears) else None
 
 
 def _head_norms(attention) -> tuple:
@@ -270,7 +278,7 @@ class CompiledModel:
         self.head_small = self._kernels(model.lm_head)
         # layers on quantised blocks run in the blocks library (uncompiled CPU path): all of a forward's
         # layers in one call where every layer can, then the final norm and head in one more
-        native = [_native_layer(layer, fused) for layer, (_, _, fused) in zip(inner.layers, self.layers)]
+        native = [_native_layer(layer, fused, fuse) for layer, (_, _, fused) in zip(inner.layers, self.layers)]
         self.native = native if any(native) else None
         self._table: tuple = (None, None)  # (native list, its native_table): every layer in one call
         self.intermediate = cfg.intermediate_size

@@ -599,6 +599,99 @@ def test_qwen2_qwen3_and_mistral_models_run_every_layer_in_c(kind, monkeypatch):
         assert tokens == plain_greedy(reference[0], 20), shape.describe()
 
 
+def k_quant_model(layers: int = 2, seed: int = 0):
+    """A tiny Llama whose rows are whole K-quant super-blocks, quantised like a Q4_K_M file."""
+    from transformers import LlamaForCausalLM
+    from tiny import quantise_like_k_quants, tiny_config
+
+    torch.manual_seed(seed)
+    config = tiny_config(V, layers, 0.1, hidden_size=256, intermediate_size=512, head_dim=64)
+    return quantise_like_k_quants(LlamaForCausalLM(config).eval())
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q5_0", "Q5_1"])
+def test_gguf_types_become_blocks_only_with_their_hint_and_give_back_every_value(kind, tmp_path):
+    """A weight of each type the hints serve (made by tests/tiny.py, dequantised by gguf as
+    transformers does): its float values alone are no blocks; with the scales and offsets read from
+    its bytes it becomes blocks of its format that rebuild every weight bit for bit (identity rows)
+    and compute linear's product, with AVX-512 and without; a wrong hint or a nudged value: None."""
+    from rsd_cli import gguf_hints
+    from tiny import dequantise_k, quantise_k
+
+    torch.manual_seed(1)
+    w = torch.randn(48, 512) * 0.05
+    w[3] = w[3].abs() + 0.1  # a row of positive values (no offset in K-quants)
+    w[5, :32] = 0.0  # a block of zeros
+    raw = quantise_k(w, kind)
+    values = dequantise_k(raw, kind)
+    fmt, group = gguf_hints.FORMAT_OF[kind]
+    found = torch.from_numpy(gguf_hints.scales_and_offsets(raw, kind))
+    half = found.shape[1] // 2
+    assert half == 512 // group
+    hint = blocks.Hint(fmt, found[:, :half].contiguous(), found[:, half:].contiguous() if fmt in ("q4_1", "q5_1") else None)
+    if kind.endswith("_K"):
+        assert blocks.quantised_blocks(values) is None
+    portable = blocks.build(tmp_path, (*blocks.FLAGS, "-mno-avx512f"))
+    x = torch.randn(9, 512)
+    exact = (x.double() @ values.double().T).float()
+    for lib in (blocks.library(), portable):
+        made = blocks.hinted_blocks(values, hint, lib)
+        assert made is not None and blocks.block_format(made) == fmt and made.shape == (48, 16, blocks.BYTES[fmt])
+        for rows in (1, 3, 8, 64):
+            assert torch.equal(blocks_linear_with(lib, torch.eye(512)[:rows], made), values.T[:rows])
+        torch.testing.assert_close(blocks_linear_with(lib, x, made), exact, rtol=1e-5, atol=1e-5)
+    setattr(values, blocks.HINT, hint)
+    assert blocks.block_format(blocks.quantised_blocks(values)) == fmt
+    nudged = values.clone()
+    nudged[7, 100] = torch.nextafter(nudged[7, 100], torch.tensor(1.0))
+    assert blocks.hinted_blocks(nudged, hint) is None
+    wrong = blocks.Hint(fmt, hint.scale * 2, hint.offset)
+    assert blocks.hinted_blocks(values, wrong) is None
+    assert blocks.hinted_blocks(values[:, :256], hint) is None  # a hint of another shape
+
+
+def blocks_linear_with(lib, x, made):
+    return blocks.blocks_linear(x, made, lib=lib)
+
+
+def test_a_k_quant_model_runs_every_layer_in_c_with_mixed_formats_in_its_stacks(monkeypatch):
+    """Q4_K_M holds v (and down) in Q6_K beside q and k in Q4_K: the C layer runs stacked q/k/v and
+    gate/up whose parts have formats of their own (q4_1 + q8_16, q4_1 + q5_1 here), with
+    transformers' logits for trees, pruning and growth, and greedy output equal to plain greedy."""
+    from test_compiled import assert_same_tree_logits
+    from test_engine import PROMPT
+
+    reference = k_quant_model()
+    kernel = copy.deepcopy(reference)
+    for name, parameter in kernel.named_parameters():  # (a deep copy keeps no attributes of a Parameter)
+        hint = getattr(dict(reference.named_parameters())[name], blocks.HINT, None)
+        if hint is not None:
+            setattr(parameter, blocks.HINT, hint)
+    install_blocks(kernel)
+    layer = kernel.model.layers
+    assert [blocks.block_format(small_batch.blocks_of(m)) for m in (layer[0].self_attn.q_proj, layer[0].self_attn.v_proj,
+            layer[0].mlp.down_proj, layer[1].mlp.up_proj, kernel.lm_head)] == ["q4_1", "q8_16", "q8_16", "q5_1", "q8_16"]
+    target = CompiledModel(kernel, False)
+    assert target.all_in_c
+    assert target.native[0].formats.tolist() == [0, 0, 0, 5, 0, 5, 0]  # q o gate down k v up
+    assert target.native[1].formats.tolist() == [0, 0, 0, 0, 0, 0, 4]
+    counted = layers_in_c(monkeypatch)
+    ours, theirs = StaticLM(target, V, capacity=12), CachedLM(reference, V)
+    base = assert_same_tree_logits(ours, theirs)
+    assert counted[:2] == [2, "head"]
+    for lm in (ours, theirs):
+        lm.keep(list(range(base)) + [base + n for n in (0, 1, 3, 5)])
+    for chain in ([2], [1, 3], [3, 2] * 10):
+        torch.testing.assert_close(ours.extend(chain, last_only=False), theirs.extend(chain, last_only=False),
+                                   atol=1e-5, rtol=1e-5)
+    ours.release()
+    runtimes = Runtimes(target, target, "auto")
+    for shape in shapes()[:3]:
+        decoder = Decoder(kernel, kernel, V, shape, SamplingParams(temperature=0), set(), runtimes=runtimes)
+        tokens = [t for event in decoder.generate(PROMPT, 20, 0) for t in event.emitted]
+        assert tokens == plain_greedy(reference, 20), shape.describe()
+
+
 @pytest.mark.parametrize("fmt", ["f16", "bf16"])
 def test_a_model_of_16_bit_values_runs_on_c_layers_greedy_exactly(fmt):
     """A model published in bfloat16 (or float16) and loaded in float32 on a CPU: every linear is kept

@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,107 @@ def test_the_gguf_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch):
     write_tiny_gguf(second, tiny_model(40, layers=2, seed=1, scale=0.3))
     other = models.gguf_to_cache(second)
     assert other != cached and (other / "rsd-complete").is_file()
+
+
+def k_quant_gguf(path: Path, layers: int = 2, seed: int = 0):
+    """A tiny Llama written as a Q4_K_M-like GGUF file (tiny.k_quant_type); returns the float model."""
+    from transformers import LlamaForCausalLM
+    from tiny import k_quant_type, tiny_config
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_config(40, layers, 0.1, hidden_size=256, intermediate_size=512, head_dim=64)).eval()
+    write_tiny_gguf(path, model, k_quant_type)
+    return model
+
+
+def test_a_k_quant_gguf_keeps_its_quantisation_and_its_weights_run_as_blocks(tmp_path, monkeypatch):
+    """A Q4_K/Q5_K/Q6_K file's scales and offsets are kept beside its converted weights (their rows
+    where transformers puts them: q and k permuted back) and each loaded weight becomes blocks of
+    its format, giving back the float32 values transformers made, loaded light or not."""
+    from rsd_cli import blocks, gguf_hints
+    from tiny import k_quant_type
+
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = tmp_path / "tiny-q4_k_m.gguf"
+    k_quant_gguf(gguf_file)
+    cached = models.gguf_to_cache(gguf_file)
+    assert json.loads((cached / "rsd-complete").read_text())["hints"] == 16  # every 2-D tensor of 2 layers
+    assert (cached / gguf_hints.HINTS_FILE).is_file()
+    expected = {"Q4_K": "q4_1", "Q5_K": "q5_1", "Q6_K": "q8_16"}
+    for light in (True, False):
+        model, _ = models.load_model(str(gguf_file), torch.device("cpu"), torch.float32, light=light)
+        weights = {name: p for name, p in model.named_parameters() if p.dim() == 2}
+        assert len(weights) == 16
+        for name, weight in weights.items():
+            assert getattr(weight, blocks.HINT).format == expected[k_quant_type(name)], name
+            found = blocks.quantised_blocks(weight)
+            assert found is not None and blocks.block_format(found) == expected[k_quant_type(name)], name
+    # a hint that no longer fits its weight (a weight changed in place) costs only the kernel
+    q = model.model.layers[0].self_attn.q_proj.weight
+    with torch.no_grad():
+        q[0, 0] += 1e-3
+    assert blocks.quantised_blocks(q) is None
+
+
+def test_generate_on_a_k_quant_gguf_runs_its_layers_in_c_with_transformers_greedy_answer(tmp_path, monkeypatch):
+    """`rsd generate` with a Q4_K_M-like GGUF file as the target (its first layer the draft): on the
+    static-cache runtime every layer runs in C on the file's own blocks (q4_1, q5_1 and q8_16, mixed
+    within q/k/v and gate/up), and the greedy answer is the one transformers' forward gives."""
+    from typer.testing import CliRunner
+
+    from rsd_cli import blocks, compiled
+    from rsd_cli.cli import app
+
+    if not blocks.available():
+        pytest.skip("no C compiler to build the kernel")
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(compiled, "compiled_gain", lambda model: 1.5)  # --compile auto: uncompiled, not measured
+    gguf_file = tmp_path / "tiny-q4_k_m.gguf"
+    k_quant_gguf(gguf_file, layers=3, seed=4)
+    profile = tmp_path / "k.toml"
+    profile.write_text(f'[target]\nsource = "{gguf_file}"\n[draft]\nkind = "early-exit"\nlayers = 1\nadapter = ""\n'
+                       '[decoding]\nvariant = "rsd-c"\nbranching = [2, 2]\n')
+    calls = []
+    layers = blocks.NativeForward.layers
+    monkeypatch.setattr(blocks.NativeForward, "layers", lambda self, table, *rest: calls.append(
+        table.shape[0] // blocks.TABLE_ENTRIES) or layers(self, table, *rest))
+    answers = []
+    for compile, kernels in (("auto", "blocks"), ("off", "0")):
+        monkeypatch.setenv("RSD_RUNTIME_COMPILE", compile)
+        monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", kernels)
+        result = CliRunner().invoke(app, ["generate", "the cat", "--profile", str(profile), "--json", "-n", "16",
+                                          "-t", "0"])
+        assert result.exit_code == 0, result.output
+        answers.append(json.loads(result.stdout.splitlines()[-1])["token_ids"])
+        if compile == "auto":
+            assert set(calls) == {3, 1}, calls  # the target's 3 layers, the draft's 1, each in one call
+            calls.clear()
+    assert calls == []
+    assert answers[0] == answers[1] and len(answers[0]) == 16
+
+
+def test_a_conversion_by_an_earlier_rsd_is_redone_only_where_the_file_has_hints_to_keep(tmp_path, monkeypatch):
+    """Caches converted before hints were kept (no "hints" in their marker): a K-quant file's is
+    converted again, once; a file with nothing to keep (F32 here, the embedded Q4_1) keeps its copy,
+    marked so it is not asked again."""
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    plain, quantised = tmp_path / "plain.gguf", tmp_path / "quantised.gguf"
+    write_tiny_gguf(plain, tiny_model(40, layers=2, seed=0, scale=0.3))
+    k_quant_gguf(quantised)
+    conversions = []
+    convert = models._convert_gguf
+    monkeypatch.setattr(models, "_convert_gguf", lambda *args: conversions.append(args[0].name) or convert(*args))
+    for path in (plain, quantised):
+        cached = models.gguf_to_cache(path)
+        marker = cached / "rsd-complete"
+        marker.write_text(json.dumps({"source": str(path), "key": "content"}))  # as rsd wrote it before
+        (cached / "rsd-block-hints.safetensors").unlink(missing_ok=True)
+    conversions.clear()
+    for _ in range(2):
+        assert models.gguf_to_cache(plain) and models.gguf_to_cache(quantised)
+    assert conversions == ["quantised.gguf"]
+    assert json.loads((models.gguf_to_cache(plain) / "rsd-complete").read_text())["hints"] == 0
+    assert json.loads((models.gguf_to_cache(quantised) / "rsd-complete").read_text())["hints"] == 16
 
 
 def test_parallel_first_runs_convert_a_gguf_once(tmp_path, monkeypatch):

@@ -243,3 +243,35 @@ def dequantise_k(raw, type_name: str) -> torch.Tensor:
     import gguf
 
     return torch.from_numpy(gguf.dequantize(raw, gguf.GGMLQuantizationType[type_name]).copy())
+
+
+def k_quant_type(name: str) -> str:
+    """A Q4_K_M-like choice of type for a weight (transformers' or GGUF's name): Q6_K for the first
+    layer's v and down and for the output head, as llama.cpp's Q4_K_M; Q5_K for the second layer's
+    up (mixed formats in gate/up too); Q4_K for the rest."""
+    gguf_name = name.replace("self_attn.", "attn_").replace("mlp.", "ffn_").replace("_proj", "")
+    if any(part in gguf_name for part in ("layers.0.attn_v", "layers.0.ffn_down", "blk.0.attn_v", "blk.0.ffn_down")) \
+            or gguf_name.startswith(("lm_head", "output.")):
+        return "Q6_K"
+    return "Q5_K" if "layers.1.ffn_up" in gguf_name or "blk.1.ffn_up" in gguf_name else "Q4_K"
+
+
+def quantise_like_k_quants(model):
+    """The model's 2-D weights as a K-quant GGUF file holds them (k_quant_type's types), each with
+    the hint a conversion keeps for it (blocks.Hint): in place; returns the model. Rows must be
+    whole super-blocks (256 weights)."""
+    from rsd_cli import blocks, gguf_hints
+
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() != 2:
+                continue
+            kind = k_quant_type(name)
+            raw = quantise_k(parameter, kind)
+            parameter.copy_(dequantise_k(raw, kind).reshape(parameter.shape))
+            fmt, _ = gguf_hints.FORMAT_OF[kind]
+            values = torch.from_numpy(gguf_hints.scales_and_offsets(raw, kind))
+            half = values.shape[1] // 2
+            setattr(parameter, blocks.HINT, blocks.Hint(fmt, values[:, :half].contiguous(),
+                                                        values[:, half:].contiguous() if fmt in ("q4_1", "q5_1") else None))
+    return model
