@@ -114,7 +114,7 @@ def main() -> None:
         for name, (file, drop) in {"q4_k_m": (k_file, False), "q4_k_m without hints": (k_file, True),
                                    "embedded q4_1": (embedded_gguf(), False)}.items():
             found = bench(file, folder / name.replace(" ", "-"), drop, args)
-            rows = {f'{row["variant"]} {row.get("shape", "")}'.strip(): round(row["tokens_per_second"], 1)
+            rows = {(row.get("shape") or row["variant"]): round(row["tokens_per_second"], 1)
                     for row in found["results"] if row["tokens_per_second"]}
             results[name] = rows
             print(name, rows, flush=True)
