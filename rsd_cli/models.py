@@ -324,11 +324,14 @@ def _converted(target: Path, gguf: Path) -> bool:
         return True
     from .gguf_hints import hinted_types
 
-    if hinted_types(gguf):
-        return False
-    written = marker.with_name(f"rsd-complete.{os.getpid()}")
-    written.write_text(json.dumps({**state, "hints": 0}))
-    written.replace(marker)
+    try:
+        if hinted_types(gguf):
+            return False
+        written = marker.with_name(f"rsd-complete.{os.getpid()}")
+        written.write_text(json.dumps({**state, "hints": 0}))
+        written.replace(marker)
+    except Exception:  # (an unreadable header, a read-only cache: the copy stands as it is)
+        pass
     return True
 
 
