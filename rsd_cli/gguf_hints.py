@@ -10,8 +10,8 @@ not reach 0 or 15 in a block. Without their blocks such weights stream 4 bytes e
 instead of 0.75. This module reads d and m from the file's own bytes, in the order transformers
 gives the rows (its own loader runs once more, with `gguf.dequantize` answering these instead of
 values), so that each becomes blocks of one of the kernel's formats that give back every float32
-value transformers made (q4_1 for Q4_K, q5_1 for Q5_K and Q5_1, q8_16 for Q6_K, q8_0 for Q4_0
-and Q5_0): the same arithmetic, d * q exact and one rounding for + m.
+value transformers made (q4_1 for Q4_K, q5_1 for Q5_K and Q5_1, q8_16 for Q6_K and Q3_K, q8_0 for
+Q4_0, Q5_0, IQ4_NL and IQ4_XS): the same arithmetic, d * q exact and one rounding for + m.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ HINTS_FILE = "rsd-block-hints.safetensors"
 QK_K = 256  # weights in a K-quant super-block
 
 # a GGUF tensor type -> (the kernel's format for it, weights a scale covers)
-FORMAT_OF = {"Q4_K": ("q4_1", 32), "Q5_K": ("q5_1", 32), "Q6_K": ("q8_16", 16), "Q4_0": ("q8_0", 32),
-             "Q5_0": ("q8_0", 32), "Q5_1": ("q5_1", 32)}
+FORMAT_OF = {"Q4_K": ("q4_1", 32), "Q5_K": ("q5_1", 32), "Q6_K": ("q8_16", 16), "Q3_K": ("q8_16", 16),
+             "Q4_0": ("q8_0", 32), "Q5_0": ("q8_0", 32), "Q5_1": ("q5_1", 32), "IQ4_NL": ("q8_0", 32),
+             "IQ4_XS": ("q8_0", 32)}
 # each type's block: its bytes and where its half-float d (and m, or K-quants' dmin) lie
-_LAYOUT = {"Q4_K": (144, 0, 2), "Q5_K": (176, 0, 2), "Q6_K": (210, 208, None), "Q4_0": (18, 0, None),
-           "Q5_0": (22, 0, None), "Q5_1": (24, 0, 2)}
+_LAYOUT = {"Q4_K": (144, 0, 2), "Q5_K": (176, 0, 2), "Q6_K": (210, 208, None), "Q3_K": (110, 108, None),
+           "Q4_0": (18, 0, None), "Q5_0": (22, 0, None), "Q5_1": (24, 0, 2), "IQ4_NL": (18, 0, None),
+           "IQ4_XS": (136, 0, None)}
 
 
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -52,9 +54,21 @@ def scales_and_offsets(data: np.ndarray, type_name: str) -> np.ndarray:
     elif type_name == "Q6_K":  # d * (int8 scale) per 16
         scale = d * np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
         offset = np.zeros_like(scale)
+    elif type_name == "Q3_K":  # d * (6-bit scale - 32) per 16, q in -4..3 (gguf's unpacking)
+        packed = blocks[:, 96:108]
+        low = (packed[:, None, :8] >> np.array([0, 4], dtype=np.uint8)[None, :, None]).reshape(-1, 16) & 15
+        high = (packed[:, None, 8:] >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, :, None]).reshape(-1, 16) & 3
+        scale = d * ((low | (high << 4)).astype(np.float32) - 32)
+        offset = np.zeros_like(scale)
+    elif type_name == "IQ4_XS":  # d * (6-bit scale - 32) per 32, q one of 16 int8 values
+        high = np.ascontiguousarray(blocks[:, 2:4]).view(np.uint16)
+        high = (high >> np.arange(0, 16, 2, dtype=np.uint16)[None, :]) & 3
+        low = (blocks[:, 4:8, None] >> np.array([0, 4], dtype=np.uint8)[None, None, :]).reshape(-1, 8) & 15
+        scale = d * ((low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32)
+        offset = np.zeros_like(scale)
     elif type_name == "Q5_1":
         scale, offset = d, _half(blocks, m_at)
-    else:  # Q4_0, Q5_0: d * (q - 8), d * (q - 16): q8_0's d * q
+    else:  # Q4_0, Q5_0, IQ4_NL: d * (q - 8), d * (q - 16), d * (one of 16 int8 values): q8_0's d * q
         scale, offset = d, np.zeros_like(d)
     rows = data.shape[:-1]
     return np.concatenate([scale.reshape(*rows, -1), offset.reshape(*rows, -1)], axis=-1)

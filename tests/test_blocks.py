@@ -609,7 +609,7 @@ def k_quant_model(layers: int = 2, seed: int = 0):
     return quantise_like_k_quants(LlamaForCausalLM(config).eval())
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"])
 def test_gguf_types_become_blocks_only_with_their_hint_and_give_back_every_value(kind, tmp_path):
     """A weight of each type the hints serve (made by tests/tiny.py, dequantised by gguf as
     transformers does): its float values alone are no blocks; with the scales and offsets read from
@@ -629,7 +629,7 @@ def test_gguf_types_become_blocks_only_with_their_hint_and_give_back_every_value
     half = found.shape[1] // 2
     assert half == 512 // group
     hint = blocks.Hint(fmt, found[:, :half].contiguous(), found[:, half:].contiguous() if fmt in ("q4_1", "q5_1") else None)
-    if kind.endswith("_K"):
+    if kind.endswith("_K") or kind.startswith("IQ"):
         assert blocks.quantised_blocks(values) is None
     portable = blocks.build(tmp_path, (*blocks.FLAGS, "-mno-avx512f"))
     x = torch.randn(9, 512)

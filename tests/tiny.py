@@ -173,7 +173,8 @@ def quantise_like_gguf(model):
     return model
 
 
-def _halves(values) -> "np.ndarray":
+def _halves(values):
+    """float32 values -> numpy half floats (what llama.cpp stores d and dmin as)."""
     import numpy as np
 
     return np.asarray(values, dtype=np.float32).astype(np.float16)
@@ -181,15 +182,17 @@ def _halves(values) -> "np.ndarray":
 
 def quantise_k(weight: torch.Tensor, type_name: str):
     """The (out, in) weight as a GGUF file holds it in llama.cpp's type `type_name` ((out, row
-    bytes) uint8, what gguf's writer takes with raw_dtype): Q4_K, Q5_K or Q6_K made here (a plain
-    quantiser: each group's range, its scale and minimum rounded to 6 or 8 bits of the
-    super-block's, as llama.cpp lays them out; not its search for the best ones), the legacy types
-    by gguf's own quantiser. transformers dequantises these with gguf's dequantize."""
+    bytes) uint8, what gguf's writer takes with raw_dtype): Q4_K, Q5_K, Q6_K, Q3_K, IQ4_NL and
+    IQ4_XS made here (a plain quantiser: each group's range, its scale and minimum rounded to 6 or 8
+    bits of the super-block's, as llama.cpp lays them out; not its search for the best ones), the
+    legacy types by gguf's own quantiser. transformers dequantises these with gguf's dequantize."""
     import gguf
     import numpy as np
 
     x = weight.detach().float().numpy().astype(np.float32)
     rows = x.shape[0]
+    if type_name in ("IQ4_NL", "IQ4_XS", "Q3_K"):
+        return _quantise_grid(x, type_name)
     if type_name not in ("Q4_K", "Q5_K", "Q6_K"):
         return gguf.quants.quantize(x, gguf.GGMLQuantizationType[type_name])
     blocks = x.reshape(-1, 256)
@@ -236,6 +239,56 @@ def quantise_k(weight: torch.Tensor, type_name: str):
         parts.append(qh)
     out = np.concatenate([*parts, qs], axis=1)
     return out.reshape(rows, -1)
+
+
+def _quantise_grid(x, type_name: str):
+    """quantise_k for the types whose weights are d * (a value of a small grid) per group: IQ4_NL
+    (per 32, one of 16 int8 values, d a half float), IQ4_XS (the same with d times a 6-bit scale
+    per 32 of 256) and Q3_K (q in -4..3 with d times a 6-bit scale per 16 of 256)."""
+    import numpy as np
+    from gguf.quants import IQ4_NL
+
+    rows = x.shape[0]
+    grid = np.arange(-4, 4, dtype=np.float32) if type_name == "Q3_K" else np.array(IQ4_NL.kvalues, np.float32)
+    group = 16 if type_name == "Q3_K" else 32
+    groups = x.reshape(-1, 256 if type_name != "IQ4_NL" else 32)
+    n = groups.shape[0]
+    groups = groups.reshape(n, -1, group)
+    wanted = np.abs(groups).max(-1) / np.abs(grid).max()  # (n, groups): each group's own scale
+    if type_name == "IQ4_NL":
+        step = _halves(wanted).astype(np.float32)
+    else:
+        d = _halves(wanted.max(-1, keepdims=True) / 31)
+        df = d.astype(np.float32)
+        scales = np.clip(np.round(wanted / np.where(df > 0, df, 1)), -32, 31)
+        step = df * scales.astype(np.float32)
+    ratio = groups / np.where(step != 0, step, 1)[..., None]
+    q = np.abs(ratio[..., None] - grid).argmin(-1).astype(np.uint8)  # (n, groups, group): indices into grid
+    if type_name == "IQ4_NL":
+        qs = q[:, 0, :16] | (q[:, 0, 16:] << 4)
+        return np.concatenate([_halves(step).view(np.uint8), qs], axis=1).reshape(rows, -1)
+    ls = (scales + 32).astype(np.uint8)
+    if type_name == "IQ4_XS":
+        high = (ls >> 4).astype(np.uint16)
+        scales_h = (high << np.arange(0, 16, 2, dtype=np.uint16)).sum(-1).astype(np.uint16)
+        scales_l = (ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)
+        qs = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(n, 128)
+        return np.concatenate([d.view(np.uint8), scales_h.reshape(n, 1).view(np.uint8), scales_l, qs],
+                              axis=1).reshape(rows, -1)
+    q = q.reshape(n, 256)  # Q3_K: index k is q = k - 4; its low two bits and (q >= 0) as the mask bit
+    low, mask = q & 3, q >> 2
+    qs = np.zeros((n, 64), np.uint8)
+    for element in range(256):
+        half, shift, i = element // 128, element % 128 // 32, element % 32
+        qs[:, half * 32 + i] |= low[:, element] << (2 * shift)
+    hmask = np.zeros((n, 32), np.uint8)
+    for element in range(256):
+        hmask[:, element % 32] |= mask[:, element] << (element // 32)
+    packed = np.zeros((n, 12), np.uint8)
+    packed[:, :8] = (ls[:, :8] & 15) | ((ls[:, 8:] & 15) << 4)
+    for k in range(16):
+        packed[:, 8 + k % 4] |= (ls[:, k] >> 4) << (2 * (k // 4))
+    return np.concatenate([hmask, qs, packed, d.view(np.uint8)], axis=1).reshape(rows, -1)
 
 
 def dequantise_k(raw, type_name: str) -> torch.Tensor:
