@@ -110,6 +110,23 @@ def test_every_row_and_column_tile_is_computed(threads):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_wide_rows_give_each_row_the_same_bits_whatever_rows_come_with_it(fmt, tmp_path):
+    """Rows wider than a chunk (1024 weights: 2560 here, two chunks and a half) are summed chunk
+    by chunk, through either loop order (x's rows cached whole for few rows, a chunk of them at a
+    time for many): a row's product has the same bits alone and among 2-9 others, as a token's
+    logits must alone in a chain or in a tree; AVX-512 and the portable loop alike."""
+    w = weight(fmt, out_features=37, in_features=2560, seed=5)
+    found = blocks.quantised_blocks(w)
+    x = torch.randn(10, 2560)
+    exact = (x.double() @ w.double().T).float()
+    for lib in (blocks.library(), blocks.build(tmp_path, (*blocks.FLAGS, "-mno-avx512f"))):
+        alone = torch.cat([blocks.blocks_linear(x[i:i + 1], found, lib=lib) for i in range(10)])
+        torch.testing.assert_close(alone, exact, rtol=1e-5, atol=1e-4 * w.abs().max().item())
+        for rows in (2, 3, 4, 5, 8, 9, 10):
+            assert torch.equal(blocks.blocks_linear(x[:rows], found, lib=lib), alone[:rows]), rows
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_the_kernel_rebuilds_every_weight_exactly(fmt):
     """x = rows of the identity: each output is one weight times 1 plus zeros, so it is the weight
     the kernel rebuilt from its block, bit for bit (1, 2, 3, 5, 7 and 64 rows: every row tile)."""
