@@ -111,25 +111,20 @@ static inline void bf16_weights(const uint8_t* blk, __m512* w0, __m512* w1) {
   *w0 = bf16_16(blk);
   *w1 = bf16_16(blk + 32);
 }
-/* R rows of x (R rows ldx floats apart) against nb blocks of one weight row: each row's dot
-   product of those 32 nb values, into y[r * ldy] (add: onto what is there) */
+/* R rows of x (R, K) against one weight row: y[r * N] for each */
 #define DOT_ROWS(FORMAT, BYTES, R)                                                            \
-static void FORMAT##_rows_##R(const float* x, int ldx, int nb, const uint8_t* wn, float* y, int ldy, \
-                              int add) {                                                      \
+static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y, int N) {   \
   __m512 a0[R], a1[R];                                                                        \
   for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();                            \
-  for (int b = 0; b < nb; b++) {                                                              \
+  for (int b = 0; b < K / BLOCK; b++) {                                                       \
     __m512 w0, w1;                                                                            \
     FORMAT##_weights(wn + (size_t)b * BYTES, &w0, &w1);                                       \
     for (int r = 0; r < R; r++) {                                                             \
-      a0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (size_t)r * ldx + b * BLOCK), w0, a0[r]);   \
-      a1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (size_t)r * ldx + b * BLOCK + 16), w1, a1[r]); \
+      a0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (size_t)r * K + b * BLOCK), w0, a0[r]);     \
+      a1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (size_t)r * K + b * BLOCK + 16), w1, a1[r]); \
     }                                                                                         \
   }                                                                                           \
-  for (int r = 0; r < R; r++) {                                                               \
-    const float s = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));                        \
-    y[(size_t)r * ldy] = add ? y[(size_t)r * ldy] + s : s;                                    \
-  }                                                                                           \
+  for (int r = 0; r < R; r++) y[(size_t)r * N] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r])); \
 }
 #else
 static inline void q4_1_weights(const uint8_t* blk, float* w) {
@@ -177,19 +172,18 @@ static inline void bf16_weights(const uint8_t* blk, float* w) {
   for (int j = 0; j < 32; j++) { uint16_t h; memcpy(&h, blk + 2 * j, 2); uint32_t bits = (uint32_t)h << 16; memcpy(w + j, &bits, 4); }
 }
 #define DOT_ROWS(FORMAT, BYTES, R)                                                            \
-static void FORMAT##_rows_##R(const float* x, int ldx, int nb, const uint8_t* wn, float* y, int ldy, \
-                              int add) {                                                      \
+static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y, int N) {   \
   float acc[R][BLOCK], w[BLOCK];                                                              \
   memset(acc, 0, sizeof acc);                                                                 \
-  for (int b = 0; b < nb; b++) {                                                              \
+  for (int b = 0; b < K / BLOCK; b++) {                                                       \
     FORMAT##_weights(wn + (size_t)b * BYTES, w);                                              \
     for (int r = 0; r < R; r++)                                                               \
-      for (int j = 0; j < BLOCK; j++) acc[r][j] += x[(size_t)r * ldx + b * BLOCK + j] * w[j]; \
+      for (int j = 0; j < BLOCK; j++) acc[r][j] += x[(size_t)r * K + b * BLOCK + j] * w[j];   \
   }                                                                                           \
   for (int r = 0; r < R; r++) {                                                               \
     float s = 0.f;                                                                            \
     for (int j = 0; j < BLOCK; j++) s += acc[r][j];                                           \
-    y[(size_t)r * ldy] = add ? y[(size_t)r * ldy] + s : s;                                    \
+    y[(size_t)r * N] = s;                                                                     \
   }                                                                                           \
 }
 #endif
@@ -198,33 +192,11 @@ static void FORMAT##_rows_##R(const float* x, int ldx, int nb, const uint8_t* wn
    a tile): each tile's rows, one at a time, against 8 rows of x (then 4, then the 1-3 left; each
    block rebuilt once for them), then the next 8 rows of x, so those rows stay in the CPU's first
    caches (re-reading all of x for every weight row spilled them past 16 rows: 24 rows took 2.3x
-   16). One weight row at a time measured faster here than register tiles of 2 or 4.
-   Each dot product is summed CHUNK weights at a time, the chunks' sums added in order: where 8
-   rows of x are wider than the first-level cache (1B-class models' 2048- and 8192-wide rows) the
-   tile's rows go through one chunk of x at a time, which stays there (an 8192-wide product of 2-8
-   rows: ~90 -> ~170 GFMA/s on a 2-core AMD EPYC); elsewhere each weight row whole, streamed in
-   order. Either way the same sums in the same order, whatever the number of rows. */
-#define CHUNK 1024
-#define FIRST_CACHE_FLOATS 8192  /* 32 KB of x */
+   16). One weight row at a time measured faster here than register tiles of 2 or 4. */
 static int tile_columns(int N, int threads) {
   int cols = N / (4 * threads);
   return cols > 32 ? 32 : cols < 1 ? 1 : cols;
 }
-
-#define ROWS_OF(FORMAT, m, x, ldx, nb, wn, y, ldy, add)                                       \
-  switch (m) {                                                                                \
-    case 8: FORMAT##_rows_8(x, ldx, nb, wn, y, ldy, add); break;                              \
-    case 7: FORMAT##_rows_4(x, ldx, nb, wn, y, ldy, add);                                     \
-            FORMAT##_rows_3(x + (size_t)4 * ldx, ldx, nb, wn, y + (size_t)4 * ldy, ldy, add); break; \
-    case 6: FORMAT##_rows_4(x, ldx, nb, wn, y, ldy, add);                                     \
-            FORMAT##_rows_2(x + (size_t)4 * ldx, ldx, nb, wn, y + (size_t)4 * ldy, ldy, add); break; \
-    case 5: FORMAT##_rows_4(x, ldx, nb, wn, y, ldy, add);                                     \
-            FORMAT##_rows_1(x + (size_t)4 * ldx, ldx, nb, wn, y + (size_t)4 * ldy, ldy, add); break; \
-    case 4: FORMAT##_rows_4(x, ldx, nb, wn, y, ldy, add); break;                              \
-    case 3: FORMAT##_rows_3(x, ldx, nb, wn, y, ldy, add); break;                              \
-    case 2: FORMAT##_rows_2(x, ldx, nb, wn, y, ldy, add); break;                              \
-    case 1: FORMAT##_rows_1(x, ldx, nb, wn, y, ldy, add); break;                              \
-  }
 
 #define FORMAT_KERNELS(FORMAT, BYTES)                                                         \
 DOT_ROWS(FORMAT, BYTES, 1) DOT_ROWS(FORMAT, BYTES, 2) DOT_ROWS(FORMAT, BYTES, 3)              \
@@ -239,20 +211,21 @@ static void FORMAT##_linear_team(const float* x, const uint8_t* w, float* y, int
     for (int r0 = 0; r0 < M; r0 += 8) {                                                       \
       const int m = M - r0 < 8 ? M - r0 : 8;                                                  \
       const float* xt = x + (size_t)r0 * K;                                                   \
-      float* yt = y + (size_t)r0 * ldy;                                                       \
-      if ((size_t)m * K <= FIRST_CACHE_FLOATS) {  /* x's rows stay cached: weight rows whole */ \
-        for (int n = n0; n < n1; n++)                                                         \
-          for (int k0 = 0; k0 < K; k0 += CHUNK) {                                             \
-            const int nb = (K - k0 < CHUNK ? K - k0 : CHUNK) / BLOCK;                         \
-            ROWS_OF(FORMAT, m, xt + k0, K, nb, w + n * row_bytes + (size_t)(k0 / BLOCK) * BYTES, \
-                    yt + n, ldy, k0 > 0)                                                      \
-          }                                                                                   \
-      } else {  /* a chunk of x's rows at a time, against each of the tile's weight rows */  \
-        for (int k0 = 0; k0 < K; k0 += CHUNK) {                                               \
-          const int nb = (K - k0 < CHUNK ? K - k0 : CHUNK) / BLOCK;                           \
-          for (int n = n0; n < n1; n++)                                                       \
-            ROWS_OF(FORMAT, m, xt + k0, K, nb, w + n * row_bytes + (size_t)(k0 / BLOCK) * BYTES, \
-                    yt + n, ldy, k0 > 0)                                                      \
+      for (int n = n0; n < n1; n++) {                                                         \
+        const uint8_t* wn = w + (size_t)n * row_bytes;                                        \
+        float* yt = y + (size_t)r0 * ldy + n;                                                 \
+        switch (m) {                                                                          \
+          case 8: FORMAT##_rows_8(xt, K, wn, yt, ldy); break;                                 \
+          case 7: FORMAT##_rows_4(xt, K, wn, yt, ldy);                                        \
+                  FORMAT##_rows_3(xt + (size_t)4 * K, K, wn, yt + (size_t)4 * ldy, ldy); break; \
+          case 6: FORMAT##_rows_4(xt, K, wn, yt, ldy);                                        \
+                  FORMAT##_rows_2(xt + (size_t)4 * K, K, wn, yt + (size_t)4 * ldy, ldy); break; \
+          case 5: FORMAT##_rows_4(xt, K, wn, yt, ldy);                                        \
+                  FORMAT##_rows_1(xt + (size_t)4 * K, K, wn, yt + (size_t)4 * ldy, ldy); break; \
+          case 4: FORMAT##_rows_4(xt, K, wn, yt, ldy); break;                                 \
+          case 3: FORMAT##_rows_3(xt, K, wn, yt, ldy); break;                                 \
+          case 2: FORMAT##_rows_2(xt, K, wn, yt, ldy); break;                                 \
+          case 1: FORMAT##_rows_1(xt, K, wn, yt, ldy); break;                                 \
         }                                                                                     \
       }                                                                                       \
     }                                                                                         \

@@ -111,10 +111,9 @@ def test_every_row_and_column_tile_is_computed(threads):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_wide_rows_give_each_row_the_same_bits_whatever_rows_come_with_it(fmt, tmp_path):
-    """Rows wider than a chunk (1024 weights: 2560 here, two chunks and a half) are summed chunk
-    by chunk, through either loop order (x's rows cached whole for few rows, a chunk of them at a
-    time for many): a row's product has the same bits alone and among 2-9 others, as a token's
-    logits must alone in a chain or in a tree; AVX-512 and the portable loop alike."""
+    """A row's product has the same bits alone and among 2-9 others (each row tile sums in its
+    own registers, in the same order), as a token's logits must alone in a chain or in a tree —
+    here for wide rows (2560 weights) and every row tile; AVX-512 and the portable loop alike."""
     w = weight(fmt, out_features=37, in_features=2560, seed=5)
     found = blocks.quantised_blocks(w)
     x = torch.randn(10, 2560)
