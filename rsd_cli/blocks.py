@@ -48,8 +48,11 @@ Q4_1_BYTES = 24  # 16 bytes of 4-bit q (byte j: q[j] in the low nibble, q[j + 16
 Q8_0_BYTES = 36  # 32 int8 q, d (float32)
 Q5_1_BYTES = 28  # Q4_1's 16 bytes of low nibbles, 4 bytes of fifth bits (bit j: q[j]'s), d, m (float32)
 Q8_16_BYTES = 40  # 32 int8 q, then a d (float32) for each 16 of them
-FORMATS = ("q4_1", "q8_0", "f16", "bf16", "q5_1", "q8_16")  # the kernel's format codes 0-5
-BYTES = {"q4_1": Q4_1_BYTES, "q8_0": Q8_0_BYTES, "q5_1": Q5_1_BYTES, "q8_16": Q8_16_BYTES}  # a block's, as bytes
+IQ4_BYTES = 20  # Q4_1's 16 bytes of nibbles, each indexing IQ4_VALUES, then d (float32): d * IQ4_VALUES[q]
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's IQ4_NL grid
+FORMATS = ("q4_1", "q8_0", "f16", "bf16", "q5_1", "q8_16", "iq4")  # the kernel's format codes 0-6
+BYTES = {"q4_1": Q4_1_BYTES, "q8_0": Q8_0_BYTES, "q5_1": Q5_1_BYTES, "q8_16": Q8_16_BYTES,
+         "iq4": IQ4_BYTES}  # a block's, as bytes
 CHUNK_BYTES = 2**18  # weights checked a few hundred rows at a time (by torch; quantised_blocks)
 
 SOURCE = r"""
@@ -63,6 +66,7 @@ SOURCE = r"""
 #define BLOCK 32
 
 static inline float f32_at(const uint8_t* p) { float v; memcpy(&v, p, 4); return v; }
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 #ifdef __AVX512F__
 /* a block's 32 weights as two 16-lane vectors: exactly the float32 weights (d * q is exact) */
@@ -93,6 +97,14 @@ static inline void q5_1_weights(const uint8_t* blk, __m512* w0, __m512* w1) {
   *w0 = _mm512_permutex2var_ps(low_values, _mm512_mask_or_epi32(first, (__mmask16)high, first, sixteen), high_values);
   *w1 = _mm512_permutex2var_ps(low_values, _mm512_mask_or_epi32(second, (__mmask16)(high >> 16), second, sixteen),
                                high_values);
+}
+static inline void iq4_weights(const uint8_t* blk, __m512* w0, __m512* w1) {
+  /* the 16 values d * IQ4_VALUES[k], looked up by each nibble as q4_1_weights does */
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)blk));
+  const __m512 values = _mm512_mul_ps(_mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53,
+                                                     69, 89, 113), _mm512_set1_ps(f32_at(blk + 16)));
+  *w0 = _mm512_permutexvar_ps(q, values);
+  *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), values);
 }
 static inline void q8_16_weights(const uint8_t* blk, __m512* w0, __m512* w1) {
   *w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)blk))),
@@ -145,6 +157,13 @@ static inline void q5_1_weights(const uint8_t* blk, float* w) {
   for (int j = 0; j < 16; j++) {
     w[j] = d * (float)((blk[j] & 15) | (((high >> j) & 1) << 4)) + m;
     w[j + 16] = d * (float)((blk[j] >> 4) | (((high >> (j + 16)) & 1) << 4)) + m;
+  }
+}
+static inline void iq4_weights(const uint8_t* blk, float* w) {
+  const float d = f32_at(blk + 16);
+  for (int j = 0; j < 16; j++) {
+    w[j] = d * (float)IQ4_VALUES[blk[j] & 15];
+    w[j + 16] = d * (float)IQ4_VALUES[blk[j] >> 4];
   }
 }
 static inline void q8_16_weights(const uint8_t* blk, float* w) {
@@ -237,11 +256,12 @@ FORMAT_KERNELS(f16, 64)
 FORMAT_KERNELS(bf16, 64)
 FORMAT_KERNELS(q5_1, 28)
 FORMAT_KERNELS(q8_16, 40)
+FORMAT_KERNELS(iq4, 20)
 
-static const int FORMAT_BYTES[6] = {24, 36, 64, 64, 28, 40};  /* a block's, in each format */
+static const int FORMAT_BYTES[7] = {24, 36, 64, 64, 28, 40, 20};  /* a block's, in each format */
 
 /* y (M, N) = x (M, K) @ W^T, W (N, K) as N rows of K / 32 blocks of one format: 0 Q4_1, 1 Q8_0,
-   2 half floats, 3 bfloat16, 4 Q5_1, 5 int8 with a scale per 16; y's rows ldy floats apart.
+   2 half floats, 3 bfloat16, 4 Q5_1, 5 int8 with a scale per 16, 6 IQ4 (d times a 4-bit grid); y's rows ldy floats apart.
    Shared out among the threads of the team that calls it (each of its threads calls it: an
    orphaned loop, a barrier at its end) */
 static void strided_team(const float* x, const uint8_t* w, float* y, int M, int N, int K, int ldy, int format,
@@ -253,6 +273,7 @@ static void strided_team(const float* x, const uint8_t* w, float* y, int M, int 
     case 3: bf16_linear_team(x, w, y, M, N, K, ldy, threads); break;
     case 4: q5_1_linear_team(x, w, y, M, N, K, ldy, threads); break;
     case 5: q8_16_linear_team(x, w, y, M, N, K, ldy, threads); break;
+    case 6: iq4_linear_team(x, w, y, M, N, K, ldy, threads); break;
   }
 }
 
@@ -832,6 +853,33 @@ int64_t q5_1_pack(const float* w, const float* low, const float* scale, int64_t 
   return bad;
 }
 
+/* IQ4 blocks (nblocks, 20 bytes) given each block's scale d: each value's index q in IQ4_VALUES
+   (the nearest of w / d), two per byte as Q4_1's, then d; returns how many blocks do not give back
+   every value as d * IQ4_VALUES[q]. */
+int64_t iq4_pack(const float* w, const float* scale, int64_t nblocks, uint8_t* out, int threads) {
+  int64_t bad = 0;
+  #pragma omp parallel for num_threads(threads) reduction(+:bad) schedule(static)
+  for (int64_t b = 0; b < nblocks; b++) {
+    const float* x = w + b * BLOCK;
+    const float d = scale[b], divisor = d != 0 ? d : 1.0f;
+    uint8_t q[BLOCK];
+    int exact = 1;
+    for (int j = 0; j < BLOCK; j++) {
+      const float r = x[j] / divisor;
+      int best = 0;
+      for (int k = 1; k < 16; k++)
+        if (fabsf(r - IQ4_VALUES[k]) < fabsf(r - IQ4_VALUES[best])) best = k;
+      exact &= (d * (float)IQ4_VALUES[best] == x[j]);
+      q[j] = (uint8_t)best;
+    }
+    bad += !exact;
+    uint8_t* o = out + b * 20;
+    for (int j = 0; j < 16; j++) o[j] = (uint8_t)(q[j] | (q[j + 16] << 4));
+    memcpy(o + 16, &d, 4);
+  }
+  return bad;
+}
+
 /* Blocks of 32 int8 q with a scale for each 16 (nblocks, 40 bytes) given the scales (2 a block):
    q = round(w / d) in -127..127, then the two scales; returns how many blocks do not give back
    every value as d * q. */
@@ -940,6 +988,8 @@ def build(folder: Path, flags: tuple[str, ...] = FLAGS):
     lib.q5_1_pack.restype = ctypes.c_int64
     lib.q8_16_pack.argtypes = [pointer, pointer, ctypes.c_int64, pointer, integer]
     lib.q8_16_pack.restype = ctypes.c_int64
+    lib.iq4_pack.argtypes = [pointer, pointer, ctypes.c_int64, pointer, integer]
+    lib.iq4_pack.restype = ctypes.c_int64
     return lib
 
 
@@ -1100,7 +1150,7 @@ def hinted_blocks(weight: torch.Tensor, hint: Hint, lib=None) -> torch.Tensor | 
         offset = hint.offset.float().contiguous()
         bad = pack(values.data_ptr(), offset.data_ptr(), scale.data_ptr(), count, out.data_ptr(), threads)
     else:
-        pack = lib.q8_0_pack if hint.format == "q8_0" else lib.q8_16_pack
+        pack = {"q8_0": lib.q8_0_pack, "q8_16": lib.q8_16_pack, "iq4": lib.iq4_pack}[hint.format]
         bad = pack(values.data_ptr(), scale.data_ptr(), count, out.data_ptr(), threads)
     return out if bad == 0 else None
 

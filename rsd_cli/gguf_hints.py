@@ -10,8 +10,8 @@ not reach 0 or 15 in a block. Without their blocks such weights stream 4 bytes e
 instead of 0.75. This module reads d and m from the file's own bytes, in the order transformers
 gives the rows (its own loader runs once more, with `gguf.dequantize` answering these instead of
 values), so that each becomes blocks of one of the kernel's formats that give back every float32
-value transformers made (q4_1 for Q4_K, q5_1 for Q5_K and Q5_1, q8_16 for Q6_K and Q3_K, q8_0 for
-Q4_0, Q5_0, IQ4_NL and IQ4_XS): the same arithmetic, d * q exact and one rounding for + m.
+value transformers made (q4_1 for Q4_K and Q4_0, q5_1 for Q5_K and Q5_1, q8_16 for Q6_K and
+Q3_K, q8_0 for Q5_0, iq4 for IQ4_NL and IQ4_XS): the same arithmetic, d * q exact and one rounding for + m.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ QK_K = 256  # weights in a K-quant super-block
 
 # a GGUF tensor type -> (the kernel's format for it, weights a scale covers)
 FORMAT_OF = {"Q4_K": ("q4_1", 32), "Q5_K": ("q5_1", 32), "Q6_K": ("q8_16", 16), "Q3_K": ("q8_16", 16),
-             "Q4_0": ("q8_0", 32), "Q5_0": ("q8_0", 32), "Q5_1": ("q5_1", 32), "IQ4_NL": ("q8_0", 32),
-             "IQ4_XS": ("q8_0", 32)}
+             "Q4_0": ("q4_1", 32), "Q5_0": ("q8_0", 32), "Q5_1": ("q5_1", 32), "IQ4_NL": ("iq4", 32),
+             "IQ4_XS": ("iq4", 32)}
 # each type's block: its bytes and where its half-float d (and m, or K-quants' dmin) lie
 _LAYOUT = {"Q4_K": (144, 0, 2), "Q5_K": (176, 0, 2), "Q6_K": (210, 208, None), "Q3_K": (110, 108, None),
            "Q4_0": (18, 0, None), "Q5_0": (22, 0, None), "Q5_1": (24, 0, 2), "IQ4_NL": (18, 0, None),
@@ -68,7 +68,10 @@ def scales_and_offsets(data: np.ndarray, type_name: str) -> np.ndarray:
         offset = np.zeros_like(scale)
     elif type_name == "Q5_1":
         scale, offset = d, _half(blocks, m_at)
-    else:  # Q4_0, Q5_0, IQ4_NL: d * (q - 8), d * (q - 16), d * (one of 16 int8 values): q8_0's d * q
+    elif type_name == "Q4_0":  # d * (q - 8) = d * q - 8 d (all exact)
+        scale, offset = d, d * -8.0
+    else:  # Q5_0, IQ4_NL: d * (q - 16) (q8_0's d * q: its 5-bit lookup costs more than it saves on
+        # 576-wide rows, SmolLM2's fallback type), d * (one of 16 int8 values)
         scale, offset = d, np.zeros_like(d)
     rows = data.shape[:-1]
     return np.concatenate([scale.reshape(*rows, -1), offset.reshape(*rows, -1)], axis=-1)
