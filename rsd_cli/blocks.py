@@ -9,7 +9,10 @@ forward of a few tokens.
 
 Here such a weight is recognised from its float32 values alone (the blocks are recovered and
 checked to give back every value bit for bit; any other weight is left as it is) and kept as
-its blocks beside the float32 one: 0.75 bytes a weight for Q4_1, 1.125 for Q8_0. Weights whose
+its blocks beside the float32 one: 0.75 bytes a weight for Q4_1, 1.125 for Q8_0. The K-quants most
+GGUF files hold (Q4_K_M...) and IQ4 cannot be told from their values alone; their files' own
+scales are kept at conversion (rsd_cli/gguf_hints.py, a weight's Hint) and make blocks of their
+formats here (Q4_1, Q5_1, IQ4, 8-bit with a scale per 16), checked the same way. Weights whose
 values are half-precision or bfloat16 floats (the embedded draft's adapter is stored in float16;
 models published in bfloat16 and loaded in float32 on a CPU) are kept as those, 2 bytes. A small C
 kernel, compiled once per machine with the system's C compiler into the rsd cache folder,
@@ -261,8 +264,8 @@ FORMAT_KERNELS(iq4, 20)
 static const int FORMAT_BYTES[7] = {24, 36, 64, 64, 28, 40, 20};  /* a block's, in each format */
 
 /* y (M, N) = x (M, K) @ W^T, W (N, K) as N rows of K / 32 blocks of one format: 0 Q4_1, 1 Q8_0,
-   2 half floats, 3 bfloat16, 4 Q5_1, 5 int8 with a scale per 16, 6 IQ4 (d times a 4-bit grid); y's rows ldy floats apart.
-   Shared out among the threads of the team that calls it (each of its threads calls it: an
+   2 half floats, 3 bfloat16, 4 Q5_1, 5 int8 with a scale per 16, 6 IQ4 (d times a 4-bit grid);
+   y's rows ldy floats apart. Shared out among the threads of the team that calls it (each of its threads calls it: an
    orphaned loop, a barrier at its end) */
 static void strided_team(const float* x, const uint8_t* w, float* y, int M, int N, int K, int ldy, int format,
                          int threads) {
@@ -654,8 +657,8 @@ static void silu_times(const float* gate, int I, int j0, int j1, float* out) {
    in place. New keys and values go to slots kv_len - n .. kv_len - 1 of keys, values (kv_heads,
    capacity, hd); mask (n, kv_len) additive.
    linears: q, k and v stacked (formats[0], [4], [5]), o (formats[1]), gate and up stacked
-   (formats[2], [6]), down (formats[3]). dims: D, heads, kv_heads, hd, intermediate. scratch: blocks_scratch floats;
-   kinds: the mask's chunk_kinds. Every thread of a team of `threads` calls it: each step is a loop
+   (formats[2], [6]), down (formats[3]). dims: D, heads, kv_heads, hd, intermediate. scratch:
+   blocks_scratch floats; kinds: the mask's chunk_kinds. Every thread of a team of `threads` calls it: each step is a loop
    shared out among them, the next begins after the barrier at its end (one parallel region a
    forward, not six a layer: a barrier costs ~0.2 us on 2 cores, a new region ~0.4, and more with
    more threads). */
@@ -772,7 +775,8 @@ void blocks_layer(float* x, int n, const float* cos, const float* sin, const flo
 
 
 /* Q4_1 blocks (nblocks, 24 bytes) of a float32 weight, given each block's smallest value m and
-   its scale d (a half float): q = round((w - m) / d) in 0..15 (d = 0: q = 0), two per byte, then d
+   its scale d (a half float; or a GGUF file's own: blocks.Hint): q = round((w - m) / d) in 0..15
+   (d = 0: q = 0), two per byte, then d
    and m. Returns how many blocks do not give back all 32 values as d * q + m (0: every value
    comes back, the blocks are the weight). What q4_1_blocks computes with torch, in one pass. */
 int64_t q4_1_pack(const float* w, const float* low, const float* scale, int64_t nblocks, uint8_t* out,
@@ -799,8 +803,9 @@ int64_t q4_1_pack(const float* w, const float* low, const float* scale, int64_t 
   return bad;
 }
 
-/* Q8_0 blocks (nblocks, 36 bytes) given each block's scale d (a half float; negative in Q4_0 files): q = round(w / d) in
-   -127..127, then d; returns how many blocks do not give back every value as d * q. */
+/* Q8_0 blocks (nblocks, 36 bytes) given each block's scale d (a half float; negative in Q5_0
+   files): q = round(w / d) in -127..127, then d; returns how many blocks do not give back every
+   value as d * q. */
 int64_t q8_0_pack(const float* w, const float* scale, int64_t nblocks, uint8_t* out, int threads) {
   int64_t bad = 0;
   #pragma omp parallel for num_threads(threads) reduction(+:bad) schedule(static)
@@ -1090,8 +1095,9 @@ def _finite(weight: torch.Tensor) -> bool:
 
 def quantised_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight in the most compact of FORMATS that holds its values exactly (q4_1_blocks,
-    q8_0_blocks, f16_blocks, bf16_blocks), or None: not a float32 CPU matrix whose rows split into
-    blocks of 32, or its values are none of those."""
+    q8_0_blocks, f16_blocks, bf16_blocks; first the blocks its Hint gives, where its file gave
+    one), or None: not a float32 CPU matrix whose rows split into blocks of 32, or its values are
+    none of those."""
     if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu"
             or weight.shape[1] % BLOCK or not _finite(weight)):
         return None
@@ -1137,8 +1143,8 @@ def hinted_blocks(weight: torch.Tensor, hint: Hint, lib=None) -> torch.Tensor | 
     out_features, in_features = weight.shape
     group = 16 if hint.format == "q8_16" else BLOCK
     affine = hint.format in ("q4_1", "q5_1")
-    if (not lib or hint.format not in BYTES or in_features % BLOCK or hint.scale.shape != (out_features, in_features // group)
-            or (hint.offset is not None) != affine
+    if (not lib or hint.format not in BYTES or in_features % BLOCK
+            or hint.scale.shape != (out_features, in_features // group) or (hint.offset is not None) != affine
             or (affine and hint.offset.shape != (out_features, in_features // BLOCK))):
         return None
     values = weight.detach().contiguous()

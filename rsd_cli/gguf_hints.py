@@ -11,7 +11,8 @@ instead of 0.75. This module reads d and m from the file's own bytes, in the ord
 gives the rows (its own loader runs once more, with `gguf.dequantize` answering these instead of
 values), so that each becomes blocks of one of the kernel's formats that give back every float32
 value transformers made (q4_1 for Q4_K and Q4_0, q5_1 for Q5_K and Q5_1, q8_16 for Q6_K and
-Q3_K, q8_0 for Q5_0, iq4 for IQ4_NL and IQ4_XS): the same arithmetic, d * q exact and one rounding for + m.
+Q3_K, q8_0 for Q5_0, iq4 for IQ4_NL and IQ4_XS): the same arithmetic, d * q exact and one
+rounding for + m.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from pathlib import Path
 import numpy as np
 
 HINTS_FILE = "rsd-block-hints.safetensors"
-QK_K = 256  # weights in a K-quant super-block
 
 # a GGUF tensor type -> (the kernel's format for it, weights a scale covers)
 FORMAT_OF = {"Q4_K": ("q4_1", 32), "Q5_K": ("q5_1", 32), "Q6_K": ("q8_16", 16), "Q3_K": ("q8_16", 16),
@@ -144,18 +144,21 @@ def attach_hints(model, folder: Path) -> int:
     import torch
     from safetensors import safe_open
 
-    from .blocks import HINT, Hint
+    from .blocks import HINT
 
     attached = 0
     with safe_open(str(path), framework="pt") as f:
-        formats = f.metadata() or {}
+        formats, stored = f.metadata() or {}, set(f.keys())
         for name, weight in model.named_parameters():
-            if name not in formats or name not in f.keys():
-                continue
-            values = f.get_tensor(name).to(torch.float32)
-            half = values.shape[1] // 2
-            affine = formats[name] in ("q4_1", "q5_1")
-            setattr(weight, HINT, Hint(formats[name], values[:, :half].contiguous(),
-                                       values[:, half:].contiguous() if affine else None))
-            attached += 1
+            if name in formats and name in stored:
+                setattr(weight, HINT, hint(formats[name], f.get_tensor(name).to(torch.float32)))
+                attached += 1
     return attached
+
+
+def hint(fmt: str, values):
+    """blocks.Hint of a weight in format `fmt` from its scales_and_offsets (a tensor)."""
+    from .blocks import Hint
+
+    half = values.shape[1] // 2
+    return Hint(fmt, values[:, :half].contiguous(), values[:, half:].contiguous() if fmt in ("q4_1", "q5_1") else None)

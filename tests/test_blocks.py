@@ -642,9 +642,8 @@ def test_gguf_types_become_blocks_only_with_their_hint_and_give_back_every_value
     values = dequantise_k(raw, kind)
     fmt, group = gguf_hints.FORMAT_OF[kind]
     found = torch.from_numpy(gguf_hints.scales_and_offsets(raw, kind))
-    half = found.shape[1] // 2
-    assert half == 512 // group
-    hint = blocks.Hint(fmt, found[:, :half].contiguous(), found[:, half:].contiguous() if fmt in ("q4_1", "q5_1") else None)
+    assert found.shape == (48, 2 * 512 // group)
+    hint = gguf_hints.hint(fmt, found)
     if kind.endswith("_K") or kind.startswith("IQ"):
         assert blocks.quantised_blocks(values) is None
     portable = blocks.build(tmp_path, (*blocks.FLAGS, "-mno-avx512f"))
@@ -654,8 +653,8 @@ def test_gguf_types_become_blocks_only_with_their_hint_and_give_back_every_value
         made = blocks.hinted_blocks(values, hint, lib)
         assert made is not None and blocks.block_format(made) == fmt and made.shape == (48, 16, blocks.BYTES[fmt])
         for rows in (1, 3, 8, 64):
-            assert torch.equal(blocks_linear_with(lib, torch.eye(512)[:rows], made), values.T[:rows])
-        torch.testing.assert_close(blocks_linear_with(lib, x, made), exact, rtol=1e-5, atol=1e-5)
+            assert torch.equal(blocks.blocks_linear(torch.eye(512)[:rows], made, lib=lib), values.T[:rows])
+        torch.testing.assert_close(blocks.blocks_linear(x, made, lib=lib), exact, rtol=1e-5, atol=1e-5)
     setattr(values, blocks.HINT, hint)
     assert blocks.block_format(blocks.quantised_blocks(values)) == fmt
     nudged = values.clone()
@@ -664,10 +663,6 @@ def test_gguf_types_become_blocks_only_with_their_hint_and_give_back_every_value
     wrong = blocks.Hint(fmt, hint.scale * 2, hint.offset)
     assert blocks.hinted_blocks(values, wrong) is None
     assert blocks.hinted_blocks(values[:, :256], hint) is None  # a hint of another shape
-
-
-def blocks_linear_with(lib, x, made):
-    return blocks.blocks_linear(x, made, lib=lib)
 
 
 def test_a_k_quant_model_runs_every_layer_in_c_with_mixed_formats_in_its_stacks(monkeypatch):

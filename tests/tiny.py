@@ -322,9 +322,6 @@ def quantise_like_k_quants(model):
             kind = k_quant_type(name)
             raw = quantise_k(parameter, kind)
             parameter.copy_(dequantise_k(raw, kind).reshape(parameter.shape))
-            fmt, _ = gguf_hints.FORMAT_OF[kind]
             values = torch.from_numpy(gguf_hints.scales_and_offsets(raw, kind))
-            half = values.shape[1] // 2
-            setattr(parameter, blocks.HINT, blocks.Hint(fmt, values[:, :half].contiguous(),
-                                                        values[:, half:].contiguous() if fmt in ("q4_1", "q5_1") else None))
+            setattr(parameter, blocks.HINT, gguf_hints.hint(gguf_hints.FORMAT_OF[kind][0], values))
     return model
