@@ -220,18 +220,31 @@ static int tile_columns(int N, int threads) {
   return cols > 32 ? 32 : cols < 1 ? 1 : cols;
 }
 
+/* how many of M rows of x go together against a weight row (at most 8): all, where they fit in
+   30 KB, else as few even groups as fit. Once the rows reach 32 KB the weights streaming past
+   evict them from the first-level cache (48 KB here) and every weight row reads them again from
+   the second: 100 MB of Q4_1 rows 2048 wide, 4 rows at once took 7.3 ms, in twos 4.8 (the tile's
+   weights from memory once, then from the second-level cache), 2 rows 2.4; 4 rows 1920 wide (30
+   KB) 4.5 at once, 4.9 in twos. A row's sum is the same whichever rows come with it. */
+static int row_group(int M, int K) {
+  int fit = (int)((size_t)30 * 1024 / ((size_t)K * sizeof(float)));
+  fit = fit < 1 ? 1 : fit > 8 ? 8 : fit;
+  const int passes = (M + fit - 1) / fit;
+  return passes > 0 ? (M + passes - 1) / passes : 1;
+}
+
 #define FORMAT_KERNELS(FORMAT, BYTES)                                                         \
 DOT_ROWS(FORMAT, BYTES, 1) DOT_ROWS(FORMAT, BYTES, 2) DOT_ROWS(FORMAT, BYTES, 3)              \
 DOT_ROWS(FORMAT, BYTES, 4) DOT_ROWS(FORMAT, BYTES, 8)                                         \
 static void FORMAT##_linear_team(const float* x, const uint8_t* w, float* y, int M, int N,   \
                                  int K, int ldy, int threads) {                               \
   const size_t row_bytes = (size_t)(K / BLOCK) * BYTES;                                       \
-  const int cols = tile_columns(N, threads);                                                  \
+  const int cols = tile_columns(N, threads), group = row_group(M, K);                          \
   _Pragma("omp for schedule(static)")                                                         \
   for (int n0 = 0; n0 < N; n0 += cols) {                                                      \
     const int n1 = n0 + cols < N ? n0 + cols : N;                                             \
-    for (int r0 = 0; r0 < M; r0 += 8) {                                                       \
-      const int m = M - r0 < 8 ? M - r0 : 8;                                                  \
+    for (int r0 = 0; r0 < M; r0 += group) {                                                   \
+      const int m = M - r0 < group ? M - r0 : group;                                          \
       const float* xt = x + (size_t)r0 * K;                                                   \
       for (int n = n0; n < n1; n++) {                                                         \
         const uint8_t* wn = w + (size_t)n * row_bytes;                                        \
