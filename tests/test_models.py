@@ -86,27 +86,39 @@ def test_the_gguf_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch):
     assert other != cached and (other / "rsd-complete").is_file()
 
 
-def k_quant_gguf(path: Path, layers: int = 2, seed: int = 0):
-    """A tiny Llama written as a Q4_K_M-like GGUF file (tiny.k_quant_type); returns the float model."""
-    from transformers import LlamaForCausalLM
+def k_quant_gguf(path: Path, layers: int = 2, seed: int = 0, kind: str = "llama"):
+    """A tiny Llama (or Qwen2) written as a Q4_K_M-like GGUF file (tiny.k_quant_type); returns the
+    float model."""
+    from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
     from tiny import k_quant_type, tiny_config
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_config(40, layers, 0.1, hidden_size=256, intermediate_size=512, head_dim=64)).eval()
+    sizes = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+    if kind == "qwen2":
+        config = Qwen2Config(**{**tiny_config(40, layers, 0.1).to_dict(), **sizes, "sliding_window": None})
+        model = Qwen2ForCausalLM(config).eval()
+        with torch.no_grad():  # biases that matter
+            for layer in model.model.layers:
+                for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    linear.bias.normal_(0.0, 0.1)
+    else:
+        model = LlamaForCausalLM(tiny_config(40, layers, 0.1, **sizes)).eval()
     write_tiny_gguf(path, model, k_quant_type)
     return model
 
 
-def test_a_k_quant_gguf_keeps_its_quantisation_and_its_weights_run_as_blocks(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_k_quant_gguf_keeps_its_quantisation_and_its_weights_run_as_blocks(kind, tmp_path, monkeypatch):
     """A Q4_K/Q5_K/Q6_K file's scales and offsets are kept beside its converted weights (their rows
-    where transformers puts them: q and k permuted back) and each loaded weight becomes blocks of
-    its format, giving back the float32 values transformers made, loaded light or not."""
+    where transformers puts them: Llama's q and k permuted back, Qwen2's as written) and each loaded
+    weight becomes blocks of its format, giving back the float32 values transformers made, loaded
+    light or not."""
     from rsd_cli import blocks, gguf_hints
     from tiny import k_quant_type
 
     monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
     gguf_file = tmp_path / "tiny-q4_k_m.gguf"
-    k_quant_gguf(gguf_file)
+    k_quant_gguf(gguf_file, kind=kind)
     cached = models.gguf_to_cache(gguf_file)
     assert json.loads((cached / "rsd-complete").read_text())["hints"] == 16  # every 2-D tensor of 2 layers
     assert (cached / gguf_hints.HINTS_FILE).is_file()
@@ -126,10 +138,12 @@ def test_a_k_quant_gguf_keeps_its_quantisation_and_its_weights_run_as_blocks(tmp
     assert blocks.quantised_blocks(q) is None
 
 
-def test_generate_on_a_k_quant_gguf_runs_its_layers_in_c_with_transformers_greedy_answer(tmp_path, monkeypatch):
-    """`rsd generate` with a Q4_K_M-like GGUF file as the target (its first layer the draft): on the
-    static-cache runtime every layer runs in C on the file's own blocks (q4_1, q5_1 and q8_16, mixed
-    within q/k/v and gate/up), and the greedy answer is the one transformers' forward gives."""
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_generate_on_a_k_quant_gguf_runs_its_layers_in_c_with_transformers_greedy_answer(kind, tmp_path, monkeypatch):
+    """`rsd generate` with a Q4_K_M-like GGUF file (Llama's, Qwen2's) as the target (its first layer
+    the draft): on the static-cache runtime every layer runs in C on the file's own blocks (q4_1,
+    q5_1 and q8_16, mixed within q/k/v and gate/up), and the greedy answer is the one transformers'
+    forward gives."""
     from typer.testing import CliRunner
 
     from rsd_cli import blocks, compiled
@@ -140,7 +154,7 @@ def test_generate_on_a_k_quant_gguf_runs_its_layers_in_c_with_transformers_greed
     monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(compiled, "compiled_gain", lambda model: 1.5)  # --compile auto: uncompiled, not measured
     gguf_file = tmp_path / "tiny-q4_k_m.gguf"
-    k_quant_gguf(gguf_file, layers=3, seed=4)
+    k_quant_gguf(gguf_file, layers=3, seed=4, kind=kind)
     profile = tmp_path / "k.toml"
     profile.write_text(f'[target]\nsource = "{gguf_file}"\n[draft]\nkind = "early-exit"\nlayers = 1\nadapter = ""\n'
                        '[decoding]\nvariant = "rsd-c"\nbranching = [2, 2]\n')

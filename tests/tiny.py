@@ -88,13 +88,15 @@ def save_tiny_pair(root: Path, vocab: int = 40) -> tuple[Path, Path]:
 
 
 def write_tiny_gguf(path: Path, model, types=None) -> None:
-    """Write a tiny Llama as a GGUF file (with a byte-level BPE tokenizer), as llama.cpp would:
-    every tensor F32, or the type `types(gguf name)` names (quantise_k's; None: F32)."""
+    """Write a tiny Llama (or Qwen2: its architecture, q/k/v biases, q and k not permuted) as a
+    GGUF file (with a byte-level BPE tokenizer), as llama.cpp would: every tensor F32, or the type
+    `types(gguf name)` names (quantise_k's; None: F32)."""
     import gguf
     import numpy as np
 
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
+    architecture = cfg.model_type
+    writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -125,11 +127,12 @@ def write_tiny_gguf(path: Path, model, types=None) -> None:
     for i in range(cfg.num_hidden_layers):
         for hf, gg in parts.items():
             names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
+            names[f"model.layers.{i}.{hf}.bias"] = f"blk.{i}.{gg}.bias"
     for key, value in model.state_dict().items():
         array = value.numpy().astype(np.float32)
-        if "q_proj" in key:
+        if architecture == "llama" and "q_proj" in key:
             array = permute(array, cfg.num_attention_heads)
-        elif "k_proj" in key:
+        elif architecture == "llama" and "k_proj" in key:
             array = permute(array, cfg.num_key_value_heads)
         kind = types(names[key]) if types is not None and array.ndim == 2 else None
         if kind is None:
