@@ -701,6 +701,8 @@ def test_a_k_quant_model_runs_every_layer_in_c_with_mixed_formats_in_its_stacks(
         decoder = Decoder(kernel, kernel, V, shape, SamplingParams(temperature=0), set(), runtimes=runtimes)
         tokens = [t for event in decoder.generate(PROMPT, 20, 0) for t in event.emitted]
         assert tokens == plain_greedy(reference, 20), shape.describe()
+    # compiled (--compile on): the graph's products on the same blocks, new formats included
+    assert_same_tree_logits(StaticLM(CompiledModel(kernel, True), V, capacity=12), CachedLM(reference, V))
 
 
 @pytest.mark.parametrize("fmt", ["f16", "bf16"])
