@@ -347,9 +347,13 @@ def _convert_gguf(gguf: Path, target: Path, progress: Progress) -> None:
         with contextlib.redirect_stderr(io.StringIO()), _gguf_parsed_once():
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-            hints = gguf_hints.read_hints(gguf, model) if gguf_hints.hinted_types(gguf) else {}
+            types = gguf_hints.hinted_types(gguf)
+            hints = gguf_hints.read_hints(gguf, model) if types else {}
     except Exception as e:  # transformers raises many types for unreadable GGUF files
         raise RsdError(f"cannot load GGUF file {gguf}: {e}") from None
+    if types and not hints:
+        progress(f"could not read the scales of {gguf.name}'s {', '.join(sorted(types))} weights with this "
+                 "transformers: on a CPU they run as float32 (slower)")
     # a GGUF-loaded model refuses save_pretrained while it remembers its quantiser
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

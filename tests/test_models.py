@@ -1,4 +1,5 @@
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -181,6 +182,8 @@ def test_a_conversion_by_an_earlier_rsd_is_redone_only_where_the_file_has_hints_
     """Caches converted before hints were kept (no "hints" in their marker): a K-quant file's is
     converted again, once; a file with nothing to keep (F32 here, the embedded Q4_1) keeps its copy,
     marked so it is not asked again."""
+    from rsd_cli import gguf_hints
+
     monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
     plain, quantised = tmp_path / "plain.gguf", tmp_path / "quantised.gguf"
     write_tiny_gguf(plain, tiny_model(40, layers=2, seed=0, scale=0.3))
@@ -199,6 +202,13 @@ def test_a_conversion_by_an_earlier_rsd_is_redone_only_where_the_file_has_hints_
     assert conversions == ["quantised.gguf"]
     assert json.loads((models.gguf_to_cache(plain) / "rsd-complete").read_text())["hints"] == 0
     assert json.loads((models.gguf_to_cache(quantised) / "rsd-complete").read_text())["hints"] == 16
+    # where transformers' loader cannot give the scales, the conversion says so and goes on
+    monkeypatch.setattr(gguf_hints, "read_hints", lambda *args: {})
+    said = []
+    cached = models.gguf_to_cache(quantised)
+    shutil.rmtree(cached)
+    models.gguf_to_cache(quantised, said.append)
+    assert any("could not read the scales" in line and "Q4_K, Q5_K, Q6_K" in line for line in said), said
 
 
 def test_parallel_first_runs_convert_a_gguf_once(tmp_path, monkeypatch):
