@@ -113,7 +113,8 @@ def test_every_row_and_column_tile_is_computed(threads):
 def test_wide_rows_give_each_row_the_same_bits_whatever_rows_come_with_it(fmt, tmp_path):
     """A row's product has the same bits alone and among 2-9 others (each row tile sums in its
     own registers, in the same order), as a token's logits must alone in a chain or in a tree —
-    here for wide rows (2560 weights) and every row tile; AVX-512 and the portable loop alike."""
+    here for wide rows (2560 weights: the rows go in groups of at most 3, what fits the first-level
+    cache) and every row tile; AVX-512 and the portable loop alike."""
     w = weight(fmt, out_features=37, in_features=2560, seed=5)
     found = blocks.quantised_blocks(w)
     x = torch.randn(10, 2560)
