@@ -787,6 +787,22 @@ void blocks_layer(float* x, int n, const float* cos, const float* sin, const flo
 }
 
 
+/* the codes of n values x of one scale d and offset m: q = round((x - m) / d) (half to even, as
+   torch.round; d = 0: q = round(x - m)) held to low..high; returns whether every d * q + m gives
+   its x back (d * q + m rounds once, fused or not: d * q is exact for the scales these packs get,
+   and + 0 changes no product) */
+static int codes_of(const float* x, int n, float d, float m, float low, float high, int* q) {
+  const float divisor = d != 0 ? d : 1.0f;
+  int exact = 1;
+  for (int j = 0; j < n; j++) {
+    float r = nearbyintf((x[j] - m) / divisor);
+    r = r < low ? low : (r > high ? high : r);
+    exact &= (r * d + m == x[j]);
+    q[j] = (int)r;
+  }
+  return exact;
+}
+
 /* Q4_1 blocks (nblocks, 24 bytes) of a float32 weight, given each block's smallest value m and
    its scale d (a half float; or a GGUF file's own: blocks.Hint): q = round((w - m) / d) in 0..15
    (d = 0: q = 0), two per byte, then d
@@ -797,17 +813,9 @@ int64_t q4_1_pack(const float* w, const float* low, const float* scale, int64_t 
   int64_t bad = 0;
   #pragma omp parallel for num_threads(threads) reduction(+:bad) schedule(static)
   for (int64_t b = 0; b < nblocks; b++) {
-    const float* x = w + b * BLOCK;
-    const float m = low[b], d = scale[b], divisor = d != 0 ? d : 1.0f;
-    uint8_t q[BLOCK];
-    int exact = 1;
-    for (int j = 0; j < BLOCK; j++) {
-      float r = nearbyintf((x[j] - m) / divisor);  /* (half to even, as torch.round) */
-      r = r < 0.0f ? 0.0f : (r > 15.0f ? 15.0f : r);
-      exact &= (r * d + m == x[j]);  /* r * d is exact: a fused multiply-add rounds the same */
-      q[j] = (uint8_t)r;
-    }
-    bad += !exact;
+    const float m = low[b], d = scale[b];
+    int q[BLOCK];
+    bad += !codes_of(w + b * BLOCK, BLOCK, d, m, 0.0f, 15.0f, q);
     uint8_t* o = out + b * 24;
     for (int j = 0; j < 16; j++) o[j] = (uint8_t)(q[j] | (q[j + 16] << 4));
     memcpy(o + 16, &d, 4);
@@ -823,19 +831,11 @@ int64_t q8_0_pack(const float* w, const float* scale, int64_t nblocks, uint8_t* 
   int64_t bad = 0;
   #pragma omp parallel for num_threads(threads) reduction(+:bad) schedule(static)
   for (int64_t b = 0; b < nblocks; b++) {
-    const float* x = w + b * BLOCK;
-    const float d = scale[b], divisor = d != 0 ? d : 1.0f;
-    int8_t q[BLOCK];
-    int exact = 1;
-    for (int j = 0; j < BLOCK; j++) {
-      float r = nearbyintf(x[j] / divisor);
-      r = r < -127.0f ? -127.0f : (r > 127.0f ? 127.0f : r);
-      exact &= (r * d == x[j]);
-      q[j] = (int8_t)r;
-    }
-    bad += !exact;
+    const float d = scale[b];
+    int q[BLOCK];
+    bad += !codes_of(w + b * BLOCK, BLOCK, d, 0.0f, -127.0f, 127.0f, q);
     uint8_t* o = out + b * 36;
-    memcpy(o, q, BLOCK);
+    for (int j = 0; j < BLOCK; j++) o[j] = (uint8_t)(int8_t)q[j];
     memcpy(o + 32, &d, 4);
   }
   return bad;
@@ -849,19 +849,11 @@ int64_t q5_1_pack(const float* w, const float* low, const float* scale, int64_t 
   int64_t bad = 0;
   #pragma omp parallel for num_threads(threads) reduction(+:bad) schedule(static)
   for (int64_t b = 0; b < nblocks; b++) {
-    const float* x = w + b * BLOCK;
-    const float m = low[b], d = scale[b], divisor = d != 0 ? d : 1.0f;
-    uint8_t q[BLOCK];
+    const float m = low[b], d = scale[b];
+    int q[BLOCK];
+    bad += !codes_of(w + b * BLOCK, BLOCK, d, m, 0.0f, 31.0f, q);
     uint32_t high = 0;
-    int exact = 1;
-    for (int j = 0; j < BLOCK; j++) {
-      float r = nearbyintf((x[j] - m) / divisor);
-      r = r < 0.0f ? 0.0f : (r > 31.0f ? 31.0f : r);
-      exact &= (r * d + m == x[j]);
-      q[j] = (uint8_t)r;
-      high |= (uint32_t)(q[j] >> 4) << j;
-    }
-    bad += !exact;
+    for (int j = 0; j < BLOCK; j++) high |= (uint32_t)(q[j] >> 4) << j;
     uint8_t* o = out + b * 28;
     for (int j = 0; j < 16; j++) o[j] = (uint8_t)((q[j] & 15) | ((q[j + 16] & 15) << 4));
     memcpy(o + 16, &high, 4);
@@ -905,19 +897,11 @@ int64_t q8_16_pack(const float* w, const float* scale, int64_t nblocks, uint8_t*
   int64_t bad = 0;
   #pragma omp parallel for num_threads(threads) reduction(+:bad) schedule(static)
   for (int64_t b = 0; b < nblocks; b++) {
-    const float* x = w + b * BLOCK;
-    int8_t q[BLOCK];
-    int exact = 1;
-    for (int j = 0; j < BLOCK; j++) {
-      const float d = scale[2 * b + j / 16], divisor = d != 0 ? d : 1.0f;
-      float r = nearbyintf(x[j] / divisor);
-      r = r < -127.0f ? -127.0f : (r > 127.0f ? 127.0f : r);
-      exact &= (r * d == x[j]);
-      q[j] = (int8_t)r;
-    }
-    bad += !exact;
+    int q[BLOCK];
+    const int first = codes_of(w + b * BLOCK, 16, scale[2 * b], 0.0f, -127.0f, 127.0f, q);
+    bad += !(first & codes_of(w + b * BLOCK + 16, 16, scale[2 * b + 1], 0.0f, -127.0f, 127.0f, q + 16));
     uint8_t* o = out + b * 40;
-    memcpy(o, q, BLOCK);
+    for (int j = 0; j < BLOCK; j++) o[j] = (uint8_t)(int8_t)q[j];
     memcpy(o + 32, scale + 2 * b, 8);
   }
   return bad;
@@ -1133,6 +1117,12 @@ def quantised_blocks(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 HINT = "rsd_block_hint"  # the attribute of a weight (a Parameter) that holds its Hint, where a file gave one
+AFFINE = ("q4_1", "q5_1")  # the formats whose blocks hold an offset m beside the scale d
+
+
+def scale_group(fmt: str) -> int:
+    """How many weights one scale covers in a format's blocks: 16 in q8_16, else the block's 32."""
+    return 16 if fmt == "q8_16" else BLOCK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1154,8 +1144,7 @@ def hinted_blocks(weight: torch.Tensor, hint: Hint, lib=None) -> torch.Tensor | 
     every value exactly, the hint does not fit the weight, or there is no C library."""
     lib = library() if lib is None else lib
     out_features, in_features = weight.shape
-    group = 16 if hint.format == "q8_16" else BLOCK
-    affine = hint.format in ("q4_1", "q5_1")
+    group, affine = scale_group(hint.format), hint.format in AFFINE
     if (not lib or hint.format not in BYTES or in_features % BLOCK
             or hint.scale.shape != (out_features, in_features // group) or (hint.offset is not None) != affine
             or (affine and hint.offset.shape != (out_features, in_features // BLOCK))):

@@ -227,10 +227,8 @@ def fused_blocks(linears, biased: bool = False) -> torch.Tensor | None:
     """These linears' quantised blocks stacked into one weight's (their outputs side by side), where
     each runs the blocks kernel for every row count (_on_blocks; with `biased`, biases are the
     caller's to add), all in the same format."""
-    if not all(_on_blocks(linear, biased) for linear in linears):
-        return None
-    found = [blocks_of(linear) for linear in linears]
-    return torch.cat(found) if len({block_format(b) for b in found}) == 1 else None
+    found = _parts(linears, biased)
+    return torch.cat(found) if found is not None and len({block_format(b) for b in found}) == 1 else None
 
 
 def final_logits(x, norm, eps: float, head, small: tuple) -> torch.Tensor:

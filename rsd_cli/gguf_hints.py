@@ -23,10 +23,9 @@ import numpy as np
 
 HINTS_FILE = "rsd-block-hints.safetensors"
 
-# a GGUF tensor type -> (the kernel's format for it, weights a scale covers)
-FORMAT_OF = {"Q4_K": ("q4_1", 32), "Q5_K": ("q5_1", 32), "Q6_K": ("q8_16", 16), "Q3_K": ("q8_16", 16),
-             "Q4_0": ("q4_1", 32), "Q5_0": ("q8_0", 32), "Q5_1": ("q5_1", 32), "IQ4_NL": ("iq4", 32),
-             "IQ4_XS": ("iq4", 32)}
+# a GGUF tensor type -> the kernel's format for it (blocks.scale_group: the weights a scale covers)
+FORMAT_OF = {"Q4_K": "q4_1", "Q5_K": "q5_1", "Q6_K": "q8_16", "Q3_K": "q8_16", "Q4_0": "q4_1", "Q5_0": "q8_0",
+             "Q5_1": "q5_1", "IQ4_NL": "iq4", "IQ4_XS": "iq4"}
 # each type's block: its bytes and where its half-float d (and m, or K-quants' dmin) lie
 _LAYOUT = {"Q4_K": (144, 0, 2), "Q5_K": (176, 0, 2), "Q6_K": (210, 208, None), "Q3_K": (110, 108, None),
            "Q4_0": (18, 0, None), "Q5_0": (22, 0, None), "Q5_1": (24, 0, 2), "IQ4_NL": (18, 0, None),
@@ -93,6 +92,8 @@ def read_hints(gguf_path: Path, model) -> dict[str, tuple[str, np.ndarray]]:
     import gguf
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from .blocks import scale_group
+
     codes = list(FORMAT_OF)
 
     def dequantize(data, qtype):  # each row: its scales and offsets, then its type's code
@@ -120,7 +121,8 @@ def read_hints(gguf_path: Path, model) -> dict[str, tuple[str, np.ndarray]]:
         code = tensor[:, -1]
         if not (code == code[0]).all() or not 0 <= int(code[0]) < len(codes):
             continue
-        fmt, group = FORMAT_OF[codes[int(code[0])]]
+        fmt = FORMAT_OF[codes[int(code[0])]]
+        group = scale_group(fmt)
         if tensor.shape[1] == 2 * weight.shape[1] // group + 1 and weight.shape[1] % group == 0:
             hints[name] = (fmt, tensor[:, :-1].contiguous())
     return hints
@@ -158,7 +160,7 @@ def attach_hints(model, folder: Path) -> int:
 
 def hint(fmt: str, values):
     """blocks.Hint of a weight in format `fmt` from its scales_and_offsets (a tensor)."""
-    from .blocks import Hint
+    from .blocks import AFFINE, Hint
 
     half = values.shape[1] // 2
-    return Hint(fmt, values[:, :half].contiguous(), values[:, half:].contiguous() if fmt in ("q4_1", "q5_1") else None)
+    return Hint(fmt, values[:, :half].contiguous(), values[:, half:].contiguous() if fmt in AFFINE else None)
