@@ -580,14 +580,38 @@ def test_the_c_layer_matches_transformers_for_trees_pruning_and_growth(quantised
     assert ours.capacity > 12 and ours.length == theirs.length
 
 
+def assert_c_layers_give_transformers_results(monkeypatch, runtimes: tuple, kernel: tuple, reference, shapes_to_try):
+    """A 2-layer target on C layers (runtimes: its CompiledModel and its draft's, uncompiled; kernel:
+    their models) against transformers' forward of `reference`: a tree's logits with both layers in
+    one call of the library and then the head, pruning and growth, and each shape's greedy output
+    equal to plain greedy."""
+    from test_compiled import assert_same_tree_logits
+    from test_engine import PROMPT
+
+    target, draft = runtimes
+    counted = layers_in_c(monkeypatch)
+    ours, theirs = StaticLM(target, V, capacity=12), CachedLM(reference, V)
+    base = assert_same_tree_logits(ours, theirs)
+    assert counted[:2] == [2, "head"]
+    for lm in (ours, theirs):
+        lm.keep(list(range(base)) + [base + n for n in (0, 1, 3, 5)])
+    for chain in ([2], [1, 3], [3, 2] * 10):
+        torch.testing.assert_close(ours.extend(chain, last_only=False), theirs.extend(chain, last_only=False),
+                                   atol=1e-5, rtol=1e-5)
+    ours.release()
+    decoding = Runtimes(target, draft, "auto")
+    for shape in shapes_to_try:
+        decoder = Decoder(kernel[0], kernel[1], V, shape, SamplingParams(temperature=0), set(), runtimes=decoding)
+        tokens = [t for event in decoder.generate(PROMPT, 20, 0) for t in event.emitted]
+        assert tokens == plain_greedy(reference, 20), shape.describe()
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral"])
 def test_qwen2_qwen3_and_mistral_models_run_every_layer_in_c(kind, monkeypatch):
     """Qwen2's layers add biases to q, k and v, Qwen3's RMS-norm each head of q and k, Mistral's are
     Llama's: on quantised weights every layer runs in C (the biases added to the stacked product,
     the head norms before the rotation), with transformers' logits for trees, pruning and growth,
     and each variant's greedy output is plain greedy."""
-    from test_compiled import assert_same_tree_logits
-    from test_engine import PROMPT
     from tiny import tiny_relative
 
     reference = tuple(quantise_like_gguf(tiny_relative(kind, V, layers=layers, seed=seed, scale=0.1))
@@ -599,21 +623,7 @@ def test_qwen2_qwen3_and_mistral_models_run_every_layer_in_c(kind, monkeypatch):
     assert target.all_in_c
     assert all((layer.qkv_bias is not None, layer.head_norms[0] is not None) == (kind == "qwen2", kind == "qwen3")
                for layer in target.native)
-    counted = layers_in_c(monkeypatch)
-    ours, theirs = StaticLM(target, V, capacity=12), CachedLM(reference[0], V)
-    base = assert_same_tree_logits(ours, theirs)
-    assert counted[:2] == [2, "head"]
-    for lm in (ours, theirs):
-        lm.keep(list(range(base)) + [base + n for n in (0, 1, 3, 5)])
-    for chain in ([2], [1, 3], [3, 2] * 10):
-        torch.testing.assert_close(ours.extend(chain, last_only=False), theirs.extend(chain, last_only=False),
-                                   atol=1e-5, rtol=1e-5)
-    ours.release()
-    runtimes = Runtimes(target, draft, "auto")
-    for shape in shapes():
-        decoder = Decoder(kernel[0], kernel[1], V, shape, SamplingParams(temperature=0), set(), runtimes=runtimes)
-        tokens = [t for event in decoder.generate(PROMPT, 20, 0) for t in event.emitted]
-        assert tokens == plain_greedy(reference[0], 20), shape.describe()
+    assert_c_layers_give_transformers_results(monkeypatch, (target, draft), kernel, reference[0], shapes())
 
 
 def k_quant_model(layers: int = 2, seed: int = 0):
@@ -641,7 +651,8 @@ def test_gguf_types_become_blocks_only_with_their_hint_and_give_back_every_value
     w[5, :32] = 0.0  # a block of zeros
     raw = quantise_k(w, kind)
     values = dequantise_k(raw, kind)
-    fmt, group = gguf_hints.FORMAT_OF[kind]
+    fmt = gguf_hints.FORMAT_OF[kind]
+    group = blocks.scale_group(fmt)
     found = torch.from_numpy(gguf_hints.scales_and_offsets(raw, kind))
     assert found.shape == (48, 2 * 512 // group)
     hint = gguf_hints.hint(fmt, found)
@@ -671,7 +682,6 @@ def test_a_k_quant_model_runs_every_layer_in_c_with_mixed_formats_in_its_stacks(
     gate/up whose parts have formats of their own (q4_1 + q8_16, q4_1 + q5_1 here), with
     transformers' logits for trees, pruning and growth, and greedy output equal to plain greedy."""
     from test_compiled import assert_same_tree_logits
-    from test_engine import PROMPT
 
     reference = k_quant_model()
     kernel = copy.deepcopy(reference)
@@ -681,27 +691,14 @@ def test_a_k_quant_model_runs_every_layer_in_c_with_mixed_formats_in_its_stacks(
             setattr(parameter, blocks.HINT, hint)
     install_blocks(kernel)
     layer = kernel.model.layers
-    assert [blocks.block_format(small_batch.blocks_of(m)) for m in (layer[0].self_attn.q_proj, layer[0].self_attn.v_proj,
-            layer[0].mlp.down_proj, layer[1].mlp.up_proj, kernel.lm_head)] == ["q4_1", "q8_16", "q8_16", "q5_1", "q8_16"]
+    linears = (layer[0].self_attn.q_proj, layer[0].self_attn.v_proj, layer[0].mlp.down_proj, layer[1].mlp.up_proj,
+               kernel.lm_head)
+    assert [blocks.block_format(small_batch.blocks_of(m)) for m in linears] == ["q4_1", "q8_16", "q8_16", "q5_1", "q8_16"]
     target = CompiledModel(kernel, False)
     assert target.all_in_c
     assert target.native[0].formats.tolist() == [0, 0, 0, 5, 0, 5, 0]  # q o gate down k v up
     assert target.native[1].formats.tolist() == [0, 0, 0, 0, 0, 0, 4]
-    counted = layers_in_c(monkeypatch)
-    ours, theirs = StaticLM(target, V, capacity=12), CachedLM(reference, V)
-    base = assert_same_tree_logits(ours, theirs)
-    assert counted[:2] == [2, "head"]
-    for lm in (ours, theirs):
-        lm.keep(list(range(base)) + [base + n for n in (0, 1, 3, 5)])
-    for chain in ([2], [1, 3], [3, 2] * 10):
-        torch.testing.assert_close(ours.extend(chain, last_only=False), theirs.extend(chain, last_only=False),
-                                   atol=1e-5, rtol=1e-5)
-    ours.release()
-    runtimes = Runtimes(target, target, "auto")
-    for shape in shapes()[:3]:
-        decoder = Decoder(kernel, kernel, V, shape, SamplingParams(temperature=0), set(), runtimes=runtimes)
-        tokens = [t for event in decoder.generate(PROMPT, 20, 0) for t in event.emitted]
-        assert tokens == plain_greedy(reference, 20), shape.describe()
+    assert_c_layers_give_transformers_results(monkeypatch, (target, target), (kernel, kernel), reference, shapes()[:3])
     # compiled (--compile on): the graph's products on the same blocks, new formats included
     assert_same_tree_logits(StaticLM(CompiledModel(kernel, True), V, capacity=12), CachedLM(reference, V))
 

@@ -326,5 +326,5 @@ def quantise_like_k_quants(model):
             raw = quantise_k(parameter, kind)
             parameter.copy_(dequantise_k(raw, kind).reshape(parameter.shape))
             values = torch.from_numpy(gguf_hints.scales_and_offsets(raw, kind))
-            setattr(parameter, blocks.HINT, gguf_hints.hint(gguf_hints.FORMAT_OF[kind][0], values))
+            setattr(parameter, blocks.HINT, gguf_hints.hint(gguf_hints.FORMAT_OF[kind], values))
     return model
