@@ -92,8 +92,6 @@ def read_hints(gguf_path: Path, model) -> dict[str, tuple[str, np.ndarray]]:
     import gguf
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from .blocks import scale_group
-
     codes = list(FORMAT_OF)
 
     def dequantize(data, qtype):  # each row: its scales and offsets, then its type's code
@@ -121,11 +119,19 @@ def read_hints(gguf_path: Path, model) -> dict[str, tuple[str, np.ndarray]]:
         code = tensor[:, -1]
         if not (code == code[0]).all() or not 0 <= int(code[0]) < len(codes):
             continue
-        fmt = FORMAT_OF[codes[int(code[0])]]
-        group = scale_group(fmt)
-        if tensor.shape[1] == 2 * weight.shape[1] // group + 1 and weight.shape[1] % group == 0:
-            hints[name] = (fmt, tensor[:, :-1].contiguous())
+        found = (FORMAT_OF[codes[int(code[0])]], tensor[:, :-1].contiguous())
+        if fits(found, weight.shape):
+            hints[name] = found
     return hints
+
+
+def fits(hint: tuple, shape) -> bool:
+    """Whether a hint (format, scales_and_offsets) is one for a weight of this (rows, columns) shape."""
+    from .blocks import scale_group
+
+    fmt, values = hint
+    group = scale_group(fmt)
+    return shape[1] % group == 0 and tuple(values.shape) == (shape[0], 2 * shape[1] // group)
 
 
 def save_hints(hints: dict, folder: Path) -> None:

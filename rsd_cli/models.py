@@ -336,37 +336,51 @@ def _converted(target: Path, gguf: Path) -> bool:
 
 
 def _convert_gguf(gguf: Path, target: Path, progress: Progress) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from . import gguf_hints
+    from . import gguf_convert, gguf_hints
 
     quiet_transformers()
     progress(f"converting {gguf.name} to safetensors (once) in {target}")
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
     try:  # transformers draws a tqdm bar of its own while it dequantises: not on rsd's stderr
         with contextlib.redirect_stderr(io.StringIO()), _gguf_parsed_once():
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(partial)
+            hints = gguf_convert.convert(gguf, partial)  # tensor by tensor
+            if hints is None:
+                hints = _convert_whole(gguf, partial)
             types = gguf_hints.hinted_types(gguf)
-            hints = gguf_hints.read_hints(gguf, model) if types else {}
     except Exception as e:  # transformers raises many types for unreadable GGUF files
+        shutil.rmtree(partial, ignore_errors=True)
         raise RsdError(f"cannot load GGUF file {gguf}: {e}") from None
     if types and not hints:
         progress(f"could not read the scales of {gguf.name}'s {', '.join(sorted(types))} weights with this "
                  "transformers: on a CPU they run as float32 (slower)")
+    (partial / "rsd-complete").write_text(json.dumps({"source": str(gguf), "key": "content", "hints": hints}))
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+
+
+def _convert_whole(gguf: Path, folder: Path) -> int:
+    """transformers' own conversion, the whole model in float32 in memory at once (for files
+    gguf_convert does not cover); returns how many tensors got block hints."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from . import gguf_hints
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    hints = gguf_hints.read_hints(gguf, model) if gguf_hints.hinted_types(gguf) else {}
     # a GGUF-loaded model refuses save_pretrained while it remembers its quantiser
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
+    model.save_pretrained(folder)
     if hints:
-        gguf_hints.save_hints(hints, partial)
-    (partial / "rsd-complete").write_text(json.dumps({"source": str(gguf), "key": "content", "hints": len(hints)}))
-    shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)
+        gguf_hints.save_hints(hints, folder)
+    return len(hints)
 
 
 @contextlib.contextmanager

@@ -61,6 +61,46 @@ def test_a_conversion_parses_the_gguf_file_once_and_writes_the_same_files(tmp_pa
         assert (cached / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
 
 
+@pytest.mark.parametrize("kind", ["f32", "f32-tied", "llama", "qwen2"])
+def test_a_gguf_file_converts_tensor_by_tensor_to_what_transformers_loads(kind, tmp_path, monkeypatch):
+    """The conversion writes each tensor as it dequantises it — transformers' whole float32 model is
+    never made — and gives what transformers' own load of the file saves: the same parameters with
+    the same float32 values bit for bit (Llama's q and k rows permuted back, Qwen2's biases, a tied
+    head left out), the same block hints, config and generation config."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from tiny import tiny_config
+
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = tmp_path / f"{kind}.gguf"
+    if kind.startswith("f32"):
+        torch.manual_seed(0)
+        config = tiny_config(40, 2, 0.3, tie_word_embeddings=kind == "f32-tied")
+        write_tiny_gguf(gguf_file, type(tiny_model())(config).eval())
+    else:
+        k_quant_gguf(gguf_file, kind=kind)
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    with models._gguf_parsed_once():
+        models._convert_whole(gguf_file, whole)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
+                        lambda *args, **kwargs: pytest.fail("the whole model was loaded"))
+    cached = models.gguf_to_cache(gguf_file)
+    streamed, expected = load_file(cached / "model.safetensors"), load_file(whole / "model.safetensors")
+    assert sorted(streamed) == sorted(expected)
+    assert ("lm_head.weight" in streamed) == (kind != "f32-tied")
+    for name, values in expected.items():
+        assert streamed[name].dtype == torch.float32 and torch.equal(streamed[name], values), name
+    hints = cached / "rsd-block-hints.safetensors"
+    assert hints.is_file() == (kind in ("llama", "qwen2"))
+    if hints.is_file():
+        streamed, expected = load_file(hints), load_file(whole / hints.name)
+        assert sorted(streamed) == sorted(expected) and len(expected) == 16
+        assert all(torch.equal(streamed[name], values) for name, values in expected.items())
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((cached / name).read_text()) == json.loads((whole / name).read_text()), name
+
+
 def test_the_gguf_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch):
     """A second venv installing the same model file (another path, another mtime) reuses the
     converted copy; a different file at the same path does not."""
@@ -96,7 +136,8 @@ def k_quant_gguf(path: Path, layers: int = 2, seed: int = 0, kind: str = "llama"
     torch.manual_seed(seed)
     sizes = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
     if kind == "qwen2":
-        config = Qwen2Config(**{**tiny_config(40, layers, 0.1).to_dict(), **sizes, "sliding_window": None})
+        llama = {key: value for key, value in tiny_config(40, layers, 0.1).to_dict().items() if key != "model_type"}
+        config = Qwen2Config(**{**llama, **sizes, "sliding_window": None})  # (a model_type kept: a Llama file)
         model = Qwen2ForCausalLM(config).eval()
         with torch.no_grad():  # biases that matter
             for layer in model.model.layers:
@@ -182,7 +223,7 @@ def test_a_conversion_by_an_earlier_rsd_is_redone_only_where_the_file_has_hints_
     """Caches converted before hints were kept (no "hints" in their marker): a K-quant file's is
     converted again, once; a file with nothing to keep (F32 here, the embedded Q4_1) keeps its copy,
     marked so it is not asked again."""
-    from rsd_cli import gguf_hints
+    from rsd_cli import gguf_convert, gguf_hints
 
     monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
     plain, quantised = tmp_path / "plain.gguf", tmp_path / "quantised.gguf"
@@ -203,6 +244,7 @@ def test_a_conversion_by_an_earlier_rsd_is_redone_only_where_the_file_has_hints_
     assert json.loads((models.gguf_to_cache(plain) / "rsd-complete").read_text())["hints"] == 0
     assert json.loads((models.gguf_to_cache(quantised) / "rsd-complete").read_text())["hints"] == 16
     # where transformers' loader cannot give the scales, the conversion says so and goes on
+    monkeypatch.setattr(gguf_convert, "convert", lambda *args: None)  # (transformers' whole load then)
     monkeypatch.setattr(gguf_hints, "read_hints", lambda *args: {})
     said = []
     cached = models.gguf_to_cache(quantised)

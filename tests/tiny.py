@@ -129,6 +129,8 @@ def write_tiny_gguf(path: Path, model, types=None) -> None:
             names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{gg}.weight"
             names[f"model.layers.{i}.{hf}.bias"] = f"blk.{i}.{gg}.bias"
     for key, value in model.state_dict().items():
+        if key == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # (a tied head is the embedding: llama.cpp writes no output.weight)
         array = value.numpy().astype(np.float32)
         if architecture == "llama" and "q_proj" in key:
             array = permute(array, cfg.num_attention_heads)
