@@ -7,8 +7,9 @@ loader runs once for what it decides (the config, the parameter each tensor beco
 of its rows: Llama's q and k are permuted back) with gguf's dequantize answering, for each
 two-dimensional tensor, a small marker — the tensor's index and each row's number — instead of
 its values. Then each tensor is dequantised by gguf's own function, its rows put in that order,
-and written straight into `model.safetensors`: the same float32 values transformers would have
-loaded (tested), with only one tensor's in memory at a time. The scales and offsets of its
+and written straight into `model.safetensors` (files of at most 2 GiB, with an index, for a model
+larger than that): the same float32 values transformers would have loaded (tested), with only one
+tensor's in memory at a time. The scales and offsets of its
 quantised tensors (gguf_hints) come from the same pass.
 
 Architectures whose tensors transformers reshapes or combines (its tensor processors other than
@@ -25,6 +26,8 @@ from pathlib import Path
 import numpy as np
 
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"  # (where the weights take several files)
+SHARD_BYTES = 2**31  # float32 bytes a file at most
 
 
 def convert(gguf_path: Path, folder: Path) -> int | None:
@@ -54,19 +57,27 @@ def convert(gguf_path: Path, folder: Path) -> int | None:
     if tensors is None:
         return None
     hints = {}
-    with (folder / WEIGHTS_FILE).open("wb") as out:
-        out.write(_header({name: shape for name, (shape, _) in tensors.items()}))
-        for name, (_, values) in tensors.items():
-            if isinstance(values, tuple):  # (the file's tensor, its rows in transformers' order)
-                tensor, order = values
-                rows = gguf.dequantize(tensor.data, tensor.tensor_type).reshape(len(order), -1)
-                out.write(np.ascontiguousarray(rows[order], dtype="<f4").tobytes())
-                kind = tensor.tensor_type.name
-                if kind in gguf_hints.FORMAT_OF:
-                    hints[name] = (gguf_hints.FORMAT_OF[kind], torch.from_numpy(np.ascontiguousarray(
-                        gguf_hints.scales_and_offsets(tensor.data, kind)[order])))
-            else:
-                out.write(values.astype("<f4").tobytes())
+    shards = _shards({name: shape for name, (shape, _) in tensors.items()})
+    for file, shapes in shards.items():
+        with (folder / file).open("wb") as out:
+            out.write(_header(shapes))
+            for name in shapes:
+                values = tensors[name][1]
+                if isinstance(values, tuple):  # (the file's tensor, its rows in transformers' order)
+                    tensor, order = values
+                    rows = gguf.dequantize(tensor.data, tensor.tensor_type).reshape(len(order), -1)
+                    out.write(np.ascontiguousarray(rows[order], dtype="<f4").tobytes())
+                    kind = tensor.tensor_type.name
+                    if kind in gguf_hints.FORMAT_OF:
+                        hints[name] = (gguf_hints.FORMAT_OF[kind], torch.from_numpy(np.ascontiguousarray(
+                            gguf_hints.scales_and_offsets(tensor.data, kind)[order])))
+                else:
+                    out.write(values.astype("<f4").tobytes())
+    if len(shards) > 1:
+        weight_map = {name: file for file, shapes in shards.items() for name in shapes}
+        total = sum(4 * int(np.prod(shape, dtype=np.int64)) for shapes in shards.values() for shape in shapes.values())
+        (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                    indent=2) + "\n")
     hints = {name: hint for name, hint in hints.items() if gguf_hints.fits(hint, tensors[name][0])}
     if hints:
         gguf_hints.save_hints(hints, folder)
@@ -133,6 +144,23 @@ def _plan(reader, model, found: dict) -> dict | None:
                 return None
             plan[name] = (shape, made.to(torch.float32).numpy())
     return plan
+
+
+def _shards(shapes: dict[str, tuple]) -> dict[str, dict[str, tuple]]:
+    """{file: {name: shape}}: the tensors in files of at most SHARD_BYTES (a larger tensor alone),
+    one WEIGHTS_FILE where they all fit in one. (torch maps each file whole and privately: one of
+    more than the machine's memory is refused.)"""
+    groups, size = [{}], 0
+    for name, shape in shapes.items():
+        nbytes = 4 * int(np.prod(shape, dtype=np.int64))
+        if groups[-1] and size + nbytes > SHARD_BYTES:
+            groups.append({})
+            size = 0
+        groups[-1][name] = shape
+        size += nbytes
+    if len(groups) == 1:
+        return {WEIGHTS_FILE: groups[0]}
+    return {f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors": group for i, group in enumerate(groups)}
 
 
 def _header(shapes: dict[str, tuple]) -> bytes:

@@ -294,11 +294,20 @@ def available_memory() -> int | None:
     return None
 
 
-def room_to_pack(modules: list, bytes_per_weight: float | None = None) -> bool:
-    """Packed copies (or quantised blocks, at most `bytes_per_weight` each) only while they take at
-    most half the memory still available."""
+def room_to_pack(modules: list, size=None) -> bool:
+    """Packed copies (or quantised blocks, at most `size(weight)` bytes each) only while they take
+    at most half the memory still available."""
     weights = {id(m.weight): m.weight for m in modules}.values()
-    return room_for(sum(w.numel() * (bytes_per_weight or w.element_size()) for w in weights))
+    return room_for(sum(size(w) if size else w.numel() * w.element_size() for w in weights))
+
+
+def blocks_size(weight: torch.Tensor) -> float:
+    """The most bytes the weight's quantised blocks can take: its format's where a GGUF file named
+    it (a hint: 0.56-1.25 bytes a weight), else float16 blocks' 2 a weight."""
+    from .blocks import BLOCK, BYTES, HINT
+
+    hint = getattr(weight, HINT, None)
+    return weight.numel() * (BYTES[hint.format] / BLOCK if hint is not None and hint.format in BYTES else 2)
 
 
 def room_for(needed: int) -> bool:
@@ -355,7 +364,7 @@ def install(model, verdicts: Verdicts | None = None) -> int:
     if verdicts is None and forced == "auto":
         verdicts = Verdicts.load()
     candidates = [module for module in model.modules() if _candidate(module)]
-    if forced in ("auto", "blocks") and blocks_available() and room_to_pack(candidates, bytes_per_weight=2):
+    if forced in ("auto", "blocks") and blocks_available() and room_to_pack(candidates, blocks_size):
         _prepare(candidates, "blocks")  # (None for weights that are not quantised blocks)
     by_shape: dict[tuple, list] = {}  # (shape, block format or None) -> layers
     for module in candidates:

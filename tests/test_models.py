@@ -101,6 +101,32 @@ def test_a_gguf_file_converts_tensor_by_tensor_to_what_transformers_loads(kind, 
         assert json.loads((cached / name).read_text()) == json.loads((whole / name).read_text()), name
 
 
+def test_a_large_gguf_model_converts_into_files_of_at_most_2_gib_that_both_loaders_read(tmp_path, monkeypatch):
+    """torch maps each weights file whole, and a private map larger than the machine's memory is
+    refused ("Cannot allocate memory" for a 7B model's 29 GB of float32): past 2 GiB (here a few
+    kB) the conversion writes several files and an index; light loading and transformers' read
+    them, giving the weights of a conversion into one file."""
+    from safetensors.torch import load_file
+    from rsd_cli import gguf_convert
+
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "one"))
+    gguf_file = tmp_path / "tiny-q4_k_m.gguf"
+    k_quant_gguf(gguf_file)
+    single = load_file(models.gguf_to_cache(gguf_file) / "model.safetensors")
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "several"))
+    monkeypatch.setattr(gguf_convert, "SHARD_BYTES", 300_000)
+    cached = models.gguf_to_cache(gguf_file)
+    files = sorted(cached.glob("model-*.safetensors"))
+    assert len(files) >= 3 and not (cached / "model.safetensors").exists()
+    weight_map = json.loads((cached / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(weight_map) == sorted(single) and sorted(set(weight_map.values())) == [f.name for f in files]
+    assert all(f.stat().st_size <= 300_000 + 4096 or len(load_file(f)) == 1 for f in files)
+    for light in (True, False):
+        model, _ = models.load_model(str(gguf_file), torch.device("cpu"), torch.float32, light=light)
+        state = model.state_dict()
+        assert all(torch.equal(state[name], values) for name, values in single.items())
+
+
 def test_the_gguf_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch):
     """A second venv installing the same model file (another path, another mtime) reuses the
     converted copy; a different file at the same path does not."""
