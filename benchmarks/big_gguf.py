@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}  # per 256 weights
 
 
-def random_blocks(rows: int, columns: int, kind: str, rng) -> "np.ndarray":
+def random_blocks(rows: int, columns: int, kind: str, rng):
     """(rows, bytes) uint8 of random `kind` blocks whose weights are about ±0.02."""
     import numpy as np
 
@@ -170,7 +170,7 @@ def main() -> None:
     folder = args.keep or Path(tempfile.mkdtemp(prefix="rsd-big-gguf-"))
     folder.mkdir(parents=True, exist_ok=True)
     gguf_file = folder / f"random-{args.layers}x{args.hidden}.Q4_K_M.gguf"
-    results = {"sizes": vars(args) | {"keep": str(args.keep), "out": str(args.out)}}
+    results = {"sizes": {key: value for key, value in vars(args).items() if key not in ("keep", "out", "stage", "file")}}
     if not gguf_file.is_file():
         start = time.perf_counter()
         results["weights"] = write_model(gguf_file, args.layers, args.hidden, args.intermediate, args.heads,

@@ -110,14 +110,17 @@ def test_every_row_and_column_tile_is_computed(threads):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_wide_rows_give_each_row_the_same_bits_whatever_rows_come_with_it(fmt, tmp_path):
+@pytest.mark.parametrize("width", [2560, 8192])
+def test_wide_rows_give_each_row_the_same_bits_whatever_rows_come_with_it(fmt, width, tmp_path):
     """A row's product has the same bits alone and among 2-9 others (each row tile sums in its
     own registers, in the same order), as a token's logits must alone in a chain or in a tree —
-    here for wide rows (2560 weights: the rows go in groups of at most 3, what fits the first-level
-    cache) and every row tile; AVX-512 and the portable loop alike."""
-    w = weight(fmt, out_features=37, in_features=2560, seed=5)
+    here for wide rows (2560 weights: up to 3 rows go through whole rows together, what fits the
+    first-level cache, 4 or more a chunk of the row at a time; 8192: even one row in chunks) and
+    every row tile, with sub-tiles of weight rows cut short (37 rows); AVX-512 and the portable
+    loop alike."""
+    w = weight(fmt, out_features=37, in_features=width, seed=5)
     found = blocks.quantised_blocks(w)
-    x = torch.randn(10, 2560)
+    x = torch.randn(10, width)
     exact = (x.double() @ w.double().T).float()
     for lib in (blocks.library(), blocks.build(tmp_path, (*blocks.FLAGS, "-mno-avx512f"))):
         alone = torch.cat([blocks.blocks_linear(x[i:i + 1], found, lib=lib) for i in range(10)])
