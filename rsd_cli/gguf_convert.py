@@ -56,6 +56,24 @@ def convert(gguf_path: Path, folder: Path) -> int | None:
     tensors = _plan(reader, model, found)
     if tensors is None:
         return None
+    hints = _write_weights(folder, tensors)
+    hints = {name: hint for name, hint in hints.items() if gguf_hints.fits(hint, tensors[name][0])}
+    if hints:
+        gguf_hints.save_hints(hints, folder)
+    config.architectures = [type(model).__name__]  # (as save_pretrained records it)
+    config.save_pretrained(folder)
+    GenerationConfig.from_model_config(config).save_pretrained(folder)
+    return len(hints)
+
+
+def _write_weights(folder: Path, tensors: dict) -> dict:
+    """Write _plan's tensors into safetensors files (_shards) in `folder`, one tensor in memory at a
+    time; returns {name: (format, scales_and_offsets)} for those of a gguf_hints.FORMAT_OF type."""
+    import gguf
+    import torch
+
+    from . import gguf_hints
+
     hints = {}
     shards = _shards({name: shape for name, (shape, _) in tensors.items()})
     for file, shapes in shards.items():
@@ -66,25 +84,19 @@ def convert(gguf_path: Path, folder: Path) -> int | None:
                 if isinstance(values, tuple):  # (the file's tensor, its rows in transformers' order)
                     tensor, order = values
                     rows = gguf.dequantize(tensor.data, tensor.tensor_type).reshape(len(order), -1)
-                    out.write(np.ascontiguousarray(rows[order], dtype="<f4").tobytes())
+                    out.write(np.ascontiguousarray(rows[order], dtype="<f4").data)
                     kind = tensor.tensor_type.name
                     if kind in gguf_hints.FORMAT_OF:
                         hints[name] = (gguf_hints.FORMAT_OF[kind], torch.from_numpy(np.ascontiguousarray(
                             gguf_hints.scales_and_offsets(tensor.data, kind)[order])))
                 else:
-                    out.write(values.astype("<f4").tobytes())
+                    out.write(np.ascontiguousarray(values, dtype="<f4").data)
     if len(shards) > 1:
         weight_map = {name: file for file, shapes in shards.items() for name in shapes}
         total = sum(4 * int(np.prod(shape, dtype=np.int64)) for shapes in shards.values() for shape in shapes.values())
         (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                     indent=2) + "\n")
-    hints = {name: hint for name, hint in hints.items() if gguf_hints.fits(hint, tensors[name][0])}
-    if hints:
-        gguf_hints.save_hints(hints, folder)
-    config.architectures = [type(model).__name__]  # (as save_pretrained records it)
-    config.save_pretrained(folder)
-    GenerationConfig.from_model_config(config).save_pretrained(folder)
-    return len(hints)
+    return hints
 
 
 def _row_orders(reader, gguf_path: Path, model, load_gguf_checkpoint) -> dict | None:

@@ -303,7 +303,7 @@ def room_to_pack(modules: list, size=None) -> bool:
 
 def blocks_size(weight: torch.Tensor) -> float:
     """The most bytes the weight's quantised blocks can take: its format's where a GGUF file named
-    it (a hint: 0.56-1.25 bytes a weight), else float16 blocks' 2 a weight."""
+    it (a hint: 0.625-1.25 bytes a weight), else float16 blocks' 2 a weight."""
     from .blocks import BLOCK, BYTES, HINT
 
     hint = getattr(weight, HINT, None)
