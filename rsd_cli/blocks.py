@@ -314,7 +314,6 @@ static int row_group(int M, int K) {
   return passes > 0 ? (M + passes - 1) / passes : 1;
 }
 
-/* rows of x taken in chunks (CHUNKED) where the even groups of at most 8 do not fit in 30 KB */
 /* rows of x taken in chunks (CHUNKED) where even groups of at most 8 do not fit in 30 KB: 0 where they do */
 static int chunked_group(int M, int K) {
   const int passes = (M + 7) / 8, group = passes > 0 ? (M + passes - 1) / passes : 1;
