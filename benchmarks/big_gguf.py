@@ -49,27 +49,10 @@ def write_model(path: Path, layers: int, hidden: int, intermediate: int, heads: 
     import gguf
     import numpy as np
     from k_quants import q4_k_m_type
-    from tiny import CHARS, SPECIALS
+    from tiny import gguf_writer
 
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_context_length(4096)
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(intermediate)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(500000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(vocab)
-    tokens = SPECIALS + CHARS
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * len(tokens))
-    writer.add_token_types([3] * len(SPECIALS) + [1] * len(CHARS))
-    writer.add_token_merges([])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
+    writer = gguf_writer(path, "llama", context=4096, hidden=hidden, layers=layers, intermediate=intermediate,
+                         heads=heads, kv_heads=kv_heads, rope_base=500000.0, eps=1e-5, vocab=vocab)
     rng = np.random.default_rng(0)
     head_dim = hidden // heads
     shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,), "output.weight": (vocab, hidden)}

@@ -87,25 +87,22 @@ def save_tiny_pair(root: Path, vocab: int = 40) -> tuple[Path, Path]:
     return target_dir, draft_dir
 
 
-def write_tiny_gguf(path: Path, model, types=None) -> None:
-    """Write a tiny Llama (or Qwen2: its architecture, q/k/v biases, q and k not permuted) as a
-    GGUF file (with a byte-level BPE tokenizer), as llama.cpp would: every tensor F32, or the type
-    `types(gguf name)` names (quantise_k's; None: F32)."""
+def gguf_writer(path: Path, architecture: str, *, context: int, hidden: int, layers: int, intermediate: int,
+                heads: int, kv_heads: int, rope_base: float, eps: float, vocab: int):
+    """A gguf.GGUFWriter for `path` holding a decoder's sizes and the tiny byte-level BPE tokenizer
+    (SPECIALS + CHARS; the vocabulary may be larger than the tokenizer), ready for its tensors."""
     import gguf
-    import numpy as np
 
-    cfg = model.config
-    architecture = cfg.model_type
     writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(rope_base)
+    writer.add_layer_norm_rms_eps(eps)
+    writer.add_vocab_size(vocab)
     tokens = SPECIALS + CHARS
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
@@ -115,6 +112,22 @@ def write_tiny_gguf(path: Path, model, types=None) -> None:
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
+    return writer
+
+
+def write_tiny_gguf(path: Path, model, types=None) -> None:
+    """Write a tiny Llama (or Qwen2: its architecture, q/k/v biases, q and k not permuted) as a
+    GGUF file (with a byte-level BPE tokenizer), as llama.cpp would: every tensor F32, or the type
+    `types(gguf name)` names (quantise_k's; None: F32)."""
+    import gguf
+    import numpy as np
+
+    cfg = model.config
+    architecture = cfg.model_type
+    writer = gguf_writer(path, architecture, context=cfg.max_position_embeddings, hidden=cfg.hidden_size,
+                         layers=cfg.num_hidden_layers, intermediate=cfg.intermediate_size,
+                         heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, rope_base=10000.0,
+                         eps=cfg.rms_norm_eps, vocab=cfg.vocab_size)
 
     def permute(w, heads):  # llama.cpp's q/k layout
         return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
