@@ -159,29 +159,40 @@ def _plan(reader, model, found: dict) -> dict | None:
 
 
 def _shards(shapes: dict[str, tuple]) -> dict[str, dict[str, tuple]]:
-    """{file: {name: shape}}: the tensors in files of at most SHARD_BYTES (a larger tensor alone),
-    one WEIGHTS_FILE where they all fit in one. (torch maps each file whole and privately: one of
-    more than the machine's memory is refused.)"""
-    groups, size = [{}], 0
-    for name, shape in shapes.items():
-        nbytes = 4 * int(np.prod(shape, dtype=np.int64))
-        if groups[-1] and size + nbytes > SHARD_BYTES:
-            groups.append({})
-            size = 0
-        groups[-1][name] = shape
-        size += nbytes
+    """{file: {name: shape}}: the float32 tensors in files of at most SHARD_BYTES (shards), one
+    WEIGHTS_FILE where they all fit in one."""
+    groups = shards({name: 4 * int(np.prod(shape, dtype=np.int64)) for name, shape in shapes.items()})
     if len(groups) == 1:
-        return {WEIGHTS_FILE: groups[0]}
-    return {f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors": group for i, group in enumerate(groups)}
+        return {WEIGHTS_FILE: {name: shapes[name] for name in groups[0]}}
+    return {f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors": {name: shapes[name] for name in group}
+            for i, group in enumerate(groups)}
+
+
+def shards(sizes: dict[str, int]) -> list[list[str]]:
+    """The names, in order, in groups of at most SHARD_BYTES (a larger tensor alone). (torch maps
+    each safetensors file whole and privately: one of more than the machine's memory is refused.)"""
+    groups, size = [[]], 0
+    for name, nbytes in sizes.items():
+        if groups[-1] and size + nbytes > SHARD_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
 
 
 def _header(shapes: dict[str, tuple]) -> bytes:
     """A safetensors header for float32 tensors of these shapes, written in this order."""
-    entries, at = {}, 0
-    for name, shape in shapes.items():
-        size = 4 * int(np.prod(shape, dtype=np.int64))
-        entries[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [at, at + size]}
+    return header({name: ("F32", shape, 4 * int(np.prod(shape, dtype=np.int64))) for name, shape in shapes.items()})
+
+
+def header(entries: dict[str, tuple[str, tuple, int]], metadata: dict[str, str] | None = None) -> bytes:
+    """A safetensors header for tensors {name: (dtype, e.g. "F32" or "U8", shape, bytes)} written in
+    this order right after it."""
+    described, at = {}, 0
+    for name, (dtype, shape, size) in entries.items():
+        described[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [at, at + size]}
         at += size
-    text = json.dumps({"__metadata__": {"format": "pt"}, **entries}, separators=(",", ":")).encode()
+    text = json.dumps({"__metadata__": {"format": "pt", **(metadata or {})}, **described}, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # (the data starts 8-byte aligned)
     return struct.pack("<Q", len(text)) + text

@@ -261,6 +261,7 @@ def describe_layers(counts: dict[str, int]) -> str:
 
 GGUF_KEY_SAMPLES = 16  # chunks of GGUF_KEY_CHUNK bytes read, evenly spread, to key a file's cache
 GGUF_KEY_CHUNK = 1 << 16
+COMPLETE = "rsd-complete"  # the marker of a finished conversion in its folder
 
 
 def gguf_content_key(gguf: Path) -> str:
@@ -315,7 +316,7 @@ def _converted(target: Path, gguf: Path) -> bool:
     """Whether `target` holds the whole conversion, with the file's block hints (gguf_hints): a
     conversion by an earlier version of rsd, which kept none, stands only where the file has none
     to keep (then marked so, not asked again)."""
-    marker = target / "rsd-complete"
+    marker = target / COMPLETE
     try:
         state = json.loads(marker.read_text())
     except (OSError, ValueError):
@@ -327,7 +328,7 @@ def _converted(target: Path, gguf: Path) -> bool:
     try:
         if hinted_types(gguf):
             return False
-        written = marker.with_name(f"rsd-complete.{os.getpid()}")
+        written = marker.with_name(f"{COMPLETE}.{os.getpid()}")
         written.write_text(json.dumps({**state, "hints": 0}))
         written.replace(marker)
     except Exception:  # (an unreadable header, a read-only cache: the copy stands as it is)
@@ -358,7 +359,7 @@ def _convert_gguf(gguf: Path, target: Path, progress: Progress) -> None:
     if types and not hints:
         progress(f"could not read the scales of {gguf.name}'s {', '.join(sorted(types))} weights with this "
                  "transformers: on a CPU they run as float32 (slower)")
-    (partial / "rsd-complete").write_text(json.dumps({"source": str(gguf), "key": "content", "hints": hints}))
+    (partial / COMPLETE).write_text(json.dumps({"source": str(gguf), "key": "content", "hints": hints}))
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
 
@@ -405,7 +406,7 @@ def _drop_path_keyed_copies(kept: Path) -> None:
     (one ~0.5 GB copy per venv path): nothing reads them any more."""
     stem = kept.name.rsplit("-", 1)[0]
     for old in kept.parent.glob(f"{stem}-*"):
-        marker = old / "rsd-complete"
+        marker = old / COMPLETE
         try:
             stale = old != kept and old.is_dir() and "key" not in json.loads(marker.read_text())
         except (OSError, ValueError, TypeError):
@@ -531,13 +532,19 @@ def load_model(source: str, device, dtype, progress: Progress = _quiet, placemen
         tokenizer = _from_pretrained(AutoTokenizer, location, local)
     if model is None:
         model = _transformers_model(location, local, device, dtype, placement)
-    from . import small_batch
+    from . import blocks_cache, small_batch
 
-    if local and placement is None and next(model.parameters()).device.type == "cpu":
+    converted = local and placement is None and next(model.parameters()).device.type == "cpu"
+    if converted:
         from .gguf_hints import attach_hints
 
         attach_hints(model, Path(location))  # (a converted GGUF file's quantisation, for the CPU kernels)
+        converted = (Path(location) / COMPLETE).is_file()  # (rsd's own conversion: its blocks are kept there)
+        if converted:
+            blocks_cache.attach(model, Path(location))
     small_batch.install(model)
+    if converted:
+        blocks_cache.keep(model, Path(location))  # (once: later loads read them instead of the weights)
     return model, tokenizer
 
 

@@ -206,6 +206,74 @@ def test_a_k_quant_gguf_keeps_its_quantisation_and_its_weights_run_as_blocks(kin
     assert blocks.quantised_blocks(q) is None
 
 
+def test_a_converted_gguf_keeps_its_blocks_and_later_loads_run_on_them_without_reading_the_weights(
+        tmp_path, monkeypatch):
+    """The first load of a converted file writes the blocks its layers run on into the conversion's
+    folder (rsd-blocks/); later loads, light or not, run on those same blocks without recovering or
+    checking them from the float32 values (recovery made to fail here) and give the same logits.
+    A weight changed in place, a damaged or foreign-layout file and a folder rsd did not convert get
+    no kept blocks."""
+    from rsd_cli import blocks, blocks_cache, small_batch
+
+    if not blocks.available():
+        pytest.skip("no C compiler to build the kernel")
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "blocks")
+    gguf_file = tmp_path / "tiny-q4_k_m.gguf"
+    k_quant_gguf(gguf_file)
+    ids = torch.tensor([[1, 5, 6, 7, 9]])
+
+    def load(light=False):  # (a light model has no forward of its own: transformers' runs on the same kernels)
+        model, _ = models.load_model(str(gguf_file), torch.device("cpu"), torch.float32, light=light)
+        linears = {name: small_batch.blocks_of(m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        with torch.no_grad():
+            return model, linears, None if light else model(ids).logits
+
+    _, first, logits = load()
+    kept_folder = models.gguf_to_cache(gguf_file) / blocks_cache.FOLDER
+    assert kept_folder.is_dir() and len(first) == 15 and all(b is not None for b in first.values())
+    written = sorted(kept_folder.iterdir())
+
+    def not_from_the_values(*args):
+        raise AssertionError("blocks recovered from the float32 values")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(blocks, "hinted_blocks", not_from_the_values)
+        patched.setattr(blocks, "_finite", not_from_the_values)
+        for light in (True, False):
+            model, again, later_logits = load(light)
+            assert set(again) == set(first)
+            for name, kept in again.items():
+                assert kept.dtype == first[name].dtype and torch.equal(kept, first[name]), name
+            assert light or torch.equal(later_logits, logits)
+    assert sorted(kept_folder.iterdir()) == written  # (written once)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert blocks.quantised_blocks(q) is not None
+    with torch.no_grad():
+        q[0, 0] += 1e-3  # changed in place: its blocks are recovered and checked again (and no longer fit)
+    assert blocks.quantised_blocks(q) is None
+
+    recovered = []
+    hinted = blocks.hinted_blocks
+    monkeypatch.setattr(blocks, "hinted_blocks", lambda *args: recovered.append(1) or hinted(*args))
+    with monkeypatch.context() as patched:
+        patched.setattr(blocks_cache, "LAYOUT", "0")  # (files of another layout)
+        _, other_layout, other_logits = load()
+    assert len(recovered) == 15 and torch.equal(other_logits, logits)
+    for file in written:
+        file.write_bytes(file.read_bytes()[:100])  # damaged
+    recovered.clear()
+    _, damaged, damaged_logits = load()
+    assert len(recovered) == 15 and torch.equal(damaged_logits, logits)
+
+    # a folder of the user's own (not rsd's conversion) is not written into
+    own = tmp_path / "own"
+    shutil.copytree(models.gguf_to_cache(gguf_file), own, ignore=shutil.ignore_patterns(models.COMPLETE, blocks_cache.FOLDER))
+    gguf_file = own
+    _, made, _ = load()
+    assert all(b is not None for b in made.values()) and not (own / blocks_cache.FOLDER).exists()
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_generate_on_a_k_quant_gguf_runs_its_layers_in_c_with_transformers_greedy_answer(kind, tmp_path, monkeypatch):
     """`rsd generate` with a Q4_K_M-like GGUF file (Llama's, Qwen2's) as the target (its first layer

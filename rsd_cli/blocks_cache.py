@@ -1,0 +1,107 @@
+"""Quantised blocks kept beside the float32 weights of a GGUF file rsd converted.
+
+At a load every CPU weight's blocks are recovered from its float32 values and checked against each
+of them (blocks.quantised_blocks): 4 bytes a weight read to make 0.6-1.25 — for a 7B model 29 GB,
+half a minute or more on a 2-core machine, every time. A folder rsd converted itself (the rsd
+cache's, marked complete) keeps the blocks its first load made in `rsd-blocks/` (files of at most
+2 GiB), and later loads map those instead: where every product of a layer runs on blocks, its
+float32 weights are never read at all (they stay on disk, mapped).
+
+The folder is written whole under another name and renamed, so one that is there is complete; it
+goes with the converted folder, which is replaced whole when its file is converted again. Blocks
+read back serve only the tensor loaded from that folder, unchanged since (its version), and of
+that weight's shape; a weight trained or edited in place gets its blocks recovered and checked
+again.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from .small_batch import _version
+
+FOLDER = "rsd-blocks"
+LAYOUT = "1"  # of the blocks' bytes (blocks.BYTES): files of another layout are not read
+KEPT = "rsd_kept_blocks"  # the attribute of a weight that holds (its version then, blocks read back for it)
+DTYPES = {torch.uint8: "U8", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def attach(model, folder: Path) -> int:
+    """Give each parameter the blocks kept for it in `folder` (attribute KEPT); returns how many got them."""
+    from safetensors import safe_open
+
+    kept = Path(folder) / FOLDER
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        for file in sorted(kept.glob("*.safetensors")) if kept.is_dir() else []:
+            with safe_open(str(file), framework="pt") as f:
+                if (f.metadata() or {}).get("layout") != LAYOUT:
+                    return 0
+                tensors.update({name: f.get_tensor(name) for name in f.keys()})  # (mapped, read where used)
+    except Exception:  # noqa: BLE001 - a damaged file: the blocks are recovered from the weights
+        return 0
+    attached = 0
+    for name, weight in model.named_parameters():
+        if name in tensors:
+            setattr(weight, KEPT, (_version(weight), tensors[name]))
+            attached += 1
+    return attached
+
+
+def kept_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """The blocks read back for this weight (attach), where it has not changed since and they fit its shape."""
+    from .blocks import BLOCK, BYTES
+
+    kept = getattr(weight, KEPT, None)
+    if kept is None or kept[0] != _version(weight):
+        return None
+    blocks = kept[1]
+    rows, columns = weight.shape
+    width = BLOCK if blocks.dtype in (torch.float16, torch.bfloat16) else None
+    fits = blocks.dim() == 3 and tuple(blocks.shape[:2]) == (rows, columns // BLOCK) and columns % BLOCK == 0
+    if not fits or blocks.shape[2] != (width or blocks.shape[2]) or (width is None and (
+            blocks.dtype != torch.uint8 or blocks.shape[2] not in BYTES.values())):
+        return None
+    return blocks
+
+
+def keep(model, folder: Path) -> int:
+    """Write the blocks the model's layers run on into `folder`/FOLDER, where it has none yet;
+    returns how many weights' blocks were written (0 also where the folder cannot be written)."""
+    from .gguf_convert import header, shards
+    from .small_batch import blocks_of
+
+    target = Path(folder) / FOLDER
+    if target.exists():
+        return 0
+    names = {id(weight): name for name, weight in model.named_parameters()}
+    found: dict[str, torch.Tensor] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        blocks = blocks_of(module) if isinstance(weight, torch.Tensor) else None
+        if blocks is not None and id(weight) in names and blocks.dtype in DTYPES:
+            found[names[id(weight)]] = blocks.contiguous()
+    if not found:
+        return 0
+    partial = target.with_name(f"{FOLDER}.{os.getpid()}.partial")
+    try:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        groups = shards({name: blocks.numel() * blocks.element_size() for name, blocks in found.items()})
+        for i, group in enumerate(groups):
+            entries = {name: (DTYPES[found[name].dtype], tuple(found[name].shape),
+                              found[name].numel() * found[name].element_size()) for name in group}
+            with (partial / f"blocks-{i + 1:05d}-of-{len(groups):05d}.safetensors").open("wb") as out:
+                out.write(header(entries, {"layout": LAYOUT}))
+                for name in group:
+                    out.write(found[name].view(torch.uint8).reshape(-1).numpy().data)
+        partial.rename(target)  # (another process's may be there already: then this one is dropped)
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+        return 0
+    return len(found)
+
