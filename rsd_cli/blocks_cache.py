@@ -2,10 +2,11 @@
 
 At a load every CPU weight's blocks are recovered from its float32 values and checked against each
 of them (blocks.quantised_blocks): 4 bytes a weight read to make 0.6-1.25 — for a 7B model 29 GB,
-half a minute or more on a 2-core machine, every time. A folder rsd converted itself (the rsd
-cache's, marked complete) keeps the blocks its first load made in `rsd-blocks/` (files of at most
-2 GiB), and later loads map those instead: where every product of a layer runs on blocks, its
-float32 weights are never read at all (they stay on disk, mapped).
+half a minute on a 2-core machine, every time. A folder rsd converted itself (the rsd cache's,
+marked complete) keeps the blocks in `rsd-blocks/` (files of at most 512 MiB), made by the
+conversion from the values it writes (gguf_convert) or else by the first load, and loads map those
+instead: where every product of a layer runs on blocks, its float32 weights are never read at all
+(they stay on disk, mapped).
 
 The folder is written whole under another name and renamed, so one that is there is complete; it
 goes with the converted folder, which is replaced whole when its file is converted again. Blocks
@@ -28,6 +29,7 @@ FOLDER = "rsd-blocks"
 LAYOUT = "1"  # of the blocks' bytes (blocks.BYTES): files of another layout are not read
 KEPT = "rsd_kept_blocks"  # the attribute of a weight that holds (its version then, blocks read back for it)
 DTYPES = {torch.uint8: "U8", torch.float16: "F16", torch.bfloat16: "BF16"}
+FILE_BYTES = 2**29  # blocks a file at most (a larger weight's alone): what a conversion holds in memory
 
 
 def attach(model, folder: Path) -> int:
@@ -72,7 +74,6 @@ def kept_blocks(weight: torch.Tensor) -> torch.Tensor | None:
 def keep(model, folder: Path) -> int:
     """Write the blocks the model's layers run on into `folder`/FOLDER, where it has none yet;
     returns how many weights' blocks were written (0 also where the folder cannot be written)."""
-    from .gguf_convert import header, shards
     from .small_batch import blocks_of
 
     target = Path(folder) / FOLDER
@@ -83,25 +84,54 @@ def keep(model, folder: Path) -> int:
     for module in model.modules():
         weight = getattr(module, "weight", None)
         blocks = blocks_of(module) if isinstance(weight, torch.Tensor) else None
-        if blocks is not None and id(weight) in names and blocks.dtype in DTYPES:
-            found[names[id(weight)]] = blocks.contiguous()
+        if blocks is not None and id(weight) in names:
+            found[names[id(weight)]] = blocks
     if not found:
         return 0
     partial = target.with_name(f"{FOLDER}.{os.getpid()}.partial")
     try:
         shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir()
-        groups = shards({name: blocks.numel() * blocks.element_size() for name, blocks in found.items()})
-        for i, group in enumerate(groups):
-            entries = {name: (DTYPES[found[name].dtype], tuple(found[name].shape),
-                              found[name].numel() * found[name].element_size()) for name in group}
-            with (partial / f"blocks-{i + 1:05d}-of-{len(groups):05d}.safetensors").open("wb") as out:
-                out.write(header(entries, {"layout": LAYOUT}))
-                for name in group:
-                    out.write(found[name].view(torch.uint8).reshape(-1).numpy().data)
+        writer = Writer(partial)
+        for name, blocks in found.items():
+            writer.add(name, blocks)
+        writer.close()
         partial.rename(target)  # (another process's may be there already: then this one is dropped)
     except OSError:
         shutil.rmtree(partial, ignore_errors=True)
         return 0
     return len(found)
 
+
+class Writer:
+    """Blocks written into a new folder as they come, in safetensors files of at most FILE_BYTES
+    (each file's blocks held until it is full)."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.pending, self.size, self.files, self.written = Path(folder), {}, 0, 0, 0
+        self.folder.mkdir()
+
+    def add(self, name: str, blocks: torch.Tensor) -> None:
+        nbytes = blocks.numel() * blocks.element_size()
+        if self.pending and self.size + nbytes > FILE_BYTES:
+            self.flush()
+        self.pending[name] = blocks.contiguous()
+        self.size += nbytes
+
+    def flush(self) -> None:
+        from .gguf_convert import header
+
+        entries = {name: (DTYPES[blocks.dtype], tuple(blocks.shape), blocks.numel() * blocks.element_size())
+                   for name, blocks in self.pending.items()}
+        self.files += 1
+        with (self.folder / f"blocks-{self.files:05d}.safetensors").open("wb") as out:
+            out.write(header(entries, {"layout": LAYOUT}))
+            for blocks in self.pending.values():
+                out.write(blocks.view(torch.uint8).reshape(-1).numpy().data)
+        self.written += len(self.pending)
+        self.pending, self.size = {}, 0
+
+    def close(self) -> int:
+        """Write what is pending; returns how many weights' blocks the folder holds."""
+        if self.pending:
+            self.flush()
+        return self.written

@@ -56,8 +56,8 @@ def convert(gguf_path: Path, folder: Path) -> int | None:
     tensors = _plan(reader, model, found)
     if tensors is None:
         return None
-    hints = _write_weights(folder, tensors)
-    hints = {name: hint for name, hint in hints.items() if gguf_hints.fits(hint, tensors[name][0])}
+    linears = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Linear)}
+    hints = _write_weights(folder, tensors, {name for name, weight in model.named_parameters() if id(weight) in linears})
     if hints:
         gguf_hints.save_hints(hints, folder)
     config.architectures = [type(model).__name__]  # (as save_pretrained records it)
@@ -66,15 +66,17 @@ def convert(gguf_path: Path, folder: Path) -> int | None:
     return len(hints)
 
 
-def _write_weights(folder: Path, tensors: dict) -> dict:
+def _write_weights(folder: Path, tensors: dict, linears: set[str]) -> dict:
     """Write _plan's tensors into safetensors files (_shards) in `folder`, one tensor in memory at a
-    time; returns {name: (format, scales_and_offsets)} for those of a gguf_hints.FORMAT_OF type."""
+    time, and the blocks the CPU kernels will run the `linears` on (blocks_cache: made here from the
+    same values, so that no load has to read them all to make them); returns {name: (format,
+    scales_and_offsets)} for those of a gguf_hints.FORMAT_OF type whose scales fit the tensor."""
     import gguf
     import torch
 
-    from . import gguf_hints
+    from . import blocks, blocks_cache, gguf_hints
 
-    hints = {}
+    hints, kept = {}, blocks_cache.Writer(folder / blocks_cache.FOLDER) if blocks.available() else None
     shards = _shards({name: shape for name, (shape, _) in tensors.items()})
     for file, shapes in shards.items():
         with (folder / file).open("wb") as out:
@@ -84,18 +86,27 @@ def _write_weights(folder: Path, tensors: dict) -> dict:
                 if isinstance(values, tuple):  # (the file's tensor, its rows in transformers' order)
                     tensor, order = values
                     rows = gguf.dequantize(tensor.data, tensor.tensor_type).reshape(len(order), -1)
-                    out.write(np.ascontiguousarray(rows[order], dtype="<f4").data)
+                    values = np.ascontiguousarray(rows[order], dtype="<f4")
                     kind = tensor.tensor_type.name
                     if kind in gguf_hints.FORMAT_OF:
-                        hints[name] = (gguf_hints.FORMAT_OF[kind], torch.from_numpy(np.ascontiguousarray(
+                        found = (gguf_hints.FORMAT_OF[kind], torch.from_numpy(np.ascontiguousarray(
                             gguf_hints.scales_and_offsets(tensor.data, kind)[order])))
-                else:
-                    out.write(np.ascontiguousarray(values, dtype="<f4").data)
+                        if gguf_hints.fits(found, shapes[name]):
+                            hints[name] = found
+                out.write(np.ascontiguousarray(values, dtype="<f4").data)
+                if kept is not None and name in linears:
+                    weight = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+                    if name in hints:
+                        setattr(weight, blocks.HINT, gguf_hints.hint(hints[name][0], hints[name][1].float()))
+                    if (made := blocks.quantised_blocks(weight)) is not None:
+                        kept.add(name, made)
     if len(shards) > 1:
         weight_map = {name: file for file, shapes in shards.items() for name in shapes}
         total = sum(4 * int(np.prod(shape, dtype=np.int64)) for shapes in shards.values() for shape in shapes.values())
         (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                     indent=2) + "\n")
+    if kept is not None and kept.close() == 0:
+        (folder / blocks_cache.FOLDER).rmdir()  # (no blocks: a load makes none either)
     return hints
 
 
@@ -159,26 +170,20 @@ def _plan(reader, model, found: dict) -> dict | None:
 
 
 def _shards(shapes: dict[str, tuple]) -> dict[str, dict[str, tuple]]:
-    """{file: {name: shape}}: the float32 tensors in files of at most SHARD_BYTES (shards), one
-    WEIGHTS_FILE where they all fit in one."""
-    groups = shards({name: 4 * int(np.prod(shape, dtype=np.int64)) for name, shape in shapes.items()})
-    if len(groups) == 1:
-        return {WEIGHTS_FILE: {name: shapes[name] for name in groups[0]}}
-    return {f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors": {name: shapes[name] for name in group}
-            for i, group in enumerate(groups)}
-
-
-def shards(sizes: dict[str, int]) -> list[list[str]]:
-    """The names, in order, in groups of at most SHARD_BYTES (a larger tensor alone). (torch maps
-    each safetensors file whole and privately: one of more than the machine's memory is refused.)"""
-    groups, size = [[]], 0
-    for name, nbytes in sizes.items():
+    """{file: {name: shape}}: the tensors in files of at most SHARD_BYTES (a larger tensor alone),
+    one WEIGHTS_FILE where they all fit in one. (torch maps each file whole and privately: one of
+    more than the machine's memory is refused.)"""
+    groups, size = [{}], 0
+    for name, shape in shapes.items():
+        nbytes = 4 * int(np.prod(shape, dtype=np.int64))
         if groups[-1] and size + nbytes > SHARD_BYTES:
-            groups.append([])
+            groups.append({})
             size = 0
-        groups[-1].append(name)
+        groups[-1][name] = shape
         size += nbytes
-    return groups
+    if len(groups) == 1:
+        return {WEIGHTS_FILE: groups[0]}
+    return {f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors": group for i, group in enumerate(groups)}
 
 
 def _header(shapes: dict[str, tuple]) -> bytes:

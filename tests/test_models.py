@@ -208,11 +208,14 @@ def test_a_k_quant_gguf_keeps_its_quantisation_and_its_weights_run_as_blocks(kin
 
 def test_a_converted_gguf_keeps_its_blocks_and_later_loads_run_on_them_without_reading_the_weights(
         tmp_path, monkeypatch):
-    """The first load of a converted file writes the blocks its layers run on into the conversion's
-    folder (rsd-blocks/); later loads, light or not, run on those same blocks without recovering or
-    checking them from the float32 values (recovery made to fail here) and give the same logits.
+    """A conversion writes the blocks its linear layers will run on into its folder (rsd-blocks/),
+    or else the first load does (the same blocks); later loads, light or not, run on those same
+    blocks without recovering or checking them from the float32 values (recovery made to fail here)
+    and give the same logits.
     A weight changed in place, a damaged or foreign-layout file and a folder rsd did not convert get
     no kept blocks."""
+    from safetensors.torch import load_file
+
     from rsd_cli import blocks, blocks_cache, small_batch
 
     if not blocks.available():
@@ -222,6 +225,9 @@ def test_a_converted_gguf_keeps_its_blocks_and_later_loads_run_on_them_without_r
     gguf_file = tmp_path / "tiny-q4_k_m.gguf"
     k_quant_gguf(gguf_file)
     ids = torch.tensor([[1, 5, 6, 7, 9]])
+    kept_folder = models.gguf_to_cache(gguf_file) / blocks_cache.FOLDER
+    by_conversion = {name: t for file in kept_folder.iterdir() for name, t in load_file(str(file)).items()}
+    shutil.rmtree(kept_folder)  # (then the first load makes them: the same)
 
     def load(light=False):  # (a light model has no forward of its own: transformers' runs on the same kernels)
         model, _ = models.load_model(str(gguf_file), torch.device("cpu"), torch.float32, light=light)
@@ -230,9 +236,11 @@ def test_a_converted_gguf_keeps_its_blocks_and_later_loads_run_on_them_without_r
             return model, linears, None if light else model(ids).logits
 
     _, first, logits = load()
-    kept_folder = models.gguf_to_cache(gguf_file) / blocks_cache.FOLDER
     assert kept_folder.is_dir() and len(first) == 15 and all(b is not None for b in first.values())
     written = sorted(kept_folder.iterdir())
+    by_load = {name: t for file in written for name, t in load_file(str(file)).items()}
+    assert set(by_load) == set(by_conversion) == {f"{name}.weight" for name in first}
+    assert all(torch.equal(by_load[name], by_conversion[name]) for name in by_load)
 
     def not_from_the_values(*args):
         raise AssertionError("blocks recovered from the float32 values")
