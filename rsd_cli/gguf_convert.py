@@ -67,39 +67,33 @@ def convert(gguf_path: Path, folder: Path) -> int | None:
 
 
 def _write_weights(folder: Path, tensors: dict, linears: set[str]) -> dict:
-    """Write _plan's tensors into safetensors files (_shards) in `folder`, one tensor in memory at a
-    time, and the blocks the CPU kernels will run the `linears` on (blocks_cache: made here from the
-    same values, so that no load has to read them all to make them); returns {name: (format,
-    scales_and_offsets)} for those of a gguf_hints.FORMAT_OF type whose scales fit the tensor."""
-    import gguf
+    """Write _plan's tensors into safetensors files (_shards) in `folder`, a tensor or two in memory
+    at a time (the next one dequantised on another thread while one is written), and the blocks the
+    CPU kernels will run the `linears` on (blocks_cache: made here from the same values, so that no
+    load has to read them all to make them); returns {name: (format, scales_and_offsets)} for those
+    of a gguf_hints.FORMAT_OF type whose scales fit the tensor."""
     import torch
 
     from . import blocks, blocks_cache, gguf_hints
 
     hints, kept = {}, blocks_cache.Writer(folder / blocks_cache.FOLDER) if blocks.available() else None
     shards = _shards({name: shape for name, (shape, _) in tensors.items()})
+    names = [name for shapes in shards.values() for name in shapes]
+    made = _one_ahead(lambda name: _values(name, tensors[name]), names)
     for file, shapes in shards.items():
         with (folder / file).open("wb") as out:
             out.write(_header(shapes))
             for name in shapes:
-                values = tensors[name][1]
-                if isinstance(values, tuple):  # (the file's tensor, its rows in transformers' order)
-                    tensor, order = values
-                    rows = gguf.dequantize(tensor.data, tensor.tensor_type).reshape(len(order), -1)
-                    values = np.ascontiguousarray(rows[order], dtype="<f4")
-                    kind = tensor.tensor_type.name
-                    if kind in gguf_hints.FORMAT_OF:
-                        found = (gguf_hints.FORMAT_OF[kind], torch.from_numpy(np.ascontiguousarray(
-                            gguf_hints.scales_and_offsets(tensor.data, kind)[order])))
-                        if gguf_hints.fits(found, shapes[name]):
-                            hints[name] = found
-                out.write(np.ascontiguousarray(values, dtype="<f4").data)
+                values, hint = next(made)
+                if hint is not None and gguf_hints.fits(hint, shapes[name]):
+                    hints[name] = hint
+                out.write(values.data)
                 if kept is not None and name in linears:
-                    weight = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+                    weight = torch.from_numpy(values)
                     if name in hints:
                         setattr(weight, blocks.HINT, gguf_hints.hint(hints[name][0], hints[name][1].float()))
-                    if (made := blocks.quantised_blocks(weight)) is not None:
-                        kept.add(name, made)
+                    if (found := blocks.quantised_blocks(weight)) is not None:
+                        kept.add(name, found)
     if len(shards) > 1:
         weight_map = {name: file for file, shapes in shards.items() for name in shapes}
         total = sum(4 * int(np.prod(shape, dtype=np.int64)) for shapes in shards.values() for shape in shapes.values())
@@ -108,6 +102,41 @@ def _write_weights(folder: Path, tensors: dict, linears: set[str]) -> dict:
     if kept is not None and kept.close() == 0:
         (folder / blocks_cache.FOLDER).rmdir()  # (no blocks: a load makes none either)
     return hints
+
+
+def _values(name: str, planned) -> tuple:
+    """A _plan entry -> (its float32 values, C-contiguous, (format, scales_and_offsets) or None)."""
+    import gguf
+    import torch
+
+    from . import gguf_hints
+
+    _, values = planned
+    if not isinstance(values, tuple):
+        return np.ascontiguousarray(values, dtype="<f4"), None
+    tensor, order = values  # (the file's tensor, its rows in transformers' order)
+    rows = gguf.dequantize(tensor.data, tensor.tensor_type).reshape(len(order), -1)
+    kind, hint = tensor.tensor_type.name, None
+    if kind in gguf_hints.FORMAT_OF:
+        hint = (gguf_hints.FORMAT_OF[kind], torch.from_numpy(np.ascontiguousarray(
+            gguf_hints.scales_and_offsets(tensor.data, kind)[order])))
+    return np.ascontiguousarray(rows[order], dtype="<f4"), hint
+
+
+def _one_ahead(make, items):
+    """make(item) for each item in order, the next one made on another thread while the caller uses
+    this one (gguf's dequantisation in numpy overlaps the writing)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        coming = None
+        for item in items:
+            following = pool.submit(make, item)
+            if coming is not None:
+                yield coming.result()
+            coming = following
+        if coming is not None:
+            yield coming.result()
 
 
 def _row_orders(reader, gguf_path: Path, model, load_gguf_checkpoint) -> dict | None:
