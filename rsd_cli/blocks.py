@@ -1181,13 +1181,13 @@ def _finite(weight: torch.Tensor) -> bool:
 def quantised_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight in the most compact of FORMATS that holds its values exactly (q4_1_blocks,
     q8_0_blocks, f16_blocks, bf16_blocks; first the blocks its Hint gives, where its file gave
-    one; the blocks an earlier load kept for it, where it has them: blocks_cache), or None: not a float32 CPU matrix whose rows split into blocks of 32, or its values are
-    none of those."""
+    one; before all, the blocks kept for it in its converted folder: blocks_cache), or None: not a
+    float32 CPU matrix whose rows split into blocks of 32, or its values are none of those."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape[1] % BLOCK:
         return None
     from .blocks_cache import kept_blocks
 
-    if (kept := kept_blocks(weight)) is not None:  # (kept at an earlier load: its values are not read)
+    if (kept := kept_blocks(weight)) is not None:  # (its values are not read)
         return kept
     if not _finite(weight):
         return None

@@ -55,20 +55,19 @@ def attach(model, folder: Path) -> int:
 
 
 def kept_blocks(weight: torch.Tensor) -> torch.Tensor | None:
-    """The blocks read back for this weight (attach), where it has not changed since and they fit its shape."""
+    """The blocks read back for this (out, in) weight (attach), where it has not changed since and
+    they are blocks of its shape: (out, in / 32, a format's bytes) uint8 or (out, in / 32, 32) 16-bit floats."""
     from .blocks import BLOCK, BYTES
 
     kept = getattr(weight, KEPT, None)
     if kept is None or kept[0] != _version(weight):
         return None
-    blocks = kept[1]
-    rows, columns = weight.shape
-    width = BLOCK if blocks.dtype in (torch.float16, torch.bfloat16) else None
-    fits = blocks.dim() == 3 and tuple(blocks.shape[:2]) == (rows, columns // BLOCK) and columns % BLOCK == 0
-    if not fits or blocks.shape[2] != (width or blocks.shape[2]) or (width is None and (
-            blocks.dtype != torch.uint8 or blocks.shape[2] not in BYTES.values())):
+    blocks, (rows, columns) = kept[1], weight.shape
+    if blocks.dim() != 3 or tuple(blocks.shape[:2]) != (rows, columns // BLOCK):
         return None
-    return blocks
+    widths = (BLOCK,) if blocks.dtype in (torch.float16, torch.bfloat16) else \
+        tuple(BYTES.values()) if blocks.dtype == torch.uint8 else ()
+    return blocks if blocks.shape[2] in widths else None
 
 
 def keep(model, folder: Path) -> int:

@@ -79,7 +79,7 @@ def _write_weights(folder: Path, tensors: dict, linears: set[str]) -> dict:
     hints, kept = {}, blocks_cache.Writer(folder / blocks_cache.FOLDER) if blocks.available() else None
     shards = _shards({name: shape for name, (shape, _) in tensors.items()})
     names = [name for shapes in shards.values() for name in shapes]
-    made = _one_ahead(lambda name: _values(name, tensors[name]), names)
+    made = _one_ahead(lambda name: _values(tensors[name]), names)
     for file, shapes in shards.items():
         with (folder / file).open("wb") as out:
             out.write(_header(shapes))
@@ -104,7 +104,7 @@ def _write_weights(folder: Path, tensors: dict, linears: set[str]) -> dict:
     return hints
 
 
-def _values(name: str, planned) -> tuple:
+def _values(planned) -> tuple:
     """A _plan entry -> (its float32 values, C-contiguous, (format, scales_and_offsets) or None)."""
     import gguf
     import torch

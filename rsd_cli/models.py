@@ -534,17 +534,17 @@ def load_model(source: str, device, dtype, progress: Progress = _quiet, placemen
         model = _transformers_model(location, local, device, dtype, placement)
     from . import blocks_cache, small_batch
 
-    converted = local and placement is None and next(model.parameters()).device.type == "cpu"
-    if converted:
+    cpu_folder = Path(location) if local and placement is None and next(model.parameters()).device.type == "cpu" else None
+    conversion = cpu_folder is not None and (cpu_folder / COMPLETE).is_file()  # (rsd's own: its blocks are kept there)
+    if cpu_folder is not None:
         from .gguf_hints import attach_hints
 
-        attach_hints(model, Path(location))  # (a converted GGUF file's quantisation, for the CPU kernels)
-        converted = (Path(location) / COMPLETE).is_file()  # (rsd's own conversion: its blocks are kept there)
-        if converted:
-            blocks_cache.attach(model, Path(location))
+        attach_hints(model, cpu_folder)  # (a converted GGUF file's quantisation, for the CPU kernels)
+    if conversion:
+        blocks_cache.attach(model, cpu_folder)
     small_batch.install(model)
-    if converted:
-        blocks_cache.keep(model, Path(location))  # (once: later loads read them instead of the weights)
+    if conversion:
+        blocks_cache.keep(model, cpu_folder)  # (where neither the conversion nor a load kept them yet)
     return model, tokenizer
 
 
