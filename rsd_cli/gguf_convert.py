@@ -30,11 +30,11 @@ INDEX_FILE = "model.safetensors.index.json"  # (where the weights take several f
 SHARD_BYTES = 2**31  # float32 bytes a file at most
 
 
-def convert(gguf_path: Path, folder: Path) -> int | None:
+def convert(gguf_path: Path, folder: Path, progress=lambda done: None) -> int | None:
     """Write the model of `gguf_path` (weights, config, generation config) into `folder` (which
-    exists) as transformers' conversion would, tensor by tensor; returns how many tensors got block
-    hints (gguf_hints.HINTS_FILE), or None (nothing written) where this file needs transformers'
-    full load."""
+    exists) as transformers' conversion would, tensor by tensor, calling progress(share of the
+    weights written) after each; returns how many tensors got block hints (gguf_hints.HINTS_FILE),
+    or None (nothing written) where this file needs transformers' full load."""
     import gguf
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -57,7 +57,8 @@ def convert(gguf_path: Path, folder: Path) -> int | None:
     if tensors is None:
         return None
     linears = {id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Linear)}
-    hints = _write_weights(folder, tensors, {name for name, weight in model.named_parameters() if id(weight) in linears})
+    hints = _write_weights(folder, tensors, {name for name, weight in model.named_parameters() if id(weight) in linears},
+                           progress)
     if hints:
         gguf_hints.save_hints(hints, folder)
     config.architectures = [type(model).__name__]  # (as save_pretrained records it)
@@ -66,12 +67,12 @@ def convert(gguf_path: Path, folder: Path) -> int | None:
     return len(hints)
 
 
-def _write_weights(folder: Path, tensors: dict, linears: set[str]) -> dict:
+def _write_weights(folder: Path, tensors: dict, linears: set[str], progress) -> dict:
     """Write _plan's tensors into safetensors files (_shards) in `folder`, a tensor or two in memory
     at a time (the next one dequantised on another thread while one is written), and the blocks the
     CPU kernels will run the `linears` on (blocks_cache: made here from the same values, so that no
     load has to read them all to make them); returns {name: (format, scales_and_offsets)} for those
-    of a gguf_hints.FORMAT_OF type whose scales fit the tensor."""
+    of a gguf_hints.FORMAT_OF type whose scales fit the tensor (progress: as convert's)."""
     import torch
 
     from . import blocks, blocks_cache, gguf_hints
@@ -80,6 +81,7 @@ def _write_weights(folder: Path, tensors: dict, linears: set[str]) -> dict:
     shards = _shards({name: shape for name, (shape, _) in tensors.items()})
     names = [name for shapes in shards.values() for name in shapes]
     made = _one_ahead(lambda name: _values(tensors[name]), names)
+    total, written = sum(int(np.prod(shape, dtype=np.int64)) for shape, _ in tensors.values()), 0
     for file, shapes in shards.items():
         with (folder / file).open("wb") as out:
             out.write(_header(shapes))
@@ -94,6 +96,8 @@ def _write_weights(folder: Path, tensors: dict, linears: set[str]) -> dict:
                         setattr(weight, blocks.HINT, gguf_hints.hint(hints[name][0], hints[name][1].float()))
                     if (found := blocks.quantised_blocks(weight)) is not None:
                         kept.add(name, found)
+                written += values.size
+                progress(written / total)
     if len(shards) > 1:
         weight_map = {name: file for file, shapes in shards.items() for name in shapes}
         total = sum(4 * int(np.prod(shape, dtype=np.int64)) for shapes in shards.values() for shape in shapes.values())

@@ -342,14 +342,18 @@ def _convert_gguf(gguf: Path, target: Path, progress: Progress) -> None:
     from . import gguf_convert, gguf_hints
 
     quiet_transformers()
-    progress(f"converting {gguf.name} to safetensors (once) in {target}")
+
+    def say(share: str = "") -> None:
+        progress(f"converting {gguf.name} to safetensors (once{share}) in {target}")
+
+    say()
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    try:  # transformers draws a tqdm bar of its own while it dequantises: not on rsd's stderr
-        with contextlib.redirect_stderr(io.StringIO()), _gguf_parsed_once():
+    try:
+        with _gguf_bar_off(), _gguf_parsed_once():
             AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(partial)
-            hints = gguf_convert.convert(gguf, partial)  # tensor by tensor
+            hints = gguf_convert.convert(gguf, partial, lambda done: say(f", {done:.0%}"))  # tensor by tensor
             if hints is None:
                 hints = _convert_whole(gguf, partial)
             types = gguf_hints.hinted_types(gguf)
@@ -382,6 +386,23 @@ def _convert_whole(gguf: Path, folder: Path) -> int:
     if hints:
         gguf_hints.save_hints(hints, folder)
     return len(hints)
+
+
+@contextlib.contextmanager
+def _gguf_bar_off():
+    """transformers draws a tqdm bar of its own while it reads a GGUF file's tensors: not on rsd's
+    stderr (where rsd's own spinner goes on turning, so stderr itself is left as it is)."""
+    from transformers import modeling_gguf_pytorch_utils as loader
+
+    bar = getattr(loader, "tqdm", None)
+    loader.tqdm = lambda iterable, *args, **kwargs: iterable
+    try:
+        yield
+    finally:
+        if bar is None:
+            del loader.tqdm
+        else:
+            loader.tqdm = bar
 
 
 @contextlib.contextmanager

@@ -34,6 +34,24 @@ def test_gguf_is_dequantised_once_then_loaded_from_the_cache(tmp_path, monkeypat
     assert models.gguf_to_cache(gguf_file) == cached
 
 
+def test_a_conversion_reports_its_progress_where_rsd_s_spinner_can_show_it(tmp_path, monkeypatch, capsys):
+    """The conversion says what it does and how much of the weights it has written (rsd's spinner on
+    a terminal shows it), with stderr left as it is while it runs — so the spinner goes on turning
+    — and nothing of transformers' own on it."""
+    import sys
+
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_file, tiny_model(40, layers=2, seed=0, scale=0.3))
+    said, streams = [], []
+    models.gguf_to_cache(gguf_file, lambda line: said.append(line) or streams.append(sys.stderr))
+    assert said[0].startswith("converting tiny.gguf to safetensors (once) in ")
+    shares = [int(line.split("(once, ")[1].split("%")[0]) for line in said[1:]]
+    assert len(shares) == 2 * 9 + 3 and shares == sorted(shares) and shares[-1] == 100  # (every tensor)
+    assert all(stream is sys.stderr for stream in streams)
+    assert capsys.readouterr().err == ""
+
+
 def test_a_conversion_parses_the_gguf_file_once_and_writes_the_same_files(tmp_path, monkeypatch):
     """transformers reads a GGUF file for the config, the weights and the tokenizer, and builds
     gguf's tensor name table once per module: within rsd's conversion each is made once, gguf is
