@@ -7,7 +7,6 @@ import contextlib
 import copy
 import functools
 import hashlib
-import io
 import importlib.util
 import json
 import os
@@ -389,6 +388,20 @@ def _convert_whole(gguf: Path, folder: Path) -> int:
 
 
 @contextlib.contextmanager
+def _warnings_off(name: str):
+    """The `name` logger (and its children) says only errors meanwhile."""
+    import logging
+
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
 def _gguf_bar_off():
     """transformers draws a tqdm bar of its own while it reads a GGUF file's tensors: not on rsd's
     stderr (where rsd's own spinner goes on turning, so stderr itself is left as it is)."""
@@ -574,8 +587,8 @@ def _transformers_model(location: str, local: bool, device, dtype, placement: Pl
     from transformers import AutoModelForCausalLM
 
     kwargs = placement.kwargs() if placement is not None else {}
-    with contextlib.redirect_stderr(io.StringIO()) if placement is not None else contextlib.nullcontext():
-        # accelerate prints "Some parameters are on the meta device..." when it offloads
+    with _warnings_off("accelerate"):  # ("Some parameters are on the meta device..." when it offloads;
+        # stderr itself is left as it is, where rsd's spinner goes on turning)
         model = _from_pretrained(AutoModelForCausalLM, location, local, dtype=dtype, attn_implementation="sdpa",
                                  **kwargs)
     if placement is None:
