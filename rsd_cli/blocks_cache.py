@@ -8,8 +8,8 @@ conversion from the values it writes (gguf_convert) or else by the first load, a
 instead: where every product of a layer runs on blocks, its float32 weights are never read at all
 (they stay on disk, mapped).
 
-The folder is written whole under another name and renamed, so one that is there is complete; it
-goes with the converted folder, which is replaced whole when its file is converted again. Blocks
+The folder is written whole under another name and renamed, so one that is there is complete (what
+a process that died meanwhile left is deleted by the next one to write); it goes with the converted folder, which is replaced whole when its file is converted again. Blocks
 read back serve only the tensor loaded from that folder, unchanged since (its version), and of
 that weight's shape; a weight trained or edited in place gets its blocks recovered and checked
 again.
@@ -87,6 +87,7 @@ def keep(model, folder: Path) -> int:
             found[names[id(weight)]] = blocks
     if not found:
         return 0
+    _drop_abandoned(target)
     partial = target.with_name(f"{FOLDER}.{os.getpid()}.partial")
     try:
         shutil.rmtree(partial, ignore_errors=True)
@@ -99,6 +100,17 @@ def keep(model, folder: Path) -> int:
         shutil.rmtree(partial, ignore_errors=True)
         return 0
     return len(found)
+
+
+def _drop_abandoned(target: Path) -> None:
+    """Delete what processes that died while they wrote blocks here left (FOLDER.<pid>.partial)."""
+    for partial in target.parent.glob(f"{FOLDER}.*.partial"):
+        try:
+            os.kill(int(partial.name.split(".")[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(partial, ignore_errors=True)
+        except (ValueError, OSError):  # (not a pid, or another user's process: left)
+            pass
 
 
 class Writer:

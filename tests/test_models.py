@@ -253,7 +253,10 @@ def test_a_converted_gguf_keeps_its_blocks_and_later_loads_run_on_them_without_r
         with torch.no_grad():
             return model, linears, None if light else model(ids).logits
 
+    abandoned = kept_folder.with_name(f"{blocks_cache.FOLDER}.{2**22 + 12345}.partial")  # (no such process)
+    abandoned.mkdir()
     _, first, logits = load()
+    assert not abandoned.exists()
     assert kept_folder.is_dir() and len(first) == 15 and all(b is not None for b in first.values())
     written = sorted(kept_folder.iterdir())
     by_load = {name: t for file in written for name, t in load_file(str(file)).items()}
