@@ -9,10 +9,10 @@ instead: where every product of a layer runs on blocks, its float32 weights are 
 (they stay on disk, mapped).
 
 The folder is written whole under another name and renamed, so one that is there is complete (what
-a process that died meanwhile left is deleted by the next one to write); it goes with the converted folder, which is replaced whole when its file is converted again. Blocks
-read back serve only the tensor loaded from that folder, unchanged since (its version), and of
-that weight's shape; a weight trained or edited in place gets its blocks recovered and checked
-again.
+a process that died meanwhile left is deleted by the next one to write); it goes with the
+converted folder, which is replaced whole when its file is converted again. Blocks read back serve
+only the tensor loaded from that folder, unchanged since (its version), and of that weight's
+shape; a weight trained or edited in place gets its blocks recovered and checked again.
 """
 
 from __future__ import annotations
