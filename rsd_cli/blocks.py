@@ -1288,10 +1288,27 @@ def _code(blocks: torch.Tensor) -> int:
 
 def _stacked(blocks, parts: int) -> tuple[torch.Tensor, list[int]]:
     """Stacked blocks -> (them, each part's format code); a sequence of parts' blocks -> (their
-    bytes one after another, their format codes)."""
+    bytes one after another — the parts themselves where they lie so: joined —, their format codes)."""
     if isinstance(blocks, torch.Tensor):
         return blocks, [_code(blocks)] * parts
-    return torch.cat([b.reshape(-1).view(torch.uint8) for b in blocks]), [_code(b) for b in blocks]
+    flat = joined(blocks)
+    if flat is None:
+        flat = torch.cat([b.reshape(-1).view(torch.uint8) for b in blocks])
+    return flat, [_code(b) for b in blocks]
+
+
+def joined(parts) -> torch.Tensor | None:
+    """The parts' bytes one after another as one flat uint8 tensor without a copy, where they lie
+    so in one storage (blocks kept side by side in one file: blocks_cache), else None."""
+    at = None
+    for part in parts:
+        offset = part.storage_offset() * part.element_size()
+        if (not part.is_contiguous() or part.untyped_storage().data_ptr() != parts[0].untyped_storage().data_ptr()
+                or (at is not None and offset != at)):
+            return None
+        at = offset + part.numel() * part.element_size()
+    first = parts[0].reshape(-1).view(torch.uint8)
+    return first.as_strided((at - parts[0].storage_offset() * parts[0].element_size(),), (1,))
 
 
 class NativeLayer:

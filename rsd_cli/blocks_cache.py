@@ -17,8 +17,11 @@ shape; a weight trained or edited in place gets its blocks recovered and checked
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import torch
@@ -34,17 +37,12 @@ FILE_BYTES = 2**29  # blocks a file at most (a larger weight's alone): what a co
 
 def attach(model, folder: Path) -> int:
     """Give each parameter the blocks kept for it in `folder` (attribute KEPT); returns how many got them."""
-    from safetensors import safe_open
-
     kept = Path(folder) / FOLDER
     tensors: dict[str, torch.Tensor] = {}
     try:
         for file in sorted(kept.glob("*.safetensors")) if kept.is_dir() else []:
-            with safe_open(str(file), framework="pt") as f:
-                if (f.metadata() or {}).get("layout") != LAYOUT:
-                    return 0
-                tensors.update({name: f.get_tensor(name) for name in f.keys()})  # (mapped, read where used)
-    except Exception:  # noqa: BLE001 - a damaged file: the blocks are recovered from the weights
+            tensors.update(_mapped(file))
+    except Exception:  # noqa: BLE001 - a damaged or foreign file: the blocks are recovered from the weights
         return 0
     attached = 0
     for name, weight in model.named_parameters():
@@ -52,6 +50,25 @@ def attach(model, folder: Path) -> int:
             setattr(weight, KEPT, (_version(weight), tensors[name]))
             attached += 1
     return attached
+
+
+def _mapped(file: Path) -> dict[str, torch.Tensor]:
+    """A blocks file's tensors as views of one private mapping of it, read where they are used (q, k
+    and v's, written side by side, stay so: the C layer runs them stacked without a copy, blocks.joined)."""
+    with file.open("rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        entries = json.loads(f.read(size))
+    if entries.pop("__metadata__", {}).get("layout") != LAYOUT:
+        raise ValueError("another layout")
+    whole = torch.from_file(str(file), shared=False, size=file.stat().st_size, dtype=torch.uint8)
+    tensors = {}
+    for name, entry in entries.items():
+        dtype = {code: dtype for dtype, code in DTYPES.items()}[entry["dtype"]]
+        start, end = (8 + size + at for at in entry["data_offsets"])
+        if end > whole.numel() or end - start != math.prod(entry["shape"]) * dtype.itemsize:
+            raise ValueError("a truncated file")
+        tensors[name] = whole[start:end].view(dtype).view(entry["shape"])
+    return tensors
 
 
 def kept_blocks(weight: torch.Tensor) -> torch.Tensor | None:
@@ -113,19 +130,40 @@ def _drop_abandoned(target: Path) -> None:
             pass
 
 
+# the linears the C layer runs stacked (q, k and v; gate and up): their blocks are kept side by side, in this order
+SIDE_BY_SIDE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _side_by_side(name: str) -> tuple[str, ...]:
+    """The names of the weights kept side by side with this one (itself among them, in order)."""
+    for group in SIDE_BY_SIDE:
+        for member in group:
+            if name.endswith(f".{member}.weight"):
+                prefix = name[: -len(f"{member}.weight")]
+                return tuple(f"{prefix}{other}.weight" for other in group)
+    return (name,)
+
+
 class Writer:
     """Blocks written into a new folder as they come, in safetensors files of at most FILE_BYTES
-    (each file's blocks held until it is full)."""
+    (each file's blocks held until it is full), those of SIDE_BY_SIDE weights one after another in
+    one file (each held until its group is complete)."""
 
     def __init__(self, folder: Path):
-        self.folder, self.pending, self.size, self.files, self.written = Path(folder), {}, 0, 0, 0
+        self.folder, self.waiting, self.pending, self.size, self.files, self.written = Path(folder), {}, {}, 0, 0, 0
         self.folder.mkdir()
 
     def add(self, name: str, blocks: torch.Tensor) -> None:
-        nbytes = blocks.numel() * blocks.element_size()
+        self.waiting[name] = blocks
+        group = _side_by_side(name)
+        if all(member in self.waiting for member in group):
+            self._put({member: self.waiting.pop(member) for member in group})
+
+    def _put(self, group: dict[str, torch.Tensor]) -> None:
+        nbytes = sum(blocks.numel() * blocks.element_size() for blocks in group.values())
         if self.pending and self.size + nbytes > FILE_BYTES:
             self.flush()
-        self.pending[name] = blocks.contiguous()
+        self.pending.update({name: blocks.contiguous() for name, blocks in group.items()})
         self.size += nbytes
 
     def flush(self) -> None:
@@ -142,7 +180,10 @@ class Writer:
         self.pending, self.size = {}, 0
 
     def close(self) -> int:
-        """Write what is pending; returns how many weights' blocks the folder holds."""
+        """Write what is pending (a group some member of which had no blocks: each alone); returns
+        how many weights' blocks the folder holds."""
+        for name in list(self.waiting):
+            self._put({name: self.waiting.pop(name)})
         if self.pending:
             self.flush()
         return self.written

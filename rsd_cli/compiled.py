@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .engine import ChainExtension, ForwardClock, full_vocabulary, timed_chain, unchanged_prefix
-from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, native_table
+from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, joined, native_table
 from .small_batch import (MAX_ROWS, TORCH, blocks_of, enrol, kernel_linear, kernel_of_rows, kernels_of, machine,
                           prepared_copies, register_operator, room_for, signature)
 
@@ -209,10 +209,11 @@ def _head_norms(attention) -> tuple:
 def _room_to_fuse(layers) -> bool:
     """Stacked copies of q/k/v's and gate/up's blocks only while they take at most half the memory
     still available (as small_batch's packed copies)."""
-    stacked = [blocks_of(linear) for layer in layers
-               for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                              layer.mlp.gate_proj, layer.mlp.up_proj)]
-    needed = sum(b.numel() * b.element_size() for b in stacked if b is not None)
+    groups = [[blocks_of(linear) for linear in linears] for layer in layers
+              for linears in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                              (layer.mlp.gate_proj, layer.mlp.up_proj))]
+    needed = sum(b.numel() * b.element_size() for group in groups if None not in group and joined(group) is None
+                 for b in group)  # (parts kept side by side need no copy)
     return needed == 0 or room_for(needed)
 
 
@@ -228,7 +229,10 @@ def fused_blocks(linears, biased: bool = False) -> torch.Tensor | None:
     each runs the blocks kernel for every row count (_on_blocks; with `biased`, biases are the
     caller's to add), all in the same format."""
     found = _parts(linears, biased)
-    return torch.cat(found) if found is not None and len({block_format(b) for b in found}) == 1 else None
+    if found is None or len({block_format(b) for b in found}) != 1:
+        return None
+    flat = joined(found)  # (blocks kept side by side in a file: no copy)
+    return torch.cat(found) if flat is None else flat.view(found[0].dtype).view(-1, *found[0].shape[1:])
 
 
 def final_logits(x, norm, eps: float, head, small: tuple) -> torch.Tensor:

@@ -276,6 +276,28 @@ def test_a_converted_gguf_keeps_its_blocks_and_later_loads_run_on_them_without_r
                 assert kept.dtype == first[name].dtype and torch.equal(kept, first[name]), name
             assert light or torch.equal(later_logits, logits)
     assert sorted(kept_folder.iterdir()) == written  # (written once)
+    # the C layers run q/k/v and gate/up stacked: kept side by side, they are the file's bytes (no
+    # copy), with the logits of stacked copies of recovered blocks
+    from rsd_cli.compiled import CompiledModel, StaticLM
+
+    def c_logits(model):
+        runtime = CompiledModel(model, compile=False)
+        assert runtime.all_in_c
+        return runtime, StaticLM(runtime, model.config.vocab_size, 64).extend([1, 5, 6, 7, 9, 3, 2], last_only=False)
+
+    kept_model, _ = models.load_model(str(gguf_file), torch.device("cpu"), torch.float32, light=True)
+    runtime, kept_logits = c_logits(kept_model)
+    attention, mlp = kept_model.model.layers[1].self_attn, kept_model.model.layers[1].mlp
+    qkv, _, gate_up, _ = runtime.native[1].weights
+    assert qkv.data_ptr() == small_batch.blocks_of(attention.q_proj).data_ptr()
+    assert gate_up.data_ptr() == small_batch.blocks_of(mlp.gate_proj).data_ptr()
+    with monkeypatch.context() as patched:
+        patched.setattr(blocks_cache, "LAYOUT", "0")  # (recovered: separate tensors, stacked copies)
+        copied_model, _ = models.load_model(str(gguf_file), torch.device("cpu"), torch.float32, light=True)
+    runtime, copied_logits = c_logits(copied_model)
+    assert runtime.native[1].weights[0].data_ptr() != small_batch.blocks_of(
+        copied_model.model.layers[1].self_attn.q_proj).data_ptr()
+    assert torch.equal(kept_logits, copied_logits)
     q = model.model.layers[0].self_attn.q_proj.weight
     assert blocks.quantised_blocks(q) is not None
     with torch.no_grad():
