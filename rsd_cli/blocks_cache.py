@@ -31,7 +31,8 @@ from .small_batch import _version
 FOLDER = "rsd-blocks"
 LAYOUT = "1"  # of the blocks' bytes (blocks.BYTES): files of another layout are not read
 KEPT = "rsd_kept_blocks"  # the attribute of a weight that holds (its version then, blocks read back for it)
-DTYPES = {torch.uint8: "U8", torch.float16: "F16", torch.bfloat16: "BF16"}
+DTYPES = {torch.uint8: "U8", torch.float16: "F16", torch.bfloat16: "BF16"}  # (safetensors' names)
+DTYPE_OF = {code: dtype for dtype, code in DTYPES.items()}
 FILE_BYTES = 2**29  # blocks a file at most (a larger weight's alone): what a conversion holds in memory
 
 
@@ -63,7 +64,7 @@ def _mapped(file: Path) -> dict[str, torch.Tensor]:
     whole = torch.from_file(str(file), shared=False, size=file.stat().st_size, dtype=torch.uint8)
     tensors = {}
     for name, entry in entries.items():
-        dtype = {code: dtype for dtype, code in DTYPES.items()}[entry["dtype"]]
+        dtype = DTYPE_OF[entry["dtype"]]
         start, end = (8 + size + at for at in entry["data_offsets"])
         if end > whole.numel() or end - start != math.prod(entry["shape"]) * dtype.itemsize:
             raise ValueError("a truncated file")
