@@ -229,8 +229,8 @@ def test_a_converted_gguf_keeps_its_blocks_and_later_loads_run_on_them_without_r
     """A conversion writes the blocks its linear layers will run on into its folder (rsd-blocks/),
     or else the first load does (the same blocks); later loads, light or not, run on those same
     blocks without recovering or checking them from the float32 values (recovery made to fail here)
-    and give the same logits.
-    A weight changed in place, a damaged or foreign-layout file and a folder rsd did not convert get
+    and give the same logits; the C layers' stacked q/k/v and gate/up are the kept file's bytes (no
+    copy), with the logits of stacked copies. A weight changed in place, a damaged or foreign-layout file and a folder rsd did not convert get
     no kept blocks."""
     from safetensors.torch import load_file
 
