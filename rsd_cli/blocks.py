@@ -126,19 +126,23 @@ static inline void bf16_weights(const uint8_t* blk, __m512* w0, __m512* w1) {
   *w0 = bf16_16(blk);
   *w1 = bf16_16(blk + 32);
 }
+/* block b of weight row wn against R rows of x (R, K): each row's two running sums a0[r], a1[r]
+   (the one loop body DOT_ROWS and DOT_CHUNK share: the same products in the same order) */
+#define FMA_BLOCK(FORMAT, BYTES, R, wn, b)                                                    \
+  {                                                                                           \
+    __m512 w0, w1;                                                                            \
+    FORMAT##_weights(wn + (size_t)(b) * BYTES, &w0, &w1);                                     \
+    for (int r = 0; r < R; r++) {                                                             \
+      a0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (size_t)r * K + (b) * BLOCK), w0, a0[r]);   \
+      a1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (size_t)r * K + (b) * BLOCK + 16), w1, a1[r]); \
+    }                                                                                         \
+  }
 /* R rows of x (R, K) against one weight row: y[r * N] for each */
 #define DOT_ROWS(FORMAT, BYTES, R)                                                            \
 static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y, int N) {   \
   __m512 a0[R], a1[R];                                                                        \
   for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();                            \
-  for (int b = 0; b < K / BLOCK; b++) {                                                       \
-    __m512 w0, w1;                                                                            \
-    FORMAT##_weights(wn + (size_t)b * BYTES, &w0, &w1);                                       \
-    for (int r = 0; r < R; r++) {                                                             \
-      a0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (size_t)r * K + b * BLOCK), w0, a0[r]);     \
-      a1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (size_t)r * K + b * BLOCK + 16), w1, a1[r]); \
-    }                                                                                         \
-  }                                                                                           \
+  for (int b = 0; b < K / BLOCK; b++) FMA_BLOCK(FORMAT, BYTES, R, wn, b)                      \
   for (int r = 0; r < R; r++) y[(size_t)r * N] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r])); \
 }
 /* the same blocks of the weight row SUB_ROWS further on (in the next sub-tile: rows are contiguous,
@@ -151,7 +155,7 @@ static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y
       _mm_prefetch((const char*)p, _MM_HINT_T1);
 /* DOT_ROWS over blocks [b0, b1) of `rows` consecutive weight rows, the running sums of each (two
    vectors for a row of x and a weight row) carried in acc from one call to the next: a sum adds
-   the same products in the same order as DOT_ROWS' (the same bits) */
+   the same products in the same order as DOT_ROWS' (the same FMA_BLOCK: the same bits) */
 #define DOT_CHUNK(FORMAT, BYTES, R)                                                           \
 static void FORMAT##_chunk_##R(const float* x, int K, const uint8_t* w, size_t row_bytes, int rows, \
                                int b0, int b1, __m512* acc) {                                 \
@@ -161,14 +165,7 @@ static void FORMAT##_chunk_##R(const float* x, int K, const uint8_t* w, size_t r
     __m512 a0[R], a1[R];                                                                      \
     for (int r = 0; r < R; r++) { a0[r] = an[2 * r]; a1[r] = an[2 * r + 1]; }                 \
     PREFETCH_NEXT(wn, b0, b1, BYTES, row_bytes)                                               \
-    for (int b = b0; b < b1; b++) {                                                           \
-      __m512 w0, w1;                                                                          \
-      FORMAT##_weights(wn + (size_t)b * BYTES, &w0, &w1);                                     \
-      for (int r = 0; r < R; r++) {                                                           \
-        a0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (size_t)r * K + b * BLOCK), w0, a0[r]);   \
-        a1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (size_t)r * K + b * BLOCK + 16), w1, a1[r]); \
-      }                                                                                       \
-    }                                                                                         \
+    for (int b = b0; b < b1; b++) FMA_BLOCK(FORMAT, BYTES, R, wn, b)                          \
     for (int r = 0; r < R; r++) { an[2 * r] = a0[r]; an[2 * r + 1] = a1[r]; }                 \
   }                                                                                           \
 }
