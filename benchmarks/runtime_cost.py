@@ -1,6 +1,7 @@
 """Cost of one forward of the target and of the draft for n new tokens after a 150-token cache, on
 each runtime: transformers' eager forward (`--compile off`), rsd's static-cache runtime uncompiled
-(what `auto` picks where compiling does not pay) and compiled (`--compile on`), interleaved in one
+(what `auto` picks where compiling does not pay) and compiled (`--compile on`; on a GPU inside CUDA
+graphs, beside graphs of the uncompiled layers), interleaved in one
 process, medians of --repeats. This is the cost speculation has to beat.
 
 Run: .venv/bin/python benchmarks/runtime_cost.py [--rows 1,2,4,8,16] [--repeats 9] [--out FILE.json]
@@ -42,10 +43,12 @@ for role, model in (("target", pair.target), ("draft", pair.draft)):
     runtimes[role] = {
         "transformers eager": lambda m=model: CachedLM(m, pair.vocab_size),
         "static cache, uncompiled": lambda m=model: StaticLM(CompiledModel(m, compile=False), pair.vocab_size, 512),
-        # (on a CUDA device "compiled" means CUDA graphs of the static shapes)
-        "static cache, CUDA graphs" if compiled.graphed else "static cache, compiled":
-            lambda c=compiled: StaticLM(c, pair.vocab_size, 512),
     }
+    if compiled.graphed:  # a CUDA device: graphs of the eager layers, and of the compiled ones (--compile on)
+        runtimes[role]["static cache, CUDA graphs"] = \
+            lambda m=model: StaticLM(CompiledModel(m, compile=True, inductor=False), pair.vocab_size, 512)
+    runtimes[role]["static cache, compiled, CUDA graphs" if compiled.graphed else "static cache, compiled"] = \
+        lambda c=compiled: StaticLM(c, pair.vocab_size, 512)
 
 
 results = {}

@@ -114,6 +114,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sm
     """small = (the CPU kernels this layer's shape measured fastest with, the copies of its weight
     they run on): small_batch.kernels_of / prepared_copies."""
     if torch.compiler.is_compiling():  # the weight's enrolled kernels (CompiledModel): graphs do not depend on them
+        if x.device.type != "cpu":  # (a GPU: inductor's own product, which it can plan around)
+            return F.linear(x, weight, bias)
         return kernel_linear(x, weight, bias, TORCH)
     kernels, prepared = small
     if kernels != TORCH:
@@ -253,7 +255,7 @@ class CompiledModel:
     graphs (how the tests check it on a CPU)."""
 
     def __init__(self, model, compile: bool = True, static_shapes: bool | None = None,
-                 notice=lambda message: None):
+                 notice=lambda message: None, inductor: bool = True):
         self.model = model
         self.compiled = compile
         self.notice = notice  # one line for the user (a CUDA graph that cannot be captured)
@@ -293,14 +295,17 @@ class CompiledModel:
             cos, sin = inner.rotary_emb(torch.zeros(1, dtype=self.dtype, device=self.device), positions)
         self.cos, self.sin = cos[0], sin[0]  # (context, head_dim)
         self.graphs: set[int] = set()  # token counts compiled so far
-        self.graphed = compile and self.device.type == "cuda"  # CUDA graphs instead of torch.compile
+        self.graphed = compile and self.device.type == "cuda"  # CUDA graphs of the whole forward
         self.static_shapes = self.graphed if static_shapes is None else static_shapes
         self.buckets = STATIC_BUCKETS if self.static_shapes else BUCKETS  # what token counts are padded to
-        self._inductor = compile and not self.graphed
+        # torch.compile's layers (inductor); on a GPU inside the graphs (fused kernels: fewer launches
+        # to replay), or not (`inductor=False`: graphs of the eager layers, where compiling fails)
+        self._inductor = compile and inductor
         # the layers compiled; embedding, final norm and head stay eager (a few ops, and a graph per
         # head size would double the compiles)
         self._layer = _compiled(decoder_layer) if self._inductor else decoder_layer
-        if self._inductor:  # compiled graphs find each weight's kernels by its address (one graph for all)
+        if self._inductor and self.device.type == "cpu":  # compiled graphs find each weight's CPU kernels by its
+            # address (one graph for all)
             for weights, small, _ in self.layers:
                 for weight, (kernels, prepared) in zip(weights[1:9:2] + weights[10:13], small):
                     enrol(weight, kernels, prepared)
@@ -308,6 +313,11 @@ class CompiledModel:
         self._holder = None  # weak reference to the StaticLM using them
         self._captured: dict[tuple, tuple] = {}  # (token count, buffer address) -> (inputs, graph, logits)
         self._pool = None  # one CUDA memory pool for all this model's graphs (they run one at a time)
+
+    @property
+    def inductor(self) -> bool:
+        """Whether the layers run as torch.compile graphs (on a GPU: inside the CUDA graphs)."""
+        return self._inductor
 
     @property
     def all_in_c(self) -> bool:
@@ -337,7 +347,7 @@ class CompiledModel:
             return None
         if self._buffers is None or self._buffers[0].shape[2] < capacity:
             self._buffers = None
-            self._captured.clear()
+            self._drop_graphs()
             self._buffers = self.new_buffers(capacity)
         self._holder = weakref.ref(lm)
         return self._buffers
@@ -345,6 +355,15 @@ class CompiledModel:
     def release(self, lm) -> None:
         if self._holder is not None and self._holder() is lm:
             self._holder = None
+
+    def _drop_graphs(self) -> None:
+        """Forget every captured graph, and their memory pool with them: a pool whose graphs are all
+        gone lingers in torch's allocator with no user, and capturing into it again fails an
+        internal assert (`use_count > 0`), so the next capture starts a pool of its own."""
+        self._captured.clear()
+        if self._pool is not None:
+            self._pool = None
+            torch.cuda.empty_cache()  # (the old pool's memory back to the device)
 
     def _native_table(self, native: list) -> torch.Tensor:
         """blocks.native_table of these layers, made once (and again if `native` is replaced)."""
@@ -366,7 +385,7 @@ class CompiledModel:
                 self._captured[key] = self._capture(tokens, positions, mask, slots, keys, values)
             except Exception as e:  # noqa: BLE001 - a driver, library or op that cannot be captured
                 self.graphed = False  # this model runs its static shapes without graphs from now on
-                self._captured.clear()
+                self._drop_graphs()
                 reason = str(e).splitlines()[0] if str(e) else ""
                 self.notice(f"capturing a CUDA graph failed ({type(e).__name__}: {reason}): "
                             f"the static-cache runtime runs without graphs")
@@ -413,7 +432,7 @@ class CompiledModel:
         kv_heads, capacity, head_dim), written in place; rows (m,) which outputs to return. Returns
         (m, rows of the head) logits. Sizes in BUCKETS run the compiled graphs (the used length and
         the capacity are dynamic dimensions), others eager."""
-        compiled = self._inductor and tokens.shape[0] in BUCKETS
+        compiled = self._inductor and tokens.shape[0] in self.buckets
         native = self.native if not compiled and slots is None else None
         layer = self._layer if compiled else decoder_layer
         if compiled:
@@ -448,7 +467,7 @@ class CompiledModel:
 
 def _compiled(fn):
     """fn compiled with static token counts (buckets); only the dimensions marked dynamic vary.
-    (Used on CPUs: on a CUDA device the runtime replays CUDA graphs of the eager forward instead.)"""
+    (On a CUDA device the runtime captures what the compiled layers launch in CUDA graphs.)"""
     import os
 
     import torch._dynamo
@@ -617,8 +636,10 @@ def warm_up(runtime: CompiledModel, sizes=WARM_SIZES) -> None:
     with torch.inference_mode():
         for n in sizes:
             tokens = torch.zeros(n, dtype=torch.long, device=runtime.device)
-            mask = torch.zeros(n, past + n, device=runtime.device)
-            runtime.forward(tokens, tokens, mask, keys, values, torch.arange(n, device=runtime.device))
+            # static shapes (what CUDA graphs capture): the new keys at slots, the mask over the capacity
+            mask = torch.zeros(n, keys.shape[2] if runtime.static_shapes else past + n, device=runtime.device)
+            slots = torch.arange(past, past + n, device=runtime.device) if runtime.static_shapes else None
+            runtime.forward(tokens, tokens, mask, keys, values, torch.arange(n, device=runtime.device), slots)
 
 
 def compiled_gain(model) -> float:
@@ -627,11 +648,11 @@ def compiled_gain(model) -> float:
     generation makes it (on a GPU: replaying CUDA graphs). The two alternate, and each keeps its
     fastest of VERDICT_REPEATS runs: a busy moment of the machine then cannot decide the verdict."""
     eager, compiled = CompiledModel(model, compile=False), CompiledModel(model, compile=True)
-    if not compiled.graphed:
-        warm_up(compiled, (1, 4))
+    warm_up(compiled, (1, 4))  # (on a GPU each size's graph is then captured at its first timed run)
     caches = {runtime: StaticLM(runtime, model.config.vocab_size, 128) for runtime in (compiled, eager)}
     for lm in caches.values():
-        lm.extend(list(range(100)))
+        lm.extend([i % model.config.vocab_size for i in range(100)])  # (ids the embedding has: on a GPU
+        # an id past it is a device-side assert, which leaves the process's CUDA context unusable)
     best = {runtime: [math.inf, math.inf] for runtime in (compiled, eager)}
     for _ in range(VERDICT_REPEATS + 1):
         for runtime, lm in caches.items():
@@ -701,7 +722,7 @@ def runtime_for(model, setting: str, role: str, progress=lambda message: None, n
             return uncompiled
     compile = setting == "on" or compile_pays(model, progress, notice)
     runtime = uncompiled if setting == "auto" and not compile else CompiledModel(model, compile=compile, notice=notice)
-    if compile and not runtime.graphed:  # (CUDA graphs are captured at their first use: milliseconds)
+    if compile and runtime.inductor:  # (CUDA graphs are captured at their first use: milliseconds)
         first = _first_compile_here(model)
         if first:
             notice(f"compiling the {role}'s layers for this machine, once (later runs read them from the cache)")
@@ -709,9 +730,10 @@ def runtime_for(model, setting: str, role: str, progress=lambda message: None, n
         try:
             warm_up(runtime)
         except Exception as e:  # noqa: BLE001 - torch.compile needs a C++ compiler (CPU) or triton (GPU)
+            fallback = "CUDA graphs of its uncompiled layers" if runtime.graphed else "the static-cache runtime uncompiled"
             notice(f"compiling the {role} failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
-                   f"it runs on the static-cache runtime uncompiled")
-            return CompiledModel(model, compile=False)
+                   f"it runs on {fallback}")
+            return CompiledModel(model, compile=runtime.graphed, inductor=False, notice=notice)
         if first:
             _mark_compiled(model)
     return runtime

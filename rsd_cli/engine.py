@@ -364,7 +364,7 @@ class Runtimes:
             if runtime is None:
                 return "transformers eager"
             if runtime.graphed:
-                return "static cache, CUDA graphs"
+                return "static cache, compiled, CUDA graphs" if runtime.inductor else "static cache, CUDA graphs"
             if runtime.compiled:
                 return "static cache, compiled"
             # (layers on quantised weights run as one call of rsd's C library each: compiled.NativeLayer)

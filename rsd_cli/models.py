@@ -97,7 +97,9 @@ class Placement:
         devices += list(self.max_memory or {})
         if any(isinstance(d, int) for d in devices):
             return True
-        return isinstance(self.device_map, str) and torch.cuda.is_available()  # a strategy takes the GPUs
+        # a strategy takes the GPUs, except where max_memory names the devices (accelerate places on
+        # those alone: `max_memory = { cpu = ... }` keeps a GPU machine's model off its GPUs)
+        return isinstance(self.device_map, str) and not self.max_memory and torch.cuda.is_available()
 
     def kwargs(self) -> dict:
         out = {"device_map": self.device_map}

@@ -23,6 +23,9 @@ def isolated_dirs(tmp_path, monkeypatch):
         if name.startswith("RSD_") and name not in ("RSD_CONFIG_DIR", "RSD_CACHE_DIR"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "packed")
+    # the tests' models on the CPU on every machine (float32, the CPU kernels), as CI runs them; the
+    # tests of a GPU ask for it (test_compiled's CUDA tests, the embedded pair's default profile)
+    monkeypatch.setenv("RSD_TARGET_DEVICE", "cpu")
     monkeypatch.setenv("RSD_CHAT_HISTORY", str(tmp_path / "chat_history"))  # chat on a pseudo-terminal
     # transformers' eager forward unless a test asks for the static-cache runtime (test_compiled.py):
     # the default "auto" would make every test's backend depend on this machine's cached verdict

@@ -52,7 +52,7 @@ def a_tree() -> DraftTree:
     return tree
 
 
-def assert_same_tree_logits(ours, reference, before_tree=lambda: None) -> int:
+def assert_same_tree_logits(ours, reference, before_tree=lambda: None, tolerance: float = 1e-5) -> int:
     """Both caches read PROMPT, then a_tree() in one forward: the same logits. Returns the tree's base."""
     for lm in (ours, reference):
         lm.extend(PROMPT)
@@ -62,32 +62,53 @@ def assert_same_tree_logits(ours, reference, before_tree=lambda: None) -> int:
     visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
     positions = [base + d for d in tree.depths]
     torch.testing.assert_close(ours.forward(tree.tokens, positions, visible),
-                               reference.forward(tree.tokens, positions, visible), atol=1e-5, rtol=1e-5)
+                               reference.forward(tree.tokens, positions, visible), atol=tolerance, rtol=tolerance)
     return base
 
 
-@pytest.mark.parametrize("compile", [True, False, "static shapes"], ids=["compiled", "eager", "static-shapes"])
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+
+@pytest.mark.parametrize("compile", [True, False, "static shapes", "compiled static shapes",
+                                     pytest.param("CUDA graphs", marks=CUDA),
+                                     pytest.param("compiled CUDA graphs", marks=CUDA)],
+                         ids=["compiled", "eager", "static-shapes", "compiled-static-shapes", "cuda-graphs",
+                              "compiled-cuda-graphs"])
 def test_static_cache_matches_transformers_for_trees_pruning_and_growth(pair, runtimes, compile):
     """A 6-node tree (padded to 8 when compiled or on static shapes), pruning to one path, then
     chains past the buffers' first capacity: every logit equals transformers' eager forward with
-    its DynamicCache."""
-    if compile == "static shapes":
-        ours = StaticLM(CompiledModel(pair[0], False, static_shapes=True), V, capacity=12)
+    its DynamicCache. On a GPU the growth replaces the shared buffers, so every graph is captured
+    again (in a memory pool of its own: reusing the old one fails torch's allocator)."""
+    model, tolerance, setting = pair[0], 1e-5, str(compile)
+    if "CUDA" in setting:
+        import copy
+
+        model, tolerance = copy.deepcopy(pair[0]).cuda(), 1e-4
+        runtime = CompiledModel(model, True, inductor=compile.startswith("compiled"))
+        assert runtime.graphed and runtime.inductor == compile.startswith("compiled")
+        ours = StaticLM(runtime, V, capacity=12)
+        assert ours.static
+    elif "static shapes" in setting:  # (compiled: the layers CUDA graphs capture on a GPU, without the graphs)
+        ours = StaticLM(CompiledModel(pair[0], compile.startswith("compiled"), static_shapes=True), V, capacity=12)
         assert ours.static
     else:
         ours = StaticLM(runtimes[compile].target, V, capacity=12)  # grows on the way
-    reference = CachedLM(pair[0], V)
-    base = assert_same_tree_logits(ours, reference)
+    reference = CachedLM(model, V)
+    base = assert_same_tree_logits(ours, reference, tolerance=tolerance)
     kept = list(range(base)) + [base + n for n in (0, 1, 3, 5)]  # root, a, c, e
     for lm in (ours, reference):
         lm.keep(kept)
     assert ours.length == reference.length == base + 4
     for chain in ([2], [1, 3], [4, 0, 2], [1] * 9, [3, 2] * 10):  # (20 tokens: padded to 32 on static shapes)
         torch.testing.assert_close(ours.extend(chain, last_only=False), reference.extend(chain, last_only=False),
-                                   atol=1e-5, rtol=1e-5)
+                                   atol=tolerance, rtol=tolerance)
     assert ours.capacity > 12 and ours.length == reference.length
     if compile is True:
         assert {1, 2, 4, 8} <= runtimes[compile].target.graphs  # the bucketed sizes ran compiled
+    if compile in ("compiled static shapes", "compiled CUDA graphs"):
+        assert {1, 2, 4, 8, 32} <= ours.compiled.graphs
+    if "CUDA" in setting:
+        assert ours.compiled.graphed and {key[0] for key in ours.compiled._captured} >= {32}  # after the growth
 
 
 class AllPacked:

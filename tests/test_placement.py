@@ -195,3 +195,13 @@ def test_distill_trains_an_adapter_on_a_placed_target(tmp_path, tiny_pair_dir, m
     assert adapters[0].keys() == adapters[1].keys() and "head.weight" in adapters[0]
     for key in adapters[0]:
         torch.testing.assert_close(adapters[0][key], adapters[1][key], atol=2e-3, rtol=0)
+
+
+def test_max_memory_that_names_no_gpu_keeps_a_strategy_off_a_gpu_machine_s_gpus(monkeypatch):
+    """accelerate places a model on the devices max_memory names, so `max_memory = { cpu = ... }`
+    runs on the CPU — in float32 there, not in the bfloat16 a GPU would get — on a GPU machine too."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert Placement("auto").uses_cuda() and Placement("balanced", {0: 10**9, "cpu": 10**9}).uses_cuda()
+    assert not Placement("auto", {"cpu": 10**9}).uses_cuda()
+    assert not Placement("sequential", {"cpu": 10**9, "disk": 10**10}).uses_cuda()
+    assert Placement({"": 0}).uses_cuda() and not Placement({"": "cpu"}).uses_cuda()
