@@ -727,8 +727,8 @@ def runtime_for(model, setting: str, role: str, progress=lambda message: None, n
         if first:
             notice(f"compiling the {role}'s layers for this machine, once (later runs read them from the cache)")
         progress(f"compiling the {role}'s layers")
-        try:
-            warm_up(runtime)
+        try:  # (CUDA graphs: every token count a graph may be captured for, compiled now, not mid-answer)
+            warm_up(runtime, runtime.buckets if runtime.graphed else WARM_SIZES)
         except Exception as e:  # noqa: BLE001 - torch.compile needs a C++ compiler (CPU) or triton (GPU)
             fallback = "CUDA graphs of its uncompiled layers" if runtime.graphed else "the static-cache runtime uncompiled"
             notice(f"compiling the {role} failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "

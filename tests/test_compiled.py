@@ -328,7 +328,7 @@ def test_cuda_graphs_replay_transformers_logits_and_greedy_tokens(pair):
 
     models = tuple(copy.deepcopy(model).cuda() for model in pair)
     runtimes = Runtimes(CompiledModel(models[0], True), CompiledModel(models[1], True), "on")
-    assert runtimes.target.graphed and runtimes.describe() == "static cache, CUDA graphs"
+    assert runtimes.target.graphed and runtimes.describe() == "static cache, compiled, CUDA graphs"
     ours, reference = StaticLM(runtimes.target, V, capacity=32), CachedLM(models[0], V)
     assert_same_tree_logits(ours, reference)
     assert ours.static and runtimes.target._captured  # the tree ran as a replayed graph

@@ -103,14 +103,12 @@ def gguf_writer(path: Path, architecture: str, *, context: int, hidden: int, lay
     writer.add_rope_freq_base(rope_base)
     writer.add_layer_norm_rms_eps(eps)
     writer.add_vocab_size(vocab)
-    # one merge, of a pair no test text holds: transformers before ~5.20 cannot read a GPT-2
-    # tokenizer without merges (Qwen2's converter then asks for `bpe_ranks`), and real files have them
-    tokens = SPECIALS + CHARS + ["qz"]
+    tokens = SPECIALS + CHARS
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_scores([0.0] * len(tokens))
-    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(CHARS) + 1))
-    writer.add_token_merges(["q z"])
+    writer.add_token_types([3] * len(SPECIALS) + [1] * len(CHARS))
+    writer.add_token_merges([])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
