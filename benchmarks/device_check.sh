@@ -16,26 +16,28 @@ out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py=python3
-bench=(-m rsd_cli bench --variants ar,sd,rsd-c,auto --depths 1,2,3 --width 3 --temperatures 1,0
-       --limit 4 -n 128 --no-assisted --json)
+# sized to end well inside one call (on the H100: ~150 s for `bench`, ~100 s for `costs`, ~280 s
+# for the suite with 8 workers); eager rows (--compile off) cost ~10x a compiled one there
+bench=(-m rsd_cli bench --variants ar,sd,rsd-c,auto --depths 1,2 --width 3 --temperatures 0,1
+       --limit 2 -n 96 --no-assisted --json)
 # the peer a GPU user would pick, against `ar` and `auto` compiled, measured in one run of its own
-peer=(-m rsd_cli bench --variants ar,auto --depths 1 --temperatures 1,0 --limit 4 -n 128 --no-assisted
-      --compile auto --hf-static --json)
+peer=(-m rsd_cli bench --variants ar,auto --depths 1 --temperatures 0,1 --limit 2 -n 96 --no-assisted
+      --compile on --hf-static --json)
 case $part in
   tests)  # the GPU-only tests first (CUDA graphs), then everything; the log comes back either way
-    $py -m pytest -p no:warnings -q -rs tests/test_compiled.py -k cuda 2>&1 | tee "$out/cuda-tests.txt"
+    $py -m pytest -p no:warnings -q -rs tests/test_compiled.py -k "cuda or CUDA" 2>&1 | tee "$out/cuda-tests.txt"
     workers=(); $py -c "import xdist" 2>/dev/null && workers=(-n 8)  # pytest-xdist where it is installed
     $py -m pytest -p no:warnings -q -x "${workers[@]}" 2>&1 | tee "$out/suite.txt" ;;
   costs)
-    $py benchmarks/runtime_cost.py --rows 1,2,4,8,16 --out "$out/runtime-cost.json" 2>&1 |
+    $py benchmarks/runtime_cost.py --rows 1,4,16 --out "$out/runtime-cost.json" 2>&1 |
       tee "$out/runtime-cost.txt" ;;
   bench)  # the default profile: bf16 on a GPU. transformers' static-cache generate runs in a process of
     # its own, after rsd's rows are saved: a device-side assert in it (seen in an earlier trial of its
     # compiled static cache) poisons the CUDA context for every later call of the process
-    $py "${bench[@]}" --compile off,on,auto > "$out/bench-gpu.json"
+    $py "${bench[@]}" --compile on > "$out/bench-gpu.json"
     $py "${peer[@]}" > "$out/bench-gpu-hf-static.json" ;;
   cpu16)
-    CUDA_VISIBLE_DEVICES= $py "${bench[@]}" --compile off,on,auto > "$out/bench-cpu16.json"
+    CUDA_VISIBLE_DEVICES= $py "${bench[@]}" --compile off,on > "$out/bench-cpu16.json"
     CUDA_VISIBLE_DEVICES= $py "${peer[@]}" > "$out/bench-cpu16-hf-static.json" ;;
   lookup)  # where an extra verified token is nearly free, lookup's block efficiency should be its speed-up
     grounded=(-m rsd_cli bench --prompts benchmarks/grounded-prompts.txt --limit 8 --variants ar,sd,lookup,auto
