@@ -21,10 +21,11 @@ model's own modules (weights, norms and rotary tables are read, never copied):
   one opaque operator (`rsd::linear`) between the kernels inductor fuses; uncompiled, a layer whose
   linears all run on quantised blocks (`blocks`: the embedded model's own Q4_1 weights) is one
   call of rsd's C library, and otherwise its q/k/v and gate/up products run as one call each;
-- on a CUDA device "compiled" means CUDA graphs instead: each bucketed token count's whole forward
-  (embedding, every layer, head) is captured once and replayed, on static shapes (KV buffers
-  shared by a model's generations, new tokens written at slots given as a tensor, masks over the
-  whole capacity), so a forward is one launch instead of hundreds.
+- on a CUDA device "compiled" adds CUDA graphs: each bucketed token count's whole forward
+  (embedding, every compiled layer, head) is captured once and replayed, on static shapes (KV
+  buffers shared by a model's generations, new tokens written at slots given as a tensor, masks
+  over the whole capacity), so a forward is one launch instead of hundreds (the embedded target
+  on an H100: 1.8 ms, against 3.3 ms with graphs of the uncompiled layers and ~20 ms eager).
 
 The engine sees the same `forward(tokens, positions, visible)` / `keep(indices)` as with
 transformers' forward (`engine.CachedLM`), so exactness arguments carry over unchanged: tests
@@ -245,9 +246,10 @@ def final_logits(x, norm, eps: float, head, small: tuple) -> torch.Tensor:
 class CompiledModel:
     """One loaded model run layer by layer over KV buffers; with `compile`, its decoder layer is a
     torch.compile graph shared by every layer and every generation (each generation has its own
-    `StaticLM` with its own buffers) — on a CUDA device instead, each token count's whole forward
-    is captured once as a CUDA graph (`graphed`) and replayed: one launch instead of ~25 per layer,
-    which is what a small model's GPU forward costs.
+    `StaticLM` with its own buffers) — and on a CUDA device each token count's whole forward is
+    then captured once as a CUDA graph (`graphed`) and replayed: one launch instead of the layers'
+    many, which is what a small model's GPU forward costs (`inductor=False`: graphs of the
+    uncompiled layers, where compiling fails).
 
     CUDA graphs replay on fixed addresses, so a graphed model runs with static shapes: KV buffers
     shared by its generations one after the other (`lease`), new tokens written at slots given as
@@ -722,7 +724,7 @@ def runtime_for(model, setting: str, role: str, progress=lambda message: None, n
             return uncompiled
     compile = setting == "on" or compile_pays(model, progress, notice)
     runtime = uncompiled if setting == "auto" and not compile else CompiledModel(model, compile=compile, notice=notice)
-    if compile and runtime.inductor:  # (CUDA graphs are captured at their first use: milliseconds)
+    if compile and runtime.inductor:  # (CUDA graphs are captured later, at each size's first use: milliseconds)
         first = _first_compile_here(model)
         if first:
             notice(f"compiling the {role}'s layers for this machine, once (later runs read them from the cache)")
