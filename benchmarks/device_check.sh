@@ -8,10 +8,11 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh bench     # end to end, bf16, with hf-static
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh cpu16     # the same on the 16-core CPU
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh lookup    # lookup on grounded prompts, GPU then 16 cores
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh profile   # where a step's time goes on the GPU
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
-part=${1:?which part: tests, costs, bench, cpu16 or lookup}
+part=${1:?which part: tests, costs, bench, cpu16, lookup or profile}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -44,5 +45,8 @@ case $part in
               --depths 1,4 --temperatures 0.7,0 -n 128 --no-assisted --json)
     $py "${grounded[@]}" > "$out/lookup-gpu.json"
     CUDA_VISIBLE_DEVICES= $py "${grounded[@]}" > "$out/lookup-cpu16.json" ;;
-  *) echo "unknown part $part: tests, costs, bench, cpu16 or lookup" >&2; exit 2 ;;
+  profile)  # parts of a step, synchronised around each; transfers to the host per step
+    $py benchmarks/profile_step.py --compile on --variants ar,sd,rsd-c --depths 1,2 --limit 2 2>&1 |
+      tee "$out/profile-step.txt" ;;
+  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup or profile" >&2; exit 2 ;;
 esac

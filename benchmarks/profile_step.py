@@ -4,7 +4,13 @@ probabilities, verification, the bonus draw, KV-cache pruning, and the rest (tre
 the engine's Python). Every part is timed by wrapping the function that does it; "other" is
 the step's wall time minus the parts.
 
+On a GPU the work runs after the calls return, so there every timed part synchronises the device
+before and after (unless `--no-sync`): each part's time is then
+its own host work and GPU work, and the step a little slower than unprofiled. The table also counts
+the step's transfers to the host (`sampling.to_host`: on a GPU each one is a synchronisation).
+
 Run on a quiet machine: .venv/bin/python benchmarks/profile_step.py [--depths 1,2] [--limit 2] [--compile auto]
+On the GPU machine: source .device-stage/env.sh && python3 benchmarks/profile_step.py --compile on
 Prints a table (ms per step and % of the step) and, with --json, the numbers.
 """
 
@@ -13,7 +19,9 @@ import json
 import time
 from collections import defaultdict
 
-from rsd_cli import compiled, drafting, engine
+import torch
+
+from rsd_cli import compiled, drafting, engine, sampling as sampling_module, verification
 from rsd_cli.bench import Setting
 from rsd_cli.generation import complete
 from rsd_cli.models import load_pair
@@ -28,27 +36,41 @@ PARTS = ["target forward", "draft forward", "forward glue", "draws", "logits to 
 
 spent: dict[str, float] = defaultdict(float)
 in_step = False  # only time spent inside Decoder._step counts (not the prompt's prefill)
+sync = lambda: None  # noqa: E731 - torch.cuda.synchronize on a GPU (unless --no-sync)
 
 
 def timed(part: str, fn):
     def wrapper(*args, **kwargs):
+        if in_step:
+            sync()
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             if in_step:
+                sync()
                 spent[part] += time.perf_counter() - start
+    return wrapper
+
+
+def counted(fn):
+    def wrapper(*args, **kwargs):
+        if in_step:
+            spent["transfers"] += 1
+        return fn(*args, **kwargs)
     return wrapper
 
 
 def timed_step(fn):
     def wrapper(*args, **kwargs):
         global in_step
+        sync()
         in_step = True
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
+            sync()
             spent["step"] += time.perf_counter() - start
             spent["steps"] += 1
             in_step = False
@@ -73,6 +95,8 @@ def instrument(pair, runtimes) -> None:
                  "stochastic_beam_step"):
         setattr(drafting, name, timed("draws", getattr(drafting, name)))
     DraftTree.ancestry = timed("forward glue", DraftTree.ancestry)  # the verification mask
+    for module in (sampling_module, verification):  # every value moved to the host (each name bound)
+        module.to_host = counted(module.to_host)
     engine.Decoder._step = timed_step(engine.Decoder._step)
 
 
@@ -86,11 +110,18 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=2, help="how many built-in eval prompts")
     parser.add_argument("-n", "--max-tokens", type=int, default=48)
     parser.add_argument("--compile", default="auto", help="auto | on | off: the runtime (as rsd generate --compile)")
+    parser.add_argument("--no-sync", action="store_true",
+                        help="on a GPU, time the host alone (no synchronisation around the timed parts)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
+    global sync
     profile = load_profile(args.profile)
     pair = load_pair(profile)
+    device = next(pair.target.parameters()).device
+    synchronised = device.type == "cuda" and not args.no_sync
+    if synchronised:
+        sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
     runtimes = runtimes_of(pair, args.compile)
     instrument(pair, runtimes)
     prompts = [encode_prompt(pair.tokenizer, p) for p in builtin_prompts("eval")[: args.limit]]
@@ -125,18 +156,22 @@ def main() -> None:
         }
         parts["other"] = wall - sum(parts.values())
         rows.append({"variant": variant, "shape": shape.describe(), "steps": steps, "tokens": tokens,
+                     "transfers_per_step": spent["transfers"] / steps,
                      "step_ms": 1e3 * wall / steps, "ms_per_step": {k: 1e3 * v / steps for k, v in parts.items()},
                      "outside_forwards": 1 - (parts["target forward"] + parts["draft forward"]) / wall})
 
     if args.json:
-        print(json.dumps({"temperature": args.temperature, "runtime": runtimes.describe(), "rows": rows}, indent=1))
+        print(json.dumps({"temperature": args.temperature, "runtime": runtimes.describe(), "device": str(device),
+                          "synchronised": synchronised,
+                          "rows": rows}, indent=1))
         return
-    header = f"{'variant':<18}{'step ms':>8}" + "".join(f"{p:>16}" for p in PARTS) + f"{'outside fwd':>13}"
+    header = f"{'variant':<18}{'step ms':>8}" + "".join(f"{p:>16}" for p in PARTS) + f"{'outside fwd':>13}{'to host':>9}"
     print(header)
     for row in rows:
         cells = "".join(f"{row['ms_per_step'][p]:>9.2f} {100 * row['ms_per_step'][p] / row['step_ms']:>4.1f}%"
                         for p in PARTS)
-        print(f"{row['shape']:<18}{row['step_ms']:>8.1f}{cells}{100 * row['outside_forwards']:>12.1f}%")
+        print(f"{row['shape']:<18}{row['step_ms']:>8.1f}{cells}{100 * row['outside_forwards']:>12.1f}%"
+              f"{row['transfers_per_step']:>9.1f}")
 
 
 if __name__ == "__main__":
