@@ -36,7 +36,9 @@ case $part in
     # its own, after rsd's rows are saved: a device-side assert in it (seen in an earlier trial of its
     # compiled static cache) poisons the CUDA context for every later call of the process
     $py "${bench[@]}" --compile on > "$out/bench-gpu.json"
-    $py "${peer[@]}" > "$out/bench-gpu-hf-static.json" ;;
+    $py "${peer[@]}" > "$out/bench-gpu-hf-static.json"
+    # what `auto` measured and learnt there (its forward costs, its per-shape timings and acceptance)
+    for f in costs auto compile; do cp "${RSD_CACHE_DIR:-$HOME/.cache/rsd}/$f.json" "$out/gpu-$f.json" 2>/dev/null; done ;;
   cpu16)
     CUDA_VISIBLE_DEVICES= $py "${bench[@]}" --compile off,on > "$out/bench-cpu16.json"
     CUDA_VISIBLE_DEVICES= $py "${peer[@]}" > "$out/bench-cpu16-hf-static.json" ;;
