@@ -529,6 +529,50 @@ def test_a_failing_compiler_leaves_the_runtime_uncompiled_with_a_notice(monkeypa
     assert [v["error"] for v in verdicts.values()] == ["RuntimeError: no working C++ compiler found"]
 
 
+class GraphedOnTheCpu(CompiledModel):
+    """A CompiledModel that takes itself for one on a CUDA device (graphed, static shapes) while
+    running on the CPU: what runtime_for and the buffers do on a GPU, without one."""
+
+    def __init__(self, model, compile=True, static_shapes=None, notice=lambda message: None, inductor=True):
+        super().__init__(model, compile, static_shapes, notice, inductor)
+        self.graphed = compile
+        self.static_shapes = self.static_shapes or compile
+        self.buckets = compiled.STATIC_BUCKETS if self.static_shapes else compiled.BUCKETS
+
+
+def test_on_a_gpu_every_bucket_compiles_at_load_and_a_failed_compile_keeps_graphs_of_the_uncompiled_layers(
+        monkeypatch, tmp_path):
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(compiled, "CompiledModel", GraphedOnTheCpu)
+    warmed = []
+    monkeypatch.setattr(compiled, "warm_up", lambda runtime, sizes=compiled.WARM_SIZES: warmed.append(sizes))
+    runtime = compiled.runtime_for(tiny_model(V, layers=1), "on", "target")
+    assert runtime.graphed and runtime.inductor and warmed == [compiled.STATIC_BUCKETS]  # no compile mid-answer
+
+    def no_triton(runtime, sizes=compiled.WARM_SIZES):
+        raise RuntimeError("Cannot find a working triton installation")
+
+    monkeypatch.setattr(compiled, "warm_up", no_triton)
+    notices = []
+    runtime = compiled.runtime_for(tiny_model(V, layers=1), "on", "target", notice=notices.append)
+    assert runtime.graphed and not runtime.inductor  # graphs still cut the launches
+    assert notices[-1] == ("compiling the target failed (RuntimeError: Cannot find a working triton installation): "
+                           "it runs on CUDA graphs of its uncompiled layers")
+    assert Runtimes(runtime, runtime).describe() == "static cache, CUDA graphs"
+
+
+def test_graphs_dropped_with_their_buffers_take_their_memory_pool_with_them(pair):
+    """Buffers that grow replace the old ones, and the graphs captured on them go; so must their
+    pool: torch keeps a pool whose graphs are all gone, and capturing into it again fails its
+    allocator's internal assert (`use_count > 0`, seen on an H100)."""
+    runtime = CompiledModel(pair[0], False, static_shapes=True)
+    lm = StaticLM(runtime, V, capacity=8)
+    runtime._captured[(1, lm.keys.data_ptr())] = ("inputs", "graph", "logits")  # as after a capture
+    runtime._pool = "the pool those graphs were captured in"
+    lm.extend([1] * 10)  # past the capacity: new buffers
+    assert lm.capacity >= 10 and not runtime._captured and runtime._pool is None
+
+
 def test_buffers_start_small_and_grow_whatever_max_tokens_says(pair, runtimes):
     """inspect-tree decodes with max_tokens = 10**9: the buffers must not be sized by it."""
     decoder = Decoder(pair[0], pair[1], V, make_shape("sd", draft_len=3), SamplingParams(0.0), set(),
