@@ -81,7 +81,7 @@ def _write_weights(folder: Path, tensors: dict, linears: set[str], progress) -> 
     shards = _shards({name: shape for name, (shape, _) in tensors.items()})
     names = [name for shapes in shards.values() for name in shapes]
     made = _one_ahead(lambda name: _values(tensors[name]), names)
-    total, written = sum(int(np.prod(shape, dtype=np.int64)) for shape, _ in tensors.values()), 0
+    elements, written = sum(int(np.prod(shape, dtype=np.int64)) for shape, _ in tensors.values()), 0
     for file, shapes in shards.items():
         with (folder / file).open("wb") as out:
             out.write(_header(shapes))
@@ -97,12 +97,11 @@ def _write_weights(folder: Path, tensors: dict, linears: set[str], progress) -> 
                     if (found := blocks.quantised_blocks(weight)) is not None:
                         kept.add(name, found)
                 written += values.size
-                progress(written / total)
+                progress(written / elements)
     if len(shards) > 1:
         weight_map = {name: file for file, shapes in shards.items() for name in shapes}
-        total = sum(4 * int(np.prod(shape, dtype=np.int64)) for shapes in shards.values() for shape in shapes.values())
-        (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                    indent=2) + "\n")
+        (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": 4 * elements}, "weight_map": weight_map},
+                                                    indent=2) + "\n")  # (every tensor, float32)
     if kept is not None and kept.close() == 0:
         (folder / blocks_cache.FOLDER).rmdir()  # (no blocks: a load makes none either)
     return hints
