@@ -300,13 +300,14 @@ class CompiledModel:
         self.graphed = compile and self.device.type == "cuda"  # CUDA graphs of the whole forward
         self.static_shapes = self.graphed if static_shapes is None else static_shapes
         self.buckets = STATIC_BUCKETS if self.static_shapes else BUCKETS  # what token counts are padded to
-        # torch.compile's layers (inductor); on a GPU inside the graphs (fused kernels: fewer launches
-        # to replay), or not (`inductor=False`: graphs of the eager layers, where compiling fails)
-        self._inductor = compile and inductor
+        # whether the layers run as torch.compile graphs (inductor); on a GPU inside the CUDA graphs (fused
+        # kernels: fewer launches to replay), or not (`inductor=False`: graphs of the eager layers, where
+        # compiling fails)
+        self.inductor = compile and inductor
         # the layers compiled; embedding, final norm and head stay eager (a few ops, and a graph per
         # head size would double the compiles)
-        self._layer = _compiled(decoder_layer) if self._inductor else decoder_layer
-        if self._inductor and self.device.type == "cpu":  # compiled graphs find each weight's CPU kernels by its
+        self._layer = _compiled(decoder_layer) if self.inductor else decoder_layer
+        if self.inductor and self.device.type == "cpu":  # compiled graphs find each weight's CPU kernels by its
             # address (one graph for all)
             for weights, small, _ in self.layers:
                 for weight, (kernels, prepared) in zip(weights[1:9:2] + weights[10:13], small):
@@ -315,11 +316,6 @@ class CompiledModel:
         self._holder = None  # weak reference to the StaticLM using them
         self._captured: dict[tuple, tuple] = {}  # (token count, buffer address) -> (inputs, graph, logits)
         self._pool = None  # one CUDA memory pool for all this model's graphs (they run one at a time)
-
-    @property
-    def inductor(self) -> bool:
-        """Whether the layers run as torch.compile graphs (on a GPU: inside the CUDA graphs)."""
-        return self._inductor
 
     @property
     def all_in_c(self) -> bool:
@@ -434,7 +430,7 @@ class CompiledModel:
         kv_heads, capacity, head_dim), written in place; rows (m,) which outputs to return. Returns
         (m, rows of the head) logits. Sizes in BUCKETS run the compiled graphs (the used length and
         the capacity are dynamic dimensions), others eager."""
-        compiled = self._inductor and tokens.shape[0] in self.buckets
+        compiled = self.inductor and tokens.shape[0] in self.buckets
         native = self.native if not compiled and slots is None else None
         layer = self._layer if compiled else decoder_layer
         if compiled:
@@ -724,7 +720,7 @@ def runtime_for(model, setting: str, role: str, progress=lambda message: None, n
             return uncompiled
     compile = setting == "on" or compile_pays(model, progress, notice)
     runtime = uncompiled if setting == "auto" and not compile else CompiledModel(model, compile=compile, notice=notice)
-    if compile and runtime.inductor:  # (CUDA graphs are captured later, at each size's first use: milliseconds)
+    if runtime.inductor:  # (CUDA graphs are captured later, at each size's first use: milliseconds)
         first = _first_compile_here(model)
         if first:
             notice(f"compiling the {role}'s layers for this machine, once (later runs read them from the cache)")
