@@ -5,8 +5,8 @@ the engine's Python). Every part is timed by wrapping the function that does it;
 the step's wall time minus the parts.
 
 On a GPU the work runs after the calls return, so there every timed part synchronises the device
-before and after (unless `--no-sync`): each part's time is then
-its own host work and GPU work, and the step a little slower than unprofiled. The table also counts
+before and after (unless `--no-sync`): each part's time is then its own host work and GPU work,
+and the step a little slower than unprofiled. The table also counts
 the step's transfers to the host (`sampling.to_host`: on a GPU each one is a synchronisation).
 
 Run on a quiet machine: .venv/bin/python benchmarks/profile_step.py [--depths 1,2] [--limit 2] [--compile auto]

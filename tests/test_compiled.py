@@ -322,7 +322,7 @@ def test_graph_replays_feed_their_inputs_and_a_failed_capture_falls_back(pair, m
                        "capturing): the static-cache runtime runs without graphs"] * 2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@CUDA
 def test_cuda_graphs_replay_transformers_logits_and_greedy_tokens(pair):
     import copy
 
