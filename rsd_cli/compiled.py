@@ -184,14 +184,20 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
 
 
 def _native_layer(layer, fused: tuple, fuse: bool):
-    """The layer as a blocks.NativeLayer where all its linears run on blocks (q/k/v and gate/up
-    stacked in `fused`, or, where their formats differ and there is room for a copy, their blocks
-    one after another), else None."""
+    """The layer as a blocks.NativeLayer where all its linears hold quantised blocks (q/k/v and
+    gate/up stacked — `fused`, or a stacked copy where there is room for one —, or, where their
+    formats differ, their blocks one after another), else None.
+
+    Whatever kernel each linear measured fastest alone (small_batch's verdicts): the C layer runs
+    the whole layer in one call, its products and the ~40 operations around them, and that is what
+    wins. On a 2-core Intel Xeon whose verdicts named torch's product for k, v (576x192) at every
+    row count and for one row of most others, the embedded target's forward took 38 ms with those
+    kernels and 10.8 ms in C (`benchmarks/runtime_cost.py`), `ar` 37.8 against 93.5 tok/s."""
     a, m = layer.self_attn, layer.mlp
     qkv = (a.q_proj, a.k_proj, a.v_proj)
-    stacks = [found if found is not None else _parts(linears, biased) if fuse else None
+    stacks = [found if found is not None else _c_stack(linears, biased) if fuse else None
               for found, linears, biased in zip(fused, (qkv, (m.gate_proj, m.up_proj)), (True, False))]
-    if None in stacks or not (_on_blocks(a.o_proj) and _on_blocks(m.down_proj)):
+    if any(stack is None for stack in stacks) or not (_holds_blocks(a.o_proj) and _holds_blocks(m.down_proj)):
         return None
     bias = None if all(p.bias is None for p in qkv) else \
         torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in qkv])
@@ -199,9 +205,19 @@ def _native_layer(layer, fused: tuple, fuse: bool):
                        blocks_of(a.o_proj), stacks[1], blocks_of(m.down_proj), bias, _head_norms(a))
 
 
-def _parts(linears, biased: bool) -> list | None:
-    """These linears' blocks, where each runs the blocks kernel for every row count (_on_blocks)."""
-    return [blocks_of(linear) for linear in linears] if all(_on_blocks(linear, biased) for linear in linears) else None
+def _c_stack(linears, biased: bool):
+    """What a C layer runs these linears (q/k/v, or gate/up) on: their blocks stacked into one
+    weight's, or, where their formats differ, their blocks one after another; None where one holds
+    no blocks."""
+    stacked = fused_blocks(linears, biased, held=True)
+    return stacked if stacked is not None else _parts(linears, biased, held=True)
+
+
+def _parts(linears, biased: bool, held: bool = False) -> list | None:
+    """These linears' blocks, where each runs the blocks kernel for every row count (_on_blocks; with
+    `held`, where each holds blocks: _holds_blocks)."""
+    usable = _holds_blocks if held else _on_blocks
+    return [blocks_of(linear) for linear in linears] if all(usable(linear, biased) for linear in linears) else None
 
 
 def _head_norms(attention) -> tuple:
@@ -220,18 +236,24 @@ def _room_to_fuse(layers) -> bool:
     return needed == 0 or room_for(needed)
 
 
+def _holds_blocks(linear, biased: bool = False) -> bool:
+    """Whether this linear has quantised blocks (small_batch prepared them: RSD_SMALL_BATCH_MATMUL
+    auto or blocks), without a bias unless `biased` (its caller adds it)."""
+    return blocks_of(linear) is not None and (biased or linear.bias is None)
+
+
 def _on_blocks(linear, biased: bool = False) -> bool:
     """Whether this linear has quantised blocks and runs the blocks kernel (for one row or for
     several: a layer's small products measure within noise of each other), without a bias
     unless `biased` (its caller adds it)."""
-    return blocks_of(linear) is not None and "blocks" in kernels_of(linear)[:2] and (biased or linear.bias is None)
+    return _holds_blocks(linear, biased) and "blocks" in kernels_of(linear)[:2]
 
 
-def fused_blocks(linears, biased: bool = False) -> torch.Tensor | None:
+def fused_blocks(linears, biased: bool = False, held: bool = False) -> torch.Tensor | None:
     """These linears' quantised blocks stacked into one weight's (their outputs side by side), where
-    each runs the blocks kernel for every row count (_on_blocks; with `biased`, biases are the
-    caller's to add), all in the same format."""
-    found = _parts(linears, biased)
+    each runs the blocks kernel for every row count (_on_blocks; with `held`, where each holds
+    blocks: a C layer's; with `biased`, biases are the caller's to add), all in the same format."""
+    found = _parts(linears, biased, held)
     if found is None or len({block_format(b) for b in found}) != 1:
         return None
     flat = joined(found)  # (blocks kept side by side in a file: no copy)
@@ -456,8 +478,10 @@ class CompiledModel:
                     torch._dynamo.maybe_mark_dynamic(layer_values, 1)
                 x = layer(x, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims, slots, fused)
         head = blocks_of(self.model.lm_head)
-        if (in_c and head is not None and self.model.lm_head.bias is None
-                and kernel_of_rows(rows.shape[0], self.head_small[0]) == "blocks"):  # the norm and head: one more call
+        # the norm and head: one more call, on the head's blocks (as the layers, whatever its product
+        # measured alone: a calibration of one 113 MB weight read again and again is partly served
+        # by a large CPU cache, which a forward streaming every weight is not)
+        if in_c and head is not None and self.model.lm_head.bias is None:
             return run.head(x, rows, self.model.model.norm.weight, self.norm_eps, head)
         return final_logits(x[rows], self.model.model.norm.weight, self.norm_eps, self.model.lm_head.weight,
                             self.head_small)
