@@ -392,13 +392,15 @@ class CompiledModel:
         return self._table[1]
 
     def replay(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
-               keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """A static-shape forward: logits of every row (mask (n, capacity), slots (n,)). Graphed: the
-        CUDA graph captured for this token count and these buffers (at its first use), fed by
-        copying the inputs into its own; otherwise a plain call."""
+               keys: torch.Tensor, values: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        """A static-shape forward: float32 logits of these rows, a tensor of their own (mask (n,
+        capacity), slots (n,); the inputs on the host or the device: page-locked host memory is
+        copied in without waiting). Graphed: the CUDA graph captured for this token count and these
+        buffers (at its first use), fed by copying the inputs into its own; otherwise a plain call."""
         if not self.graphed:
-            rows = torch.arange(tokens.shape[0], device=self.device)
-            return self.forward(tokens, positions, mask, keys, values, rows, slots)
+            tokens, positions, mask, slots = (t.to(self.device) for t in (tokens, positions, mask, slots))
+            every = torch.arange(tokens.shape[0], device=self.device)
+            return self.forward(tokens, positions, mask, keys, values, every, slots)[rows].float()
         key = (tokens.shape[0], keys.data_ptr())
         if key not in self._captured:
             try:
@@ -409,12 +411,13 @@ class CompiledModel:
                 reason = str(e).splitlines()[0] if str(e) else ""
                 self.notice(f"capturing a CUDA graph failed ({type(e).__name__}: {reason}): "
                             f"the static-cache runtime runs without graphs")
-                return self.replay(tokens, positions, mask, slots, keys, values)
+                return self.replay(tokens, positions, mask, slots, keys, values, rows)
         inputs, graph, logits = self._captured[key]
         for buffer, value in zip(inputs, (tokens, positions, mask, slots)):
-            buffer.copy_(value)
+            buffer.copy_(value, non_blocking=True)  # (from page-locked memory: queued, not waited for)
         graph.replay()
-        return logits.clone()  # the graph's output buffer is overwritten by its next replay
+        # a copy: the graph's output buffer is overwritten by its next replay
+        return logits[rows].to(torch.float32, copy=True)
 
     def _capture(self, tokens, positions, mask, slots, keys, values) -> tuple:
         """(the graph's input buffers, the graph, its output buffer). A graph reads and writes
@@ -422,7 +425,7 @@ class CompiledModel:
         it reads stays alive in what this returns (the inputs, `rows` among them), in the model
         (weights, rotary tables) or in the shared KV buffers (their graphs dropped when replaced)."""
         rows = torch.arange(tokens.shape[0], device=self.device)  # every row's logits
-        inputs = tuple(t.clone() for t in (tokens, positions, mask, slots)) + (rows,)
+        inputs = tuple(t.to(self.device, copy=True) for t in (tokens, positions, mask, slots)) + (rows,)
 
         def run() -> torch.Tensor:
             return self.forward(inputs[0], inputs[1], inputs[2], keys, values, inputs[4], inputs[3])
@@ -601,21 +604,25 @@ class StaticLM(ChainExtension):
         pad = size - n
         device = self.compiled.device
         kv_len = self.capacity if static else self.length + size
+        # a graph's inputs are made on the host in page-locked memory, which its replay copies in
+        # without waiting for the device (a plain copy to a GPU waits for all the work queued before it)
+        pinned = static and self.compiled.graphed and device.type == "cuda"
         with torch.inference_mode():  # inputs made here as in warm_up: the compiled graphs' guards match
-            mask = torch.full((size, kv_len), -math.inf, dtype=torch.float32)
+            mask = torch.full((size, kv_len), -math.inf, dtype=torch.float32, pin_memory=pinned)
             mask[:n, : self.length + n].masked_fill_(visible, 0.0)
             if pad:  # padding rows see only themselves; their keys land beyond the used length
                 mask[n:, self.length + n: self.length + size] = torch.where(torch.eye(pad, dtype=torch.bool), 0.0,
                                                                             -math.inf)
-            inputs = (torch.tensor(tokens + [0] * pad, device=device),
-                      torch.tensor(positions + [positions[-1]] * pad, device=device), mask.to(device))
-            if static:
-                slots = torch.arange(self.length, self.length + size, device=device)
-                logits = self.compiled.replay(*inputs, slots, self.keys, self.values)
-                logits = logits[n - 1: n] if last_only else logits[:n]
+            ids = [tokens + [0] * pad, positions + [positions[-1]] * pad]
+            if static:  # (tokens, positions, slots): one host tensor
+                ids = torch.tensor(ids + [list(range(self.length, self.length + size))], pin_memory=pinned)
+                logits = self.compiled.replay(ids[0], ids[1], mask, ids[2], self.keys, self.values,
+                                              slice(n - 1, n) if last_only else slice(0, n))
             else:
+                ids = torch.tensor(ids, device=device)
                 rows = torch.tensor([n - 1]) if last_only else torch.arange(n)  # padding rows skip the head
-                logits = self.compiled.forward(*inputs, self.keys, self.values, rows.to(device))
+                logits = self.compiled.forward(ids[0], ids[1], mask.to(device), self.keys, self.values,
+                                               rows.to(device))
         self.length += n
         logits = full_vocabulary(logits[:, : self.vocab_size].float(), self.vocab_size)  # stays on the device
         self.clock.stop(start)
