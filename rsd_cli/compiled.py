@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from .engine import ChainExtension, ForwardClock, full_vocabulary, timed_chain, unchanged_prefix
 from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, joined, native_table
-from .small_batch import (MAX_ROWS, TORCH, blocks_of, enrol, kernel_linear, kernel_of_rows, kernels_of, machine,
+from .small_batch import (MAX_ROWS, TORCH, blocks_of, enrol, kernel_linear, kernels_of, machine,
                           prepared_copies, register_operator, room_for, signature)
 
 BUCKETS = (1, 2, 4, 8, 16)
