@@ -140,16 +140,19 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     linears (small_batch.kernels_of), dims = (heads, kv_heads, head_dim, scaling, eps). Every layer of a model (and
     of its early-exit draft, adapter included) has the same shapes: one compiled graph serves them all.
     `fused` = (q, k and v's quantised blocks in one, gate and up's in one) or None each (fused_blocks):
-    one call of the blocks kernel instead of three or two, the same arithmetic for every output."""
+    one call of the blocks kernel instead of three or two, the same arithmetic for every output; or,
+    on a GPU, their float weights stacked (stack_projections): one product instead of three or two."""
     ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd, q_norm, k_norm = weights
     heads, kv_heads, head_dim, scaling, eps = dims
     n, kv_len = x.shape[0], mask.shape[1]
+    dense = fused[0] is not None and fused[0].is_floating_point()
     # stacked blocks where the blocks kernel serves this many rows (prompts: where it measured faster)
     on_blocks = n <= MAX_ROWS or small[0][0][2] == "blocks"
-    fused = fused if on_blocks and not torch.compiler.is_compiling() else (None, None)
+    fused = fused if dense or (on_blocks and not torch.compiler.is_compiling()) else (None, None)
+    product = F.linear if dense else blocks_linear
     h = _rms_norm(x, ln1, eps)
     if fused[0] is not None:
-        q, k, v = blocks_linear(h, fused[0]).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        q, k, v = product(h, fused[0]).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
         q, k, v = (t if b is None else t + b for t, b in ((q, bq), (k, bk), (v, bv)))  # (Qwen2's biases)
     else:
         q, k, v = _linear(h, wq, bq, small[0]), _linear(h, wk, bk, small[1]), _linear(h, wv, bv, small[2])
@@ -177,7 +180,7 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     x = x + _linear(out.transpose(0, 1).reshape(n, heads * head_dim), wo, bo, small[3])
     h = _rms_norm(x, ln2, eps)
     if fused[1] is not None:
-        gate, up = blocks_linear(h, fused[1]).chunk(2, -1)
+        gate, up = product(h, fused[1]).chunk(2, -1)
     else:
         gate, up = _linear(h, wg, None, small[4]), _linear(h, wu, None, small[5])
     return x + _linear(F.silu(gate) * up, wd, None, small[6])
@@ -203,6 +206,36 @@ def _native_layer(layer, fused: tuple, fuse: bool):
         torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in qkv])
     return NativeLayer((layer.input_layernorm.weight, layer.post_attention_layernorm.weight), stacks[0],
                        blocks_of(a.o_proj), stacks[1], blocks_of(m.down_proj), bias, _head_norms(a))
+
+
+def stack_projections(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, k and v's weights stacked, gate and up's stacked) for a layer on a GPU, where a small
+    model's forward is a chain of kernel launches: one product instead of three and one instead of
+    two, 3 fewer kernels a layer for a CUDA graph to replay. The linears' weights become views of
+    the stacks (same values, no second copy); a layer stacked before (an early-exit draft shares
+    its target's layers) keeps its stacks."""
+    a, m = layer.self_attn, layer.mlp
+    stacks = []
+    for linears in ((a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)):
+        stacked = getattr(linears[0], "_rsd_stack", None)
+        if stacked is None or any(linear.weight.data_ptr() != stacked[start:].data_ptr()
+                                  for linear, start in zip(linears, _starts(linears))):
+            with torch.no_grad():
+                stacked = torch.cat([linear.weight.detach() for linear in linears])
+                for linear, start in zip(linears, _starts(linears)):
+                    linear.weight.data = stacked[start: start + linear.out_features]
+            linears[0]._rsd_stack = stacked
+        stacks.append(stacked)
+    return stacks[0], stacks[1]
+
+
+def _starts(linears) -> list[int]:
+    """Where each linear's rows begin in their stack."""
+    starts, row = [], 0
+    for linear in linears:
+        starts.append(row)
+        row += linear.out_features
+    return starts
 
 
 def _c_stack(linears, biased: bool):
@@ -290,8 +323,10 @@ class CompiledModel:
                      inner.layers[0].input_layernorm.variance_epsilon)
         self.layers = []
         fuse = _room_to_fuse(inner.layers)
+        on_gpu = inner.embed_tokens.weight.device.type == "cuda"
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
+            stacks = stack_projections(layer) if on_gpu else None  # (before the views of weights below)
             linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
             weights = (layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
                        a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, a.o_proj.bias,
@@ -301,6 +336,7 @@ class CompiledModel:
             # the same guards, and one graph serves both
             self.layers.append((tuple(None if w is None else w.detach() for w in weights),
                                 tuple(self._kernels(linear) for linear in linears),
+                                stacks if stacks is not None else
                                 (fused_blocks(linears[:3], biased=True), fused_blocks(linears[4:6])) if fuse
                                 else (None, None)))
         self.head_small = self._kernels(model.lm_head)
@@ -646,7 +682,9 @@ class StaticLM(ChainExtension):
         """Keep only these cache positions (ascending): one index copy for all layers."""
         prefix = unchanged_prefix(indices)
         if prefix < len(indices):
-            tail = torch.tensor(indices[prefix:], device=self.compiled.device)
+            # (from page-locked memory on a GPU: copied in without waiting for the work queued before)
+            pinned = self.compiled.device.type == "cuda"
+            tail = torch.tensor(indices[prefix:], pin_memory=pinned).to(self.compiled.device, non_blocking=True)
             with torch.inference_mode():
                 self.keys[:, :, prefix: len(indices)] = self.keys.index_select(2, tail)
                 self.values[:, :, prefix: len(indices)] = self.values.index_select(2, tail)

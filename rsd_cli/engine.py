@@ -105,7 +105,9 @@ class ChainExtension:
         """Append a chain of tokens after the cache (causal attention)."""
         n, past = len(tokens), self.length
         visible = torch.ones(n, past + n, dtype=torch.bool)
-        visible[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
+        # (Tensor.tril runs its rows in parallel whatever their number: waking a many-core CPU's
+        # threads took 0.1-0.3 ms a call on the H100 machine's 16 cores)
+        visible[:, past:] = torch.arange(n)[:, None] >= torch.arange(n)
         return self.forward(tokens, list(range(past, past + n)), visible, last_only)
 
     def release(self) -> None:

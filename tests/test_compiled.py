@@ -373,6 +373,38 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
             plain_greedy(target, 20), shape.describe()
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_stacked_projections_give_the_separate_products(kind, monkeypatch):
+    """On a GPU each layer's q/k/v and gate/up weights are stacked (one product each, fewer kernels
+    for a graph to replay), the linears' weights becoming views of the stacks: the same logits as
+    the separate products (Qwen2's biases added after the stacked product), transformers' forward
+    on the viewed weights unchanged, and a second runtime on the same layers (an early-exit draft
+    shares its target's) reuses the stacks instead of copying again. Checked here on the CPU."""
+    import copy
+
+    model = tiny_model(V, layers=2, seed=4, scale=0.1) if kind == "llama" else tiny_relative(kind, V, layers=2, seed=4)
+    stacked_model = copy.deepcopy(model)
+    tokens, visible = [t % V for t in (3, 1, 4, 1, 5)], torch.ones(5, 5, dtype=torch.bool).tril()
+    separate = StaticLM(CompiledModel(model, False), V, 8).forward(tokens, list(range(5)), visible)
+    stacks = [compiled.stack_projections(layer) for layer in stacked_model.model.layers]
+    layer = stacked_model.model.layers[0]
+    assert layer.self_attn.k_proj.weight.data_ptr() == stacks[0][0][layer.self_attn.q_proj.out_features:].data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), stacked_model.state_dict().values()))
+    again = compiled.stack_projections(layer)
+    assert again[0] is stacks[0][0] and again[1] is stacks[0][1]
+    runtime = CompiledModel(stacked_model, False)
+    runtime.layers = [(weights, small, stack) for (weights, small, _), stack in zip(runtime.layers, stacks)]
+    products, linear = [], torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *args: products.append(1) or linear(*args))
+    torch.testing.assert_close(StaticLM(runtime, V, 8).forward(tokens, list(range(5)), visible), separate,
+                               rtol=1e-5, atol=1e-5)
+    assert len(products) == 2 * 4 + 1  # q/k/v, o, gate/up, down a layer; the head
+    monkeypatch.undo()
+    reference = CachedLM(model, V)
+    torch.testing.assert_close(CachedLM(stacked_model, V).forward(tokens, list(range(5)), visible),
+                               reference.forward(tokens, list(range(5)), visible), rtol=1e-5, atol=1e-5)
+
+
 def test_unsupported_models_are_named_with_a_reason():
     from transformers import (GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM, Qwen2Config,
                               Qwen2ForCausalLM)
