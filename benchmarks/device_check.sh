@@ -9,10 +9,11 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh cpu16     # the same on the 16-core CPU
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh lookup    # lookup on grounded prompts, GPU then 16 cores
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh profile   # where a step's time goes on the GPU
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh trace     # a step's launches, copies, syncs
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
-part=${1:?which part: tests, costs, bench, cpu16, lookup or profile}
+part=${1:?which part: tests, costs, bench, cpu16, lookup, profile or trace}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -42,9 +43,10 @@ case $part in
     $py "${peer[@]}" > "$out/bench-gpu-hf-static.json"
     # what `auto` measured and learnt there (its forward costs, its per-shape timings and acceptance)
     for f in costs auto compile; do cp "${RSD_CACHE_DIR:-$HOME/.cache/rsd}/$f.json" "$out/gpu-$f.json" 2>/dev/null; done ;;
-  cpu16)
-    CUDA_VISIBLE_DEVICES= $py "${bench[@]}" --compile off,on > "$out/bench-cpu16.json"
-    CUDA_VISIBLE_DEVICES= $py "${peer[@]}" > "$out/bench-cpu16-hf-static.json" ;;
+  cpu16)  # the runtime `auto` picks there (C layers on the embedded model's blocks), T=1; compiling on
+    # the CPU (--compile on, and transformers' static-cache peer) takes minutes of its own
+    CUDA_VISIBLE_DEVICES= $py -m rsd_cli bench --variants ar,sd,rsd-c,auto --depths 1 --width 3 --temperatures 1 \
+      --limit 2 -n 96 --no-assisted --json --compile auto > "$out/bench-cpu16.json" ;;
   lookup)  # where an extra verified token is nearly free, lookup's block efficiency should be its speed-up
     grounded=(-m rsd_cli bench --prompts benchmarks/grounded-prompts.txt --limit 8 --variants ar,sd,lookup,auto
               --depths 1,4 --temperatures 0.7,0 -n 128 --no-assisted --json)
@@ -53,5 +55,8 @@ case $part in
   profile)  # parts of a step, synchronised around each; transfers to the host per step
     $py benchmarks/profile_step.py --compile on --variants ar,sd,rsd-c --depths 1,2 --limit 2 2>&1 |
       tee "$out/profile-step.txt" ;;
-  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup or profile" >&2; exit 2 ;;
+  trace)  # host work a step: torch operations, launches, copies, synchronisations; GPU busy time
+    $py benchmarks/trace_step.py --compile on --variants ar,sd,rsd-c --temperatures 1 -n 48 --top 8 \
+      --json "$out/trace.json" 2>&1 | grep -v "Warning\|USDT\|forward_call" | tee "$out/trace.txt" ;;
+  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile or trace" >&2; exit 2 ;;
 esac

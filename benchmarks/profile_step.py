@@ -95,7 +95,7 @@ def instrument(pair, runtimes) -> None:
                  "stochastic_beam_step"):
         setattr(drafting, name, timed("draws", getattr(drafting, name)))
     DraftTree.ancestry = timed("forward glue", DraftTree.ancestry)  # the verification mask
-    for module in (sampling_module, verification):  # every value moved to the host (each name bound)
+    for module in (sampling_module, verification, engine):  # every value moved to the host (each name bound)
         module.to_host = counted(module.to_host)
     engine.Decoder._step = timed_step(engine.Decoder._step)
 

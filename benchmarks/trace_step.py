@@ -59,7 +59,7 @@ def main() -> None:
         shape = Setting(temperature, None, depth).shape(variant, args.width)
         decoder = engine.Decoder(pair.target, pair.draft, pair.vocab_size, shape, sampling, pair.eos_ids,
                                  pair.context_length, runtimes)
-        complete(decoder, prompt, 16, 0)  # untimed: graphs captured, caches warm
+        complete(decoder, prompt, args.max_tokens, 0)  # untimed: graphs captured at the timed buffers' size
         steps = 0
         with profile(activities=activities) as trace:
             start = time.perf_counter()

@@ -140,19 +140,22 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     linears (small_batch.kernels_of), dims = (heads, kv_heads, head_dim, scaling, eps). Every layer of a model (and
     of its early-exit draft, adapter included) has the same shapes: one compiled graph serves them all.
     `fused` = (q, k and v's quantised blocks in one, gate and up's in one) or None each (fused_blocks):
-    one call of the blocks kernel instead of three or two, the same arithmetic for every output; or,
-    on a GPU, their float weights stacked (stack_projections): one product instead of three or two."""
+    one call of the blocks kernel instead of three or two, the same arithmetic for every output. On a
+    GPU wk, wv and wu are None: wq holds q, k and v's weights stacked and wg gate and up's
+    (stack_projections), one product instead of three and one instead of two."""
     ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd, q_norm, k_norm = weights
     heads, kv_heads, head_dim, scaling, eps = dims
     n, kv_len = x.shape[0], mask.shape[1]
-    dense = fused[0] is not None and fused[0].is_floating_point()
     # stacked blocks where the blocks kernel serves this many rows (prompts: where it measured faster)
     on_blocks = n <= MAX_ROWS or small[0][0][2] == "blocks"
-    fused = fused if dense or (on_blocks and not torch.compiler.is_compiling()) else (None, None)
-    product = F.linear if dense else blocks_linear
+    fused = fused if on_blocks and not torch.compiler.is_compiling() else (None, None)
     h = _rms_norm(x, ln1, eps)
-    if fused[0] is not None:
-        q, k, v = product(h, fused[0]).split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    if wk is None:  # (stacked float weights)
+        q, k, v = F.linear(h, wq).split(widths, -1)
+        q, k, v = (t if b is None else t + b for t, b in ((q, bq), (k, bk), (v, bv)))  # (Qwen2's biases)
+    elif fused[0] is not None:
+        q, k, v = blocks_linear(h, fused[0]).split(widths, -1)
         q, k, v = (t if b is None else t + b for t, b in ((q, bq), (k, bk), (v, bv)))  # (Qwen2's biases)
     else:
         q, k, v = _linear(h, wq, bq, small[0]), _linear(h, wk, bk, small[1]), _linear(h, wv, bv, small[2])
@@ -179,8 +182,10 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
                                          scale=scaling, **grouped)[0]  # (H, n, hd)
     x = x + _linear(out.transpose(0, 1).reshape(n, heads * head_dim), wo, bo, small[3])
     h = _rms_norm(x, ln2, eps)
-    if fused[1] is not None:
-        gate, up = product(h, fused[1]).chunk(2, -1)
+    if wu is None:  # (stacked float weights)
+        gate, up = F.linear(h, wg).chunk(2, -1)
+    elif fused[1] is not None:
+        gate, up = blocks_linear(h, fused[1]).chunk(2, -1)
     else:
         gate, up = _linear(h, wg, None, small[4]), _linear(h, wu, None, small[5])
     return x + _linear(F.silu(gate) * up, wd, None, small[6])
@@ -312,7 +317,7 @@ class CompiledModel:
     graphs (how the tests check it on a CPU)."""
 
     def __init__(self, model, compile: bool = True, static_shapes: bool | None = None,
-                 notice=lambda message: None, inductor: bool = True):
+                 notice=lambda message: None, inductor: bool = True, stack: bool | None = None):
         self.model = model
         self.compiled = compile
         self.notice = notice  # one line for the user (a CUDA graph that cannot be captured)
@@ -323,20 +328,23 @@ class CompiledModel:
                      inner.layers[0].input_layernorm.variance_epsilon)
         self.layers = []
         fuse = _room_to_fuse(inner.layers)
-        on_gpu = inner.embed_tokens.weight.device.type == "cuda"
+        if stack is None:  # q/k/v's and gate/up's weights stacked (stack_projections): on a GPU
+            stack = inner.embed_tokens.weight.device.type == "cuda"
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
-            stacks = stack_projections(layer) if on_gpu else None  # (before the views of weights below)
+            stacks = stack_projections(layer) if stack else None  # (before the views of weights below)
             linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
             weights = (layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
                        a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, a.o_proj.bias,
                        layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
                        *_head_norms(a))
+            if stacks is not None:  # q's weight slot holds q/k/v's stack, gate's gate/up's; k, v and up: None
+                weights = (weights[0], stacks[0], weights[2], None, weights[4], None, *weights[6:10], stacks[1], None,
+                           *weights[12:])
             # detached views (same storage): a trained adapter's tensors and the target's then pass
             # the same guards, and one graph serves both
             self.layers.append((tuple(None if w is None else w.detach() for w in weights),
                                 tuple(self._kernels(linear) for linear in linears),
-                                stacks if stacks is not None else
                                 (fused_blocks(linears[:3], biased=True), fused_blocks(linears[4:6])) if fuse
                                 else (None, None)))
         self.head_small = self._kernels(model.lm_head)
@@ -369,7 +377,8 @@ class CompiledModel:
             # address (one graph for all)
             for weights, small, _ in self.layers:
                 for weight, (kernels, prepared) in zip(weights[1:9:2] + weights[10:13], small):
-                    enrol(weight, kernels, prepared)
+                    if weight is not None:  # (None: stacked with q's or gate's weight)
+                        enrol(weight, kernels, prepared)
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # static shapes: shared KV buffers
         self._holder = None  # weak reference to the StaticLM using them
         self._captured: dict[tuple, tuple] = {}  # (token count, buffer address) -> (inputs, graph, logits)
@@ -627,9 +636,10 @@ class StaticLM(ChainExtension):
     def forward_seconds(self) -> float:
         return self.clock.seconds
 
-    def forward(self, tokens: list[int], positions: list[int], visible: torch.Tensor,
+    def forward(self, tokens: list[int] | torch.Tensor, positions: list[int], visible: torch.Tensor,
                 last_only: bool = False) -> torch.Tensor:
-        """Same contract as CachedLM.forward: visible is (n, length + n) bool over cache + new keys."""
+        """Same contract as CachedLM.forward: visible is (n, length + n) bool over cache + new keys;
+        tokens a list, or an (n,) tensor on the model's device (drawn there: no value read)."""
         start = self.clock.start()
         n = len(tokens)
         sizes = self.compiled.buckets
@@ -649,15 +659,18 @@ class StaticLM(ChainExtension):
             if pad:  # padding rows see only themselves; their keys land beyond the used length
                 mask[n:, self.length + n: self.length + size] = torch.where(torch.eye(pad, dtype=torch.bool), 0.0,
                                                                             -math.inf)
-            ids = [tokens + [0] * pad, positions + [positions[-1]] * pad]
+            on_device = isinstance(tokens, torch.Tensor)
+            ids = [[0] * size if on_device else tokens + [0] * pad, positions + [positions[-1]] * pad]
             if static:  # (tokens, positions, slots): one host tensor
                 ids = torch.tensor(ids + [list(range(self.length, self.length + size))], pin_memory=pinned)
-                logits = self.compiled.replay(ids[0], ids[1], mask, ids[2], self.keys, self.values,
+                token_ids = torch.nn.functional.pad(tokens, (0, pad)) if on_device else ids[0]
+                logits = self.compiled.replay(token_ids, ids[1], mask, ids[2], self.keys, self.values,
                                               slice(n - 1, n) if last_only else slice(0, n))
             else:
                 ids = torch.tensor(ids, device=device)
+                token_ids = torch.nn.functional.pad(tokens.to(device), (0, pad)) if on_device else ids[0]
                 rows = torch.tensor([n - 1]) if last_only else torch.arange(n)  # padding rows skip the head
-                logits = self.compiled.forward(ids[0], ids[1], mask.to(device), self.keys, self.values,
+                logits = self.compiled.forward(token_ids, ids[1], mask.to(device), self.keys, self.values,
                                                rows.to(device))
         self.length += n
         logits = full_vocabulary(logits[:, : self.vocab_size].float(), self.vocab_size)  # stays on the device

@@ -15,9 +15,9 @@ import torch
 
 from .drafting import LOOKUP_NGRAM, NgramIndex, Shape, build_tree, lookup_tree
 from .errors import RsdError
-from .sampling import SamplingParams, logits_to_probs, sample
+from .sampling import SamplingParams, gumbel_like, logits_to_probs, sample, sample_rows, to_device, to_host
 from .tree import DraftTree
-from .verification import Decision, Plan, Rule, plan, verify
+from .verification import Decision, Plan, Rule, chain_decisions, fan_decisions, plan, verify
 
 
 def full_vocabulary(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -101,8 +101,9 @@ class ForwardClock:
 class ChainExtension:
     """`extend` for a cache that has `length` and `forward` (CachedLM here, compiled.StaticLM)."""
 
-    def extend(self, tokens: list[int], last_only: bool = True) -> torch.Tensor:
-        """Append a chain of tokens after the cache (causal attention)."""
+    def extend(self, tokens: list[int] | torch.Tensor, last_only: bool = True) -> torch.Tensor:
+        """Append a chain of tokens (a list, or an (n,) tensor on the model's device) after the
+        cache (causal attention)."""
         n, past = len(tokens), self.length
         visible = torch.ones(n, past + n, dtype=torch.bool)
         # (Tensor.tril runs its rows in parallel whatever their number: waking a many-core CPU's
@@ -139,9 +140,10 @@ class CachedLM(ChainExtension):
     def length(self) -> int:
         return self.cache.get_seq_length()
 
-    def forward(self, tokens: list[int], positions: list[int], visible: torch.Tensor,
+    def forward(self, tokens: list[int] | torch.Tensor, positions: list[int], visible: torch.Tensor,
                 last_only: bool = False) -> torch.Tensor:
-        """Run `tokens` at `positions`; visible is (n, length + n) bool over cache + new keys.
+        """Run `tokens` (a list, or an (n,) tensor on the model's device) at `positions`; visible is
+        (n, length + n) bool over cache + new keys.
 
         Returns (n, V) logits, or (1, V) with last_only. Transformers wants an additive float
         mask (0 where visible, dtype min elsewhere): a boolean 4D mask is not honoured everywhere.
@@ -152,7 +154,8 @@ class CachedLM(ChainExtension):
         mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
         with torch.inference_mode():
             out = self.model(
-                input_ids=torch.tensor([tokens], device=device),
+                input_ids=tokens[None].to(device) if isinstance(tokens, torch.Tensor) else
+                torch.tensor([tokens], device=device),
                 position_ids=torch.tensor([positions], device=device),
                 attention_mask=mask[None, None].to(device),
                 past_key_values=self.cache,
@@ -556,8 +559,130 @@ class Decoder:
 
         return StaticLM(runtime, self.vocab_size, capacity)
 
+    def _on_device(self, shape: Shape, draft) -> str | None:
+        """Whether this step's tree is decided on the device with one transfer at its end: "chain"
+        for an `sd` chain (_chain_step), "fan" for `rsd-c` root children (_fan_step), drafted by
+        the draft model with sampling that does not depend on each position's context; else None."""
+        if draft is None or shape.depth == 0 or self.sampling.uses_context or self.draft_sampling.uses_context:
+            return None
+        if shape.variant == "sd":
+            return "chain"
+        return "fan" if shape.variant == "rsd-c" and shape.depth == 1 else None
+
+    def _draft_root(self, seq: list[int], draft, device: torch.device) -> torch.Tensor:
+        """The draft's catch-up on the sequence (accepted tokens it never saw, and the root): its
+        (1, V) distribution after the root, on `device`."""
+        logits = draft.extend(seq[draft.length:])
+        return logits_to_probs(logits[-1:].to(device), self.draft_sampling)
+
+    def _fan_step(self, step: int, shape: Shape, seq: list[int], target, draft,
+                  generator: torch.Generator) -> StepEvent:
+        """An `rsd-c` step with b root children (depth 1) as _chain_step runs a chain: the children
+        drawn on the device (Gumbel-top-b, or the draft's top b for a greedy target) and fed from
+        there to the target's forward, decided at once (verification.fan_decisions), one transfer."""
+        start = time.perf_counter()
+        forward_before = target.forward_seconds + draft.forward_seconds
+        calls_before = draft.calls
+        device, k, base = generator.device, shape.branching[0], len(seq) - 1
+        q = self._draft_root(seq, draft, device)  # (1, V)
+        k = min(k, q.shape[-1])
+        if self.greedy_ranking:
+            top = torch.topk(q[0], k)
+            drawn = top.values > 0
+        else:
+            top = torch.topk(q[0].double().log() + gumbel_like(q[0], generator), k)
+            drawn = torch.isfinite(top.values)
+        drafted = top.indices
+        drafted_at = time.perf_counter()
+        # the root sees the prefix; each child the prefix, the root and itself
+        visible = torch.zeros(k + 1, base + k + 1, dtype=torch.bool)
+        visible[:, : base + 1] = True
+        visible[1:, base + 1:] = torch.eye(k, dtype=torch.bool)
+        logits = target.forward(torch.cat([to_device([seq[-1]], device), drafted]), [base] + [base + 1] * k,
+                                visible)
+        p = logits_to_probs(logits, self.sampling)  # (k + 1, V): the root's row, then each child's
+        accepted, correction, bonus = fan_decisions(p, q[0], drafted, drawn, generator)
+        values = to_host(torch.cat([drafted, drawn.long(), accepted.long(), correction, bonus]))  # one transfer
+        tokens, drawn = values[:k], values[k: 2 * k]
+        accepted, correction, bonus = values[2 * k: 3 * k], values[3 * k], values[3 * k + 1:]
+        tree = DraftTree.rooted_at(seq[-1])
+        tree.q[0] = q[0]
+        tried = [token for token, was in zip(tokens, drawn) if was]
+        for token in tried:
+            tree.add_draw(0, token)
+        first = next((i for i, hit in enumerate(accepted[: len(tried)]) if hit), None)
+        decision = Decision(first, len(tried) if first is None else first + 1, None if first is not None else correction)
+        checks = [NodeCheck(0, list(range(1, len(tried) + 1)), decision, (p[0], q[0], tried, shape.rule))]
+        path = [] if first is None else [first + 1]
+        extra, kind = (correction, "correction") if first is None else (bonus[first], "bonus")
+        target.keep(list(range(base)) + [base + n for n in [0] + path])
+        draft.keep(list(range(len(seq))))  # (the children are leaves: the draft never read them)
+        end = time.perf_counter()
+        return StepEvent(
+            step=step, shape=shape, tree=tree, p=p[: len(tree)], checks=checks, path=path,
+            extra_token=extra, extra_kind=kind, emitted=[], draft_calls=draft.calls - calls_before,
+            draft_seconds=drafted_at - start, verify_seconds=end - drafted_at,
+            forward_seconds=target.forward_seconds + draft.forward_seconds - forward_before,
+        )
+
+    def _chain_step(self, step: int, shape: Shape, seq: list[int], target, draft,
+                    generator: torch.Generator) -> StepEvent:
+        """An `sd` step with nothing read on the host until its end: each drafted token is drawn
+        on the device and fed from there to the draft's next level and to the target's verifying
+        forward, every node is decided at once (verification.chain_decisions), and one transfer
+        brings the drafts, decisions, corrections and bonus back. On a GPU the host then queues
+        the target's forward while the draft's runs, instead of waiting for the drafts first, and
+        a step makes one synchronisation instead of one per level and per tried node. The tree
+        and the caches end as `_step` leaves them (a chain: both caches keep a prefix)."""
+        start = time.perf_counter()
+        forward_before = target.forward_seconds + draft.forward_seconds
+        calls_before = draft.calls
+        device, gamma, base = generator.device, shape.depth, len(seq) - 1
+        q = self._draft_root(seq, draft, device)  # (1, V)
+        q_rows, drafted = [], []
+        for level in range(gamma):
+            token = q.argmax(-1) if self.greedy_ranking else sample_rows(q, generator)  # (1,), on the device
+            q_rows.append(q[0])
+            drafted.append(token)
+            if level + 1 < gamma:
+                q = logits_to_probs(draft.extend(token).to(device), self.draft_sampling)
+        drafted = torch.cat(drafted)
+        drafted_at = time.perf_counter()
+        logits = target.extend(torch.cat([to_device([seq[-1]], device), drafted]), last_only=False)
+        p = logits_to_probs(logits, self.sampling)  # (γ + 1, V): node i's row i
+        accepted, corrections, bonus = chain_decisions(p, torch.stack(q_rows), drafted, generator)
+        values = to_host(torch.cat([drafted, accepted.long(), corrections, bonus]))  # the step's one transfer
+        tokens, accepted, corrections = values[:gamma], values[gamma: 2 * gamma], values[2 * gamma: 3 * gamma]
+        tree = DraftTree.rooted_at(seq[-1])
+        for node, token in enumerate(tokens):
+            tree.q[node] = q_rows[node]
+            tree.add_draw(node, token)
+        checks, path = [], []
+        for node, token in enumerate(tokens):
+            decision = Decision(0, 1, None) if accepted[node] else Decision(None, 1, corrections[node])
+            checks.append(NodeCheck(node, [node + 1], decision, (p[node], q_rows[node], [token], shape.rule)))
+            if not accepted[node]:
+                extra, kind = corrections[node], "correction"
+                break
+            path.append(node + 1)
+        else:
+            extra, kind = values[-1], "bonus"
+        # prune: the root and the accepted drafts follow the prefix in both caches (no copy)
+        target.keep(list(range(base + 1 + len(path))))
+        draft.keep(list(range(len(seq) + min(len(path), gamma - 1))))
+        end = time.perf_counter()
+        return StepEvent(
+            step=step, shape=shape, tree=tree, p=p, checks=checks, path=path,
+            extra_token=extra, extra_kind=kind, emitted=[], draft_calls=draft.calls - calls_before,
+            draft_seconds=drafted_at - start, verify_seconds=end - drafted_at,
+            forward_seconds=target.forward_seconds + draft.forward_seconds - forward_before,
+        )
+
     def _step(self, step: int, shape: Shape, seq: list[int], target: CachedLM, draft: CachedLM | None,
               generator: torch.Generator) -> StepEvent:
+        kind = self._on_device(shape, draft)
+        if kind is not None:
+            return (self._chain_step if kind == "chain" else self._fan_step)(step, shape, seq, target, draft, generator)
         start = time.perf_counter()
         forward_before = target.forward_seconds + (draft.forward_seconds if draft else 0.0)
         draft_calls_before = draft.calls if draft else 0

@@ -79,6 +79,13 @@ def to_host(tensor: torch.Tensor) -> list:
     return tensor.tolist()
 
 
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A few host integers as an (n,) tensor on the device, queued without waiting for the work
+    before it (from page-locked memory on a GPU: a plain copy there waits for the device)."""
+    pinned = device.type == "cuda"
+    return torch.tensor(values, pin_memory=pinned).to(device, non_blocking=pinned)
+
+
 def sample_rows(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token from each row of (B, V) distributions (need not be normalised), by inverting the
     CDF; (B,) indices on the rows' device, nothing moved to the host. torch.multinomial draws one

@@ -16,7 +16,7 @@ from enum import Enum
 
 import torch
 
-from .sampling import sample, to_host
+from .sampling import sample, sample_rows, to_host
 
 
 class Rule(str, Enum):
@@ -167,6 +167,59 @@ def decide(node_plan: Plan, generator: torch.Generator, start: int = 0) -> Decis
         first = start + hits.index(True)
         return Decision(first, first + 1, None)
     return Decision(None, k, sample(node_plan.residuals[-1], generator))
+
+
+def chain_decisions(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
+                    generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every node of a chain decided at once, on the device, nothing read: p (γ + 1, V) target
+    distributions at the chain's nodes (root first), q (γ, V) the draft's at the first γ, drafts
+    (γ,) the drafted tokens (draft i drawn from q[i] under node i). Returns (accepted (γ,) bool,
+    corrections (γ,), bonus (1,)): node i accepts its draft with probability min(1, p(x)/q(x)) (its
+    rrs_plan's accept[0]), a correction is drawn from each node's residual (p - q)^+ (its plan's
+    residual), and the bonus from the last node's p. The first node that rejects ends the path
+    with its correction; where none does, the bonus follows. Each node's outcome has the
+    distribution `verify` gives it, with uniforms of its own: the decisions and draws past the
+    first rejection are simply not used (γ uniforms, then γ corrections, then the bonus)."""
+    gamma = drafts.shape[0]
+    r = p[:gamma].double()
+    q = q.double() / q.sum(-1, keepdim=True, dtype=torch.float64)
+    x = drafts[:, None]
+    accept = _acceptance(r.gather(1, x), q.gather(1, x))[:, 0]
+    u = torch.rand(gamma, generator=generator, dtype=torch.float64, device=p.device)
+    accepted = (accept >= 1.0) | (u < accept)
+    residual = (r - q).clamp_min_(0)
+    total = residual.sum(-1, keepdim=True)
+    residual = torch.where(total > 1e-12, residual / torch.where(total > 1e-12, total, 1.0), r)
+    return accepted, sample_rows(residual, generator), sample_rows(p[gamma:], generator)
+
+
+def fan_decisions(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, drawn: torch.Tensor,
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A root's k drafts, drawn without replacement, decided at once on the device, nothing read:
+    p (k + 1, V) target distributions at the root and at each child, q (V,) the draft's at the
+    root, drafts (k,) in draw order, drawn (k,) bool whether each was drawn (a q with fewer than k
+    tokens of mass yields fewer: the last ones are not, and are never accepted). Returns
+    (accepted (k,) bool: whether draft i is accepted once the ones before it are rejected, with
+    rrs_plan's accept[i], correction (1,) from the residual after rejecting them all, bonus (k,)
+    one token from each child's p): the first accepted draft wins and its bonus follows, else the
+    correction. The same arithmetic as rrs_plan, a uniform for each draft, drawn up front."""
+    k = drafts.shape[0]
+    r = p[0].double()
+    q_k = q.double() / q.sum(dtype=torch.float64)
+    u = torch.rand(k, generator=generator, dtype=torch.float64, device=p.device)
+    accepted = []
+    for i in range(k):
+        x = drafts[i: i + 1]
+        q_x = q_k.gather(0, x)
+        accept = _acceptance(r.gather(0, x), q_x)
+        accepted.append(drawn[i: i + 1] & ((accept >= 1.0) | (u[i: i + 1] < accept)))
+        rest = (r - q_k).clamp_min_(0)
+        total = rest.sum()
+        r = torch.where(drawn[i] & (total > 1e-12), rest / torch.where(total > 1e-12, total, 1.0), r)
+        if i + 1 < k:  # q without x, renormalised (as rrs_plan)
+            left = 1.0 - q_x
+            q_k = (q_k * torch.where(left > 1e-12, left, 1.0).reciprocal()).scatter_(0, x, 0.0)
+    return torch.cat(accepted), sample_rows(r[None], generator), sample_rows(p[1:], generator)
 
 
 def first_acceptance(p: torch.Tensor, q: torch.Tensor, x: int) -> torch.Tensor:

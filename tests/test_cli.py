@@ -89,7 +89,7 @@ def test_samples_read_the_prompt_once_and_give_what_separate_runs_give(cli, tiny
     read = []
     real = ChainExtension.extend
     monkeypatch.setattr(ChainExtension, "extend",
-                        lambda self, tokens, *a: read.append(len(tokens)) or real(self, tokens, *a))
+                        lambda self, tokens, *a, **k: read.append(len(tokens)) or real(self, tokens, *a, **k))
     prompt = "hello there, " * 8
     result = cli("generate", prompt, "-p", tiny_profile, "--samples", "3", "--json", "-n", "6", input="")
     assert result.exit_code == 0, result.stderr

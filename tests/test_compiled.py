@@ -392,14 +392,17 @@ def test_stacked_projections_give_the_separate_products(kind, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), stacked_model.state_dict().values()))
     again = compiled.stack_projections(layer)
     assert again[0] is stacks[0][0] and again[1] is stacks[0][1]
-    runtime = CompiledModel(stacked_model, False)
-    runtime.layers = [(weights, small, stack) for (weights, small, _), stack in zip(runtime.layers, stacks)]
+    runtime = CompiledModel(stacked_model, False, stack=True)  # (what a GPU gets)
+    assert [weights[1].data_ptr() for weights, _, _ in runtime.layers] == [qkv.data_ptr() for qkv, _ in stacks]
     products, linear = [], torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda *args: products.append(1) or linear(*args))
     torch.testing.assert_close(StaticLM(runtime, V, 8).forward(tokens, list(range(5)), visible), separate,
                                rtol=1e-5, atol=1e-5)
     assert len(products) == 2 * 4 + 1  # q/k/v, o, gate/up, down a layer; the head
     monkeypatch.undo()
+    compiled_stacks = StaticLM(CompiledModel(stacked_model, True, stack=True), V, 8)  # (a GPU compiles it so)
+    torch.testing.assert_close(compiled_stacks.forward(tokens, list(range(5)), visible), separate,
+                               rtol=1e-5, atol=1e-5)
     reference = CachedLM(model, V)
     torch.testing.assert_close(CachedLM(stacked_model, V).forward(tokens, list(range(5)), visible),
                                reference.forward(tokens, list(range(5)), visible), rtol=1e-5, atol=1e-5)

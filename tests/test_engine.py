@@ -73,6 +73,10 @@ def shapes():
             make_shape("rsd-s", beam_width=3, depth=3)]
 
 
+# rsd-c with root children only: drawn and decided on the device, one transfer a step (Decoder._fan_step)
+FAN = make_shape("rsd-c", branching=(3,))
+
+
 def run(pair, shape, sampling, max_tokens, seed, eos=frozenset(), prompt=PROMPT):
     target, draft = pair
     decoder = Decoder(target, draft, V, shape, sampling, set(eos))
@@ -87,13 +91,13 @@ def plain_greedy(target, n: int, prompt=PROMPT) -> list[int]:
     return tokens[len(prompt):]
 
 
-@pytest.mark.parametrize("shape", shapes(), ids=lambda s: s.describe())
+@pytest.mark.parametrize("shape", shapes() + [FAN], ids=lambda s: s.describe())
 def test_greedy_equals_plain_greedy_decoding(pair, shape):
     assert run(pair, shape, SamplingParams(temperature=0), 25, seed=0) == plain_greedy(pair[0], 25)
 
 
-@pytest.mark.parametrize("shape", [make_shape("rsd-c", branching=(3, 2)), make_shape("rsd-s", beam_width=3, depth=2)],
-                         ids=lambda s: s.describe())
+@pytest.mark.parametrize("shape", [make_shape("rsd-c", branching=(3, 2)), make_shape("rsd-s", beam_width=3, depth=2),
+                                   FAN], ids=lambda s: s.describe())
 def test_greedy_trees_try_the_drafts_best_tokens_and_stay_exact(pair, shape):
     """At temperature 0 draws without replacement become the draft's top tokens (beam search for
     rsd-s): the root has 3 distinct children, not the one a one-hot q would leave, and a child
@@ -141,7 +145,7 @@ def sample_pairs(pair, shape, sampling, n: int, prompt=PROMPT) -> torch.Tensor:
 N_SAMPLES = 1500
 MC_SHAPES = [make_shape("ar"), make_shape("sd", draft_len=2), make_shape("mss", branching=(2, 2)),
              make_shape("spectr", num_drafts=2, depth=2), make_shape("rsd-c", branching=(2, 2)),
-             make_shape("rsd-s", beam_width=2, depth=2)]
+             make_shape("rsd-s", beam_width=2, depth=2), FAN]
 
 
 @pytest.mark.parametrize("shape", MC_SHAPES, ids=lambda s: s.describe())
@@ -308,7 +312,7 @@ def test_budget_shapes_fit_the_budget():
         shape_for_budget("rsd-c", 0)
 
 
-@pytest.mark.parametrize("shape", shapes()[1:], ids=lambda s: s.describe())
+@pytest.mark.parametrize("shape", shapes()[1:] + [FAN], ids=lambda s: s.describe())
 def test_draft_distributions_equal_fresh_draft_forwards_in_every_step(pair, shape):
     """Verification is exact for any q, so a wrong draft mask or a badly pruned draft cache would
     only cost acceptance, silently: check every node's q against a fresh forward of its path."""
@@ -425,11 +429,12 @@ def test_a_step_moves_only_a_few_numbers_to_the_host(pair, monkeypatch, runtime,
     """Device-resident maths: outside the model forwards, a step reads no tensor value on its own
     and moves values to the host only through `to_host`, each time a few numbers: one transfer per
     drafted level (its tokens), one or two per tried node (the first draft's fate, then the others')
-    and one for the correction or bonus token. Run on the CPU as it runs on a GPU: the support
-    search (CPU only) is off."""
+    and one for the correction or bonus token — and an `sd` chain or `rsd-c` root children, decided
+    on the device, one transfer a step (drafts, decisions, corrections and bonus). Run on the CPU as it runs on a
+    GPU: the support search (CPU only) is off."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from rsd_cli import compiled, sampling, verification
+    from rsd_cli import compiled, engine, sampling, verification
     from rsd_cli.compiled import CompiledModel, StaticLM
     from rsd_cli.engine import Runtimes
 
@@ -439,7 +444,7 @@ def test_a_step_moves_only_a_few_numbers_to_the_host(pair, monkeypatch, runtime,
         transfers.append(tensor.numel())
         return tensor.tolist()
 
-    for module in (sampling, verification):
+    for module in (sampling, verification, engine):
         monkeypatch.setattr(module, "to_host", counted)
     monkeypatch.setattr(sampling, "support", lambda probs: None)
     for cls in (CachedLM, StaticLM):  # the forwards themselves (transformers' code) are not counted
@@ -451,12 +456,16 @@ def test_a_step_moves_only_a_few_numbers_to_the_host(pair, monkeypatch, runtime,
     if runtime == "static":
         runtimes = Runtimes(CompiledModel(pair[0], compile=False), CompiledModel(pair[1], compile=False))
     params = SamplingParams(temperature=temperature, top_k=4, top_p=0.95)
-    for shape in [s for s in shapes() if s.variant != "spectr"]:  # K-SEQ's bisection reads values
+    for shape in [s for s in shapes() if s.variant != "spectr"] + [FAN]:  # K-SEQ's bisection reads values
         decoder = Decoder(pair[0], pair[1], V, shape, params, set(), runtimes=runtimes)
         transfers.clear()
         with ScalarReads() as reads:
             events = list(decoder.generate(PROMPT, 12, seed=1))
         assert reads.count == 0, shape.describe()
+        if shape.variant == "sd" or shape is FAN:  # drafts, whether drawn (fan), decisions, corrections, bonus
+            one = 3 * shape.depth + 1 if shape.variant == "sd" else 4 * shape.branching[0] + 1
+            assert transfers == [one] * len(events), shape.describe()
+            continue
         allowed = sum(e.shape.depth + 2 * e.levels_tried + 1 for e in events)  # a rejection costs a second one
         assert 0 < len(transfers) <= allowed, shape.describe()
         assert max(transfers) <= 3 * max(shape.width, max(shape.branching, default=1)), shape.describe()
@@ -496,7 +505,8 @@ def test_a_kept_cache_reads_only_what_the_next_prompt_does_not_share(pair, monke
     assert held == (PROMPT + answer)[: len(held)] and len(held) >= len(PROMPT) and first.kept.target.length == len(held)
     read = []
     real = ChainExtension.extend
-    monkeypatch.setattr(ChainExtension, "extend", lambda self, tokens, *a: read.append(len(tokens)) or real(self, tokens, *a))
+    monkeypatch.setattr(ChainExtension, "extend",
+                        lambda self, tokens, *a, **k: read.append(len(tokens)) or real(self, tokens, *a, **k))
     follow_up = PROMPT + answer + [2, 5, 1]
     second = decoder(first.kept)
     assert [t for e in second.generate(follow_up, 7, seed=0) for t in e.emitted] == greedy_of(pair[0], follow_up, 7)

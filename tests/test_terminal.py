@@ -101,7 +101,8 @@ def test_chat_reads_only_what_is_new_in_the_conversation(tiny_profile, monkeypat
     unread = decoder.unread(prompt)  # what the "reading the prompt" line counts
     read = []
     real = ChainExtension.extend
-    monkeypatch.setattr(ChainExtension, "extend", lambda self, tokens, *a: read.append(len(tokens)) or real(self, tokens, *a))
+    monkeypatch.setattr(ChainExtension, "extend",
+                        lambda self, tokens, *a, **k: read.append(len(tokens)) or real(self, tokens, *a, **k))
     session.answer("and again", io.StringIO(), console)
     assert 0 < read[0] < len(prompt) - 10  # the target's prefill: the new message, not the conversation
     assert unread == read[0] + 1  # (+ the prompt's last token, read by the first step)

@@ -289,3 +289,43 @@ def test_verify_decides_as_its_plan_says(rule):
     observed = [c for c, e in zip(counts, expected) if e > 0]
     assert sum(c for c, e in zip(counts, expected) if e == 0) == 0
     assert chisquare(observed, [e * n for e in expected if e > 0]).pvalue > 1e-3
+
+
+def test_chain_decisions_give_each_node_its_plan_s_acceptance_and_residual():
+    """verification.chain_decisions decides a whole chain on the device: node i accepts its draft
+    with its rrs plan's accept[0] and otherwise corrects from the plan's first residual, each node
+    with draws of its own, and the bonus comes from the last node's p. Checked on a long chain
+    whose nodes alternate between two (p, q, draft) triples — the second's draft where q is below
+    p (always accepted), the first's where it is not, and a token the draft cannot propose that
+    only corrections supply — against the plans (counts within 4.5 standard deviations, and a
+    chi-square fit of the corrections)."""
+    from scipy.stats import chisquare
+
+    from rsd_cli.verification import chain_decisions
+
+    contexts = [(0,), (1, 2)]
+    drafts = []
+    for ctx in contexts:
+        p, q = target(ctx), draft(ctx)
+        drafts.append(int((q - p).argmax()) if ctx == (0,) else int((p - q).argmax()))  # q(x) > p(x): may reject
+    n = 6000
+    p = torch.stack([target(contexts[i % 2]) for i in range(n + 1)])
+    q = torch.stack([draft(contexts[i % 2]) for i in range(n)])
+    x = torch.tensor([drafts[i % 2] for i in range(n)])
+    accepted, corrections, bonus = chain_decisions(p, q, x, torch.Generator().manual_seed(0))
+    assert accepted.shape == corrections.shape == (n,) and bonus.shape == (1,)
+    for parity, ctx in enumerate(contexts):
+        node_plan = plan(target(ctx), draft(ctx), [drafts[parity]], Rule.WITHOUT_REPLACEMENT)
+        a = float(node_plan.accept[0])
+        rate = accepted[parity::2].double().mean().item()
+        assert abs(rate - a) <= 4.5 * (a * (1 - a) / (n / 2)) ** 0.5 + 1e-12, (ctx, rate, a)
+        if a < 1:
+            residual = node_plan.residuals[0]
+            counts = torch.bincount(corrections[parity::2], minlength=V).double()
+            assert counts[residual == 0].sum() == 0  # never a token the residual lacks
+            keep = residual > 0
+            expected = residual[keep] * counts.sum()
+            assert chisquare(counts[keep].numpy(), expected.numpy()).pvalue > 1e-3
+            assert residual[4] > 0  # the token the draft lacks comes from corrections
+        else:
+            assert rate == 1.0
