@@ -190,7 +190,8 @@ def chain_decisions(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     residual = (r - q).clamp_min_(0)
     total = residual.sum(-1, keepdim=True)
     residual = torch.where(total > 1e-12, residual / torch.where(total > 1e-12, total, 1.0), r)
-    return accepted, sample_rows(residual, generator), sample_rows(p[gamma:], generator)
+    drawn = sample_rows(torch.cat([residual, p[gamma:].double()]), generator)  # corrections, then the bonus
+    return accepted, drawn[:gamma], drawn[gamma:]
 
 
 def fan_decisions(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, drawn: torch.Tensor,
@@ -202,24 +203,30 @@ def fan_decisions(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, drawn:
     (accepted (k,) bool: whether draft i is accepted once the ones before it are rejected, with
     rrs_plan's accept[i], correction (1,) from the residual after rejecting them all, bonus (k,)
     one token from each child's p): the first accepted draft wins and its bonus follows, else the
-    correction. The same arithmetic as rrs_plan, a uniform for each draft, drawn up front."""
+    correction. rrs_plan's arithmetic, a uniform for each draft drawn up front; q without the
+    drafts before draft i, renormalised, is q with them zeroed over 1 - their mass (what its
+    successive renormalisations make, up to rounding), so only the residuals take a loop."""
     k = drafts.shape[0]
     r = p[0].double()
-    q_k = q.double() / q.sum(dtype=torch.float64)
-    u = torch.rand(k, generator=generator, dtype=torch.float64, device=p.device)
-    accepted = []
-    for i in range(k):
+    q = q.double() / q.sum(dtype=torch.float64)
+    q_x = q.gather(0, drafts)  # (k,)
+    removed = q_x.cumsum(0) - q_x  # the mass of the drafts before each one
+    scales = torch.where(1.0 - removed > 1e-12, 1.0 - removed, 1.0).reciprocal()  # (k,)
+    rest_q = q.clone()
+    target_mass = []
+    for i in range(k):  # (slices, not a 0-d index: indexing with one reads it on the host)
         x = drafts[i: i + 1]
-        q_x = q_k.gather(0, x)
-        accept = _acceptance(r.gather(0, x), q_x)
-        accepted.append(drawn[i: i + 1] & ((accept >= 1.0) | (u[i: i + 1] < accept)))
-        rest = (r - q_k).clamp_min_(0)
-        total = rest.sum()
-        r = torch.where(drawn[i] & (total > 1e-12), rest / torch.where(total > 1e-12, total, 1.0), r)
-        if i + 1 < k:  # q without x, renormalised (as rrs_plan)
-            left = 1.0 - q_x
-            q_k = (q_k * torch.where(left > 1e-12, left, 1.0).reciprocal()).scatter_(0, x, 0.0)
-    return torch.cat(accepted), sample_rows(r[None], generator), sample_rows(p[1:], generator)
+        target_mass.append(r.gather(0, x))
+        left = (r - rest_q * scales[i: i + 1]).clamp_min_(0)
+        total = left.sum()
+        r = torch.where(drawn[i: i + 1] & (total > 1e-12), left / torch.where(total > 1e-12, total, 1.0), r)
+        if i + 1 < k:
+            rest_q.scatter_(0, x, 0.0)
+    accept = _acceptance(torch.cat(target_mass), q_x * scales)
+    u = torch.rand(k, generator=generator, dtype=torch.float64, device=p.device)
+    accepted = drawn & ((accept >= 1.0) | (u < accept))
+    tokens = sample_rows(torch.cat([r[None], p[1:].double()]), generator)  # the correction, then each bonus
+    return accepted, tokens[:1], tokens[1:]
 
 
 def first_acceptance(p: torch.Tensor, q: torch.Tensor, x: int) -> torch.Tensor:

@@ -329,3 +329,47 @@ def test_chain_decisions_give_each_node_its_plan_s_acceptance_and_residual():
             assert residual[4] > 0  # the token the draft lacks comes from corrections
         else:
             assert rate == 1.0
+
+
+@pytest.mark.parametrize("drawn", [(True, True, True), (True, True, False)], ids=["3 drawn", "2 of 3 drawn"])
+def test_fan_decisions_try_root_children_as_the_plan_does(drawn):
+    """verification.fan_decisions decides a root's children (drawn without replacement) at once on
+    the device: the first accepted child is child i with probability prod_{j<i}(1 - a_j) a_i (a
+    the plan's accept), none with prod(1 - a_j), the correction then follows the plan's last
+    residual, and a child not drawn (a q with fewer tokens of mass than children) is never
+    accepted nor counted. 4000 decisions of one fan against the plan (chi-square fits)."""
+    from scipy.stats import chisquare
+
+    from rsd_cli.verification import fan_decisions
+
+    ctx = (0,)
+    p_root, q = target(ctx), draft(ctx)
+    # the draft's likeliest first (as Gumbel-top-k most often draws them): the second one's acceptance
+    # is 0.471 with q renormalised without the first (1.0 without renormalising), the third's 1.0
+    drafts = [int(t) for t in q.argsort(descending=True)[:3]]
+    tried = drafts[: sum(drawn)]
+    node_plan = plan(p_root, q, tried, Rule.WITHOUT_REPLACEMENT)
+    a = node_plan.accept.tolist()
+    expected = []
+    for i in range(len(tried)):
+        expected.append(torch.tensor([1 - a_j for a_j in a[:i]]).prod().item() * a[i])
+    expected.append(1 - sum(expected))  # none accepted
+    p = torch.stack([p_root] + [target(ctx + (t,)) for t in drafts])
+    generator = torch.Generator().manual_seed(1)
+    outcomes, corrections = torch.zeros(len(tried) + 1), torch.zeros(V)
+    for _ in range(4000):
+        accepted, correction, bonus = fan_decisions(p, q, torch.tensor(drafts), torch.tensor(drawn), generator)
+        assert bonus.shape == (3,) and not accepted[len(tried):].any()
+        hits = accepted.nonzero().flatten().tolist()
+        first = hits[0] if hits else len(tried)
+        outcomes[first] += 1
+        if not hits:
+            corrections[int(correction)] += 1
+    expected = torch.tensor(expected) * 4000
+    keep = expected > 0
+    assert chisquare(outcomes[keep].numpy(), expected[keep].numpy()).pvalue > 1e-3, (outcomes, expected)
+    if expected[-1] > 50:  # (with all three drawn the third is always accepted: no correction)
+        residual = node_plan.residuals[-1]
+        assert corrections[residual == 0].sum() == 0
+        assert chisquare(corrections[residual > 0].numpy(),
+                         (residual[residual > 0] * corrections.sum()).numpy()).pvalue > 1e-3
