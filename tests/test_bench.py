@@ -149,3 +149,32 @@ def test_prompt_files_take_one_prompt_a_line_or_jsonl_with_line_breaks(tiny_prof
     assert {row["variant"] for row in json.loads(result.stdout)["results"]} == {"ar", "lookup"}
     result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--prompts", str(broken)])
     assert result.exit_code == 1 and "no prompts" in result.stderr
+
+
+def test_with_cuda_graphs_each_job_is_warmed_at_the_timed_length_on_the_longest_prompt(tiny_profile, monkeypatch):
+    """CUDA graphs replay on buffers sized for a generation's prompt and answer: where a runtime
+    captures them, bench's untimed warm-up runs every job at the timed length on the longest
+    prompt (a short one left the first timed rows growing the buffers and capturing again);
+    elsewhere 8 tokens of the first prompt do."""
+    import rsd_cli.bench as bench
+    from rsd_cli.compiled import CompiledModel
+    from rsd_cli.engine import Runtimes, Stats
+    from rsd_cli.models import load_pair
+    from rsd_cli.profiles import load_profile
+    from rsd_cli.prompting import encode_prompt
+
+    profile = load_profile(str(tiny_profile))
+    pair = load_pair(profile)
+    prompts = ["hi", "a much longer prompt than the first one, by many tokens"]
+    lengths = [len(encode_prompt(pair.tokenizer, p)) for p in prompts]
+    for graphed, expected in ((True, (max(lengths), 12)), (False, (lengths[0], 8))):
+        calls = []
+        monkeypatch.setattr(bench, "complete", lambda decoder, ids, n, seed, **kwargs:
+                            calls.append((len(ids), n)) or (None, Stats(), None))
+        runtimes = Runtimes(*(CompiledModel(model, False, static_shapes=True) for model in (pair.target, pair.draft)))
+        runtimes.target.graphed = runtimes.draft.graphed = graphed  # (as on a CUDA device)
+        bench.run_bench(pair, profile, variants=["ar", "sd"], temperatures=[1.0], budgets=[], depths=[1],
+                        prompts=prompts, repeats=1, max_tokens=12, seed=0, assisted=False, compiles=["on"],
+                        runtimes={"on": runtimes})
+        assert calls[:2] == [expected] * 2  # the two jobs' warm-ups
+        assert calls[2:] == [(lengths[0], 12)] * 2 + [(lengths[1], 12)] * 2  # then the timed runs
