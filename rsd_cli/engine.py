@@ -416,6 +416,10 @@ class Decoder:
         self.kept: KeptCaches | None = None  # caches a generation may start from (see the class docstring)
         self.ngrams: NgramIndex | None = None  # lookup's and auto's index of this generation's tokens
         self.notice = notice  # one line for the user (auto's first cost measurement)
+        # `sd` chains and `rsd-c` root children drafted and decided on the device (_on_device): None
+        # = where the target is not on the CPU (on a CPU a transfer costs nothing, while computing
+        # every node's residual and every bonus draw does: 0.2-1.0 ms a step on a 2-core Xeon)
+        self.device_steps: bool | None = None
 
     def _next_shape(self, lag: int = 0, remaining: int | None = None, seq: list[int] = ()) -> Shape:
         """This step's shape: the configured one, or auto's choice from the steps before it (lag:
@@ -559,11 +563,14 @@ class Decoder:
 
         return StaticLM(runtime, self.vocab_size, capacity)
 
-    def _on_device(self, shape: Shape, draft) -> str | None:
+    def _on_device(self, shape: Shape, draft, device: torch.device) -> str | None:
         """Whether this step's tree is decided on the device with one transfer at its end: "chain"
         for an `sd` chain (_chain_step), "fan" for `rsd-c` root children (_fan_step), drafted by
-        the draft model with sampling that does not depend on each position's context; else None."""
-        if draft is None or shape.depth == 0 or self.sampling.uses_context or self.draft_sampling.uses_context:
+        the draft model with sampling that does not depend on each position's context, where
+        `device_steps` asks for it (by default off the CPU); else None."""
+        wanted = self.device_steps if self.device_steps is not None else device.type != "cpu"
+        if (not wanted or draft is None or shape.depth == 0 or self.sampling.uses_context
+                or self.draft_sampling.uses_context):
             return None
         if shape.variant == "sd":
             return "chain"
@@ -680,7 +687,7 @@ class Decoder:
 
     def _step(self, step: int, shape: Shape, seq: list[int], target: CachedLM, draft: CachedLM | None,
               generator: torch.Generator) -> StepEvent:
-        kind = self._on_device(shape, draft)
+        kind = self._on_device(shape, draft, generator.device)
         if kind is not None:
             return (self._chain_step if kind == "chain" else self._fan_step)(step, shape, seq, target, draft, generator)
         start = time.perf_counter()

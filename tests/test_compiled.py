@@ -18,7 +18,8 @@ from rsd_cli.drafting import make_shape
 from rsd_cli.engine import CachedLM, Decoder, Runtimes
 from rsd_cli.sampling import SamplingParams
 from rsd_cli.tree import DraftTree
-from test_engine import MC_SHAPES, N_SAMPLES, PROMPT, V, chi_square_pvalue, exact_joint, plain_greedy, shapes
+from test_engine import (DEVICE_SHAPES, MC_SHAPES, N_SAMPLES, PROMPT, V, chi_square_pvalue, exact_joint,
+                         plain_greedy, shapes)
 from tiny import tiny_model, tiny_relative
 
 
@@ -156,9 +157,32 @@ def test_greedy_on_compiled_graphs_with_packed_kernels_equals_plain_greedy(pair,
     assert run(models, runtimes, shape, SamplingParams(temperature=0), 25, seed=0) == plain_greedy(pair[0], 25)
 
 
-def run(pair, runtimes, shape, sampling, max_tokens, seed):
+def run(pair, runtimes, shape, sampling, max_tokens, seed, device_steps=None):
     decoder = Decoder(pair[0], pair[1], V, shape, sampling, set(), runtimes=runtimes)
+    decoder.device_steps = device_steps
     return [t for event in decoder.generate(PROMPT, max_tokens, seed) for t in event.emitted]
+
+
+@pytest.mark.parametrize("shape", DEVICE_SHAPES, ids=lambda s: s.describe())
+def test_device_steps_on_static_shapes_compiled_and_through_graph_replays_are_plain_greedy(
+        pair, runtimes, static_runtimes, shape, monkeypatch):
+    """A GPU's path for sd chains and rsd-c root children — tokens drawn on the device and fed from
+    there to the draft's next level and to the target's forward — on the compiled runtime, on static
+    shapes and through graph replays (the CPU stand-in for CUDA graphs): plain greedy output."""
+    for backend in (runtimes[True], static_runtimes):
+        assert run(pair, backend, shape, SamplingParams(0.0), 25, 0, device_steps=True) == plain_greedy(pair[0], 25)
+    graphs = []
+
+    def capture(self, run):
+        graphs.append(RecordedForward(self, run))
+        return graphs[-1], graphs[-1].logits
+
+    monkeypatch.setattr(CompiledModel, "_graph_of", capture)
+    target, draft = (CompiledModel(model, False, static_shapes=True) for model in pair)
+    target.graphed = draft.graphed = True
+    assert run(pair, Runtimes(target, draft, "on"), shape, SamplingParams(0.0), 20, 0, device_steps=True) == \
+        plain_greedy(pair[0], 20)
+    assert graphs and all(graph.replays >= 1 for graph in graphs)
 
 
 @pytest.mark.parametrize("shape", shapes(), ids=lambda s: s.describe())

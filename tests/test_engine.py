@@ -73,13 +73,16 @@ def shapes():
             make_shape("rsd-s", beam_width=3, depth=3)]
 
 
-# rsd-c with root children only: drawn and decided on the device, one transfer a step (Decoder._fan_step)
+# rsd-c with root children only: off the CPU (or with device_steps) drawn and decided on the device,
+# one transfer a step (Decoder._fan_step), as sd chains are (_chain_step)
 FAN = make_shape("rsd-c", branching=(3,))
+DEVICE_SHAPES = [make_shape("sd", draft_len=3), FAN]
 
 
-def run(pair, shape, sampling, max_tokens, seed, eos=frozenset(), prompt=PROMPT):
+def run(pair, shape, sampling, max_tokens, seed, eos=frozenset(), prompt=PROMPT, device_steps=None):
     target, draft = pair
     decoder = Decoder(target, draft, V, shape, sampling, set(eos))
+    decoder.device_steps = device_steps
     return [t for event in decoder.generate(prompt, max_tokens, seed) for t in event.emitted]
 
 
@@ -134,10 +137,10 @@ def chi_square_pvalue(counts: torch.Tensor, expected: torch.Tensor) -> float:
     return float(chisquare(obs[keep].numpy(), exp[keep].numpy()).pvalue)
 
 
-def sample_pairs(pair, shape, sampling, n: int, prompt=PROMPT) -> torch.Tensor:
+def sample_pairs(pair, shape, sampling, n: int, prompt=PROMPT, device_steps=None) -> torch.Tensor:
     counts = torch.zeros(V, V)
     for seed in range(n):
-        first, second = run(pair, shape, sampling, 2, seed, prompt=prompt)[:2]
+        first, second = run(pair, shape, sampling, 2, seed, prompt=prompt, device_steps=device_steps)[:2]
         counts[first, second] += 1
     return counts
 
@@ -145,7 +148,7 @@ def sample_pairs(pair, shape, sampling, n: int, prompt=PROMPT) -> torch.Tensor:
 N_SAMPLES = 1500
 MC_SHAPES = [make_shape("ar"), make_shape("sd", draft_len=2), make_shape("mss", branching=(2, 2)),
              make_shape("spectr", num_drafts=2, depth=2), make_shape("rsd-c", branching=(2, 2)),
-             make_shape("rsd-s", beam_width=2, depth=2), FAN]
+             make_shape("rsd-s", beam_width=2, depth=2)]
 
 
 @pytest.mark.parametrize("shape", MC_SHAPES, ids=lambda s: s.describe())
@@ -153,6 +156,40 @@ def test_first_two_tokens_follow_the_target_distribution(pair, shape):
     sampling = SamplingParams(temperature=1.0)
     expected = exact_joint(pair[0], sampling) * N_SAMPLES
     assert chi_square_pvalue(sample_pairs(pair, shape, sampling, N_SAMPLES), expected) > 1e-3
+
+
+@pytest.mark.parametrize("shape", [make_shape("sd", draft_len=2), FAN], ids=lambda s: s.describe())
+def test_device_steps_follow_the_target_distribution(pair, shape):
+    """sd chains and rsd-c root children drafted and decided on the device (what a GPU runs, forced
+    here on the CPU): the first two tokens' joint distribution is the target's."""
+    sampling = SamplingParams(temperature=1.0)
+    expected = exact_joint(pair[0], sampling) * N_SAMPLES
+    assert chi_square_pvalue(sample_pairs(pair, shape, sampling, N_SAMPLES, device_steps=True), expected) > 1e-3
+
+
+@pytest.mark.parametrize("shape", DEVICE_SHAPES, ids=lambda s: s.describe())
+def test_device_steps_are_plain_greedy_and_draft_from_fresh_draft_forwards(pair, shape):
+    """The same device steps at temperature 0 give plain greedy output, and at temperature 1 every
+    node's q is a fresh draft forward of its path (the draft fed tokens drawn on the device, its
+    cache pruned to a prefix); on the CPU by default the host path runs instead (no transfer of
+    3γ + 1 or 4b + 1 numbers), and the output is plain greedy too."""
+    target, draft = pair
+    assert run(pair, shape, SamplingParams(temperature=0), 25, seed=0, device_steps=True) == plain_greedy(target, 25)
+    decoder = Decoder(target, draft, V, shape, SamplingParams(1.0), set())
+    decoder.device_steps = True
+    seq, kinds = list(PROMPT), set()
+    for event in decoder.generate(PROMPT, 20, seed=5):
+        kinds.add(event.extra_kind)
+        for node, q in event.tree.q.items():
+            path = [event.tree.tokens[n] for n in event.tree.path_to(node)]
+            fresh = logits_to_probs(full_logits(draft, seq[:-1] + path)[-1], SamplingParams(1.0))
+            assert torch.allclose(q, fresh, atol=1e-5), (event.step, node)
+        seq.extend(event.emitted)
+    assert kinds == {"bonus", "correction"}
+    assert decoder._on_device(shape, draft, torch.device("cpu")) is not None
+    decoder.device_steps = None
+    assert decoder._on_device(shape, draft, torch.device("cpu")) is None
+    assert decoder._on_device(shape, draft, torch.device("cuda")) is not None
 
 
 def test_top_k_top_p_sampling_is_exact_too(pair):
@@ -458,6 +495,7 @@ def test_a_step_moves_only_a_few_numbers_to_the_host(pair, monkeypatch, runtime,
     params = SamplingParams(temperature=temperature, top_k=4, top_p=0.95)
     for shape in [s for s in shapes() if s.variant != "spectr"] + [FAN]:  # K-SEQ's bisection reads values
         decoder = Decoder(pair[0], pair[1], V, shape, params, set(), runtimes=runtimes)
+        decoder.device_steps = True  # (what a GPU runs)
         transfers.clear()
         with ScalarReads() as reads:
             events = list(decoder.generate(PROMPT, 12, seed=1))
