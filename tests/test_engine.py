@@ -171,8 +171,8 @@ def test_device_steps_follow_the_target_distribution(pair, shape):
 def test_device_steps_are_plain_greedy_and_draft_from_fresh_draft_forwards(pair, shape):
     """The same device steps at temperature 0 give plain greedy output, and at temperature 1 every
     node's q is a fresh draft forward of its path (the draft fed tokens drawn on the device, its
-    cache pruned to a prefix); on the CPU by default the host path runs instead (no transfer of
-    3γ + 1 or 4b + 1 numbers), and the output is plain greedy too."""
+    cache pruned to a prefix), with corrections and bonuses both seen. By default they run only
+    off the CPU: on it these shapes take the host path, which the other tests check."""
     target, draft = pair
     assert run(pair, shape, SamplingParams(temperature=0), 25, seed=0, device_steps=True) == plain_greedy(target, 25)
     decoder = Decoder(target, draft, V, shape, SamplingParams(1.0), set())
@@ -467,8 +467,8 @@ def test_a_step_moves_only_a_few_numbers_to_the_host(pair, monkeypatch, runtime,
     and moves values to the host only through `to_host`, each time a few numbers: one transfer per
     drafted level (its tokens), one or two per tried node (the first draft's fate, then the others')
     and one for the correction or bonus token — and an `sd` chain or `rsd-c` root children, decided
-    on the device, one transfer a step (drafts, decisions, corrections and bonus). Run on the CPU as it runs on a
-    GPU: the support search (CPU only) is off."""
+    on the device, one transfer a step (drafts, decisions, corrections and bonus). Run on the CPU
+    as it runs on a GPU: device steps on, the support search (CPU only) off."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     from rsd_cli import compiled, engine, sampling, verification
