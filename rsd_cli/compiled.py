@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .engine import ChainExtension, ForwardClock, full_vocabulary, timed_chain, unchanged_prefix
+from .sampling import to_device
 from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, joined, native_table
 from .small_batch import (MAX_ROWS, TORCH, blocks_of, enrol, kernel_linear, kernels_of, machine,
                           prepared_copies, register_operator, room_for, signature)
@@ -695,9 +696,7 @@ class StaticLM(ChainExtension):
         """Keep only these cache positions (ascending): one index copy for all layers."""
         prefix = unchanged_prefix(indices)
         if prefix < len(indices):
-            # (from page-locked memory on a GPU: copied in without waiting for the work queued before)
-            pinned = self.compiled.device.type == "cuda"
-            tail = torch.tensor(indices[prefix:], pin_memory=pinned).to(self.compiled.device, non_blocking=True)
+            tail = to_device(indices[prefix:], self.compiled.device)  # (on a GPU: without waiting)
             with torch.inference_mode():
                 self.keys[:, :, prefix: len(indices)] = self.keys.index_select(2, tail)
                 self.values[:, :, prefix: len(indices)] = self.values.index_select(2, tail)

@@ -576,11 +576,12 @@ class Decoder:
             return "chain"
         return "fan" if shape.variant == "rsd-c" and shape.depth == 1 else None
 
-    def _draft_root(self, seq: list[int], draft, device: torch.device) -> torch.Tensor:
+    def _draft_root(self, seq: list[int], draft, device: torch.device,
+                    seen: torch.Tensor | None = None) -> torch.Tensor:
         """The draft's catch-up on the sequence (accepted tokens it never saw, and the root): its
-        (1, V) distribution after the root, on `device`."""
+        (1, V) distribution after the root, on `device` (seen: the root's context, see _seen)."""
         logits = draft.extend(seq[draft.length:])
-        return logits_to_probs(logits[-1:].to(device), self.draft_sampling)
+        return logits_to_probs(logits[-1:].to(device), self.draft_sampling, seen)
 
     def _fan_step(self, step: int, shape: Shape, seq: list[int], target, draft,
                   generator: torch.Generator) -> StepEvent:
@@ -754,8 +755,8 @@ class Decoder:
         if draft is None:
             return DraftTree.rooted_at(root), {}
         device = generator.device  # the target's: the draft's q joins p there
-        # catch the draft cache up with the sequence (accepted tokens it never saw, and the root)
-        root_logits = draft.extend(seq[draft.length:])
+        root_seen = self._seen(self.draft_sampling, seq, DraftTree.rooted_at(root), [0], device)
+        q_root = self._draft_root(seq, draft, device, root_seen)[0]
         draft_index = {0: len(seq) - 1}
         base = len(seq) - 1
 
@@ -772,6 +773,4 @@ class Decoder:
             seen = self._seen(self.draft_sampling, seq, tree, nodes, device)
             return logits_to_probs(logits.to(device), self.draft_sampling, seen)
 
-        root_seen = self._seen(self.draft_sampling, seq, DraftTree.rooted_at(root), [0], device)
-        q_root = logits_to_probs(root_logits[-1:].to(device), self.draft_sampling, root_seen)[0]
         return build_tree(shape, root, q_root, expand, generator, self.greedy_ranking), draft_index

@@ -171,17 +171,8 @@ def test_device_steps_on_static_shapes_compiled_and_through_graph_replays_are_pl
     shapes and through graph replays (the CPU stand-in for CUDA graphs): plain greedy output."""
     for backend in (runtimes[True], static_runtimes):
         assert run(pair, backend, shape, SamplingParams(0.0), 25, 0, device_steps=True) == plain_greedy(pair[0], 25)
-    graphs = []
-
-    def capture(self, run):
-        graphs.append(RecordedForward(self, run))
-        return graphs[-1], graphs[-1].logits
-
-    monkeypatch.setattr(CompiledModel, "_graph_of", capture)
-    target, draft = (CompiledModel(model, False, static_shapes=True) for model in pair)
-    target.graphed = draft.graphed = True
-    assert run(pair, Runtimes(target, draft, "on"), shape, SamplingParams(0.0), 20, 0, device_steps=True) == \
-        plain_greedy(pair[0], 20)
+    runtimes, graphs = recorded_graphs(pair, monkeypatch)
+    assert run(pair, runtimes, shape, SamplingParams(0.0), 20, 0, device_steps=True) == plain_greedy(pair[0], 20)
     assert graphs and all(graph.replays >= 1 for graph in graphs)
 
 
@@ -209,16 +200,8 @@ def test_greedy_on_static_shapes_equals_plain_greedy(pair, static_runtimes, shap
 def test_trees_up_to_64_nodes_replay_on_their_buckets_and_give_plain_greedy(pair, monkeypatch):
     """What auto drafts on a GPU: trees of 17-64 nodes run as graphs of 32 and 64 tokens (the
     largest static buckets; the CPU tests' other trees stay within 16), with the graph stand-in."""
-    graphs = []
-
-    def capture(self, run):
-        graphs.append(RecordedForward(self, run))
-        return graphs[-1], graphs[-1].logits
-
-    monkeypatch.setattr(CompiledModel, "_graph_of", capture)
-    target, draft = (CompiledModel(model, False, static_shapes=True) for model in pair)
-    target.graphed = draft.graphed = True
-    runtimes = Runtimes(target, draft, "on")
+    runtimes, graphs = recorded_graphs(pair, monkeypatch)
+    target = runtimes.target
     for branching, bucket in (((4, 3, 1), 32), ((4, 3, 2), 64)):  # 29 and 41 nodes
         shape = make_shape("rsd-c", branching=branching)
         assert run(pair, runtimes, shape, SamplingParams(0.0), 20, 0) == plain_greedy(pair[0], 20), branching
@@ -300,12 +283,9 @@ class RecordedForward:
         self.replays += 1
 
 
-def test_graph_replays_feed_their_inputs_and_a_failed_capture_falls_back(pair, monkeypatch):
-    """The replay protocol on the CPU, with recorded forwards for graphs: each call copies its
-    inputs into the graph's buffers, every tensor a graph reads outlives it, every token count
-    gets its own graph, outputs are copies (a later replay does not change them), and the output
-    is plain greedy. A capture that fails says so once and leaves the model on static shapes
-    without graphs, with the same output."""
+def recorded_graphs(pair, monkeypatch, notice=lambda message: None) -> tuple:
+    """(Runtimes of the pair on static shapes, "graphed" as on a CUDA device, the RecordedForward
+    list every capture appends to): the CUDA-graph protocol on the CPU."""
     graphs = []
 
     def capture(self, run):
@@ -313,10 +293,20 @@ def test_graph_replays_feed_their_inputs_and_a_failed_capture_falls_back(pair, m
         return graphs[-1], graphs[-1].logits
 
     monkeypatch.setattr(CompiledModel, "_graph_of", capture)
+    target, draft = (CompiledModel(model, False, static_shapes=True, notice=notice) for model in pair)
+    target.graphed = draft.graphed = True
+    return Runtimes(target, draft, "on"), graphs
+
+
+def test_graph_replays_feed_their_inputs_and_a_failed_capture_falls_back(pair, monkeypatch):
+    """The replay protocol on the CPU, with recorded forwards for graphs: each call copies its
+    inputs into the graph's buffers, every tensor a graph reads outlives it, every token count
+    gets its own graph, outputs are copies (a later replay does not change them), and the output
+    is plain greedy. A capture that fails says so once and leaves the model on static shapes
+    without graphs, with the same output."""
     notices = []
-    target, draft = (CompiledModel(model, False, static_shapes=True, notice=notices.append) for model in pair)
-    target.graphed = draft.graphed = True  # as on a CUDA device
-    runtimes = Runtimes(target, draft, "on")
+    runtimes, graphs = recorded_graphs(pair, monkeypatch, notices.append)
+    target, draft = runtimes.target, runtimes.draft
     assert run(pair, runtimes, make_shape("rsd-c", branching=(2, 2)), SamplingParams(0.0), 25, 0) == \
         plain_greedy(pair[0], 25)
     # the target: the prompt's first two tokens (2), then trees of 1 + 2 + 4 nodes (padded to 8)
@@ -336,9 +326,8 @@ def test_graph_replays_feed_their_inputs_and_a_failed_capture_falls_back(pair, m
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(CompiledModel, "_capture", broken)
-    target, draft = (CompiledModel(model, False, static_shapes=True, notice=notices.append) for model in pair)
-    target.graphed = draft.graphed = True
-    runtimes = Runtimes(target, draft, "on")
+    runtimes, _ = recorded_graphs(pair, monkeypatch, notices.append)
+    target, draft = runtimes.target, runtimes.draft
     assert run(pair, runtimes, make_shape("rsd-c", branching=(2, 2)), SamplingParams(0.0), 25, 0) == \
         plain_greedy(pair[0], 25)
     assert not target.graphed and not draft.graphed and target._buffers is not None  # static shapes, no graphs
