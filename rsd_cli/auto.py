@@ -7,8 +7,9 @@ target's forward of its tokens) against that shape, by the same measure. Both co
 
 - a **cost model** of this machine: the target's forward time for a tree of n nodes and the
   draft's for a level of w nodes, measured once per machine, model pair and runtime (~seconds,
-  cached in `costs.json` in the rsd cache folder) and scaled by what this run's steps take;
-  a shape this run has used is timed by its own steps (sampling and verification included);
+  cached in `costs.json` in the rsd cache folder) and scaled by what this run's forwards take;
+  a shape this run has used is timed by its own steps, as their time over the forwards in them
+  (sampling and verification included);
 - an **acceptance model** of this run: the probability that the draft's k-th ranked candidate
   is accepted after the ones before it were rejected, at depth d (the factors of RSD-C's block
   efficiency), counted from this run's verified nodes with a weak prior; for lookup drafts, the
@@ -264,7 +265,7 @@ class AutoShape:
         self.every = every
         self.acceptance = Acceptance()
         self.target_scale = self.draft_scale = 1.0
-        self.measured: dict[Shape, float] = {}  # shape -> its steps' time over the scaled model's (moving average)
+        self.measured: dict[Shape, float] = {}  # shape -> its steps' time over their forwards' (moving average)
         self._drafting_ratio: float | None = None  # the mean of the drafting shapes' in `measured` (worked out)
         self._modelled: dict[Shape, tuple[float, float]] = {}  # shape -> step_seconds before scaling
         self.uses: dict[Shape, int] = {}  # shape -> steps of it observed (after the first step)
@@ -302,13 +303,14 @@ class AutoShape:
         return draft, self.costs.target_at(1 + sum(sizes))
 
     def seconds(self, shape: Shape) -> float:
-        """A step's time: the cost model's, scaled to this run's step times, and for a shape the run
-        has used, times what its steps took over that (its sampling and verification, its kernels).
-        That ratio, not the time itself, is what a shape keeps: when the whole machine slows down
-        or speeds up (a busy neighbour), every shape's estimate moves with the scales alike. A
-        drafting shape not used yet takes the mean ratio of those used: what drafting costs beyond
-        the forwards (draws, verification), which the forward costs leave out, is much the same
-        for every tree, and where forwards are cheap it decides whether drafting pays."""
+        """A step's time: the cost model's forwards, scaled to this run's forward times, and for a
+        shape the run has used, times what its steps took over the forwards in them (its sampling
+        and verification, the host's work around the forwards). That ratio, not the time itself, is
+        what a shape keeps: when the whole machine slows down or speeds up (a busy neighbour), every
+        shape's estimate moves with the scales alike, whichever shape was running. A drafting shape
+        not used yet takes the mean ratio of those used: what drafting costs beyond the forwards
+        (draws, verification), which the forward costs leave out, is much the same for every tree,
+        and where forwards are cheap it decides whether drafting pays."""
         ratio = self.measured.get(shape)
         return sum(self.step_seconds(shape)) * (self._unmeasured_ratio(shape) if ratio is None else ratio)
 
@@ -429,15 +431,24 @@ class AutoShape:
             return
         if switched:  # a cost of switching, not of the shape: after plain steps the draft reads what it
             return    # missed, and a plain step after drafting ones measured ~7% slower than in a run
+        # the machine's pace: the forwards' times over the cost model's, whatever the shape
         draft, target = self.step_seconds(event.shape)
-        if target > 0 and event.verify_seconds > 0:
-            pace = _bounded(event.verify_seconds / target) ** SCALE_MEMORY
+        draft_forward = event.draft_forward_seconds
+        target_forward = event.forward_seconds - draft_forward
+        if target > 0 and target_forward > 0:
+            pace = _bounded(target_forward / target) ** SCALE_MEMORY
             self.target_scale *= pace
             if draft == 0:  # a plain step: the machine's pace, which the draft shares (a busy neighbour slows
-                self.draft_scale *= pace  # both; what drafting costs beyond that, drafting steps tell)
-        if draft > 0 and event.draft_seconds > 0:
-            self.draft_scale *= _bounded(event.draft_seconds / draft) ** SCALE_MEMORY
-        ratio = (event.draft_seconds + event.verify_seconds) / sum(self.step_seconds(event.shape))
+                self.draft_scale *= pace  # both; drafting steps time the draft's own forwards)
+        if draft > 0 and draft_forward > 0:
+            self.draft_scale *= _bounded(draft_forward / draft) ** SCALE_MEMORY
+        if event.forward_seconds <= 0:
+            return
+        # the shape's own cost: its step's time over the forwards in it (draws, verification, the
+        # host's work around the forwards), a ratio the machine's pace does not move: learnt against
+        # the scales instead, a slow spell while one shape runs stuck to that shape's ratio and made
+        # it look slow long after (plain decoding 1.43x its time for hundreds of drafting steps)
+        ratio = (event.draft_seconds + event.verify_seconds) / event.forward_seconds
         # from what the shape was expected to take before (its first step too: one step can be an outlier)
         known = self.measured.get(event.shape, self._unmeasured_ratio(event.shape))
         self.measured[event.shape] = known * (1 + MEASURED_MEMORY * (_bounded(ratio / known) - 1))
@@ -513,7 +524,7 @@ def cost_key(decoder) -> str:
 
         used += f" | C library {version()}"
     kernels = hashlib.sha256(used.encode()).hexdigest()[:12]
-    return (f"costs v3 | {verdict_key(decoder.target_model)} | target {fingerprint(decoder.target_model)} | "
+    return (f"costs v4 | {verdict_key(decoder.target_model)} | target {fingerprint(decoder.target_model)} | "
             f"draft {fingerprint(decoder.draft_model)} | {decoder.runtimes.describe()} | kernels {kernels}")
 
 

@@ -220,6 +220,7 @@ class StepEvent:
     draft_seconds: float
     verify_seconds: float
     forward_seconds: float  # model forward passes only, both models (the first step: + the prompt's)
+    draft_forward_seconds: float = 0.0  # the draft model's part of forward_seconds
     finished: str | None = None  # "eos" | "length" | "context" | "stop" (a stop string) once generation ends
     stop: str | None = None  # the stop string that ended generation (set by generation.complete)
 
@@ -589,7 +590,7 @@ class Decoder:
         drawn on the device (Gumbel-top-b, or the draft's top b for a greedy target) and fed from
         there to the target's forward, decided at once (verification.fan_decisions), one transfer."""
         start = time.perf_counter()
-        forward_before = target.forward_seconds + draft.forward_seconds
+        forward_before, draft_before = target.forward_seconds + draft.forward_seconds, draft.forward_seconds
         calls_before = draft.calls
         device, k, base = generator.device, shape.branching[0], len(seq) - 1
         q = self._draft_root(seq, draft, device)  # (1, V)
@@ -631,6 +632,7 @@ class Decoder:
             extra_token=extra, extra_kind=kind, emitted=[], draft_calls=draft.calls - calls_before,
             draft_seconds=drafted_at - start, verify_seconds=end - drafted_at,
             forward_seconds=target.forward_seconds + draft.forward_seconds - forward_before,
+            draft_forward_seconds=draft.forward_seconds - draft_before,
         )
 
     def _chain_step(self, step: int, shape: Shape, seq: list[int], target, draft,
@@ -643,7 +645,7 @@ class Decoder:
         a step makes one synchronisation instead of one per level and per tried node. The tree
         and the caches end as `_step` leaves them (a chain: both caches keep a prefix)."""
         start = time.perf_counter()
-        forward_before = target.forward_seconds + draft.forward_seconds
+        forward_before, draft_before = target.forward_seconds + draft.forward_seconds, draft.forward_seconds
         calls_before = draft.calls
         device, gamma, base = generator.device, shape.depth, len(seq) - 1
         q = self._draft_root(seq, draft, device)  # (1, V)
@@ -684,6 +686,7 @@ class Decoder:
             extra_token=extra, extra_kind=kind, emitted=[], draft_calls=draft.calls - calls_before,
             draft_seconds=drafted_at - start, verify_seconds=end - drafted_at,
             forward_seconds=target.forward_seconds + draft.forward_seconds - forward_before,
+            draft_forward_seconds=draft.forward_seconds - draft_before,
         )
 
     def _step(self, step: int, shape: Shape, seq: list[int], target: CachedLM, draft: CachedLM | None,
@@ -692,7 +695,8 @@ class Decoder:
         if kind is not None:
             return (self._chain_step if kind == "chain" else self._fan_step)(step, shape, seq, target, draft, generator)
         start = time.perf_counter()
-        forward_before = target.forward_seconds + (draft.forward_seconds if draft else 0.0)
+        draft_before = draft.forward_seconds if draft else 0.0
+        forward_before = target.forward_seconds + draft_before
         draft_calls_before = draft.calls if draft else 0
         tree, draft_index = self._draft(shape, seq, draft if shape.uses_draft_model else None, generator)
         drafted = time.perf_counter()
@@ -728,6 +732,7 @@ class Decoder:
             draft_calls=(draft.calls - draft_calls_before) if draft else 0,
             draft_seconds=drafted - start, verify_seconds=end - drafted,
             forward_seconds=target.forward_seconds + (draft.forward_seconds if draft else 0.0) - forward_before,
+            draft_forward_seconds=(draft.forward_seconds if draft else 0.0) - draft_before,
         )
 
     def _seen(self, sampling: SamplingParams, seq: list[int], tree: DraftTree, nodes,

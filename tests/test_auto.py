@@ -77,13 +77,14 @@ def test_a_shape_used_is_timed_by_its_own_steps():
     before = policy.seconds(shape)
     assert before == pytest.approx(1.1)
 
-    class Step:
+    class Step:  # the forwards at the model's pace; the rest of the step is the shape's own
         step, checks, draft_seconds, verify_seconds = 1, [check(3, 0)], 5.0, 0.45
+        forward_seconds, draft_forward_seconds = 5.0, 4.9
 
     Step.shape = shape
     policy.observe(Step)  # the first step's draft call read the prompt too: its time is not learnt
     assert policy.seconds(shape) == before
-    Step.step, Step.draft_seconds = 2, 0.05
+    Step.step, Step.draft_seconds, Step.forward_seconds, Step.draft_forward_seconds = 2, 0.05, 0.45, 0.045
 
     Step.shape = shape
     for _ in range(auto.WARM_UP_STEPS):  # a shape's first steps set kernels up: not learnt either
@@ -92,12 +93,14 @@ def test_a_shape_used_is_timed_by_its_own_steps():
 
     class Plain:
         step, checks, shape, draft_seconds, verify_seconds = 3, [], make_shape("ar"), 0.0, 1.0
+        forward_seconds, draft_forward_seconds = 0.9, 0.0
 
     policy.observe(Plain)
-    Step.draft_seconds = 0.5  # after plain steps: the draft read the tokens it missed
+    Step.draft_seconds, Step.draft_forward_seconds = 0.5, 0.495  # after plain steps: the draft read the tokens
+    Step.forward_seconds = 0.9                                        # it missed
     policy.observe(Step)
     assert policy.seconds(shape) == before  # a cost of switching, not of the shape: not learnt
-    Step.draft_seconds = 0.05
+    Step.draft_seconds, Step.forward_seconds, Step.draft_forward_seconds = 0.05, 0.45, 0.045
     policy.observe(Step)
     assert 0.5 < policy.seconds(shape) < before  # measured: used from now on (one step moves it a little)
     for _ in range(40):
@@ -114,10 +117,12 @@ def test_a_used_shape_s_estimate_follows_the_machine_s_speed():
 
     class Step:
         step, checks, shape, draft_seconds, verify_seconds = 2, [check(3, 0)], tree, 0.1, 1.0
+        forward_seconds, draft_forward_seconds = 1.1, 0.1
 
     policy.observe(Step)
     assert policy.seconds(tree) == pytest.approx(1.1)
     Step.shape, Step.draft_seconds, Step.verify_seconds = chain, 0.2, 2.0  # everything now takes twice as long
+    Step.forward_seconds, Step.draft_forward_seconds = 2.2, 0.2
     for _ in range(40):
         policy.observe(Step)
     assert policy.seconds(tree) == pytest.approx(2.2, rel=0.02)
@@ -132,15 +137,42 @@ def test_plain_steps_tell_the_machine_s_pace_to_drafting_shapes_too():
     for shape, draft, verify in ((chain, 0.5, 1.0), (plain, 0.0, 1.0)):
         class Step:
             step, checks, draft_seconds, verify_seconds = 2, [check(1, 0)] if shape.depth else [], draft, verify
+            forward_seconds, draft_forward_seconds = draft + verify, draft
         Step.shape = shape
         for _ in range(auto.WARM_UP_STEPS + 2):
             policy.observe(Step)
     ratio = policy.seconds(chain) / policy.seconds(plain)
-    Step.verify_seconds = 2.0  # plain steps now take twice as long
+    Step.verify_seconds = Step.forward_seconds = 2.0  # plain steps now take twice as long
     for _ in range(60):
         policy.observe(Step)
     assert policy.seconds(plain) == pytest.approx(2.0, rel=0.02)
     assert policy.seconds(chain) / policy.seconds(plain) == pytest.approx(ratio, rel=0.02)
+
+
+def test_a_slow_spell_during_plain_steps_does_not_stick_to_plain_decoding():
+    """The machine slows down while plain decoding runs (a busy neighbour), then speeds up again
+    while drafting runs: plain decoding's estimate follows the drafting steps' forwards back down,
+    though no plain step ran since. (Learnt as a ratio to the scaled model, the spell stuck to
+    plain decoding's ratio: it looked 1.43x slower than it was for hundreds of drafting steps.)"""
+    policy = AutoShape(Costs({1: 1.0, 2: 1.2, 64: 3.0}, {1: 0.2, 32: 0.5}))
+    plain, chain = make_shape("ar"), make_shape("sd", draft_len=1)
+
+    def run(shape, steps: int, forward: float, draft_forward: float = 0.0, overhead: float = 0.1):
+        class Step:
+            checks = [check(1, 0)] if shape.depth else []
+            draft_seconds = draft_forward + (0.05 if shape.depth else 0.0)
+            verify_seconds = forward - draft_forward + overhead
+            forward_seconds, draft_forward_seconds = forward, draft_forward
+        Step.step, Step.shape = 2, shape
+        for _ in range(steps):
+            policy.observe(Step)
+
+    run(plain, auto.WARM_UP_STEPS + 30, 1.0)  # 1.1 s a plain step: 1.0 of forward
+    assert policy.seconds(plain) == pytest.approx(1.1, rel=0.02)
+    run(plain, 6, 2.0, overhead=0.2)  # a slow spell: everything takes twice as long
+    run(chain, auto.WARM_UP_STEPS + 40, 1.4, 0.2)  # drafting, at the first pace again
+    assert policy.seconds(plain) == pytest.approx(1.1, rel=0.03)
+    assert policy.seconds(chain) == pytest.approx(1.55, rel=0.03)
 
 
 def test_one_slow_step_moves_an_estimate_only_a_little():
@@ -149,14 +181,15 @@ def test_one_slow_step_moves_an_estimate_only_a_little():
 
     class Step:
         step, checks, shape, draft_seconds, verify_seconds = 2, [], plain, 0.0, 1.0
+        forward_seconds, draft_forward_seconds = 1.0, 0.0
 
     for _ in range(auto.WARM_UP_STEPS + 5):
         policy.observe(Step)
     before = policy.seconds(plain)
-    Step.verify_seconds = 50.0  # a page fault, a busy neighbour
+    Step.verify_seconds = Step.forward_seconds = 50.0  # a page fault, a busy neighbour
     policy.observe(Step)
     assert before < policy.seconds(plain) <= before * (1 + auto.MEASURED_MEMORY * (auto.OUTLIER - 1)) * 1.05
-    Step.verify_seconds = 2.0  # a lasting change is followed within a few dozen steps
+    Step.verify_seconds = Step.forward_seconds = 2.0  # a lasting change is followed within a few dozen steps
     for _ in range(40):
         policy.observe(Step)
     assert policy.seconds(plain) == pytest.approx(2.0, rel=0.02)
@@ -171,6 +204,7 @@ def slow_drafting_policy(memory_key=None) -> AutoShape:
 
     class Step:
         step, checks, shape, draft_seconds, verify_seconds = 2, [check(1, 0)], chain, 1.3, 1.1
+        forward_seconds, draft_forward_seconds = 1.15, 0.1  # the forwards as modelled, the rest the step's own
 
     for index in range(60):
         Step.checks = [check(1, 0)] if index % 2 else [check(6, None)]
@@ -243,7 +277,7 @@ def test_a_lookup_chain_replaces_the_shape_where_its_match_predicts_well():
     policy.next_shape(lookup=(3, 6))
     tried = dict(policy.lookup_acceptance[3].tried)
     step = SimpleNamespace(shape=chain, checks=[check(1, 0), check(1, None)], step=5, draft_seconds=0.0,
-                           verify_seconds=1.2)
+                           verify_seconds=1.2, forward_seconds=1.1, draft_forward_seconds=0.0)
     policy.observe(step)
     assert policy.lookup_acceptance[3].tried[0, 1] == tried[0, 1] + 1 and policy.acceptance.tried == {}
     assert policy.step_seconds(chain)[0] == 0  # no draft forwards in its time
@@ -309,8 +343,9 @@ def test_a_drafting_shape_timed_and_found_slower_is_tried_rarely():
 
     class Step:
         step, checks, shape, draft_seconds, verify_seconds = 2, [], chain, 1.55, 1.05  # 2.6 s, modelled 1.15
+        forward_seconds, draft_forward_seconds = 2.55, 1.5  # the draft's forward 1.5 s, modelled 0.1
 
-    for _ in range(auto.WARM_UP_STEPS + 40):
+    for _ in range(auto.WARM_UP_STEPS + 80):  # (the draft's scale moves at most 1.25 ** 0.2 a step)
         policy.observe(Step)
     assert policy.seconds(tree) == pytest.approx(policy.seconds(chain) * sum(policy.step_seconds(tree))
                                                   / sum(policy.step_seconds(chain)))
@@ -344,6 +379,7 @@ def test_short_runs_go_on_exploring_where_the_last_one_left_off():
             class Step:
                 checks = [check(1, 0 if step % 6 == 0 else None)] if shape.depth else []
                 draft_seconds, verify_seconds = (0.2, 1.2) if shape.depth else (0.0, 1.0)
+                forward_seconds, draft_forward_seconds = (1.4, 0.2) if shape.depth else (1.0, 0.0)
 
             Step.step, Step.shape = step, shape
             policy.observe(Step)

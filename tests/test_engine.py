@@ -330,7 +330,7 @@ def test_every_forward_second_is_reported_prompt_included(pair, monkeypatch):
     def timed(self, *args, **kwargs):
         before = self.forward_seconds
         out = real_forward(self, *args, **kwargs)
-        measured.append(self.forward_seconds - before)
+        measured.append((self.model is draft, self.forward_seconds - before))
         return out
 
     monkeypatch.setattr(CachedLM, "forward", timed)
@@ -338,7 +338,10 @@ def test_every_forward_second_is_reported_prompt_included(pair, monkeypatch):
     decoder = Decoder(target, draft, V, make_shape("rsd-c", branching=(2,)), SamplingParams(1.0), set())
     events = list(decoder.generate(PROMPT, 10, seed=3))
     assert len(measured) > 2 * len(events)  # the prompt, then draft + target forwards per step
-    assert sum(e.forward_seconds for e in events) == pytest.approx(sum(measured), rel=1e-9)
+    assert sum(e.forward_seconds for e in events) == pytest.approx(sum(t for _, t in measured), rel=1e-9)
+    # the draft's part apart (auto times the machine's pace by each model's forwards)
+    drafts = sum(t for by_draft, t in measured if by_draft)
+    assert 0 < sum(e.draft_forward_seconds for e in events) == pytest.approx(drafts, rel=1e-9)
 
 
 def test_budget_shapes_fit_the_budget():
