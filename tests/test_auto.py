@@ -313,6 +313,29 @@ def test_expected_tokens_are_worked_out_again_only_after_drafting_steps():
     assert after == auto.expected_tokens(chain, auto.Acceptance.from_json(acceptance.as_json(most=10**6)))
 
 
+def test_a_choice_rates_every_shape_as_rate_does():
+    """A choice works its rates out from lists (a shape's hash costs); they must be rate's, bit for
+    bit, whatever was learnt: acceptance counts, scales, measured and unmeasured shapes."""
+    policy = AutoShape(Costs({1: 1.0, 2: 1.1, 8: 2.0, 64: 9.0}, {1: 0.2, 8: 0.4, 32: 1.1}))
+    chain, tree = make_shape("sd", draft_len=2), make_shape("rsd-c", branching=(3, 1))
+
+    def same() -> None:
+        assert policy._rates() == [policy.rate(shape) for shape in policy.shapes]
+
+    same()
+    for index in range(30):
+        policy.acceptance.observe([check(3, index % 3 if index % 4 else None), check(1, 0)])
+        same()
+    policy.target_scale, policy.draft_scale = 1.3, 0.7
+    policy.measured = {make_shape("ar"): 1.1, chain: 1.4, tree: 0.9}
+    policy._drafting_ratio = None
+    same()
+    policy.acceptance = auto.Acceptance.from_json(policy.acceptance.as_json(most=5))  # (as recall does)
+    same()
+    policy._choose()
+    assert policy.current == max(policy.shapes, key=policy.rate)
+
+
 def test_the_choice_follows_costs_and_acceptance():
     confident = AutoShape(flat(1.0))
     for _ in range(200):
