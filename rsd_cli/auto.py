@@ -185,6 +185,7 @@ class Acceptance:
     accepted: dict[tuple[int, int], int] = field(default_factory=dict)
     _rates: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # since the last observe
     _levels: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # likewise
+    _pooled: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)  # likewise, by rank
     _expected: dict[tuple[int, ...], float] = field(default_factory=dict, repr=False)  # likewise, by branching
     version: int = field(default=0, repr=False, compare=False)  # drafting steps observed (what was worked out holds)
 
@@ -193,6 +194,7 @@ class Acceptance:
             return      # shape every 8 steps: ~1% of a plain step's time on a 2-core EPYC, without these)
         self._rates.clear()
         self._levels.clear()
+        self._pooled.clear()
         self._expected.clear()
         self.version += 1
         for depth, check in enumerate(checks):
@@ -228,8 +230,10 @@ class Acceptance:
         return self._rates[rank, depth]
 
     def _rate(self, rank: int, depth: int) -> float:
-        all_tried = sum(n for (k, _), n in self.tried.items() if k == rank)
-        all_accepted = sum(n for (k, _), n in self.accepted.items() if k == rank)
+        if rank not in self._pooled:  # (the rank's counts over all depths: the same for each depth)
+            self._pooled[rank] = (sum(n for (k, _), n in self.tried.items() if k == rank),
+                                  sum(n for (k, _), n in self.accepted.items() if k == rank))
+        all_tried, all_accepted = self._pooled[rank]
         pooled = (all_accepted + PRIOR_WEIGHT * PRIOR[min(rank, len(PRIOR) - 1)]) / (all_tried + PRIOR_WEIGHT)
         tried, accepted = self.tried.get((rank, depth), 0), self.accepted.get((rank, depth), 0)
         rate = (accepted + PRIOR_WEIGHT * pooled) / (tried + PRIOR_WEIGHT)
