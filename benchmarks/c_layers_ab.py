@@ -26,7 +26,8 @@ from rsd_cli.models import load_pair
 from rsd_cli.profiles import load_profile
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--before", required=True, help="git revision whose rsd_cli/blocks.py C source to compare")
+parser.add_argument("--before", required=True,
+                    help="git revision whose rsd_cli/blocks.py C source to compare, or a blocks.py file")
 parser.add_argument("--before-rule", default="rows x keys <= 1200", choices=["rows x keys <= 1200", "same"])
 parser.add_argument("--role", default="target", choices=["target", "draft"])
 parser.add_argument("--profile", default="default")
@@ -36,8 +37,9 @@ parser.add_argument("--rounds", type=int, default=3)
 parser.add_argument("--no-prefill", action="store_true", help="skip timing the P-token prompts")
 args = parser.parse_args()
 
-earlier = subprocess.run(["git", "show", f"{args.before}:rsd_cli/blocks.py"], capture_output=True, text=True,
-                         check=True).stdout
+earlier = Path(args.before).read_text() if Path(args.before).is_file() else \
+    subprocess.run(["git", "show", f"{args.before}:rsd_cli/blocks.py"], capture_output=True, text=True,
+                   check=True).stdout
 current = blocks.SOURCE
 blocks.SOURCE = re.search(r'SOURCE = r"""(.*?)"""', earlier, re.S).group(1)
 if "blocks_scratch" not in blocks.SOURCE:  # (before 2026-11-24 Python worked out the scratch's size)

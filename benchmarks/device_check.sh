@@ -10,10 +10,11 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh lookup    # lookup on grounded prompts, GPU then 16 cores
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh profile   # where a step's time goes on the GPU
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh trace     # a step's launches, copies, syncs
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh kernel16  # the C kernel's prefetch on 16 cores; auto's policy
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
-part=${1:?which part: tests, costs, bench, cpu16, lookup, profile or trace}
+part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace or kernel16}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -58,5 +59,13 @@ case $part in
   trace)  # host work a step: torch operations, launches, copies, synchronisations; GPU busy time
     $py benchmarks/trace_step.py --compile on --variants ar,sd,rsd-c --temperatures 1 -n 48 --top 8 \
       --json "$out/trace.json" 2>&1 | grep -v "Warning\|USDT\|forward_call" | tee "$out/trace.txt" ;;
-  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile or trace" >&2; exit 2 ;;
+  kernel16)  # the 16-core CPU's forward with and without the kernel's prefetch (that machine has no
+    # git: the "before" source is this one without it), interleaved; then what auto's choosing costs
+    sed '/^        PREFETCH_AHEAD(wn, row_bytes)/d' rsd_cli/blocks.py > /tmp/blocks-no-prefetch.py
+    for role in target draft; do
+      CUDA_VISIBLE_DEVICES= $py benchmarks/c_layers_ab.py --before /tmp/blocks-no-prefetch.py --before-rule same \
+        --role $role --prefixes 150,1000 --rows 1,2,4,8 --rounds 5 --no-prefill
+    done 2>&1 | grep -v Warning | tee "$out/prefetch-ab-cpu16.txt"
+    $py benchmarks/auto_policy_cost.py 2>&1 | tee "$out/auto-policy-cost.txt" ;;
+  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace or kernel16" >&2; exit 2 ;;
 esac
