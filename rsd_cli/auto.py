@@ -273,9 +273,10 @@ class AutoShape:
         self.target_scale = self.draft_scale = 1.0
         self.measured: dict[Shape, float] = {}  # shape -> its steps' time over their forwards' (moving average)
         self._drafting_ratio: float | None = None  # the mean of the drafting shapes' in `measured` (worked out)
-        self._modelled: dict[Shape, tuple[float, float]] = {}  # shape -> step_seconds before scaling
+        # shape -> step_seconds before scaling (the candidates' now, lookup chains' once rated)
+        self._modelled: dict[Shape, tuple[float, float]] = {s: self._modelled_seconds(s) for s in self.shapes}
         # the candidates' (branching, draft, target seconds before scaling) and their index, for _rates
-        self._candidates = [(s.branching, *self._modelled_seconds(s)) for s in self.shapes]
+        self._candidates = [(s.branching, *self._modelled[s]) for s in self.shapes]
         self._index = {shape: i for i, shape in enumerate(self.shapes)}
         self._expected_all: tuple = (None, -1, [])  # (acceptance, its version, expected_tokens per candidate)
         self.uses: dict[Shape, int] = {}  # shape -> steps of it observed (after the first step)
