@@ -15,9 +15,10 @@ import torch
 
 from .drafting import LOOKUP_NGRAM, NgramIndex, Shape, build_tree, lookup_tree
 from .errors import RsdError
-from .sampling import SamplingParams, gumbel_like, logits_to_probs, sample, sample_rows, to_device, to_host
+from .sampling import SamplingParams, gumbel_of, inverse_cdf, logits_to_probs, sample, to_device, to_host
+from .step_graphs import StepGraphs
 from .tree import DraftTree
-from .verification import Decision, Plan, Rule, chain_decisions, fan_decisions, plan, verify
+from .verification import Decision, Plan, Rule, chain_outcome, fan_outcome, plan, verify
 
 
 def full_vocabulary(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -421,6 +422,7 @@ class Decoder:
         # = where the target is not on the CPU (on a CPU a transfer costs nothing, while computing
         # every node's residual and every bonus draw does: 0.2-1.0 ms a step on a 2-core Xeon)
         self.device_steps: bool | None = None
+        self.step_graphs: StepGraphs | None = None  # how device steps run their maths (_maths)
 
     def _next_shape(self, lag: int = 0, remaining: int | None = None, seq: list[int] = ()) -> Shape:
         """This step's shape: the configured one, or auto's choice from the steps before it (lag:
@@ -592,16 +594,33 @@ class Decoder:
         start = time.perf_counter()
         forward_before, draft_before = target.forward_seconds + draft.forward_seconds, draft.forward_seconds
         calls_before = draft.calls
-        device, k, base = generator.device, shape.branching[0], len(seq) - 1
-        q = self._draft_root(seq, draft, device)  # (1, V)
-        k = min(k, q.shape[-1])
-        if self.greedy_ranking:
-            top = torch.topk(q[0], k)
-            drawn = top.values > 0
-        else:
-            top = torch.topk(q[0].double().log() + gumbel_like(q[0], generator), k)
-            drawn = torch.isfinite(top.values)
-        drafted = top.indices
+        device, base, maths = generator.device, len(seq) - 1, self._maths(target)
+        k = min(shape.branching[0], self.vocab_size)
+        greedy, draft_sampling, sampling = self.greedy_ranking, self.draft_sampling, self.sampling
+
+        # the step's uniforms, drawn at once: the Gumbel noise (V, unless greedy), an acceptance for each
+        # child (k), then the correction's and each bonus's draw (k + 1)
+        noise = 0 if greedy else self.vocab_size
+        u = torch.rand(noise + 2 * k + 1, generator=generator, dtype=torch.float64, device=device)
+
+        def children(logits: torch.Tensor, u: torch.Tensor) -> tuple:
+            """(1, V) draft logits -> q (1, V), drafted (k,), drawn (k,)."""
+            q = logits_to_probs(logits, draft_sampling)
+            if greedy:
+                top = torch.topk(q[0], k)
+                return q, top.indices, top.values > 0
+            top = torch.topk(q[0].double().log() + gumbel_of(u[:noise]), k)
+            return q, top.indices, torch.isfinite(top.values)
+
+        def verdict(logits, q, drafted, drawn, u) -> tuple:
+            """(k + 1, V) target logits -> p, and (drafted, drawn, accepted, correction, bonus) in one tensor."""
+            p = logits_to_probs(logits, sampling)  # (k + 1, V): the root's row, then each child's
+            accepted, correction, bonus = fan_outcome(p, q[0], drafted, drawn, u[noise: noise + k],
+                                                      u[noise + k:, None])
+            return p, torch.cat([drafted, drawn.long(), accepted.long(), correction, bonus])
+
+        logits = draft.extend(seq[draft.length:])[-1:].to(device)
+        q, drafted, drawn = maths(("fan children", k, greedy, draft_sampling), children, logits, u)
         drafted_at = time.perf_counter()
         # the root sees the prefix; each child the prefix, the root and itself
         visible = torch.zeros(k + 1, base + k + 1, dtype=torch.bool)
@@ -609,9 +628,9 @@ class Decoder:
         visible[1:, base + 1:] = torch.eye(k, dtype=torch.bool)
         logits = target.forward(torch.cat([to_device([seq[-1]], device), drafted]), [base] + [base + 1] * k,
                                 visible)
-        p = logits_to_probs(logits, self.sampling)  # (k + 1, V): the root's row, then each child's
-        accepted, correction, bonus = fan_decisions(p, q[0], drafted, drawn, generator)
-        values = to_host(torch.cat([drafted, drawn.long(), accepted.long(), correction, bonus]))  # one transfer
+        p, packed = maths(("fan verdict", k, greedy, sampling), verdict, logits, q, drafted, drawn, u)
+        p, q = maths.keep(p), maths.keep(q)
+        values = to_host(packed)  # the step's one transfer
         tokens, drawn = values[:k], values[k: 2 * k]
         accepted, correction, bonus = values[2 * k: 3 * k], values[3 * k], values[3 * k + 1:]
         tree = DraftTree.rooted_at(seq[-1])
@@ -647,21 +666,42 @@ class Decoder:
         start = time.perf_counter()
         forward_before, draft_before = target.forward_seconds + draft.forward_seconds, draft.forward_seconds
         calls_before = draft.calls
-        device, gamma, base = generator.device, shape.depth, len(seq) - 1
-        q = self._draft_root(seq, draft, device)  # (1, V)
+        device, gamma, base, maths = generator.device, shape.depth, len(seq) - 1, self._maths(target)
+        greedy, draft_sampling, sampling = self.greedy_ranking, self.draft_sampling, self.sampling
+
+        # the step's uniforms, drawn at once: each level's draw (γ, unless greedy), an acceptance for
+        # each node (γ), then the corrections' and the bonus's draws (γ + 1)
+        draws = 0 if greedy else gamma
+        u = torch.rand(draws + 2 * gamma + 1, generator=generator, dtype=torch.float64, device=device)
+
+        def level(index: int):
+            def draw(logits: torch.Tensor, u: torch.Tensor) -> tuple:
+                """(1, V) draft logits -> q (1, V), the drafted token (1,)."""
+                q = logits_to_probs(logits, draft_sampling)
+                return q, q.argmax(-1) if greedy else inverse_cdf(q, u[index: index + 1, None])
+            return draw
+
+        def verdict(logits, drafted, u, *q_rows) -> tuple:
+            """(γ + 1, V) target logits -> p, and (drafted, accepted, corrections, bonus) in one tensor."""
+            p = logits_to_probs(logits, sampling)  # (γ + 1, V): node i's row i
+            accepted, corrections, bonus = chain_outcome(p, torch.cat(q_rows), drafted, u[draws: draws + gamma],
+                                                         u[draws + gamma:, None])
+            return p, torch.cat([drafted, accepted.long(), corrections, bonus])
+
+        logits = draft.extend(seq[draft.length:])[-1:].to(device)
         q_rows, drafted = [], []
-        for level in range(gamma):
-            token = q.argmax(-1) if self.greedy_ranking else sample_rows(q, generator)  # (1,), on the device
-            q_rows.append(q[0])
+        for index in range(gamma):
+            q, token = maths(("chain level", index, greedy, draft_sampling), level(index), logits, u)  # on the device
+            q_rows.append(q)
             drafted.append(token)
-            if level + 1 < gamma:
-                q = logits_to_probs(draft.extend(token).to(device), self.draft_sampling)
+            if index + 1 < gamma:
+                logits = draft.extend(token).to(device)
         drafted = torch.cat(drafted)
         drafted_at = time.perf_counter()
         logits = target.extend(torch.cat([to_device([seq[-1]], device), drafted]), last_only=False)
-        p = logits_to_probs(logits, self.sampling)  # (γ + 1, V): node i's row i
-        accepted, corrections, bonus = chain_decisions(p, torch.stack(q_rows), drafted, generator)
-        values = to_host(torch.cat([drafted, accepted.long(), corrections, bonus]))  # the step's one transfer
+        p, packed = maths(("chain verdict", gamma, greedy, sampling), verdict, logits, drafted, u, *q_rows)
+        p, q_rows = maths.keep(p), [maths.keep(q)[0] for q in q_rows]
+        values = to_host(packed)  # the step's one transfer
         tokens, accepted, corrections = values[:gamma], values[gamma: 2 * gamma], values[2 * gamma: 3 * gamma]
         tree = DraftTree.rooted_at(seq[-1])
         for node, token in enumerate(tokens):
@@ -688,6 +728,14 @@ class Decoder:
             forward_seconds=target.forward_seconds + draft.forward_seconds - forward_before,
             draft_forward_seconds=draft.forward_seconds - draft_before,
         )
+
+    def _maths(self, target) -> StepGraphs:
+        """Where a device step's maths runs: replayed as CUDA graphs (StepGraphs) on a GPU with
+        compiled forwards, else directly (made once per decoder; tests set their own)."""
+        if self.step_graphs is None:
+            compiled = getattr(getattr(target, "compiled", None), "compiled", False)
+            self.step_graphs = StepGraphs(target.device, compiled and target.device.type == "cuda", self.notice)
+        return self.step_graphs
 
     def _step(self, step: int, shape: Shape, seq: list[int], target: CachedLM, draft: CachedLM | None,
               generator: torch.Generator) -> StepEvent:

@@ -91,9 +91,16 @@ def sample_rows(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     CDF; (B,) indices on the rows' device, nothing moved to the host. torch.multinomial draws one
     sample through V exponentials (~2 ms for 49k tokens on a CPU); a cumulative sum and a binary
     search take ~0.3 ms. A token of zero probability is never returned (its CDF step is empty)."""
+    u = torch.rand((probs.shape[0], 1), generator=generator, dtype=torch.float64, device=probs.device)
+    return inverse_cdf(probs, u)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """sample_rows with its uniforms given: u (B, 1) float64 in [0, 1), one a row. A pure function
+    of tensors (what a CUDA graph can replay)."""
     cdf = probs.double().cumsum(-1)
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device) * total
+    u = u * total
     # u may round up to the total (probability ~2^-53): kept below it, the token drawn has mass
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, u, right=True).squeeze(-1)
@@ -105,7 +112,11 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 
 def gumbel_like(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    u = torch.rand(x.shape, generator=generator, dtype=torch.float64, device=x.device)
+    return gumbel_of(torch.rand(x.shape, generator=generator, dtype=torch.float64, device=x.device))
+
+
+def gumbel_of(u: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise from float64 uniforms in [0, 1) (gumbel_like with its uniforms given)."""
     return -torch.log(-torch.log(u.clamp_min(1e-300)))
 
 

@@ -16,7 +16,7 @@ from enum import Enum
 
 import torch
 
-from .sampling import sample, sample_rows, to_host
+from .sampling import inverse_cdf, sample, to_host
 
 
 class Rule(str, Enum):
@@ -181,16 +181,29 @@ def chain_decisions(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     distribution `verify` gives it, with uniforms of its own: the decisions and draws past the
     first rejection are simply not used (γ uniforms, then γ corrections, then the bonus)."""
     gamma = drafts.shape[0]
+    u = torch.rand(gamma, generator=generator, dtype=torch.float64, device=p.device)
+    return chain_outcome(p, q, drafts, u, uniforms_for_rows(gamma + 1, generator, p.device))
+
+
+def uniforms_for_rows(rows: int, generator: torch.Generator, device) -> torch.Tensor:
+    """(rows, 1) float64 uniforms: what sample_rows draws for `rows` rows."""
+    return torch.rand((rows, 1), generator=generator, dtype=torch.float64, device=device)
+
+
+def chain_outcome(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor,
+                  u_draws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """chain_decisions with its uniforms given (a pure function of tensors, which a CUDA graph can
+    replay): u (γ,) float64 for the acceptances, u_draws (γ + 1, 1) for the corrections and the bonus."""
+    gamma = drafts.shape[0]
     r = p[:gamma].double()
     q = q.double() / q.sum(-1, keepdim=True, dtype=torch.float64)
     x = drafts[:, None]
     accept = _acceptance(r.gather(1, x), q.gather(1, x))[:, 0]
-    u = torch.rand(gamma, generator=generator, dtype=torch.float64, device=p.device)
     accepted = (accept >= 1.0) | (u < accept)
     residual = (r - q).clamp_min_(0)
     total = residual.sum(-1, keepdim=True)
     residual = torch.where(total > 1e-12, residual / torch.where(total > 1e-12, total, 1.0), r)
-    drawn = sample_rows(torch.cat([residual, p[gamma:].double()]), generator)  # corrections, then the bonus
+    drawn = inverse_cdf(torch.cat([residual, p[gamma:].double()]), u_draws)  # corrections, then the bonus
     return accepted, drawn[:gamma], drawn[gamma:]
 
 
@@ -206,6 +219,15 @@ def fan_decisions(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, drawn:
     correction. rrs_plan's arithmetic, a uniform for each draft drawn up front; q without the
     drafts before draft i, renormalised, is q with them zeroed over 1 - their mass (what its
     successive renormalisations make, up to rounding), so only the residuals take a loop."""
+    k = drafts.shape[0]
+    u = torch.rand(k, generator=generator, dtype=torch.float64, device=p.device)
+    return fan_outcome(p, q, drafts, drawn, u, uniforms_for_rows(k + 1, generator, p.device))
+
+
+def fan_outcome(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, drawn: torch.Tensor, u: torch.Tensor,
+                u_draws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fan_decisions with its uniforms given (a pure function of tensors, which a CUDA graph can
+    replay): u (k,) float64 for the acceptances, u_draws (k + 1, 1) for the correction and the bonuses."""
     k = drafts.shape[0]
     r = p[0].double()
     q = q.double() / q.sum(dtype=torch.float64)
@@ -223,9 +245,8 @@ def fan_decisions(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, drawn:
         if i + 1 < k:
             rest_q.scatter_(0, x, 0.0)
     accept = _acceptance(torch.cat(target_mass), q_x * scales)
-    u = torch.rand(k, generator=generator, dtype=torch.float64, device=p.device)
     accepted = drawn & ((accept >= 1.0) | (u < accept))
-    tokens = sample_rows(torch.cat([r[None], p[1:].double()]), generator)  # the correction, then each bonus
+    tokens = inverse_cdf(torch.cat([r[None], p[1:].double()]), u_draws)  # the correction, then each bonus
     return accepted, tokens[:1], tokens[1:]
 
 
