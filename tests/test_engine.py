@@ -3,13 +3,17 @@ joint distribution of the first two tokens (Monte-Carlo, fixed seeds, chi-square
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from scipy.stats import chisquare
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rsd_cli.drafting import VARIANTS, Shape, make_shape, shape_for_budget
 from rsd_cli.engine import CachedLM, Decoder, Stats, unchanged_prefix
 from rsd_cli.sampling import SamplingParams, logits_to_probs
+from rsd_cli.step_graphs import StepGraphs
 from rsd_cli.tree import DraftTree
 from rsd_cli.verification import Rule
 from tiny import tiny_model
@@ -190,6 +194,93 @@ def test_device_steps_are_plain_greedy_and_draft_from_fresh_draft_forwards(pair,
     decoder.device_steps = None
     assert decoder._on_device(shape, draft, torch.device("cpu")) is None
     assert decoder._on_device(shape, draft, torch.device("cuda")) is not None
+
+
+# ops a CUDA graph cannot capture: a value read on the host, or an output whose shape depends on values
+UNCAPTURABLE = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "item"}
+
+
+class NoHostReads(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket).split(".")[-1]
+        assert name not in UNCAPTURABLE, f"{name} cannot be captured in a CUDA graph"
+        return func(*args, **(kwargs or {}))
+
+
+def replaying_capture(captured: list):
+    """A CPU stand-in for StepGraphs' CUDA capture with a graph's semantics: the outputs are fixed
+    buffers that each replay overwrites, computed from the graph's own input buffers; no op may read
+    a value on the host (as capturing forbids)."""
+
+    def capture(run):
+        with NoHostReads():
+            outputs = run()
+
+        def replay():
+            with NoHostReads():
+                for buffer, value in zip(outputs, run()):
+                    buffer.copy_(value)
+
+        captured.append(outputs)
+        return replay, outputs
+
+    return capture
+
+
+def device_events(pair, shape, sampling, seed, graphs=None):
+    decoder = Decoder(*pair, V, shape, sampling, set())
+    decoder.device_steps = True
+    decoder.step_graphs = graphs
+    return list(decoder.generate(PROMPT, 30, seed))  # (every event kept to the end: no buffer overwritten)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+@pytest.mark.parametrize("shape", [make_shape("sd", draft_len=1)] + DEVICE_SHAPES, ids=lambda s: s.describe())
+def test_device_steps_replayed_as_graphs_decide_as_they_do_without(pair, shape, temperature):
+    """A GPU with compiled forwards replays a device step's maths as CUDA graphs (StepGraphs): one
+    capture per site and shapes, replayed every step. With a stand-in that keeps a graph's
+    semantics, every step's tokens, decisions, p and q equal those of the maths run directly, bit
+    for bit, after the whole generation (results that outlive a step are copies, not buffers the
+    next replay overwrites); and nothing in the maths reads a value on the host."""
+    sampling = SamplingParams(temperature)
+    captured = []
+    graphs = StepGraphs(torch.device("cpu"), True, capture=replaying_capture(captured))
+    plain, replayed = device_events(pair, shape, sampling, 3), device_events(pair, shape, sampling, 3, graphs)
+    assert [e.emitted for e in replayed] == [e.emitted for e in plain]
+    for a, b in zip(plain, replayed):
+        assert torch.equal(a.p, b.p)
+        assert a.tree.q.keys() == b.tree.q.keys() and all(torch.equal(a.tree.q[n], b.tree.q[n]) for n in a.tree.q)
+        assert [c.decision for c in a.checks] == [c.decision for c in b.checks]
+    assert graphs.enabled  # (a capture that raised, a host read among them, would have turned them off)
+    sites = shape.depth + 1 if shape.variant == "sd" else 2  # a chain's levels and its verdict; a fan's two
+    assert len(captured) == sites < len(replayed)
+
+
+def test_step_maths_are_graphed_on_a_gpu_with_compiled_forwards_only(pair):
+    decoder = Decoder(*pair, V, FAN, SamplingParams(1.0), set())
+    compiled = SimpleNamespace(compiled=True)
+    assert not decoder._maths(SimpleNamespace(device=torch.device("cpu"), compiled=compiled)).enabled
+    decoder.step_graphs = None
+    assert decoder._maths(SimpleNamespace(device=torch.device("cuda"), compiled=compiled)).enabled
+    decoder.step_graphs = None  # --compile off: every kernel launched as it is
+    assert not decoder._maths(SimpleNamespace(device=torch.device("cuda"), compiled=SimpleNamespace(compiled=False))).enabled
+    decoder.step_graphs = None  # transformers' forward (CachedLM)
+    assert not decoder._maths(SimpleNamespace(device=torch.device("cuda"))).enabled
+
+
+def test_step_maths_that_cannot_be_captured_run_directly_with_a_notice(pair):
+    notices = []
+
+    def failing(run):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+    graphs = StepGraphs(torch.device("cpu"), True, notice=notices.append, capture=failing)
+    sampling = SamplingParams(1.0)
+    plain, fallen_back = device_events(pair, FAN, sampling, 4), device_events(pair, FAN, sampling, 4, graphs)
+    assert [e.emitted for e in fallen_back] == [e.emitted for e in plain]
+    assert notices == ["capturing a CUDA graph of the step's maths failed (RuntimeError: operation not permitted "
+                       "when stream is capturing): it runs without graphs"]
+    assert not graphs.enabled
 
 
 def test_top_k_top_p_sampling_is_exact_too(pair):

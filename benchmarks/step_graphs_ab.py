@@ -1,0 +1,163 @@
+"""A device step's maths replayed as CUDA graphs (`StepGraphs`) against launched op by op, per shape.
+
+On a GPU (`--compile on`): tokens/s of `ar` and of each device-step shape with the maths graphed
+and not, interleaved in rounds on the same prompts and seeds (each decoder warmed up untimed, so
+captures are not timed). On any machine, `--count`: the torch operations a step issues outside
+the two models' forwards (each one Python and dispatcher work on the host; on a GPU most launch a
+kernel), with the maths run directly and replayed through a stand-in capture that keeps a CUDA
+graph's semantics: what the graphs take off the host, whatever the device.
+
+Run: .venv/bin/python benchmarks/step_graphs_ab.py --count
+On the GPU machine: source .device-stage/env.sh && python3 benchmarks/step_graphs_ab.py --compile on
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rsd_cli import compiled
+from rsd_cli.drafting import make_shape
+from rsd_cli.engine import Decoder, Runtimes, synchronise
+from rsd_cli.models import load_pair
+from rsd_cli.profiles import load_profile
+from rsd_cli.prompting import builtin_prompts, encode_prompt
+from rsd_cli.runtime import runtimes_of
+from rsd_cli.sampling import SamplingParams
+from rsd_cli.step_graphs import StepGraphs
+
+SHAPES = {"ar": make_shape("ar"), "sd γ=1": make_shape("sd", draft_len=1), "sd γ=2": make_shape("sd", draft_len=2),
+          "rsd-c b=(2)": make_shape("rsd-c", branching=(2,)), "rsd-c b=(3)": make_shape("rsd-c", branching=(3,))}
+VIEWS = {"slice", "select", "unsqueeze", "squeeze", "alias", "detach", "detach_", "view", "t", "expand",
+         "as_strided", "lift_fresh"}  # no kernel: a view, or a host literal made a tensor
+
+
+class Counting(TorchDispatchMode):
+    """Counts the operations dispatched outside the models' forwards and the graphs' replays."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.views, self.replays, self.muted = 0, 0, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.muted:
+            if str(func.overloadpacket).split(".")[-1] in VIEWS:
+                self.views += 1
+            else:
+                self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+    def mute(self, fn):
+        def muted(*args, **kwargs):
+            self.muted += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.muted -= 1
+        return muted
+
+    def capture(self, run):
+        """A stand-in for a CUDA capture: fixed output buffers, each replay one counted launch."""
+        outputs = self.mute(run)()
+
+        def replay():
+            self.replays += 1
+            for buffer, value in zip(outputs, self.mute(run)()):
+                self.mute(buffer.copy_)(value)
+
+        return replay, outputs
+
+
+def decoder_for(pair, runtimes, shape, temperature, graphs):
+    decoder = Decoder(pair.target, pair.draft, pair.vocab_size, shape, SamplingParams(temperature), pair.eos_ids,
+                      pair.context_length, runtimes)
+    decoder.device_steps = True
+    decoder.step_graphs = graphs
+    return decoder
+
+
+def count(pair, args) -> list[dict]:
+    """Operations a step (after the first) outside the forwards, maths direct vs replayed."""
+    runtimes = Runtimes(compiled.CompiledModel(pair.target, False, static_shapes=True),
+                        compiled.CompiledModel(pair.draft, False, static_shapes=True))
+    prompt = encode_prompt(pair.tokenizer, builtin_prompts("eval")[0])
+    counting = Counting()
+    compiled.CompiledModel.forward = counting.mute(compiled.CompiledModel.forward)
+    rows = []
+    for name, shape in SHAPES.items():
+        for graphed in (False, True):
+            if name == "ar" and graphed:
+                continue
+            graphs = StepGraphs(torch.device("cpu"), True, capture=counting.capture) if graphed else None
+            decoder = decoder_for(pair, runtimes, shape, args.temperature, graphs)
+            list(decoder.generate(prompt, 8, seed=0))  # (captures made here)
+            counting.ops = counting.views = counting.replays = steps = 0
+            with counting:
+                for event in decoder.generate(prompt, args.max_tokens, seed=1):
+                    steps += event.step > 1
+                    if event.step == 1:  # (the prompt's step left out)
+                        counting.ops = counting.views = counting.replays = 0
+            rows.append({"shape": name, "maths": "graphs" if graphed else "direct", "ops": counting.ops / steps,
+                         "views": counting.views / steps, "replays": counting.replays / steps})
+            print(f"{name:12s} {rows[-1]['maths']:7s} {rows[-1]['ops']:6.1f} ops, {rows[-1]['views']:5.1f} views "
+                  f"and host literals, {rows[-1]['replays']:.1f} graph replays a step (outside the forwards)",
+                  flush=True)
+    return rows
+
+
+def timing(pair, args) -> list[dict]:
+    """tokens/s per shape, maths graphed vs direct, interleaved rounds."""
+    runtimes = runtimes_of(pair, args.compile)
+    device = next(pair.target.parameters()).device
+    prompts = [encode_prompt(pair.tokenizer, p) for p in builtin_prompts("eval")[: args.limit]]
+    jobs = [(name, graphed) for name in SHAPES for graphed in ((False,) if name == "ar" else (False, True))]
+    decoders = {}
+    for name, graphed in jobs:
+        graphs = StepGraphs(device, device.type == "cuda") if graphed else StepGraphs(device, False)
+        decoders[name, graphed] = decoder_for(pair, runtimes, SHAPES[name], args.temperature, graphs)
+        for seed, ids in enumerate(prompts[:2]):  # untimed: captures, compiles, buffers at the timed size
+            list(decoders[name, graphed].generate(ids, args.max_tokens, seed=seed))
+    rates: dict[tuple, list[float]] = {}
+    for _ in range(args.rounds):
+        for job in jobs:
+            tokens = 0
+            synchronise(device)
+            start = time.perf_counter()
+            for seed, ids in enumerate(prompts):
+                tokens += sum(len(e.emitted) for e in decoders[job].generate(ids, args.max_tokens, seed=seed))
+            synchronise(device)
+            rates.setdefault(job, []).append(tokens / (time.perf_counter() - start))
+    ar = statistics.median(rates["ar", False])
+    rows = []
+    for (name, graphed), values in rates.items():
+        rate = statistics.median(values)
+        rows.append({"shape": name, "maths": "graphs" if graphed else "direct", "tok_s": rate, "x_ar": rate / ar,
+                     "rounds": values})
+        print(f"{name:12s} {rows[-1]['maths']:7s} {rate:7.1f} tok/s  {rate / ar:.2f}x ar", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--profile", default="default")
+    parser.add_argument("--compile", default="on")
+    parser.add_argument("--count", action="store_true", help="count the host's operations a step instead")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--limit", type=int, default=2)
+    parser.add_argument("-n", "--max-tokens", type=int, default=64)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    pair = load_pair(load_profile(args.profile))
+    rows = count(pair, args) if args.count else timing(pair, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(next(pair.target.parameters()).device), "args": vars(args), "rows": rows}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
