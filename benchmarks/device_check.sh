@@ -11,10 +11,11 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh profile   # where a step's time goes on the GPU
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh trace     # a step's launches, copies, syncs
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh kernel16  # the C kernel's prefetch on 16 cores; auto's policy
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh stepgraphs  # device steps' maths as CUDA graphs: A/B
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
-part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace or kernel16}
+part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16 or stepgraphs}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -67,5 +68,15 @@ case $part in
         --role $role --prefixes 150,1000 --rows 1,2,4,8 --rounds 5 --no-prefill
     done 2>&1 | grep -v Warning | tee "$out/prefetch-ab-cpu16.txt"
     $py benchmarks/auto_policy_cost.py 2>&1 | tee "$out/auto-policy-cost.txt" ;;
-  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace or kernel16" >&2; exit 2 ;;
+  stepgraphs)  # a device step's maths replayed as CUDA graphs (StepGraphs) against launched op by op: the
+    # GPU tests of it, then tokens/s per shape both ways, interleaved, at T=1 and T=0; then the trace
+    $py -m pytest -p no:warnings -q -rs tests/test_compiled.py -k "step_maths or cuda_graphs" 2>&1 |
+      tee "$out/step-graphs-tests.txt"
+    for t in 1 0; do
+      $py benchmarks/step_graphs_ab.py --compile on --temperature $t --rounds 3 --limit 2 -n 96 \
+        --json "$out/step-graphs-t$t.json" 2>&1 | grep -v Warning
+    done | tee "$out/step-graphs-ab.txt"
+    $py benchmarks/trace_step.py --compile on --variants ar,sd,rsd-c --temperatures 1 -n 48 --top 8 \
+      --json "$out/trace-step-graphs.json" 2>&1 | grep -v "Warning\|USDT\|forward_call" | tee "$out/trace-step-graphs.txt" ;;
+  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16 or stepgraphs" >&2; exit 2 ;;
 esac

@@ -352,6 +352,31 @@ def test_cuda_graphs_replay_transformers_logits_and_greedy_tokens(pair):
             run(models, None, shape, SamplingParams(temperature=0), 25, seed=0), shape.describe()
 
 
+@CUDA
+@pytest.mark.parametrize("shape", DEVICE_SHAPES, ids=lambda s: s.describe())
+def test_step_maths_replayed_as_cuda_graphs_decide_as_launched_op_by_op(pair, shape):
+    """On a GPU with compiled forwards a device step's maths is captured as CUDA graphs (StepGraphs)
+    and replayed: every step's tokens, p and q equal those of the same maths launched op by op,
+    read after the whole generation."""
+    import copy
+
+    from rsd_cli.step_graphs import StepGraphs
+
+    models = tuple(copy.deepcopy(model).cuda() for model in pair)
+    runtimes = Runtimes(CompiledModel(models[0], True), CompiledModel(models[1], True), "on")
+    events = {}
+    for graphed in (True, False):
+        decoder = Decoder(*models, V, shape, SamplingParams(1.0), set(), runtimes=runtimes)
+        if not graphed:
+            decoder.step_graphs = StepGraphs(torch.device("cuda"), False)
+        events[graphed] = list(decoder.generate(PROMPT, 30, seed=2))
+        if graphed:
+            assert decoder.step_graphs.enabled and decoder.step_graphs._graphs
+    assert [e.emitted for e in events[True]] == [e.emitted for e in events[False]]
+    for a, b in zip(events[True], events[False]):
+        assert torch.equal(a.p, b.p) and all(torch.equal(a.tree.q[n], b.tree.q[n]) for n in a.tree.q)
+
+
 def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
     """The backends differ only in the order of float additions: sampled runs agree token for token
     on this pair (the test would catch a runtime that draws random numbers differently)."""
