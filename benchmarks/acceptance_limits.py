@@ -9,6 +9,8 @@ the target's own sampled answers to the held-out prompts (as benchmarks/acceptan
    sees before any training), up to 29 of its 30 layers.
 
 Run: .venv/bin/python benchmarks/acceptance_limits.py [--tokens 1500] [--positions 400]
+How wide a fan pays where verifying more children is nearly free (a GPU):
+     .venv/bin/python benchmarks/acceptance_limits.py --draft-temperatures 1 --children 1,2,3,4,6,8,12,16
 """
 
 import argparse
@@ -28,6 +30,8 @@ parser.add_argument("--profile", default="default")
 parser.add_argument("--tokens", type=int, default=1500)
 parser.add_argument("--positions", type=int, default=400, help="positions for the (slower) root acceptance")
 parser.add_argument("--seed", type=int, default=123)
+parser.add_argument("--children", default="2,3", help="root children (drawn without replacement) to rate")
+parser.add_argument("--draft-temperatures", default="1.25,1,0.85,0.7,0.55,0.4,0.25")
 args = parser.parse_args()
 
 torch.manual_seed(args.seed)
@@ -57,10 +61,10 @@ n = p.shape[0]
 sample = torch.randperm(n, generator=torch.Generator().manual_seed(0))[: args.positions].tolist()
 gen = torch.Generator().manual_seed(1)
 rows = []
-for t in (1.25, 1.0, 0.85, 0.7, 0.55, 0.4, 0.25):
+for t in (float(x) for x in args.draft_temperatures.split(",")):
     q = (z / t).softmax(-1)
     row = {"draft_temperature": t, "single": float(torch.minimum(p, q).sum(-1).mean())}
-    for k in (2, 3):
+    for k in (int(x) for x in args.children.split(",")):
         row[f"root_k{k}"] = sum(root_acceptance(p[i], q[i], k, Rule.WITHOUT_REPLACEMENT, 2, gen)
                                 for i in sample) / len(sample)
     rows.append(row)

@@ -437,44 +437,53 @@ class CompiledModel:
             self._table = (native, native_table(native))
         return self._table[1]
 
-    def replay(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
-               keys: torch.Tensor, values: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
-        """A static-shape forward: float32 logits of these rows, a tensor of their own (mask (n,
-        capacity), slots (n,); the inputs on the host or the device: page-locked host memory is
-        copied in without waiting). Graphed: the CUDA graph captured for this token count and these
-        buffers (at its first use), fed by copying the inputs into its own; otherwise a plain call."""
+    def replay(self, ids: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               rows: slice = slice(None), tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """A static-shape forward: float32 logits of these rows, a tensor of their own. ids (3, n):
+        the tokens, their positions and the slots their keys go to; mask (n, capacity); both on the
+        host or the device (page-locked host memory is copied in without waiting); tokens (k,), k <=
+        n, on the device: the first k tokens instead of ids' first row (drawn there: no value read).
+        Graphed: the CUDA graph captured for this token count and these buffers (at its first use),
+        fed by copying the inputs into its own — ids in one copy, the mask in another, device tokens
+        in a third; otherwise a plain call."""
         if not self.graphed:
-            tokens, positions, mask, slots = (t.to(self.device) for t in (tokens, positions, mask, slots))
-            every = torch.arange(tokens.shape[0], device=self.device)
-            return self.forward(tokens, positions, mask, keys, values, every, slots)[rows].float()
-        key = (tokens.shape[0], keys.data_ptr())
+            ids, mask = ids.to(self.device, copy=True), mask.to(self.device)
+            if tokens is not None:
+                ids[0, : tokens.shape[0]] = tokens
+            every = torch.arange(ids.shape[1], device=self.device)
+            return self.forward(ids[0], ids[1], mask, keys, values, every, ids[2])[rows].float()
+        key = (ids.shape[1], keys.data_ptr())
         if key not in self._captured:
             try:
-                self._captured[key] = self._capture(tokens, positions, mask, slots, keys, values)
+                self._captured[key] = self._capture(ids, mask, keys, values)
             except Exception as e:  # noqa: BLE001 - a driver, library or op that cannot be captured
                 self.graphed = False  # this model runs its static shapes without graphs from now on
                 self._drop_graphs()
                 reason = str(e).splitlines()[0] if str(e) else ""
                 self.notice(f"capturing a CUDA graph failed ({type(e).__name__}: {reason}): "
                             f"the static-cache runtime runs without graphs")
-                return self.replay(tokens, positions, mask, slots, keys, values, rows)
-        inputs, graph, logits = self._captured[key]
-        for buffer, value in zip(inputs, (tokens, positions, mask, slots)):
-            buffer.copy_(value, non_blocking=True)  # (from page-locked memory: queued, not waited for)
+                return self.replay(ids, mask, keys, values, rows, tokens)
+        (id_buffer, mask_buffer, *_), graph, logits = self._captured[key]
+        id_buffer.copy_(ids, non_blocking=True)  # (from page-locked memory: queued, not waited for)
+        mask_buffer.copy_(mask, non_blocking=True)
+        if tokens is not None:
+            id_buffer[0, : tokens.shape[0]].copy_(tokens)
         graph.replay()
         # a copy: the graph's output buffer is overwritten by its next replay
         return logits[rows].to(torch.float32, copy=True)
 
-    def _capture(self, tokens, positions, mask, slots, keys, values) -> tuple:
-        """(the graph's input buffers, the graph, its output buffer). A graph reads and writes
-        the addresses it was captured with and holds no reference to their tensors: everything
-        it reads stays alive in what this returns (the inputs, `rows` among them), in the model
-        (weights, rotary tables) or in the shared KV buffers (their graphs dropped when replaced)."""
-        rows = torch.arange(tokens.shape[0], device=self.device)  # every row's logits
-        inputs = tuple(t.to(self.device, copy=True) for t in (tokens, positions, mask, slots)) + (rows,)
+    def _capture(self, ids, mask, keys, values) -> tuple:
+        """((the graph's input buffers: ids, mask, rows and ids' rows), the graph, its output buffer). A graph
+        reads and writes the addresses it was captured with and holds no reference to their
+        tensors: everything it reads stays alive in what this returns (the inputs, `rows` among
+        them), in the model (weights, rotary tables) or in the shared KV buffers (their graphs
+        dropped when replaced)."""
+        rows = torch.arange(ids.shape[1], device=self.device)  # every row's logits
+        id_buffer = ids.to(self.device, copy=True)
+        inputs = (id_buffer, mask.to(self.device, copy=True), rows, *id_buffer)  # (+ its rows' views, kept)
 
         def run() -> torch.Tensor:
-            return self.forward(inputs[0], inputs[1], inputs[2], keys, values, inputs[4], inputs[3])
+            return self.forward(inputs[3], inputs[4], inputs[1], keys, values, inputs[2], inputs[5])
 
         return (inputs, *self._graph_of(run))
 
@@ -662,11 +671,11 @@ class StaticLM(ChainExtension):
                                                                             -math.inf)
             on_device = isinstance(tokens, torch.Tensor)
             ids = [[0] * size if on_device else tokens + [0] * pad, positions + [positions[-1]] * pad]
-            if static:  # (tokens, positions, slots): one host tensor
+            if static:  # (tokens, positions, slots): one host tensor, device tokens beside it
                 ids = torch.tensor(ids + [list(range(self.length, self.length + size))], pin_memory=pinned)
-                token_ids = torch.nn.functional.pad(tokens, (0, pad)) if on_device else ids[0]
-                logits = self.compiled.replay(token_ids, ids[1], mask, ids[2], self.keys, self.values,
-                                              slice(n - 1, n) if last_only else slice(0, n))
+                logits = self.compiled.replay(ids, mask, self.keys, self.values,
+                                              slice(n - 1, n) if last_only else slice(0, n),
+                                              tokens if on_device else None)
             else:
                 ids = torch.tensor(ids, device=device)
                 token_ids = torch.nn.functional.pad(tokens.to(device), (0, pad)) if on_device else ids[0]

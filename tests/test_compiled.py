@@ -315,8 +315,8 @@ def test_graph_replays_feed_their_inputs_and_a_failed_capture_falls_back(pair, m
     assert all(graph.replays >= 1 for graph in graphs)  # every call replayed, none ran on its own
 
     def one_token(token: int) -> torch.Tensor:
-        ids = torch.tensor([token])
-        return target.replay(ids, ids, torch.zeros(1, target._buffers[0].shape[2]), ids, *target._buffers)
+        ids = torch.tensor([[token]] * 3)  # (the token, its position and its slot)
+        return target.replay(ids, torch.zeros(1, target._buffers[0].shape[2]), *target._buffers)
 
     first = one_token(1)
     second = one_token(2)
