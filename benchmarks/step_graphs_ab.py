@@ -1,7 +1,7 @@
-"""A device step's maths replayed as CUDA graphs (`StepGraphs`) against launched op by op, per shape.
+"""A step's maths replayed as CUDA graphs (`StepGraphs`) against launched op by op, per shape.
 
 On a GPU (`--compile on`): tokens/s of `ar` and of each device-step shape with the maths graphed
-and not, interleaved in rounds on the same prompts and seeds (each decoder warmed up untimed, so
+and not (× ar: against `ar` with its maths launched op by op), interleaved in rounds on the same prompts and seeds (each decoder warmed up untimed, so
 captures are not timed). On any machine, `--count`: the torch operations a step issues outside
 the two models' forwards (each one Python and dispatcher work on the host; on a GPU most launch a
 kernel), with the maths run directly and replayed through a stand-in capture that keeps a CUDA
@@ -89,8 +89,6 @@ def count(pair, args) -> list[dict]:
     rows = []
     for name, shape in SHAPES.items():
         for graphed in (False, True):
-            if name == "ar" and graphed:
-                continue
             graphs = StepGraphs(torch.device("cpu"), True, capture=counting.capture) if graphed else None
             decoder = decoder_for(pair, runtimes, shape, args.temperature, graphs)
             list(decoder.generate(prompt, 8, seed=0))  # (captures made here)
@@ -113,7 +111,7 @@ def timing(pair, args) -> list[dict]:
     runtimes = runtimes_of(pair, args.compile)
     device = next(pair.target.parameters()).device
     prompts = [encode_prompt(pair.tokenizer, p) for p in builtin_prompts("eval")[: args.limit]]
-    jobs = [(name, graphed) for name in SHAPES for graphed in ((False,) if name == "ar" else (False, True))]
+    jobs = [(name, graphed) for name in SHAPES for graphed in (False, True)]
     decoders = {}
     for name, graphed in jobs:
         graphs = StepGraphs(device, device.type == "cuda") if graphed else StepGraphs(device, False)

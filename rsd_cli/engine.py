@@ -729,6 +729,32 @@ class Decoder:
             draft_forward_seconds=draft.forward_seconds - draft_before,
         )
 
+    def _plain_step(self, step: int, shape: Shape, seq: list[int], target, generator: torch.Generator) -> StepEvent:
+        """A step without drafts (`ar`, or auto's plain steps) where the step's maths is replayed as
+        a graph (_maths): the target's probabilities and its draw in one replay, one transfer; the
+        same event, and the same numbers, as _step's."""
+        start = time.perf_counter()
+        forward_before, base, sampling = target.forward_seconds, len(seq) - 1, self.sampling
+
+        def draw(logits: torch.Tensor, u: torch.Tensor) -> tuple:
+            """(1, V) target logits, (1, 1) uniform -> p (1, V), its token (1,)."""
+            p = logits_to_probs(logits, sampling)
+            return p, inverse_cdf(p, u)
+
+        logits = target.forward([seq[-1]], [base], torch.ones(1, base + 1, dtype=torch.bool))
+        u = torch.rand((1, 1), generator=generator, dtype=torch.float64, device=generator.device)
+        maths = self._maths(target)
+        p, token = maths(("plain", sampling), draw, logits, u)
+        p, token = maths.keep(p), to_host(token)[0]  # the step's one transfer
+        target.keep(list(range(base + 1)))
+        end = time.perf_counter()
+        return StepEvent(
+            step=step, shape=shape, tree=DraftTree.rooted_at(seq[-1]), p=p, checks=[], path=[],
+            extra_token=token, extra_kind="bonus", emitted=[], draft_calls=0, draft_seconds=0.0,
+            verify_seconds=end - start, forward_seconds=target.forward_seconds - forward_before,
+            draft_forward_seconds=0.0,
+        )
+
     def _maths(self, target) -> StepGraphs:
         """Where a device step's maths runs: replayed as CUDA graphs (StepGraphs) on a GPU with
         compiled forwards, else directly (made once per decoder; tests set their own)."""
@@ -742,6 +768,8 @@ class Decoder:
         kind = self._on_device(shape, draft, generator.device)
         if kind is not None:
             return (self._chain_step if kind == "chain" else self._fan_step)(step, shape, seq, target, draft, generator)
+        if shape.depth == 0 and not self.sampling.uses_context and self._maths(target).enabled:
+            return self._plain_step(step, shape, seq, target, generator)
         start = time.perf_counter()
         draft_before = draft.forward_seconds if draft else 0.0
         forward_before = target.forward_seconds + draft_before

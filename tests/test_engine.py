@@ -235,7 +235,8 @@ def device_events(pair, shape, sampling, seed, graphs=None):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
-@pytest.mark.parametrize("shape", [make_shape("sd", draft_len=1)] + DEVICE_SHAPES, ids=lambda s: s.describe())
+@pytest.mark.parametrize("shape", [make_shape("ar"), make_shape("sd", draft_len=1)] + DEVICE_SHAPES,
+                         ids=lambda s: s.describe())
 def test_device_steps_replayed_as_graphs_decide_as_they_do_without(pair, shape, temperature):
     """A GPU with compiled forwards replays a device step's maths as CUDA graphs (StepGraphs): one
     capture per site and shapes, replayed every step. With a stand-in that keeps a graph's
@@ -252,7 +253,8 @@ def test_device_steps_replayed_as_graphs_decide_as_they_do_without(pair, shape, 
         assert a.tree.q.keys() == b.tree.q.keys() and all(torch.equal(a.tree.q[n], b.tree.q[n]) for n in a.tree.q)
         assert [c.decision for c in a.checks] == [c.decision for c in b.checks]
     assert graphs.enabled  # (a capture that raised, a host read among them, would have turned them off)
-    sites = shape.depth + 1 if shape.variant == "sd" else 2  # a chain's levels and its verdict; a fan's two
+    # a plain step's draw; a chain's levels and its verdict; a fan's children and its verdict
+    sites = {"ar": 1, "sd": shape.depth + 1}.get(shape.variant, 2)
     assert len(captured) == sites < len(replayed)
 
 
