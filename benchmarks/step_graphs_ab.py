@@ -29,8 +29,12 @@ from rsd_cli.runtime import runtimes_of
 from rsd_cli.sampling import SamplingParams
 from rsd_cli.step_graphs import StepGraphs
 
+# wide fans too (a root and 7 or 15 children fill a forward of 8 or 16 tokens): where verifying 16 tokens
+# costs about what one does, a root's children drawn without replacement are accepted at T=1 with
+# probability 0.41 (1 child), 0.55 (3), 0.65 (8), 0.71 (16) (acceptance_limits.py --children)
 SHAPES = {"ar": make_shape("ar"), "sd γ=1": make_shape("sd", draft_len=1), "sd γ=2": make_shape("sd", draft_len=2),
-          "rsd-c b=(2)": make_shape("rsd-c", branching=(2,)), "rsd-c b=(3)": make_shape("rsd-c", branching=(3,))}
+          "rsd-c b=(2)": make_shape("rsd-c", branching=(2,)), "rsd-c b=(3)": make_shape("rsd-c", branching=(3,)),
+          "rsd-c b=(7)": make_shape("rsd-c", branching=(7,)), "rsd-c b=(15)": make_shape("rsd-c", branching=(15,))}
 VIEWS = {"slice", "select", "unsqueeze", "squeeze", "alias", "detach", "detach_", "view", "t", "expand",
          "as_strided", "lift_fresh"}  # no kernel: a view, or a host literal made a tensor
 
