@@ -58,7 +58,12 @@ RARE_TIMED = 4  # timed steps in an exploration of a kind clearly slower (one in
 # and a shape's first steps in a process, are not timed (see observe)
 TARGET_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-PRIOR = (0.5, 0.2, 0.1)  # P(accept the k-th candidate | the ones before rejected), before any data
+PRIOR = (0.5, 0.2)  # P(accept the k-th candidate | the ones before rejected), before any data; from
+# the third on 0.3 / (k + 1) (prior): the embedded pair at T=1 measured 0.41, 0.15, 0.09, 0.07, then
+# 0.05 for the 5th-6th, 0.04 for the 7th-8th, 0.03 up to the 12th, 0.02 up to the 16th (root children
+# drawn without replacement: benchmarks/acceptance_limits.py --children)
+WIDE_FANS = (7, 15)  # root children alone, a root and its children filling a forward of 8 or 16 tokens:
+# where verifying them costs about what one token does (a GPU) a fan of 15 is accepted 0.71 of the time
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind each prior value
 SCALE_MEMORY = 0.2  # how fast the cost scales follow the measured step times
 MEASURED_MEMORY = 0.3  # how fast a used shape's measured time ratio follows new steps
@@ -74,6 +79,11 @@ CATCH_UP_STEPS = 4  # a draft that has this many plain steps' time or less to re
 # tokens are expected to save more than it costs
 
 
+def prior(rank: int) -> float:
+    """P(accept candidate `rank` (0 = the draft's first) | the ones before rejected), before any data."""
+    return PRIOR[rank] if rank < len(PRIOR) else 0.3 / (rank + 1)
+
+
 def _bounded(ratio: float) -> float:
     """A measured / expected time ratio, limited to [1 / OUTLIER, OUTLIER]: one slow step (a page
     fault, a busy neighbour) moves an estimate a little, a lasting change in a few steps."""
@@ -82,7 +92,7 @@ def _bounded(ratio: float) -> float:
 
 def candidates(max_nodes: int = MAX_NODES) -> list[Shape]:
     """ar, sd chains and rsd-c branching vectors (non-increasing, up to 6 at the root and 3
-    below) with at most max_nodes nodes, the root included."""
+    below, or WIDE_FANS at the root alone) with at most max_nodes nodes, the root included."""
     shapes = [make_shape("ar")]
     shapes += [make_shape("sd", draft_len=g) for g in range(1, min(MAX_DEPTH, max_nodes - 1) + 1)]
 
@@ -98,6 +108,7 @@ def candidates(max_nodes: int = MAX_NODES) -> list[Shape]:
             grow(branching, nodes + level * b, level * b)
 
     grow((), 1, 1)
+    shapes += [make_shape("rsd-c", branching=(b,)) for b in WIDE_FANS if 1 + b <= max_nodes]
     return shapes
 
 
@@ -234,7 +245,7 @@ class Acceptance:
             self._pooled[rank] = (sum(n for (k, _), n in self.tried.items() if k == rank),
                                   sum(n for (k, _), n in self.accepted.items() if k == rank))
         all_tried, all_accepted = self._pooled[rank]
-        pooled = (all_accepted + PRIOR_WEIGHT * PRIOR[min(rank, len(PRIOR) - 1)]) / (all_tried + PRIOR_WEIGHT)
+        pooled = (all_accepted + PRIOR_WEIGHT * prior(rank)) / (all_tried + PRIOR_WEIGHT)
         tried, accepted = self.tried.get((rank, depth), 0), self.accepted.get((rank, depth), 0)
         rate = (accepted + PRIOR_WEIGHT * pooled) / (tried + PRIOR_WEIGHT)
         return min(1.0, rate + OPTIMISM * math.sqrt(rate * (1 - rate) / (all_tried + PRIOR_WEIGHT)))

@@ -352,6 +352,28 @@ def test_the_choice_follows_costs_and_acceptance():
     assert chosen.count("ar") == 11 and "ar" not in chosen[6:9]
 
 
+# P(accept a root child | the ones before rejected), by rank: the embedded pair at T=1 (acceptance_limits.py)
+MEASURED_RANKS = (0.41, 0.15, 0.09, 0.07, 0.055, 0.055, 0.04, 0.04, 0.03, 0.03, 0.03, 0.03, 0.02, 0.02, 0.02)
+
+
+def test_wide_fans_are_chosen_where_verifying_more_tokens_costs_no_more():
+    """Where a forward of 16 tokens costs what one does (a GPU), a root with 15 children drawn without
+    replacement (accepted 0.71 of the time with the ranks above) pays most; where each verified token
+    costs (a CPU), plain decoding does. Before any data, the prior's later ranks fade as measured."""
+    measured = [[rank, 0, 1000, 1000 * rate] for rank, rate in enumerate(MEASURED_RANKS)]
+    gpu_like = AutoShape(flat(1.0, 0.25))
+    gpu_like.acceptance = Acceptance.from_json(measured)
+    assert gpu_like.next_shape().describe() == "rsd-c b=(15)"
+    cpu_like = AutoShape(Costs({1: 1.0, 2: 1.25, 4: 1.8, 8: 2.6, 16: 4.2, 64: 14.0}, {1: 0.2, 32: 2.0}))
+    cpu_like.acceptance = Acceptance.from_json(measured)
+    assert cpu_like.next_shape().describe() == "ar"
+    assert [auto.prior(rank) for rank in (0, 1, 2)] == pytest.approx([0.5, 0.2, 0.1])  # (as before)
+    assert auto.prior(7) == pytest.approx(MEASURED_RANKS[7], abs=0.005)
+    assert auto.prior(14) == pytest.approx(MEASURED_RANKS[14], abs=0.005)
+    assert {"rsd-c b=(7)", "rsd-c b=(15)"} <= {s.describe() for s in candidates()}
+    assert "rsd-c b=(15)" not in {s.describe() for s in candidates(8)}  # (a budget of 8 nodes)
+
+
 def test_a_drafting_shape_timed_and_found_slower_is_tried_rarely():
     """Where drafting's own step costs outweigh its gain (measured, not just modelled), plain decoding
     drafts after 128 steps instead of every 8th (a few steps, so that one such exploration can
