@@ -1,8 +1,8 @@
 """A step's maths replayed as CUDA graphs (`StepGraphs`) against launched op by op, per shape.
 
 On a GPU (`--compile on`): tokens/s of `ar` and of each device-step shape with the maths graphed
-and not (× ar: against `ar` with its maths launched op by op), interleaved in rounds on the same prompts and seeds (each decoder warmed up untimed, so
-captures are not timed). On any machine, `--count`: the torch operations a step issues outside
+and not (× ar: against `ar` with its maths launched op by op), interleaved in rounds on the same
+prompts and seeds (each decoder warmed up untimed, so captures are not timed). On any machine, `--count`: the torch operations a step issues outside
 the two models' forwards (each one Python and dispatcher work on the host; on a GPU most launch a
 kernel), with the maths run directly and replayed through a stand-in capture that keeps a CUDA
 graph's semantics: what the graphs take off the host, whatever the device.

@@ -422,7 +422,7 @@ class Decoder:
         # = where the target is not on the CPU (on a CPU a transfer costs nothing, while computing
         # every node's residual and every bonus draw does: 0.2-1.0 ms a step on a 2-core Xeon)
         self.device_steps: bool | None = None
-        self.step_graphs: StepGraphs | None = None  # how device steps run their maths (_maths)
+        self.step_graphs: StepGraphs | None = None  # how device and plain steps run their maths (_maths)
 
     def _next_shape(self, lag: int = 0, remaining: int | None = None, seq: list[int] = ()) -> Shape:
         """This step's shape: the configured one, or auto's choice from the steps before it (lag:
@@ -756,8 +756,8 @@ class Decoder:
         )
 
     def _maths(self, target) -> StepGraphs:
-        """Where a device step's maths runs: replayed as CUDA graphs (StepGraphs) on a GPU with
-        compiled forwards, else directly (made once per decoder; tests set their own)."""
+        """Where the maths of device steps and plain steps runs: replayed as CUDA graphs (StepGraphs)
+        on a GPU with compiled forwards, else directly (made once per decoder; tests set their own)."""
         if self.step_graphs is None:
             compiled = getattr(getattr(target, "compiled", None), "compiled", False)
             self.step_graphs = StepGraphs(target.device, compiled and target.device.type == "cuda", self.notice)

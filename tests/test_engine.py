@@ -265,7 +265,8 @@ def test_step_maths_are_graphed_on_a_gpu_with_compiled_forwards_only(pair):
     decoder.step_graphs = None
     assert decoder._maths(SimpleNamespace(device=torch.device("cuda"), compiled=compiled)).enabled
     decoder.step_graphs = None  # --compile off: every kernel launched as it is
-    assert not decoder._maths(SimpleNamespace(device=torch.device("cuda"), compiled=SimpleNamespace(compiled=False))).enabled
+    uncompiled = SimpleNamespace(compiled=False)
+    assert not decoder._maths(SimpleNamespace(device=torch.device("cuda"), compiled=uncompiled)).enabled
     decoder.step_graphs = None  # transformers' forward (CachedLM)
     assert not decoder._maths(SimpleNamespace(device=torch.device("cuda"))).enabled
 
