@@ -238,8 +238,8 @@ def device_events(pair, shape, sampling, seed, graphs=None):
 @pytest.mark.parametrize("shape", [make_shape("ar"), make_shape("sd", draft_len=1)] + DEVICE_SHAPES,
                          ids=lambda s: s.describe())
 def test_device_steps_replayed_as_graphs_decide_as_they_do_without(pair, shape, temperature):
-    """A GPU with compiled forwards replays a device step's maths as CUDA graphs (StepGraphs): one
-    capture per site and shapes, replayed every step. With a stand-in that keeps a graph's
+    """A GPU with compiled forwards replays the maths of device steps and of plain steps as CUDA
+    graphs (StepGraphs): one capture per site and shapes, replayed every step. With a stand-in that keeps a graph's
     semantics, every step's tokens, decisions, p and q equal those of the maths run directly, bit
     for bit, after the whole generation (results that outlive a step are copies, not buffers the
     next replay overwrites); and nothing in the maths reads a value on the host."""
