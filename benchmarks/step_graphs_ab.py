@@ -34,7 +34,8 @@ from rsd_cli.step_graphs import StepGraphs
 # probability 0.41 (1 child), 0.55 (3), 0.65 (8), 0.71 (16) (acceptance_limits.py --children)
 SHAPES = {"ar": make_shape("ar"), "sd γ=1": make_shape("sd", draft_len=1), "sd γ=2": make_shape("sd", draft_len=2),
           "rsd-c b=(2)": make_shape("rsd-c", branching=(2,)), "rsd-c b=(3)": make_shape("rsd-c", branching=(3,)),
-          "rsd-c b=(7)": make_shape("rsd-c", branching=(7,)), "rsd-c b=(15)": make_shape("rsd-c", branching=(15,))}
+          "rsd-c b=(7)": make_shape("rsd-c", branching=(7,)), "rsd-c b=(15)": make_shape("rsd-c", branching=(15,)),
+          "auto": make_shape("auto")}  # (timed with its maths graphed only: its memory is shared by decoders)
 VIEWS = {"slice", "select", "unsqueeze", "squeeze", "alias", "detach", "detach_", "view", "t", "expand",
          "as_strided", "lift_fresh"}  # no kernel: a view, or a host literal made a tensor
 
@@ -92,6 +93,8 @@ def count(pair, args) -> list[dict]:
     compiled.CompiledModel.forward = counting.mute(compiled.CompiledModel.forward)
     rows = []
     for name, shape in SHAPES.items():
+        if name == "auto":  # (its steps are the other shapes')
+            continue
         for graphed in (False, True):
             graphs = StepGraphs(torch.device("cpu"), True, capture=counting.capture) if graphed else None
             decoder = decoder_for(pair, runtimes, shape, args.temperature, graphs)
@@ -115,7 +118,7 @@ def timing(pair, args) -> list[dict]:
     runtimes = runtimes_of(pair, args.compile)
     device = next(pair.target.parameters()).device
     prompts = [encode_prompt(pair.tokenizer, p) for p in builtin_prompts("eval")[: args.limit]]
-    jobs = [(name, graphed) for name in SHAPES for graphed in (False, True)]
+    jobs = [(name, graphed) for name in SHAPES for graphed in ((True,) if name == "auto" else (False, True))]
     decoders = {}
     for name, graphed in jobs:
         graphs = StepGraphs(device, device.type == "cuda") if graphed else StepGraphs(device, False)
