@@ -91,6 +91,9 @@ def instrument(pair, runtimes) -> None:
     engine.logits_to_probs = timed("logits to probs", engine.logits_to_probs)
     engine.verify = timed("verification", engine.verify)  # includes a correction draw
     engine.sample = timed("bonus draw", engine.sample)
+    # a plain step's draw (in device steps also each level's draft draw; where their maths is replayed
+    # as a graph, a GPU's, only its capture calls these: the replays count as "other")
+    engine.inverse_cdf = timed("bonus draw", engine.inverse_cdf)
     for name in ("gumbel_top_k_rows", "top_tokens_rows", "sample_with_replacement_rows", "sample_with_replacement",
                  "stochastic_beam_step"):
         setattr(drafting, name, timed("draws", getattr(drafting, name)))
