@@ -76,7 +76,7 @@ def main() -> None:
         for position, token in enumerate(answer):
             for (variant, budget), decoder in decoders.items():
                 for _ in range(args.repeats):
-                    event = decoder._step(0, seq, clone(target), clone(draft), generator)
+                    event = decoder._step(0, decoder.shape, seq, clone(target), clone(draft), generator)
                     step_tokens[variant, budget].append(event.accepted + 1)
                 p, q = event.p[0], event.tree.q[0]
                 k = decoder.shape.branching[0]
