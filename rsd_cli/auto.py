@@ -58,10 +58,10 @@ RARE_TIMED = 4  # timed steps in an exploration of a kind clearly slower (one in
 # and a shape's first steps in a process, are not timed (see observe)
 TARGET_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 DRAFT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-PRIOR = (0.5, 0.2)  # P(accept the k-th candidate | the ones before rejected), before any data; from
-# the third on 0.3 / (k + 1) (prior): the embedded pair at T=1 measured 0.41, 0.15, 0.09, 0.07, then
-# 0.05 for the 5th-6th, 0.04 for the 7th-8th, 0.03 up to the 12th, 0.02 up to the 16th (root children
-# drawn without replacement: benchmarks/acceptance_limits.py --children)
+PRIOR = (0.5, 0.2)  # P(accept the candidate of rank k (0 = the draft's first) | the ones before
+# rejected), before any data; from rank 2 on 0.3 / (k + 1) (prior()): the embedded pair at T=1
+# measured 0.41, 0.15, 0.09, 0.07, then 0.05 for the 5th-6th, 0.04 for the 7th-8th, 0.03 up to the
+# 12th, 0.02 up to the 16th (root children drawn without replacement: acceptance_limits.py --children)
 WIDE_FANS = (7, 15)  # root children alone, a root and its children filling a forward of 8 or 16 tokens:
 # where verifying them costs about what one token does (a GPU) a fan of 15 is accepted 0.71 of the time
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind each prior value
