@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -26,6 +27,13 @@ def full_vocabulary(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if logits.shape[-1] >= vocab_size:
         return logits
     return torch.nn.functional.pad(logits, (0, vocab_size - logits.shape[-1]), value=-torch.inf)
+
+
+def probs_and_draw(sampling: SamplingParams, argmax: bool, logits: torch.Tensor, u: torch.Tensor) -> tuple:
+    """(1, V) logits, a (1, 1) uniform -> their probabilities (1, V) and a token (1,) drawn from them by
+    the inverse CDF (or their argmax): a plain step's or a chain level's maths, nothing read."""
+    probs = logits_to_probs(logits, sampling)
+    return probs, probs.argmax(-1) if argmax else inverse_cdf(probs, u)
 
 
 def unchanged_prefix(indices: list[int]) -> int:
@@ -579,12 +587,11 @@ class Decoder:
             return "chain"
         return "fan" if shape.variant == "rsd-c" and shape.depth == 1 else None
 
-    def _draft_root(self, seq: list[int], draft, device: torch.device,
-                    seen: torch.Tensor | None = None) -> torch.Tensor:
+    @staticmethod
+    def _draft_catch_up(seq: list[int], draft, device: torch.device) -> torch.Tensor:
         """The draft's catch-up on the sequence (accepted tokens it never saw, and the root): its
-        (1, V) distribution after the root, on `device` (seen: the root's context, see _seen)."""
-        logits = draft.extend(seq[draft.length:])
-        return logits_to_probs(logits[-1:].to(device), self.draft_sampling, seen)
+        (1, V) logits after the root, on `device`."""
+        return draft.extend(seq[draft.length:])[-1:].to(device)
 
     def _fan_step(self, step: int, shape: Shape, seq: list[int], target, draft,
                   generator: torch.Generator) -> StepEvent:
@@ -619,7 +626,7 @@ class Decoder:
                                                       u[noise + k:, None])
             return p, torch.cat([drafted, drawn.long(), accepted.long(), correction, bonus])
 
-        logits = draft.extend(seq[draft.length:])[-1:].to(device)
+        logits = self._draft_catch_up(seq, draft, device)
         q, drafted, drawn = maths(("fan children", k, greedy, draft_sampling), children, logits, u)
         drafted_at = time.perf_counter()
         # the root sees the prefix; each child the prefix, the root and itself
@@ -674,13 +681,6 @@ class Decoder:
         draws = 0 if greedy else gamma
         u = torch.rand(draws + 2 * gamma + 1, generator=generator, dtype=torch.float64, device=device)
 
-        def level(index: int):
-            def draw(logits: torch.Tensor, u: torch.Tensor) -> tuple:
-                """(1, V) draft logits -> q (1, V), the drafted token (1,)."""
-                q = logits_to_probs(logits, draft_sampling)
-                return q, q.argmax(-1) if greedy else inverse_cdf(q, u[index: index + 1, None])
-            return draw
-
         def verdict(logits, drafted, u, *q_rows) -> tuple:
             """(γ + 1, V) target logits -> p, and (drafted, accepted, corrections, bonus) in one tensor."""
             p = logits_to_probs(logits, sampling)  # (γ + 1, V): node i's row i
@@ -688,10 +688,11 @@ class Decoder:
                                                          u[draws + gamma:, None])
             return p, torch.cat([drafted, accepted.long(), corrections, bonus])
 
-        logits = draft.extend(seq[draft.length:])[-1:].to(device)
+        logits = self._draft_catch_up(seq, draft, device)
+        draw = partial(probs_and_draw, draft_sampling, greedy)
         q_rows, drafted = [], []
-        for index in range(gamma):
-            q, token = maths(("chain level", index, greedy, draft_sampling), level(index), logits, u)  # on the device
+        for index in range(gamma):  # (greedy: its uniform, an acceptance's, is not read)
+            q, token = maths(("chain level", index, greedy, draft_sampling), draw, logits, u[index: index + 1, None])
             q_rows.append(q)
             drafted.append(token)
             if index + 1 < gamma:
@@ -737,16 +738,12 @@ class Decoder:
         2-core Xeon)."""
         start = time.perf_counter()
         forward_before, base, sampling = target.forward_seconds, len(seq) - 1, self.sampling
-
-        def draw(logits: torch.Tensor, u: torch.Tensor) -> tuple:
-            """(1, V) target logits, (1, 1) uniform -> p (1, V), its token (1,)."""
-            p = logits_to_probs(logits, sampling)
-            return p, inverse_cdf(p, u)
+        # (its draw by the inverse CDF even when greedy, as _tree_step's `sample`: the same uniforms drawn)
 
         logits = target.forward([seq[-1]], [base], torch.ones(1, base + 1, dtype=torch.bool))
         u = torch.rand((1, 1), generator=generator, dtype=torch.float64, device=generator.device)
         maths = self._maths(target)
-        p, token = maths(("plain", sampling), draw, logits, u)
+        p, token = maths(("plain", sampling), partial(probs_and_draw, sampling, False), logits, u)
         p, token = maths.keep(p), to_host(token)[0]  # the step's one transfer
         target.keep(list(range(base + 1)))
         end = time.perf_counter()
@@ -845,7 +842,7 @@ class Decoder:
             return DraftTree.rooted_at(root), {}
         device = generator.device  # the target's: the draft's q joins p there
         root_seen = self._seen(self.draft_sampling, seq, DraftTree.rooted_at(root), [0], device)
-        q_root = self._draft_root(seq, draft, device, root_seen)[0]
+        q_root = logits_to_probs(self._draft_catch_up(seq, draft, device), self.draft_sampling, root_seen)[0]
         draft_index = {0: len(seq) - 1}
         base = len(seq) - 1
 

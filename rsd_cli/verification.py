@@ -16,7 +16,7 @@ from enum import Enum
 
 import torch
 
-from .sampling import inverse_cdf, sample, to_host
+from .sampling import inverse_cdf, row_uniforms, sample, to_host
 
 
 class Rule(str, Enum):
@@ -182,12 +182,7 @@ def chain_decisions(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     first rejection are simply not used (γ uniforms, then γ corrections, then the bonus)."""
     gamma = drafts.shape[0]
     u = torch.rand(gamma, generator=generator, dtype=torch.float64, device=p.device)
-    return chain_outcome(p, q, drafts, u, uniforms_for_rows(gamma + 1, generator, p.device))
-
-
-def uniforms_for_rows(rows: int, generator: torch.Generator, device) -> torch.Tensor:
-    """(rows, 1) float64 uniforms: what sample_rows draws for `rows` rows."""
-    return torch.rand((rows, 1), generator=generator, dtype=torch.float64, device=device)
+    return chain_outcome(p, q, drafts, u, row_uniforms(gamma + 1, generator, p.device))
 
 
 def chain_outcome(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u: torch.Tensor,
@@ -221,7 +216,7 @@ def fan_decisions(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, drawn:
     successive renormalisations make, up to rounding), so only the residuals take a loop."""
     k = drafts.shape[0]
     u = torch.rand(k, generator=generator, dtype=torch.float64, device=p.device)
-    return fan_outcome(p, q, drafts, drawn, u, uniforms_for_rows(k + 1, generator, p.device))
+    return fan_outcome(p, q, drafts, drawn, u, row_uniforms(k + 1, generator, p.device))
 
 
 def fan_outcome(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, drawn: torch.Tensor, u: torch.Tensor,
