@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from .engine import ChainExtension, ForwardClock, full_vocabulary, timed_chain, unchanged_prefix
 from .sampling import to_device
+from .step_graphs import cuda_capture
 from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, joined, native_table
 from .small_batch import (MAX_ROWS, TORCH, blocks_of, enrol, kernel_linear, kernels_of, machine,
                           prepared_copies, register_operator, room_for, signature)
@@ -382,7 +383,7 @@ class CompiledModel:
                         enrol(weight, kernels, prepared)
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # static shapes: shared KV buffers
         self._holder = None  # weak reference to the StaticLM using them
-        self._captured: dict[tuple, tuple] = {}  # (token count, buffer address) -> (inputs, graph, logits)
+        self._captured: dict[tuple, tuple] = {}  # (token count, buffer address) -> (inputs, replay, logits)
         self._pool = None  # one CUDA memory pool for all this model's graphs (they run one at a time)
 
     @property
@@ -463,17 +464,17 @@ class CompiledModel:
                 self.notice(f"capturing a CUDA graph failed ({type(e).__name__}: {reason}): "
                             f"the static-cache runtime runs without graphs")
                 return self.replay(ids, mask, keys, values, rows, tokens)
-        (id_buffer, mask_buffer, *_), graph, logits = self._captured[key]
+        (id_buffer, mask_buffer, *_), replay, logits = self._captured[key]
         id_buffer.copy_(ids, non_blocking=True)  # (from page-locked memory: queued, not waited for)
         mask_buffer.copy_(mask, non_blocking=True)
         if tokens is not None:
             id_buffer[0, : tokens.shape[0]].copy_(tokens)
-        graph.replay()
+        replay()
         # a copy: the graph's output buffer is overwritten by its next replay
         return logits[rows].to(torch.float32, copy=True)
 
     def _capture(self, ids, mask, keys, values) -> tuple:
-        """((the graph's input buffers: ids, mask, rows and ids' rows), the graph, its output buffer). A graph
+        """((the graph's input buffers: ids, mask, rows and ids' rows), its replay, its output buffer). A graph
         reads and writes the addresses it was captured with and holds no reference to their
         tensors: everything it reads stays alive in what this returns (the inputs, `rows` among
         them), in the model (weights, rotary tables) or in the shared KV buffers (their graphs
@@ -488,20 +489,14 @@ class CompiledModel:
         return (inputs, *self._graph_of(run))
 
     def _graph_of(self, run) -> tuple:
-        """(a CUDA graph of what run() launches, its output buffer)."""
-        # one run outside the graph first (libraries set their workspaces up); it makes the same
-        # writes to the KV buffers as the replay that follows
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        """(the replay of a CUDA graph of what run() launches, its output buffer), captured as
+        step_graphs.cuda_capture does, in this model's one pool (its graphs run one at a time, and
+        each output is copied at once). The run before the capture makes the same writes to the KV
+        buffers as the replay that follows."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = run()
-        return graph, logits
+        replay, (logits,) = cuda_capture(self.device, self._pool)(lambda: (run(),))
+        return replay, logits
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:

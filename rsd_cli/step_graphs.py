@@ -15,10 +15,11 @@ import torch
 Capture = Callable[[Callable[[], tuple]], tuple[Callable[[], None], tuple]]
 
 
-def cuda_capture(device: torch.device) -> Capture:
+def cuda_capture(device: torch.device, pool=None) -> Capture:
     """Captures on a CUDA device: one run on a side stream first (libraries set their workspaces
-    up), then the capture, each graph in a memory pool of its own (a graph's outputs stay valid
-    while other graphs replay: a shared pool would let their temporaries overwrite them)."""
+    up), then the capture, each graph in a memory pool of its own unless `pool` names a shared one
+    (a graph's outputs stay valid while other graphs replay: a shared pool would let their
+    temporaries overwrite them; CompiledModel shares one, copying each output at once)."""
 
     def capture(run):
         side = torch.cuda.Stream(device)
@@ -27,7 +28,7 @@ def cuda_capture(device: torch.device) -> Capture:
             run()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=pool):
             outputs = run()
         return graph.replay, outputs
 

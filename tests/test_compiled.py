@@ -290,7 +290,7 @@ def recorded_graphs(pair, monkeypatch, notice=lambda message: None) -> tuple:
 
     def capture(self, run):
         graphs.append(RecordedForward(self, run))
-        return graphs[-1], graphs[-1].logits
+        return graphs[-1].replay, graphs[-1].logits
 
     monkeypatch.setattr(CompiledModel, "_graph_of", capture)
     target, draft = (CompiledModel(model, False, static_shapes=True, notice=notice) for model in pair)
