@@ -121,7 +121,7 @@ def timing(pair, args) -> list[dict]:
     jobs = [(name, graphed) for name in SHAPES for graphed in ((True,) if name == "auto" else (False, True))]
     decoders = {}
     for name, graphed in jobs:
-        graphs = StepGraphs(device, device.type == "cuda") if graphed else StepGraphs(device, False)
+        graphs = StepGraphs(device, graphed and device.type == "cuda")
         decoders[name, graphed] = decoder_for(pair, runtimes, SHAPES[name], args.temperature, graphs)
         for seed, ids in enumerate(prompts[:2]):  # untimed: captures, compiles, buffers at the timed size
             list(decoders[name, graphed].generate(ids, args.max_tokens, seed=seed))
