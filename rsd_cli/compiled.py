@@ -480,11 +480,12 @@ class CompiledModel:
         them), in the model (weights, rotary tables) or in the shared KV buffers (their graphs
         dropped when replaced)."""
         rows = torch.arange(ids.shape[1], device=self.device)  # every row's logits
-        id_buffer = ids.to(self.device, copy=True)
-        inputs = (id_buffer, mask.to(self.device, copy=True), rows, *id_buffer)  # (+ its rows' views, kept)
+        id_buffer, mask_buffer = ids.to(self.device, copy=True), mask.to(self.device, copy=True)
+        tokens, positions, slots = id_buffer  # (views of its rows, kept with the inputs)
+        inputs = (id_buffer, mask_buffer, rows, tokens, positions, slots)
 
         def run() -> torch.Tensor:
-            return self.forward(inputs[3], inputs[4], inputs[1], keys, values, inputs[2], inputs[5])
+            return self.forward(tokens, positions, mask_buffer, keys, values, rows, slots)
 
         return (inputs, *self._graph_of(run))
 
