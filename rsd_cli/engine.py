@@ -10,13 +10,14 @@ import bisect
 import time
 from functools import partial
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from .drafting import LOOKUP_NGRAM, NgramIndex, Shape, build_tree, lookup_tree
 from .errors import RsdError
-from .sampling import SamplingParams, gumbel_of, inverse_cdf, logits_to_probs, sample, to_device, to_host
+from .sampling import (SamplingParams, gumbel_of, inverse_cdf, logits_to_probs, sample, to_device, to_host,
+                       to_host_soon)
 from .step_graphs import StepGraphs
 from .tree import DraftTree
 from .verification import Decision, Plan, Rule, chain_outcome, fan_outcome, plan, verify
@@ -80,8 +81,8 @@ class ForwardClock:
 
     def __init__(self, device: torch.device):
         self.device = device if device.type == "cuda" else None
-        self.done = 0.0
-        self.pending: list[tuple] = []  # (start, end) events not read yet
+        self.totals: list[float] = [0.0]  # totals[i]: seconds of the first i forwards read so far
+        self.pending: list[tuple] = []  # (start, end) events not read yet, in order
 
     def start(self):
         if self.device is None:
@@ -92,19 +93,28 @@ class ForwardClock:
 
     def stop(self, started) -> None:
         if self.device is None:
-            self.done += time.perf_counter() - started
+            self.totals.append(self.totals[-1] + time.perf_counter() - started)
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record(torch.cuda.current_stream(self.device))
         self.pending.append((started, end))
 
     @property
-    def seconds(self) -> float:
-        for start, end in self.pending:
+    def count(self) -> int:
+        """How many forwards were timed so far (a mark for `seconds_through`)."""
+        return len(self.totals) - 1 + len(self.pending)
+
+    def seconds_through(self, mark: int) -> float:
+        """Seconds the first `mark` forwards took, waiting for those only (later ones may still run)."""
+        while len(self.totals) <= mark:
+            start, end = self.pending.pop(0)
             end.synchronize()
-            self.done += start.elapsed_time(end) / 1000
-        self.pending.clear()
-        return self.done
+            self.totals.append(self.totals[-1] + start.elapsed_time(end) / 1000)
+        return self.totals[mark]
+
+    @property
+    def seconds(self) -> float:
+        return self.seconds_through(self.count)
 
 
 class ChainExtension:
@@ -403,6 +413,18 @@ class KeptCaches:
                 lm.release()
 
 
+@dataclass
+class QueuedPlain:
+    """A plain step queued on the device (Decoder._queue_plain): its root's position, its drawn token
+    (1,) still there, p, the function that reads the token on the host, and the target clock's
+    marks before and after its forward."""
+    base: int
+    token: torch.Tensor
+    p: torch.Tensor
+    read: Callable[[], list]
+    forwards: tuple[int, int]
+
+
 class Decoder:
     """Runs one variant on a target / draft pair. Models are loaded once; caches per call, unless
     `keep_caches` is set: then a generation leaves its caches in `kept`, and a later generation
@@ -431,6 +453,9 @@ class Decoder:
         # every node's residual and every bonus draw does: 0.2-1.0 ms a step on a 2-core Xeon)
         self.device_steps: bool | None = None
         self.step_graphs: StepGraphs | None = None  # how device and plain steps run their maths (_maths)
+        # `ar`'s steps each queued from the token before it while that is still on the device
+        # (_plain_steps_ahead): None = where the target is not on the CPU (there nothing runs behind the host)
+        self.plain_ahead: bool | None = None
 
     def _next_shape(self, lag: int = 0, remaining: int | None = None, seq: list[int] = ()) -> Shape:
         """This step's shape: the configured one, or auto's choice from the steps before it (lag:
@@ -538,34 +563,82 @@ class Decoder:
             target.extend(seq[target.length: -1])
         held[:] = seq[:-1]
         prefill_seconds = target.forward_seconds - before  # reported with the first step's forwards
+        if self._queues_ahead(target):
+            yield from self._plain_steps_ahead(seq, max_tokens, target, generator, held, prefill_seconds)
+            return
         produced = 0
         step = 0
         while produced < max_tokens:
             step += 1
             lag = len(seq) - draft.length if draft is not None else 0
             event = self._step(step, self._next_shape(lag, max_tokens - produced, seq), seq, target, draft, generator)
-            held[:] = seq + [event.tree.tokens[n] for n in event.path]  # the root and the accepted path
-            if self.policy is not None:
-                self.policy.observe(event)
+            produced += self._settle(event, seq, held, max_tokens - produced)
             if step == 1:
                 event.forward_seconds += prefill_seconds
-            room = max_tokens - produced
-            if self.context_length:
-                room = min(room, self.context_length - len(seq))
-            emitted = [event.tree.tokens[n] for n in event.path] + [event.extra_token]
-            if len(emitted) >= room:
-                event.finished = "length" if room == max_tokens - produced else "context"
-                emitted = emitted[:room]
-            for i, token in enumerate(emitted):
-                if token in self.eos_ids:
-                    emitted, event.finished = emitted[: i + 1], "eos"
-                    break
-            event.emitted = emitted
-            seq.extend(emitted)
-            produced += len(emitted)
             yield event
             if event.finished:
                 return
+
+    def _settle(self, event: StepEvent, seq: list[int], held: list[int], remaining: int) -> int:
+        """What a step emits, at most `remaining` tokens and up to an end-of-sequence token: sets
+        event.emitted and event.finished, appends the tokens to seq and returns how many; `held`
+        becomes the tokens the target's cache holds (seq before them, and the accepted path)."""
+        held[:] = seq + [event.tree.tokens[n] for n in event.path]  # the root and the accepted path
+        if self.policy is not None:
+            self.policy.observe(event)
+        room = remaining
+        if self.context_length:
+            room = min(room, self.context_length - len(seq))
+        emitted = [event.tree.tokens[n] for n in event.path] + [event.extra_token]
+        if len(emitted) >= room:
+            event.finished = "length" if room == remaining else "context"
+            emitted = emitted[:room]
+        for i, token in enumerate(emitted):
+            if token in self.eos_ids:
+                emitted, event.finished = emitted[: i + 1], "eos"
+                break
+        event.emitted = emitted
+        seq.extend(emitted)
+        return len(emitted)
+
+    def _queues_ahead(self, target) -> bool:
+        """Whether this generation runs as _plain_steps_ahead: `ar` with sampling that does not
+        depend on the context, where `plain_ahead` asks for it (by default off the CPU)."""
+        wanted = self.plain_ahead if self.plain_ahead is not None else target.device.type != "cpu"
+        return wanted and self.shape.variant == "ar" and not self.sampling.uses_context
+
+    def _plain_steps_ahead(self, seq: list[int], max_tokens: int, target, generator: torch.Generator,
+                           held: list[int], prefill_seconds: float) -> Iterator[StepEvent]:
+        """_steps for `ar` on a device that runs behind the host (a GPU): each step's forward and draw
+        are queued from the token before it while that token is still on the device, before the host
+        reads it. The host's work on a step (reading its token, its event, what the consumer does
+        with it) then overlaps the device's next forward instead of leaving the device idle. The
+        uniforms are drawn in the order of one step at a time, so the tokens and events are the
+        same. A step queued past the end (after an end-of-sequence token, or for a consumer that
+        stops) is dropped from the cache, which then holds `held` again."""
+        produced, step, since = 0, 0, time.perf_counter()
+        queued = self._queue_plain([seq[-1]], len(seq) - 1, target, generator)
+        try:
+            while queued is not None:
+                step += 1
+                current, queued = queued, None
+                room = max_tokens - produced
+                if self.context_length:
+                    room = min(room, self.context_length - len(seq))
+                if room > 1:  # (a step emits one token: the next one follows unless this one ends the answer)
+                    queued = self._queue_plain(current.token, current.base + 1, target, generator)
+                event = self._plain_event(step, self.shape, seq, current, target, since)
+                since = time.perf_counter()
+                produced += self._settle(event, seq, held, max_tokens - produced)
+                if step == 1:
+                    event.forward_seconds += prefill_seconds
+                if event.finished and queued is not None:  # an end-of-sequence token
+                    target.keep(list(range(len(held))))
+                    queued = None
+                yield event
+        finally:
+            if queued is not None:  # a consumer that stopped reading
+                target.keep(list(range(len(held))))
 
     def _cache(self, model, runtime, capacity: int):
         if runtime is None:
@@ -737,21 +810,33 @@ class Decoder:
         gives, with less of its tree bookkeeping (0.45 -> 0.34 ms a step outside the forward on a
         2-core Xeon)."""
         start = time.perf_counter()
-        forward_before, base, sampling = target.forward_seconds, len(seq) - 1, self.sampling
-        # (its draw by the inverse CDF even when greedy, as _tree_step's `sample`: the same uniforms drawn)
+        return self._plain_event(step, shape, seq, self._queue_plain([seq[-1]], len(seq) - 1, target, generator),
+                                 target, start)
 
-        logits = target.forward([seq[-1]], [base], torch.ones(1, base + 1, dtype=torch.bool))
+    def _queue_plain(self, tokens: list[int] | torch.Tensor, base: int, target,
+                     generator: torch.Generator) -> "QueuedPlain":
+        """A plain step's work on the device: the target's forward of the root (a host token, or one
+        still on the device) at position `base`, its probabilities and draw, the token's copy to the
+        host queued. Nothing is read on the host. (Its draw by the inverse CDF even when greedy, as
+        _tree_step's `sample`: the same uniforms drawn.)"""
+        sampling, maths, clock = self.sampling, self._maths(target), target.clock
+        before = clock.count
+        logits = target.forward(tokens, [base], torch.ones(1, base + 1, dtype=torch.bool))
         u = torch.rand((1, 1), generator=generator, dtype=torch.float64, device=generator.device)
-        maths = self._maths(target)
         p, token = maths(("plain", sampling), partial(probs_and_draw, sampling, False), logits, u)
-        p, token = maths.keep(p), to_host(token)[0]  # the step's one transfer
-        target.keep(list(range(base + 1)))
-        end = time.perf_counter()
+        # (the token's copy and the next forward's read of it come before the next replay overwrites it)
+        return QueuedPlain(base, token, maths.keep(p), to_host_soon(token), (before, clock.count))
+
+    def _plain_event(self, step: int, shape: Shape, seq: list[int], queued: "QueuedPlain", target,
+                     start: float) -> StepEvent:
+        """A queued plain step's event, once its token is read (the step's one transfer)."""
+        token = queued.read()[0]
+        before, after = queued.forwards
+        forward = target.clock.seconds_through(after) - target.clock.seconds_through(before)
         return StepEvent(
-            step=step, shape=shape, tree=DraftTree.rooted_at(seq[-1]), p=p, checks=[], path=[],
+            step=step, shape=shape, tree=DraftTree.rooted_at(seq[-1]), p=queued.p, checks=[], path=[],
             extra_token=token, extra_kind="bonus", emitted=[], draft_calls=0, draft_seconds=0.0,
-            verify_seconds=end - start, forward_seconds=target.forward_seconds - forward_before,
-            draft_forward_seconds=0.0,
+            verify_seconds=time.perf_counter() - start, forward_seconds=forward, draft_forward_seconds=0.0,
         )
 
     def _maths(self, target) -> StepGraphs:

@@ -79,6 +79,26 @@ def to_host(tensor: torch.Tensor) -> list:
     return tensor.tolist()
 
 
+def to_host_soon(tensor: torch.Tensor):
+    """`to_host` in two halves: the copy queued now, and a function that returns the values, waiting
+    then for the copy. On a GPU the copy goes into page-locked memory without waiting for the
+    device, so work queued after it can run before the values are read; elsewhere the values are
+    read at once."""
+    if tensor.device.type != "cuda":
+        values = to_host(tensor)
+        return lambda: values
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(tensor.device))
+
+    def values() -> list:
+        copied.synchronize()
+        return to_host(host)
+
+    return values
+
+
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """A few host integers as an (n,) tensor on the device, queued without waiting for the work
     before it (from page-locked memory on a GPU: a plain copy there waits for the device)."""

@@ -274,6 +274,76 @@ def test_plain_steps_give_the_events_of_the_general_path(pair, sampling, monkeyp
         assert a.tree.tokens == b.tree.tokens
 
 
+def ar_events(pair, sampling, ahead: bool, runtimes=None, graphs=None, eos=(), context_length=None, n=30, seed=7):
+    decoder = Decoder(*pair, V, make_shape("ar"), sampling, set(eos), context_length, runtimes)
+    decoder.plain_ahead, decoder.step_graphs, decoder.keep_caches = ahead, graphs, True
+    return decoder, list(decoder.generate(PROMPT, n, seed))
+
+
+@pytest.mark.parametrize("runtime", ["transformers", "static", "static graphed"])
+@pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.0),
+                                      SamplingParams(0.8, top_k=4, top_p=0.9, min_p=0.05)], ids=str)
+def test_plain_steps_queued_ahead_give_the_events_of_one_step_at_a_time(pair, sampling, runtime):
+    """On a GPU `ar` queues each step's forward and draw from the token before it while that token
+    is still on the device (Decoder._plain_steps_ahead): the same tokens, p and endings as one step
+    at a time, bit for bit (with the maths replayed as graphs too: the drawn token is a buffer
+    the next replay overwrites), whether the answer ends at its length, at the context's end or at
+    an end-of-sequence token; and the step queued past the end is dropped, so the caches a chat
+    keeps hold exactly the tokens they say."""
+    from rsd_cli.compiled import CompiledModel
+    from rsd_cli.engine import Runtimes
+
+    runtimes = None if runtime == "transformers" else \
+        Runtimes(CompiledModel(pair[0], False), CompiledModel(pair[1], False), "off")
+    graphs = StepGraphs(torch.device("cpu"), True, capture=replaying_capture([])) if "graphed" in runtime else None
+    endings = set()
+    for eos, context_length, seed in [((), None, 7), ((), len(PROMPT) + 12, 7)] + [((0,), None, s) for s in range(4)]:
+        _, ours = ar_events(pair, sampling, True, runtimes, graphs, eos, context_length, seed=seed)
+        decoder, reference = ar_events(pair, sampling, False, runtimes, None, eos, context_length, seed=seed)
+        assert [e.emitted for e in ours] == [e.emitted for e in reference]
+        assert [e.finished for e in ours] == [e.finished for e in reference]
+        for a, b in zip(ours, reference):
+            assert torch.equal(a.p, b.p) and (a.extra_kind, a.path, a.tree.tokens) == (b.extra_kind, b.path, b.tree.tokens)
+            assert a.forward_seconds > 0
+        endings.add(ours[-1].finished)
+        kept = decoder.kept
+        assert kept.target.length == len(kept.tokens) == len(PROMPT) + sum(len(e.emitted) for e in ours) - 1
+    assert endings == {"length", "context", "eos"}
+
+
+def test_plain_steps_queued_ahead_queue_the_next_forward_before_reading_a_token(pair, monkeypatch):
+    """What lets the host's work overlap the device's: step t+1's forward is queued before step
+    t's token is read, and a consumer that stops early (a stop string) leaves caches that hold
+    what they say, from which the next answer is the one a fresh decoder gives."""
+    from rsd_cli import engine
+
+    calls = []
+    real_forward, real_soon = CachedLM.forward, engine.to_host_soon
+
+    def forward(self, tokens, *args, **kwargs):
+        calls.append("forward")
+        return real_forward(self, tokens, *args, **kwargs)
+
+    def soon(tensor):
+        read = real_soon(tensor)
+        return lambda: calls.append("read") or read()
+
+    monkeypatch.setattr(CachedLM, "forward", forward)
+    monkeypatch.setattr(engine, "to_host_soon", soon)
+    decoder, events = ar_events(pair, SamplingParams(1.0), True, n=5)
+    # the prompt's forward, steps 1 and 2 queued, then each read after the next step is queued
+    assert calls == ["forward"] * 3 + ["read", "forward"] * 3 + ["read"] * 2
+    steps = decoder.generate(PROMPT, 20, seed=1)
+    first = next(steps)
+    steps.close()  # step 2 was queued: it is dropped
+    kept = decoder.kept
+    assert kept.tokens == PROMPT and kept.target.length == len(PROMPT)
+    follow_up = PROMPT + first.emitted + [2]
+    greedy = Decoder(*pair, V, make_shape("ar"), SamplingParams(0.0), set())
+    greedy.plain_ahead, greedy.keep_caches, greedy.kept = True, True, kept
+    assert [t for e in greedy.generate(follow_up, 6, seed=0) for t in e.emitted] == greedy_of(pair[0], follow_up, 6)
+
+
 def test_step_maths_are_graphed_on_a_gpu_with_compiled_forwards_only(pair):
     decoder = Decoder(*pair, V, FAN, SamplingParams(1.0), set())
     compiled = SimpleNamespace(compiled=True)
