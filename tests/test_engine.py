@@ -298,8 +298,8 @@ def test_plain_steps_queued_ahead_give_the_events_of_one_step_at_a_time(pair, sa
     graphs = StepGraphs(torch.device("cpu"), True, capture=replaying_capture([])) if "graphed" in runtime else None
     endings = set()
     for eos, context_length, seed in [((), None, 7), ((), len(PROMPT) + 12, 7)] + [((0,), None, s) for s in range(4)]:
-        _, ours = ar_events(pair, sampling, True, runtimes, graphs, eos, context_length, seed=seed)
-        decoder, reference = ar_events(pair, sampling, False, runtimes, None, eos, context_length, seed=seed)
+        decoder, ours = ar_events(pair, sampling, True, runtimes, graphs, eos, context_length, seed=seed)
+        one_at_a_time, reference = ar_events(pair, sampling, False, runtimes, None, eos, context_length, seed=seed)
         assert [e.emitted for e in ours] == [e.emitted for e in reference]
         assert [e.finished for e in ours] == [e.finished for e in reference]
         for a, b in zip(ours, reference):
@@ -307,7 +307,8 @@ def test_plain_steps_queued_ahead_give_the_events_of_one_step_at_a_time(pair, sa
             assert a.forward_seconds > 0
         endings.add(ours[-1].finished)
         kept = decoder.kept
-        assert kept.target.length == len(kept.tokens) == len(PROMPT) + sum(len(e.emitted) for e in ours) - 1
+        assert kept.tokens == one_at_a_time.kept.tokens == (PROMPT + [t for e in ours for t in e.emitted])[:-1]
+        assert kept.target.length == len(kept.tokens)
     assert endings == {"length", "context", "eos"}
 
 
