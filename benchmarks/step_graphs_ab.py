@@ -1,7 +1,8 @@
 """A step's maths replayed as CUDA graphs (`StepGraphs`) against launched op by op, per shape.
 
 On a GPU (`--compile on`): tokens/s of `ar` and of each device-step shape with the maths graphed
-and not (× ar: against `ar` with its maths launched op by op), interleaved in rounds on the same
+and not (× ar: against `ar` with its maths launched op by op), and of `ar` with each step queued
+from the last one's token before it is read (`ar ahead`, as `rsd` runs `ar` on a GPU), interleaved in rounds on the same
 prompts and seeds (each decoder warmed up untimed, so captures are not timed). On any machine, `--count`: the torch operations a step issues outside
 the two models' forwards (each one Python and dispatcher work on the host; on a GPU most launch a
 kernel), with the maths run directly and replayed through a stand-in capture that keeps a CUDA
@@ -35,7 +36,9 @@ from rsd_cli.step_graphs import StepGraphs
 SHAPES = {"ar": make_shape("ar"), "sd γ=1": make_shape("sd", draft_len=1), "sd γ=2": make_shape("sd", draft_len=2),
           "rsd-c b=(2)": make_shape("rsd-c", branching=(2,)), "rsd-c b=(3)": make_shape("rsd-c", branching=(3,)),
           "rsd-c b=(7)": make_shape("rsd-c", branching=(7,)), "rsd-c b=(15)": make_shape("rsd-c", branching=(15,)),
-          "auto": make_shape("auto")}  # (timed with its maths graphed only: its memory is shared by decoders)
+          "auto": make_shape("auto"),  # (timed with its maths graphed only: its memory is shared by decoders)
+          "ar ahead": make_shape("ar")}  # each step queued before the last one's token is read (graphed only)
+ONE_ROW = {"auto", "ar ahead"}
 VIEWS = {"slice", "select", "unsqueeze", "squeeze", "alias", "detach", "detach_", "view", "t", "expand",
          "as_strided", "lift_fresh"}  # no kernel: a view, or a host literal made a tensor
 
@@ -76,10 +79,11 @@ class Counting(TorchDispatchMode):
         return replay, outputs
 
 
-def decoder_for(pair, runtimes, shape, temperature, graphs):
+def decoder_for(pair, runtimes, shape, temperature, graphs, ahead=False):
     decoder = Decoder(pair.target, pair.draft, pair.vocab_size, shape, SamplingParams(temperature), pair.eos_ids,
                       pair.context_length, runtimes)
     decoder.device_steps = True
+    decoder.plain_ahead = ahead  # (Decoder._plain_steps_ahead: `ar ahead` only)
     decoder.step_graphs = graphs
     return decoder
 
@@ -93,7 +97,7 @@ def count(pair, args) -> list[dict]:
     compiled.CompiledModel.forward = counting.mute(compiled.CompiledModel.forward)
     rows = []
     for name, shape in SHAPES.items():
-        if name == "auto":  # (its steps are the other shapes')
+        if name in ONE_ROW:  # (their steps are the other shapes')
             continue
         for graphed in (False, True):
             graphs = StepGraphs(torch.device("cpu"), True, capture=counting.capture) if graphed else None
@@ -118,11 +122,12 @@ def timing(pair, args) -> list[dict]:
     runtimes = runtimes_of(pair, args.compile)
     device = next(pair.target.parameters()).device
     prompts = [encode_prompt(pair.tokenizer, p) for p in builtin_prompts("eval")[: args.limit]]
-    jobs = [(name, graphed) for name in SHAPES for graphed in ((True,) if name == "auto" else (False, True))]
+    jobs = [(name, graphed) for name in SHAPES for graphed in ((True,) if name in ONE_ROW else (False, True))]
     decoders = {}
     for name, graphed in jobs:
         graphs = StepGraphs(device, graphed and device.type == "cuda")
-        decoders[name, graphed] = decoder_for(pair, runtimes, SHAPES[name], args.temperature, graphs)
+        decoders[name, graphed] = decoder_for(pair, runtimes, SHAPES[name], args.temperature, graphs,
+                                              name == "ar ahead")
         for seed, ids in enumerate(prompts[:2]):  # untimed: captures, compiles, buffers at the timed size
             list(decoders[name, graphed].generate(ids, args.max_tokens, seed=seed))
     rates: dict[tuple, list[float]] = {}

@@ -377,6 +377,30 @@ def test_step_maths_replayed_as_cuda_graphs_decide_as_launched_op_by_op(pair, sh
         assert torch.equal(a.p, b.p) and all(torch.equal(a.tree.q[n], b.tree.q[n]) for n in a.tree.q)
 
 
+@CUDA
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_ar_queued_ahead_on_a_gpu_gives_the_tokens_of_one_step_at_a_time(pair, temperature):
+    """On a GPU `ar` queues each step from the token before it, read later from page-locked memory
+    (Decoder._plain_steps_ahead): the tokens and p of one step at a time, with an end-of-sequence
+    token ending some answers early, and kept caches that hold what they say."""
+    import copy
+
+    models = tuple(copy.deepcopy(model).cuda() for model in pair)
+    runtimes = Runtimes(CompiledModel(models[0], True), CompiledModel(models[1], True), "on")
+    for seed in range(4):
+        events, kept = {}, {}
+        for ahead in (True, False):
+            decoder = Decoder(*models, V, make_shape("ar"), SamplingParams(temperature), {0}, runtimes=runtimes)
+            decoder.plain_ahead, decoder.keep_caches = ahead, True
+            events[ahead] = list(decoder.generate(PROMPT, 30, seed=seed))
+            kept[ahead] = decoder.kept
+            assert kept[ahead].target.length == len(kept[ahead].tokens)
+            kept[ahead].release()
+        assert [e.emitted for e in events[True]] == [e.emitted for e in events[False]]
+        assert all(torch.equal(a.p, b.p) for a, b in zip(events[True], events[False]))
+        assert kept[True].tokens == kept[False].tokens
+
+
 def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
     """The backends differ only in the order of float additions: sampled runs agree token for token
     on this pair (the test would catch a runtime that draws random numbers differently)."""
