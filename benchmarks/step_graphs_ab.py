@@ -83,7 +83,7 @@ def decoder_for(pair, runtimes, shape, temperature, graphs, ahead=False):
     decoder = Decoder(pair.target, pair.draft, pair.vocab_size, shape, SamplingParams(temperature), pair.eos_ids,
                       pair.context_length, runtimes)
     decoder.device_steps = True
-    decoder.plain_ahead = ahead  # (Decoder._plain_steps_ahead: `ar ahead` only)
+    decoder.steps_ahead = ahead  # (Decoder._plain_steps_ahead: `ar ahead` only)
     decoder.step_graphs = graphs
     return decoder
 

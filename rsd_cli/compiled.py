@@ -684,6 +684,26 @@ class StaticLM(ChainExtension):
         self.calls += 1
         return logits
 
+    def forward_placed(self, ids: torch.Tensor, mask: torch.Tensor, rows: slice) -> torch.Tensor:
+        """A static-shape forward whose inputs were made on the device (nothing read on the host):
+        ids (3, size) — tokens, positions and the slots their keys go to — and mask (size, capacity)
+        additive, size a bucket. The host's `length` does not move: the caller, which knows what
+        the caches hold only once it reads a step's outcome, sets it (Decoder._fan_steps_ahead)."""
+        start = self.clock.start()
+        with torch.inference_mode():
+            logits = self.compiled.replay(ids, mask, self.keys, self.values, rows)
+        logits = full_vocabulary(logits[:, : self.vocab_size].float(), self.vocab_size)
+        self.clock.stop(start)
+        self.calls += 1
+        return logits
+
+    def copy_slot(self, source: torch.Tensor, destination: torch.Tensor) -> None:
+        """Every layer's key and value at slot source (1,) copied to slot destination (1,), both on
+        the device (an accepted tree node moved next to its parent without reading where it is)."""
+        with torch.inference_mode():
+            self.keys.index_copy_(2, destination, self.keys.index_select(2, source))
+            self.values.index_copy_(2, destination, self.values.index_select(2, source))
+
     def _grow(self, needed: int) -> None:
         capacity = max(needed, 2 * self.capacity)
         buffers = self.compiled.lease(self, capacity) if self.static else None  # (graphs captured again)

@@ -7,6 +7,7 @@ inspect-tree, bench, --json) and the tests consume these events.
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from functools import partial
 from dataclasses import dataclass, field
@@ -35,6 +36,51 @@ def probs_and_draw(sampling: SamplingParams, argmax: bool, logits: torch.Tensor,
     the inverse CDF (or their argmax): a plain step's or a chain level's maths, nothing read."""
     probs = logits_to_probs(logits, sampling)
     return probs, probs.argmax(-1) if argmax else inverse_cdf(probs, u)
+
+
+def placed_mask(columns: torch.Tensor, limit: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """A static-shape forward's additive mask (n, capacity) made on the device: row r sees the
+    cache's slots up to limit[r] and its own slot, slots[r]. columns: arange(capacity)."""
+    seen = (columns[None, :] <= limit[:, None]) | (columns[None, :] == slots[:, None])
+    return torch.where(seen, 0.0, -math.inf)
+
+
+def fan_draft_inputs(columns: torch.Tensor, base: torch.Tensor, catch: torch.Tensor, count: torch.Tensor) -> tuple:
+    """A fan step's draft forward of what it has not read, made on the device: the last step's
+    accepted child and the root at positions base - 1 and base (count 2), or the root alone at base
+    and a padding row after it (count 1). The draft's cache holds the sequence position by position,
+    so each token's slot is its position. -> ids (3, 2), mask (2, capacity)."""
+    slots = base + 1 - count + torch.arange(2, device=base.device)
+    return torch.stack([catch, slots, slots]), placed_mask(columns, slots, slots)
+
+
+def fan_target_inputs(k: int, size: int, columns: torch.Tensor, base: torch.Tensor, root: torch.Tensor,
+                      drafted: torch.Tensor) -> tuple:
+    """A fan step's target forward, made on the device as StaticLM.forward makes it on the host: the
+    root at position and slot base, its k children at position base + 1 and slots base + 1 ..
+    base + k, each seeing the prefix, the root and itself; padding rows up to `size` see only
+    themselves. -> ids (3, size), mask (size, capacity)."""
+    offsets = torch.arange(size, device=base.device)
+    slots = base + offsets
+    positions = base + (offsets > 0).long()
+    tokens = torch.cat([root, drafted, torch.zeros(size - k - 1, dtype=torch.long, device=base.device)])
+    limit = torch.where(offsets <= k, base, -1)
+    return torch.stack([tokens, positions, slots]), placed_mask(columns, limit, slots)
+
+
+def fan_next(k: int, packed: torch.Tensor, base: torch.Tensor) -> tuple:
+    """What a fan step's outcome leaves for the next step, on the device: the next root (the
+    accepted child's bonus, else the correction), what the draft reads next (the accepted child
+    and the root, count 2; else the root and a padding token, count 1), the next root's position,
+    and the slot move that puts the accepted child next to its root (a slot onto itself where none
+    was accepted). packed: (drafted, drawn, accepted, correction, bonus), as _fan_maths packs it."""
+    drafted, accepted = packed[:k], packed[2 * k: 3 * k]
+    correction, bonus = packed[3 * k: 3 * k + 1], packed[3 * k + 1:]
+    hit = accepted.amax(0, keepdim=True)  # (1,) 1 where a child was accepted
+    first = accepted.argmax(0, keepdim=True)  # the first accepted (0 where none)
+    root = torch.where(hit > 0, bonus.gather(0, first), correction)
+    catch = torch.where(hit > 0, torch.cat([drafted.gather(0, first), root]), torch.cat([root, torch.zeros_like(root)]))
+    return root, catch, 1 + hit, base + 1 + hit, base + 1 + first * hit, base + 1
 
 
 def unchanged_prefix(indices: list[int]) -> int:
@@ -425,6 +471,20 @@ class QueuedPlain:
     forwards: tuple[int, int]
 
 
+@dataclass
+class QueuedFan:
+    """A fan step queued on the device (Decoder._queue_fan): what it leaves for the next step (root
+    (1,), catch (2,), count (1,), base (1,): see fan_next), p, q, the function that reads its packed
+    outcome on the host, the target's and the draft's clock marks before and after its forwards,
+    and the host's seconds queueing it."""
+    state: tuple
+    p: torch.Tensor
+    q: torch.Tensor
+    read: Callable[[], list]
+    forwards: tuple[int, int, int, int]
+    queue_seconds: float
+
+
 class Decoder:
     """Runs one variant on a target / draft pair. Models are loaded once; caches per call, unless
     `keep_caches` is set: then a generation leaves its caches in `kept`, and a later generation
@@ -455,7 +515,7 @@ class Decoder:
         self.step_graphs: StepGraphs | None = None  # how device and plain steps run their maths (_maths)
         # `ar`'s steps each queued from the token before it while that is still on the device
         # (_plain_steps_ahead): None = where the target is not on the CPU (there nothing runs behind the host)
-        self.plain_ahead: bool | None = None
+        self.steps_ahead: bool | None = None
 
     def _next_shape(self, lag: int = 0, remaining: int | None = None, seq: list[int] = ()) -> Shape:
         """This step's shape: the configured one, or auto's choice from the steps before it (lag:
@@ -566,6 +626,9 @@ class Decoder:
         if self._queues_ahead(target):
             yield from self._plain_steps_ahead(seq, max_tokens, target, generator, held, prefill_seconds)
             return
+        if self._fans_ahead(target, draft):
+            yield from self._fan_steps_ahead(seq, max_tokens, target, draft, generator, held, prefill_seconds)
+            return
         produced = 0
         step = 0
         while produced < max_tokens:
@@ -603,9 +666,126 @@ class Decoder:
 
     def _queues_ahead(self, target) -> bool:
         """Whether this generation runs as _plain_steps_ahead: `ar` with sampling that does not
-        depend on the context, where `plain_ahead` asks for it (by default off the CPU)."""
-        wanted = self.plain_ahead if self.plain_ahead is not None else target.device.type != "cpu"
+        depend on the context, where `steps_ahead` asks for it (by default off the CPU)."""
+        wanted = self.steps_ahead if self.steps_ahead is not None else target.device.type != "cpu"
         return wanted and self.shape.variant == "ar" and not self.sampling.uses_context
+
+    def _fans_ahead(self, target, draft) -> bool:
+        """Whether this generation runs as _fan_steps_ahead: `rsd-c` with root children only decided
+        on the device (_on_device), on static-shape caches whose buckets hold its forwards, where
+        `steps_ahead` asks for it (by default off the CPU)."""
+        wanted = self.steps_ahead if self.steps_ahead is not None else target.device.type != "cpu"
+        if not wanted or self._on_device(self.shape, draft, target.device) != "fan":
+            return False
+        from .compiled import StaticLM, bucket
+
+        k = min(self.shape.branching[0], self.vocab_size)
+        return (isinstance(target, StaticLM) and isinstance(draft, StaticLM) and target.static and draft.static
+                and bucket(k + 1, target.compiled.buckets) is not None and 2 in draft.compiled.buckets)
+
+    def _fan_steps_ahead(self, seq: list[int], max_tokens: int, target, draft, generator: torch.Generator,
+                         held: list[int], prefill_seconds: float) -> Iterator[StepEvent]:
+        """_steps for an `rsd-c` fan of root children on a device that runs behind the host (a GPU),
+        as _plain_steps_ahead runs `ar`: everything a step needs from the one before — its root, its
+        position, what the draft reads first, the accepted child's move in the target's cache —
+        is worked out on the device (fan_next), and the forwards' inputs are made there (fan_draft_inputs,
+        fan_target_inputs), so each step is queued before the outcome of the one before is read.
+        The host reads a step's outcome (one transfer) while the device runs the next, and knows
+        what the caches hold one step late: it sets their lengths when it stops. The uniforms are
+        drawn in the order of one step at a time; the draft reads one token or two in a forward of
+        two rows (one step at a time: of one or two), so q may differ in its last bits, and the tokens
+        with it where two candidates tie that closely. A step queued past the end is dropped."""
+        shape, device = self.shape, target.device
+        before = draft.forward_seconds
+        if draft.length < len(seq) - 1:  # (the prompt, the first time: the steps read the root themselves)
+            draft.extend(seq[draft.length: -1])
+        prefill_seconds, draft_prefill = prefill_seconds + draft.forward_seconds - before, draft.forward_seconds - before
+        draft_holds = len(seq) - 1  # what the draft's cache holds, as far as the host knows
+        self._fan_fits(shape, len(seq) - 1, target, draft, grow=True)
+        state = (to_device([seq[-1]], device), to_device([seq[-1], 0], device), to_device([1], device),
+                 to_device([len(seq) - 1], device))
+        produced, step, since = 0, 0, time.perf_counter()
+        queued = self._queue_fan(shape, state, target, draft, generator)
+        try:
+            while queued is not None:
+                step += 1
+                current, queued = queued, None
+                room = max_tokens - produced
+                if self.context_length:
+                    room = min(room, self.context_length - len(seq))
+                ahead = room > 1 and self._fan_fits(shape, len(seq) - 1 + 2, target, draft)
+                if ahead:  # (this step emits one token or two: the next one follows unless this one ends the answer)
+                    queued = self._queue_fan(shape, current.state, target, draft, generator)
+                event = self._fan_event(step, shape, seq, current.read(), current.p, current.q)  # its one transfer
+                before, after, draft_before, draft_after = current.forwards
+                event.draft_forward_seconds = draft.clock.seconds_through(draft_after) - \
+                    draft.clock.seconds_through(draft_before)
+                event.forward_seconds = event.draft_forward_seconds + target.clock.seconds_through(after) - \
+                    target.clock.seconds_through(before)
+                event.draft_seconds = current.queue_seconds
+                event.verify_seconds = max(time.perf_counter() - since - current.queue_seconds, 0.0)
+                since = time.perf_counter()
+                draft_holds = len(seq)
+                produced += self._settle(event, seq, held, max_tokens - produced)
+                if step == 1:
+                    event.forward_seconds += prefill_seconds
+                    event.draft_forward_seconds += draft_prefill
+                if event.finished:
+                    queued = None  # (a step queued after an end-of-sequence token: dropped)
+                elif not ahead:  # (room in the caches first: they grow as far as the host knows what they hold)
+                    target.keep(list(range(len(held))))
+                    draft.keep(list(range(draft_holds)))
+                    self._fan_fits(shape, len(seq) - 1, target, draft, grow=True)
+                    queued = self._queue_fan(shape, current.state, target, draft, generator)
+                yield event
+        finally:  # the caches hold the tokens of the steps read, whatever was queued after them
+            target.keep(list(range(len(held))))
+            draft.keep(list(range(draft_holds)))
+
+    @staticmethod
+    def _fan_fits(shape: Shape, base: int, target, draft, grow: bool = False) -> bool:
+        """Whether a fan step with its root at position `base` writes within both caches (the
+        target's forward slots base .. base + its bucket, the draft's up to base + 1); with `grow`,
+        grow them to fit (their lengths, which growing copies up to, set first)."""
+        from .compiled import bucket
+
+        k = min(shape.branching[0], target.vocab_size)
+        needs = (base + bucket(k + 1, target.compiled.buckets), base + 2)
+        if grow:
+            for cache, needed in zip((target, draft), needs):
+                if needed > cache.capacity:
+                    cache._grow(needed)
+        return needs[0] <= target.capacity and needs[1] <= draft.capacity
+
+    def _queue_fan(self, shape: Shape, state: tuple, target, draft, generator: torch.Generator) -> QueuedFan:
+        """A fan step's work on the device from what the step before left (state: see fan_next):
+        the draft's forward of what it has not read, the children, the target's forward of the root
+        and children, the verdict, the accepted child's move in the target's cache, and the packed
+        outcome's copy to the host queued. Nothing is read on the host."""
+        start, maths = time.perf_counter(), self._maths(target)
+        k, children, verdict = self._fan_maths(shape)
+        greedy, draft_sampling, sampling = self.greedy_ranking, self.draft_sampling, self.sampling
+        root, catch, count, base = state
+        marks = (target.clock.count, draft.clock.count)
+        u = torch.rand(self._fan_uniforms(k), generator=generator, dtype=torch.float64, device=generator.device)
+        columns = torch.arange(draft.capacity, device=draft.device)
+        ids, mask = maths(("fan draft inputs",), fan_draft_inputs, columns, base, catch, count)
+        logits = draft.forward_placed(ids, mask, slice(0, 2))
+        q, drafted, drawn = maths(("fan children from two rows", k, greedy, draft_sampling),
+                                  lambda rows, count, u: children(rows.index_select(0, count - 1), u), logits, count, u)
+        from .compiled import bucket
+
+        size = bucket(k + 1, target.compiled.buckets)
+        columns = torch.arange(target.capacity, device=target.device)
+        ids, mask = maths(("fan target inputs", k, size), partial(fan_target_inputs, k, size), columns, base, root,
+                          drafted)
+        logits = target.forward_placed(ids, mask, slice(0, k + 1))
+        p, packed = maths(("fan verdict", k, greedy, sampling), verdict, logits, q, drafted, drawn, u)
+        *state, source, destination = maths(("fan next", k), partial(fan_next, k), packed, base)
+        target.copy_slot(source, destination)
+        read = to_host_soon(packed)  # (queued before the next step's replays overwrite packed)
+        return QueuedFan(tuple(state), maths.keep(p), maths.keep(q), read,
+                         (marks[0], target.clock.count, marks[1], draft.clock.count), time.perf_counter() - start)
 
     def _plain_steps_ahead(self, seq: list[int], max_tokens: int, target, generator: torch.Generator,
                            held: list[int], prefill_seconds: float) -> Iterator[StepEvent]:
@@ -670,21 +850,48 @@ class Decoder:
                   generator: torch.Generator) -> StepEvent:
         """An `rsd-c` step with b root children (depth 1) as _chain_step runs a chain: the children
         drawn on the device (Gumbel-top-b, or the draft's top b for a greedy target) and fed from
-        there to the target's forward, decided at once (verification.fan_decisions), one transfer."""
+        there to the target's forward, decided at once (verification.fan_outcome), one transfer."""
         start = time.perf_counter()
         forward_before, draft_before = target.forward_seconds + draft.forward_seconds, draft.forward_seconds
         calls_before = draft.calls
         device, base, maths = generator.device, len(seq) - 1, self._maths(target)
+        k, children, verdict = self._fan_maths(shape)
+        u = torch.rand(self._fan_uniforms(k), generator=generator, dtype=torch.float64, device=device)
+        logits = self._draft_catch_up(seq, draft, device)
+        q, drafted, drawn = maths(("fan children", k, self.greedy_ranking, self.draft_sampling), children, logits, u)
+        drafted_at = time.perf_counter()
+        # the root sees the prefix; each child the prefix, the root and itself
+        visible = torch.zeros(k + 1, base + k + 1, dtype=torch.bool)
+        visible[:, : base + 1] = True
+        visible[1:, base + 1:] = torch.eye(k, dtype=torch.bool)
+        logits = target.forward(torch.cat([to_device([seq[-1]], device), drafted]), [base] + [base + 1] * k,
+                                visible)
+        p, packed = maths(("fan verdict", k, self.greedy_ranking, self.sampling), verdict, logits, q, drafted, drawn, u)
+        p, q = maths.keep(p), maths.keep(q)
+        event = self._fan_event(step, shape, seq, to_host(packed), p, q)  # the step's one transfer
+        target.keep(list(range(base)) + [base + n for n in [0] + event.path])
+        draft.keep(list(range(len(seq))))  # (the children are leaves: the draft never read them)
+        event.draft_calls = draft.calls - calls_before
+        event.draft_seconds, event.verify_seconds = drafted_at - start, time.perf_counter() - drafted_at
+        event.forward_seconds = target.forward_seconds + draft.forward_seconds - forward_before
+        event.draft_forward_seconds = draft.forward_seconds - draft_before
+        return event
+
+    def _fan_uniforms(self, k: int) -> int:
+        """How many uniforms a fan step draws, at once: the Gumbel noise (V, unless greedy), an
+        acceptance for each child (k), then the correction's and each bonus's draw (k + 1)."""
+        return (0 if self.greedy_ranking else self.vocab_size) + 2 * k + 1
+
+    def _fan_maths(self, shape: Shape) -> tuple:
+        """(k, children, verdict) of a fan step: its b root children (at most the vocabulary), and
+        the pure functions of its maths — children: (1, V) draft logits, u -> q (1, V), drafted (k,),
+        drawn (k,); verdict: (k + 1, V) target logits, q, drafted, drawn, u -> p, and (drafted,
+        drawn, accepted, correction, bonus) packed in one tensor."""
         k = min(shape.branching[0], self.vocab_size)
         greedy, draft_sampling, sampling = self.greedy_ranking, self.draft_sampling, self.sampling
-
-        # the step's uniforms, drawn at once: the Gumbel noise (V, unless greedy), an acceptance for each
-        # child (k), then the correction's and each bonus's draw (k + 1)
         noise = 0 if greedy else self.vocab_size
-        u = torch.rand(noise + 2 * k + 1, generator=generator, dtype=torch.float64, device=device)
 
         def children(logits: torch.Tensor, u: torch.Tensor) -> tuple:
-            """(1, V) draft logits -> q (1, V), drafted (k,), drawn (k,)."""
             q = logits_to_probs(logits, draft_sampling)
             if greedy:
                 top = torch.topk(q[0], k)
@@ -693,24 +900,18 @@ class Decoder:
             return q, top.indices, torch.isfinite(top.values)
 
         def verdict(logits, q, drafted, drawn, u) -> tuple:
-            """(k + 1, V) target logits -> p, and (drafted, drawn, accepted, correction, bonus) in one tensor."""
             p = logits_to_probs(logits, sampling)  # (k + 1, V): the root's row, then each child's
             accepted, correction, bonus = fan_outcome(p, q[0], drafted, drawn, u[noise: noise + k],
                                                       u[noise + k:, None])
             return p, torch.cat([drafted, drawn.long(), accepted.long(), correction, bonus])
 
-        logits = self._draft_catch_up(seq, draft, device)
-        q, drafted, drawn = maths(("fan children", k, greedy, draft_sampling), children, logits, u)
-        drafted_at = time.perf_counter()
-        # the root sees the prefix; each child the prefix, the root and itself
-        visible = torch.zeros(k + 1, base + k + 1, dtype=torch.bool)
-        visible[:, : base + 1] = True
-        visible[1:, base + 1:] = torch.eye(k, dtype=torch.bool)
-        logits = target.forward(torch.cat([to_device([seq[-1]], device), drafted]), [base] + [base + 1] * k,
-                                visible)
-        p, packed = maths(("fan verdict", k, greedy, sampling), verdict, logits, q, drafted, drawn, u)
-        p, q = maths.keep(p), maths.keep(q)
-        values = to_host(packed)  # the step's one transfer
+        return k, children, verdict
+
+    def _fan_event(self, step: int, shape: Shape, seq: list[int], values: list[int], p: torch.Tensor,
+                   q: torch.Tensor) -> StepEvent:
+        """A fan step's event from its packed values (see _fan_maths), p and q; its counts and
+        timings are the caller's to fill in."""
+        k = (len(values) - 1) // 4
         tokens, drawn = values[:k], values[k: 2 * k]
         accepted, correction, bonus = values[2 * k: 3 * k], values[3 * k], values[3 * k + 1:]
         tree = DraftTree.rooted_at(seq[-1])
@@ -723,15 +924,10 @@ class Decoder:
         checks = [NodeCheck(0, list(range(1, len(tried) + 1)), decision, (p[0], q[0], tried, shape.rule))]
         path = [] if first is None else [first + 1]
         extra, kind = (correction, "correction") if first is None else (bonus[first], "bonus")
-        target.keep(list(range(base)) + [base + n for n in [0] + path])
-        draft.keep(list(range(len(seq))))  # (the children are leaves: the draft never read them)
-        end = time.perf_counter()
         return StepEvent(
             step=step, shape=shape, tree=tree, p=p[: len(tree)], checks=checks, path=path,
-            extra_token=extra, extra_kind=kind, emitted=[], draft_calls=draft.calls - calls_before,
-            draft_seconds=drafted_at - start, verify_seconds=end - drafted_at,
-            forward_seconds=target.forward_seconds + draft.forward_seconds - forward_before,
-            draft_forward_seconds=draft.forward_seconds - draft_before,
+            extra_token=extra, extra_kind=kind, emitted=[], draft_calls=1, draft_seconds=0.0,
+            verify_seconds=0.0, forward_seconds=0.0, draft_forward_seconds=0.0,
         )
 
     def _chain_step(self, step: int, shape: Shape, seq: list[int], target, draft,

@@ -391,7 +391,7 @@ def test_ar_queued_ahead_on_a_gpu_gives_the_tokens_of_one_step_at_a_time(pair, t
         events, kept = {}, {}
         for ahead in (True, False):
             decoder = Decoder(*models, V, make_shape("ar"), SamplingParams(temperature), {0}, runtimes=runtimes)
-            decoder.plain_ahead, decoder.keep_caches = ahead, True
+            decoder.steps_ahead, decoder.keep_caches = ahead, True
             events[ahead] = list(decoder.generate(PROMPT, 30, seed=seed))
             kept[ahead] = decoder.kept
             assert kept[ahead].target.length == len(kept[ahead].tokens)

@@ -276,7 +276,7 @@ def test_plain_steps_give_the_events_of_the_general_path(pair, sampling, monkeyp
 
 def ar_events(pair, sampling, ahead: bool, runtimes=None, graphs=None, eos=(), context_length=None, n=30, seed=7):
     decoder = Decoder(*pair, V, make_shape("ar"), sampling, set(eos), context_length, runtimes)
-    decoder.plain_ahead, decoder.step_graphs, decoder.keep_caches = ahead, graphs, True
+    decoder.steps_ahead, decoder.step_graphs, decoder.keep_caches = ahead, graphs, True
     return decoder, list(decoder.generate(PROMPT, n, seed))
 
 
@@ -341,8 +341,131 @@ def test_plain_steps_queued_ahead_queue_the_next_forward_before_reading_a_token(
     assert kept.tokens == PROMPT and kept.target.length == len(PROMPT)
     follow_up = PROMPT + first.emitted + [2]
     greedy = Decoder(*pair, V, make_shape("ar"), SamplingParams(0.0), set())
-    greedy.plain_ahead, greedy.keep_caches, greedy.kept = True, True, kept
+    greedy.steps_ahead, greedy.keep_caches, greedy.kept = True, True, kept
     assert [t for e in greedy.generate(follow_up, 6, seed=0) for t in e.emitted] == greedy_of(pair[0], follow_up, 6)
+
+
+def static_runtimes(pair):
+    from rsd_cli.compiled import CompiledModel
+    from rsd_cli.engine import Runtimes
+
+    return Runtimes(CompiledModel(pair[0], False, static_shapes=True),
+                    CompiledModel(pair[1], False, static_shapes=True), "off")
+
+
+def fan_events(pair, shape, sampling, ahead: bool, runtimes, graphs=None, eos=(), context_length=None, n=30,
+               seed=7, prompt=PROMPT):
+    decoder = Decoder(*pair, V, shape, sampling, set(eos), context_length, runtimes)
+    decoder.device_steps, decoder.steps_ahead, decoder.step_graphs, decoder.keep_caches = True, ahead, graphs, True
+    events = list(decoder.generate(prompt, n, seed))
+    kept, decoder.kept = decoder.kept, None
+    kept.release()  # (the static runtime's shared buffers, for the next decoder)
+    return kept, events
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["direct", "graphed"])
+@pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.0),
+                                      SamplingParams(0.8, top_k=4, top_p=0.9, min_p=0.05)], ids=str)
+def test_fans_queued_ahead_give_the_events_of_one_step_at_a_time(pair, sampling, graphed, monkeypatch):
+    """On a GPU an `rsd-c` fan of root children queues each step before the outcome of the one
+    before is read (Decoder._fan_steps_ahead): the next root, its position, what the draft reads and
+    the accepted child's move in the cache are worked out on the device, and so are the forwards'
+    inputs. Against one step at a time: the same tokens, trees, decisions and endings (at the
+    length, the context's end, an end-of-sequence token), p and q equal up to the draft's rounding
+    (it reads one token in a forward of two rows), every q a fresh draft forward of its context,
+    and kept caches that hold what they say; with the maths replayed as graphs too."""
+    from rsd_cli.compiled import StaticLM
+
+    placed = []
+    real = StaticLM.forward_placed
+    monkeypatch.setattr(StaticLM, "forward_placed", lambda self, *a: placed.append(1) or real(self, *a))
+    runtimes = static_runtimes(pair)
+    endings = set()
+    for k in (1, 3, 5):
+        shape = make_shape("rsd-c", branching=(k,))
+        for eos, context_length, seed in [((), None, 7), ((), len(PROMPT) + 12, 7)] + [((0,), None, s) for s in range(3)]:
+            graphs = StepGraphs(torch.device("cpu"), True, capture=replaying_capture([])) if graphed else None
+            placed.clear()
+            kept, ours = fan_events(pair, shape, sampling, True, runtimes, graphs, eos, context_length, seed=seed)
+            assert len(placed) - 2 * len(ours) in (0, 2)  # each step's two forwards (and one step dropped at the end)
+            reference_kept, reference = fan_events(pair, shape, sampling, False, runtimes, None, eos, context_length,
+                                                   seed=seed)
+            assert [e.emitted for e in ours] == [e.emitted for e in reference]
+            assert [e.finished for e in ours] == [e.finished for e in reference]
+            seq = list(PROMPT)
+            for a, b in zip(ours, reference):
+                assert (a.path, a.extra_kind, a.tree.tokens) == (b.path, b.extra_kind, b.tree.tokens)
+                assert [c.decision for c in a.checks] == [c.decision for c in b.checks]
+                assert torch.allclose(a.p, b.p, atol=1e-6) and torch.allclose(a.tree.q[0], b.tree.q[0], atol=1e-6)
+                fresh = logits_to_probs(full_logits(pair[1], seq)[-1], Decoder(*pair, V, shape, sampling, set())
+                                        .draft_sampling)
+                assert torch.allclose(a.tree.q[0], fresh, atol=1e-5)
+                assert a.forward_seconds > a.draft_forward_seconds > 0
+                seq.extend(a.emitted)
+            endings.add(ours[-1].finished)
+            assert kept.tokens == reference_kept.tokens and kept.target.length == len(kept.tokens)
+            assert kept.draft.length == reference_kept.draft.length
+    assert endings == {"length", "context", "eos"}
+
+
+def test_fans_queued_ahead_queue_the_next_step_before_reading_one_and_grow_their_caches(pair, monkeypatch):
+    """Step t+1's forwards are queued before step t's outcome is read; a long answer outgrows the
+    caches made for it (they grow, the host setting their lengths first); a consumer that stops
+    early leaves caches that hold what they say, from which the next answer is the one a fresh
+    decoder gives."""
+    from rsd_cli import engine
+    from rsd_cli.compiled import StaticLM
+
+    calls = []
+    real_forward, real_soon, real_grow = StaticLM.forward_placed, engine.to_host_soon, StaticLM._grow
+
+    def soon(tensor):
+        read = real_soon(tensor)
+        return lambda: calls.append("read") or read()
+
+    monkeypatch.setattr(StaticLM, "forward_placed", lambda self, *a: calls.append("forward") or real_forward(self, *a))
+    monkeypatch.setattr(engine, "to_host_soon", soon)
+    monkeypatch.setattr(StaticLM, "_grow", lambda self, needed: calls.append("grow") or real_grow(self, needed))
+    runtimes, shape, sampling = static_runtimes(pair), make_shape("rsd-c", branching=(3,)), SamplingParams(1.0)
+    _, events = fan_events(pair, shape, sampling, True, runtimes, n=6)
+    steps = len(events)
+    assert calls[:6] == ["forward"] * 4 + ["read", "forward"]  # (a step: the draft's forward, the target's)
+    assert calls.count("read") == steps and calls.count("forward") == 2 * steps
+    answers = {}
+    for ahead in (True, False):  # a short answer's caches (room for 4 tokens), kept for a long one
+        decoder = Decoder(*pair, V, shape, sampling, set(), runtimes=runtimes)
+        decoder.device_steps, decoder.steps_ahead, decoder.keep_caches = True, ahead, True
+        short = [t for e in decoder.generate(PROMPT, 4, seed=0) for t in e.emitted]
+        calls.clear()
+        answers[ahead] = [e.emitted for e in decoder.generate(PROMPT + short + [1], 120, seed=1)]
+        assert calls.count("grow") >= 2 * ahead  # (the target's and the draft's)
+        kept, decoder.kept = decoder.kept, None
+        assert kept.target.length == len(kept.tokens)
+        kept.release()
+    assert answers[True] == answers[False]
+    decoder = Decoder(*pair, V, shape, SamplingParams(0.0), set(), runtimes=runtimes)
+    decoder.device_steps, decoder.steps_ahead, decoder.keep_caches = True, True, True
+    steps = decoder.generate(PROMPT, 20, seed=1)
+    first = next(steps)
+    steps.close()  # step 2 was queued: it is dropped
+    kept = decoder.kept
+    assert kept.tokens == PROMPT + first.emitted[:-1] and kept.target.length == len(kept.tokens)
+    assert kept.draft.length == len(PROMPT)
+    follow_up = PROMPT + first.emitted + [2]
+    decoder.kept = kept
+    assert [t for e in decoder.generate(follow_up, 8, seed=0) for t in e.emitted] == greedy_of(pair[0], follow_up, 8)
+
+
+def test_fans_queued_ahead_follow_the_target_distribution(pair):
+    """The first two tokens of fans queued ahead (each step's inputs worked out on the device from
+    the last one's outcome) follow the target's joint distribution."""
+    sampling, runtimes = SamplingParams(temperature=1.0), static_runtimes(pair)
+    counts = torch.zeros(V, V)
+    for seed in range(N_SAMPLES):
+        _, events = fan_events(pair, FAN, sampling, True, runtimes, n=2, seed=seed)
+        first, second = [t for e in events for t in e.emitted][:2]
+        counts[first, second] += 1
+    assert chi_square_pvalue(counts, exact_joint(pair[0], sampling) * N_SAMPLES) > 1e-3
 
 
 def test_step_maths_are_graphed_on_a_gpu_with_compiled_forwards_only(pair):
