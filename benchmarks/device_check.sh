@@ -11,7 +11,7 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh profile   # where a step's time goes on the GPU
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh trace     # a step's launches, copies, syncs
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh kernel16  # the C kernel's prefetch on 16 cores; auto's policy
-#   source .device-stage/env.sh && bash benchmarks/device_check.sh stepgraphs  # device steps' maths as CUDA graphs, ar queued ahead: A/B
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh stepgraphs  # device steps' maths as CUDA graphs, steps queued ahead: A/B
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
@@ -69,8 +69,8 @@ case $part in
     done 2>&1 | grep -v Warning | tee "$out/prefetch-ab-cpu16.txt"
     $py benchmarks/auto_policy_cost.py 2>&1 | tee "$out/auto-policy-cost.txt" ;;
   stepgraphs)  # a device step's maths replayed as CUDA graphs (StepGraphs) against launched op by op: the
-    # GPU tests of it (and of ar queued ahead), then tokens/s per shape both ways and of `ar ahead`,
-    # interleaved, at T=1 and T=0; then the trace
+    # GPU tests of it (and of ar and rsd-c fans queued ahead), then tokens/s per shape both ways and
+    # of the "ahead" rows, interleaved, at T=1 and T=0; then the trace
     $py -m pytest -p no:warnings -q -rs tests/test_compiled.py -k "step_maths or cuda_graphs or queued_ahead" 2>&1 |
       tee "$out/step-graphs-tests.txt"
     for t in 1 0; do

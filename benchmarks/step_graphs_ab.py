@@ -1,9 +1,10 @@
 """A step's maths replayed as CUDA graphs (`StepGraphs`) against launched op by op, per shape.
 
 On a GPU (`--compile on`): tokens/s of `ar` and of each device-step shape with the maths graphed
-and not (× ar: against `ar` with its maths launched op by op), and of `ar` with each step queued
-from the last one's token before it is read (`ar ahead`, as `rsd` runs `ar` on a GPU), interleaved in rounds on the same
-prompts and seeds (each decoder warmed up untimed, so captures are not timed). On any machine, `--count`: the torch operations a step issues outside
+and not (× ar: against `ar` with its maths launched op by op), and of `ar` and `rsd-c` fans with
+each step queued before the last one's outcome is read (the "ahead" rows: what `rsd` runs on a GPU
+by default), interleaved in rounds on the same prompts and seeds (each decoder warmed up untimed,
+so captures are not timed). On any machine, `--count`: the torch operations a step issues outside
 the two models' forwards (each one Python and dispatcher work on the host; on a GPU most launch a
 kernel), with the maths run directly and replayed through a stand-in capture that keeps a CUDA
 graph's semantics: what the graphs take off the host, whatever the device.
@@ -37,8 +38,13 @@ SHAPES = {"ar": make_shape("ar"), "sd γ=1": make_shape("sd", draft_len=1), "sd 
           "rsd-c b=(2)": make_shape("rsd-c", branching=(2,)), "rsd-c b=(3)": make_shape("rsd-c", branching=(3,)),
           "rsd-c b=(7)": make_shape("rsd-c", branching=(7,)), "rsd-c b=(15)": make_shape("rsd-c", branching=(15,)),
           "auto": make_shape("auto"),  # (timed with its maths graphed only: its memory is shared by decoders)
-          "ar ahead": make_shape("ar")}  # each step queued before the last one's token is read (graphed only)
-ONE_ROW = {"auto", "ar ahead"}
+          # each step queued before the last one's outcome is read (Decoder._plain_steps_ahead, _fan_steps_ahead:
+          # what a GPU runs by default), graphed only
+          "ar ahead": make_shape("ar"), "rsd-c b=(1) ahead": make_shape("rsd-c", branching=(1,)),
+          "rsd-c b=(3) ahead": make_shape("rsd-c", branching=(3,)),
+          "rsd-c b=(7) ahead": make_shape("rsd-c", branching=(7,)),
+          "rsd-c b=(15) ahead": make_shape("rsd-c", branching=(15,))}
+ONE_ROW = {name for name in SHAPES if name == "auto" or name.endswith("ahead")}
 VIEWS = {"slice", "select", "unsqueeze", "squeeze", "alias", "detach", "detach_", "view", "t", "expand",
          "as_strided", "lift_fresh"}  # no kernel: a view, or a host literal made a tensor
 
@@ -83,7 +89,7 @@ def decoder_for(pair, runtimes, shape, temperature, graphs, ahead=False):
     decoder = Decoder(pair.target, pair.draft, pair.vocab_size, shape, SamplingParams(temperature), pair.eos_ids,
                       pair.context_length, runtimes)
     decoder.device_steps = True
-    decoder.steps_ahead = ahead  # (Decoder._plain_steps_ahead: `ar ahead` only)
+    decoder.steps_ahead = ahead  # (the "ahead" rows only)
     decoder.step_graphs = graphs
     return decoder
 
@@ -127,7 +133,7 @@ def timing(pair, args) -> list[dict]:
     for name, graphed in jobs:
         graphs = StepGraphs(device, graphed and device.type == "cuda")
         decoders[name, graphed] = decoder_for(pair, runtimes, SHAPES[name], args.temperature, graphs,
-                                              name == "ar ahead")
+                                              name.endswith("ahead"))
         for seed, ids in enumerate(prompts[:2]):  # untimed: captures, compiles, buffers at the timed size
             list(decoders[name, graphed].generate(ids, args.max_tokens, seed=seed))
     rates: dict[tuple, list[float]] = {}

@@ -401,6 +401,37 @@ def test_ar_queued_ahead_on_a_gpu_gives_the_tokens_of_one_step_at_a_time(pair, t
         assert kept[True].tokens == kept[False].tokens
 
 
+@CUDA
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_fans_queued_ahead_on_a_gpu_give_the_tokens_of_one_step_at_a_time(pair, temperature, monkeypatch):
+    """On a GPU an `rsd-c` fan of root children queues each step before the last one's outcome is
+    read, its inputs made on the device (Decoder._fan_steps_ahead): the tokens and p of one step at
+    a time, with an end-of-sequence token ending some answers early, and kept caches that hold what
+    they say."""
+    import copy
+
+    placed = []
+    real = StaticLM.forward_placed
+    monkeypatch.setattr(StaticLM, "forward_placed", lambda self, *a: placed.append(1) or real(self, *a))
+    models = tuple(copy.deepcopy(model).cuda() for model in pair)
+    runtimes = Runtimes(CompiledModel(models[0], True), CompiledModel(models[1], True), "on")
+    for k, seed in [(1, 0), (3, 1), (5, 2)]:
+        events, kept = {}, {}
+        for ahead in (True, False):
+            decoder = Decoder(*models, V, make_shape("rsd-c", branching=(k,)), SamplingParams(temperature), {0},
+                              runtimes=runtimes)
+            decoder.steps_ahead, decoder.keep_caches = ahead, True
+            placed.clear()
+            events[ahead] = list(decoder.generate(PROMPT, 30, seed=seed))
+            assert bool(placed) == ahead
+            kept[ahead] = decoder.kept
+            assert kept[ahead].target.length == len(kept[ahead].tokens)
+            kept[ahead].release()
+        assert [e.emitted for e in events[True]] == [e.emitted for e in events[False]]
+        assert all(torch.allclose(a.p, b.p, atol=1e-4) for a, b in zip(events[True], events[False]))
+        assert kept[True].tokens == kept[False].tokens
+
+
 def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
     """The backends differ only in the order of float additions: sampled runs agree token for token
     on this pair (the test would catch a runtime that draws random numbers differently)."""
