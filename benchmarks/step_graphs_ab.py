@@ -38,7 +38,7 @@ SHAPES = {"ar": make_shape("ar"), "sd γ=1": make_shape("sd", draft_len=1), "sd 
           "rsd-c b=(2)": make_shape("rsd-c", branching=(2,)), "rsd-c b=(3)": make_shape("rsd-c", branching=(3,)),
           "rsd-c b=(7)": make_shape("rsd-c", branching=(7,)), "rsd-c b=(15)": make_shape("rsd-c", branching=(15,)),
           "auto": make_shape("auto"),  # (timed with its maths graphed only: its memory is shared by decoders)
-          # each step queued before the last one's outcome is read (Decoder._plain_steps_ahead, _fan_steps_ahead:
+          # each step queued before the last one's outcome is read (Decoder._plain_steps_ahead, _tree_steps_ahead:
           # what a GPU runs by default), graphed only
           "ar ahead": make_shape("ar"), "rsd-c b=(1) ahead": make_shape("rsd-c", branching=(1,)),
           "rsd-c b=(3) ahead": make_shape("rsd-c", branching=(3,)),

@@ -688,7 +688,7 @@ class StaticLM(ChainExtension):
         """A static-shape forward whose inputs were made on the device (nothing read on the host):
         ids (3, size) — tokens, positions and the slots their keys go to — and mask (size, capacity)
         additive, size a bucket. The host's `length` does not move: the caller, which knows what
-        the caches hold only once it reads a step's outcome, sets it (Decoder._fan_steps_ahead)."""
+        the caches hold only once it reads a step's outcome, sets it (Decoder._tree_steps_ahead)."""
         start = self.clock.start()
         with torch.inference_mode():
             logits = self.compiled.replay(ids, mask, self.keys, self.values, rows)

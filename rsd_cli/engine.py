@@ -45,27 +45,21 @@ def placed_mask(columns: torch.Tensor, limit: torch.Tensor, slots: torch.Tensor)
     return torch.where(seen, 0.0, -math.inf)
 
 
-def fan_draft_inputs(columns: torch.Tensor, base: torch.Tensor, catch: torch.Tensor, count: torch.Tensor) -> tuple:
-    """A fan step's draft forward of what it has not read, made on the device: the last step's
-    accepted child and the root at positions base - 1 and base (count 2), or the root alone at base
-    and a padding row after it (count 1). The draft's cache holds the sequence position by position,
-    so each token's slot is its position. -> ids (3, 2), mask (2, capacity)."""
-    slots = base + 1 - count + torch.arange(2, device=base.device)
-    return torch.stack([catch, slots, slots]), placed_mask(columns, slots, slots)
+def placed_inputs(columns: torch.Tensor, base: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor,
+                  sights: torch.Tensor) -> tuple:
+    """A static-shape forward's inputs made on the device, as StaticLM.forward makes them on the host:
+    tokens (n,) at positions base + depths and at slots base, base + 1, ..., each row seeing the
+    cache's slots up to base + its sight and its own slot (a negative sight: its own alone, a
+    padding row). base (1,); depths, sights (n,); columns: arange(capacity).
+    -> ids (3, n): tokens, positions, slots; mask (n, capacity)."""
+    slots = base + torch.arange(tokens.shape[0], device=base.device)
+    limit = torch.where(sights >= 0, base + sights, -1)
+    return torch.stack([tokens, base + depths, slots]), placed_mask(columns, limit, slots)
 
 
-def fan_target_inputs(k: int, size: int, columns: torch.Tensor, base: torch.Tensor, root: torch.Tensor,
-                      drafted: torch.Tensor) -> tuple:
-    """A fan step's target forward, made on the device as StaticLM.forward makes it on the host: the
-    root at position and slot base, its k children at position base + 1 and slots base + 1 ..
-    base + k, each seeing the prefix, the root and itself; padding rows up to `size` see only
-    themselves. -> ids (3, size), mask (size, capacity)."""
-    offsets = torch.arange(size, device=base.device)
-    slots = base + offsets
-    positions = base + (offsets > 0).long()
-    tokens = torch.cat([root, drafted, torch.zeros(size - k - 1, dtype=torch.long, device=base.device)])
-    limit = torch.where(offsets <= k, base, -1)
-    return torch.stack([tokens, positions, slots]), placed_mask(columns, limit, slots)
+def tree_tokens(size: int, root: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+    """A root and its drafted tokens, then padding tokens (0) up to `size`: a verifying forward's tokens."""
+    return torch.cat([root, drafted, torch.zeros(size - 1 - drafted.shape[0], dtype=torch.long, device=root.device)])
 
 
 def fan_next(k: int, packed: torch.Tensor, base: torch.Tensor) -> tuple:
@@ -81,6 +75,21 @@ def fan_next(k: int, packed: torch.Tensor, base: torch.Tensor) -> tuple:
     root = torch.where(hit > 0, bonus.gather(0, first), correction)
     catch = torch.where(hit > 0, torch.cat([drafted.gather(0, first), root]), torch.cat([root, torch.zeros_like(root)]))
     return root, catch, 1 + hit, base + 1 + hit, base + 1 + first * hit, base + 1
+
+
+def chain_next(gamma: int, packed: torch.Tensor, base: torch.Tensor) -> tuple:
+    """What a chain step's outcome leaves for the next step, on the device, as fan_next for a fan:
+    the next root (the bonus where every draft was accepted, else the first rejection's correction),
+    what the draft reads next (the last draft, which it never read, and the bonus, count 2; else the
+    correction and a padding token, count 1: it read the accepted drafts while drafting), and the
+    next root's position. The accepted drafts stay where they are in both caches. packed:
+    (drafted, accepted, corrections, bonus) as _chain_maths packs it."""
+    accepted, corrections, bonus = packed[gamma: 2 * gamma], packed[2 * gamma: 3 * gamma], packed[3 * gamma:]
+    run = accepted.cumprod(0).sum(0, keepdim=True)  # (1,) drafts accepted before the first rejection
+    every = (run == gamma).long()
+    root = torch.where(every > 0, bonus, corrections.gather(0, run.clamp(max=gamma - 1)))
+    catch = torch.where(every > 0, torch.cat([packed[gamma - 1: gamma], root]), torch.cat([root, torch.zeros_like(root)]))
+    return root, catch, 1 + every, base + 1 + run
 
 
 def unchanged_prefix(indices: list[int]) -> int:
@@ -472,14 +481,14 @@ class QueuedPlain:
 
 
 @dataclass
-class QueuedFan:
-    """A fan step queued on the device (Decoder._queue_fan): what it leaves for the next step (root
-    (1,), catch (2,), count (1,), base (1,): see fan_next), p, q, the function that reads its packed
+class QueuedStep:
+    """A chain or fan step queued on the device (Decoder._queue_chain, _queue_fan): what it leaves for
+    the next step (root (1,), catch (2,), count (1,), base (1,): see fan_next), its event from its
+    packed outcome once read — event(step, shape, seq, values) —, the function that reads that
     outcome on the host, the target's and the draft's clock marks before and after its forwards,
     and the host's seconds queueing it."""
     state: tuple
-    p: torch.Tensor
-    q: torch.Tensor
+    event: Callable[..., StepEvent]
     read: Callable[[], list]
     forwards: tuple[int, int, int, int]
     queue_seconds: float
@@ -513,9 +522,11 @@ class Decoder:
         # every node's residual and every bonus draw does: 0.2-1.0 ms a step on a 2-core Xeon)
         self.device_steps: bool | None = None
         self.step_graphs: StepGraphs | None = None  # how device and plain steps run their maths (_maths)
-        # `ar`'s steps each queued from the token before it while that is still on the device
-        # (_plain_steps_ahead): None = where the target is not on the CPU (there nothing runs behind the host)
+        # each step queued before the outcome of the one before is read, for `ar` (_plain_steps_ahead),
+        # and `sd` chains and `rsd-c` fans decided on the device (_tree_steps_ahead): None = where the target
+        # is not on the CPU (there nothing runs behind the host)
         self.steps_ahead: bool | None = None
+        self._placed_constants: dict[tuple, tuple] = {}  # (_placed)
 
     def _next_shape(self, lag: int = 0, remaining: int | None = None, seq: list[int] = ()) -> Shape:
         """This step's shape: the configured one, or auto's choice from the steps before it (lag:
@@ -626,8 +637,9 @@ class Decoder:
         if self._queues_ahead(target):
             yield from self._plain_steps_ahead(seq, max_tokens, target, generator, held, prefill_seconds)
             return
-        if self._fans_ahead(target, draft):
-            yield from self._fan_steps_ahead(seq, max_tokens, target, draft, generator, held, prefill_seconds)
+        kind = self._ahead_kind(target, draft)
+        if kind is not None:
+            yield from self._tree_steps_ahead(kind, seq, max_tokens, target, draft, generator, held, prefill_seconds)
             return
         produced = 0
         step = 0
@@ -670,42 +682,51 @@ class Decoder:
         wanted = self.steps_ahead if self.steps_ahead is not None else target.device.type != "cpu"
         return wanted and self.shape.variant == "ar" and not self.sampling.uses_context
 
-    def _fans_ahead(self, target, draft) -> bool:
-        """Whether this generation runs as _fan_steps_ahead: `rsd-c` with root children only decided
-        on the device (_on_device), on static-shape caches whose buckets hold its forwards, where
-        `steps_ahead` asks for it (by default off the CPU)."""
+    def _ahead_kind(self, target, draft) -> str | None:
+        """Whether this generation runs as _tree_steps_ahead: "chain" for `sd`, "fan" for `rsd-c` with
+        root children only (the device steps of _on_device), on static-shape caches whose buckets
+        hold its forwards, where `steps_ahead` asks for it (by default off the CPU); else None."""
         wanted = self.steps_ahead if self.steps_ahead is not None else target.device.type != "cpu"
-        if not wanted or self._on_device(self.shape, draft, target.device) != "fan":
-            return False
+        kind = self._on_device(self.shape, draft, target.device) if wanted else None
+        if kind is None:
+            return None
         from .compiled import StaticLM, bucket
 
-        k = min(self.shape.branching[0], self.vocab_size)
-        return (isinstance(target, StaticLM) and isinstance(draft, StaticLM) and target.static and draft.static
-                and bucket(k + 1, target.compiled.buckets) is not None and 2 in draft.compiled.buckets)
+        fits = (isinstance(target, StaticLM) and isinstance(draft, StaticLM) and target.static and draft.static
+                and bucket(self._drafted(kind) + 1, target.compiled.buckets) is not None
+                and {1, 2} <= set(draft.compiled.buckets))
+        return kind if fits else None
 
-    def _fan_steps_ahead(self, seq: list[int], max_tokens: int, target, draft, generator: torch.Generator,
-                         held: list[int], prefill_seconds: float) -> Iterator[StepEvent]:
-        """_steps for an `rsd-c` fan of root children on a device that runs behind the host (a GPU),
-        as _plain_steps_ahead runs `ar`: everything a step needs from the one before — its root, its
-        position, what the draft reads first, the accepted child's move in the target's cache —
-        is worked out on the device (fan_next), and the forwards' inputs are made there (fan_draft_inputs,
-        fan_target_inputs), so each step is queued before the outcome of the one before is read.
-        The host reads a step's outcome (one transfer) while the device runs the next, and knows
-        what the caches hold one step late: it sets their lengths when it stops. The uniforms are
-        drawn in the order of one step at a time; the draft reads one token or two in a forward of
-        two rows (one step at a time: of one or two), so q may differ in its last bits, and the tokens
-        with it where two candidates tie that closely. A step queued past the end is dropped."""
+    def _drafted(self, kind: str) -> int:
+        """How many tokens a step of this kind drafts: a fan's children, a chain's levels."""
+        return min(self.shape.branching[0], self.vocab_size) if kind == "fan" else self.shape.depth
+
+    def _tree_steps_ahead(self, kind: str, seq: list[int], max_tokens: int, target, draft,
+                          generator: torch.Generator, held: list[int], prefill_seconds: float) -> Iterator[StepEvent]:
+        """_steps for an `sd` chain or an `rsd-c` fan of root children on a device that runs behind
+        the host (a GPU), as _plain_steps_ahead runs `ar`: everything a step needs from the one
+        before — its root, its position, what the draft reads first, a fan's accepted child's move in
+        the target's cache — is worked out on the device (chain_next, fan_next), and the forwards'
+        inputs are made there (placed_inputs), so each step is queued before the outcome of the one
+        before is read. The host reads a step's outcome (one transfer) while the device runs the
+        next, and knows what the caches hold one step late: it sets their lengths when it stops.
+        The uniforms are drawn in the order of one step at a time; the draft reads one token or two
+        in a forward of two rows (one step at a time: of one or two), so q may differ in its last
+        bits, and the tokens with it where two candidates tie that closely. A step queued past the
+        end is dropped."""
         shape, device = self.shape, target.device
+        queue = self._queue_fan if kind == "fan" else self._queue_chain
+        advance = 1 + shape.depth  # the most one step moves the root
         before = draft.forward_seconds
         if draft.length < len(seq) - 1:  # (the prompt, the first time: the steps read the root themselves)
             draft.extend(seq[draft.length: -1])
         prefill_seconds, draft_prefill = prefill_seconds + draft.forward_seconds - before, draft.forward_seconds - before
         draft_holds = len(seq) - 1  # what the draft's cache holds, as far as the host knows
-        self._fan_fits(shape, len(seq) - 1, target, draft, grow=True)
+        self._fits_ahead(kind, len(seq) - 1, target, draft, grow=True)
         state = (to_device([seq[-1]], device), to_device([seq[-1], 0], device), to_device([1], device),
                  to_device([len(seq) - 1], device))
         produced, step, since = 0, 0, time.perf_counter()
-        queued = self._queue_fan(shape, state, target, draft, generator)
+        queued = queue(shape, state, target, draft, generator)
         try:
             while queued is not None:
                 step += 1
@@ -713,19 +734,20 @@ class Decoder:
                 room = max_tokens - produced
                 if self.context_length:
                     room = min(room, self.context_length - len(seq))
-                ahead = room > 1 and self._fan_fits(shape, len(seq) - 1 + 2, target, draft)
-                if ahead:  # (this step emits one token or two: the next one follows unless this one ends the answer)
-                    queued = self._queue_fan(shape, current.state, target, draft, generator)
-                event = self._fan_event(step, shape, seq, current.read(), current.p, current.q)  # its one transfer
+                ahead = room > 1 and self._fits_ahead(kind, len(seq) - 1 + advance, target, draft)
+                if ahead:  # (this step emits a token or more: the next one follows unless this one ends the answer)
+                    queued = queue(shape, current.state, target, draft, generator)
+                event = current.event(step, shape, seq, current.read())  # (its one transfer)
                 before, after, draft_before, draft_after = current.forwards
                 event.draft_forward_seconds = draft.clock.seconds_through(draft_after) - \
                     draft.clock.seconds_through(draft_before)
                 event.forward_seconds = event.draft_forward_seconds + target.clock.seconds_through(after) - \
                     target.clock.seconds_through(before)
+                event.draft_calls = draft_after - draft_before
                 event.draft_seconds = current.queue_seconds
                 event.verify_seconds = max(time.perf_counter() - since - current.queue_seconds, 0.0)
                 since = time.perf_counter()
-                draft_holds = len(seq)
+                draft_holds = len(seq) + min(len(event.path), shape.depth - 1)  # (it read the accepted drafts)
                 produced += self._settle(event, seq, held, max_tokens - produced)
                 if step == 1:
                     event.forward_seconds += prefill_seconds
@@ -735,57 +757,125 @@ class Decoder:
                 elif not ahead:  # (room in the caches first: they grow as far as the host knows what they hold)
                     target.keep(list(range(len(held))))
                     draft.keep(list(range(draft_holds)))
-                    self._fan_fits(shape, len(seq) - 1, target, draft, grow=True)
-                    queued = self._queue_fan(shape, current.state, target, draft, generator)
+                    self._fits_ahead(kind, len(seq) - 1, target, draft, grow=True)
+                    queued = queue(shape, current.state, target, draft, generator)
                 yield event
         finally:  # the caches hold the tokens of the steps read, whatever was queued after them
             target.keep(list(range(len(held))))
             draft.keep(list(range(draft_holds)))
 
-    @staticmethod
-    def _fan_fits(shape: Shape, base: int, target, draft, grow: bool = False) -> bool:
-        """Whether a fan step with its root at position `base` writes within both caches (the
-        target's forward slots base .. base + its bucket, the draft's up to base + 1); with `grow`,
-        grow them to fit (their lengths, which growing copies up to, set first)."""
+    def _fits_ahead(self, kind: str, base: int, target, draft, grow: bool = False) -> bool:
+        """Whether a step with its root at position `base` writes within both caches (the target's
+        verifying forward at slots base .. base + its bucket, the draft's what it missed and its
+        levels up to base + max(2, depth)); with `grow`, grow them to fit (their lengths, which
+        growing copies up to, set first)."""
         from .compiled import bucket
 
-        k = min(shape.branching[0], target.vocab_size)
-        needs = (base + bucket(k + 1, target.compiled.buckets), base + 2)
+        needs = (base + bucket(self._drafted(kind) + 1, target.compiled.buckets), base + max(2, self.shape.depth))
         if grow:
             for cache, needed in zip((target, draft), needs):
                 if needed > cache.capacity:
                     cache._grow(needed)
         return needs[0] <= target.capacity and needs[1] <= draft.capacity
 
-    def _queue_fan(self, shape: Shape, state: tuple, target, draft, generator: torch.Generator) -> QueuedFan:
-        """A fan step's work on the device from what the step before left (state: see fan_next):
-        the draft's forward of what it has not read, the children, the target's forward of the root
-        and children, the verdict, the accepted child's move in the target's cache, and the packed
-        outcome's copy to the host queued. Nothing is read on the host."""
-        start, maths = time.perf_counter(), self._maths(target)
-        k, children, verdict = self._fan_maths(shape)
-        greedy, draft_sampling, sampling = self.greedy_ranking, self.draft_sampling, self.sampling
-        root, catch, count, base = state
-        marks = (target.clock.count, draft.clock.count)
-        u = torch.rand(self._fan_uniforms(k), generator=generator, dtype=torch.float64, device=generator.device)
-        columns = torch.arange(draft.capacity, device=draft.device)
-        ids, mask = maths(("fan draft inputs",), fan_draft_inputs, columns, base, catch, count)
-        logits = draft.forward_placed(ids, mask, slice(0, 2))
-        q, drafted, drawn = maths(("fan children from two rows", k, greedy, draft_sampling),
-                                  lambda rows, count, u: children(rows.index_select(0, count - 1), u), logits, count, u)
+    def _placed(self, cache, depths: list[int], sights: list[int]) -> tuple:
+        """(arange(capacity), depths, sights) on the cache's device, for placed_inputs (made once per
+        capacity and tree: host constants are not copied in while a graph is captured)."""
+        key = (cache.capacity, tuple(depths), tuple(sights))
+        made = self._placed_constants.get(key)
+        if made is None:
+            device = cache.device
+            made = (torch.arange(cache.capacity, device=device), torch.tensor(depths, device=device),
+                    torch.tensor(sights, device=device))
+            self._placed_constants[key] = made
+        return made
+
+    def _read_catch(self, state: tuple, draft, maths) -> torch.Tensor:
+        """The draft's forward of what it has not read (state's catch: one token or two, see
+        fan_next) in two rows at their positions: its (2, V) logits, the row after the root at
+        state's count - 1."""
+        _, catch, count, base = state
+        columns, depths, sights = self._placed(draft, [0, 1], [0, 1])
+        ids, mask = maths(("catch inputs",), lambda columns, base, catch, count, depths, sights:
+                          placed_inputs(columns, base + 1 - count, catch, depths, sights),
+                          columns, base, catch, count, depths, sights)
+        return draft.forward_placed(ids, mask, slice(0, 2))
+
+    def _verify_placed(self, state: tuple, drafted: torch.Tensor, depths: list[int], sights: list[int], target,
+                       maths) -> torch.Tensor:
+        """The target's forward of the root and the drafted tokens, from inputs made on the device: the
+        root at depth 0 seeing the prefix, each drafted token at its depth seeing the cache up to its
+        sight (see placed_inputs: a fan's children see up to the root, a chain's each token before
+        it) and itself; its (1 + drafted, V) logits."""
         from .compiled import bucket
 
-        size = bucket(k + 1, target.compiled.buckets)
-        columns = torch.arange(target.capacity, device=target.device)
-        ids, mask = maths(("fan target inputs", k, size), partial(fan_target_inputs, k, size), columns, base, root,
-                          drafted)
-        logits = target.forward_placed(ids, mask, slice(0, k + 1))
+        root, _, _, base = state
+        n = 1 + drafted.shape[0]
+        size = bucket(n, target.compiled.buckets)
+        columns, depth_row, sights = self._placed(target, [0] + depths + [depths[-1]] * (size - n),
+                                                  [0] + sights + [-1] * (size - n))
+        ids, mask = maths(("tree inputs", size), lambda columns, base, root, drafted, depths, sights:
+                          placed_inputs(columns, base, tree_tokens(size, root, drafted), depths, sights),
+                          columns, base, root, drafted, depth_row, sights)
+        return target.forward_placed(ids, mask, slice(0, n))
+
+    def _queue_fan(self, shape: Shape, state: tuple, target, draft, generator: torch.Generator) -> "QueuedStep":
+        """A fan step's work on the device from what the step before left (state: see fan_next): the
+        draft's forward of what it has not read, the children, the target's forward of the root and
+        children, the verdict, the accepted child's move in the target's cache, and the packed
+        outcome's copy to the host queued. Nothing is read on the host."""
+        start, maths, marks = time.perf_counter(), self._maths(target), (target.clock.count, draft.clock.count)
+        k, children, verdict = self._fan_maths(shape)
+        greedy, draft_sampling, sampling = self.greedy_ranking, self.draft_sampling, self.sampling
+        u = torch.rand(self._fan_uniforms(k), generator=generator, dtype=torch.float64, device=generator.device)
+        logits = self._read_catch(state, draft, maths)
+        q, drafted, drawn = maths(("fan children from two rows", k, greedy, draft_sampling),
+                                  lambda rows, count, u: children(rows.index_select(0, count - 1), u),
+                                  logits, state[2], u)
+        logits = self._verify_placed(state, drafted, [1] * k, [0] * k, target, maths)
         p, packed = maths(("fan verdict", k, greedy, sampling), verdict, logits, q, drafted, drawn, u)
-        *state, source, destination = maths(("fan next", k), partial(fan_next, k), packed, base)
+        *after, source, destination = maths(("fan next", k), partial(fan_next, k), packed, state[3])
         target.copy_slot(source, destination)
         read = to_host_soon(packed)  # (queued before the next step's replays overwrite packed)
-        return QueuedFan(tuple(state), maths.keep(p), maths.keep(q), read,
-                         (marks[0], target.clock.count, marks[1], draft.clock.count), time.perf_counter() - start)
+        p, q = maths.keep(p), maths.keep(q)
+        return QueuedStep(tuple(after), lambda step, shape, seq, values: self._fan_event(step, shape, seq, values, p, q),
+                          read, (marks[0], target.clock.count, marks[1], draft.clock.count),
+                          time.perf_counter() - start)
+
+    def _queue_chain(self, shape: Shape, state: tuple, target, draft, generator: torch.Generator) -> "QueuedStep":
+        """A chain step's work on the device from what the step before left (state: see chain_next),
+        as _queue_fan queues a fan's: the draft's forward of what it has not read, then each level's
+        draw and the draft's forward of it, the target's forward of the root and the drafts, the
+        verdict and the packed outcome's copy to the host."""
+        start, maths, marks = time.perf_counter(), self._maths(target), (target.clock.count, draft.clock.count)
+        gamma, draws, draw, verdict = self._chain_maths(shape)
+        greedy, draft_sampling, sampling = self.greedy_ranking, self.draft_sampling, self.sampling
+        u = torch.rand(draws + 2 * gamma + 1, generator=generator, dtype=torch.float64, device=generator.device)
+        rows = self._read_catch(state, draft, maths)
+        logits = maths(("row after the root",), lambda rows, count: (rows.index_select(0, count - 1),), rows,
+                       state[2])[0]
+        columns, zero, _ = self._placed(draft, [0], [0])
+        q_rows, drafted = [], []
+        for index in range(gamma):
+            q, token = maths(("chain level", index, greedy, draft_sampling), draw, logits, u[index: index + 1, None])
+            q_rows.append(q)
+            drafted.append(token)
+            if index + 1 < gamma:  # (the draft reads its draw at the next position)
+                ids, mask = maths(("level inputs", index), lambda columns, base, token, zero, index=index:
+                                  placed_inputs(columns, base + 1 + index, token, zero, zero),
+                                  columns, state[3], token, zero)
+                logits = draft.forward_placed(ids, mask, slice(0, 1))
+        drafted = torch.cat(drafted)
+        logits = self._verify_placed(state, drafted, list(range(1, gamma + 1)), list(range(1, gamma + 1)),
+                                     target, maths)
+        p, packed = maths(("chain verdict", gamma, greedy, sampling), verdict, logits, drafted, u, *q_rows)
+        after = maths(("chain next", gamma), partial(chain_next, gamma), packed, state[3])
+        read = to_host_soon(packed)
+        p, q_rows = maths.keep(p), [maths.keep(q)[0] for q in q_rows]
+        return QueuedStep(tuple(after),
+                          lambda step, shape, seq, values: self._chain_event(step, shape, seq, values, p, q_rows),
+                          read, (marks[0], target.clock.count, marks[1], draft.clock.count),
+                          time.perf_counter() - start)
 
     def _plain_steps_ahead(self, seq: list[int], max_tokens: int, target, generator: torch.Generator,
                            held: list[int], prefill_seconds: float) -> Iterator[StepEvent]:
@@ -934,7 +1024,7 @@ class Decoder:
                     generator: torch.Generator) -> StepEvent:
         """An `sd` step with nothing read on the host until its end: each drafted token is drawn
         on the device and fed from there to the draft's next level and to the target's verifying
-        forward, every node is decided at once (verification.chain_decisions), and one transfer
+        forward, every node is decided at once (verification.chain_outcome), and one transfer
         brings the drafts, decisions, corrections and bonus back. On a GPU the host then queues
         the target's forward while the draft's runs, instead of waiting for the drafts first, and
         a step makes one synchronisation instead of one per level and per tried node. The tree
@@ -942,23 +1032,11 @@ class Decoder:
         start = time.perf_counter()
         forward_before, draft_before = target.forward_seconds + draft.forward_seconds, draft.forward_seconds
         calls_before = draft.calls
-        device, gamma, base, maths = generator.device, shape.depth, len(seq) - 1, self._maths(target)
+        device, base, maths = generator.device, len(seq) - 1, self._maths(target)
+        gamma, draws, draw, verdict = self._chain_maths(shape)
         greedy, draft_sampling, sampling = self.greedy_ranking, self.draft_sampling, self.sampling
-
-        # the step's uniforms, drawn at once: each level's draw (γ, unless greedy), an acceptance for
-        # each node (γ), then the corrections' and the bonus's draws (γ + 1)
-        draws = 0 if greedy else gamma
         u = torch.rand(draws + 2 * gamma + 1, generator=generator, dtype=torch.float64, device=device)
-
-        def verdict(logits, drafted, u, *q_rows) -> tuple:
-            """(γ + 1, V) target logits -> p, and (drafted, accepted, corrections, bonus) in one tensor."""
-            p = logits_to_probs(logits, sampling)  # (γ + 1, V): node i's row i
-            accepted, corrections, bonus = chain_outcome(p, torch.cat(q_rows), drafted, u[draws: draws + gamma],
-                                                         u[draws + gamma:, None])
-            return p, torch.cat([drafted, accepted.long(), corrections, bonus])
-
         logits = self._draft_catch_up(seq, draft, device)
-        draw = partial(probs_and_draw, draft_sampling, greedy)
         q_rows, drafted = [], []
         for index in range(gamma):  # (greedy: its uniform, an acceptance's, is not read)
             q, token = maths(("chain level", index, greedy, draft_sampling), draw, logits, u[index: index + 1, None])
@@ -971,7 +1049,39 @@ class Decoder:
         logits = target.extend(torch.cat([to_device([seq[-1]], device), drafted]), last_only=False)
         p, packed = maths(("chain verdict", gamma, greedy, sampling), verdict, logits, drafted, u, *q_rows)
         p, q_rows = maths.keep(p), [maths.keep(q)[0] for q in q_rows]
-        values = to_host(packed)  # the step's one transfer
+        event = self._chain_event(step, shape, seq, to_host(packed), p, q_rows)  # the step's one transfer
+        # prune: the root and the accepted drafts follow the prefix in both caches (no copy)
+        target.keep(list(range(base + 1 + len(event.path))))
+        draft.keep(list(range(len(seq) + min(len(event.path), gamma - 1))))
+        event.draft_calls = draft.calls - calls_before
+        event.draft_seconds, event.verify_seconds = drafted_at - start, time.perf_counter() - drafted_at
+        event.forward_seconds = target.forward_seconds + draft.forward_seconds - forward_before
+        event.draft_forward_seconds = draft.forward_seconds - draft_before
+        return event
+
+    def _chain_maths(self, shape: Shape) -> tuple:
+        """(γ, draws, draw, verdict) of a chain step: its levels; how many of its uniforms are the
+        levels' draws (γ, unless greedy: then an acceptance's uniform, not read, stands in), the
+        others an acceptance for each node (γ) and the corrections' and the bonus's draws (γ + 1),
+        all drawn at once; and the pure functions of its maths — draw: (1, V) draft logits, a (1, 1)
+        uniform -> q (1, V), token (1,); verdict: (γ + 1, V) target logits, drafted (γ,), u, each
+        level's q -> p, and (drafted, accepted, corrections, bonus) packed in one tensor."""
+        gamma, greedy, sampling = shape.depth, self.greedy_ranking, self.sampling
+        draws = 0 if greedy else gamma
+
+        def verdict(logits, drafted, u, *q_rows) -> tuple:
+            p = logits_to_probs(logits, sampling)  # (γ + 1, V): node i's row i
+            accepted, corrections, bonus = chain_outcome(p, torch.cat(q_rows), drafted, u[draws: draws + gamma],
+                                                         u[draws + gamma:, None])
+            return p, torch.cat([drafted, accepted.long(), corrections, bonus])
+
+        return gamma, draws, partial(probs_and_draw, self.draft_sampling, greedy), verdict
+
+    def _chain_event(self, step: int, shape: Shape, seq: list[int], values: list[int], p: torch.Tensor,
+                     q_rows: list[torch.Tensor]) -> StepEvent:
+        """A chain step's event from its packed values (see _chain_maths), p and each level's q; its
+        counts and timings are the caller's to fill in."""
+        gamma = shape.depth
         tokens, accepted, corrections = values[:gamma], values[gamma: 2 * gamma], values[2 * gamma: 3 * gamma]
         tree = DraftTree.rooted_at(seq[-1])
         for node, token in enumerate(tokens):
@@ -987,16 +1097,10 @@ class Decoder:
             path.append(node + 1)
         else:
             extra, kind = values[-1], "bonus"
-        # prune: the root and the accepted drafts follow the prefix in both caches (no copy)
-        target.keep(list(range(base + 1 + len(path))))
-        draft.keep(list(range(len(seq) + min(len(path), gamma - 1))))
-        end = time.perf_counter()
         return StepEvent(
             step=step, shape=shape, tree=tree, p=p, checks=checks, path=path,
-            extra_token=extra, extra_kind=kind, emitted=[], draft_calls=draft.calls - calls_before,
-            draft_seconds=drafted_at - start, verify_seconds=end - drafted_at,
-            forward_seconds=target.forward_seconds + draft.forward_seconds - forward_before,
-            draft_forward_seconds=draft.forward_seconds - draft_before,
+            extra_token=extra, extra_kind=kind, emitted=[], draft_calls=gamma, draft_seconds=0.0,
+            verify_seconds=0.0, forward_seconds=0.0, draft_forward_seconds=0.0,
         )
 
     def _plain_step(self, step: int, shape: Shape, seq: list[int], target, generator: torch.Generator) -> StepEvent:

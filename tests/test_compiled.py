@@ -405,7 +405,7 @@ def test_ar_queued_ahead_on_a_gpu_gives_the_tokens_of_one_step_at_a_time(pair, t
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 def test_fans_queued_ahead_on_a_gpu_give_the_tokens_of_one_step_at_a_time(pair, temperature, monkeypatch):
     """On a GPU an `rsd-c` fan of root children queues each step before the last one's outcome is
-    read, its inputs made on the device (Decoder._fan_steps_ahead): the tokens and p of one step at
+    read, its inputs made on the device (Decoder._tree_steps_ahead): the tokens and p of one step at
     a time, with an end-of-sequence token ending some answers early, and kept caches that hold what
     they say."""
     import copy

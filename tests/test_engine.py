@@ -353,7 +353,7 @@ def static_runtimes(pair):
                     CompiledModel(pair[1], False, static_shapes=True), "off")
 
 
-def fan_events(pair, shape, sampling, ahead: bool, runtimes, graphs=None, eos=(), context_length=None, n=30,
+def tree_events(pair, shape, sampling, ahead: bool, runtimes, graphs=None, eos=(), context_length=None, n=30,
                seed=7, prompt=PROMPT):
     decoder = Decoder(*pair, V, shape, sampling, set(eos), context_length, runtimes)
     decoder.device_steps, decoder.steps_ahead, decoder.step_graphs, decoder.keep_caches = True, ahead, graphs, True
@@ -363,17 +363,21 @@ def fan_events(pair, shape, sampling, ahead: bool, runtimes, graphs=None, eos=()
     return kept, events
 
 
+AHEAD_SHAPES = [make_shape("rsd-c", branching=(k,)) for k in (1, 3, 5)] + \
+    [make_shape("sd", draft_len=gamma) for gamma in (1, 2, 3)]
+
+
 @pytest.mark.parametrize("graphed", [False, True], ids=["direct", "graphed"])
 @pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.0),
                                       SamplingParams(0.8, top_k=4, top_p=0.9, min_p=0.05)], ids=str)
-def test_fans_queued_ahead_give_the_events_of_one_step_at_a_time(pair, sampling, graphed, monkeypatch):
-    """On a GPU an `rsd-c` fan of root children queues each step before the outcome of the one
-    before is read (Decoder._fan_steps_ahead): the next root, its position, what the draft reads and
-    the accepted child's move in the cache are worked out on the device, and so are the forwards'
-    inputs. Against one step at a time: the same tokens, trees, decisions and endings (at the
-    length, the context's end, an end-of-sequence token), p and q equal up to the draft's rounding
-    (it reads one token in a forward of two rows), every q a fresh draft forward of its context,
-    and kept caches that hold what they say; with the maths replayed as graphs too."""
+def test_trees_queued_ahead_give_the_events_of_one_step_at_a_time(pair, sampling, graphed, monkeypatch):
+    """On a GPU `sd` chains and `rsd-c` fans of root children queue each step before the outcome of
+    the one before is read (Decoder._tree_steps_ahead): the next root, its position, what the draft
+    reads and a fan's accepted child's move in the cache are worked out on the device, and so are
+    the forwards' inputs. Against one step at a time: the same tokens, trees, decisions and
+    endings (at the length, the context's end, an end-of-sequence token), p and q equal up to the
+    draft's rounding (it reads one token in a forward of two rows), every q a fresh draft forward
+    of its context, and kept caches that hold what they say; with the maths replayed as graphs too."""
     from rsd_cli.compiled import StaticLM
 
     placed = []
@@ -381,26 +385,29 @@ def test_fans_queued_ahead_give_the_events_of_one_step_at_a_time(pair, sampling,
     monkeypatch.setattr(StaticLM, "forward_placed", lambda self, *a: placed.append(1) or real(self, *a))
     runtimes = static_runtimes(pair)
     endings = set()
-    for k in (1, 3, 5):
-        shape = make_shape("rsd-c", branching=(k,))
+    for shape in AHEAD_SHAPES:
+        draft_sampling = Decoder(*pair, V, shape, sampling, set()).draft_sampling
+        forwards = shape.depth + 1  # a step's: the draft's of what it missed, its levels', the target's
         for eos, context_length, seed in [((), None, 7), ((), len(PROMPT) + 12, 7)] + [((0,), None, s) for s in range(3)]:
             graphs = StepGraphs(torch.device("cpu"), True, capture=replaying_capture([])) if graphed else None
             placed.clear()
-            kept, ours = fan_events(pair, shape, sampling, True, runtimes, graphs, eos, context_length, seed=seed)
-            assert len(placed) - 2 * len(ours) in (0, 2)  # each step's two forwards (and one step dropped at the end)
-            reference_kept, reference = fan_events(pair, shape, sampling, False, runtimes, None, eos, context_length,
+            kept, ours = tree_events(pair, shape, sampling, True, runtimes, graphs, eos, context_length, seed=seed)
+            assert len(placed) - forwards * len(ours) in (0, forwards)  # (and one step dropped at the end)
+            reference_kept, reference = tree_events(pair, shape, sampling, False, runtimes, None, eos, context_length,
                                                    seed=seed)
-            assert [e.emitted for e in ours] == [e.emitted for e in reference]
+            assert [e.emitted for e in ours] == [e.emitted for e in reference], shape.describe()
             assert [e.finished for e in ours] == [e.finished for e in reference]
             seq = list(PROMPT)
             for a, b in zip(ours, reference):
                 assert (a.path, a.extra_kind, a.tree.tokens) == (b.path, b.extra_kind, b.tree.tokens)
                 assert [c.decision for c in a.checks] == [c.decision for c in b.checks]
-                assert torch.allclose(a.p, b.p, atol=1e-6) and torch.allclose(a.tree.q[0], b.tree.q[0], atol=1e-6)
-                fresh = logits_to_probs(full_logits(pair[1], seq)[-1], Decoder(*pair, V, shape, sampling, set())
-                                        .draft_sampling)
-                assert torch.allclose(a.tree.q[0], fresh, atol=1e-5)
-                assert a.forward_seconds > a.draft_forward_seconds > 0
+                assert torch.allclose(a.p, b.p, atol=1e-6)
+                for node, q in a.tree.q.items():
+                    assert torch.allclose(q, b.tree.q[node], atol=1e-6)
+                    path = [a.tree.tokens[n] for n in a.tree.path_to(node)]
+                    fresh = logits_to_probs(full_logits(pair[1], seq[:-1] + path)[-1], draft_sampling)
+                    assert torch.allclose(q, fresh, atol=1e-5)
+                assert a.forward_seconds > a.draft_forward_seconds > 0 and a.draft_calls == b.draft_calls
                 seq.extend(a.emitted)
             endings.add(ours[-1].finished)
             assert kept.tokens == reference_kept.tokens and kept.target.length == len(kept.tokens)
@@ -408,7 +415,9 @@ def test_fans_queued_ahead_give_the_events_of_one_step_at_a_time(pair, sampling,
     assert endings == {"length", "context", "eos"}
 
 
-def test_fans_queued_ahead_queue_the_next_step_before_reading_one_and_grow_their_caches(pair, monkeypatch):
+@pytest.mark.parametrize("shape", [make_shape("rsd-c", branching=(3,)), make_shape("sd", draft_len=2)],
+                         ids=lambda s: s.describe())
+def test_trees_queued_ahead_queue_the_next_step_before_reading_one_and_grow_their_caches(pair, monkeypatch, shape):
     """Step t+1's forwards are queued before step t's outcome is read; a long answer outgrows the
     caches made for it (they grow, the host setting their lengths first); a consumer that stops
     early leaves caches that hold what they say, from which the next answer is the one a fresh
@@ -426,11 +435,11 @@ def test_fans_queued_ahead_queue_the_next_step_before_reading_one_and_grow_their
     monkeypatch.setattr(StaticLM, "forward_placed", lambda self, *a: calls.append("forward") or real_forward(self, *a))
     monkeypatch.setattr(engine, "to_host_soon", soon)
     monkeypatch.setattr(StaticLM, "_grow", lambda self, needed: calls.append("grow") or real_grow(self, needed))
-    runtimes, shape, sampling = static_runtimes(pair), make_shape("rsd-c", branching=(3,)), SamplingParams(1.0)
-    _, events = fan_events(pair, shape, sampling, True, runtimes, n=6)
-    steps = len(events)
-    assert calls[:6] == ["forward"] * 4 + ["read", "forward"]  # (a step: the draft's forward, the target's)
-    assert calls.count("read") == steps and calls.count("forward") == 2 * steps
+    runtimes, sampling = static_runtimes(pair), SamplingParams(1.0)
+    _, events = tree_events(pair, shape, sampling, True, runtimes, n=6)
+    steps, forwards = len(events), shape.depth + 1  # a step's: the draft's of what it missed, its levels', the target's
+    assert calls[: 2 * forwards + 2] == ["forward"] * 2 * forwards + ["read", "forward"]
+    assert calls.count("read") == steps and calls.count("forward") - forwards * steps in (0, forwards)  # (+ one dropped)
     answers = {}
     for ahead in (True, False):  # a short answer's caches (room for 4 tokens), kept for a long one
         decoder = Decoder(*pair, V, shape, sampling, set(), runtimes=runtimes)
@@ -450,19 +459,20 @@ def test_fans_queued_ahead_queue_the_next_step_before_reading_one_and_grow_their
     steps.close()  # step 2 was queued: it is dropped
     kept = decoder.kept
     assert kept.tokens == PROMPT + first.emitted[:-1] and kept.target.length == len(kept.tokens)
-    assert kept.draft.length == len(PROMPT)
+    assert kept.draft.length == len(PROMPT) + min(len(first.path), shape.depth - 1)
     follow_up = PROMPT + first.emitted + [2]
     decoder.kept = kept
     assert [t for e in decoder.generate(follow_up, 8, seed=0) for t in e.emitted] == greedy_of(pair[0], follow_up, 8)
 
 
-def test_fans_queued_ahead_follow_the_target_distribution(pair):
-    """The first two tokens of fans queued ahead (each step's inputs worked out on the device from
-    the last one's outcome) follow the target's joint distribution."""
+@pytest.mark.parametrize("shape", [FAN, make_shape("sd", draft_len=1)], ids=lambda s: s.describe())
+def test_trees_queued_ahead_follow_the_target_distribution(pair, shape):
+    """The first two tokens of chains and fans queued ahead (each step's inputs worked out on the
+    device from the last one's outcome) follow the target's joint distribution."""
     sampling, runtimes = SamplingParams(temperature=1.0), static_runtimes(pair)
     counts = torch.zeros(V, V)
     for seed in range(N_SAMPLES):
-        _, events = fan_events(pair, FAN, sampling, True, runtimes, n=2, seed=seed)
+        _, events = tree_events(pair, shape, sampling, True, runtimes, n=2, seed=seed)
         first, second = [t for e in events for t in e.emitted][:2]
         counts[first, second] += 1
     assert chi_square_pvalue(counts, exact_joint(pair[0], sampling) * N_SAMPLES) > 1e-3
