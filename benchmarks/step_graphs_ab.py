@@ -1,13 +1,14 @@
 """A step's maths replayed as CUDA graphs (`StepGraphs`) against launched op by op, per shape.
 
 On a GPU (`--compile on`): tokens/s of `ar` and of each device-step shape with the maths graphed
-and not (× ar: against `ar` with its maths launched op by op), and of `ar` and `rsd-c` fans with
-each step queued before the last one's outcome is read (the "ahead" rows: what `rsd` runs on a GPU
-by default), interleaved in rounds on the same prompts and seeds (each decoder warmed up untimed,
-so captures are not timed). On any machine, `--count`: the torch operations a step issues outside
-the two models' forwards (each one Python and dispatcher work on the host; on a GPU most launch a
-kernel), with the maths run directly and replayed through a stand-in capture that keeps a CUDA
-graph's semantics: what the graphs take off the host, whatever the device.
+and not (× ar: against `ar` with its maths launched op by op), and of `ar`, `sd` chains and
+`rsd-c` fans with each step queued before the last one's outcome is read (the "ahead" rows: what
+`rsd` runs on a GPU by default), interleaved in rounds on the same prompts and seeds (each
+decoder warmed up untimed, so captures are not timed). On any machine, `--count`: the torch
+operations a step issues outside the two models' forwards (each one Python and dispatcher work
+on the host; on a GPU most launch a kernel), with the maths run directly and replayed through a
+stand-in capture that keeps a CUDA graph's semantics: what the graphs take off the host, whatever
+the device.
 
 Run: .venv/bin/python benchmarks/step_graphs_ab.py --count
 On the GPU machine: source .device-stage/env.sh && python3 benchmarks/step_graphs_ab.py --compile on
@@ -40,7 +41,8 @@ SHAPES = {"ar": make_shape("ar"), "sd γ=1": make_shape("sd", draft_len=1), "sd 
           "auto": make_shape("auto"),  # (timed with its maths graphed only: its memory is shared by decoders)
           # each step queued before the last one's outcome is read (Decoder._plain_steps_ahead, _tree_steps_ahead:
           # what a GPU runs by default), graphed only
-          "ar ahead": make_shape("ar"), "rsd-c b=(1) ahead": make_shape("rsd-c", branching=(1,)),
+          "ar ahead": make_shape("ar"), "sd γ=1 ahead": make_shape("sd", draft_len=1),
+          "sd γ=2 ahead": make_shape("sd", draft_len=2),
           "rsd-c b=(3) ahead": make_shape("rsd-c", branching=(3,)),
           "rsd-c b=(7) ahead": make_shape("rsd-c", branching=(7,)),
           "rsd-c b=(15) ahead": make_shape("rsd-c", branching=(15,))}
@@ -103,11 +105,11 @@ def count(pair, args) -> list[dict]:
     compiled.CompiledModel.forward = counting.mute(compiled.CompiledModel.forward)
     rows = []
     for name, shape in SHAPES.items():
-        if name in ONE_ROW:  # (their steps are the other shapes')
+        if name == "auto":  # (its steps are the other shapes')
             continue
         for graphed in (False, True):
             graphs = StepGraphs(torch.device("cpu"), True, capture=counting.capture) if graphed else None
-            decoder = decoder_for(pair, runtimes, shape, args.temperature, graphs)
+            decoder = decoder_for(pair, runtimes, shape, args.temperature, graphs, name.endswith("ahead"))
             list(decoder.generate(prompt, 8, seed=0))  # (captures made here)
             counting.ops = counting.views = counting.replays = steps = 0
             with counting:

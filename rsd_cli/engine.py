@@ -779,8 +779,9 @@ class Decoder:
         return needs[0] <= target.capacity and needs[1] <= draft.capacity
 
     def _placed(self, cache, depths: list[int], sights: list[int]) -> tuple:
-        """(arange(capacity), depths, sights) on the cache's device, for placed_inputs (made once per
-        capacity and tree: host constants are not copied in while a graph is captured)."""
+        """(key, (arange(capacity), depths, sights)) on the cache's device, for placed_inputs: made once
+        per capacity and tree, and read by the maths of a site keyed by `key` as constants (a graph
+        captures their addresses; host values are not copied in while a graph is captured)."""
         key = (cache.capacity, tuple(depths), tuple(sights))
         made = self._placed_constants.get(key)
         if made is None:
@@ -788,17 +789,16 @@ class Decoder:
             made = (torch.arange(cache.capacity, device=device), torch.tensor(depths, device=device),
                     torch.tensor(sights, device=device))
             self._placed_constants[key] = made
-        return made
+        return key, made
 
     def _read_catch(self, state: tuple, draft, maths) -> torch.Tensor:
         """The draft's forward of what it has not read (state's catch: one token or two, see
         fan_next) in two rows at their positions: its (2, V) logits, the row after the root at
         state's count - 1."""
         _, catch, count, base = state
-        columns, depths, sights = self._placed(draft, [0, 1], [0, 1])
-        ids, mask = maths(("catch inputs",), lambda columns, base, catch, count, depths, sights:
-                          placed_inputs(columns, base + 1 - count, catch, depths, sights),
-                          columns, base, catch, count, depths, sights)
+        key, (columns, depths, sights) = self._placed(draft, [0, 1], [0, 1])
+        ids, mask = maths(("catch inputs", key), lambda base, catch, count:
+                          placed_inputs(columns, base + 1 - count, catch, depths, sights), base, catch, count)
         return draft.forward_placed(ids, mask, slice(0, 2))
 
     def _verify_placed(self, state: tuple, drafted: torch.Tensor, depths: list[int], sights: list[int], target,
@@ -812,11 +812,11 @@ class Decoder:
         root, _, _, base = state
         n = 1 + drafted.shape[0]
         size = bucket(n, target.compiled.buckets)
-        columns, depth_row, sights = self._placed(target, [0] + depths + [depths[-1]] * (size - n),
-                                                  [0] + sights + [-1] * (size - n))
-        ids, mask = maths(("tree inputs", size), lambda columns, base, root, drafted, depths, sights:
-                          placed_inputs(columns, base, tree_tokens(size, root, drafted), depths, sights),
-                          columns, base, root, drafted, depth_row, sights)
+        key, (columns, depth_row, sight_row) = self._placed(target, [0] + depths + [depths[-1]] * (size - n),
+                                                            [0] + sights + [-1] * (size - n))
+        ids, mask = maths(("tree inputs", key), lambda base, root, drafted:
+                          placed_inputs(columns, base, tree_tokens(size, root, drafted), depth_row, sight_row),
+                          base, root, drafted)
         return target.forward_placed(ids, mask, slice(0, n))
 
     def _queue_fan(self, shape: Shape, state: tuple, target, draft, generator: torch.Generator) -> "QueuedStep":
@@ -833,8 +833,13 @@ class Decoder:
                                   lambda rows, count, u: children(rows.index_select(0, count - 1), u),
                                   logits, state[2], u)
         logits = self._verify_placed(state, drafted, [1] * k, [0] * k, target, maths)
-        p, packed = maths(("fan verdict", k, greedy, sampling), verdict, logits, q, drafted, drawn, u)
-        *after, source, destination = maths(("fan next", k), partial(fan_next, k), packed, state[3])
+
+        def verdict_and_next(logits, q, drafted, drawn, u, base) -> tuple:
+            p, packed = verdict(logits, q, drafted, drawn, u)
+            return p, packed, *fan_next(k, packed, base)
+
+        p, packed, *after, source, destination = maths(("fan verdict and next", k, greedy, sampling), verdict_and_next,
+                                                       logits, q, drafted, drawn, u, state[3])
         target.copy_slot(source, destination)
         read = to_host_soon(packed)  # (queued before the next step's replays overwrite packed)
         p, q = maths.keep(p), maths.keep(q)
@@ -851,25 +856,32 @@ class Decoder:
         gamma, draws, draw, verdict = self._chain_maths(shape)
         greedy, draft_sampling, sampling = self.greedy_ranking, self.draft_sampling, self.sampling
         u = torch.rand(draws + 2 * gamma + 1, generator=generator, dtype=torch.float64, device=generator.device)
-        rows = self._read_catch(state, draft, maths)
-        logits = maths(("row after the root",), lambda rows, count: (rows.index_select(0, count - 1),), rows,
-                       state[2])[0]
-        columns, zero, _ = self._placed(draft, [0], [0])
+        logits = self._read_catch(state, draft, maths)
+        key, (columns, zero, _) = self._placed(draft, [0], [0])
         q_rows, drafted = [], []
         for index in range(gamma):
-            q, token = maths(("chain level", index, greedy, draft_sampling), draw, logits, u[index: index + 1, None])
+            if index == 0:  # (its logits the row after the root: the draft read one token or two)
+                q, token = maths(("chain first level from two rows", greedy, draft_sampling),
+                                 lambda rows, count, u: draw(rows.index_select(0, count - 1), u),
+                                 logits, state[2], u[:1, None])
+            else:
+                q, token = maths(("chain level", index, greedy, draft_sampling), draw, logits, u[index: index + 1, None])
             q_rows.append(q)
             drafted.append(token)
             if index + 1 < gamma:  # (the draft reads its draw at the next position)
-                ids, mask = maths(("level inputs", index), lambda columns, base, token, zero, index=index:
-                                  placed_inputs(columns, base + 1 + index, token, zero, zero),
-                                  columns, state[3], token, zero)
+                ids, mask = maths(("level inputs", index, key), lambda base, token, index=index:
+                                  placed_inputs(columns, base + 1 + index, token, zero, zero), state[3], token)
                 logits = draft.forward_placed(ids, mask, slice(0, 1))
         drafted = torch.cat(drafted)
         logits = self._verify_placed(state, drafted, list(range(1, gamma + 1)), list(range(1, gamma + 1)),
                                      target, maths)
-        p, packed = maths(("chain verdict", gamma, greedy, sampling), verdict, logits, drafted, u, *q_rows)
-        after = maths(("chain next", gamma), partial(chain_next, gamma), packed, state[3])
+
+        def verdict_and_next(logits, drafted, u, base, *q_rows) -> tuple:
+            p, packed = verdict(logits, drafted, u, *q_rows)
+            return p, packed, *chain_next(gamma, packed, base)
+
+        p, packed, *after = maths(("chain verdict and next", gamma, greedy, sampling), verdict_and_next, logits,
+                                  drafted, u, state[3], *q_rows)
         read = to_host_soon(packed)
         p, q_rows = maths.keep(p), [maths.keep(q)[0] for q in q_rows]
         return QueuedStep(tuple(after),

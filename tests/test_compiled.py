@@ -403,11 +403,11 @@ def test_ar_queued_ahead_on_a_gpu_gives_the_tokens_of_one_step_at_a_time(pair, t
 
 @CUDA
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
-def test_fans_queued_ahead_on_a_gpu_give_the_tokens_of_one_step_at_a_time(pair, temperature, monkeypatch):
-    """On a GPU an `rsd-c` fan of root children queues each step before the last one's outcome is
-    read, its inputs made on the device (Decoder._tree_steps_ahead): the tokens and p of one step at
-    a time, with an end-of-sequence token ending some answers early, and kept caches that hold what
-    they say."""
+def test_trees_queued_ahead_on_a_gpu_give_the_tokens_of_one_step_at_a_time(pair, temperature, monkeypatch):
+    """On a GPU `sd` chains and `rsd-c` fans of root children queue each step before the last one's
+    outcome is read, its inputs made on the device (Decoder._tree_steps_ahead): the tokens and p of
+    one step at a time, with an end-of-sequence token ending some answers early, and kept caches
+    that hold what they say."""
     import copy
 
     placed = []
@@ -415,11 +415,11 @@ def test_fans_queued_ahead_on_a_gpu_give_the_tokens_of_one_step_at_a_time(pair, 
     monkeypatch.setattr(StaticLM, "forward_placed", lambda self, *a: placed.append(1) or real(self, *a))
     models = tuple(copy.deepcopy(model).cuda() for model in pair)
     runtimes = Runtimes(CompiledModel(models[0], True), CompiledModel(models[1], True), "on")
-    for k, seed in [(1, 0), (3, 1), (5, 2)]:
+    for seed, shape in enumerate([make_shape("rsd-c", branching=(k,)) for k in (1, 3, 5)] +
+                                 [make_shape("sd", draft_len=gamma) for gamma in (1, 3)]):
         events, kept = {}, {}
         for ahead in (True, False):
-            decoder = Decoder(*models, V, make_shape("rsd-c", branching=(k,)), SamplingParams(temperature), {0},
-                              runtimes=runtimes)
+            decoder = Decoder(*models, V, shape, SamplingParams(temperature), {0}, runtimes=runtimes)
             decoder.steps_ahead, decoder.keep_caches = ahead, True
             placed.clear()
             events[ahead] = list(decoder.generate(PROMPT, 30, seed=seed))
@@ -427,7 +427,7 @@ def test_fans_queued_ahead_on_a_gpu_give_the_tokens_of_one_step_at_a_time(pair, 
             kept[ahead] = decoder.kept
             assert kept[ahead].target.length == len(kept[ahead].tokens)
             kept[ahead].release()
-        assert [e.emitted for e in events[True]] == [e.emitted for e in events[False]]
+        assert [e.emitted for e in events[True]] == [e.emitted for e in events[False]], shape.describe()
         assert all(torch.allclose(a.p, b.p, atol=1e-4) for a, b in zip(events[True], events[False]))
         assert kept[True].tokens == kept[False].tokens
 
