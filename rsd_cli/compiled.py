@@ -513,6 +513,8 @@ class CompiledModel:
             torch._dynamo.maybe_mark_dynamic(mask, 1)
             self.graphs.add(tokens.shape[0])
         x = self.model.model.embed_tokens(tokens)  # (n, hidden)
+        # (a tree's rows past the context's end read its last rotary angle: their tokens are never emitted)
+        positions = positions.clamp(max=self.context - 1)
         cos, sin = self.cos[positions], self.sin[positions]
         # every layer in one call of the C library where each can run there, else layer by layer
         in_c = native is not None and all(native) and keys.is_contiguous() and values.is_contiguous()
