@@ -135,8 +135,10 @@ def main() -> None:
     sampling = SamplingParams(args.temperature, profile["sampling"]["top_k"], profile["sampling"]["top_p"])
 
     def decoder(shape):
-        return engine.Decoder(pair.target, pair.draft, pair.vocab_size, shape, sampling, pair.eos_ids,
+        made = engine.Decoder(pair.target, pair.draft, pair.vocab_size, shape, sampling, pair.eos_ids,
                               pair.context_length, runtimes)
+        made.steps_ahead = False  # (its parts are timed inside Decoder._step, one step at a time)
+        return made
 
     complete(decoder(jobs[-1][2]), prompts[0], 8, 0)  # warm-up: page faults, kernel set-up
     rows = []
