@@ -73,7 +73,8 @@ def fan_next(k: int, packed: torch.Tensor, base: torch.Tensor) -> tuple:
     hit = accepted.amax(0, keepdim=True)  # (1,) 1 where a child was accepted
     first = accepted.argmax(0, keepdim=True)  # the first accepted (0 where none)
     root = torch.where(hit > 0, bonus.gather(0, first), correction)
-    catch = torch.where(hit > 0, torch.cat([drafted.gather(0, first), root]), torch.cat([root, torch.zeros_like(root)]))
+    catch = torch.where(hit > 0, torch.cat([drafted.gather(0, first), root]),
+                        torch.cat([root, torch.zeros_like(root)]))
     return root, catch, 1 + hit, base + 1 + hit, base + 1 + first * hit, base + 1
 
 
@@ -88,7 +89,8 @@ def chain_next(gamma: int, packed: torch.Tensor, base: torch.Tensor) -> tuple:
     run = accepted.cumprod(0).sum(0, keepdim=True)  # (1,) drafts accepted before the first rejection
     every = (run == gamma).long()
     root = torch.where(every > 0, bonus, corrections.gather(0, run.clamp(max=gamma - 1)))
-    catch = torch.where(every > 0, torch.cat([packed[gamma - 1: gamma], root]), torch.cat([root, torch.zeros_like(root)]))
+    catch = torch.where(every > 0, torch.cat([packed[gamma - 1: gamma], root]),
+                        torch.cat([root, torch.zeros_like(root)]))
     return root, catch, 1 + every, base + 1 + run
 
 
@@ -634,10 +636,10 @@ class Decoder:
             target.extend(seq[target.length: -1])
         held[:] = seq[:-1]
         prefill_seconds = target.forward_seconds - before  # reported with the first step's forwards
-        if self._queues_ahead(target):
+        kind = self._ahead_kind(target, draft)
+        if kind == "plain":
             yield from self._plain_steps_ahead(seq, max_tokens, target, generator, held, prefill_seconds)
             return
-        kind = self._ahead_kind(target, draft)
         if kind is not None:
             yield from self._tree_steps_ahead(kind, seq, max_tokens, target, draft, generator, held, prefill_seconds)
             return
@@ -661,9 +663,7 @@ class Decoder:
         held[:] = seq + [event.tree.tokens[n] for n in event.path]  # the root and the accepted path
         if self.policy is not None:
             self.policy.observe(event)
-        room = remaining
-        if self.context_length:
-            room = min(room, self.context_length - len(seq))
+        room = self._room(remaining, seq)
         emitted = [event.tree.tokens[n] for n in event.path] + [event.extra_token]
         if len(emitted) >= room:
             event.finished = "length" if room == remaining else "context"
@@ -676,18 +676,21 @@ class Decoder:
         seq.extend(emitted)
         return len(emitted)
 
-    def _queues_ahead(self, target) -> bool:
-        """Whether this generation runs as _plain_steps_ahead: `ar` with sampling that does not
-        depend on the context, where `steps_ahead` asks for it (by default off the CPU)."""
-        wanted = self.steps_ahead if self.steps_ahead is not None else target.device.type != "cpu"
-        return wanted and self.shape.variant == "ar" and not self.sampling.uses_context
+    def _room(self, remaining: int, seq: list[int]) -> int:
+        """How many tokens the answer may still take: `remaining`, or fewer where the context ends."""
+        return min(remaining, self.context_length - len(seq)) if self.context_length else remaining
 
     def _ahead_kind(self, target, draft) -> str | None:
-        """Whether this generation runs as _tree_steps_ahead: "chain" for `sd`, "fan" for `rsd-c` with
-        root children only (the device steps of _on_device), on static-shape caches whose buckets
-        hold its forwards, where `steps_ahead` asks for it (by default off the CPU); else None."""
+        """Whether this generation queues each step ahead, where `steps_ahead` asks for it (by default
+        off the CPU): "plain" for `ar` (_plain_steps_ahead), "chain" for `sd` and "fan" for `rsd-c`
+        with root children only (the device steps of _on_device: _tree_steps_ahead) on static-shape
+        caches whose buckets hold its forwards; sampling that does not depend on the context; else None."""
         wanted = self.steps_ahead if self.steps_ahead is not None else target.device.type != "cpu"
-        kind = self._on_device(self.shape, draft, target.device) if wanted else None
+        if not wanted or self.sampling.uses_context:
+            return None
+        if self.shape.variant == "ar":
+            return "plain"
+        kind = self._on_device(self.shape, draft, target.device)
         if kind is None:
             return None
         from .compiled import StaticLM, bucket
@@ -717,10 +720,11 @@ class Decoder:
         shape, device = self.shape, target.device
         queue = self._queue_fan if kind == "fan" else self._queue_chain
         advance = 1 + shape.depth  # the most one step moves the root
-        before = draft.forward_seconds
+        unread = draft.forward_seconds
         if draft.length < len(seq) - 1:  # (the prompt, the first time: the steps read the root themselves)
             draft.extend(seq[draft.length: -1])
-        prefill_seconds, draft_prefill = prefill_seconds + draft.forward_seconds - before, draft.forward_seconds - before
+        draft_prefill = draft.forward_seconds - unread
+        prefill_seconds += draft_prefill
         draft_holds = len(seq) - 1  # what the draft's cache holds, as far as the host knows
         self._fits_ahead(kind, len(seq) - 1, target, draft, grow=True)
         state = (to_device([seq[-1]], device), to_device([seq[-1], 0], device), to_device([1], device),
@@ -731,11 +735,10 @@ class Decoder:
             while queued is not None:
                 step += 1
                 current, queued = queued, None
-                room = max_tokens - produced
-                if self.context_length:
-                    room = min(room, self.context_length - len(seq))
-                ahead = room > 1 and self._fits_ahead(kind, len(seq) - 1 + advance, target, draft)
-                if ahead:  # (this step emits a token or more: the next one follows unless this one ends the answer)
+                # (this step emits a token or more: the next one follows unless this one ends the answer)
+                ahead = self._room(max_tokens - produced, seq) > 1 and \
+                    self._fits_ahead(kind, len(seq) - 1 + advance, target, draft)
+                if ahead:
                     queued = queue(shape, current.state, target, draft, generator)
                 event = current.event(step, shape, seq, current.read())  # (its one transfer)
                 before, after, draft_before, draft_after = current.forwards
@@ -843,9 +846,9 @@ class Decoder:
         target.copy_slot(source, destination)
         read = to_host_soon(packed)  # (queued before the next step's replays overwrite packed)
         p, q = maths.keep(p), maths.keep(q)
-        return QueuedStep(tuple(after), lambda step, shape, seq, values: self._fan_event(step, shape, seq, values, p, q),
-                          read, (marks[0], target.clock.count, marks[1], draft.clock.count),
-                          time.perf_counter() - start)
+        return QueuedStep(tuple(after),
+                          lambda step, shape, seq, values: self._fan_event(step, shape, seq, values, p, q), read,
+                          (marks[0], target.clock.count, marks[1], draft.clock.count), time.perf_counter() - start)
 
     def _queue_chain(self, shape: Shape, state: tuple, target, draft, generator: torch.Generator) -> "QueuedStep":
         """A chain step's work on the device from what the step before left (state: see chain_next),
@@ -904,10 +907,8 @@ class Decoder:
             while queued is not None:
                 step += 1
                 current, queued = queued, None
-                room = max_tokens - produced
-                if self.context_length:
-                    room = min(room, self.context_length - len(seq))
-                if room > 1:  # (a step emits one token: the next one follows unless this one ends the answer)
+                # (a step emits one token: the next one follows unless this one ends the answer)
+                if self._room(max_tokens - produced, seq) > 1:
                     queued = self._queue_plain(current.token, current.base + 1, target, generator)
                 event = self._plain_event(step, self.shape, seq, current, target, since)
                 since = time.perf_counter()
