@@ -640,6 +640,9 @@ class Decoder:
         if kind == "plain":
             yield from self._plain_steps_ahead(seq, max_tokens, target, generator, held, prefill_seconds)
             return
+        if kind == "auto":
+            yield from self._auto_steps_ahead(seq, max_tokens, target, draft, generator, held, prefill_seconds)
+            return
         if kind is not None:
             yield from self._tree_steps_ahead(kind, seq, max_tokens, target, draft, generator, held, prefill_seconds)
             return
@@ -682,14 +685,15 @@ class Decoder:
 
     def _ahead_kind(self, target, draft) -> str | None:
         """Whether this generation queues each step ahead, where `steps_ahead` asks for it (by default
-        off the CPU): "plain" for `ar` (_plain_steps_ahead), "chain" for `sd` and "fan" for `rsd-c`
-        with root children only (the device steps of _on_device: _tree_steps_ahead) on static-shape
-        caches whose buckets hold its forwards; sampling that does not depend on the context; else None."""
+        off the CPU): "plain" for `ar` (_plain_steps_ahead), "auto" for `auto`'s plain steps
+        (_auto_steps_ahead), "chain" for `sd` and "fan" for `rsd-c` with root children only (the
+        device steps of _on_device: _tree_steps_ahead) on static-shape caches whose buckets hold its
+        forwards; sampling that does not depend on the context; else None."""
         wanted = self.steps_ahead if self.steps_ahead is not None else target.device.type != "cpu"
         if not wanted or self.sampling.uses_context:
             return None
-        if self.shape.variant == "ar":
-            return "plain"
+        if self.shape.variant in ("ar", "auto"):
+            return "plain" if self.shape.variant == "ar" else "auto"
         kind = self._on_device(self.shape, draft, target.device)
         if kind is None:
             return None
@@ -891,6 +895,53 @@ class Decoder:
                           lambda step, shape, seq, values: self._chain_event(step, shape, seq, values, p, q_rows),
                           read, (marks[0], target.clock.count, marks[1], draft.clock.count),
                           time.perf_counter() - start)
+
+    def _auto_steps_ahead(self, seq: list[int], max_tokens: int, target, draft, generator: torch.Generator,
+                          held: list[int], prefill_seconds: float) -> Iterator[StepEvent]:
+        """_steps for `auto` on a device that runs behind the host (a GPU): where it decodes plainly,
+        each plain step is queued from the token before it while that is still on the device, as
+        _plain_steps_ahead queues `ar`'s. The shape of the step after a plain one is then chosen
+        before that token is read: from the steps before it, and without a lookup chain (which
+        continues the very tokens that end the sequence), so after a plain step auto's choices lag
+        one step and lookup chains wait for a drafting step. A shape fixed from earlier steps
+        alone keeps the output exactly the target's (see auto). Drafting steps run one at a time."""
+        produced, step, since = 0, 0, time.perf_counter()
+        queued = None  # a plain step queued before the token of the one before was read
+        chosen = None  # the next step's shape, where it was chosen before the last token was read
+
+        def lag(ahead: int = 0) -> int:  # tokens the draft has yet to read (`ahead` more still on the device)
+            return len(seq) + ahead - draft.length if draft is not None else 0
+
+        try:
+            while produced < max_tokens:
+                step += 1
+                if queued is not None:
+                    current, shape, queued = queued, chosen, None
+                else:
+                    shape = chosen if chosen is not None else self._next_shape(lag(), max_tokens - produced, seq)
+                    current = None if shape.depth else self._queue_plain([seq[-1]], len(seq) - 1, target, generator)
+                chosen = None
+                if current is None:  # a drafting step
+                    event = self._step(step, shape, seq, target, draft, generator)
+                else:
+                    if self._room(max_tokens - produced, seq) > 1:  # (this step emits one token)
+                        chosen = self._next_shape(lag(1), max_tokens - produced - 1)
+                        if not chosen.depth:
+                            queued = self._queue_plain(current.token, current.base + 1, target, generator)
+                    event = self._plain_event(step, shape, seq, current, target, since)
+                since = time.perf_counter()
+                produced += self._settle(event, seq, held, max_tokens - produced)
+                if step == 1:
+                    event.forward_seconds += prefill_seconds
+                if event.finished and queued is not None:  # an end-of-sequence token
+                    target.keep(list(range(len(held))))
+                    queued = None
+                yield event
+                if event.finished:
+                    return
+        finally:
+            if queued is not None:  # a consumer that stopped reading
+                target.keep(list(range(len(held))))
 
     def _plain_steps_ahead(self, seq: list[int], max_tokens: int, target, generator: torch.Generator,
                            held: list[int], prefill_seconds: float) -> Iterator[StepEvent]:

@@ -14,7 +14,7 @@ from rsd_cli import auto
 from rsd_cli.auto import Acceptance, AutoShape, Costs, candidates, expected_tokens
 from rsd_cli.cli import app
 from rsd_cli.drafting import make_shape
-from rsd_cli.engine import Decoder
+from rsd_cli.engine import CachedLM, Decoder
 from rsd_cli.sampling import SamplingParams
 from rsd_cli.verification import Decision
 from test_engine import N_SAMPLES, PROMPT, V, chi_square_pvalue, exact_joint, plain_greedy
@@ -591,3 +591,93 @@ def test_chat_answers_go_on_from_what_earlier_answers_taught_auto(tiny_profile):
     session.profile.set("sampling", "temperature", 0.0, "/set")  # other sampling: learnt afresh
     session.answer("once more", io.StringIO(), console)
     assert session.learnt[2] is not first
+
+
+class Scripted:
+    """A stand-in for auto's policy that plays a fixed list of shapes, one per step, in order (and
+    then `ar`), whatever happened: the same shapes one step at a time and queued ahead."""
+
+    longest_lookup = 0
+
+    def __init__(self, shapes):
+        self.shapes, self.asked = list(shapes), []
+
+    def next_shape(self, lag, remaining=None, lookup=(0, 0)):
+        self.asked.append((lag, remaining))
+        return self.shapes.pop(0) if self.shapes else make_shape("ar")
+
+    def observe(self, event) -> None:
+        pass
+
+    def save(self) -> None:
+        pass
+
+
+AR, SD, FAN = make_shape("ar"), make_shape("sd", draft_len=2), make_shape("rsd-c", branching=(2,))
+SCRIPT = [AR, AR, AR, SD, AR, FAN, FAN, AR, AR, SD, SD, AR, AR, AR]
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.0)], ids=str)
+def test_auto_queues_its_plain_steps_ahead_with_the_events_of_one_step_at_a_time(pair, sampling, monkeypatch):
+    """On a GPU `auto`'s plain steps are queued from the token before them, before it is read, and
+    the step after a plain one gets its shape before that token is known (Decoder._auto_steps_ahead).
+    With the same shapes step after step (a scripted policy), the events equal those of one step at
+    a time, bit for bit, over answers that end at their length and at an end-of-sequence token, and
+    what a chat keeps holds what it says; a plain step's successor is queued before its token is
+    read, and the draft's lag and the tokens left are worked out one token ahead."""
+    from rsd_cli import engine
+
+    reads = []
+    real_soon = engine.to_host_soon
+    monkeypatch.setattr(engine, "to_host_soon", lambda tensor: (lambda read: lambda: reads.append(1) or read())(
+        real_soon(tensor)))
+    for eos, seed in [((), 3)] + [((0,), s) for s in range(4)]:
+        runs = {}
+        for ahead in (True, False):
+            decoder = Decoder(pair[0], pair[1], V, make_shape("auto"), sampling, set(eos))
+            decoder.policy, decoder.steps_ahead, decoder.keep_caches = Scripted(SCRIPT), ahead, True
+            events = list(decoder.generate(PROMPT, 24, seed))
+            runs[ahead] = (events, decoder.policy.asked, decoder.kept)
+        (ours, asked, kept), (reference, reference_asked, reference_kept) = runs[True], runs[False]
+        assert [e.shape for e in ours] == [e.shape for e in reference]
+        assert [e.emitted for e in ours] == [e.emitted for e in reference]
+        assert [e.finished for e in ours] == [e.finished for e in reference]
+        assert all(torch.equal(a.p, b.p) and a.path == b.path for a, b in zip(ours, reference))
+        # lag and tokens left, worked out one token ahead (and asked once more where a token ended the answer)
+        assert asked[: len(reference_asked)] == reference_asked and len(asked) - len(reference_asked) in (0, 1)
+        assert kept.tokens == reference_kept.tokens and kept.target.length == len(kept.tokens)
+    calls = []
+    real_forward = CachedLM.forward
+    monkeypatch.setattr(CachedLM, "forward", lambda self, *a, **k: calls.append(
+        "target" if self.model is pair[0] else "draft") or real_forward(self, *a, **k))
+    reads.clear()
+    decoder = Decoder(pair[0], pair[1], V, make_shape("auto"), SamplingParams(1.0), set())
+    decoder.policy, decoder.steps_ahead = Scripted([AR, AR, AR]), True
+    steps = decoder.generate(PROMPT, 3, seed=1)
+    next(steps)
+    assert calls == ["target"] * 3 and reads == [1]  # the prompt, steps 1 and 2 queued; step 1's token read
+    steps.close()
+
+
+def test_greedy_auto_queued_ahead_equals_plain_greedy(pair):
+    decoder = Decoder(pair[0], pair[1], V, make_shape("auto"), SamplingParams(temperature=0), set())
+    decoder.steps_ahead = True
+    assert [t for e in decoder.generate(PROMPT, 25, seed=0) for t in e.emitted] == plain_greedy(pair[0], 25)
+
+
+def test_auto_queued_ahead_follows_the_target_distribution_while_its_shape_changes(pair):
+    """As the test above, with auto's plain steps queued ahead: the shape after a plain step is
+    chosen before its token is read (and without a lookup chain)."""
+    sampling = SamplingParams(temperature=1.0)
+    counts = torch.zeros(V, V)
+    shapes = set()
+    for seed in range(N_SAMPLES):
+        decoder = Decoder(pair[0], pair[1], V, make_shape("auto", nodes=3), sampling, set())
+        decoder.policy, decoder.steps_ahead = switching_policy(), True
+        list(decoder.generate(PROMPT, 6, 10**6 + seed))
+        events = list(decoder.generate(PROMPT, 2, seed))
+        tokens = [t for e in events for t in e.emitted]
+        counts[tokens[0], tokens[1]] += 1
+        shapes.add(tuple(e.shape.describe() for e in events))
+    assert any(names[0] == "ar" and len(names) > 1 for names in shapes)  # a shape chosen ahead of a token
+    assert chi_square_pvalue(counts, exact_joint(pair[0], sampling) * N_SAMPLES) > 1e-3
