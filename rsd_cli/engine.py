@@ -733,8 +733,9 @@ class Decoder:
         self._fits_ahead(kind, len(seq) - 1, target, draft, grow=True)
         state = (to_device([seq[-1]], device), to_device([seq[-1], 0], device), to_device([1], device),
                  to_device([len(seq) - 1], device))
-        produced, step, since = 0, 0, time.perf_counter()
+        produced, step = 0, 0
         queued = queue(shape, state, target, draft, generator)
+        since = time.perf_counter()  # (a step's host time: from the generator's resumption, the consumer's left out)
         try:
             while queued is not None:
                 step += 1
@@ -744,6 +745,7 @@ class Decoder:
                     self._fits_ahead(kind, len(seq) - 1 + advance, target, draft)
                 if ahead:
                     queued = queue(shape, current.state, target, draft, generator)
+                queued_seconds = queued.queue_seconds if queued is not None else 0.0
                 event = current.event(step, shape, seq, current.read())  # (its one transfer)
                 before, after, draft_before, draft_after = current.forwards
                 event.draft_forward_seconds = draft.clock.seconds_through(draft_after) - \
@@ -751,9 +753,8 @@ class Decoder:
                 event.forward_seconds = event.draft_forward_seconds + target.clock.seconds_through(after) - \
                     target.clock.seconds_through(before)
                 event.draft_calls = draft_after - draft_before
-                event.draft_seconds = current.queue_seconds
-                event.verify_seconds = max(time.perf_counter() - since - current.queue_seconds, 0.0)
-                since = time.perf_counter()
+                event.draft_seconds = current.queue_seconds  # (its verification: waiting for it, then its event)
+                event.verify_seconds = max(time.perf_counter() - since - queued_seconds, 0.0)
                 draft_holds = len(seq) + min(len(event.path), shape.depth - 1)  # (it read the accepted drafts)
                 produced += self._settle(event, seq, held, max_tokens - produced)
                 if step == 1:
@@ -767,6 +768,7 @@ class Decoder:
                     self._fits_ahead(kind, len(seq) - 1, target, draft, grow=True)
                     queued = queue(shape, current.state, target, draft, generator)
                 yield event
+                since = time.perf_counter()
         finally:  # the caches hold the tokens of the steps read, whatever was queued after them
             target.keep(list(range(len(held))))
             draft.keep(list(range(draft_holds)))
@@ -929,7 +931,6 @@ class Decoder:
                         if not chosen.depth:
                             queued = self._queue_plain(current.token, current.base + 1, target, generator)
                     event = self._plain_event(step, shape, seq, current, target, since)
-                since = time.perf_counter()
                 produced += self._settle(event, seq, held, max_tokens - produced)
                 if step == 1:
                     event.forward_seconds += prefill_seconds
@@ -939,6 +940,7 @@ class Decoder:
                 yield event
                 if event.finished:
                     return
+                since = time.perf_counter()  # (a step's host time: the consumer's left out)
         finally:
             if queued is not None:  # a consumer that stopped reading
                 target.keep(list(range(len(held))))
@@ -962,7 +964,6 @@ class Decoder:
                 if self._room(max_tokens - produced, seq) > 1:
                     queued = self._queue_plain(current.token, current.base + 1, target, generator)
                 event = self._plain_event(step, self.shape, seq, current, target, since)
-                since = time.perf_counter()
                 produced += self._settle(event, seq, held, max_tokens - produced)
                 if step == 1:
                     event.forward_seconds += prefill_seconds
@@ -970,6 +971,7 @@ class Decoder:
                     target.keep(list(range(len(held))))
                     queued = None
                 yield event
+                since = time.perf_counter()  # (a step's host time: the consumer's left out)
         finally:
             if queued is not None:  # a consumer that stopped reading
                 target.keep(list(range(len(held))))
