@@ -41,7 +41,7 @@ SHAPES = {"ar": make_shape("ar"), "sd γ=1": make_shape("sd", draft_len=1), "sd 
           "auto": make_shape("auto"),  # (timed with its maths graphed only: its memory is shared by decoders)
           # each step queued before the last one's outcome is read (Decoder._plain_steps_ahead, _tree_steps_ahead:
           # what a GPU runs by default), graphed only
-          "ar ahead": make_shape("ar"), "sd γ=1 ahead": make_shape("sd", draft_len=1),
+          "ar ahead": make_shape("ar"), "auto ahead": make_shape("auto"), "sd γ=1 ahead": make_shape("sd", draft_len=1),
           "sd γ=2 ahead": make_shape("sd", draft_len=2),
           "rsd-c b=(3) ahead": make_shape("rsd-c", branching=(3,)),
           "rsd-c b=(7) ahead": make_shape("rsd-c", branching=(7,)),
@@ -105,7 +105,7 @@ def count(pair, args) -> list[dict]:
     compiled.CompiledModel.forward = counting.mute(compiled.CompiledModel.forward)
     rows = []
     for name, shape in SHAPES.items():
-        if name == "auto":  # (its steps are the other shapes')
+        if name.startswith("auto"):  # (its steps are the other shapes')
             continue
         for graphed in (False, True):
             graphs = StepGraphs(torch.device("cpu"), True, capture=counting.capture) if graphed else None
