@@ -530,15 +530,16 @@ class Decoder:
         self.steps_ahead: bool | None = None
         self._placed_constants: dict[tuple, tuple] = {}  # (_placed)
 
-    def _next_shape(self, lag: int = 0, remaining: int | None = None, seq: list[int] = ()) -> Shape:
+    def _next_shape(self, lag: int = 0, remaining: int | None = None, seq: list[int] = (), unread: int = 0) -> Shape:
         """This step's shape: the configured one, or auto's choice from the steps before it (lag:
         tokens the draft has not read yet; remaining: tokens the answer may still take; seq: the
-        tokens so far, where auto looks for a lookup draft)."""
+        tokens so far, where auto looks for a lookup draft; unread: tokens drawn after seq that the
+        host has not read yet — the continuation found is then expected to go on after them)."""
         if self.shape.variant != "auto":
             return self.shape
         policy = self._auto_policy()
-        n, continuation = self.ngrams.match(seq, policy.longest_lookup) if seq else (0, [])
-        return policy.next_shape(lag, remaining, lookup=(n, len(continuation)))
+        n, continuation = self.ngrams.match(seq, policy.longest_lookup + unread) if seq else (0, [])
+        return policy.next_shape(lag, remaining, lookup=(n, max(len(continuation) - unread, 0)))
 
     def _auto_policy(self):
         """auto.AutoShape for --variant auto, made (its costs measured) at its first use."""
@@ -903,10 +904,10 @@ class Decoder:
         """_steps for `auto` on a device that runs behind the host (a GPU): where it decodes plainly,
         each plain step is queued from the token before it while that is still on the device, as
         _plain_steps_ahead queues `ar`'s. The shape of the step after a plain one is then chosen
-        before that token is read: from the steps before it, and without a lookup chain (which
-        continues the very tokens that end the sequence), so after a plain step auto's choices lag
-        one step and lookup chains wait for a drafting step. A shape fixed from earlier steps
-        alone keeps the output exactly the target's (see auto). Drafting steps run one at a time."""
+        before that token is read, from the steps before it: auto's choices lag one step there, and
+        a lookup chain is weighed on what followed the sequence without that token (its chain is
+        looked up once the token is known). A shape fixed from earlier steps alone keeps the output
+        exactly the target's (see auto). Drafting steps run one at a time."""
         produced, step, since = 0, 0, time.perf_counter()
         queued = None  # a plain step queued before the token of the one before was read
         chosen = None  # the next step's shape, where it was chosen before the last token was read
@@ -927,7 +928,7 @@ class Decoder:
                     event = self._step(step, shape, seq, target, draft, generator)
                 else:
                     if self._room(max_tokens - produced, seq) > 1:  # (this step emits one token)
-                        chosen = self._next_shape(lag(1), max_tokens - produced - 1)
+                        chosen = self._next_shape(lag(1), max_tokens - produced - 1, seq, unread=1)
                         if not chosen.depth:
                             queued = self._queue_plain(current.token, current.base + 1, target, generator)
                     event = self._plain_event(step, shape, seq, current, target, since)

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from rsd_cli import auto
 from rsd_cli.auto import Acceptance, AutoShape, Costs, candidates, expected_tokens
 from rsd_cli.cli import app
-from rsd_cli.drafting import make_shape
+from rsd_cli.drafting import NgramIndex, make_shape
 from rsd_cli.engine import CachedLM, Decoder
 from rsd_cli.sampling import SamplingParams
 from rsd_cli.verification import Decision
@@ -667,7 +667,7 @@ def test_greedy_auto_queued_ahead_equals_plain_greedy(pair):
 
 def test_auto_queued_ahead_follows_the_target_distribution_while_its_shape_changes(pair):
     """As the test above, with auto's plain steps queued ahead: the shape after a plain step is
-    chosen before its token is read (and without a lookup chain)."""
+    chosen before its token is read."""
     sampling = SamplingParams(temperature=1.0)
     counts = torch.zeros(V, V)
     shapes = set()
@@ -681,3 +681,19 @@ def test_auto_queued_ahead_follows_the_target_distribution_while_its_shape_chang
         shapes.add(tuple(e.shape.describe() for e in events))
     assert any(names[0] == "ar" and len(names) > 1 for names in shapes)  # a shape chosen ahead of a token
     assert chi_square_pvalue(counts, exact_joint(pair[0], sampling) * N_SAMPLES) > 1e-3
+
+
+def test_a_lookup_chosen_before_the_last_token_is_read_counts_what_follows_that_token(pair):
+    """Where the shape is chosen before the last drawn token is read (Decoder._next_shape's
+    `unread`), the lookup chain weighed is what followed the matched n-gram after that token:
+    one token fewer than the continuation found."""
+    decoder = Decoder(pair[0], pair[1], V, make_shape("auto"), SamplingParams(1.0), set())
+    decoder.policy = Scripted([AR, AR])
+    decoder.ngrams = NgramIndex(4)
+    lookups = []
+    decoder.policy.next_shape = lambda lag, remaining=None, lookup=(0, 0): lookups.append(lookup) or AR
+    decoder.policy.longest_lookup = 4
+    seq = [1, 2, 3, 1, 2]  # "1 2" was followed by "3 1 2"
+    decoder._next_shape(0, 10, seq)
+    decoder._next_shape(0, 10, seq, unread=1)
+    assert lookups == [(2, 3), (2, 2)]
