@@ -432,6 +432,26 @@ def test_trees_queued_ahead_on_a_gpu_give_the_tokens_of_one_step_at_a_time(pair,
         assert kept[True].tokens == kept[False].tokens
 
 
+@CUDA
+def test_auto_queued_ahead_on_a_gpu_gives_the_events_of_one_step_at_a_time(pair):
+    """On a GPU `auto` queues its plain steps ahead (Decoder._auto_steps_ahead): with the same shapes
+    step after step (a scripted policy), the tokens and p of one step at a time."""
+    import copy
+
+    from test_auto import SCRIPT, Scripted
+
+    models = tuple(copy.deepcopy(model).cuda() for model in pair)
+    runtimes = Runtimes(CompiledModel(models[0], True), CompiledModel(models[1], True), "on")
+    for seed in range(3):
+        events = {}
+        for ahead in (True, False):
+            decoder = Decoder(*models, V, make_shape("auto"), SamplingParams(1.0), {0}, runtimes=runtimes)
+            decoder.policy, decoder.steps_ahead = Scripted(SCRIPT), ahead
+            events[ahead] = list(decoder.generate(PROMPT, 24, seed=seed))
+        assert [e.emitted for e in events[True]] == [e.emitted for e in events[False]]
+        assert all(torch.allclose(a.p, b.p, atol=1e-4) for a, b in zip(events[True], events[False]))
+
+
 def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
     """The backends differ only in the order of float additions: sampled runs agree token for token
     on this pair (the test would catch a runtime that draws random numbers differently)."""
