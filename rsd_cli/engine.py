@@ -639,10 +639,7 @@ class Decoder:
         prefill_seconds = target.forward_seconds - before  # reported with the first step's forwards
         kind = self._ahead_kind(target, draft)
         if kind == "plain":
-            yield from self._plain_steps_ahead(seq, max_tokens, target, generator, held, prefill_seconds)
-            return
-        if kind == "auto":
-            yield from self._auto_steps_ahead(seq, max_tokens, target, draft, generator, held, prefill_seconds)
+            yield from self._plain_steps_ahead(seq, max_tokens, target, draft, generator, held, prefill_seconds)
             return
         if kind is not None:
             yield from self._tree_steps_ahead(kind, seq, max_tokens, target, draft, generator, held, prefill_seconds)
@@ -686,15 +683,15 @@ class Decoder:
 
     def _ahead_kind(self, target, draft) -> str | None:
         """Whether this generation queues each step ahead, where `steps_ahead` asks for it (by default
-        off the CPU): "plain" for `ar` (_plain_steps_ahead), "auto" for `auto`'s plain steps
-        (_auto_steps_ahead), "chain" for `sd` and "fan" for `rsd-c` with root children only (the
-        device steps of _on_device: _tree_steps_ahead) on static-shape caches whose buckets hold its
-        forwards; sampling that does not depend on the context; else None."""
+        off the CPU): "plain" for `ar` and `auto`'s plain steps (_plain_steps_ahead), "chain" for
+        `sd` and "fan" for `rsd-c` with root children only (the device steps of _on_device:
+        _tree_steps_ahead) on static-shape caches whose buckets hold its forwards; sampling that
+        does not depend on the context; else None."""
         wanted = self.steps_ahead if self.steps_ahead is not None else target.device.type != "cpu"
         if not wanted or self.sampling.uses_context:
             return None
         if self.shape.variant in ("ar", "auto"):
-            return "plain" if self.shape.variant == "ar" else "auto"
+            return "plain"
         kind = self._on_device(self.shape, draft, target.device)
         if kind is None:
             return None
@@ -899,15 +896,20 @@ class Decoder:
                           read, (marks[0], target.clock.count, marks[1], draft.clock.count),
                           time.perf_counter() - start)
 
-    def _auto_steps_ahead(self, seq: list[int], max_tokens: int, target, draft, generator: torch.Generator,
-                          held: list[int], prefill_seconds: float) -> Iterator[StepEvent]:
-        """_steps for `auto` on a device that runs behind the host (a GPU): where it decodes plainly,
-        each plain step is queued from the token before it while that is still on the device, as
-        _plain_steps_ahead queues `ar`'s. The shape of the step after a plain one is then chosen
-        before that token is read, from the steps before it: auto's choices lag one step there, and
-        a lookup chain is weighed on what followed the sequence without that token (its chain is
-        looked up once the token is known). A shape fixed from earlier steps alone keeps the output
-        exactly the target's (see auto). Drafting steps run one at a time."""
+    def _plain_steps_ahead(self, seq: list[int], max_tokens: int, target, draft, generator: torch.Generator,
+                           held: list[int], prefill_seconds: float) -> Iterator[StepEvent]:
+        """_steps for `ar` and `auto` on a device that runs behind the host (a GPU): each plain step's
+        forward and draw are queued from the token before it while that token is still on the
+        device, before the host reads it. The host's work on a step (reading its token, its event,
+        what the consumer does with it) then overlaps the device's next forward instead of leaving
+        the device idle. The uniforms are drawn in the order of one step at a time, so `ar`'s tokens
+        and events are the same. For `auto` the shape of the step after a plain one is chosen before
+        that token is read, from the steps before it: its choices lag one step there, and a lookup
+        chain is weighed on what followed the sequence without that token (its chain is looked up
+        once the token is known). A shape fixed from earlier steps alone keeps the output exactly the
+        target's (see auto). Drafting steps run one at a time. A plain step queued past the end (after
+        an end-of-sequence token, or for a consumer that stops) is dropped from the cache, which then
+        holds `held` again."""
         produced, step, since = 0, 0, time.perf_counter()
         queued = None  # a plain step queued before the token of the one before was read
         chosen = None  # the next step's shape, where it was chosen before the last token was read
@@ -941,37 +943,6 @@ class Decoder:
                 yield event
                 if event.finished:
                     return
-                since = time.perf_counter()  # (a step's host time: the consumer's left out)
-        finally:
-            if queued is not None:  # a consumer that stopped reading
-                target.keep(list(range(len(held))))
-
-    def _plain_steps_ahead(self, seq: list[int], max_tokens: int, target, generator: torch.Generator,
-                           held: list[int], prefill_seconds: float) -> Iterator[StepEvent]:
-        """_steps for `ar` on a device that runs behind the host (a GPU): each step's forward and draw
-        are queued from the token before it while that token is still on the device, before the host
-        reads it. The host's work on a step (reading its token, its event, what the consumer does
-        with it) then overlaps the device's next forward instead of leaving the device idle. The
-        uniforms are drawn in the order of one step at a time, so the tokens and events are the
-        same. A step queued past the end (after an end-of-sequence token, or for a consumer that
-        stops) is dropped from the cache, which then holds `held` again."""
-        produced, step, since = 0, 0, time.perf_counter()
-        queued = self._queue_plain([seq[-1]], len(seq) - 1, target, generator)
-        try:
-            while queued is not None:
-                step += 1
-                current, queued = queued, None
-                # (a step emits one token: the next one follows unless this one ends the answer)
-                if self._room(max_tokens - produced, seq) > 1:
-                    queued = self._queue_plain(current.token, current.base + 1, target, generator)
-                event = self._plain_event(step, self.shape, seq, current, target, since)
-                produced += self._settle(event, seq, held, max_tokens - produced)
-                if step == 1:
-                    event.forward_seconds += prefill_seconds
-                if event.finished and queued is not None:  # an end-of-sequence token
-                    target.keep(list(range(len(held))))
-                    queued = None
-                yield event
                 since = time.perf_counter()  # (a step's host time: the consumer's left out)
         finally:
             if queued is not None:  # a consumer that stopped reading

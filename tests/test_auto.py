@@ -620,7 +620,7 @@ SCRIPT = [AR, AR, AR, SD, AR, FAN, FAN, AR, AR, SD, SD, AR, AR, AR]
 @pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.0)], ids=str)
 def test_auto_queues_its_plain_steps_ahead_with_the_events_of_one_step_at_a_time(pair, sampling, monkeypatch):
     """On a GPU `auto`'s plain steps are queued from the token before them, before it is read, and
-    the step after a plain one gets its shape before that token is known (Decoder._auto_steps_ahead).
+    the step after a plain one gets its shape before that token is known (Decoder._plain_steps_ahead).
     With the same shapes step after step (a scripted policy), the events equal those of one step at
     a time, bit for bit, over answers that end at their length and at an end-of-sequence token, and
     what a chat keeps holds what it says; a plain step's successor is queued before its token is

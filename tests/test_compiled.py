@@ -434,7 +434,7 @@ def test_trees_queued_ahead_on_a_gpu_give_the_tokens_of_one_step_at_a_time(pair,
 
 @CUDA
 def test_auto_queued_ahead_on_a_gpu_gives_the_events_of_one_step_at_a_time(pair):
-    """On a GPU `auto` queues its plain steps ahead (Decoder._auto_steps_ahead): with the same shapes
+    """On a GPU `auto` queues its plain steps ahead (Decoder._plain_steps_ahead): with the same shapes
     step after step (a scripted policy), the tokens and p of one step at a time."""
     import copy
 
