@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 import time
 from functools import partial
 from dataclasses import dataclass, field
@@ -524,10 +525,11 @@ class Decoder:
         # every node's residual and every bonus draw does: 0.2-1.0 ms a step on a 2-core Xeon)
         self.device_steps: bool | None = None
         self.step_graphs: StepGraphs | None = None  # how device and plain steps run their maths (_maths)
-        # each step queued before the outcome of the one before is read, for `ar` (_plain_steps_ahead),
-        # and `sd` chains and `rsd-c` fans decided on the device (_tree_steps_ahead): None = where the target
-        # is not on the CPU (there nothing runs behind the host)
-        self.steps_ahead: bool | None = None
+        # each step queued before the outcome of the one before is read, for `ar` and `auto`'s plain steps
+        # (_plain_steps_ahead), and `sd` chains and `rsd-c` fans decided on the device (_tree_steps_ahead):
+        # None = where the target is not on the CPU (there nothing runs behind the host); RSD_STEPS_AHEAD=0:
+        # never, one step at a time everywhere
+        self.steps_ahead: bool | None = False if os.environ.get("RSD_STEPS_AHEAD", "1").strip() == "0" else None
         self._placed_constants: dict[tuple, tuple] = {}  # (_placed)
 
     def _next_shape(self, lag: int = 0, remaining: int | None = None, seq: list[int] = (), unread: int = 0) -> Shape:

@@ -345,6 +345,32 @@ def test_plain_steps_queued_ahead_queue_the_next_forward_before_reading_a_token(
     assert [t for e in greedy.generate(follow_up, 6, seed=0) for t in e.emitted] == greedy_of(pair[0], follow_up, 6)
 
 
+def test_steps_are_queued_ahead_off_the_cpu_unless_switched_off(pair, monkeypatch):
+    """By default steps are queued ahead where the target is not on the CPU: `ar` and `auto`
+    (their plain steps), `sd` chains and `rsd-c` fans on static-shape caches; never with a
+    repetition penalty, nor for trees deeper than root children; RSD_STEPS_AHEAD=0 switches it off."""
+    from rsd_cli.compiled import StaticLM
+
+    runtimes = static_runtimes(pair)
+    cpu, cuda = SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(device=torch.device("cuda"))
+    decoder = Decoder(*pair, V, make_shape("ar"), SamplingParams(1.0), set())
+    assert decoder._ahead_kind(cpu, None) is None and decoder._ahead_kind(cuda, None) == "plain"
+    decoder.shape = make_shape("auto")
+    assert decoder._ahead_kind(cuda, None) == "plain"
+    decoder.sampling = SamplingParams(1.0, repetition_penalty=1.2)
+    assert decoder._ahead_kind(cuda, None) is None
+    for shape, kind in [(make_shape("sd", draft_len=2), "chain"), (make_shape("rsd-c", branching=(3,)), "fan"),
+                        (make_shape("rsd-c", branching=(2, 2)), None), (make_shape("rsd-s", beam_width=2, depth=2), None)]:
+        decoder = Decoder(*pair, V, shape, SamplingParams(1.0), set())
+        target, draft = StaticLM(runtimes.target, V, 16), StaticLM(runtimes.draft, V, 16)
+        decoder.steps_ahead = decoder.device_steps = True  # (as off the CPU)
+        assert decoder._ahead_kind(target, draft) == kind, shape.describe()
+        target.release(), draft.release()
+    monkeypatch.setenv("RSD_STEPS_AHEAD", "0")
+    decoder = Decoder(*pair, V, make_shape("ar"), SamplingParams(1.0), set())
+    assert decoder._ahead_kind(cuda, None) is None
+
+
 def static_runtimes(pair):
     from rsd_cli.compiled import CompiledModel
     from rsd_cli.engine import Runtimes
