@@ -69,8 +69,8 @@ case $part in
     done 2>&1 | grep -v Warning | tee "$out/prefetch-ab-cpu16.txt"
     $py benchmarks/auto_policy_cost.py 2>&1 | tee "$out/auto-policy-cost.txt" ;;
   stepgraphs)  # a device step's maths replayed as CUDA graphs (StepGraphs) against launched op by op: the
-    # GPU tests of it (and of ar and rsd-c fans queued ahead), then tokens/s per shape both ways and
-    # of the "ahead" rows, interleaved, at T=1 and T=0; then the trace
+    # GPU tests of it (and of steps queued ahead: ar, auto, sd chains, rsd-c fans), then tokens/s per
+    # shape both ways and of the "ahead" rows, interleaved, at T=1 and T=0; then the trace
     $py -m pytest -p no:warnings -q -rs tests/test_compiled.py -k "step_maths or cuda_graphs or queued_ahead" 2>&1 |
       tee "$out/step-graphs-tests.txt"
     for t in 1 0; do
