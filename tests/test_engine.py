@@ -491,22 +491,31 @@ def test_trees_queued_ahead_queue_the_next_step_before_reading_one_and_grow_thei
     assert [t for e in decoder.generate(follow_up, 8, seed=0) for t in e.emitted] == greedy_of(pair[0], follow_up, 8)
 
 
-def test_steps_queued_ahead_reach_the_end_of_the_models_context(pair):
-    """At the end of the models' context a step's deeper rows (and a step queued ahead) sit past
-    the last position the rotary tables hold: they read its angle (their tokens are never emitted),
-    and the answer ends at the context as one step at a time ends it."""
-    runtimes, context = static_runtimes(pair), pair[0].config.max_position_embeddings
-    prompt = [1 + i % 5 for i in range(context - 6)]
-    for shape in (make_shape("ar"), make_shape("sd", draft_len=3), make_shape("rsd-c", branching=(3,))):
-        for seed in range(3):
-            answers = []
-            for ahead in (True, False):
-                decoder = Decoder(*pair, V, shape, SamplingParams(1.0), set(), context, runtimes)
-                decoder.device_steps, decoder.steps_ahead = True, ahead
-                events = list(decoder.generate(prompt, 50, seed=seed))
-                assert events[-1].finished == "context" and sum(len(e.emitted) for e in events) == 6
-                answers.append([e.emitted for e in events])
-            assert answers[0] == answers[1], shape.describe()
+@pytest.mark.parametrize("static_shapes", [True, False], ids=["static", "dynamic"])
+def test_answers_reach_the_end_of_the_models_context_on_the_compiled_runtime(pair, static_shapes):
+    """At the end of the models' context a tree's deeper rows (and a step queued ahead) sit past the
+    last position the rotary tables hold (it was an IndexError, a device assert on a GPU): they read
+    its angle (their tokens are never emitted), and the answer ends at the context, queued ahead as
+    one step at a time."""
+    from rsd_cli.compiled import CompiledModel
+    from rsd_cli.engine import Runtimes
+
+    runtimes = Runtimes(CompiledModel(pair[0], False, static_shapes=static_shapes),
+                        CompiledModel(pair[1], False, static_shapes=static_shapes), "off")
+    context = pair[0].config.max_position_embeddings
+    for left in (3, 4, 6):
+        prompt = [1 + i % 5 for i in range(context - left)]
+        for shape in (make_shape("ar"), make_shape("sd", draft_len=3), make_shape("rsd-c", branching=(3,)),
+                      make_shape("rsd-c", branching=(2, 2))):
+            for seed in range(3):
+                answers = []
+                for ahead in (True, False):
+                    decoder = Decoder(*pair, V, shape, SamplingParams(1.0), set(), context, runtimes)
+                    decoder.device_steps, decoder.steps_ahead = True, ahead
+                    events = list(decoder.generate(prompt, 50, seed=seed))
+                    assert events[-1].finished == "context" and sum(len(e.emitted) for e in events) == left
+                    answers.append([e.emitted for e in events])
+                assert answers[0] == answers[1], shape.describe()
 
 
 @pytest.mark.parametrize("shape", [FAN, make_shape("sd", draft_len=1)], ids=lambda s: s.describe())
