@@ -724,10 +724,10 @@ class Decoder:
         shape, device = self.shape, target.device
         queue = self._queue_fan if kind == "fan" else self._queue_chain
         advance = 1 + shape.depth  # the most one step moves the root
-        unread = draft.forward_seconds
+        seconds_before_prefill = draft.forward_seconds
         if draft.length < len(seq) - 1:  # (the prompt, the first time: the steps read the root themselves)
             draft.extend(seq[draft.length: -1])
-        draft_prefill = draft.forward_seconds - unread
+        draft_prefill = draft.forward_seconds - seconds_before_prefill
         prefill_seconds += draft_prefill
         draft_holds = len(seq) - 1  # what the draft's cache holds, as far as the host knows
         self._fits_ahead(kind, len(seq) - 1, target, draft, grow=True)
