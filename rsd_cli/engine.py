@@ -981,9 +981,7 @@ class Decoder:
         """An `rsd-c` step with b root children (depth 1) as _chain_step runs a chain: the children
         drawn on the device (Gumbel-top-b, or the draft's top b for a greedy target) and fed from
         there to the target's forward, decided at once (verification.fan_outcome), one transfer."""
-        start = time.perf_counter()
-        forward_before, draft_before = target.forward_seconds + draft.forward_seconds, draft.forward_seconds
-        calls_before = draft.calls
+        started = self._device_step_started(target, draft)
         device, base, maths = generator.device, len(seq) - 1, self._maths(target)
         k, children, verdict = self._fan_maths(shape)
         u = torch.rand(self._fan_uniforms(k), generator=generator, dtype=torch.float64, device=device)
@@ -1001,6 +999,20 @@ class Decoder:
         event = self._fan_event(step, shape, seq, to_host(packed), p, q)  # the step's one transfer
         target.keep(list(range(base)) + [base + n for n in [0] + event.path])
         draft.keep(list(range(len(seq))))  # (the children are leaves: the draft never read them)
+        return self._device_step_timed(event, target, draft, started, drafted_at)
+
+    @staticmethod
+    def _device_step_started(target, draft) -> tuple:
+        """What _device_step_timed counts a device step's numbers from: the host's clock, both models'
+        forward seconds, the draft's seconds and calls."""
+        return (time.perf_counter(), target.forward_seconds + draft.forward_seconds, draft.forward_seconds,
+                draft.calls)
+
+    @staticmethod
+    def _device_step_timed(event: StepEvent, target, draft, started: tuple, drafted_at: float) -> StepEvent:
+        """A device step's event with its draft calls and timings since `started` (drafted_at: when its
+        drafts were queued)."""
+        start, forward_before, draft_before, calls_before = started
         event.draft_calls = draft.calls - calls_before
         event.draft_seconds, event.verify_seconds = drafted_at - start, time.perf_counter() - drafted_at
         event.forward_seconds = target.forward_seconds + draft.forward_seconds - forward_before
@@ -1069,9 +1081,7 @@ class Decoder:
         the target's forward while the draft's runs, instead of waiting for the drafts first, and
         a step makes one synchronisation instead of one per level and per tried node. The tree
         and the caches end as `_step` leaves them (a chain: both caches keep a prefix)."""
-        start = time.perf_counter()
-        forward_before, draft_before = target.forward_seconds + draft.forward_seconds, draft.forward_seconds
-        calls_before = draft.calls
+        started = self._device_step_started(target, draft)
         device, base, maths = generator.device, len(seq) - 1, self._maths(target)
         gamma, draws, draw, verdict = self._chain_maths(shape)
         greedy, draft_sampling, sampling = self.greedy_ranking, self.draft_sampling, self.sampling
@@ -1093,11 +1103,7 @@ class Decoder:
         # prune: the root and the accepted drafts follow the prefix in both caches (no copy)
         target.keep(list(range(base + 1 + len(event.path))))
         draft.keep(list(range(len(seq) + min(len(event.path), gamma - 1))))
-        event.draft_calls = draft.calls - calls_before
-        event.draft_seconds, event.verify_seconds = drafted_at - start, time.perf_counter() - drafted_at
-        event.forward_seconds = target.forward_seconds + draft.forward_seconds - forward_before
-        event.draft_forward_seconds = draft.forward_seconds - draft_before
-        return event
+        return self._device_step_timed(event, target, draft, started, drafted_at)
 
     def _chain_maths(self, shape: Shape) -> tuple:
         """(γ, draws, draw, verdict) of a chain step: its levels; how many of its uniforms are the
