@@ -215,6 +215,23 @@ def _native_layer(layer, fused: tuple, fuse: bool):
                        blocks_of(a.o_proj), stacks[1], blocks_of(m.down_proj), bias, _head_norms(a))
 
 
+def _blocks_for_prompts(layers) -> bool:
+    """Whether the C layers also read prompts (more than MAX_ROWS tokens): where rsd's kernel
+    measured faster than torch's product for prompts (small_batch's verdict for that many rows) on
+    at least half of these layers' weights. For a few tokens the C layer wins by saving the ~40
+    operations around the products; for a prompt the products are the whole cost, and torch's
+    GEMM on the float32 weights can beat the blocks kernel (2-core Intel Xeon, the embedded target,
+    every prompt size from 96 to 4000 tokens 1.15-1.5x: `benchmarks/c_layers_ab.py`). The layers
+    then read the prompt as decoder_layer does, each product by its measured kernel."""
+    total = on_blocks = 0
+    for layer in layers:
+        a, m = layer.self_attn, layer.mlp
+        for linear in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+            total += linear.weight.numel()
+            on_blocks += linear.weight.numel() if kernels_of(linear)[2] == "blocks" else 0
+    return total > 0 and 2 * on_blocks >= total
+
+
 def stack_projections(layer) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, k and v's weights stacked, gate and up's stacked) for a layer on a GPU, where a small
     model's forward is a chain of kernel launches: one product instead of three and one instead of
@@ -354,6 +371,7 @@ class CompiledModel:
         # layers in one call where every layer can, then the final norm and head in one more
         native = [_native_layer(layer, fused, fuse) for layer, (_, _, fused) in zip(inner.layers, self.layers)]
         self.native = native if any(native) else None
+        self.prompts_in_c = _blocks_for_prompts(inner.layers)
         self._table: tuple = (None, None)  # (native list, its native_table): every layer in one call
         self.intermediate = cfg.intermediate_size
         self.norm_eps = inner.norm.variance_epsilon
@@ -507,7 +525,9 @@ class CompiledModel:
         (m, rows of the head) logits. Sizes in BUCKETS run the compiled graphs (the used length and
         the capacity are dynamic dimensions), others eager."""
         compiled = self.inductor and tokens.shape[0] in self.buckets
-        native = self.native if not compiled and slots is None else None
+        # prompts (more than MAX_ROWS tokens) in C only where rsd's kernel measured faster for them
+        in_c_here = tokens.shape[0] <= MAX_ROWS or self.prompts_in_c
+        native = self.native if not compiled and slots is None and in_c_here else None
         layer = self._layer if compiled else decoder_layer
         if compiled:
             torch._dynamo.maybe_mark_dynamic(mask, 1)

@@ -585,6 +585,43 @@ def test_a_token_gets_the_same_bits_alone_in_a_chain_or_a_tree_over_a_long_cache
     torch.testing.assert_close(tree(rows, native=None)[0], whole[0], rtol=1e-5, atol=1e-5)  # torch's layer
 
 
+def test_prompts_run_in_c_only_where_the_blocks_kernel_measured_faster_for_them(monkeypatch):
+    """A forward of more than MAX_ROWS tokens (a prompt) runs in the C layers where the verdicts for
+    prompts name the blocks kernel on most of the layers' weights, else on torch's layer, each
+    product by its measured kernel; fewer tokens always run in C. Both paths give the same logits
+    to within float32 rounding."""
+    runtime = _model_on_c_layers(3)  # (verdicts: the blocks kernel for every row count)
+    model = runtime.model
+    assert runtime.prompts_in_c
+    linears = [module for module in model.model.layers.modules() if hasattr(module, "_rsd_kernels")]
+    for module in linears:  # torch's product measured faster for prompts
+        module._rsd_kernels = ("blocks", "blocks", "torch")
+    on_torch = CompiledModel(model, compile=False)
+    assert not on_torch.prompts_in_c and all(on_torch.native)
+    for module in linears:  # the MLP's three products (3/4 of the weights) on blocks: the majority
+        module._rsd_kernels = ("blocks", "blocks", "blocks" if module.in_features != module.out_features else "torch")
+    assert CompiledModel(model, compile=False).prompts_in_c
+
+    in_c = []
+    layers = blocks.NativeForward.layers
+    monkeypatch.setattr(blocks.NativeForward, "layers", lambda self, *args: in_c.append(1) or layers(self, *args))
+    prompt = torch.randint(0, V, (small_batch.MAX_ROWS + 36,), generator=torch.Generator().manual_seed(3))
+
+    def read(runtime: CompiledModel, n: int) -> tuple[torch.Tensor, bool]:
+        in_c.clear()
+        mask = torch.zeros(n, n).masked_fill_(torch.ones(n, n, dtype=torch.bool).triu(1), -torch.inf)
+        keys, values = runtime.new_buffers(n)
+        with torch.inference_mode():
+            logits = runtime.forward(prompt[:n], torch.arange(n), mask, keys, values, torch.arange(n))
+        return logits, bool(in_c)
+
+    (c_logits, was_in_c), (torch_logits, was_in_torch) = read(runtime, len(prompt)), read(on_torch, len(prompt))
+    assert was_in_c and not was_in_torch
+    torch.testing.assert_close(torch_logits, c_logits, rtol=1e-5, atol=1e-5)
+    few = small_batch.MAX_ROWS
+    assert read(on_torch, few)[1] and torch.equal(read(on_torch, few)[0], read(runtime, few)[0])
+
+
 def test_auto_measures_costs_again_for_another_version_of_the_c_library(quantised_pair, monkeypatch):
     _, kernel, static = quantised_pair
     decoder = Decoder(kernel[0], kernel[1], V, make_shape("auto"), SamplingParams(), {2}, None, static[False])

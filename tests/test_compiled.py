@@ -116,7 +116,7 @@ class AllPacked:
     """Kernel verdicts: oneDNN on packed weights for every layer shape and row count."""
 
     def kernels(self, weights, blocks=None):
-        return ("packed", "packed")
+        return ("packed", "packed", "packed")
 
     def save(self):
         pass
