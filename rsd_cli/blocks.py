@@ -42,6 +42,7 @@ import os
 import platform
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import torch
@@ -370,6 +371,43 @@ FORMAT_KERNELS(q8_16, 40)
 FORMAT_KERNELS(iq4, 20)
 
 static const int FORMAT_BYTES[7] = {24, 36, 64, 64, 28, 40, 20};  /* a block's, in each format */
+
+/* a block's 32 float32 weights written out: the values the kernels above multiply by */
+#ifdef __AVX512F__
+#define BLOCK_VALUES(FORMAT)                                                                  \
+static inline void FORMAT##_values(const uint8_t* blk, float* out) {                          \
+  __m512 w0, w1;                                                                              \
+  FORMAT##_weights(blk, &w0, &w1);                                                            \
+  _mm512_storeu_ps(out, w0);                                                                  \
+  _mm512_storeu_ps(out + 16, w1);                                                             \
+}
+#else
+#define BLOCK_VALUES(FORMAT)                                                                  \
+static inline void FORMAT##_values(const uint8_t* blk, float* out) { FORMAT##_weights(blk, out); }
+#endif
+BLOCK_VALUES(q4_1) BLOCK_VALUES(q8_0) BLOCK_VALUES(f16) BLOCK_VALUES(bf16) BLOCK_VALUES(q5_1)
+BLOCK_VALUES(q8_16) BLOCK_VALUES(iq4)
+
+/* out (N, K) = the float32 weight that N rows of K / 32 blocks of one format hold, value for value
+   (format codes as strided_team's) */
+void blocks_dequantise(const uint8_t* w, float* out, int N, int K, int format, int threads) {
+  const int per_row = K / BLOCK, bytes = FORMAT_BYTES[format];
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (int n = 0; n < N; n++)
+    for (int b = 0; b < per_row; b++) {
+      const uint8_t* blk = w + ((size_t)n * per_row + b) * bytes;
+      float* o = out + (size_t)n * K + (size_t)b * BLOCK;
+      switch (format) {
+        case 0: q4_1_values(blk, o); break;
+        case 1: q8_0_values(blk, o); break;
+        case 2: f16_values(blk, o); break;
+        case 3: bf16_values(blk, o); break;
+        case 4: q5_1_values(blk, o); break;
+        case 5: q8_16_values(blk, o); break;
+        case 6: iq4_values(blk, o); break;
+      }
+    }
+}
 
 /* y (M, N) = x (M, K) @ W^T, W (N, K) as N rows of K / 32 blocks of one format: 0 Q4_1, 1 Q8_0,
    2 half floats, 3 bfloat16, 4 Q5_1, 5 int8 with a scale per 16, 6 IQ4 (d times a 4-bit grid);
@@ -1075,6 +1113,8 @@ def build(folder: Path, flags: tuple[str, ...] = FLAGS):
     lib.blocks_head.argtypes = [pointer, pointer, integer, integer, pointer, real, pointer, integer, integer, integer,
                                 pointer, pointer]
     lib.blocks_head.restype = None
+    lib.blocks_dequantise.argtypes = [pointer, pointer, integer, integer, integer, integer]
+    lib.blocks_dequantise.restype = None
     lib.blocks_scratch.argtypes = [integer, integer, pointer, integer]
     lib.blocks_scratch.restype = ctypes.c_int64
     lib.q4_1_pack.argtypes = [pointer, pointer, pointer, ctypes.c_int64, pointer, integer]
@@ -1289,6 +1329,26 @@ def blocks_linear(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out_features)
 
 
+_scratch = threading.local()  # each thread's float32 buffer for `dequantised`
+
+
+def dequantised(blocks: torch.Tensor, lib=None) -> torch.Tensor:
+    """The float32 (out, in) weight these blocks hold, value for value (the weight they were made
+    from, bit for bit), in a buffer of this thread's that its next call overwrites: for a product
+    made at once (torch's GEMM reading a prompt) without reading the float32 weight itself, which
+    may be a file's mapped pages that a forward on blocks never reads (kept blocks)."""
+    lib = lib or library()
+    out_features, in_blocks, _ = blocks.shape
+    size = out_features * in_blocks * BLOCK
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < size:
+        buffer = _scratch.buffer = torch.empty(size, dtype=torch.float32)
+    out = buffer[:size].view(out_features, in_blocks * BLOCK)
+    lib.blocks_dequantise(blocks.data_ptr(), out.data_ptr(), out_features, in_blocks * BLOCK, _code(blocks),
+                          torch.get_num_threads())
+    return out
+
+
 def _code(blocks: torch.Tensor) -> int:
     return FORMATS.index(block_format(blocks))
 
@@ -1358,6 +1418,19 @@ def native_table(layers: list[NativeLayer]) -> torch.Tensor:
     return torch.tensor([address for layer in layers for address in addresses(layer)], dtype=torch.int64)
 
 
+def native_head(x: torch.Tensor, rows: torch.Tensor, norm: torch.Tensor, eps: float, head: torch.Tensor) -> torch.Tensor:
+    """(m, N) logits of x's rows `rows` (int64): the final norm (weight `norm`) and the output head
+    held as blocks `head` (N, D / 32, bytes), in one call of the library."""
+    x, rows, norm = x.contiguous(), rows.contiguous(), norm.detach().float().contiguous()
+    m, (n_out, _, _) = rows.shape[0], head.shape
+    logits = torch.empty(m, n_out)
+    scratch = torch.empty(m, x.shape[1])
+    library().blocks_head(x.data_ptr(), rows.data_ptr(), m, x.shape[1], norm.data_ptr(), eps, head.data_ptr(), n_out,
+                          FORMATS.index(block_format(head)), torch.get_num_threads(), scratch.data_ptr(),
+                          logits.data_ptr())
+    return logits
+
+
 class NativeForward:
     """One forward's inputs for `blocks_layer`, prepared once for all its layers: cos, sin (n, hd);
     mask (n, kv_len) additive, the new tokens at slots kv_len - n .. kv_len - 1 of a layer's keys
@@ -1382,17 +1455,6 @@ class NativeForward:
                                table.data_ptr(), table.shape[0] // TABLE_ENTRIES, self.shape.data_ptr(), self.scaling,
                                self.eps, self.threads, self.scratch.data_ptr())
         return x
-
-    def head(self, x: torch.Tensor, rows: torch.Tensor, norm: torch.Tensor, eps: float, head: torch.Tensor) -> torch.Tensor:
-        """(m, N) logits of x's rows `rows` (int64): the final norm (weight `norm`) and the output head
-        held as blocks `head` (N, D / 32, bytes), in one call of the library."""
-        x, rows, norm = x.contiguous(), rows.contiguous(), norm.detach().float().contiguous()
-        m, (n_out, _, _) = rows.shape[0], head.shape
-        logits = torch.empty(m, n_out)
-        scratch = torch.empty(m, x.shape[1])
-        self.lib.blocks_head(x.data_ptr(), rows.data_ptr(), m, x.shape[1], norm.data_ptr(), eps, head.data_ptr(), n_out,
-                             FORMATS.index(block_format(head)), self.threads, scratch.data_ptr(), logits.data_ptr())
-        return logits
 
     def layer(self, layer: NativeLayer, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """x (n, D), the residual stream, through this layer (keys, values: its (kv_heads, capacity,

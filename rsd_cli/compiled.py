@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from .engine import ChainExtension, ForwardClock, full_vocabulary, timed_chain, unchanged_prefix
 from .sampling import to_device
 from .step_graphs import cuda_capture
-from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, joined, native_table
+from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, joined, native_head, native_table
 from .small_batch import (MAX_ROWS, TORCH, blocks_of, enrol, kernel_linear, kernels_of, machine,
                           prepared_copies, register_operator, room_for, signature)
 
@@ -121,7 +121,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sm
             return F.linear(x, weight, bias)
         return kernel_linear(x, weight, bias, TORCH)
     kernels, prepared = small
-    if kernels != TORCH:
+    if kernels != TORCH or "blocks" in prepared:
         return kernel_linear(x, weight, bias, kernels, prepared)
     return F.linear(x, weight, bias)
 
@@ -414,8 +414,11 @@ class CompiledModel:
         return self.native is not None and all(self.native) and self.device.type == "cpu"
 
     def _kernels(self, linear) -> tuple:
-        """(the CPU kernels of this linear, the copies of its weight they run on)."""
-        return kernels_of(linear), prepared_copies(linear)
+        """(the CPU kernels of this linear, the copies of its weight they run on — and its quantised
+        blocks wherever it has them, from which torch's GEMM gets the weight for a prompt: see
+        small_batch.kernel_linear)."""
+        blocks = blocks_of(linear)
+        return kernels_of(linear), {**prepared_copies(linear), **({"blocks": blocks} if blocks is not None else {})}
 
     def new_buffers(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
         _, kv_heads, head_dim, _, _ = self.dims
@@ -526,8 +529,8 @@ class CompiledModel:
         the capacity are dynamic dimensions), others eager."""
         compiled = self.inductor and tokens.shape[0] in self.buckets
         # prompts (more than MAX_ROWS tokens) in C only where rsd's kernel measured faster for them
-        in_c_here = tokens.shape[0] <= MAX_ROWS or self.prompts_in_c
-        native = self.native if not compiled and slots is None and in_c_here else None
+        prompt_on_torch = not compiled and slots is None and tokens.shape[0] > MAX_ROWS and not self.prompts_in_c
+        native = self.native if not compiled and slots is None and not prompt_on_torch else None
         layer = self._layer if compiled else decoder_layer
         if compiled:
             torch._dynamo.maybe_mark_dynamic(mask, 1)
@@ -557,8 +560,8 @@ class CompiledModel:
         # the norm and head: one more call, on the head's blocks (as the layers, whatever its product
         # measured alone: a calibration of one 113 MB weight read again and again is partly served
         # by a large CPU cache, which a forward streaming every weight is not)
-        if in_c and head is not None and self.model.lm_head.bias is None:
-            return run.head(x, rows, self.model.model.norm.weight, self.norm_eps, head)
+        if (in_c or prompt_on_torch and self.all_in_c) and head is not None and self.model.lm_head.bias is None:
+            return native_head(x, rows, self.model.model.norm.weight, self.norm_eps, head)
         return final_logits(x[rows], self.model.model.norm.weight, self.norm_eps, self.model.lm_head.weight,
                             self.head_small)
 

@@ -143,6 +143,14 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             return torch.ops.rsd.linear(x, weight, bias)
         return F.linear(x, weight, bias)  # a torch without custom operators: inductor's own product
     kernel = kernel_for(x, weight, kernels)
+    blocks = (prepared or {}).get("blocks")
+    if (kernel == "torch" and blocks is not None and x.numel() // x.shape[-1] > MAX_ROWS
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        # a prompt on torch's GEMM: the weight rebuilt from its blocks (the same values) rather than
+        # read, as a layer on blocks may hold its float32 weight in a file's pages it never reads
+        from .blocks import dequantised
+
+        return F.linear(x, dequantised(blocks), bias)
     return run_kernel(kernel, x, weight, bias, (prepared or {}).get(kernel))
 
 

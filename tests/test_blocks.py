@@ -416,12 +416,14 @@ def layers_in_c(monkeypatch) -> list:
     """Counts the layers the C library runs (one call for them all, or one call a layer), and
     "head" where it runs the final norm and the output head too."""
     counted = []
-    whole, one, head = blocks.NativeForward.layers, blocks.NativeForward.layer, blocks.NativeForward.head
+    from rsd_cli import compiled
+
+    whole, one, head = blocks.NativeForward.layers, blocks.NativeForward.layer, compiled.native_head
     monkeypatch.setattr(blocks.NativeForward, "layers",
                         lambda self, table, *args: counted.append(table.shape[0] // blocks.TABLE_ENTRIES)
                         or whole(self, table, *args))
     monkeypatch.setattr(blocks.NativeForward, "layer", lambda *args: counted.append(1) or one(*args))
-    monkeypatch.setattr(blocks.NativeForward, "head", lambda *args: counted.append("head") or head(*args))
+    monkeypatch.setattr(compiled, "native_head", lambda *args: counted.append("head") or head(*args))
     return counted
 
 
@@ -589,35 +591,46 @@ def test_prompts_run_in_c_only_where_the_blocks_kernel_measured_faster_for_them(
     """A forward of more than MAX_ROWS tokens (a prompt) runs in the C layers where the verdicts for
     prompts name the blocks kernel on most of the layers' weights, else on torch's layer, each
     product by its measured kernel; fewer tokens always run in C. Both paths give the same logits
-    to within float32 rounding."""
+    to within float32 rounding, and neither reads a float32 weight of a layer on blocks (kept
+    blocks leave those in a file's pages): torch's GEMM multiplies by the weights rebuilt from
+    their blocks, and the head runs on its blocks."""
     runtime = _model_on_c_layers(3)  # (verdicts: the blocks kernel for every row count)
     model = runtime.model
     assert runtime.prompts_in_c
     linears = [module for module in model.model.layers.modules() if hasattr(module, "_rsd_kernels")]
     for module in linears:  # torch's product measured faster for prompts
         module._rsd_kernels = ("blocks", "blocks", "torch")
+    model.lm_head._rsd_kernels = ("torch", "blocks", "torch")  # (and for the head's one row: the Xeon's)
     on_torch = CompiledModel(model, compile=False)
     assert not on_torch.prompts_in_c and all(on_torch.native)
     for module in linears:  # the MLP's three products (3/4 of the weights) on blocks: the majority
         module._rsd_kernels = ("blocks", "blocks", "blocks" if module.in_features != module.out_features else "torch")
     assert CompiledModel(model, compile=False).prompts_in_c
 
-    in_c = []
-    layers = blocks.NativeForward.layers
+    in_c, multiplied = [], []
+    layers, linear = blocks.NativeForward.layers, F.linear
     monkeypatch.setattr(blocks.NativeForward, "layers", lambda self, *args: in_c.append(1) or layers(self, *args))
+    monkeypatch.setattr(F, "linear", lambda x, weight, *args: multiplied.append(weight.data_ptr())
+                        or linear(x, weight, *args))
+    float_weights = {module.weight.data_ptr() for module in model.modules() if isinstance(module, torch.nn.Linear)}
     prompt = torch.randint(0, V, (small_batch.MAX_ROWS + 36,), generator=torch.Generator().manual_seed(3))
 
-    def read(runtime: CompiledModel, n: int) -> tuple[torch.Tensor, bool]:
+    def read(runtime: CompiledModel, n: int, last_only: bool = False) -> tuple[torch.Tensor, bool]:
         in_c.clear()
         mask = torch.zeros(n, n).masked_fill_(torch.ones(n, n, dtype=torch.bool).triu(1), -torch.inf)
         keys, values = runtime.new_buffers(n)
         with torch.inference_mode():
-            logits = runtime.forward(prompt[:n], torch.arange(n), mask, keys, values, torch.arange(n))
+            logits = runtime.forward(prompt[:n], torch.arange(n), mask, keys, values,
+                                     torch.arange(n - 1 if last_only else 0, n))
         return logits, bool(in_c)
 
     (c_logits, was_in_c), (torch_logits, was_in_torch) = read(runtime, len(prompt)), read(on_torch, len(prompt))
     assert was_in_c and not was_in_torch
     torch.testing.assert_close(torch_logits, c_logits, rtol=1e-5, atol=1e-5)
+    multiplied.clear()
+    last, _ = read(on_torch, len(prompt), last_only=True)  # (as a prompt is read: the last row's logits)
+    assert len(multiplied) >= 7 * len(model.model.layers) and not float_weights & set(multiplied)
+    assert torch.equal(last, torch_logits[-1:])
     few = small_batch.MAX_ROWS
     assert read(on_torch, few)[1] and torch.equal(read(on_torch, few)[0], read(runtime, few)[0])
 
