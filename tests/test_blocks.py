@@ -153,6 +153,8 @@ def test_the_portable_loop_computes_the_same_product(tmp_path):
             x[:, :6] = 2.0**20  # (so the subnormal weights' products show in the sums)
         torch.testing.assert_close(blocks.blocks_linear(x, blocks.quantised_blocks(w), lib=portable),
                                    F.linear(x, w), rtol=1e-5, atol=1e-5 * w.abs().max().item() * 20)
+        for lib in (blocks.library(), portable):  # the weight rebuilt from its blocks: every value
+            assert torch.equal(blocks.dequantised(blocks.quantised_blocks(w), lib=lib), w)
 
 
 def quantised_layer(fmt="q4_1", in_features=64, out_features=48) -> torch.nn.Linear:
@@ -761,6 +763,7 @@ def test_gguf_types_become_blocks_only_with_their_hint_and_give_back_every_value
         assert made is not None and blocks.block_format(made) == fmt and made.shape == (48, 16, blocks.BYTES[fmt])
         for rows in (1, 3, 8, 64):
             assert torch.equal(blocks.blocks_linear(torch.eye(512)[:rows], made, lib=lib), values.T[:rows])
+        assert torch.equal(blocks.dequantised(made, lib=lib), values)
         torch.testing.assert_close(blocks.blocks_linear(x, made, lib=lib), exact, rtol=1e-5, atol=1e-5)
     setattr(values, blocks.HINT, hint)
     assert blocks.block_format(blocks.quantised_blocks(values)) == fmt
