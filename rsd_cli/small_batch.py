@@ -148,9 +148,9 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         # a prompt on torch's GEMM: the weight rebuilt from its blocks (the same values) rather than
         # read, as a layer on blocks may hold its float32 weight in a file's pages it never reads
-        from .blocks import dequantised
+        from .blocks import gemm_on_blocks
 
-        return F.linear(x, dequantised(blocks), bias)
+        return gemm_on_blocks(x, blocks, bias)
     return run_kernel(kernel, x, weight, bias, (prepared or {}).get(kernel))
 
 

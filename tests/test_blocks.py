@@ -140,6 +140,18 @@ def test_the_kernel_rebuilds_every_weight_exactly(fmt):
         assert torch.equal(blocks.blocks_linear(torch.eye(64)[:rows], found), w.T[:rows])
 
 
+def test_torch_s_gemm_on_a_weight_rebuilt_from_blocks_a_slice_at_a_time(monkeypatch):
+    """gemm_on_blocks: F.linear's product on the weight its blocks hold, whole or a slice of rows at
+    a time into the scratch buffer (here 7 rows of 96: slices of 7, the last one short)."""
+    w, x, bias = weight("q4_1"), torch.randn(70, 96), torch.randn(40)
+    made = blocks.quantised_blocks(w)
+    whole = blocks.gemm_on_blocks(x, made, bias)
+    assert torch.equal(whole, F.linear(x, w, bias))
+    monkeypatch.setattr(blocks, "SCRATCH_FLOATS", 7 * 96)
+    torch.testing.assert_close(blocks.gemm_on_blocks(x, made, bias), whole, rtol=1e-6, atol=1e-6)
+    assert blocks._scratch.buffer.numel() >= 7 * 96
+
+
 def test_the_portable_loop_computes_the_same_product(tmp_path):
     """Where the CPU lacks AVX-512 the kernel is the plain C loop: built here without it."""
     portable = blocks.build(tmp_path, (*blocks.FLAGS, "-mno-avx512f"))
