@@ -46,6 +46,7 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 BLOCK = 32  # weights per block along a row
 Q4_1_BYTES = 24  # 16 bytes of 4-bit q (byte j: q[j] in the low nibble, q[j + 16] in the high one), d, m (float32)
@@ -1357,8 +1358,6 @@ def gemm_on_blocks(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | N
     (`dequantised`) a slice of rows at a time (at most SCRATCH_FLOATS values: a 7B model's 14336 x
     4096 products take 1024 rows at a time instead of a 235 MB buffer), never reading the float32
     weight itself."""
-    import torch.nn.functional as F
-
     out_features, in_blocks, _ = blocks.shape
     rows = max(1, SCRATCH_FLOATS // (in_blocks * BLOCK))
     if rows >= out_features:

@@ -220,9 +220,10 @@ def _blocks_for_prompts(layers) -> bool:
     measured faster than torch's product for prompts (small_batch's verdict for that many rows) on
     at least half of these layers' weights. For a few tokens the C layer wins by saving the ~40
     operations around the products; for a prompt the products are the whole cost, and torch's
-    GEMM on the float32 weights can beat the blocks kernel (2-core Intel Xeon, the embedded target,
-    every prompt size from 96 to 4000 tokens 1.15-1.5x: `benchmarks/c_layers_ab.py`). The layers
-    then read the prompt as decoder_layer does, each product by its measured kernel."""
+    GEMM can beat the blocks kernel (2-core Intel Xeon, the embedded target, prompts of 96 to 2000
+    tokens 1.39-1.82x: `benchmarks/prompt_path_ab.py`). The layers then read the prompt as
+    decoder_layer does, each product by its measured kernel (torch's GEMM on the weight rebuilt from
+    its blocks: small_batch.kernel_linear), the head on its blocks."""
     total = on_blocks = 0
     for layer in layers:
         a, m = layer.self_attn, layer.mlp
