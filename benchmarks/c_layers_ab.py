@@ -86,6 +86,7 @@ profile.set("runtime", "compile", "off", "benchmark")
 pair = load_pair(profile)
 model = pair.target if args.role == "target" else pair.draft
 runtime = CompiledModel(model, compile=False)
+runtime.prompts_in_c = True  # (prompts through the C library too, whatever this machine's verdicts choose)
 native = runtime.native
 for prefix in (int(p) for p in args.prefixes.split(",")):
     cache = StaticLM(runtime, model.config.vocab_size, prefix + 100)
