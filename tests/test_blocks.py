@@ -145,8 +145,9 @@ def test_torch_s_gemm_on_a_weight_rebuilt_from_blocks_a_slice_at_a_time(monkeypa
     a time into the scratch buffer (here 7 rows of 96: slices of 7, the last one short)."""
     w, x, bias = weight("q4_1"), torch.randn(70, 96), torch.randn(40)
     made = blocks.quantised_blocks(w)
+    assert torch.equal(blocks.dequantised(made), w)
     whole = blocks.gemm_on_blocks(x, made, bias)
-    assert torch.equal(whole, F.linear(x, w, bias))
+    torch.testing.assert_close(whole, F.linear(x, w, bias), rtol=1e-6, atol=1e-6)
     monkeypatch.setattr(blocks, "SCRATCH_FLOATS", 7 * 96)
     torch.testing.assert_close(blocks.gemm_on_blocks(x, made, bias), whole, rtol=1e-6, atol=1e-6)
     assert blocks._scratch.buffer.numel() >= 7 * 96
