@@ -852,9 +852,15 @@ class Decoder:
         target.copy_slot(source, destination)
         read = to_host_soon(packed)  # (queued before the next step's replays overwrite packed)
         p, q = maths.keep(p), maths.keep(q)
-        return QueuedStep(tuple(after),
-                          lambda step, shape, seq, values: self._fan_event(step, shape, seq, values, p, q), read,
-                          (marks[0], target.clock.count, marks[1], draft.clock.count), time.perf_counter() - start)
+        return self._queued(after, partial(self._fan_event, p=p, q=q), read, target, draft, start, marks)
+
+    @staticmethod
+    def _queued(after: list, event: Callable[..., StepEvent], read: Callable[[], list], target, draft, start: float,
+                marks: tuple[int, int]) -> QueuedStep:
+        """The QueuedStep of a step whose queueing began at `start`, when the target's and the draft's
+        clocks stood at `marks`: their marks now close its forwards."""
+        return QueuedStep(tuple(after), event, read, (marks[0], target.clock.count, marks[1], draft.clock.count),
+                          time.perf_counter() - start)
 
     def _queue_chain(self, shape: Shape, state: tuple, target, draft, generator: torch.Generator) -> "QueuedStep":
         """A chain step's work on the device from what the step before left (state: see chain_next),
@@ -893,10 +899,7 @@ class Decoder:
                                   drafted, u, state[3], *q_rows)
         read = to_host_soon(packed)
         p, q_rows = maths.keep(p), [maths.keep(q)[0] for q in q_rows]
-        return QueuedStep(tuple(after),
-                          lambda step, shape, seq, values: self._chain_event(step, shape, seq, values, p, q_rows),
-                          read, (marks[0], target.clock.count, marks[1], draft.clock.count),
-                          time.perf_counter() - start)
+        return self._queued(after, partial(self._chain_event, p=p, q_rows=q_rows), read, target, draft, start, marks)
 
     def _plain_steps_ahead(self, seq: list[int], max_tokens: int, target, draft, generator: torch.Generator,
                            held: list[int], prefill_seconds: float) -> Iterator[StepEvent]:
