@@ -520,14 +520,21 @@ def light_load_enabled() -> bool:
 
 def _light_tokenizer(folder: Path):
     """The tokenizer of a folder whose tokenizer_config.json names transformers' generic fast
-    tokenizer, loaded as that class directly (AutoTokenizer would read the model's config first,
-    importing its modeling code); None for any other tokenizer."""
+    tokenizer: read without transformers where that gives the same (light_tokenizer.py), else
+    loaded as that class directly (AutoTokenizer would read the model's config first, importing its
+    modeling code); None for any other tokenizer."""
+    from .light_tokenizer import LightTokenizer
+
+    light = LightTokenizer.load(folder)
+    if light is not None:
+        return light
     try:
         named = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError, AttributeError):
         return None
     if named not in ("TokenizersBackend", "PreTrainedTokenizerFast") or not (folder / "tokenizer.json").is_file():
         return None
+    quiet_transformers()
     from transformers import PreTrainedTokenizerFast
 
     return _from_pretrained(PreTrainedTokenizerFast, str(folder), True)
@@ -551,7 +558,6 @@ def load_model(source: str, device, dtype, progress: Progress = _quiet, placemen
     code (rsd_cli/llama.py): ~2 s sooner."""
     location, local = resolve_source(source, progress)
     progress(f"loading {source}")
-    quiet_transformers()
     model = tokenizer = None
     if light and placement is None and light_load_enabled():
         from . import llama
@@ -562,6 +568,8 @@ def load_model(source: str, device, dtype, progress: Progress = _quiet, placemen
             # AutoTokenizer takes a generic tokenizer file as the generic class for Llama, but as a class
             # of their own for other families (Qwen2Tokenizer, with its own pre-tokenising): theirs it loads
             tokenizer = _light_tokenizer(folder) if model.config.model_type == "llama" else None
+    if tokenizer is None or model is None:
+        quiet_transformers()
     if tokenizer is None:
         from transformers import AutoTokenizer
 

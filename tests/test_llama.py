@@ -70,16 +70,20 @@ def test_the_generic_fast_tokenizer_loads_without_the_models_config(tiny_dir, tm
     from transformers import AutoTokenizer
 
     light, full = models._light_tokenizer(tiny_dir), AutoTokenizer.from_pretrained(str(tiny_dir))
-    assert light is not None and type(light) is type(full)
+    assert type(light).__name__ == "LightTokenizer"  # (read without transformers: tests/test_light_tokenizer.py)
     text = "hello, world!\nwho's there?"
     assert light.encode(text) == full.encode(text) and light.decode(light.encode(text)) == full.decode(full.encode(text))
     chat = [{"role": "user", "content": "hi"}]
-    assert light.apply_chat_template(chat, add_generation_prompt=True) == \
-        full.apply_chat_template(chat, add_generation_prompt=True)
+    assert light.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+        full.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     assert (light.eos_token_id, light.get_vocab()) == (full.eos_token_id, full.get_vocab())
     other = tmp_path / "other"
     shutil.copytree(tiny_dir, other)
     config = json.loads((other / "tokenizer_config.json").read_text())
+    # a key the light tokenizer does not know: transformers' generic class, loaded directly
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "some_new_key": 1}))
+    generic = models._light_tokenizer(other)
+    assert type(generic) is type(full) and generic.encode(text) == full.encode(text)
     (other / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "LlamaTokenizer"}))
     assert models._light_tokenizer(other) is None  # a class of its own: AutoTokenizer picks it
 
@@ -301,7 +305,8 @@ def test_generate_prints_the_same_answer_loaded_light_or_not(tiny_profile, monke
 def test_a_light_load_imports_no_modeling_code(tiny_profile, tiny_pair_dir, tmp_path, monkeypatch):
     """What makes it light: transformers' Llama modeling module (and torch._dynamo, which it and
     initialising modules on "meta" pull in) stay unimported through a whole generation, once the
-    compile verdict is known (it is cached: here written beforehand, "does not pay")."""
+    compile verdict is known (it is cached: here written beforehand, "does not pay") — and with the
+    tokenizer read without it (rsd_cli/light_tokenizer.py), no module of transformers at all."""
     from rsd_cli import compiled
 
     monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
@@ -317,7 +322,7 @@ def test_a_light_load_imports_no_modeling_code(tiny_profile, tiny_pair_dir, tmp_
         "from rsd_cli.cli import app\n"
         f"sys.argv = ['rsd', 'generate', 'hi', '--profile', {str(tiny_profile)!r}, '-n', '4', '--compile', 'auto']\n"
         "try:\n    app()\nexcept SystemExit:\n    pass\n"
-        "print(sorted(m for m in sys.modules if m.endswith('modeling_llama') or m == 'torch._dynamo'))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers' or m == 'torch._dynamo'))\n"
     )
     env = {**os.environ, "RSD_CONFIG_DIR": str(tmp_path / "config"), "RSD_CACHE_DIR": str(tmp_path / "cache"),
            "RSD_SMALL_BATCH_MATMUL": "torch"}

@@ -1,0 +1,118 @@
+"""The tokenizer read without transformers (rsd_cli/light_tokenizer.py) against transformers' own
+generic fast tokenizer on the same files: the same ids, text, chat prompts and special tokens, or
+None where the files hold something it does not do as transformers would."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tiny import tiny_tokenizer
+
+from rsd_cli.light_tokenizer import LightTokenizer
+
+TEXTS = ["", "hello world", "Hello, World!  two  spaces\nnew line\ttab", "<s>special</s> inside <unk> text",
+         "naïve café — 東京 🙂 ünïcödé", "def f(x):\n    return x ** 2  # code\n", "   leading and trailing   ",
+         "a" * 300]
+CONVERSATIONS = [
+    [{"role": "user", "content": "hi there"}],
+    [{"role": "system", "content": "be brief."}, {"role": "user", "content": "what is it?"}],
+    [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
+     {"role": "user", "content": "three, 東京 🙂"}],
+]
+
+
+def transformers_tokenizer(folder: Path):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(folder))
+
+
+def assert_same(light: LightTokenizer, reference) -> None:
+    """Everything rsd asks of a tokenizer, compared."""
+    for text in TEXTS:
+        for special in (True, False):
+            ids = reference.encode(text, add_special_tokens=special)
+            assert light.encode(text, add_special_tokens=special) == ids, (text, special)
+        ids = reference.encode(text, add_special_tokens=True)
+        for skip in (True, False):
+            assert light.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+            for single in ids[:20]:  # (one token at a time, as the live view and --logprobs decode them)
+                assert light.decode([single], skip_special_tokens=skip) == reference.decode([single],
+                                                                                          skip_special_tokens=skip)
+    special_ids = [i for i in (reference.bos_token_id, reference.eos_token_id, reference.unk_token_id) if i is not None]
+    assert light.decode(special_ids, skip_special_tokens=True) == reference.decode(special_ids, skip_special_tokens=True)
+    assert light.decode(special_ids) == reference.decode(special_ids)
+    for messages in CONVERSATIONS:
+        for generation_prompt in (True, False):
+            expected = reference.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+            assert light.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False) == expected
+    assert (light.bos_token_id, light.eos_token_id, light.pad_token_id, light.unk_token_id) == \
+        (reference.bos_token_id, reference.eos_token_id, reference.pad_token_id, reference.unk_token_id)
+    assert light.get_vocab() == reference.get_vocab()
+    assert len(light) == len(reference)
+    assert light.chat_template == reference.chat_template
+
+
+@pytest.fixture
+def tiny_folder(tmp_path) -> Path:
+    tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    return tmp_path / "tok"
+
+
+def test_the_tiny_tokenizer_reads_as_transformers_reads_it(tiny_folder):
+    light = LightTokenizer.load(tiny_folder)
+    assert light is not None
+    assert_same(light, transformers_tokenizer(tiny_folder))
+
+
+def test_a_chat_template_kept_in_the_config_as_transformers_4_writes_it(tiny_folder):
+    template = (tiny_folder / "chat_template.jinja").read_text()
+    (tiny_folder / "chat_template.jinja").unlink()
+    config = json.loads((tiny_folder / "tokenizer_config.json").read_text())
+    # (blocks on lines of their own, trimmed as transformers trims them; its tojson, which escapes nothing)
+    config["chat_template"] = (template + "\n{% if add_generation_prompt %}\n    {{ bos_token }}\n  {% endif %}\n"
+                               "{{ messages | length | tojson }}{{ {'k': '<b>é</b>'} | tojson }}")
+    (tiny_folder / "tokenizer_config.json").write_text(json.dumps(config))
+    light = LightTokenizer.load(tiny_folder)
+    assert light is not None and light.chat_template == config["chat_template"]
+    assert_same(light, transformers_tokenizer(tiny_folder))
+
+
+@pytest.mark.parametrize("change", [
+    {"some_new_key": 1},  # a key it does not know what transformers does with
+    {"clean_up_tokenization_spaces": True},
+    {"bos_token": "<not in the vocabulary>"},  # transformers would add it
+    {"additional_special_tokens": ["<s>"]},
+    {"add_bos_token": True},  # a switch that rewrites the post-processor
+    {"chat_template": [{"name": "default", "template": "{{ messages }}"}]},  # named templates
+    {"tokenizer_class": "LlamaTokenizer"},  # a class of its own
+])
+def test_anything_transformers_would_act_on_leaves_the_tokenizer_to_transformers(tiny_folder, change):
+    config = json.loads((tiny_folder / "tokenizer_config.json").read_text())
+    if "chat_template" in change:
+        (tiny_folder / "chat_template.jinja").unlink()
+    (tiny_folder / "tokenizer_config.json").write_text(json.dumps({**config, **change}))
+    assert LightTokenizer.load(tiny_folder) is None
+
+
+def test_a_template_jinja_cannot_compile_here_leaves_it_to_transformers(tiny_folder):
+    # transformers' own {% generation %} tag (its assistant-token masks) is not an extension here
+    (tiny_folder / "chat_template.jinja").write_text("{% generation %}{{ messages }}{% endgeneration %}")
+    assert LightTokenizer.load(tiny_folder) is None
+    (tiny_folder / "chat_template.jinja").write_text("{{ raise_exception('no system prompts') }}")
+    light = LightTokenizer.load(tiny_folder)
+    with pytest.raises(Exception, match="no system prompts"):
+        light.apply_chat_template(CONVERSATIONS[0], tokenize=False)
+
+
+@pytest.mark.integration
+def test_the_embedded_model_s_tokenizer_reads_as_transformers_reads_it():
+    from rsd_cli.models import resolve_source
+
+    location, local = resolve_source("embedded")
+    assert local
+    light = LightTokenizer.load(Path(location))
+    assert light is not None
+    assert_same(light, transformers_tokenizer(Path(location)))
