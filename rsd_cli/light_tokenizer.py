@@ -163,7 +163,8 @@ class LightTokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return self.backend.decode([ids] if isinstance(ids, int) else list(ids), skip_special_tokens=skip_special_tokens)
+        ids = [ids] if isinstance(ids, int) else [int(i) for i in ids]  # (a tensor's elements too)
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def get_vocab(self) -> dict[str, int]:
         return self.backend.get_vocab(with_added_tokens=True)

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from tiny import tiny_tokenizer
 
 from rsd_cli.light_tokenizer import LightTokenizer
@@ -41,6 +42,8 @@ def assert_same(light: LightTokenizer, reference) -> None:
             for single in ids[:20]:  # (one token at a time, as the live view and --logprobs decode them)
                 assert light.decode([single], skip_special_tokens=skip) == reference.decode([single],
                                                                                           skip_special_tokens=skip)
+    ids = reference.encode("hello world")  # (a tensor of ids, and one id alone, as transformers takes them)
+    assert light.decode(torch.tensor(ids)) == reference.decode(ids) and light.decode(ids[0]) == reference.decode(ids[0])
     special_ids = [i for i in (reference.bos_token_id, reference.eos_token_id, reference.unk_token_id) if i is not None]
     assert light.decode(special_ids, skip_special_tokens=True) == reference.decode(special_ids, skip_special_tokens=True)
     assert light.decode(special_ids) == reference.decode(special_ids)
