@@ -276,9 +276,13 @@ class AutoShape:
     """Chooses each step's shape from past steps only (see the module's docstring)."""
 
     def __init__(self, costs: Costs, max_nodes: int = MAX_NODES, every: int = CHOOSE_EVERY, vocab: int | None = None,
-                 memory_key: str | None = None, timing_key: str | None = None):
+                 memory_key: str | None = None, timing_key: str | None = None,
+                 on_device: Callable[[Shape], bool] | None = None):
+        """on_device: where steps are decided on the device (a GPU), which shapes are (see
+        `for_decoder`): the candidates are then those and plain decoding."""
         self.costs = costs
-        self.shapes = [s for s in candidates(max_nodes) if vocab is None or max(s.branching, default=1) <= vocab]
+        self.shapes = [s for s in candidates(max_nodes) if (vocab is None or max(s.branching, default=1) <= vocab)
+                       and (on_device is None or s.depth == 0 or on_device(s))]
         self.every = every
         self.acceptance = Acceptance()
         self.target_scale = self.draft_scale = 1.0
@@ -599,8 +603,18 @@ def for_decoder(decoder, notice=lambda message: None) -> AutoShape:
 
         _MEASURED[key] = cached_costs(key, measure_now, notice)
     memory_key, timing_key = f"{key} | {decoder.sampling}", f"{key} | timings, any sampling"
+    # where `sd` chains and `rsd-c` root children are decided on the device (a GPU), those and plain
+    # decoding only: a deeper tree takes the host path there, a synchronisation and a dozen kernels per
+    # node, which on the H100 measured slower than both (the embedded pair, bench-gpu.json: rsd-c b=(3,1)
+    # 0.67-0.75x `ar`, b=(3) 0.79-0.90x, sd γ=2 0.81-0.96x) and whose trees `auto` kept exploring there
+    # (0.75-0.81x `ar`); lookup chains are weighed on every step as before
+    device = decoder.target_model.get_input_embeddings().weight.device
+
+    def on_device(shape: Shape) -> bool:
+        return decoder._on_device(shape, decoder.draft_model, device) is not None
+
     policy = AutoShape(_MEASURED[key], decoder.shape.max_nodes, vocab=decoder.vocab_size, memory_key=memory_key,
-                       timing_key=timing_key)
+                       timing_key=timing_key, on_device=on_device if on_device(make_shape("sd", draft_len=1)) else None)
     known = read_json_table(memory_path())
     # what a run with these sampling settings learnt, else the timings of one with other settings
     # (how long each shape's steps take hardly depends on them; how often drafts are accepted does)

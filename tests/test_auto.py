@@ -257,6 +257,33 @@ def test_runs_with_the_same_machine_models_and_sampling_share_what_auto_learnt_o
     assert set(saved[f"{auto.cost_key(decoder(1.0))} | timings, any sampling"]) == {"scales", "ratios"}
 
 
+def test_where_steps_are_decided_on_the_device_auto_weighs_only_those_shapes_and_plain_decoding(pair):
+    """On a GPU `sd` chains and `rsd-c` root children run on the device and deeper trees on the host
+    path, which measured slower there than both: auto leaves those trees out. On a CPU (the host path
+    for every tree) and where the sampling reads each position's context (no device path), it weighs
+    them all, as before."""
+    def policy(device_steps: bool | None, sampling=SamplingParams(temperature=1.0)) -> AutoShape:
+        decoder = Decoder(pair[0], pair[1], V, make_shape("auto"), sampling, set())
+        decoder.device_steps = device_steps
+        return auto.for_decoder(decoder)
+
+    everything = {s.describe() for s in candidates() if max(s.branching, default=1) <= V}  # (V tokens to draw from)
+    on_device = {s.describe() for s in policy(True).shapes}
+    assert on_device == {name for name in everything if name == "ar" or name.startswith("sd") or "," not in name}
+    assert {"ar", "sd γ=1", "sd γ=8", "rsd-c b=(2)", "rsd-c b=(6)"} <= on_device
+    assert "rsd-c b=(3,1)" in everything and "rsd-c b=(3,1)" not in on_device
+    assert {s.describe() for s in policy(None).shapes} == everything  # (on a CPU: the host path for all)
+    assert {s.describe() for s in policy(False).shapes} == everything
+    penalised = SamplingParams(temperature=1.0, repetition_penalty=1.2)
+    assert {s.describe() for s in policy(True, penalised).shapes} == everything
+    decoder = Decoder(pair[0], pair[1], V, make_shape("auto"), SamplingParams(temperature=1.0), set())
+    decoder.device_steps = True
+    shapes = set()
+    for event in decoder.generate(PROMPT, 40, seed=3):
+        shapes.add(event.shape.describe())
+    assert shapes - {"lookup γ=%d" % g for g in range(1, 9)} <= on_device
+
+
 def test_a_lookup_chain_replaces_the_shape_where_its_match_predicts_well():
     """Each step, where the context's end matched an earlier n-gram, a chain of what followed it
     (no draft model) is weighed against the chosen shape by expected tokens a second, with its
