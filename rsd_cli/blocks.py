@@ -147,6 +147,31 @@ static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y
   for (int b = 0; b < K / BLOCK; b++) FMA_BLOCK(FORMAT, BYTES, R, wn, b)                      \
   for (int r = 0; r < R; r++) y[(size_t)r * N] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r])); \
 }
+/* R rows of x against two consecutive weight rows (wn, wn + row_bytes): y[r * N] and y[r * N + 1],
+   each the sum DOT_ROWS makes (the same products in the same order: the same bits), side by side —
+   four chains of FMAs a row of x instead of two, and each part of x read once for both rows */
+#define DOT_PAIR(FORMAT, BYTES, R)                                                            \
+static void FORMAT##_pair_##R(const float* x, int K, const uint8_t* wn, size_t row_bytes, float* y, int N) { \
+  __m512 a0[R], a1[R], c0[R], c1[R];                                                          \
+  for (int r = 0; r < R; r++) a0[r] = a1[r] = c0[r] = c1[r] = _mm512_setzero_ps();            \
+  for (int b = 0; b < K / BLOCK; b++) {                                                       \
+    __m512 w0, w1, v0, v1;                                                                    \
+    FORMAT##_weights(wn + (size_t)b * BYTES, &w0, &w1);                                       \
+    FORMAT##_weights(wn + row_bytes + (size_t)b * BYTES, &v0, &v1);                           \
+    for (int r = 0; r < R; r++) {                                                             \
+      const __m512 x0 = _mm512_loadu_ps(x + (size_t)r * K + b * BLOCK);                       \
+      const __m512 x1 = _mm512_loadu_ps(x + (size_t)r * K + b * BLOCK + 16);                  \
+      a0[r] = _mm512_fmadd_ps(x0, w0, a0[r]);                                                 \
+      a1[r] = _mm512_fmadd_ps(x1, w1, a1[r]);                                                 \
+      c0[r] = _mm512_fmadd_ps(x0, v0, c0[r]);                                                 \
+      c1[r] = _mm512_fmadd_ps(x1, v1, c1[r]);                                                 \
+    }                                                                                         \
+  }                                                                                           \
+  for (int r = 0; r < R; r++) {                                                               \
+    y[(size_t)r * N] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));                     \
+    y[(size_t)r * N + 1] = _mm512_reduce_add_ps(_mm512_add_ps(c0[r], c1[r]));                 \
+  }                                                                                           \
+}
 /* the same blocks of the weight row SUB_ROWS further on (in the next sub-tile: rows are contiguous,
    so the next sub-tile is one contiguous stretch) into the second-level cache, while this one is
    summed: a sub-tile's rows are read a chunk of each at a time, a pattern the CPU's own
@@ -288,13 +313,22 @@ static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y
     y[(size_t)r * N] = s;                                                                     \
   }                                                                                           \
 }
+/* two weight rows, one after the other (DOT_PAIR's portable form: the same sums) */
+#define DOT_PAIR(FORMAT, BYTES, R)                                                            \
+static void FORMAT##_pair_##R(const float* x, int K, const uint8_t* wn, size_t row_bytes, float* y, int N) { \
+  FORMAT##_rows_##R(x, K, wn, y, N);                                                          \
+  FORMAT##_rows_##R(x, K, wn + row_bytes, y + 1, N);                                          \
+}
 #endif
 
 /* y = x W^T over tiles of weight rows (tile_columns: at least 4 tiles a thread, at most 32 rows
    a tile): each tile's rows, one at a time, against 8 rows of x (then 4, then the 1-3 left; each
    block rebuilt once for them), then the next 8 rows of x, so those rows stay in the CPU's first
    caches (re-reading all of x for every weight row spilled them past 16 rows: 24 rows took 2.3x
-   16). One weight row at a time measured faster here than register tiles of 2 or 4. */
+   16). One weight row at a time measured faster there than register tiles of 2 or 4; for up to
+   4 rows of x, two weight rows at a time (DOT_PAIR) took 2-5% less time a forward of 1-2 tokens
+   of the embedded target on a 2-core Intel Xeon, 3-8% of its draft's, 0-2% for 3-4 tokens
+   (benchmarks/c_library_paired_ab.py). */
 static int tile_columns(int N, int threads) {
   int cols = N / (4 * threads);
   return cols > 32 ? 32 : cols < 1 ? 1 : cols;
@@ -331,6 +365,8 @@ static int chunked_group(int M, int K) {
 #define FORMAT_KERNELS(FORMAT, BYTES)                                                         \
 DOT_ROWS(FORMAT, BYTES, 1) DOT_ROWS(FORMAT, BYTES, 2) DOT_ROWS(FORMAT, BYTES, 3)              \
 DOT_ROWS(FORMAT, BYTES, 4) DOT_ROWS(FORMAT, BYTES, 8) CHUNKED(FORMAT, BYTES)                  \
+DOT_PAIR(FORMAT, BYTES, 1) DOT_PAIR(FORMAT, BYTES, 2) DOT_PAIR(FORMAT, BYTES, 3)              \
+DOT_PAIR(FORMAT, BYTES, 4)                                                                    \
 static void FORMAT##_linear_team(const float* x, const uint8_t* w, float* y, int M, int N,   \
                                  int K, int ldy, int threads) {                               \
   const size_t row_bytes = (size_t)(K / BLOCK) * BYTES;                                       \
@@ -342,7 +378,19 @@ static void FORMAT##_linear_team(const float* x, const uint8_t* w, float* y, int
     for (int r0 = 0; r0 < M; r0 += group) {                                                   \
       const int m = M - r0 < group ? M - r0 : group;                                          \
       const float* xt = x + (size_t)r0 * K;                                                   \
-      for (int n = n0; n < n1; n++) {                                                         \
+      int n = n0;                                                                             \
+      for (; m <= 4 && n + 1 < n1; n += 2) { /* up to 4 rows of x: weight rows in pairs */    \
+        const uint8_t* wn = w + (size_t)n * row_bytes;                                        \
+        PREFETCH_AHEAD(wn, 2 * row_bytes)                                                     \
+        float* yt = y + (size_t)r0 * ldy + n;                                                 \
+        switch (m) {                                                                          \
+          case 4: FORMAT##_pair_4(xt, K, wn, row_bytes, yt, ldy); break;                      \
+          case 3: FORMAT##_pair_3(xt, K, wn, row_bytes, yt, ldy); break;                      \
+          case 2: FORMAT##_pair_2(xt, K, wn, row_bytes, yt, ldy); break;                      \
+          case 1: FORMAT##_pair_1(xt, K, wn, row_bytes, yt, ldy); break;                      \
+        }                                                                                     \
+      }                                                                                       \
+      for (; n < n1; n++) {                                                                   \
         const uint8_t* wn = w + (size_t)n * row_bytes;                                        \
         PREFETCH_AHEAD(wn, row_bytes)                                                         \
         float* yt = y + (size_t)r0 * ldy + n;                                                 \

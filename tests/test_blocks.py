@@ -130,6 +130,28 @@ def test_wide_rows_give_each_row_the_same_bits_whatever_rows_come_with_it(fmt, w
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_weight_rows_taken_in_pairs_give_each_the_bits_it_gets_alone(fmt, threads, tmp_path):
+    """Up to 4 rows of x go against weight rows two at a time (side by side in registers), more rows
+    against one weight row at a time: every weight row's product has the same bits either way — alone,
+    as the last row of a tile with an odd count, among 1-9 rows of x — AVX-512 and portable alike."""
+    w = weight(fmt, out_features=37, in_features=96, seed=7)
+    found = blocks.quantised_blocks(w)
+    x = torch.randn(9, 96)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for lib in (blocks.library(), blocks.build(tmp_path, (*blocks.FLAGS, "-mno-avx512f"))):
+            alone = torch.cat([blocks.blocks_linear(x[i:i + 1], found, lib=lib) for i in range(9)])
+            for j in range(37):  # (one weight row: never paired)
+                assert torch.equal(blocks.blocks_linear(x, found[j:j + 1], lib=lib)[:, 0], alone[:, j]), j
+            for rows in range(2, 10):
+                assert torch.equal(blocks.blocks_linear(x[:rows], found, lib=lib), alone[:rows]), rows
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_the_kernel_rebuilds_every_weight_exactly(fmt):
     """x = rows of the identity: each output is one weight times 1 plus zeros, so it is the weight
     the kernel rebuilt from its block, bit for bit (1, 2, 3, 5, 7 and 64 rows: every row tile)."""
