@@ -37,6 +37,7 @@ per-rank acceptance does not predict."""
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -154,18 +155,39 @@ class Costs:
                    {int(k): float(v) for k, v in data["draft"].items()})
 
 
+def non_decreasing(table: dict[int, float]) -> dict[int, float]:
+    """Each size's time at least that of every smaller size: a forward of more tokens never costs
+    less, whatever a measurement caught."""
+    out, most = {}, 0.0
+    for n in sorted(table):
+        most = max(most, table[n])
+        out[n] = most
+    return out
+
+
 def measure(make_target: Callable, make_draft: Callable | None, prefix: int = 96, repeats: int = 3) -> Costs:
     """Time forwards on fresh caches of the engine's own kind: a `prefix`-token context, then n
-    new tokens (rolled back after each), the fastest of `repeats`."""
+    new tokens (rolled back after each), in `repeats` rounds over every size (ascending, then
+    descending, ...). What `auto` weighs is how the sizes' costs compare, and the machine's pace
+    may drift: each size's time over the first size's in the same round, the median over rounds,
+    times the first size's fastest time; then made non-decreasing. (Measured size by size, 3
+    repeats each, a 2-core Xeon under KVM, whose pace moves 1.5x within minutes, once gave 4 tokens
+    9.1 ms between 3 at 11.1 and 5 at 12.3, 1 token 7.7: `auto` then drafted 4-node trees there
+    and took 1.2-1.5x the time of plain decoding.)"""
     from .engine import timed_chain
 
     def table(make_cache, sizes) -> dict[int, float]:
         cache = make_cache()
         cache.extend([1] * prefix)
         timed_chain(cache, 1)  # first-call costs, untimed
-        out = {n: min(timed_chain(cache, n) for _ in range(repeats)) for n in sizes}
+        first, rounds = min(sizes), []
+        for round_ in range(repeats):
+            seconds = {n: timed_chain(cache, n) for n in (sorted(sizes) if round_ % 2 == 0 else sorted(sizes)[::-1])}
+            rounds.append(seconds)
         cache.release()  # (a static-shape cache's buffers go back to its model)
-        return out
+        fastest = min(seconds[first] for seconds in rounds)
+        return non_decreasing({n: fastest * statistics.median(seconds[n] / seconds[first] for seconds in rounds)
+                               for n in sizes})
 
     return Costs(table(make_target, TARGET_SIZES), table(make_draft, DRAFT_SIZES) if make_draft else {})
 
@@ -575,7 +597,7 @@ def cost_key(decoder) -> str:
 
         used += f" | C library {version()}"
     kernels = hashlib.sha256(used.encode()).hexdigest()[:12]
-    return (f"costs v4 | {verdict_key(decoder.target_model)} | target {fingerprint(decoder.target_model)} | "
+    return (f"costs v5 | {verdict_key(decoder.target_model)} | target {fingerprint(decoder.target_model)} | "
             f"draft {fingerprint(decoder.draft_model)} | {decoder.runtimes.describe()} | kernels {kernels}")
 
 

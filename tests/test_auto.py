@@ -56,6 +56,36 @@ def check(tried: int, accepted: int | None):
     return NodeCheck(0, list(range(1, tried + 1)), Decision(accepted, tried, None), ())
 
 
+def test_costs_are_measured_as_the_sizes_compare_while_the_machine_s_pace_drifts(monkeypatch):
+    """The machine's pace changes while the table is measured (here it halves two thirds of the way
+    through, and one call of one size catches a moment three times faster): the sizes still compare
+    as their true costs do, and a larger forward never costs less than a smaller one."""
+    from rsd_cli import engine
+
+    true = {n: 1.0 + 0.3 * (n - 1) for n in auto.TARGET_SIZES}  # each further token 0.3 of the first
+    calls = []
+
+    def timed_chain(cache, n):
+        calls.append(n)
+        pace = 1.0 if len(calls) < 2 * len(auto.TARGET_SIZES) else 0.5
+        blip = 1 / 3 if len(calls) == 5 else 1.0  # (the 4th size of the first round)
+        return true[n] * pace * blip
+
+    class Cache:
+        def extend(self, tokens):
+            pass
+
+        def release(self):
+            pass
+
+    monkeypatch.setattr(engine, "timed_chain", timed_chain)
+    costs = auto.measure(Cache, None)
+    assert costs.draft == {}
+    for n in auto.TARGET_SIZES:
+        assert costs.target[n] == pytest.approx(0.5 * true[n]), n  # (the fastest pace, every size alike)
+    assert auto.non_decreasing({1: 2.0, 2: 1.0, 4: 3.0, 8: 2.5}) == {1: 2.0, 2: 2.0, 4: 3.0, 8: 3.0}
+
+
 def test_acceptance_counts_each_rank_given_the_ones_before_were_rejected():
     acceptance = Acceptance()
     acceptance.observe([check(2, 1), check(1, 0)])  # depth 0: rank 0 rejected, rank 1 accepted; depth 1: rank 0
