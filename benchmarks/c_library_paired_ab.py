@@ -52,7 +52,7 @@ for role in ("target", "draft"):
     keys = torch.zeros(layers, kv_heads, args.cached + 64, head_dim)
     values = torch.zeros_like(keys)
     head = blocks_of(runtime.model.lm_head)
-    norm = runtime.model.model.norm.weight.detach().float().contiguous()
+    norm = runtime.model.model.norm.weight
 
     def forward(lib, n: int) -> float:
         """Seconds of one forward of n new tokens (random hidden states) on library `lib`."""
@@ -61,12 +61,9 @@ for role in ("target", "draft"):
         run = blocks.NativeForward(runtime.cos[positions], runtime.sin[positions], torch.zeros(n, args.cached),
                                    (size, heads, kv_heads, head_dim, runtime.intermediate, scaling, eps))
         run.lib = lib
-        rows, logits, scratch = torch.arange(n), torch.empty(n, head.shape[0]), torch.empty(n, size)
+        rows = torch.arange(n)
         start = time.perf_counter()
-        run.layers(table, x, keys, values)
-        lib.blocks_head(x.data_ptr(), rows.data_ptr(), n, size, norm.data_ptr(), runtime.norm_eps, head.data_ptr(),
-                        head.shape[0], blocks.FORMATS.index(blocks.block_format(head)), torch.get_num_threads(),
-                        scratch.data_ptr(), logits.data_ptr())
+        blocks.native_head(run.layers(table, x, keys, values), rows, norm, runtime.norm_eps, head, lib=lib)
         return time.perf_counter() - start
 
     for n in (int(part) for part in args.rows.split(",")):

@@ -1483,16 +1483,17 @@ def native_table(layers: list[NativeLayer]) -> torch.Tensor:
     return torch.tensor([address for layer in layers for address in addresses(layer)], dtype=torch.int64)
 
 
-def native_head(x: torch.Tensor, rows: torch.Tensor, norm: torch.Tensor, eps: float, head: torch.Tensor) -> torch.Tensor:
+def native_head(x: torch.Tensor, rows: torch.Tensor, norm: torch.Tensor, eps: float, head: torch.Tensor,
+                lib=None) -> torch.Tensor:
     """(m, N) logits of x's rows `rows` (int64): the final norm (weight `norm`) and the output head
-    held as blocks `head` (N, D / 32, bytes), in one call of the library."""
+    held as blocks `head` (N, D / 32, bytes), in one call of the library (`lib`: library()'s by default)."""
+    lib = lib or library()
     x, rows, norm = x.contiguous(), rows.contiguous(), norm.detach().float().contiguous()
     m, (n_out, _, _) = rows.shape[0], head.shape
     logits = torch.empty(m, n_out)
     scratch = torch.empty(m, x.shape[1])
-    library().blocks_head(x.data_ptr(), rows.data_ptr(), m, x.shape[1], norm.data_ptr(), eps, head.data_ptr(), n_out,
-                          FORMATS.index(block_format(head)), torch.get_num_threads(), scratch.data_ptr(),
-                          logits.data_ptr())
+    lib.blocks_head(x.data_ptr(), rows.data_ptr(), m, x.shape[1], norm.data_ptr(), eps, head.data_ptr(), n_out,
+                    _code(head), torch.get_num_threads(), scratch.data_ptr(), logits.data_ptr())
     return logits
 
 

@@ -215,6 +215,12 @@ def _native_layer(layer, fused: tuple, fuse: bool):
                        blocks_of(a.o_proj), stacks[1], blocks_of(m.down_proj), bias, _head_norms(a))
 
 
+def projections(layer) -> tuple:
+    """A decoder layer's seven linears: q, k, v, o, gate, up, down."""
+    a, m = layer.self_attn, layer.mlp
+    return a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
+
+
 def _blocks_for_prompts(layers) -> bool:
     """Whether the C layers also read prompts (more than MAX_ROWS tokens): where rsd's kernel
     measured faster than torch's product for prompts (small_batch's verdict for that many rows) on
@@ -226,8 +232,7 @@ def _blocks_for_prompts(layers) -> bool:
     its blocks: small_batch.kernel_linear), the head on its blocks."""
     total = on_blocks = 0
     for layer in layers:
-        a, m = layer.self_attn, layer.mlp
-        for linear in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+        for linear in projections(layer):
             total += linear.weight.numel()
             on_blocks += linear.weight.numel() if kernels_of(linear)[2] == "blocks" else 0
     return total > 0 and 2 * on_blocks >= total
@@ -353,7 +358,7 @@ class CompiledModel:
         for layer in inner.layers:
             a, m = layer.self_attn, layer.mlp
             stacks = stack_projections(layer) if stack else None  # (before the views of weights below)
-            linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+            linears = projections(layer)
             weights = (layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
                        a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, a.o_proj.bias,
                        layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,

@@ -523,7 +523,7 @@ def _light_tokenizer(folder: Path):
     tokenizer: read without transformers where that gives the same (light_tokenizer.py), else
     loaded as that class directly (AutoTokenizer would read the model's config first, importing its
     modeling code); None for any other tokenizer."""
-    from .light_tokenizer import LightTokenizer
+    from .light_tokenizer import GENERIC_CLASSES, LightTokenizer
 
     light = LightTokenizer.load(folder)
     if light is not None:
@@ -532,7 +532,7 @@ def _light_tokenizer(folder: Path):
         named = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError, AttributeError):
         return None
-    if named not in ("TokenizersBackend", "PreTrainedTokenizerFast") or not (folder / "tokenizer.json").is_file():
+    if named not in GENERIC_CLASSES or not (folder / "tokenizer.json").is_file():
         return None
     quiet_transformers()
     from transformers import PreTrainedTokenizerFast
