@@ -8,8 +8,11 @@ target's forward of its tokens) against that shape, by the same measure. Both co
 - a **cost model** of this machine: the target's forward time for a tree of n nodes and the
   draft's for a level of w nodes, measured once per machine, model pair and runtime (~seconds,
   cached in `costs.json` in the rsd cache folder) and scaled by what this run's forwards take;
-  a shape this run has used is timed by its own steps, as their time over the forwards in them
-  (sampling and verification included);
+  the target's forward of n > 1 tokens also by a factor learnt from steps a step or two apart (a
+  plain one and one of n tokens: the pace cancels out), so a table measured apart from generation
+  that rates a 2-token forward 1.19x a plain one where generation takes 1.31x is corrected; a shape
+  this run has used is timed by its own steps, as their time over the forwards in them (sampling
+  and verification included);
 - an **acceptance model** of this run: the probability that the draft's k-th ranked candidate
   is accepted after the ones before it were rejected, at depth d (the factors of RSD-C's block
   efficiency), counted from this run's verified nodes with a weak prior; for lookup drafts, the
@@ -71,6 +74,8 @@ MEASURED_MEMORY = 0.3  # how fast a used shape's measured time ratio follows new
 WARM_UP_STEPS = 2  # a shape's first steps are not timed: on a 2-core EPYC the first two forwards
 # of a new token count took 6-8 ms more than later ones (oneDNN sets up kernels for each new size)
 OUTLIER = 1.25  # the most one step's time can move an estimate, as a ratio to it (see _bounded)
+SIZE_MEMORY = 0.2  # how fast a token count's forward factor follows its paired measurements (see _learn_size)
+PAIRED_WITHIN = 2  # steps apart at most for a plain step's forward and a larger one's to be compared
 OPTIMISM = 0.5  # standard errors added to an acceptance rate (so wider shapes get tried)
 MEMORY_TRIES = 32  # a run starts from earlier runs' acceptance counts scaled down to at most this many
 # tries per rank and depth, so that its own steps soon outweigh them
@@ -308,11 +313,16 @@ class AutoShape:
         self.every = every
         self.acceptance = Acceptance()
         self.target_scale = self.draft_scale = 1.0
+        self.size_factor: dict[int, float] = {}  # target tokens (> 1) -> its forward's time over the table's,
+        # relative to a plain forward's at the same moment (1 where not learnt: see _learn_size)
+        self._last_timed: tuple[int, int, float] | None = None  # (observed steps, target tokens, forward / table)
+        self._observed = 0  # steps observed
         self.measured: dict[Shape, float] = {}  # shape -> its steps' time over their forwards' (moving average)
         self._drafting_ratio: float | None = None  # the mean of the drafting shapes' in `measured` (worked out)
-        # shape -> step_seconds before scaling (the candidates' now, lookup chains' once rated)
-        self._modelled: dict[Shape, tuple[float, float]] = {s: self._modelled_seconds(s) for s in self.shapes}
-        # the candidates' (branching, draft, target seconds before scaling) and their index, for _rates
+        # shape -> (draft, target) seconds before scaling and the target's tokens (the candidates' now,
+        # lookup chains' once rated)
+        self._modelled: dict[Shape, tuple[float, float, int]] = {s: self._modelled_seconds(s) for s in self.shapes}
+        # the candidates' (branching, draft, target seconds before scaling, target tokens), for _rates
         self._candidates = [(s.branching, *self._modelled[s]) for s in self.shapes]
         self._index = {shape: i for i, shape in enumerate(self.shapes)}
         self._expected_all: tuple = (None, -1, [])  # (acceptance, its version, expected_tokens per candidate)
@@ -337,18 +347,19 @@ class AutoShape:
         """(draft, target) seconds predicted for one step of `shape`."""
         if shape not in self._modelled:
             self._modelled[shape] = self._modelled_seconds(shape)
-        draft, target = self._modelled[shape]
-        return draft * self.draft_scale, target * self.target_scale
+        draft, target, tokens = self._modelled[shape]
+        return draft * self.draft_scale, target * self.target_scale * self.size_factor.get(tokens, 1.0)
 
-    def _modelled_seconds(self, shape: Shape) -> tuple[float, float]:
-        """(draft, target) seconds of one step from the measured costs, unscaled."""
+    def _modelled_seconds(self, shape: Shape) -> tuple[float, float, int]:
+        """(draft, target) seconds of one step from the measured costs, unscaled, and the tokens of
+        the target's forward."""
         if shape.depth == 0:
-            return 0.0, self.costs.target_at(1)
+            return 0.0, self.costs.target_at(1), 1
         if not shape.uses_draft_model:  # lookup: a chain drafted without a model
-            return 0.0, self.costs.target_at(1 + shape.depth)
+            return 0.0, self.costs.target_at(1 + shape.depth), 1 + shape.depth
         sizes = level_sizes(shape)
         draft = self.costs.draft_at(1) + sum(self.costs.draft_at(n) for n in sizes[:-1])  # catch-up + levels
-        return draft, self.costs.target_at(1 + sum(sizes))
+        return draft, self.costs.target_at(1 + sum(sizes)), 1 + sum(sizes)
 
     def seconds(self, shape: Shape) -> float:
         """A step's time: the cost model's forwards, scaled to this run's forward times, and for a
@@ -453,7 +464,7 @@ class AutoShape:
         a choice took 0.3 ms, 1.0 ms after a drafting step, on a 2-core Xeon, ~8% of an H100's
         plain step every 8 steps."""
         drafting = self._drafting_ratio_now()
-        ratios = [drafting if branching else 1.0 for branching, _, _ in self._candidates]  # (as _unmeasured_ratio)
+        ratios = [drafting if branching else 1.0 for branching, *_ in self._candidates]  # (as _unmeasured_ratio)
         for shape, ratio in self.measured.items():
             index = self._index.get(shape)
             if index is not None:
@@ -462,9 +473,9 @@ class AutoShape:
         if acceptance is not self.acceptance or version != self.acceptance.version:
             expected = [expected_tokens(shape, self.acceptance) for shape in self.shapes]
             self._expected_all = (self.acceptance, self.acceptance.version, expected)
-        draft_scale, target_scale = self.draft_scale, self.target_scale
-        return [tokens / ((draft * draft_scale + target * target_scale) * ratio)
-                for tokens, (_, draft, target), ratio in zip(expected, self._candidates, ratios)]
+        draft_scale, target_scale, factor = self.draft_scale, self.target_scale, self.size_factor
+        return [tokens / ((draft * draft_scale + target * target_scale * factor.get(size, 1.0)) * ratio)
+                for tokens, (_, draft, target, size), ratio in zip(expected, self._candidates, ratios)]
 
     def _choose(self) -> None:
         """Rate every shape once: the best is the current one; the best of the other kind (drafting
@@ -497,6 +508,7 @@ class AutoShape:
         # (the draft model's steps and the others: after a run of the others it first reads what it missed)
         switched = self._last_kind is not None and self._last_kind != event.shape.uses_draft_model
         self._last_kind = event.shape.uses_draft_model
+        self._observed += 1
         if event.step == 1:  # its draft call also read the whole prompt: not a step's time
             return
         self.uses[event.shape] = self.uses.get(event.shape, 0) + 1
@@ -509,6 +521,7 @@ class AutoShape:
         draft_forward = event.draft_forward_seconds
         target_forward = event.forward_seconds - draft_forward
         if target > 0 and target_forward > 0:
+            self._learn_size(event.shape, target_forward)
             pace = _bounded(target_forward / target) ** SCALE_MEMORY
             self.target_scale *= pace
             if draft == 0:  # a plain step: the machine's pace, which the draft shares (a busy neighbour slows
@@ -527,11 +540,28 @@ class AutoShape:
         self.measured[event.shape] = known * (1 + MEASURED_MEMORY * (_bounded(ratio / known) - 1))
         self._drafting_ratio = None
 
+    def _learn_size(self, shape: Shape, target_forward: float) -> None:
+        """The factor of a forward of n > 1 tokens, from a timed step of n tokens and a timed plain
+        step at most PAIRED_WITHIN steps apart (auto's explorations put them side by side): each one's
+        forward over the table's, the one over the other. Minutes apart the machine's pace may differ
+        by 1.5x; a step apart it hardly does, so the factor is what the table got wrong, not the
+        pace. (Learnt from the global scale's residual instead, a slow spell during steps of one
+        size would stick to that size.)"""
+        _, target, tokens = self._modelled[shape]
+        ratio = target_forward / target
+        last, self._last_timed = self._last_timed, (self._observed, tokens, ratio)
+        if last is None or self._observed - last[0] > PAIRED_WITHIN or (last[1] == 1) == (tokens == 1):
+            return
+        (size, sized), plain = ((tokens, ratio), last[2]) if tokens > 1 else ((last[1], last[2]), ratio)
+        known = self.size_factor.get(size, 1.0)
+        self.size_factor[size] = known * _bounded(sized / plain / known) ** SIZE_MEMORY
+
     def remembered(self) -> dict:
         """What a later run on this machine, these models and sampling settings starts from: the
         acceptance counts (scaled down), the cost model's scales and each timed shape's ratio."""
         memory = {"acceptance": self.acceptance.as_json(), "scales": [self.target_scale, self.draft_scale],
                   "ratios": {shape.describe(): ratio for shape, ratio in self.measured.items()},
+                  "sizes": {str(tokens): factor for tokens, factor in self.size_factor.items()},
                   "lookup": {str(n): acceptance.as_json() for n, acceptance in self.lookup_acceptance.items()}}
         if self.current is not None:  # where the exploration of the other kind stands (see _choose)
             memory["exploring"] = [bool(self.current.depth), self.since_other, self.rare_gap]
@@ -546,8 +576,9 @@ class AutoShape:
         named = {shape.describe(): shape for shape in self.shapes + self.lookups}
         ratios = {named[name]: float(ratio) for name, ratio in memory["ratios"].items() if name in named}
         target_scale, draft_scale = (float(scale) for scale in memory["scales"])
-        if not all(0 < value < math.inf for value in (*ratios.values(), target_scale, draft_scale)):
-            raise ValueError("a scale or ratio is not positive")
+        sizes = {int(tokens): float(factor) for tokens, factor in memory.get("sizes", {}).items()}
+        if not all(0 < value < math.inf for value in (*ratios.values(), *sizes.values(), target_scale, draft_scale)):
+            raise ValueError("a scale, ratio or size factor is not positive")
         explored = self._explored
         if "exploring" in memory:
             drafting, since_other, rare_gap = memory["exploring"]
@@ -558,6 +589,7 @@ class AutoShape:
             self.acceptance = Acceptance.from_json(memory["acceptance"])
             self.lookup_acceptance.update({n: a for n, a in lookup.items() if n in self.lookup_acceptance})
         self.measured, self.target_scale, self.draft_scale = ratios, target_scale, draft_scale
+        self.size_factor = {tokens: factor for tokens, factor in sizes.items() if tokens > 1}
         self._explored = explored
         self._drafting_ratio = None
 

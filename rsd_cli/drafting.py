@@ -209,11 +209,16 @@ class NgramIndex:
     def match(self, seq: list[int], count: int) -> tuple[int, list[int]]:
         """(n, continuation): the n of that longest n-gram (0 when none occurred) and the tokens."""
         stop = len(seq) - 1  # an n-gram ending at `end` < stop is followed by seq[end + 1]
-        for n in range(1, self.longest + 1):
-            first = max(self.indexed, n - 1)  # (the first end with n tokens up to it)
-            if first < stop:  # each n-gram ending at first..stop-1, as a tuple -> end + 1; later ones win
-                columns = [seq[first - n + 1 + k: stop - n + 1 + k] for k in range(n)]
-                self.after.update(zip(zip(*columns), range(first + 1, stop + 1)))
+        if stop == self.indexed + 1 and stop > self.longest:  # one token more (a decoding step): its n-grams
+            end = stop - 1
+            for n in range(1, self.longest + 1):
+                self.after[tuple(seq[end - n + 1: stop])] = stop
+        else:
+            for n in range(1, self.longest + 1):
+                first = max(self.indexed, n - 1)  # (the first end with n tokens up to it)
+                if first < stop:  # each n-gram ending at first..stop-1, as a tuple -> end + 1; later ones win
+                    columns = [seq[first - n + 1 + k: stop - n + 1 + k] for k in range(n)]
+                    self.after.update(zip(zip(*columns), range(first + 1, stop + 1)))
         self.indexed = max(self.indexed, stop)
         for n in range(min(self.longest, len(seq)), 0, -1):
             start = self.after.get(tuple(seq[-n:]))

@@ -205,6 +205,42 @@ def test_a_slow_spell_during_plain_steps_does_not_stick_to_plain_decoding():
     assert policy.seconds(chain) == pytest.approx(1.55, rel=0.03)
 
 
+def test_a_forward_of_more_tokens_costs_what_generation_takes_as_the_machine_s_pace_drifts():
+    """The cost table, measured apart from generation, rates a 2-token forward 1.19x a plain one where
+    generation takes 1.31x (the embedded target on a 2-core Xeon): learnt from plain and 2-token steps
+    a step or two apart, the factor is corrected while the machine's pace grows 1.5x, and a later run
+    starts from it."""
+    policy = AutoShape(Costs({1: 1.0, 2: 1.19, 64: 5.0}, {1: 0.1, 32: 0.5}))
+    plain, chain = make_shape("ar"), make_shape("sd", draft_len=1)
+    steps = 0
+
+    def observe(shape) -> None:
+        nonlocal steps
+        steps += 1
+        pace = 1.5 ** (steps / 480)
+        target = pace * (1.31 if shape.depth else 1.0)
+
+        class Step:
+            checks = [check(1, 0)] if shape.depth else []
+            draft_forward_seconds = 0.1 * pace if shape.depth else 0.0
+            draft_seconds = draft_forward_seconds + (0.05 if shape.depth else 0.0)
+            verify_seconds, forward_seconds = target + 0.1, target + draft_forward_seconds
+        Step.step, Step.shape = 2, shape
+        policy.observe(Step)
+
+    for _ in range(60):  # plain decoding, and now and then an exploration (its first step a switch's)
+        for shape in [plain] * 6 + [chain] * 2:
+            observe(shape)
+    assert policy.size_factor[2] == pytest.approx(1.31 / 1.19, rel=0.02)
+    assert policy.step_seconds(chain)[1] / policy.step_seconds(plain)[1] == pytest.approx(1.31, rel=0.02)
+    assert policy.step_seconds(plain)[1] == pytest.approx(1.5 ** (steps / 480), rel=0.05)  # the pace as before
+    later = AutoShape(policy.costs)
+    later.recall(json.loads(json.dumps(policy.remembered())))
+    assert later.step_seconds(chain) == pytest.approx(policy.step_seconds(chain))
+    with pytest.raises(ValueError):
+        later.recall({**policy.remembered(), "sizes": {"2": -1.0}})
+
+
 def test_one_slow_step_moves_an_estimate_only_a_little():
     policy = AutoShape(flat(1.0))
     plain = make_shape("ar")
@@ -283,8 +319,8 @@ def test_runs_with_the_same_machine_models_and_sampling_share_what_auto_learnt_o
     assert auto.for_decoder(decoder(1.0)).acceptance.tried == {}
     list(decoder(1.0).generate(PROMPT, 4, seed=2))  # and overwritten by this one
     saved = json.loads(auto.memory_path().read_text())
-    assert set(saved[key]) == {"acceptance", "scales", "ratios", "lookup", "exploring"}
-    assert set(saved[f"{auto.cost_key(decoder(1.0))} | timings, any sampling"]) == {"scales", "ratios"}
+    assert set(saved[key]) == {"acceptance", "scales", "ratios", "sizes", "lookup", "exploring"}
+    assert set(saved[f"{auto.cost_key(decoder(1.0))} | timings, any sampling"]) == {"scales", "ratios", "sizes"}
 
 
 def test_where_steps_are_decided_on_the_device_auto_weighs_only_those_shapes_and_plain_decoding(pair):

@@ -615,6 +615,10 @@ def test_the_ngram_index_finds_what_a_search_of_the_whole_sequence_finds():
         index = NgramIndex(3)
         for end in range(1, len(seq) + 1):  # step by step, as a generation grows it
             assert index.match(seq[:end], 4) == search(seq[:end], 3, 4)
+        index, end = NgramIndex(3), 0
+        while end < len(seq):  # by one to four tokens a step, as drafting steps grow it
+            end = min(len(seq), end + int(torch.randint(1, 5, (), generator=generator)))
+            assert index.match(seq[:end], 4) == search(seq[:end], 3, 4)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
