@@ -183,8 +183,11 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     for repeat in range(repeats):
         for index, ids in enumerate(encoded):
             run_seed = seed + 1000 * repeat + index
-            # interleaved: every variant runs this prompt before the next prompt starts
-            for compile, variant, setting, shape in jobs:
+            # interleaved: every variant runs this prompt before the next prompt starts, in the opposite
+            # order for every other prompt, so that no row always runs first or last (the 2-core Xeon's
+            # pace drifts 1.5x within minutes, and a row run last sits furthest from `ar` run first)
+            in_turn = jobs if (repeat * len(encoded) + index) % 2 == 0 else jobs[::-1]
+            for compile, variant, setting, shape in in_turn:
                 text = StopText(pair.tokenizer, stops) if stops else None
                 _, stats, _ = complete(decoder_for(compile, setting, shape), ids, max_tokens, run_seed, text=text)
                 totals.setdefault((compile, variant, setting, shape), Stats()).merge(stats)

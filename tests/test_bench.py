@@ -66,6 +66,27 @@ def test_bench_rejects_bad_lists(tiny_profile):
     assert result.exit_code == 2 and "at least 1" in result.stderr
 
 
+def test_rows_take_turns_prompt_by_prompt_in_alternating_order(tiny_profile, monkeypatch):
+    """Every variant runs a prompt before the next prompt starts, and every other prompt in the
+    opposite order: no row always runs first, next to the peers, or last, furthest from `ar`."""
+    import rsd_cli.bench as bench
+
+    ran, real = [], bench.complete
+
+    def recorded(decoder, *args, **kwargs):
+        ran.append(decoder.shape.variant)
+        return real(decoder, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "complete", recorded)
+    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--depths", "1", "--variants", "ar,sd,lookup",
+                                      "--limit", "3", "--repeats", "2", "-n", "4", "--json", "--no-assisted",
+                                      "--no-hf-static"])
+    assert result.exit_code == 0, result.stderr
+    forward, backward = ["ar", "sd", "lookup"], ["lookup", "sd", "ar"]
+    assert ran == forward + (forward + backward) * 3  # the warm-up, then 3 prompts twice
+    assert [r["variant"] for r in json.loads(result.stdout)["results"]] == forward
+
+
 def test_assisted_row_runs_with_a_reduced_draft_head(tiny_pair_dir, tmp_path):
     profile = tmp_path / "reduced.toml"
     profile.write_text(f'[target]\nsource = "{tiny_pair_dir / "target"}"\n'
