@@ -12,10 +12,11 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh trace     # a step's launches, copies, syncs
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh kernel16  # the C kernel's prefetch on 16 cores; auto's policy
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh stepgraphs  # device steps' maths as CUDA graphs, steps queued ahead: A/B
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh auto      # auto against ar, prompt by prompt: GPU, then 16 cores
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
-part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16 or stepgraphs}
+part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs or auto}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -68,6 +69,11 @@ case $part in
         --role $role --prefixes 150,1000 --rows 1,2,4,8 --rounds 5 --no-prefill
     done 2>&1 | grep -v Warning | tee "$out/prefetch-ab-cpu16.txt"
     $py benchmarks/auto_policy_cost.py 2>&1 | tee "$out/auto-policy-cost.txt" ;;
+  auto)  # the default profile's `auto` against `ar`, each prompt answered by both one after the other (its
+    # shapes, its learnt forward factors): on the GPU (only device-decided shapes there), then the 16-core CPU
+    for t in 1 0; do $py benchmarks/auto_vs_ar.py --temperature $t 2>&1 | grep -v Warning; done | tee "$out/auto-vs-ar-gpu.txt"
+    for t in 1 0; do CUDA_VISIBLE_DEVICES= $py benchmarks/auto_vs_ar.py --temperature $t 2>&1 | grep -v Warning; done |
+      tee "$out/auto-vs-ar-cpu16.txt" ;;
   stepgraphs)  # a device step's maths replayed as CUDA graphs (StepGraphs) against launched op by op: the
     # GPU tests of it (and of steps queued ahead: ar, auto, sd chains, rsd-c fans), then tokens/s per
     # shape both ways and of the "ahead" rows, interleaved, at T=1 and T=0; then the trace
@@ -79,5 +85,5 @@ case $part in
     done | tee "$out/step-graphs-ab.txt"
     $py benchmarks/trace_step.py --compile on --variants ar,sd,rsd-c --temperatures 1 -n 48 --top 8 \
       --json "$out/trace-step-graphs.json" 2>&1 | grep -v "Warning\|USDT\|forward_call" | tee "$out/trace-step-graphs.txt" ;;
-  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16 or stepgraphs" >&2; exit 2 ;;
+  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs or auto" >&2; exit 2 ;;
 esac
