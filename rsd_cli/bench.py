@@ -139,6 +139,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     peers = [name for name, wanted in (("hf-assisted", assisted), ("hf-static", hf_static)) if wanted]
     totals: dict[tuple, Stats] = {}  # (compile, variant, setting, shape) -> totals over prompts and repeats
     peer_totals: dict[tuple[str, float], list[float]] = {(p, t): [0, 0.0] for p in peers for t in temperatures}
+    per_prompt: dict[tuple, dict[tuple, float]] = {}  # a job's or a peer's key -> (repeat, prompt) -> tokens/s
     peer_errors: dict[str, str] = {}  # a peer failing must not cost the other rows
     encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]
     top = {key: profile["sampling"][key] for key in ("top_k", "top_p", "min_p", "repetition_penalty")}
@@ -191,6 +192,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
                 text = StopText(pair.tokenizer, stops) if stops else None
                 _, stats, _ = complete(decoder_for(compile, setting, shape), ids, max_tokens, run_seed, text=text)
                 totals.setdefault((compile, variant, setting, shape), Stats()).merge(stats)
+                per_prompt.setdefault((compile, variant, setting, shape), {})[repeat, index] = stats.tokens_per_second
                 tick()
             for name in peers:
                 for t in temperatures:
@@ -203,6 +205,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
                         break
                     peer_totals[(name, t)][0] += n
                     peer_totals[(name, t)][1] += seconds
+                    per_prompt.setdefault((name, t), {})[repeat, index] = n / seconds if seconds else 0.0
                     tick()
 
     rows = []
@@ -211,6 +214,16 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     def ratio(rate, compile, t):
         base = ar_rate.get((compile, t))
         return rate / base if rate and base else None
+
+    ar_runs = {(k[0], k[2].temperature): runs for k, runs in per_prompt.items() if len(k) == 4 and k[1] == "ar"}
+
+    def spread(key, compile, t) -> list[float] | None:
+        """[least, most] over the runs (prompt x repeat) of the row's tokens/s over `ar`'s on the same
+        prompt: how far one prompt's ratio strays from the row's (a machine whose pace drifts, prompts
+        that suit drafting more or less)."""
+        base = ar_runs.get((compile, t), {})
+        ratios = [rate / base[run] for run, rate in per_prompt.get(key, {}).items() if rate and base.get(run)]
+        return [min(ratios), max(ratios)] if ratios else None
 
     for (compile, variant, setting, shape), stats in totals.items():
         d = stats.as_dict(pair.draft_params, pair.target_params)
@@ -223,6 +236,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
             "acceptance_per_depth": d["acceptance_per_depth"], "mbsu": d["mbsu"],
             "tokens_per_second": d["tokens_per_second"],
             "speedup_vs_ar": ratio(d["tokens_per_second"], compile, setting.temperature),
+            "speedup_vs_ar_range": spread((compile, variant, setting, shape), compile, setting.temperature),
             "speedup_vs_ar_off": ratio(d["tokens_per_second"], "off", setting.temperature),
             "target_tokens_per_step": d["target_tokens_per_step"], "draft_calls_per_step": d["draft_calls_per_step"],
             "draft_seconds": d["draft_seconds"], "verify_seconds": d["verify_seconds"],
@@ -236,7 +250,9 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
             "variant": name, "compile": None, "runtime": "transformers", "budget": None, "depth": None,
             "shape": PEERS[name][0], "shapes_used": None, "max_nodes": None, "temperature": t, "block_efficiency": None,
             "acceptance_rate": None, "acceptance_per_depth": None, "mbsu": None, "tokens_per_second": rate,
-            "speedup_vs_ar": ratio(rate, compiles[0], t), "speedup_vs_ar_off": ratio(rate, "off", t),
+            "speedup_vs_ar": ratio(rate, compiles[0], t),
+            "speedup_vs_ar_range": spread((name, t), compiles[0], t) if error is None else None,
+            "speedup_vs_ar_off": ratio(rate, "off", t),
             "target_tokens_per_step": None, "draft_calls_per_step": None, "draft_seconds": None,
             "verify_seconds": None, "forward_seconds": None, "overhead_seconds": None, "wall_seconds": seconds,
             "new_tokens": n, "steps": None, "error": error,
@@ -253,13 +269,15 @@ def _shape_label(shape: Shape, used: dict[str, int]) -> str:
 
 
 COLUMNS = ["variant", "compile", "budget", "depth", "shape", "temperature", "block_efficiency", "acceptance_rate", "mbsu",
-           "tokens_per_second", "speedup_vs_ar", "speedup_vs_ar_off", "target_tokens_per_step", "draft_seconds", "verify_seconds",
-           "overhead_seconds", "new_tokens"]
+           "tokens_per_second", "speedup_vs_ar", "speedup_vs_ar_range", "speedup_vs_ar_off", "target_tokens_per_step",
+           "draft_seconds", "verify_seconds", "overhead_seconds", "new_tokens"]
 
 
 def _fmt(value) -> str:
     if value is None:
         return "-"
+    if isinstance(value, list):  # a range
+        return "-".join(f"{x:.2f}" for x in value)
     if isinstance(value, float):
         return f"{value:.2f}"
     return str(value)
@@ -270,7 +288,7 @@ def results_table(rows: list[dict]):
 
     table = Table(title="rsd bench", title_justify="left")
     names = {"block_efficiency": "BE", "acceptance_rate": "accept", "tokens_per_second": "tok/s",
-             "speedup_vs_ar": "× ar", "speedup_vs_ar_off": "× ar off", "target_tokens_per_step": "nodes", "draft_seconds": "draft s",
+             "speedup_vs_ar": "× ar", "speedup_vs_ar_range": "per prompt", "speedup_vs_ar_off": "× ar off", "target_tokens_per_step": "nodes", "draft_seconds": "draft s",
              "verify_seconds": "verify s", "overhead_seconds": "overhead s", "new_tokens": "tokens",
              "temperature": "T"}
     for col in COLUMNS:

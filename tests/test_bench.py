@@ -1,11 +1,13 @@
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from rsd_cli.cli import app
 
 FIELDS = {"variant", "budget", "shape", "temperature", "block_efficiency", "mbsu", "tokens_per_second",
-          "speedup_vs_ar", "draft_seconds", "verify_seconds", "overhead_seconds", "acceptance_per_depth"}
+          "speedup_vs_ar", "speedup_vs_ar_range", "draft_seconds", "verify_seconds", "overhead_seconds",
+          "acceptance_per_depth"}
 
 
 def test_bench_runs_end_to_end_with_every_field_and_a_plot(tiny_profile, tmp_path):
@@ -85,6 +87,41 @@ def test_rows_take_turns_prompt_by_prompt_in_alternating_order(tiny_profile, mon
     forward, backward = ["ar", "sd", "lookup"], ["lookup", "sd", "ar"]
     assert ran == forward + (forward + backward) * 3  # the warm-up, then 3 prompts twice
     assert [r["variant"] for r in json.loads(result.stdout)["results"]] == forward
+
+
+def test_each_row_gives_the_range_of_its_ratio_to_ar_prompt_by_prompt(tiny_profile, monkeypatch):
+    """Beside its tokens/s over `ar`'s, a row gives the least and most of that ratio on one prompt
+    (one run: a prompt in a repeat), each prompt's against `ar` on the same prompt: here `sd` takes
+    two seconds a token on both prompts, `ar` two on the first and one on the second."""
+    import rsd_cli.bench as bench
+    from rsd_cli.engine import Stats
+
+    runs, real = [], bench.complete
+
+    def timed(decoder, ids, *args, **kwargs):
+        text, stats, events = real(decoder, ids, *args, **kwargs)
+        variant = decoder.shape.variant
+        runs.append(variant)
+        first_prompt = runs.count(variant) % 3 == 2  # (each invocation: the warm-up, then the two prompts)
+        slow = variant == "sd" or first_prompt
+        faked = Stats()
+        faked.merge(stats)
+        faked.wall_seconds = faked.new_tokens * (2.0 if slow else 1.0)
+        return text, faked, events
+
+    monkeypatch.setattr(bench, "complete", timed)
+    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--depths", "1", "--variants", "ar,sd",
+                                      "--limit", "2", "--repeats", "1", "-n", "4", "--json", "--no-assisted",
+                                      "--no-hf-static"])
+    assert result.exit_code == 0, result.stderr
+    rows = {r["variant"]: r for r in json.loads(result.stdout)["results"]}
+    assert rows["ar"]["speedup_vs_ar_range"] == [1.0, 1.0]
+    assert rows["sd"]["speedup_vs_ar_range"] == [0.5, 1.0]
+    assert rows["sd"]["speedup_vs_ar"] == pytest.approx(0.75)  # (tokens/s over all prompts: 1/2 over 2/3)
+    table = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--depths", "1", "--variants", "ar,sd",
+                                     "--limit", "2", "-n", "4", "--no-assisted", "--no-hf-static"],
+                                env={"COLUMNS": "250"})  # (a table this wide wraps its cells in 80 columns)
+    assert "per prompt" in table.stdout and "0.50-1.00" in table.stdout
 
 
 def test_assisted_row_runs_with_a_reduced_draft_head(tiny_pair_dir, tmp_path):
