@@ -288,9 +288,9 @@ def results_table(rows: list[dict]):
 
     table = Table(title="rsd bench", title_justify="left")
     names = {"block_efficiency": "BE", "acceptance_rate": "accept", "tokens_per_second": "tok/s",
-             "speedup_vs_ar": "× ar", "speedup_vs_ar_range": "per prompt", "speedup_vs_ar_off": "× ar off", "target_tokens_per_step": "nodes", "draft_seconds": "draft s",
-             "verify_seconds": "verify s", "overhead_seconds": "overhead s", "new_tokens": "tokens",
-             "temperature": "T"}
+             "speedup_vs_ar": "× ar", "speedup_vs_ar_range": "per prompt", "speedup_vs_ar_off": "× ar off",
+             "target_tokens_per_step": "nodes", "draft_seconds": "draft s", "verify_seconds": "verify s",
+             "overhead_seconds": "overhead s", "new_tokens": "tokens", "temperature": "T"}
     for col in COLUMNS:
         table.add_column(names.get(col, col), justify="left" if col in ("variant", "shape") else "right")
     for row in rows:
