@@ -39,6 +39,18 @@ def _transformers_major() -> int:
         return 0
 
 
+def generic_config(folder: Path) -> dict | None:
+    """The folder's tokenizer_config.json where it names transformers' generic fast tokenizer and a
+    tokenizer.json is there to build it from; None otherwise (unreadable, another class)."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("tokenizer_class") not in GENERIC_CLASSES:
+        return None
+    return config if (folder / "tokenizer.json").is_file() else None
+
+
 def _token_text(value) -> str | None:
     """A special token as the config writes it: a string, or an AddedToken's fields ({"content": ...})."""
     if isinstance(value, dict):
@@ -119,14 +131,15 @@ class LightTokenizer:
         self._compiled = compiled
 
     @classmethod
-    def load(cls, folder: Path) -> LightTokenizer | None:
-        """The folder's tokenizer, or None where it must load through transformers (see the module)."""
+    def load(cls, folder: Path, config: dict | None = None) -> LightTokenizer | None:
+        """The folder's tokenizer, or None where it must load through transformers (see the module);
+        config: its generic_config, where the caller read it already."""
+        config = config if config is not None else generic_config(folder)
+        if config is None:
+            return None
         try:
-            config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-            if not isinstance(config, dict) or config.get("tokenizer_class") not in GENERIC_CLASSES:
-                return None
             readable, template = _chat_template(folder, config)
-            if not readable or not (folder / "tokenizer.json").is_file():
+            if not readable:
                 return None
             from tokenizers import Tokenizer
 

@@ -525,17 +525,14 @@ def _light_tokenizer(folder: Path):
     tokenizer: read without transformers where that gives the same (light_tokenizer.py), else
     loaded as that class directly (AutoTokenizer would read the model's config first, importing its
     modeling code); None for any other tokenizer."""
-    from .light_tokenizer import GENERIC_CLASSES, LightTokenizer
+    from .light_tokenizer import LightTokenizer, generic_config
 
-    light = LightTokenizer.load(folder)
+    config = generic_config(folder)
+    if config is None:
+        return None
+    light = LightTokenizer.load(folder, config)
     if light is not None:
         return light
-    try:
-        named = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if named not in GENERIC_CLASSES or not (folder / "tokenizer.json").is_file():
-        return None
     quiet_transformers()
     from transformers import PreTrainedTokenizerFast
 
