@@ -24,10 +24,10 @@ a 2-core Intel Xeon (Sapphire Rapids) torch's own kernel was the fast one. On th
 4-token forward of that model costs 1.1x a 1-token one (1.4x on its own weights), which is what
 tree verification needs. So by default
 ("auto") each layer shape is timed once per machine with every kernel, for one row and for
-2-8 rows apart, and keeps torch's unless another takes at most 90% of its time — and a shape
-held as quantised blocks is timed for prompts too (128 rows, torch's against "blocks": on the
-2-core EPYC blocks took 0.65x MKL's time at 128-256 rows); the verdicts are cached under the
-rsd cache folder. RSD_SMALL_BATCH_MATMUL picks one kernel everywhere instead: "0" or "torch",
+2-8 rows apart, and keeps torch's unless another takes at most 90% of its time — except a shape
+held as quantised blocks: its few-row products run on "blocks" unmeasured (FEW_ROWS_ON_BLOCKS),
+and only its prompts are timed (128 rows, torch's against "blocks": on the 2-core EPYC blocks
+took 0.65x MKL's time at 128-256 rows); the verdicts are cached under the rsd cache folder. RSD_SMALL_BATCH_MATMUL picks one kernel everywhere instead: "0" or "torch",
 "1" or "transposed", "onednn", "packed", "blocks". Packed copies are made only while they take
 at most half the memory still available (else "onednn" serves those layers).
 
@@ -335,6 +335,14 @@ CALIBRATION_REPEATS = 5
 REQUIRED_GAIN = 0.9  # another kernel must take at most 90% of torch's time, summed over the rows
 CLOSE = 0.15  # a verdict within 15% of that threshold is measured twice more (see settled_fastest)
 CALIBRATION_BYTES = 64 * 2**20  # enough weights to stream from memory, not from a CPU cache
+# One row and 2-64 rows of a weight held as quantised blocks: rsd's kernel on them, not measured. A
+# forward streams every weight, and the blocks are 0.75-1.125 bytes a weight against float32's 4;
+# a product timed alone cannot show that where the CPU's last-level cache holds all the weights
+# of a shape (a 2-core Intel Xeon's VM sees 300 MB of it): there the verdicts named torch's product
+# for one row of most shapes and for k and v at every row count, and `ar` on transformers'
+# forward (`--compile off`) ran at 20.6 tok/s against 34-37 with every few-row product on blocks,
+# compiled (`--compile on`) 19-22 against 29-33. The C layers take the blocks the same way.
+FEW_ROWS_ON_BLOCKS = ("blocks", "blocks")
 
 
 def mode() -> str:
@@ -539,22 +547,30 @@ class Verdicts:
 
     def kernels(self, weights: list[torch.Tensor], blocks: list | None = None) -> tuple[str, str, str]:
         """(kernel for one row, for 2-64 rows, for more) for a model's layers of one shape (with
-        `blocks`, their quantised blocks: a verdict of its own), measured together the first time."""
+        `blocks`, their quantised blocks: a verdict of its own), measured together the first time.
+
+        Few rows of quantised blocks go to their kernel unmeasured (FEW_ROWS_ON_BLOCKS): only
+        their prompts are timed."""
         from .blocks import block_format
 
         out_features, in_features = weights[0].shape
         quantised = f" {block_format(blocks[0])}" if blocks is not None else ""
-        # (v2: timed in interleaved rounds, close calls measured again; earlier verdicts are measured anew)
-        key = f"{self.machine} | {in_features}x{out_features}{quantised} | kernels v2"
+        # (v2: timed in interleaved rounds, close calls measured again; v3, quantised shapes: few rows
+        # on blocks unmeasured. Earlier verdicts are measured anew)
+        version = "v3" if blocks is not None else "v2"
+        key = f"{self.machine} | {in_features}x{out_features}{quantised} | kernels {version}"
         known = self.known.get(key)
         if not (isinstance(known, list) and len(known) == 3
                 and set(known) <= set(available_kernels(quantised=blocks is not None))):
-            known = [settled_fastest(lambda rows=rows: measure_kernels(weights, rows, blocks))
-                     for rows in CALIBRATION_ROWS]
-            # (no margin asked of blocks here: its copies exist anyway, and with one the 0.6-0.8x it
-            # measured on the 2-core EPYC came out as torch's in some calibrations, slowing prompts 20%)
-            known.append(settled_fastest(lambda: measure_kernels(weights, PROMPT_ROWS, blocks, ("torch", "blocks")),
-                                         required=1.0) if blocks is not None else "torch")
+            if blocks is not None:
+                # (no margin asked of blocks for prompts: its copies exist anyway, and with one the
+                # 0.6-0.8x it measured on the 2-core EPYC came out as torch's in some calibrations,
+                # slowing prompts 20%)
+                known = [*FEW_ROWS_ON_BLOCKS, settled_fastest(
+                    lambda: measure_kernels(weights, PROMPT_ROWS, blocks, ("torch", "blocks")), required=1.0)]
+            else:
+                known = [settled_fastest(lambda rows=rows: measure_kernels(weights, rows))
+                         for rows in CALIBRATION_ROWS] + ["torch"]
             self.known[key] = known
             self.changed = True
         return tuple(known)
