@@ -200,9 +200,10 @@ def _native_layer(layer, fused: tuple, fuse: bool):
 
     Whatever kernel each linear measured fastest alone (small_batch's verdicts): the C layer runs
     the whole layer in one call, its products and the ~40 operations around them, and that is what
-    wins. On a 2-core Intel Xeon whose verdicts named torch's product for k, v (576x192) at every
-    row count and for one row of most others, the embedded target's forward took 38 ms with those
-    kernels and 10.8 ms in C (`benchmarks/runtime_cost.py`), `ar` 37.8 against 93.5 tok/s."""
+    wins. On a 2-core Intel Xeon whose verdicts then named torch's product for k, v (576x192) at
+    every row count and for one row of most others, the embedded target's forward took 38 ms with
+    those kernels and 10.8 ms in C (`benchmarks/runtime_cost.py`), `ar` 37.8 against 93.5 tok/s
+    (few-row products of quantised weights now take the blocks unmeasured: small_batch.FEW_ROWS_ON_BLOCKS)."""
     a, m = layer.self_attn, layer.mlp
     qkv = (a.q_proj, a.k_proj, a.v_proj)
     stacks = [found if found is not None else _c_stack(linears, biased) if fuse else None
