@@ -128,18 +128,22 @@ def run_inspect(pair, profile, text: str, *, step: int, fmt: str, output, system
         raise RsdError(f"generation ended after {last} steps, before step {step}")
     if fmt == "json":
         sys.stdout.write(json.dumps(step_record(event, pair.tokenizer), ensure_ascii=False) + "\n")
-        return
-    if fmt == "text":
+    elif fmt == "text":
         out = Console(highlight=False)
         for part in step_renderables(event, pair.tokenizer):
             out.print(part)
-        return
-    path = output or __import__("pathlib").Path(f"rsd-step-{step}.svg")
-    recorder = Console(record=True, width=110, file=open(__import__("os").devnull, "w"), highlight=False)
-    for part in step_renderables(event, pair.tokenizer):
-        recorder.print(part)
-    try:
-        recorder.save_svg(str(path), title=f"rsd inspect-tree · step {step}")
-    except OSError as e:
-        raise RsdError(f"cannot write {path}: {e.strerror or e}") from None
-    console.print(f"wrote {path}")
+    else:
+        path = output or __import__("pathlib").Path(f"rsd-step-{step}.svg")
+        recorder = Console(record=True, width=110, file=open(__import__("os").devnull, "w"), highlight=False)
+        for part in step_renderables(event, pair.tokenizer):
+            recorder.print(part)
+        try:
+            recorder.save_svg(str(path), title=f"rsd inspect-tree · step {step}")
+        except OSError as e:
+            raise RsdError(f"cannot write {path}: {e.strerror or e}") from None
+        console.print(f"wrote {path}")
+    variant = profile["decoding"]["variant"]
+    if len(event.tree) == 1 and variant in ("auto", "lookup"):  # a plain step: nothing was drafted to show
+        why = "auto chose plain decoding for it" if variant == "auto" else "the context had no n-gram to look up"
+        console.print(f"step {step} drafted nothing ({why}); -v sd, rsd-c or rsd-s shows a drafted tree",
+                      highlight=False)

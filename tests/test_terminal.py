@@ -434,3 +434,15 @@ def test_closed_pipe_ends_quietly(tiny_profile, tmp_path):
     assert result.returncode == 0
     assert "Traceback" not in (tmp_path / "err").read_text()
     assert "Exception ignored" not in (tmp_path / "err").read_text()
+
+
+def test_inspect_tree_says_when_the_step_drafted_nothing(tiny_profile):
+    """A step `lookup` (or `auto`) decoded plainly has a one-node tree: stderr says why, and which
+    variants show a drafted one; a drafted step says nothing more."""
+    plain = invoke("inspect-tree", "hello", "-p", tiny_profile, "-v", "lookup", "--raw", input="")
+    assert plain.exit_code == 0, plain.stderr
+    assert "step 1 · lookup" in plain.stdout and "1 nodes" in plain.stdout
+    assert "step 1 drafted nothing (the context had no n-gram to look up); -v sd, rsd-c or rsd-s shows a drafted " \
+           "tree" in plain.stderr
+    drafted = invoke("inspect-tree", "hello", "-p", tiny_profile, "-v", "rsd-c", input="")
+    assert drafted.exit_code == 0 and "drafted nothing" not in drafted.stderr
