@@ -27,8 +27,9 @@ tree verification needs. So by default
 2-8 rows apart, and keeps torch's unless another takes at most 90% of its time — except a shape
 held as quantised blocks: its few-row products run on "blocks" unmeasured (FEW_ROWS_ON_BLOCKS),
 and only its prompts are timed (128 rows, torch's against "blocks": on the 2-core EPYC blocks
-took 0.65x MKL's time at 128-256 rows); the verdicts are cached under the rsd cache folder. RSD_SMALL_BATCH_MATMUL picks one kernel everywhere instead: "0" or "torch",
-"1" or "transposed", "onednn", "packed", "blocks". Packed copies are made only while they take
+took 0.65x MKL's time at 128-256 rows); the verdicts are cached under the rsd cache folder.
+RSD_SMALL_BATCH_MATMUL picks one kernel everywhere instead: "0" or "torch", "1" or
+"transposed", "onednn", "packed", "blocks". Packed copies are made only while they take
 at most half the memory still available (else "onednn" serves those layers).
 
 The result is the same product; only the order of the float additions inside it may differ, as
@@ -339,9 +340,9 @@ CALIBRATION_BYTES = 64 * 2**20  # enough weights to stream from memory, not from
 # forward streams every weight, and the blocks are 0.75-1.125 bytes a weight against float32's 4;
 # a product timed alone cannot show that where the CPU's last-level cache holds all the weights
 # of a shape (a 2-core Intel Xeon's VM sees 300 MB of it): there the verdicts named torch's product
-# for one row of most shapes and for k and v at every row count, and `ar` on transformers'
-# forward (`--compile off`) ran at 20.6 tok/s against 34-37 with every few-row product on blocks,
-# compiled (`--compile on`) 19-22 against 29-33. The C layers take the blocks the same way.
+# for one row of most shapes and for k and v at every row count, and `ar` on transformers' forward
+# (`--compile off`) ran at 20-23 tok/s against 25-40 with the few-row products on blocks, compiled
+# (`--compile on`) 20-26 against 35-47 (alternating runs). The C layers take the blocks the same way.
 FEW_ROWS_ON_BLOCKS = ("blocks", "blocks")
 
 
