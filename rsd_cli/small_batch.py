@@ -335,7 +335,9 @@ PROMPT_ROWS = (128,)  # prompts, timed for quantised blocks only (torch's GEMM a
 CALIBRATION_REPEATS = 5
 REQUIRED_GAIN = 0.9  # another kernel must take at most 90% of torch's time, summed over the rows
 CLOSE = 0.15  # a verdict within 15% of that threshold is measured twice more (see settled_fastest)
-CALIBRATION_BYTES = 64 * 2**20  # enough weights to stream from memory, not from a CPU cache
+# enough weights to stream from memory, not from a CPU cache, on most CPUs: the 2-core Intel Xeon's VM
+# reads 128 MB again and again at 40 GB/s from its last-level cache (20 GB/s from 256 MB on)
+CALIBRATION_BYTES = 64 * 2**20
 # One row and 2-64 rows of a weight held as quantised blocks: rsd's kernel on them, not measured. A
 # forward streams every weight, and the blocks are 0.75-1.125 bytes a weight against float32's 4;
 # a product timed alone cannot show that where the CPU's last-level cache holds all the weights
