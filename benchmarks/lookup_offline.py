@@ -1,7 +1,8 @@
 """Block efficiency lookup drafts would reach on the target's own greedy answers, by n-gram length
 and chain length γ, without timing anything: each prompt is answered once (`ar`, T=0), then
 replayed step by step — `drafting.NgramIndex` drafts up to γ tokens, accepted while they equal
-the answer's (exactly what greedy verification accepts), plus one token a step. Where verifying
+the answer's (exactly what greedy verification accepts), plus one token a step; then, at every
+answer position, how often a match of n tokens predicts the next ones. Where verifying
 γ more tokens costs the target little (a GPU) this is close to the speed-up; on a 2-core CPU
 each extra token costs 15-25% of a forward (see the README's lookup section).
 
@@ -30,6 +31,22 @@ def replay(prompt: list[int], answer: list[int], longest: int, gamma: int) -> tu
         seq += answer[done: done + emitted]
         done, steps, verified = done + emitted, steps + 1, verified + 1 + len(chain)
     return steps, verified
+
+
+def by_match(prompt: list[int], answer: list[int], longest: int, gamma: int, table: dict) -> None:
+    """At every position of the answer where the context's end matches an earlier n-gram: into
+    table[n] (steps, first token right, tokens right of a chain of up to gamma). A step-by-step
+    view, not a replay: the positions are every answer token's, whatever a chain accepted before."""
+    index, seq = NgramIndex(longest), list(prompt)
+    for i, token in enumerate(answer):
+        n, chain = index.match(seq, gamma)
+        if chain:
+            right = 0
+            while right < len(chain) and i + right < len(answer) and chain[right] == answer[i + right]:
+                right += 1
+            cells = table.setdefault(n, [0, 0, 0])
+            cells[0], cells[1], cells[2] = cells[0] + 1, cells[1] + (chain[0] == token), cells[2] + right
+        seq.append(token)
 
 
 def main() -> None:
@@ -61,6 +78,13 @@ def main() -> None:
                 steps, verified = steps + s, verified + v
             cells.append(f"γ={gamma}: BE {tokens / steps:.2f}, {verified / steps:.2f} verified a step")
         print(f"ngram {longest}: " + " | ".join(cells))
+    # how well a match predicts by its length (what `auto` learns per n; `-v lookup` drafts on any)
+    table: dict[int, list[int]] = {}
+    for ids, answer in answered:
+        by_match(ids, answer, 3, 4, table)
+    print("by n-gram matched (longest 3), at every answer position with a match: " + " | ".join(
+        f"n={n}: {steps} positions, first token right {first / steps:.2f}, right of 4 {right / steps:.2f}"
+        for n, (steps, first, right) in sorted(table.items())))
 
 
 if __name__ == "__main__":
