@@ -25,8 +25,8 @@ a 2-core Intel Xeon (Sapphire Rapids) torch's own kernel was the fast one. On th
 tree verification needs. So by default
 ("auto") each layer shape is timed once per machine with every kernel, for one row and for
 2-8 rows apart, and keeps torch's unless another takes at most 90% of its time — except a shape
-held as quantised blocks: its few-row products run on "blocks" unmeasured (FEW_ROWS_ON_BLOCKS),
-and only its prompts are timed (128 rows, torch's against "blocks": on the 2-core EPYC blocks
+held as quantised blocks, where the kernel runs on AVX-512: its few-row products run on "blocks"
+unmeasured (FEW_ROWS_ON_BLOCKS), and only its prompts are timed (128 rows, torch's against "blocks": on the 2-core EPYC blocks
 took 0.65x MKL's time at 128-256 rows); the verdicts are cached under the rsd cache folder.
 RSD_SMALL_BATCH_MATMUL picks one kernel everywhere instead: "0" or "torch", "1" or
 "transposed", "onednn", "packed", "blocks". Packed copies are made only while they take
@@ -338,13 +338,15 @@ CLOSE = 0.15  # a verdict within 15% of that threshold is measured twice more (s
 # enough weights to stream from memory, not from a CPU cache, on most CPUs: the 2-core Intel Xeon's VM
 # reads 128 MB again and again at 40 GB/s from its last-level cache (20 GB/s from 256 MB on)
 CALIBRATION_BYTES = 64 * 2**20
-# One row and 2-64 rows of a weight held as quantised blocks: rsd's kernel on them, not measured. A
-# forward streams every weight, and the blocks are 0.75-1.125 bytes a weight against float32's 4;
-# a product timed alone cannot show that where the CPU's last-level cache holds all the weights
-# of a shape (a 2-core Intel Xeon's VM sees 300 MB of it): there the verdicts named torch's product
-# for one row of most shapes and for k and v at every row count, and `ar` on transformers' forward
-# (`--compile off`) ran at 20-23 tok/s against 25-40 with the few-row products on blocks, compiled
-# (`--compile on`) 20-26 against 35-47 (alternating runs). The C layers take the blocks the same way.
+# One row and 2-64 rows of a weight held as quantised blocks: rsd's kernel on them, not measured,
+# where it runs on AVX-512 vectors. A forward streams every weight, and the blocks are 0.75-1.125
+# bytes a weight against float32's 4; a product timed alone cannot show that where the CPU's
+# last-level cache holds all the weights of a shape (a 2-core Intel Xeon's VM sees 300 MB of it):
+# there the verdicts named torch's product for one row of most shapes and for k and v at every row
+# count, and `ar` on transformers' forward (`--compile off`) ran at 20-23 tok/s against 25-40 with
+# the few-row products on blocks, compiled (`--compile on`) 20-26 against 35-47 (alternating runs).
+# The kernel's portable loops are measured as before: built without AVX-512 there, a row through 60
+# of the embedded target's matrices took 23.7 ms on them and 11.3 with torch's product, from memory.
 FEW_ROWS_ON_BLOCKS = ("blocks", "blocks")
 
 
@@ -552,28 +554,25 @@ class Verdicts:
         """(kernel for one row, for 2-64 rows, for more) for a model's layers of one shape (with
         `blocks`, their quantised blocks: a verdict of its own), measured together the first time.
 
-        Few rows of quantised blocks go to their kernel unmeasured (FEW_ROWS_ON_BLOCKS): only
-        their prompts are timed."""
-        from .blocks import block_format
+        Few rows of quantised blocks go to their kernel unmeasured where it is vectorised
+        (FEW_ROWS_ON_BLOCKS): only their prompts are timed."""
+        from .blocks import block_format, vectorised
 
         out_features, in_features = weights[0].shape
         quantised = f" {block_format(blocks[0])}" if blocks is not None else ""
-        # (v2: timed in interleaved rounds, close calls measured again; v3, quantised shapes: few rows
-        # on blocks unmeasured. Earlier verdicts are measured anew)
-        version = "v3" if blocks is not None else "v2"
-        key = f"{self.machine} | {in_features}x{out_features}{quantised} | kernels {version}"
+        unmeasured = blocks is not None and vectorised()  # few rows on blocks
+        # (v2: timed in interleaved rounds, close calls measured again; v3: few rows on blocks
+        # unmeasured. Earlier verdicts are measured anew)
+        key = f"{self.machine} | {in_features}x{out_features}{quantised} | kernels {'v3' if unmeasured else 'v2'}"
         known = self.known.get(key)
         if not (isinstance(known, list) and len(known) == 3
                 and set(known) <= set(available_kernels(quantised=blocks is not None))):
-            if blocks is not None:
-                # (no margin asked of blocks for prompts: its copies exist anyway, and with one the
-                # 0.6-0.8x it measured on the 2-core EPYC came out as torch's in some calibrations,
-                # slowing prompts 20%)
-                known = [*FEW_ROWS_ON_BLOCKS, settled_fastest(
-                    lambda: measure_kernels(weights, PROMPT_ROWS, blocks, ("torch", "blocks")), required=1.0)]
-            else:
-                known = [settled_fastest(lambda rows=rows: measure_kernels(weights, rows))
-                         for rows in CALIBRATION_ROWS] + ["torch"]
+            few = list(FEW_ROWS_ON_BLOCKS) if unmeasured else \
+                [settled_fastest(lambda rows=rows: measure_kernels(weights, rows, blocks)) for rows in CALIBRATION_ROWS]
+            # (no margin asked of blocks for prompts: its copies exist anyway, and with one the 0.6-0.8x
+            # it measured on the 2-core EPYC came out as torch's in some calibrations, slowing prompts 20%)
+            known = few + [settled_fastest(lambda: measure_kernels(weights, PROMPT_ROWS, blocks, ("torch", "blocks")),
+                                           required=1.0) if blocks is not None else "torch"]
             self.known[key] = known
             self.changed = True
         return tuple(known)

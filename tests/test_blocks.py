@@ -246,11 +246,17 @@ def test_auto_measures_quantised_layers_apart_from_float_ones_of_the_same_shape(
                                       for k in kernels or small_batch.available_kernels(found is not None)})
     path = tmp_path / "small-batch.json"
     installed = copy.deepcopy(model)
+    monkeypatch.setattr(blocks, "vectorised", lambda lib=None: True)  # (AVX-512: few rows on blocks unmeasured)
     small_batch.install(installed, small_batch.Verdicts.load(path))
     # one and several rows for the float layers; prompts alone for the quantised ones
     assert sorted(measured) == [(False, (1,)), (False, (2, 4, 8)), (True, (128,))]
     assert any(key.endswith("64x48 q4_1 | kernels v3") for key in small_batch.Verdicts.load(path).known)
     assert small_batch.kernels_of(installed[0]) == ("blocks",) * 3 and small_batch.kernels_of(installed[1])[2] == "torch"
+    # the portable loops: one and several rows measured for the quantised layers too
+    measured.clear()
+    monkeypatch.setattr(blocks, "vectorised", lambda lib=None: False)
+    small_batch.install(copy.deepcopy(model), small_batch.Verdicts.load(tmp_path / "portable.json"))
+    assert sorted(measured) == [(False, (1,)), (False, (2, 4, 8)), (True, (1,)), (True, (2, 4, 8)), (True, (128,))]
 
 
 def test_few_rows_of_quantised_blocks_take_their_kernel_whatever_a_product_alone_measured(monkeypatch, tmp_path):
@@ -258,8 +264,11 @@ def test_few_rows_of_quantised_blocks_take_their_kernel_whatever_a_product_alone
     product timed alone cannot show it where the CPU's cache holds a shape's weights (a 2-core Xeon's
     300 MB: torch's product won alone, and `ar` ran 1.5-1.8x slower on transformers' forward and
     compiled). So one row and 2-64 rows of quantised blocks run on them whatever torch measured,
-    earlier verdicts that said otherwise included; prompts and float layers keep their measurements."""
+    earlier verdicts that said otherwise included; prompts and float layers keep their measurements.
+    That holds for the kernel's AVX-512 build: its portable loops (twice torch's time for a row, from
+    memory) are measured as before."""
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "auto")
+    monkeypatch.setattr(blocks, "vectorised", lambda lib=None: True)
     monkeypatch.setattr(small_batch, "measure_kernels", lambda w, rows, found=None, kernels=None: {
         k: 1.0 if k == "torch" else 2.0 for k in kernels or small_batch.available_kernels(found is not None)})
     path = tmp_path / "small-batch.json"
@@ -277,6 +286,10 @@ def test_few_rows_of_quantised_blocks_take_their_kernel_whatever_a_product_alone
     with torch.inference_mode():
         model[0](x), model[0](torch.randn(5, 64)), model[0](torch.randn(65, 64))
     assert ran == [1, 5]  # a prompt of 65 rows: torch's, as measured
+    monkeypatch.setattr(blocks, "vectorised", lambda lib=None: False)  # the portable loops: torch's, as measured
+    portable = torch.nn.Sequential(quantised_layer(), torch.nn.Linear(48, 64, bias=False), quantised_layer("q8_0", 64, 64))
+    small_batch.install(portable, small_batch.Verdicts.load(tmp_path / "portable.json"))
+    assert [small_batch.kernels_of(layer) for layer in portable] == [small_batch.TORCH] * 3
 
 
 def test_a_changed_weight_gets_its_blocks_again_or_another_kernel(monkeypatch):
