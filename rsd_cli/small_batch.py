@@ -25,9 +25,10 @@ a 2-core Intel Xeon (Sapphire Rapids) torch's own kernel was the fast one. On th
 tree verification needs. So by default
 ("auto") each layer shape is timed once per machine with every kernel, for one row and for
 2-8 rows apart, and keeps torch's unless another takes at most 90% of its time — except a shape
-held as quantised blocks, where the kernel runs on AVX-512: its few-row products run on "blocks"
-unmeasured (FEW_ROWS_ON_BLOCKS), and only its prompts are timed (128 rows, torch's against "blocks": on the 2-core EPYC blocks
-took 0.65x MKL's time at 128-256 rows); the verdicts are cached under the rsd cache folder.
+held as quantised blocks, where the kernel runs on AVX-512: its few-row products run on
+"blocks" unmeasured (FEW_ROWS_ON_BLOCKS), and only its prompts are timed (128 rows, torch's
+against "blocks": on the 2-core EPYC blocks took 0.65x MKL's time at 128-256 rows); the
+verdicts are cached under the rsd cache folder.
 RSD_SMALL_BATCH_MATMUL picks one kernel everywhere instead: "0" or "torch", "1" or
 "transposed", "onednn", "packed", "blocks". Packed copies are made only while they take
 at most half the memory still available (else "onednn" serves those layers).
