@@ -287,7 +287,8 @@ def test_few_rows_of_quantised_blocks_take_their_kernel_whatever_a_product_alone
         model[0](x), model[0](torch.randn(5, 64)), model[0](torch.randn(65, 64))
     assert ran == [1, 5]  # a prompt of 65 rows: torch's, as measured
     monkeypatch.setattr(blocks, "vectorised", lambda lib=None: False)  # the portable loops: torch's, as measured
-    portable = torch.nn.Sequential(quantised_layer(), torch.nn.Linear(48, 64, bias=False), quantised_layer("q8_0", 64, 64))
+    portable = torch.nn.Sequential(quantised_layer(), torch.nn.Linear(48, 64, bias=False),
+                                   quantised_layer("q8_0", 64, 64))
     small_batch.install(portable, small_batch.Verdicts.load(tmp_path / "portable.json"))
     assert [small_batch.kernels_of(layer) for layer in portable] == [small_batch.TORCH] * 3
 
