@@ -193,6 +193,19 @@ class ChainExtension:
         buffers, see compiled.StaticLM); nothing for transformers' cache."""
 
 
+def cache_argument(model) -> str:
+    """The name the model's forward takes its KV cache by: "cache" since transformers 5.24 (where
+    "past_key_values" warns on every call that it is deprecated, to be removed in 5.40),
+    "past_key_values" before (the GPU machine's 5.17) and for models that do not name "cache"."""
+    import inspect
+
+    try:
+        named = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward Python cannot introspect
+        return "past_key_values"
+    return "cache" if "cache" in named else "past_key_values"
+
+
 class CachedLM(ChainExtension):
     """A causal LM and its KV cache (transformers' eager forward and DynamicCache), fed chains or
     tree nodes with an explicit mask."""
@@ -206,6 +219,7 @@ class CachedLM(ChainExtension):
         self.device = input_device(model)  # a placed model's layers move what they get to their own devices
         self.vocab_size = vocab_size
         self.cache = DynamicCache(config=model.config)
+        self.cache_argument = cache_argument(model)
         self.clock = ForwardClock(self.device)
         self.calls = 0
 
@@ -235,7 +249,7 @@ class CachedLM(ChainExtension):
                 torch.tensor([tokens], device=device),
                 position_ids=torch.tensor([positions], device=device),
                 attention_mask=mask[None, None].to(device),
-                past_key_values=self.cache,
+                **{self.cache_argument: self.cache},
                 use_cache=True,
                 logits_to_keep=1 if last_only else 0,
             )

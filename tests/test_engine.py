@@ -59,6 +59,32 @@ def test_tree_forward_equals_per_path_forwards_and_pruning_keeps_the_path(pair):
     assert torch.allclose(nxt, fresh, atol=1e-5)
 
 
+def test_the_cache_goes_by_the_name_the_model_takes_it_by_without_a_deprecation_warning(pair):
+    """transformers 5.24 renamed forward's past_key_values to cache (the old name warns on every
+    call, to be removed in 5.40); 5.17, on the GPU machine, knows only past_key_values."""
+    import inspect
+    import warnings
+
+    from rsd_cli.engine import cache_argument
+
+    target, _ = pair
+    named = inspect.signature(target.forward).parameters
+    assert cache_argument(target) == ("cache" if "cache" in named else "past_key_values")
+    lm = CachedLM(target, V)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lm.extend(PROMPT)
+        lm.extend([2, 4], last_only=True)
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
+    assert lm.length == len(PROMPT) + 2  # the cache was used: the second call extended it
+
+    class Older(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            pass
+
+    assert cache_argument(Older()) == "past_key_values"
+
+
 def test_a_wrong_mask_would_be_caught(pair):
     """Sanity check of the test above: ignoring the tree structure changes the logits."""
     target, _ = pair
