@@ -19,14 +19,21 @@ from rsd_cli.prompting import builtin_prompts, encode_prompt
 from rsd_cli.runtime import apply_flags, make_decoder
 
 
+def agreeing(chain: list[int], answer: list[int], at: int) -> int:
+    """How many of the chain's tokens equal the answer's from position `at` on, in a row (what
+    greedy verification accepts)."""
+    right = 0
+    while right < len(chain) and at + right < len(answer) and chain[right] == answer[at + right]:
+        right += 1
+    return right
+
+
 def replay(prompt: list[int], answer: list[int], longest: int, gamma: int) -> tuple[int, int]:
     """(steps, tokens the target verifies) to emit `answer` with lookup chains of up to gamma."""
     index, seq, done, steps, verified = NgramIndex(longest), list(prompt), 0, 0, 0
     while done < len(answer):
         chain = index.continuation(seq, gamma)
-        accepted = 0
-        while accepted < len(chain) and done + accepted < len(answer) and chain[accepted] == answer[done + accepted]:
-            accepted += 1
+        accepted = agreeing(chain, answer, done)
         emitted = min(accepted + 1, len(answer) - done)
         seq += answer[done: done + emitted]
         done, steps, verified = done + emitted, steps + 1, verified + 1 + len(chain)
@@ -41,9 +48,7 @@ def by_match(prompt: list[int], answer: list[int], longest: int, gamma: int, tab
     for i, token in enumerate(answer):
         n, chain = index.match(seq, gamma)
         if chain:
-            right = 0
-            while right < len(chain) and i + right < len(answer) and chain[right] == answer[i + right]:
-                right += 1
+            right = agreeing(chain, answer, i)
             cells = table.setdefault(n, [0, 0, 0])
             cells[0], cells[1], cells[2] = cells[0] + 1, cells[1] + (chain[0] == token), cells[2] + right
         seq.append(token)
