@@ -4,7 +4,7 @@ replayed step by step — `drafting.NgramIndex` drafts up to γ tokens, accepted
 the answer's (exactly what greedy verification accepts), plus one token a step; then, at every
 answer position, how often a match of n tokens predicts the next ones. Where verifying
 γ more tokens costs the target little (a GPU) this is close to the speed-up; on a 2-core CPU
-each extra token costs 15-25% of a forward (see the README's lookup section).
+each extra token costs 15-25% of a forward (see docs/variants.md, lookup).
 
   .venv/bin/python benchmarks/lookup_offline.py [--prompts benchmarks/grounded-prompts.txt] [--limit 8] [-n 128]
 """

@@ -10,7 +10,7 @@ the shipped adapter, to see whether another design gets near the 0.7 goal:
           instead of KL
 
 Needs the sampled data of an earlier shipped adapter (80k answer tokens to the built-in
-prompts; the README's table row "80k tokens"): run once (it caches the data)
+prompts; the table row "80k tokens" in docs/distill.md): run once (it caches the data)
   rsd distill --profile default --out /tmp/80k.safetensors --vocab 8192 --tokens 80000 --epochs 1
 then
   .venv/bin/python benchmarks/other_drafts.py eagle --epochs 4 --lr 2e-3

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The measurements quoted in the README and the issue notes (results/ holds their output).
+# The measurements quoted in docs/benchmarks.md and the issue notes (results/ holds their output).
 # Run on a quiet machine: bash benchmarks/run_all.sh [OUT]   (60 minutes on a 2-core AMD EPYC,
-# about 25 on a 2-core Intel Xeon). OUT defaults to benchmarks/results; the README's Xeon numbers
+# about 25 on a 2-core Intel Xeon). OUT defaults to benchmarks/results; docs/benchmarks.md's Xeon numbers
 # are in benchmarks/results/intel-xeon.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -3,8 +3,8 @@
 5 epochs) with the draft's first 3 layers as trainable copies (lr 3e-4) instead of shared frozen
 ones: 42 MB more memory and no precomputed hidden states, so about twice the training time.
 
-Needs the sampled data of the README's `rsd distill` command for the shipped adapter (run it
-once; it caches the data), then:
+Needs the sampled data of the `rsd distill` command for the shipped adapter (docs/distill.md; run
+it once, it caches the data), then:
   .venv/bin/python benchmarks/train_first_layers.py [--epochs 5] [--layers-lr 3e-4] [--limit N]
 Prints the held-out acceptance (T = 1, the evaluation `rsd distill` prints) after each epoch.
 Measured on a 2-core Intel Xeon with the same recipe (an earlier, untidied form of this script):
