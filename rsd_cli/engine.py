@@ -557,6 +557,13 @@ class Decoder:
         n, continuation = self.ngrams.match(seq, policy.longest_lookup + unread) if seq else (0, [])
         return policy.next_shape(lag, remaining, lookup=(n, max(len(continuation) - unread, 0)))
 
+    def prepare(self) -> None:
+        """The one-off set-up a first generation needs: `auto`'s forward costs, measured once per
+        machine (seconds on a first run). Callers that time generations run it first (complete), so
+        the statistics of a first run on a machine give the generation's rate, not the measuring's."""
+        if self.shape.variant == "auto":
+            self._auto_policy()
+
     def _auto_policy(self):
         """auto.AutoShape for --variant auto, made (its costs measured) at its first use."""
         if self.policy is None:
@@ -585,8 +592,7 @@ class Decoder:
         if max(prompt) >= self.vocab_size:  # (a tokenizer that does not fit the models: no forward could read it)
             raise RsdError(f"the prompt holds token id {max(prompt)} but the models' vocabulary has "
                            f"{self.vocab_size} tokens: the tokenizer does not fit them")
-        if self.shape.variant == "auto":  # costs measured (once) before this generation's caches
-            self._auto_policy()             # hold a static-shape runtime's shared buffers
+        self.prepare()  # (before this generation's caches hold a static-shape runtime's shared buffers)
         # static-cache buffers: room for the prompt, some answer and one tree; they double when full
         capacity = min(len(prompt) + min(max_tokens, 512), self.context_length or 2**31) + self.shape.max_nodes + 1
         drafts = self.shape.uses_draft_model or self.shape.variant == "auto"

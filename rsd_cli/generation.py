@@ -93,6 +93,7 @@ def complete(decoder, prompt_ids: list[int], max_tokens: int, seed: int | None, 
     stats = Stats()
     events: list[StepEvent] = []
     tokens: list[int] = []
+    decoder.prepare()  # (a first run's one-off measuring is not the generation's time)
     start = time.perf_counter()
     steps = decoder.generate(prompt_ids, max_tokens, seed)
     try:

@@ -646,6 +646,26 @@ def test_costs_are_measured_once_per_machine_and_kept(pair, tmp_path, monkeypatc
     assert measured == [1]
 
 
+def test_a_first_run_s_statistics_leave_out_measuring_the_costs(pair, tmp_path, monkeypatch):
+    """The forward costs a first `auto` run on a machine measures (seconds) are set-up, not the
+    answer's time: the rate on the summary line, `--json` and bench is the generation's."""
+    import time
+    from types import SimpleNamespace
+
+    from rsd_cli import generation
+
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(auto, "_MEASURED", {})
+    late = [0.0]  # the generation module's clock: measuring the costs takes 100 s by it
+    monkeypatch.setattr(generation, "time", SimpleNamespace(perf_counter=lambda: time.perf_counter() + late[0]))
+    real = auto.measure
+    monkeypatch.setattr(auto, "measure", lambda *a, **k: late.__setitem__(0, late[0] + 100.0) or real(*a, **k))
+    decoder = Decoder(pair[0], pair[1], V, make_shape("auto", nodes=8), SamplingParams(temperature=1.0), set())
+    tokens, stats, _ = generation.complete(decoder, PROMPT, 12, seed=1)
+    assert late[0] == 100.0 and len(tokens) == 12  # measured (once), in this call
+    assert stats.wall_seconds < 100.0 and stats.tokens_per_second > 0.12
+
+
 def test_auto_as_a_user_runs_it(tiny_profile):
     runner = CliRunner()
     result = runner.invoke(app, ["generate", "hello", "-p", str(tiny_profile), "-v", "auto", "--json", "-n", "20"])
