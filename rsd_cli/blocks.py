@@ -1195,6 +1195,16 @@ def available() -> bool:
     return library() is not None
 
 
+def missing_compiler() -> bool:
+    """Whether rsd's C kernel is wanted here (neither RSD_BLOCK_KERNELS=0 nor another kernel forced by
+    RSD_SMALL_BATCH_MATMUL) but no C compiler is found to build it."""
+    if os.environ.get("RSD_BLOCK_KERNELS", "1").strip() == "0":
+        return False
+    if os.environ.get("RSD_SMALL_BATCH_MATMUL", "auto").strip().lower() not in ("auto", "blocks"):
+        return False
+    return _compiler() is None
+
+
 def vectorised(lib=None) -> bool:
     """Whether the kernel library (library()'s by default) runs its products on AVX-512 vectors
     rather than its portable loops."""
