@@ -663,7 +663,7 @@ def test_a_first_run_s_statistics_leave_out_measuring_the_costs(pair, tmp_path, 
     decoder = Decoder(pair[0], pair[1], V, make_shape("auto", nodes=8), SamplingParams(temperature=1.0), set())
     tokens, stats, _ = generation.complete(decoder, PROMPT, 12, seed=1)
     assert late[0] == 100.0 and len(tokens) == 12  # measured (once), in this call
-    assert stats.wall_seconds < 100.0 and stats.tokens_per_second > 0.12
+    assert stats.wall_seconds < 100.0  # (the generation alone: milliseconds)
 
 
 def test_auto_as_a_user_runs_it(tiny_profile):
