@@ -95,6 +95,11 @@ def chain_next(gamma: int, packed: torch.Tensor, base: torch.Tensor) -> tuple:
     return root, catch, 1 + every, base + 1 + run
 
 
+def fresh_seed() -> int:
+    """A seed for a run that was given none (`--seed N` with it reproduces the run)."""
+    return int(torch.randint(0, 2**62, ()).item())
+
+
 def unchanged_prefix(indices: list[int]) -> int:
     """How many cache positions `keep(indices)` leaves where they are: the leading run of
     indices equal to their own position; only the rest (the accepted path) has to move.
@@ -605,7 +610,7 @@ class Decoder:
         # p, q and every draw live on the target's device, with a generator there (a seed gives
         # the same output on the same kind of device)
         generator = torch.Generator(device=target.device)
-        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        generator.manual_seed(seed if seed is not None else fresh_seed())
         try:
             yield from self._steps(list(prompt), max_tokens, target, draft, generator, held)
         finally:

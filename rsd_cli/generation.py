@@ -11,7 +11,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .engine import Stats, StepEvent
+from .engine import Stats, StepEvent, fresh_seed
 from .prompting import IncrementalDecoder, encode_prompt
 from .render import live_view, stats_line, steps_table
 from .runtime import make_decoder, seed_of, stops_of
@@ -225,10 +225,12 @@ def run_generate(pair, profile, text: str, *, system=None, raw=False, samples=1,
     decoder.keep_caches = samples > 1  # later samples read only what the caches do not hold: not the prompt
     prompt_ids = encode_prompt(pair.tokenizer, text, system=system, raw=raw)
     base_seed = seed_of(profile)
+    if base_seed is None:  # a fresh seed, drawn here so that --json can say which: --seed N reproduces the run
+        base_seed = fresh_seed()
     max_tokens = profile["sampling"]["max_tokens"]
     try:  # (the caches the last sample left go back at the end)
         for index in range(samples):
-            seed = None if base_seed is None else base_seed + index
+            seed = base_seed + index
             if samples > 1 and not as_json and index:
                 out.write("\n---\n")
             token_records: list[dict] = []

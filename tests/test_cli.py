@@ -102,6 +102,22 @@ def test_samples_json_prints_one_object_per_line(cli, tiny_profile):
     assert [json.loads(line)["seed"] for line in lines] == [7, 8, 9]
 
 
+def test_a_run_without_a_seed_says_the_seed_it_drew_and_that_seed_reproduces_it(cli, tiny_profile):
+    """--json gives the seed a run drew for itself (the profile's -1), so a sample a script liked can
+    be had again with --seed; samples after it take the next seeds, as with --seed."""
+    drawn = cli("generate", "hi", "-p", tiny_profile, "--seed", "-1", "-v", "sd", "-t", "1", "--json", "-n", "12",
+                "--samples", "2", input="")
+    assert drawn.exit_code == 0, drawn.stderr
+    first, second = (json.loads(line) for line in drawn.stdout.strip().splitlines())
+    assert isinstance(first["seed"], int) and first["seed"] >= 0 and second["seed"] == first["seed"] + 1
+    again = cli("generate", "hi", "-p", tiny_profile, "--seed", first["seed"], "-v", "sd", "-t", "1", "--json",
+                "-n", "12", input="")
+    assert json.loads(again.stdout)["token_ids"] == first["token_ids"]
+    other = cli("generate", "hi", "-p", tiny_profile, "--seed", "-1", "-v", "sd", "-t", "1", "--json", "-n", "12",
+                input="")
+    assert json.loads(other.stdout)["seed"] != first["seed"]  # (a fresh draw each run: 1 in 2^62 to coincide)
+
+
 def test_samples_read_the_prompt_once_and_give_what_separate_runs_give(cli, tiny_profile, monkeypatch):
     """Each sample after the first starts from the caches the one before left (the prompt read
     once); the tokens are those of separate runs with the same seeds."""
