@@ -79,6 +79,10 @@ def test_generate_json_has_every_field(cli, tiny_profile):
     assert record["variant"] == "rsd-c" and record["profile"] == "tiny"
     assert record["stats"]["new_tokens"] == len(record["token_ids"]) <= 10
     assert "block efficiency" in result.stderr
+    raw = [json.loads(cli("generate", prompt, "-p", tiny_profile, "--json", "-n", "2", "--raw", input="").stdout)
+           for prompt in ("hello", "hello hello")]  # (the tiny tokenizer: a token a character)
+    assert raw[1]["prompt_tokens"] - raw[0]["prompt_tokens"] == len(" hello")
+    assert record["prompt_tokens"] > raw[0]["prompt_tokens"]  # (the chat template's tokens around "hello")
 
 
 def test_seeded_runs_repeat_and_greedy_variants_agree(cli, tiny_profile):
