@@ -334,21 +334,20 @@ static int tile_columns(int N, int threads) {
   return cols > 32 ? 32 : cols < 1 ? 1 : cols;
 }
 
-/* how many of M rows of x go together against the weights: as many as fit in 30 KB and at most 4,
-   in as few even groups as that allows — up to 4 rows take weight rows two at a time (DOT_PAIR) —
-   except that 5 rows that fit go in one pass (DOT_ROWS). Measured on the 2-core Xeon over the
-   embedded target's forwards (benchmarks/c_library_paired_ab.py): 5 rows in one pass took 0.84x
-   the time of 4 and then 1, in paired groups of 3 and 2 1.02x; 6, 7 and 8 rows in paired groups
-   0.97x one pass (or 4 and then the rest). Once the rows reach 32 KB the weights streaming past
+/* how many of M rows of x go together against the weights: as many as fit in 30 KB and at most 5,
+   in as few even groups as that allows, each against two weight rows at a time (DOT_PAIR).
+   Measured on the 2-core Xeon over the embedded target's forwards (benchmarks/c_library_paired_ab.py),
+   against groups of up to 8 against one weight row at a time (5-7 rows as 4 and then the rest): 5
+   rows 0.79-0.82x the time, 6-8 0.94-0.99x, 10 0.78-0.79x, 16 0.92-0.93x, 64 0.89x; 1-4 rows as
+   before (DOT_PAIR since 2026-11-27). Five rows against two weight rows hold 20 of the 32 vector registers
+   as sums, every one kept in a register. Once the rows reach 32 KB the weights streaming past
    evict them from the first-level cache (48 KB here) and every weight row reads them again from
    the second: 100 MB of Q4_1 rows 2048 wide, 4 rows at once took 7.3 ms, in twos 4.8 (the tile's
    weights from memory once, then from the second-level cache), 2 rows 2.4; 4 rows 1920 wide (30
    KB) 4.5 at once, 4.9 in twos. A row's sum is the same whichever rows come with it. */
 static int row_group(int M, int K) {
   int fit = (int)((size_t)30 * 1024 / ((size_t)K * sizeof(float)));
-  if (M == 5 && fit >= 5)
-    return 5;
-  fit = fit < 1 ? 1 : fit > 4 ? 4 : fit;
+  fit = fit < 1 ? 1 : fit > 5 ? 5 : fit;
   const int passes = (M + fit - 1) / fit;
   return passes > 0 ? (M + passes - 1) / passes : 1;
 }
@@ -372,7 +371,7 @@ static int chunked_group(int M, int K) {
 DOT_ROWS(FORMAT, BYTES, 1) DOT_ROWS(FORMAT, BYTES, 2) DOT_ROWS(FORMAT, BYTES, 3)              \
 DOT_ROWS(FORMAT, BYTES, 4) DOT_ROWS(FORMAT, BYTES, 5) CHUNKED(FORMAT, BYTES)                  \
 DOT_PAIR(FORMAT, BYTES, 1) DOT_PAIR(FORMAT, BYTES, 2) DOT_PAIR(FORMAT, BYTES, 3)              \
-DOT_PAIR(FORMAT, BYTES, 4)                                                                    \
+DOT_PAIR(FORMAT, BYTES, 4) DOT_PAIR(FORMAT, BYTES, 5)                                         \
 static void FORMAT##_linear_team(const float* x, const uint8_t* w, float* y, int M, int N,   \
                                  int K, int ldy, int threads) {                               \
   const size_t row_bytes = (size_t)(K / BLOCK) * BYTES;                                       \
@@ -385,18 +384,19 @@ static void FORMAT##_linear_team(const float* x, const uint8_t* w, float* y, int
       const int m = M - r0 < group ? M - r0 : group;                                          \
       const float* xt = x + (size_t)r0 * K;                                                   \
       int n = n0;                                                                             \
-      for (; m <= 4 && n + 1 < n1; n += 2) { /* up to 4 rows of x: weight rows in pairs */    \
+      for (; n + 1 < n1; n += 2) { /* weight rows in pairs */                                \
         const uint8_t* wn = w + (size_t)n * row_bytes;                                        \
         PREFETCH_AHEAD(wn, 2 * row_bytes)                                                     \
         float* yt = y + (size_t)r0 * ldy + n;                                                 \
         switch (m) {                                                                          \
+          case 5: FORMAT##_pair_5(xt, K, wn, row_bytes, yt, ldy); break;                      \
           case 4: FORMAT##_pair_4(xt, K, wn, row_bytes, yt, ldy); break;                      \
           case 3: FORMAT##_pair_3(xt, K, wn, row_bytes, yt, ldy); break;                      \
           case 2: FORMAT##_pair_2(xt, K, wn, row_bytes, yt, ldy); break;                      \
           case 1: FORMAT##_pair_1(xt, K, wn, row_bytes, yt, ldy); break;                      \
         }                                                                                     \
       }                                                                                       \
-      for (; n < n1; n++) { /* 5 rows of x (row_group), or the tile's last, odd weight row */ \
+      for (; n < n1; n++) { /* the tile's last weight row, where their count is odd */      \
         const uint8_t* wn = w + (size_t)n * row_bytes;                                        \
         PREFETCH_AHEAD(wn, row_bytes)                                                         \
         float* yt = y + (size_t)r0 * ldy + n;                                                 \
