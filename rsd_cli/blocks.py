@@ -322,13 +322,12 @@ static void FORMAT##_pair_##R(const float* x, int K, const uint8_t* wn, size_t r
 #endif
 
 /* y = x W^T over tiles of weight rows (tile_columns: at least 4 tiles a thread, at most 32 rows
-   a tile): each tile's rows, one at a time, against 8 rows of x (then 4, then the 1-3 left; each
-   block rebuilt once for them), then the next 8 rows of x, so those rows stay in the CPU's first
-   caches (re-reading all of x for every weight row spilled them past 16 rows: 24 rows took 2.3x
-   16). One weight row at a time measured faster there than register tiles of 2 or 4; for up to
-   4 rows of x, two weight rows at a time (DOT_PAIR) took 2-5% less time a forward of 1-2 tokens
-   of the embedded target on a 2-core Intel Xeon, 3-8% of its draft's, 0-2% for 3-4 tokens
-   (benchmarks/c_library_paired_ab.py). */
+   a tile): each tile's rows, two at a time (DOT_PAIR), against a group of up to 5 rows of x
+   (row_group; each block rebuilt once for them), then the next group, so those rows stay in the
+   CPU's first caches (re-reading all of x for every weight row spilled them past 16 rows: 24 rows
+   took 2.3x 16). Two weight rows at a time took 2-5% less time a forward of 1-2 tokens of the
+   embedded target on a 2-core Intel Xeon than one, 3-8% of its draft's, 0-2% for 3-4 tokens
+   (benchmarks/c_library_paired_ab.py); for more rows of x, see row_group. */
 static int tile_columns(int N, int threads) {
   int cols = N / (4 * threads);
   return cols > 32 ? 32 : cols < 1 ? 1 : cols;
@@ -336,15 +335,15 @@ static int tile_columns(int N, int threads) {
 
 /* how many of M rows of x go together against the weights: as many as fit in 30 KB and at most 5,
    in as few even groups as that allows, each against two weight rows at a time (DOT_PAIR).
-   Measured on the 2-core Xeon over the embedded target's forwards (benchmarks/c_library_paired_ab.py),
-   against groups of up to 8 against one weight row at a time (5-7 rows as 4 and then the rest): 5
+   Measured on the 2-core Xeon over the embedded target's forwards
+   (benchmarks/c_library_paired_ab.py), against groups of up to 8 against one weight row at a time (5-7 rows as 4 and then the rest): 5
    rows 0.79-0.82x the time, 6-8 0.94-0.99x, 10 0.78-0.79x, 16 0.92-0.93x, 64 0.89x; 1-4 rows as
-   before (DOT_PAIR since 2026-11-27). Five rows against two weight rows hold 20 of the 32 vector registers
-   as sums, every one kept in a register. Once the rows reach 32 KB the weights streaming past
-   evict them from the first-level cache (48 KB here) and every weight row reads them again from
-   the second: 100 MB of Q4_1 rows 2048 wide, 4 rows at once took 7.3 ms, in twos 4.8 (the tile's
-   weights from memory once, then from the second-level cache), 2 rows 2.4; 4 rows 1920 wide (30
-   KB) 4.5 at once, 4.9 in twos. A row's sum is the same whichever rows come with it. */
+   before. Five rows against two weight rows keep their 20 sums in 20 of the 32 vector registers.
+   Once the rows reach 32 KB the weights streaming past evict them from the first-level cache (48
+   KB here) and every weight row reads them again from the second: 100 MB of Q4_1 rows 2048 wide,
+   4 rows at once took 7.3 ms, in twos 4.8 (the tile's weights from memory once, then from the
+   second-level cache), 2 rows 2.4; 4 rows 1920 wide (30 KB) 4.5 at once, 4.9 in twos. A row's
+   sum is the same whichever rows come with it. */
 static int row_group(int M, int K) {
   int fit = (int)((size_t)30 * 1024 / ((size_t)K * sizeof(float)));
   fit = fit < 1 ? 1 : fit > 5 ? 5 : fit;

@@ -95,8 +95,8 @@ def test_the_kernel_computes_linear_s_product(fmt, rows):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_every_row_and_column_tile_is_computed(threads):
-    """The kernel works on tiles of weight rows (a count that depends on the threads) times 8 rows
-    of x: every tile boundary, full and partial, must give the product."""
+    """The kernel works on tiles of weight rows (a count that depends on the threads) times groups
+    of up to 5 rows of x: every tile boundary, full and partial, must give the product."""
     w = weight("q4_1", out_features=75, in_features=64, seed=threads)
     found = blocks.quantised_blocks(w)
     before = torch.get_num_threads()
@@ -133,9 +133,10 @@ def test_wide_rows_give_each_row_the_same_bits_whatever_rows_come_with_it(fmt, w
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_weight_rows_taken_in_pairs_give_each_the_bits_it_gets_alone(fmt, threads, tmp_path):
-    """Up to 4 rows of x go against weight rows two at a time (side by side in registers), more rows
-    against one weight row at a time: every weight row's product has the same bits either way — alone,
-    as the last row of a tile with an odd count, among 1-9 rows of x — AVX-512 and portable alike."""
+    """Rows of x go in groups of up to 5 against weight rows two at a time (side by side in
+    registers), a tile's last weight row alone where their count is odd: every weight row's product
+    has the same bits either way — alone, as the last row of a tile with an odd count, among 1-9
+    rows of x — AVX-512 and portable alike."""
     w = weight(fmt, out_features=37, in_features=96, seed=7)
     found = blocks.quantised_blocks(w)
     x = torch.randn(9, 96)
