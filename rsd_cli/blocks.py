@@ -1197,9 +1197,9 @@ def available() -> bool:
 def missing_compiler() -> bool:
     """Whether rsd's C kernel is wanted here (neither RSD_BLOCK_KERNELS=0 nor another kernel forced by
     RSD_SMALL_BATCH_MATMUL) but no C compiler is found to build it."""
-    if os.environ.get("RSD_BLOCK_KERNELS", "1").strip() == "0":
-        return False
-    if os.environ.get("RSD_SMALL_BATCH_MATMUL", "auto").strip().lower() not in ("auto", "blocks"):
+    from .small_batch import requested_mode
+
+    if os.environ.get("RSD_BLOCK_KERNELS", "1").strip() == "0" or requested_mode() not in ("auto", "blocks"):
         return False
     return _compiler() is None
 

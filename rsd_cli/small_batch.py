@@ -351,17 +351,24 @@ CALIBRATION_BYTES = 64 * 2**20
 FEW_ROWS_ON_BLOCKS = ("blocks", "blocks")
 
 
-def mode() -> str:
-    """RSD_SMALL_BATCH_MATMUL: "auto" (default: per shape, where measured faster), "0" or "torch"
-    (torch's everywhere), "1" or "transposed", "onednn", "packed", "blocks" (that kernel
-    everywhere it applies; "blocks" on quantised weights, torch's on the others)."""
+def requested_mode() -> str:
+    """RSD_SMALL_BATCH_MATMUL as asked: "auto" (default: per shape, where measured faster), "0" or
+    "torch" (torch's everywhere), "1" or "transposed", "onednn", "packed", "blocks" (that kernel
+    everywhere it applies; "blocks" on quantised weights, torch's on the others); anything else is
+    "auto". `mode` is what this machine can do of it."""
     value = os.environ.get("RSD_SMALL_BATCH_MATMUL", "auto").strip().lower()
     value = {"1": "transposed", "torch": "0"}.get(value, value)
+    return value if value in ("0", *KERNELS[1:]) else "auto"
+
+
+def mode() -> str:
+    """requested_mode, torch's ("0") where the kernel asked for is not available here."""
+    value = requested_mode()
     if value in ("onednn", "packed") and not onednn_available():
         return "0"
     if value == "blocks" and not blocks_available():
         return "0"
-    return value if value in ("0", *KERNELS[1:]) else "auto"
+    return value
 
 
 def blocks_available() -> bool:
