@@ -336,9 +336,9 @@ static int tile_columns(int N, int threads) {
 /* how many of M rows of x go together against the weights: as many as fit in 30 KB and at most 5,
    in as few even groups as that allows, each against two weight rows at a time (DOT_PAIR).
    Measured on the 2-core Xeon over the embedded target's forwards
-   (benchmarks/c_library_paired_ab.py), against groups of up to 8 against one weight row at a time (5-7 rows as 4 and then the rest): 5
-   rows 0.79-0.82x the time, 6-8 0.94-0.99x, 10 0.78-0.79x, 16 0.92-0.93x, 64 0.89x; 1-4 rows as
-   before. Five rows against two weight rows keep their 20 sums in 20 of the 32 vector registers.
+   (benchmarks/c_library_paired_ab.py), against groups of up to 8 against one weight row at a
+   time (5-7 rows as 4 and then the rest): 5 rows 0.79-0.82x the time, 6-8 0.94-0.99x, 10
+   0.78-0.79x, 16 0.92-0.93x, 64 0.89x; 1-4 rows as before. Five rows against two weight rows keep their 20 sums in 20 of the 32 vector registers.
    Once the rows reach 32 KB the weights streaming past evict them from the first-level cache (48
    KB here) and every weight row reads them again from the second: 100 MB of Q4_1 rows 2048 wide,
    4 rows at once took 7.3 ms, in twos 4.8 (the tile's weights from memory once, then from the
