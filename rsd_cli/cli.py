@@ -165,13 +165,14 @@ def read_prompt(prompt: str | None, stdin=None) -> str:
     return text
 
 
-def _profile_and_pair(profile: str | None, arguments: dict):
-    """The profile with the command's flags applied (checked before any model loads), and the pair."""
+def _profile_and_pair(profile: str | None, arguments: dict, variant_fixed: bool = True):
+    """The profile with the command's flags applied (checked before any model loads), and the pair;
+    variant_fixed: the command runs the profile's variant throughout (chat's /set may change it)."""
     from .runtime import FLAG_KEYS, shape_of
 
     prof = _load_profile(profile, {name: arguments.get(name) for name in FLAG_KEYS})
     shape_of(prof)
-    return prof, Loader().load(prof)
+    return prof, Loader().load(prof, plain=variant_fixed and prof["decoding"]["variant"] == "ar")
 
 
 class Loader:
@@ -181,16 +182,17 @@ class Loader:
         self.console = _stderr_console()
         self.quiet = quiet or not self.console.is_terminal
 
-    def load(self, profile, light: bool = True):
-        """light: the pair runs only on its runtimes (not bench's transformers peers): see load_pair."""
+    def load(self, profile, light: bool = True, plain: bool = False):
+        """light: the pair runs only on its runtimes (not bench's transformers peers); plain: it
+        decodes plainly throughout. See load_pair."""
         from .models import load_pair
 
         if self.quiet:
-            return load_pair(profile, notice=notice, light=light)
+            return load_pair(profile, notice=notice, light=light, plain=plain)
         with self.console.status("loading models…") as status:  # notices print above the spinner
             return load_pair(profile, progress=lambda m: status.update(m),
                              notice=lambda m: self.console.print(f"rsd: {m}", markup=False, highlight=False),
-                             light=light)
+                             light=light, plain=plain)
 
     def target_location(self, profile) -> str:
         """The target's source as from_pretrained takes it (a GGUF file is converted here, once)."""
@@ -291,7 +293,7 @@ def chat(
     if load is not None:  # checked before any model loads
         saved_system, history = read_conversation(load.expanduser())
         system = system if system is not None else saved_system
-    prof, pair = _profile_and_pair(profile, locals())
+    prof, pair = _profile_and_pair(profile, locals(), variant_fixed=False)  # (/set variant may change it)
     run_chat(pair, prof, system=system, tree=tree, console=_stderr_console(), history=history)
 
 

@@ -761,6 +761,7 @@ class StaticLM(ChainExtension):
 
 
 WARM_SIZES = (1, 2, 4)  # token counts every variant uses (draft steps, small trees): compiled at load
+PLAIN_SIZES = (1,)  # plain decoding's steps (a prompt's own count compiles at its first use, before any token)
 VERDICT_REPEATS = 7
 
 
@@ -838,11 +839,15 @@ def compile_pays(model, progress=lambda message: None, notice=lambda message: No
     return bool(known[key]["compile"])
 
 
-def runtime_for(model, setting: str, role: str, progress=lambda message: None, notice=lambda message: None):
+def runtime_for(model, setting: str, role: str, progress=lambda message: None, notice=lambda message: None,
+                plain: bool = False):
     """The CompiledModel a --compile setting gives this model, or None for transformers' eager
     forward. "off": eager transformers; "on": the static-cache runtime, compiled; "auto": the
     static-cache runtime, compiled where it measured faster on this machine (cached verdict), and
-    uncompiled without measuring where every layer runs in C (CompiledModel.all_in_c)."""
+    uncompiled without measuring where every layer runs in C (CompiledModel.all_in_c). plain: the
+    run decodes plainly throughout (`ar`, no chat to change it): only a one-token forward is
+    compiled at load, and nothing for the draft, which never runs (on a 2-core Xeon the 2- and
+    4-token graphs took ~1.1 s of a second process's start)."""
     if setting == "off":
         return None
     reason = unsupported(model)
@@ -858,20 +863,21 @@ def runtime_for(model, setting: str, role: str, progress=lambda message: None, n
             return uncompiled
     compile = setting == "on" or compile_pays(model, progress, notice)
     runtime = uncompiled if setting == "auto" and not compile else CompiledModel(model, compile=compile, notice=notice)
-    if runtime.inductor:  # (CUDA graphs are captured later, at each size's first use: milliseconds)
-        first = _first_compile_here(model)
+    sizes = (() if role == "draft" else PLAIN_SIZES) if plain else runtime.buckets if runtime.graphed else WARM_SIZES
+    if runtime.inductor and sizes:  # (CUDA graphs are captured later, at each size's first use: milliseconds)
+        first = _first_compile_here(model, sizes)
         if first:
             notice(f"compiling the {role}'s layers for this machine, once (later runs read them from the cache)")
         progress(f"compiling the {role}'s layers")
         try:  # (CUDA graphs: every token count a graph may be captured for, compiled now, not mid-answer)
-            warm_up(runtime, runtime.buckets if runtime.graphed else WARM_SIZES)
+            warm_up(runtime, sizes)
         except Exception as e:  # noqa: BLE001 - torch.compile needs a C++ compiler (CPU) or triton (GPU)
             fallback = "CUDA graphs of its uncompiled layers" if runtime.graphed else "the static-cache runtime uncompiled"
             notice(f"compiling the {role} failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}): "
                    f"it runs on {fallback}")
             return CompiledModel(model, compile=runtime.graphed, inductor=False, notice=notice)
         if first:
-            _mark_compiled(model)
+            _mark_compiled(model, sizes)
         if setting == "on" and role == "target" and runtime.all_in_c:
             # (the same products, with a graph call and the other operations around each: a 1-token forward of
             # the embedded target 9.9 against 4.6 ms on the 2-core EPYC, `ar` 35-47 against 96 tok/s on the Xeon)
@@ -880,21 +886,28 @@ def runtime_for(model, setting: str, role: str, progress=lambda message: None, n
     return runtime
 
 
-def _marker(model):
+def _marker(model, size: int | None = None):
+    """A file saying this model's layers were compiled here for a token count (each count's graph is a
+    compile of its own); without a size, the one marker earlier versions wrote: all of WARM_SIZES."""
     import hashlib
 
     from .models import cache_dir
 
-    return cache_dir() / "inductor" / f"rsd-{hashlib.sha256(verdict_key(model).encode()).hexdigest()[:16]}"
+    name = f"rsd-{hashlib.sha256(verdict_key(model).encode()).hexdigest()[:16]}"
+    return cache_dir() / "inductor" / (name if size is None else f"{name}-{size}")
 
 
-def _first_compile_here(model) -> bool:
-    return not _marker(model).exists()
+def _first_compile_here(model, sizes: tuple[int, ...]) -> bool:
+    """Whether some of these token counts were never compiled here for this model."""
+    if set(sizes) <= set(WARM_SIZES) and _marker(model).exists():
+        return False
+    return not all(_marker(model, n).exists() for n in sizes)
 
 
-def _mark_compiled(model) -> None:
+def _mark_compiled(model, sizes: tuple[int, ...]) -> None:
     try:
         _marker(model).parent.mkdir(parents=True, exist_ok=True)
-        _marker(model).touch()
+        for n in sizes:
+            _marker(model, n).touch()
     except OSError:
         pass

@@ -936,10 +936,12 @@ def passive_threads() -> bool:
     return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
 
 
-def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, light: bool = False) -> ModelPair:
+def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, light: bool = False,
+              plain: bool = False) -> ModelPair:
     """light: the caller runs the pair only through `pair.runtimes` (generate, chat, inspect-tree;
     not bench's transformers peers): with --compile auto or on, Llama checkpoints then load without
-    transformers' modeling code (load_model)."""
+    transformers' modeling code (load_model). plain: the caller decodes plainly throughout (`ar` in
+    generate or inspect-tree): compiling prepares no more than that (compiled.runtime_for)."""
     target_place, device, dtype = target_placement(profile)
     draft_place = placement_of(profile, "draft")
     target_source = profile.resolve_path(profile["target"]["source"])
@@ -990,5 +992,5 @@ def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, l
     )
     from .runtime import runtimes_of
 
-    pair.runtimes = runtimes_of(pair, profile["runtime"]["compile"], progress, notice)
+    pair.runtimes = runtimes_of(pair, profile["runtime"]["compile"], progress, notice, plain)
     return pair

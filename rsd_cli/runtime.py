@@ -104,14 +104,16 @@ def make_decoder(pair, profile: Profile):
                    sampling_of(profile), pair.eos_ids, pair.context_length, pair.runtimes, pair.notice)
 
 
-def runtimes_of(pair, setting: str, progress=lambda message: None, notice=lambda message: None):
-    """The execution of both models for a --compile setting (see compiled.runtime_for); an
-    early-exit draft shares its target's layers, so it shares the verdict and compiled graphs."""
+def runtimes_of(pair, setting: str, progress=lambda message: None, notice=lambda message: None,
+                plain: bool = False):
+    """The execution of both models for a --compile setting (see compiled.runtime_for; plain: the
+    run decodes plainly throughout); an early-exit draft shares its target's layers, so it shares
+    the verdict and compiled graphs."""
     from .compiled import runtime_for
     from .engine import Runtimes
 
-    target = runtime_for(pair.target, setting, "target", progress, notice)
-    draft = runtime_for(pair.draft, setting, "draft", progress, notice)
+    target = runtime_for(pair.target, setting, "target", progress, notice, plain)
+    draft = runtime_for(pair.draft, setting, "draft", progress, notice, plain)
     return Runtimes(target, draft, setting)
 
 

@@ -659,6 +659,60 @@ def test_bench_interleaves_compile_settings_and_times_the_static_cache_peer(tiny
     assert len(static) == 1 and static[0]["tokens_per_second"] > 0 and not static[0].get("error")
 
 
+def test_plain_decoding_compiles_only_a_one_token_forward_and_says_once_what_it_compiles(monkeypatch, tmp_path):
+    """`ar` (generate, inspect-tree) warms the 1-token graph alone and nothing for the draft, which never
+    runs; the first-compile notice comes back when a later run compiles token counts not compiled yet."""
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    warmed = []
+    monkeypatch.setattr(compiled, "warm_up", lambda runtime, sizes=compiled.WARM_SIZES: warmed.append(sizes))
+    model, notices = tiny_model(V, layers=1), []
+    assert compiled.runtime_for(model, "on", "target", notice=notices.append, plain=True).compiled
+    assert compiled.runtime_for(model, "on", "draft", notice=notices.append, plain=True).compiled
+    assert warmed == [compiled.PLAIN_SIZES]
+    first = "compiling the target's layers for this machine, once (later runs read them from the cache)"
+    assert notices == [first]
+    compiled.runtime_for(model, "on", "target", notice=notices.append, plain=True)
+    assert notices == [first]  # compiled here already
+    compiled.runtime_for(model, "on", "target", notice=notices.append)
+    assert warmed[-1] == compiled.WARM_SIZES and notices == [first, first]  # 2 and 4 tokens: new compiles
+    compiled.runtime_for(model, "on", "target", notice=notices.append)
+    compiled.runtime_for(model, "on", "target", notice=notices.append, plain=True)
+    assert len(notices) == 2
+    for marker in (tmp_path / "cache" / "inductor").glob("rsd-*"):
+        marker.unlink()
+    compiled._marker(model).touch()  # what earlier versions left after compiling WARM_SIZES
+    compiled.runtime_for(model, "on", "target", notice=notices.append, plain=True)
+    compiled.runtime_for(model, "on", "target", notice=notices.append)
+    assert len(notices) == 2
+    monkeypatch.setattr(compiled, "CompiledModel", GraphedOnTheCpu)
+    compiled.runtime_for(tiny_model(V, layers=2), "on", "target", plain=True)  # on a GPU too
+    assert warmed[-1] == compiled.PLAIN_SIZES
+
+
+@pytest.mark.parametrize("command, variant, warmed_sizes", [
+    ("generate", "ar", [compiled.PLAIN_SIZES]),
+    ("generate", "sd", [compiled.WARM_SIZES, compiled.WARM_SIZES]),  # target and (its own) draft
+    ("chat", "ar", [compiled.WARM_SIZES, compiled.WARM_SIZES]),  # /set variant may draft later
+])
+def test_what_a_command_compiles_at_load_follows_its_variant(tiny_profile, monkeypatch, command, variant,
+                                                              warmed_sizes):
+    warmed, warm_up = [], compiled.warm_up
+
+    def counted(runtime, sizes=compiled.WARM_SIZES):
+        warmed.append(sizes)
+        warm_up(runtime, sizes)
+
+    monkeypatch.setattr(compiled, "warm_up", counted)
+    arguments = ["generate", "hello", "-t", "0", "-n", "6", "--json"] if command == "generate" else ["chat"]
+    result = CliRunner().invoke(app, [*arguments, "-p", str(tiny_profile), "-v", variant, "--compile", "on"],
+                                input="/bye\n" if command == "chat" else None)
+    assert result.exit_code == 0, result.stderr
+    assert warmed == warmed_sizes
+    if command == "generate":  # and a token count not warmed (the prompt's) compiles at its first use
+        off = CliRunner().invoke(app, [*arguments, "-p", str(tiny_profile), "-v", variant, "--compile", "off"])
+        assert json.loads(result.stdout)["token_ids"] == json.loads(off.stdout)["token_ids"]
+
+
 def test_a_failing_compiler_leaves_the_runtime_uncompiled_with_a_notice(monkeypatch, tmp_path):
     monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
 
