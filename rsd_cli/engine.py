@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .drafting import LOOKUP_NGRAM, NgramIndex, Shape, build_tree, lookup_tree
+from .drafting import LOOKUP_NGRAM, NgramIndex, Shape, build_tree, lookup_tree, make_shape
 from .errors import RsdError
 from .sampling import (SamplingParams, gumbel_of, inverse_cdf, logits_to_probs, sample, to_device, to_host,
                        to_host_soon)
@@ -589,7 +589,7 @@ class Decoder:
     def draft_sampling(self) -> SamplingParams:
         return SamplingParams() if self.greedy_ranking else self.sampling
 
-    def generate(self, prompt: list[int], max_tokens: int, seed: int | None = None) -> Iterator[StepEvent]:
+    def _check_prompt(self, prompt: list[int]) -> None:
         if not prompt:
             raise RsdError("the prompt is empty")
         if self.context_length and len(prompt) >= self.context_length:
@@ -597,6 +597,9 @@ class Decoder:
         if max(prompt) >= self.vocab_size:  # (a tokenizer that does not fit the models: no forward could read it)
             raise RsdError(f"the prompt holds token id {max(prompt)} but the models' vocabulary has "
                            f"{self.vocab_size} tokens: the tokenizer does not fit them")
+
+    def generate(self, prompt: list[int], max_tokens: int, seed: int | None = None) -> Iterator[StepEvent]:
+        self._check_prompt(prompt)
         self.prepare()  # (before this generation's caches hold a static-shape runtime's shared buffers)
         # static-cache buffers: room for the prompt, some answer and one tree; they double when full
         capacity = min(len(prompt) + min(max_tokens, 512), self.context_length or 2**31) + self.shape.max_nodes + 1
@@ -622,6 +625,85 @@ class Decoder:
                 caches.release()
             if self.policy is not None:  # what auto learnt, for the next run
                 self.policy.save()
+
+    def generate_together(self, prompt: list[int], max_tokens: int, seeds: list[int],
+                          ended: set[int] = frozenset()) -> Iterator[list[StepEvent | None]]:
+        """Independent plain completions of one prompt, one per seed, decoded together: each step is
+        one target forward of every unfinished completion's last token (a row each, seeing the prompt
+        and its own tokens only), then a draw per row with that completion's own generator. Yields,
+        per step, each completion's event (a plain step's, as `generate` gives for `ar`) or None once
+        it has finished. Where a forward of n tokens costs well under n of one (rsd's C layers on a
+        CPU, any GPU), this is where extra rows pay most: every row's token is kept, where a draft's
+        is accepted 41% of the time (the embedded pair at T=1).
+
+        Each completion follows the target's distribution exactly, as alone: its draws are the
+        uniforms its seed gives `generate` (`ar`), one a step, on its own row's probabilities. Its
+        tokens are those `generate` gives for the seed wherever the forwards' logits agree to the
+        bit; float rounding of a forward over other rows can differ (transformers' products over
+        several rows), which flips a token only where two candidates tie that closely. The first step
+        reads the prompt's last token once, for all. `ended`: completions the caller has ended (at a
+        stop string), left out from the next step on."""
+        self._check_prompt(prompt)
+        if self.kept is not None:  # (a generation's kept caches: this one reads the prompt afresh)
+            self.kept.release()
+            self.kept = None
+        count, length = len(seeds), len(prompt)
+        capacity = length + count * min(max_tokens, 128) + count + 1  # (grows as the answers do)
+        target = self._cache(self.target_model, self.runtimes.target, capacity)
+        generators = []
+        for seed in seeds:
+            generator = torch.Generator(device=target.device)
+            generator.manual_seed(seed)
+            generators.append(generator)
+        seqs = [list(prompt) for _ in seeds]
+        produced, active = [0] * count, list(range(count))
+        sight = torch.zeros(count, capacity, dtype=torch.bool)  # [completion, cache slot]: what its rows see
+        sight[:, :length] = True  # the prompt (its last token's key once the first step has read it)
+        shape = make_shape("ar")
+        try:
+            before = target.forward_seconds
+            target.extend(prompt[:-1])
+            prefill = target.forward_seconds - before
+            step = 0
+            while active:
+                step += 1
+                start, before = time.perf_counter(), target.forward_seconds
+                first = step == 1
+                rows = [0] if first else active  # the first step: the prompt's last token, read once
+                base = target.length
+                if base + len(rows) > sight.shape[1]:
+                    sight = torch.cat([sight, torch.zeros(count, sight.shape[1], dtype=torch.bool)], dim=1)
+                own = torch.eye(len(rows), dtype=torch.bool)
+                visible = torch.cat([sight[rows, :base], own], dim=1)
+                logits = target.forward([seqs[j][-1] for j in rows], [len(seqs[j]) - 1 for j in rows], visible)
+                if first:
+                    logits = logits.expand(len(active), -1)
+                else:
+                    for r, j in enumerate(rows):
+                        sight[j, base + r] = True
+                seen = None
+                if self.sampling.uses_context:  # (each row's own context)
+                    seen = torch.zeros(len(active), self.vocab_size, dtype=torch.bool)
+                    for r, j in enumerate(active):
+                        seen[r, torch.tensor(seqs[j])] = True
+                    seen = seen.to(logits.device)
+                p = logits_to_probs(logits, self.sampling, seen)
+                u = torch.cat([torch.rand((1, 1), generator=generators[j], dtype=torch.float64,
+                                          device=generators[j].device) for j in active])
+                tokens = to_host(inverse_cdf(p, u))
+                forward = target.forward_seconds - before + (prefill if first else 0.0)
+                events: list[StepEvent | None] = [None] * count
+                for r, j in enumerate(active):
+                    event = StepEvent(
+                        step=step, shape=shape, tree=DraftTree.rooted_at(seqs[j][-1]), p=p[r: r + 1], checks=[],
+                        path=[], extra_token=tokens[r], extra_kind="bonus", emitted=[], draft_calls=0,
+                        draft_seconds=0.0, verify_seconds=time.perf_counter() - start, forward_seconds=forward)
+                    produced[j] += self._emit(event, seqs[j], max_tokens - produced[j])
+                    events[j] = event
+                yield events
+                active = [j for j in active if not events[j].finished and j not in ended]
+        finally:
+            target.release()
 
     def unread(self, prompt: list[int]) -> int:
         """How many of the prompt's tokens the target still has to read: all, unless the caches
@@ -691,6 +773,10 @@ class Decoder:
         held[:] = seq + [event.tree.tokens[n] for n in event.path]  # the root and the accepted path
         if self.policy is not None:
             self.policy.observe(event)
+        return self._emit(event, seq, remaining)
+
+    def _emit(self, event: StepEvent, seq: list[int], remaining: int) -> int:
+        """_settle's tokens: event.emitted and event.finished set, the tokens appended to seq."""
         room = self._room(remaining, seq)
         emitted = [event.tree.tokens[n] for n in event.path] + [event.extra_token]
         if len(emitted) >= room:

@@ -8,6 +8,8 @@ import sys
 import threading
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -169,6 +171,15 @@ class ReadingNote:
                     self.live.stop()
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a completion, carrying what it had produced by then: its tokens, statistics,
+    last event and text (run_generate still writes them, and its --json record)."""
+
+    def __init__(self, tokens: list[int], stats: Stats, events: list[StepEvent], text: str):
+        super().__init__()
+        self.tokens, self.stats, self.events, self.text = tokens, stats, events, text
+
+
 def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, console=None, live=False,
                       write_text=True, keep_events=False, stops: list[str] = (), on_step=None,
                       reading_note=False):
@@ -178,6 +189,7 @@ def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, conso
     With the live view on and stdout on the same terminal, the text is written once at the end
     (the live region would otherwise fight with it); piped stdout still streams. Without it,
     `reading_note` shows that a long prompt is being read (see ReadingNote) on a terminal console.
+    Ctrl-C raises Interrupted, once the text generated so far is written (held back or not).
     """
     from rich.live import Live
 
@@ -188,11 +200,14 @@ def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, conso
     noted = reading_note and not live and console is not None and console.is_terminal
     unread = decoder.unread(prompt_ids) if live or noted else 0  # (a chat's kept caches hold most of its prompt)
     note = ReadingNote(console, unread) if noted else None
+    so_far: tuple[list[int], Stats, list[StepEvent]] = ([], Stats(), [])  # tokens, stats, last event: for Ctrl-C
     with view as display:
         if display is not None:  # until the first step: a long prompt takes seconds to read
             display.update(reading_line(unread), refresh=True)
 
         def on_event(event: StepEvent, stats: Stats) -> None:
+            nonlocal so_far
+            so_far = (so_far[0] + event.emitted, stats, [event])
             if note is not None:
                 note.stop()
             piece = text.piece
@@ -205,8 +220,12 @@ def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, conso
             if on_step is not None:
                 on_step(event)
 
+        interrupted = False
         try:
             tokens, stats, events = complete(decoder, prompt_ids, max_tokens, seed, on_event, keep_events, text)
+        except KeyboardInterrupt:
+            interrupted = True
+            tokens, stats, events = so_far
         finally:
             if note is not None:
                 note.stop()
@@ -215,57 +234,183 @@ def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, conso
         out.write(("".join(shown) if hold_text else "") + tail)
         out.flush()
     whole = text.text if text.matched is not None else pair.tokenizer.decode(tokens, skip_special_tokens=True)
+    if interrupted:
+        raise Interrupted(tokens, stats, events, whole)
     return tokens, stats, events, whole
+
+
+TOGETHER = ("ar", "auto")  # variants whose --samples are decoded together (Decoder.generate_together)
+TOGETHER_AT_MOST = 64  # samples a forward takes at most (more go in groups, one after the other): rsd's C
+# kernels take up to 64 rows, and a GPU's largest graph as many; each row's probabilities take ~0.6 MB
+
+
+@dataclass
+class Completion:
+    """One sample's outcome, as run_generate reports it."""
+
+    seed: int
+    tokens: list[int]
+    stats: Stats
+    events: list[StepEvent]  # the last one, or every one for --stats
+    text: str
+    logprobs: list[dict]
+    finish_reason: str | None  # as StepEvent.finished, or "interrupted"
+    stop: str | None
 
 
 def run_generate(pair, profile, text: str, *, system=None, raw=False, samples=1, as_json=False,
                  show_stats=True, step_table=False, live=False, console=None, out=None, logprobs: int = 0) -> None:
+    """Every sample's text (or --json record) on `out`, its statistics on `console`. Several samples
+    of `ar` or `auto` are decoded together (run_together), others one after the other."""
     out = out or sys.stdout
     decoder = make_decoder(pair, profile)
-    decoder.keep_caches = samples > 1  # later samples read only what the caches do not hold: not the prompt
     prompt_ids = encode_prompt(pair.tokenizer, text, system=system, raw=raw)
     base_seed = seed_of(profile)
     if base_seed is None:  # a fresh seed, drawn here so that --json can say which: --seed N reproduces the run
         base_seed = fresh_seed()
+    seeds = [base_seed + index for index in range(samples)]
+
+    def report(completion: Completion, shape: str, together: int) -> None:
+        if as_json:
+            record = {
+                "text": completion.text,
+                "token_ids": completion.tokens,
+                "profile": profile.name,
+                "variant": decoder.shape.variant,
+                "shape": shape,
+                "runtime": decoder.runtimes.describe(),
+                "placement": pair.placement,
+                "seed": completion.seed,
+                "prompt_tokens": len(prompt_ids),
+                "samples_together": together,
+                "finish_reason": completion.finish_reason,
+                "stop": completion.stop,
+                "stats": completion.stats.as_dict(pair.draft_params, pair.target_params),
+            }
+            if logprobs:
+                record["logprobs"] = completion.logprobs[:len(completion.tokens)]  # (an interrupted step's: left out)
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        else:
+            out.write("\n")
+        out.flush()
+        if console is not None:
+            if step_table and completion.finish_reason != "interrupted":
+                console.print(steps_table(completion.events, pair.tokenizer))
+            if show_stats and completion.stats.steps:
+                console.print(f"[dim]{shape} · {stats_line(completion.stats, shape)}[/dim]")
+
+    if samples > 1 and decoder.shape.variant in TOGETHER:
+        for first in range(0, samples, TOGETHER_AT_MOST):
+            if first and not as_json:
+                out.write("\n---\n")
+            run_together(pair, profile, decoder, prompt_ids, seeds[first: first + TOGETHER_AT_MOST], as_json=as_json,
+                         out=out, report=report, logprobs=logprobs, keep_events=step_table,
+                         console=console if show_stats else None)
+        return
+    decoder.keep_caches = samples > 1  # later samples read only what the caches do not hold: not the prompt
     max_tokens = profile["sampling"]["max_tokens"]
     try:  # (the caches the last sample left go back at the end)
-        for index in range(samples):
-            seed = base_seed + index
+        for index, seed in enumerate(seeds):
             if samples > 1 and not as_json and index:
                 out.write("\n---\n")
             token_records: list[dict] = []
-            tokens, stats, events, text_out = stream_completion(
-                pair, decoder, prompt_ids, max_tokens, seed, out=out, console=console, live=live and not as_json,
-                write_text=not as_json, keep_events=step_table, stops=stops_of(profile),
-                on_step=(lambda event: token_records.extend(token_logprobs(event, logprobs, pair.tokenizer)))
-                if logprobs else None)
-            if as_json:
-                record = {
-                    "text": text_out,
-                    "token_ids": tokens,
-                    "profile": profile.name,
-                    "variant": decoder.shape.variant,
-                    "shape": decoder.shape.describe(),
-                    "runtime": decoder.runtimes.describe(),
-                    "placement": pair.placement,
-                    "seed": seed,
-                    "prompt_tokens": len(prompt_ids),
-                    "finish_reason": events[-1].finished if events else None,
-                    "stop": events[-1].stop if events else None,
-                    "stats": stats.as_dict(pair.draft_params, pair.target_params),
-                }
-                if logprobs:
-                    record["logprobs"] = token_records
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
-            else:
-                out.write("\n")
-            out.flush()
-            if console is not None:
-                if step_table:
-                    console.print(steps_table(events, pair.tokenizer))
-                if show_stats:
-                    shape = decoder.shape.describe()
-                    console.print(f"[dim]{shape} · {stats_line(stats, shape)}[/dim]")
+            interrupted = None
+            try:
+                tokens, stats, events, text_out = stream_completion(
+                    pair, decoder, prompt_ids, max_tokens, seed, out=out, console=console, live=live and not as_json,
+                    write_text=not as_json, keep_events=step_table, stops=stops_of(profile),
+                    on_step=(lambda event: token_records.extend(token_logprobs(event, logprobs, pair.tokenizer)))
+                    if logprobs else None)
+            except Interrupted as e:  # Ctrl-C: what was generated is still reported, then rsd exits 130
+                interrupted, (tokens, stats, events, text_out) = e, (e.tokens, e.stats, e.events, e.text)
+            finish = "interrupted" if interrupted else events[-1].finished if events else None
+            report(Completion(seed, tokens, stats, events, text_out, token_records, finish,
+                              events[-1].stop if events else None), decoder.shape.describe(), 1)
+            if interrupted:
+                raise interrupted
     finally:
         if decoder.kept is not None:
             decoder.kept.release()
+
+
+def run_together(pair, profile, decoder, prompt_ids: list[int], seeds: list[int], *, as_json: bool, out,
+                 report: Callable[[Completion, str, int], None], logprobs: int = 0, keep_events: bool = False,
+                 console=None) -> None:
+    """--samples of `ar` or `auto` decoded together (Decoder.generate_together: a forward of one row
+    per unfinished sample; `auto` decodes them plainly, since a row for another sample's token, always
+    kept, pays more than a row for a draft). Reported in order, as one after the other would be: the
+    first sample's text streams, each next one's from where it has got to once the one before is
+    reported. Ctrl-C reports every sample's tokens so far, then raises KeyboardInterrupt."""
+    tokenizer, count = pair.tokenizer, len(seeds)
+    texts = [StopText(tokenizer, stops_of(profile)) for _ in seeds]
+    tokens: list[list[int]] = [[] for _ in seeds]
+    stats = [Stats() for _ in seeds]
+    events: list[list[StepEvent]] = [[] for _ in seeds]
+    token_records: list[list[dict]] = [[] for _ in seeds]
+    finish: list[str | None] = [None] * count
+    pending = [""] * count  # text of a sample not shown yet
+    ended: set[int] = set()  # samples ended at a stop string (the engine leaves them out)
+    reported = 0
+    shape = "ar"
+
+    def show(j: int, piece: str) -> None:
+        if as_json:
+            return
+        if j == reported:
+            out.write(piece)
+            out.flush()
+        else:
+            pending[j] += piece
+
+    def report_finished() -> None:
+        nonlocal reported
+        while reported < count and finish[reported] is not None:
+            j = reported
+            last = events[j][-1] if events[j] else None
+            whole = texts[j].text if texts[j].matched is not None else tokenizer.decode(tokens[j],
+                                                                                       skip_special_tokens=True)
+            report(Completion(seeds[j], tokens[j], stats[j], events[j], whole, token_records[j], finish[j],
+                              last.stop if last is not None else None), shape, count)
+            reported += 1
+            if reported < count and not as_json:
+                out.write("\n---\n" + pending[reported])
+                pending[reported] = ""
+                out.flush()
+
+    max_tokens = profile["sampling"]["max_tokens"]
+    start = time.perf_counter()
+    steps = decoder.generate_together(prompt_ids, max_tokens, seeds, ended)
+    try:
+        for step_events in steps:
+            now = time.perf_counter() - start
+            for j, event in enumerate(step_events):
+                if event is None:
+                    continue
+                texts[j].cut(event)  # (a stop string ends the sample: finished "stop")
+                tokens[j].extend(event.emitted)
+                stats[j].add(event)
+                stats[j].wall_seconds = now
+                if not keep_events:
+                    events[j].clear()
+                events[j].append(event)
+                if logprobs:
+                    token_records[j].extend(token_logprobs(event, logprobs, tokenizer))
+                show(j, texts[j].piece)
+                if event.finished:
+                    ended.add(j)
+                    show(j, texts[j].flush())
+                    finish[j] = event.finished
+            report_finished()
+    except KeyboardInterrupt:
+        for j in range(count):
+            if finish[j] is None:
+                show(j, texts[j].flush())
+                finish[j] = "interrupted"
+        report_finished()
+        raise
+    finally:
+        steps.close()
+    if console is not None and count > 1:
+        total, wall = sum(len(t) for t in tokens), time.perf_counter() - start
+        console.print(f"[dim]{count} samples decoded together · {total} tokens · {wall:.2f}s · "
+                      f"{total / wall if wall else 0.0:.1f} tok/s in all[/dim]")

@@ -144,6 +144,63 @@ def test_samples_read_the_prompt_once_and_give_what_separate_runs_give(cli, tiny
     assert together == alone and len(read) > len(prompt_reads) + 6
 
 
+@pytest.mark.parametrize("variant", ["ar", "auto"])
+def test_samples_of_plain_decoding_are_decoded_together_and_are_what_separate_runs_give(cli, tiny_profile, variant):
+    """--samples of ar or auto: one forward a step for every unfinished sample; each sample's tokens,
+    text and finish are those of a separate `ar` run with its seed (a stop string ending each
+    where it does alone), reported in order (the text: as one after the other); an overall line on
+    stderr. A drafting variant's samples still run one after the other."""
+    common = ["-p", tiny_profile, "-n", "16", "-t", "1", "--stop", ",", "--seed", "4"]
+    result = cli("generate", "hi", *common, "--samples", "4", "--json", "-v", variant, input="")
+    assert result.exit_code == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    alone = [json.loads(cli("generate", "hi", *common[:-1], str(seed), "--json", "-v", "ar", input="").stdout)
+             for seed in (4, 5, 6, 7)]
+    for record, one in zip(records, alone):
+        assert record["samples_together"] == 4 and record["shape"] == "ar" and record["variant"] == variant
+        for key in ("seed", "token_ids", "text", "finish_reason", "stop"):
+            assert record[key] == one[key], key
+        assert record["stats"]["new_tokens"] == len(record["token_ids"]) == record["stats"]["steps"]
+    assert {r["finish_reason"] for r in records} == {"stop", "length"}  # (seeds chosen to show both)
+    assert "4 samples decoded together · " in result.stderr and result.stderr.count("ar · ") == 4
+    text = cli("generate", "hi", *common, "--samples", "4", "-v", variant, input="")
+    assert text.stdout == "\n---\n".join(one["text"] + "\n" for one in alone)
+    drafted = cli("generate", "hi", *common, "--samples", "2", "--json", "-v", "sd", input="")
+    assert [json.loads(line)["samples_together"] for line in drafted.stdout.splitlines()] == [1, 1]
+
+
+def test_more_samples_than_a_forward_takes_are_decoded_in_groups(cli, tiny_profile, monkeypatch):
+    from rsd_cli import generation
+
+    monkeypatch.setattr(generation, "TOGETHER_AT_MOST", 2)
+    common = ["-p", tiny_profile, "-n", "8", "-t", "1", "--seed", "4", "-v", "ar", "--samples", "3"]
+    records = [json.loads(line) for line in cli("generate", "hi", *common, "--json", input="").stdout.splitlines()]
+    assert [r["samples_together"] for r in records] == [2, 2, 1] and [r["seed"] for r in records] == [4, 5, 6]
+    text = cli("generate", "hi", *common, input="")
+    assert text.stdout == "\n---\n".join(r["text"] + "\n" for r in records)
+    assert text.stderr.count("samples decoded together") == 1  # (a group of one is just a sample)
+
+
+def test_ctrl_c_during_samples_decoded_together_reports_each_one_so_far(cli, tiny_profile, monkeypatch):
+    from rsd_cli import engine
+
+    real = engine.Decoder.generate_together
+
+    def interrupted(self, *args, **kwargs):
+        for step, events in enumerate(real(self, *args, **kwargs), start=1):
+            yield events
+            if step == 3:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine.Decoder, "generate_together", interrupted)
+    result = cli("generate", "hi", "-p", tiny_profile, "-n", "16", "-t", "1", "--seed", "4", "--samples", "3",
+                 "--json", "-v", "ar", input="")
+    assert result.exit_code == 130 and "rsd: interrupted" in result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["seed"] for r in records] == [4, 5, 6]
+    assert all(r["finish_reason"] == "interrupted" and len(r["token_ids"]) == 3 for r in records)
+
+
 def test_budget_and_tree_flags(cli, tiny_profile):
     result = cli("generate", "hi", "-p", tiny_profile, "--json", "-n", "6", "-v", "rsd-s", "--budget", "10", input="")
     assert result.exit_code == 0, result.stderr

@@ -318,6 +318,7 @@ def test_plain_steps_queued_ahead_give_the_events_of_one_step_at_a_time(pair, sa
     keeps hold exactly the tokens they say."""
     from rsd_cli.compiled import CompiledModel
     from rsd_cli.engine import Runtimes
+    from rsd_cli.engine import Runtimes
 
     runtimes = None if runtime == "transformers" else \
         Runtimes(CompiledModel(pair[0], False), CompiledModel(pair[1], False), "off")
@@ -399,6 +400,7 @@ def test_steps_are_queued_ahead_off_the_cpu_unless_switched_off(pair, monkeypatc
 
 def static_runtimes(pair):
     from rsd_cli.compiled import CompiledModel
+    from rsd_cli.engine import Runtimes
     from rsd_cli.engine import Runtimes
 
     return Runtimes(CompiledModel(pair[0], False, static_shapes=True),
@@ -524,6 +526,7 @@ def test_answers_reach_the_end_of_the_models_context_on_the_compiled_runtime(pai
     its angle (their tokens are never emitted), and the answer ends at the context, queued ahead as
     one step at a time."""
     from rsd_cli.compiled import CompiledModel
+    from rsd_cli.engine import Runtimes
     from rsd_cli.engine import Runtimes
 
     runtimes = Runtimes(CompiledModel(pair[0], False, static_shapes=static_shapes),
@@ -925,6 +928,7 @@ def test_a_kept_cache_reads_only_what_the_next_prompt_does_not_share(pair, monke
     last answer's caches kept, the prefill reads only what they do not hold, and the answer is the
     one a fresh decoder gives (greedy: token for token)."""
     from rsd_cli.compiled import CompiledModel
+    from rsd_cli.engine import Runtimes
     from rsd_cli.engine import ChainExtension, Runtimes
 
     runtimes = Runtimes(CompiledModel(pair[0], False), CompiledModel(pair[1], False), "off") \
@@ -991,3 +995,61 @@ def test_the_unchanged_prefix_of_kept_positions_is_the_leading_run_in_place():
     for kept in ([0], [0, 1, 3], [0, 2], [*range(7), 9, 10, 11]):  # against the definition
         expected = next((i for i, index in enumerate(kept) if index != i), len(kept))
         assert unchanged_prefix(kept) == expected
+
+
+def together(decoder, max_tokens: int, seeds: list[int], prompt=PROMPT, ended_at: dict | None = None):
+    """Each seed's tokens and last event from Decoder.generate_together (ended_at: seed index -> the
+    step after which the caller ends it, as a stop string does)."""
+    tokens, last, ended = [[] for _ in seeds], [None] * len(seeds), set()
+    for step, events in enumerate(decoder.generate_together(prompt, max_tokens, seeds, ended), start=1):
+        for j, event in enumerate(events):
+            if event is not None:
+                assert j not in ended  # an ended sample takes no further step
+                tokens[j] += event.emitted
+                last[j] = event
+                if (ended_at or {}).get(j) == step:
+                    ended.add(j)
+    return tokens, last
+
+
+@pytest.mark.parametrize("variant", ["ar", "auto"])
+@pytest.mark.parametrize("sampling", [SamplingParams(0.0), SamplingParams(1.0), PENALISED],
+                         ids=["greedy", "T=1", "penalised"])
+def test_samples_together_give_each_seed_the_tokens_it_gives_alone(pair, sampling, variant):
+    """Completions decoded together (a row each per forward) draw what each seed draws alone: the
+    same tokens, on transformers' forward and on the static-cache runtime; each ends on its own as
+    alone (end-of-sequence token, the answer's length, the context's end), or ended by the caller."""
+    from rsd_cli.compiled import CompiledModel
+    from rsd_cli.engine import Runtimes
+
+    target, draft = pair
+    seeds = [11, 12, 13, 14, 15]
+    for runtimes in (Runtimes(), Runtimes(CompiledModel(target, False), CompiledModel(draft, False))):
+        every_reason = set()
+        for eos, max_tokens, context in (({5}, 6, 40), (set(), 30, 12)):
+            alone, reasons = [], []
+            for seed in seeds:
+                events = list(Decoder(target, draft, V, make_shape("ar"), sampling, eos, context, runtimes).generate(
+                    PROMPT, max_tokens, seed))
+                alone.append([t for e in events for t in e.emitted])
+                reasons.append(events[-1].finished)
+            decoder = Decoder(target, draft, V, make_shape(variant), sampling, eos, context, runtimes)
+            tokens, last = together(decoder, max_tokens, seeds)
+            assert tokens == alone and [event.finished for event in last] == reasons
+            assert all(event.shape.describe() == "ar" and event.checks == [] for event in last)
+            assert decoder.kept is None and decoder.policy is None
+            every_reason |= set(reasons)
+        assert every_reason == ({"eos", "context"} if sampling.greedy else {"eos", "length", "context"})
+        tokens, _ = together(decoder, max_tokens, seeds, ended_at={1: 2})
+        assert tokens[1] == alone[1][:2] and tokens[:1] + tokens[2:] == alone[:1] + alone[2:]
+
+
+def test_samples_together_follow_the_target_distribution(pair):
+    sampling = SamplingParams(temperature=1.0)
+    decoder = Decoder(*pair, V, make_shape("ar"), sampling, set())
+    counts = torch.zeros(V, V)
+    for first_seed in range(0, N_SAMPLES, 250):
+        tokens, _ = together(decoder, 2, list(range(first_seed, first_seed + 250)))
+        for first, second in tokens:
+            counts[first, second] += 1
+    assert chi_square_pvalue(counts, exact_joint(pair[0], sampling) * N_SAMPLES) > 1e-3

@@ -425,6 +425,51 @@ def test_ctrl_c_during_model_load_and_during_generation(tiny_profile, monkeypatc
     assert result.stdout.strip()  # what was generated before Ctrl-C is kept
 
 
+def test_ctrl_c_keeps_what_was_generated_in_the_text_the_json_record_and_the_statistics(tiny_profile, monkeypatch):
+    """Interrupted after 3 steps: the text streamed so far (a stop string's held-back start
+    included), and with --json a record of those tokens with "finish_reason": "interrupted" (after
+    the samples before it); exit code 130 either way. Interrupted before any step: an empty record.
+    (Samples decoded together: test_cli.)"""
+    from rsd_cli import engine
+
+    common = ["-p", tiny_profile, "-n", "40", "-t", "0", "-v", "ar"]
+    full = json.loads(invoke("generate", "hi", *common, "--json").stdout)
+    real_generate = engine.Decoder.generate
+    when = {"calls": 0, "interrupt_call": 1, "steps": 3}  # (ar: a token a step)
+
+    def interrupted_generate(self, *args, **kwargs):
+        when["calls"] += 1
+        for i, event in enumerate(real_generate(self, *args, **kwargs)):
+            if when["calls"] == when["interrupt_call"] and i == when["steps"]:
+                raise KeyboardInterrupt
+            yield event
+
+    monkeypatch.setattr(engine.Decoder, "generate", interrupted_generate)
+    result = invoke("generate", "hi", *common, "--json", "--logprobs", "2")
+    assert result.exit_code == 130 and "rsd: interrupted" in result.stderr
+    record = json.loads(result.stdout)
+    assert record["finish_reason"] == "interrupted" and record["token_ids"] == full["token_ids"][:3]
+    assert record["stats"]["new_tokens"] == len(record["logprobs"]) == 3 and "3 steps · 3 tokens" in result.stderr
+    when["calls"] = 0
+    plain = invoke("generate", "hi", *common)
+    assert plain.exit_code == 130 and plain.stdout == record["text"] + "\n"
+    when["calls"] = 0  # a stop string whose start the text ends with is held back while streaming: released
+    held = invoke("generate", "hi", *common, "--stop", record["text"][-1] + "~never printed~")
+    assert held.exit_code == 130 and held.stdout == record["text"] + "\n"
+    when.update(calls=0, interrupt_call=2)  # samples one after the other (a drafting variant's)
+    samples = invoke("generate", "hi", *common, "--json", "--samples", "3", "-v", "sd")
+    assert samples.exit_code == 130
+    first, second = (json.loads(line) for line in samples.stdout.splitlines())
+    assert first["finish_reason"] in ("length", "eos") and len(first["token_ids"]) > 3  # (a whole answer)
+    assert second["finish_reason"] == "interrupted" and len(second["token_ids"]) == 3
+    assert second["seed"] == first["seed"] + 1
+    when.update(calls=0, interrupt_call=1, steps=0)
+    result = invoke("generate", "hi", *common, "--json")
+    record = json.loads(result.stdout)
+    assert result.exit_code == 130 and record["token_ids"] == [] and record["finish_reason"] == "interrupted"
+    assert "steps ·" not in result.stderr  # no statistics of no step
+
+
 def test_closed_pipe_ends_quietly(tiny_profile, tmp_path):
     env = dict(os.environ, RSD_CONFIG_DIR=str(tmp_path))
     cmd = (f"{sys.executable} -m rsd_cli generate hello -p {tiny_profile} -n 200 -t 0 2>{tmp_path / 'err'} "
