@@ -400,13 +400,20 @@ class AutoShape:
         tokens followed by `count` tokens (0, 0: none). A drafting shape whose catch-up would cost
         more than it can save over those tokens gives way to plain decoding (exploration
         included: it would pay it too); a lookup chain of what followed the match replaces the
-        shape where it is expected to emit more tokens a second."""
+        shape where it is expected to emit more tokens a second. A step emits at most its depth + 1
+        tokens: where fewer are left, a tree as deep as what is left is verified for nothing, and
+        the best shape that fits is taken instead (plain decoding for the last token)."""
         shape = self._next()
         if shape.depth and not self._catch_up_pays(shape, lag, remaining):
             self.burst.clear()
             shape = self.shapes[0]  # ar
+        if remaining is not None and shape.depth >= remaining:
+            shape = max((s for s in self.shapes if s.depth < max(remaining, 1)),  # (ar fits always)
+                        key=lambda s: self._rate_after(s, lag))
         matched, available = lookup
         self.matched = matched
+        if remaining is not None:
+            available = max(min(available, remaining - 1), 0)
         if available and matched:
             chains = self.lookups[:available]
             rates = [self.rate(chain, matched) for chain in chains]

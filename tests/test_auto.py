@@ -376,6 +376,23 @@ def test_a_lookup_chain_replaces_the_shape_where_its_match_predicts_well():
     assert policy.step_seconds(chain)[0] == 0  # no draft forwards in its time
 
 
+def test_no_tree_deeper_than_the_tokens_left_is_drafted():
+    """A step emits at most depth + 1 tokens: with r left, the shape (a lookup chain too) is at most
+    r - 1 deep, the best of those that fit; the last token is drawn plainly."""
+    policy = AutoShape(flat(1.0))
+    for _ in range(200):
+        policy.acceptance.observe([check(1, 0)] * 8)
+    assert policy.next_shape(remaining=100).describe() == "sd γ=8"
+    assert policy.next_shape(remaining=4).describe() == "sd γ=3"  # the best that fits: the longest chain
+    assert policy.next_shape(remaining=1).describe() == "ar"
+    looking = AutoShape(Costs({1: 1.0, 64: 1.0}, {1: 5.0, 32: 5.0}))  # the draft never pays, lookups do
+    for _ in range(200):
+        looking.lookup_acceptance[3].observe([check(1, 0)] * 8)
+    assert looking.next_shape(lookup=(3, 6)).describe() == "lookup γ=6"
+    assert looking.next_shape(remaining=3, lookup=(3, 6)).describe() == "lookup γ=2"
+    assert looking.next_shape(remaining=1, lookup=(3, 6)).describe() == "ar"
+
+
 def test_a_lookup_chain_is_weighed_against_drafting_with_what_the_draft_must_read_first():
     """After lookup chains the draft has their tokens to read before it drafts: a drafting shape
     that wins with nothing to read can lose to a lookup chain then."""
@@ -544,8 +561,8 @@ def test_a_draft_far_behind_drafts_only_where_the_answer_left_repays_its_catch_u
     assert policy.next_shape(lag=3000, remaining=too_few).describe() == "ar"
     assert policy.next_shape(lag=3000, remaining=too_few + 2) == best
     assert policy.next_shape(lag=3000) == best  # (no limit)
-    assert policy.next_shape(lag=40, remaining=1) == best  # a short catch-up: as before
-    assert policy.next_shape(lag=1, remaining=1) == best  # (the root, read by every drafting step)
+    assert policy.next_shape(lag=40, remaining=best.depth + 1) == best  # a short catch-up: as before
+    assert policy.next_shape(lag=1, remaining=best.depth + 1) == best  # (the root, read by every drafting step)
     # plain decoding chosen, its explorations of drafting wait for a catch-up that pays too
     hopeless = AutoShape(Costs({1: 1.0, 64: 64.0}, {1: 0.3, 32: 0.5}))
     for _ in range(200):
@@ -619,7 +636,8 @@ def test_auto_follows_the_target_distribution_while_its_shape_changes(pair):
     counts = torch.zeros(V, V)
     shapes = set()
     for seed in range(N_SAMPLES):
-        tokens, events = run(pair, make_shape("auto", nodes=3), sampling, 2, seed, switching_policy(),
+        # (3 tokens: a step drafts no deeper than the tokens left, and the first two are what is counted)
+        tokens, events = run(pair, make_shape("auto", nodes=3), sampling, 3, seed, switching_policy(),
                              warm_up_seed=10**6 + seed)
         counts[tokens[0], tokens[1]] += 1
         shapes.add(tuple(e.shape.describe() for e in events))
