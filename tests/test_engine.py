@@ -1017,14 +1017,18 @@ def together(decoder, max_tokens: int, seeds: list[int], prompt=PROMPT, ended_at
                          ids=["greedy", "T=1", "penalised"])
 def test_samples_together_give_each_seed_the_tokens_it_gives_alone(pair, sampling, variant):
     """Completions decoded together (a row each per forward) draw what each seed draws alone: the
-    same tokens, on transformers' forward and on the static-cache runtime; each ends on its own as
-    alone (end-of-sequence token, the answer's length, the context's end), or ended by the caller."""
+    same tokens, on transformers' forward and on the static-cache runtime (static shapes too); each
+    ends on its own as alone (end-of-sequence token, the answer's length, the context's end), or ended
+    by the caller."""
     from rsd_cli.compiled import CompiledModel
     from rsd_cli.engine import Runtimes
 
     target, draft = pair
     seeds = [11, 12, 13, 14, 15]
-    for runtimes in (Runtimes(), Runtimes(CompiledModel(target, False), CompiledModel(draft, False))):
+    static = Runtimes(CompiledModel(target, False, static_shapes=True), CompiledModel(draft, False, static_shapes=True))
+    # transformers' forward; the static-cache runtime; on static shapes, as a GPU's graphs run it (rows
+    # padded to buckets, slots and a mask over the whole capacity)
+    for runtimes in (Runtimes(), Runtimes(CompiledModel(target, False), CompiledModel(draft, False)), static):
         every_reason = set()
         for eos, max_tokens, context in (({5}, 6, 40), (set(), 30, 12)):
             alone, reasons = [], []
