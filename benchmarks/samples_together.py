@@ -47,7 +47,7 @@ def main() -> None:
             decoder.keep_caches = False
             start = time.perf_counter()
             together = [[] for _ in seeds]
-            for events in decoder.generate_together(ids, args.max_tokens, seeds):
+            for events in decoder.generate_together([ids] * count, args.max_tokens, seeds):
                 for j, event in enumerate(events):
                     if event is not None:
                         together[j] += event.emitted

@@ -165,6 +165,18 @@ def read_prompt(prompt: str | None, stdin=None) -> str:
     return text
 
 
+def read_prompts(path: Path, prompt: str | None, stdin=None) -> list[str]:
+    """--prompts: the prompts of a file (prompting.read_prompt_file), or of stdin's lines for -."""
+    from .prompting import read_prompt_file
+
+    if prompt is not None:
+        raise UsageError("give a prompt or --prompts, not both")
+    if str(path) != "-":
+        return read_prompt_file(path)
+    texts = [line.strip() for line in read_prompt("-", stdin).splitlines() if line.strip()]
+    return texts
+
+
 def _profile_and_pair(profile: str | None, arguments: dict, variant_fixed: bool = True):
     """The profile with the command's flags applied (checked before any model loads), and the pair;
     variant_fixed: the command runs the profile's variant throughout (chat's /set may change it)."""
@@ -232,6 +244,10 @@ def generate(
     stop: StopOpt = None,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Independent completions (models load once).",
                                          rich_help_panel=OUTPUT)] = 1,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Answer every prompt of a file instead, in "
+                                                    "order: one a line, or .jsonl: a JSON string or "
+                                                    "{\"prompt\": ...} a line; - reads stdin's lines.",
+                                                    rich_help_panel=OUTPUT, show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per completion on stdout.",
                                           rich_help_panel=OUTPUT)] = False,
     logprobs: Annotated[int, typer.Option("--logprobs", min=0, help="With --json: each token's log-probability "
@@ -248,7 +264,7 @@ def generate(
     """Generate text for PROMPT: the answer streams to stdout, statistics go to stderr."""
     if logprobs and not as_json:
         raise UsageError("--logprobs needs --json (they are reported per token in the JSON record)")
-    text = read_prompt(prompt)
+    text = read_prompt(prompt) if prompts is None else read_prompts(prompts, prompt)
     prof, pair = _profile_and_pair(profile, locals())
     from .generation import run_generate
 

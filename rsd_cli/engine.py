@@ -626,50 +626,71 @@ class Decoder:
             if self.policy is not None:  # what auto learnt, for the next run
                 self.policy.save()
 
-    def generate_together(self, prompt: list[int], max_tokens: int, seeds: list[int],
+    def generate_together(self, prompts: list[list[int]], max_tokens: int, seeds: list[int],
                           ended: set[int] = frozenset()) -> Iterator[list[StepEvent | None]]:
-        """Independent plain completions of one prompt, one per seed, decoded together: each step is
-        one target forward of every unfinished completion's last token (a row each, seeing the prompt
-        and its own tokens only), then a draw per row with that completion's own generator. Yields,
-        per step, each completion's event (a plain step's, as `generate` gives for `ar`) or None once
-        it has finished. Where a forward of n tokens costs well under n of one (rsd's C layers on a
+        """Independent plain completions, one per seed, of its prompt in `prompts` (one each; equal
+        prompts are read once, for all their completions), decoded together: each step is one target
+        forward of every unfinished completion's last token (a row each, seeing its prompt and its
+        own tokens only), then a draw per row with that completion's own generator. Yields, per
+        step, each completion's event (a plain step's, as `generate` gives for `ar`) or None once it
+        has finished. Where a forward of n tokens costs well under n of one (rsd's C layers on a
         CPU, any GPU), this is where extra rows pay most: every row's token is kept, where a draft's
         is accepted 41% of the time (the embedded pair at T=1).
 
         Each completion follows the target's distribution exactly, as alone: its draws are the
         uniforms its seed gives `generate` (`ar`), one a step, on its own row's probabilities. Its
         tokens are those `generate` gives for the seed wherever the forwards' logits agree to the
-        bit; float rounding of a forward over other rows can differ (transformers' products over
-        several rows), which flips a token only where two candidates tie that closely. The first step
-        reads the prompt's last token once, for all. `ended`: completions the caller has ended (at a
-        stop string), left out from the next step on."""
-        self._check_prompt(prompt)
+        bit; float rounding of a forward over other rows can differ, which flips a token only where
+        two candidates tie that closely. The prompts are read one after the other (each seeing only
+        itself, at its own positions), the first step reads each one's last token once. `ended`:
+        completions the caller has ended (at a stop string), left out from the next step on."""
+        for prompt in prompts:
+            self._check_prompt(prompt)
         if self.kept is not None:  # (a generation's kept caches: this one reads the prompt afresh)
             self.kept.release()
             self.kept = None
-        count, length = len(seeds), len(prompt)
-        capacity = length + count * min(max_tokens, 128) + count + 1  # (grows as the answers do)
+        count = len(seeds)
+        distinct = list(dict.fromkeys(tuple(prompt) for prompt in prompts))  # in order of first use
+        group = [distinct.index(tuple(prompt)) for prompt in prompts]  # each completion's prompt
+        capacity = sum(map(len, distinct)) + count * min(max_tokens, 128) + count + 1  # (grows as answers do)
         target = self._cache(self.target_model, self.runtimes.target, capacity)
         generators = []
         for seed in seeds:
             generator = torch.Generator(device=target.device)
             generator.manual_seed(seed)
             generators.append(generator)
-        seqs = [list(prompt) for _ in seeds]
+        seqs = [list(prompt) for prompt in prompts]
         produced, active = [0] * count, list(range(count))
         sight = torch.zeros(count, capacity, dtype=torch.bool)  # [completion, cache slot]: what its rows see
-        sight[:, :length] = True  # the prompt (its last token's key once the first step has read it)
         shape = make_shape("ar")
         try:
             before = target.forward_seconds
-            target.extend(prompt[:-1])
+            # what every prompt begins with (a chat template's system prompt) is read once, then the rest of
+            # each prompt but its last token, seeing that beginning and itself only
+            common = min(min(shared_prefix(distinct[0], prompt) for prompt in distinct),
+                         min(len(prompt) for prompt in distinct) - 1)
+            if common:
+                target.extend(list(distinct[0][:common]))
+            read = []  # [prompt]: the cache slots of its own tokens but the last
+            for prompt in distinct:
+                past, n = target.length, len(prompt) - 1 - common
+                if n:
+                    visible = torch.zeros(n, past + n, dtype=torch.bool)
+                    visible[:, :common] = True
+                    visible[:, past:] = torch.arange(n)[:, None] >= torch.arange(n)
+                    target.forward(list(prompt[common:-1]), list(range(common, common + n)), visible, last_only=True)
+                read.append(range(past, past + n))
+            sight[:, :common] = True
+            for j in range(count):
+                sight[j, read[group[j]]] = True
             prefill = target.forward_seconds - before
             step = 0
             while active:
                 step += 1
                 start, before = time.perf_counter(), target.forward_seconds
                 first = step == 1
-                rows = [0] if first else active  # the first step: the prompt's last token, read once
+                # the first step: each prompt's last token, read once for all its completions
+                rows = [group.index(g) for g in range(len(distinct))] if first else active
                 base = target.length
                 if base + len(rows) > sight.shape[1]:
                     sight = torch.cat([sight, torch.zeros(count, sight.shape[1], dtype=torch.bool)], dim=1)
@@ -677,7 +698,8 @@ class Decoder:
                 visible = torch.cat([sight[rows, :base], own], dim=1)
                 logits = target.forward([seqs[j][-1] for j in rows], [len(seqs[j]) - 1 for j in rows], visible)
                 if first:
-                    logits = logits.expand(len(active), -1)
+                    logits = logits[group]  # (each completion its prompt's row)
+                    sight[torch.arange(count), torch.tensor([base + g for g in group])] = True
                 else:
                     for r, j in enumerate(rows):
                         sight[j, base + r] = True
@@ -694,9 +716,9 @@ class Decoder:
                 forward = target.forward_seconds - before + (prefill if first else 0.0)
                 events: list[StepEvent | None] = [None] * count
                 for r, j in enumerate(active):
-                    event = StepEvent(
-                        step=step, shape=shape, tree=DraftTree.rooted_at(seqs[j][-1]), p=p[r: r + 1], checks=[],
-                        path=[], extra_token=tokens[r], extra_kind="bonus", emitted=[], draft_calls=0,
+                    event = StepEvent(  # (p: a copy of its row, not a view keeping all the step's rows alive)
+                        step=step, shape=shape, tree=DraftTree.rooted_at(seqs[j][-1]), p=p[r: r + 1].clone(),
+                        checks=[], path=[], extra_token=tokens[r], extra_kind="bonus", emitted=[], draft_calls=0,
                         draft_seconds=0.0, verify_seconds=time.perf_counter() - start, forward_seconds=forward)
                     produced[j] += self._emit(event, seqs[j], max_tokens - produced[j])
                     events[j] = event

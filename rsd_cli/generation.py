@@ -239,15 +239,16 @@ def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, conso
     return tokens, stats, events, whole
 
 
-TOGETHER = ("ar", "auto")  # variants whose --samples are decoded together (Decoder.generate_together)
-TOGETHER_AT_MOST = 64  # samples a forward takes at most (more go in groups, one after the other): rsd's C
+TOGETHER = ("ar", "auto")  # variants whose completions (--samples, --prompts) are decoded together
+TOGETHER_AT_MOST = 64  # completions a forward takes at most (more go in groups, one after the other): rsd's C
 # kernels take up to 64 rows, and a GPU's largest graph as many; each row's probabilities take ~0.6 MB
 
 
 @dataclass
 class Completion:
-    """One sample's outcome, as run_generate reports it."""
+    """One completion's outcome, as run_generate reports it."""
 
+    prompt: int  # which of the prompts it answers
     seed: int
     tokens: list[int]
     stats: Stats
@@ -258,17 +259,21 @@ class Completion:
     stop: str | None
 
 
-def run_generate(pair, profile, text: str, *, system=None, raw=False, samples=1, as_json=False,
+def run_generate(pair, profile, text: str | list[str], *, system=None, raw=False, samples=1, as_json=False,
                  show_stats=True, step_table=False, live=False, console=None, out=None, logprobs: int = 0) -> None:
-    """Every sample's text (or --json record) on `out`, its statistics on `console`. Several samples
-    of `ar` or `auto` are decoded together (run_together), others one after the other."""
+    """Every sample's text (or --json record) on `out`, its statistics on `console`: `samples` of the
+    prompt `text`, or of each prompt in a list (--prompts: prompt by prompt, each record saying
+    which). Several completions of `ar` or `auto` are decoded together (run_together), others one
+    after the other; completion i takes the seed --seed + i."""
     out = out or sys.stdout
     decoder = make_decoder(pair, profile)
-    prompt_ids = encode_prompt(pair.tokenizer, text, system=system, raw=raw)
+    many = not isinstance(text, str)
+    prompt_ids = [encode_prompt(pair.tokenizer, t, system=system, raw=raw) for t in (text if many else [text])]
     base_seed = seed_of(profile)
     if base_seed is None:  # a fresh seed, drawn here so that --json can say which: --seed N reproduces the run
         base_seed = fresh_seed()
-    seeds = [base_seed + index for index in range(samples)]
+    asked = [k for k in range(len(prompt_ids)) for _ in range(samples)]  # each completion's prompt
+    seeds = [base_seed + index for index in range(len(asked))]
 
     def report(completion: Completion, shape: str, together: int) -> None:
         if as_json:
@@ -281,7 +286,8 @@ def run_generate(pair, profile, text: str, *, system=None, raw=False, samples=1,
                 "runtime": decoder.runtimes.describe(),
                 "placement": pair.placement,
                 "seed": completion.seed,
-                "prompt_tokens": len(prompt_ids),
+                **({"prompt_index": completion.prompt} if many else {}),
+                "prompt_tokens": len(prompt_ids[completion.prompt]),
                 "samples_together": together,
                 "finish_reason": completion.finish_reason,
                 "stop": completion.stop,
@@ -299,32 +305,33 @@ def run_generate(pair, profile, text: str, *, system=None, raw=False, samples=1,
             if show_stats and completion.stats.steps:
                 console.print(f"[dim]{shape} · {stats_line(completion.stats, shape)}[/dim]")
 
-    if samples > 1 and decoder.shape.variant in TOGETHER:
-        for first in range(0, samples, TOGETHER_AT_MOST):
+    if len(asked) > 1 and decoder.shape.variant in TOGETHER:
+        for first in range(0, len(asked), TOGETHER_AT_MOST):
             if first and not as_json:
                 out.write("\n---\n")
-            run_together(pair, profile, decoder, prompt_ids, seeds[first: first + TOGETHER_AT_MOST], as_json=as_json,
-                         out=out, report=report, logprobs=logprobs, keep_events=step_table,
+            group = slice(first, first + TOGETHER_AT_MOST)
+            run_together(pair, profile, decoder, [prompt_ids[k] for k in asked[group]], seeds[group], asked[group],
+                         as_json=as_json, out=out, report=report, logprobs=logprobs, keep_events=step_table,
                          console=console if show_stats else None)
         return
-    decoder.keep_caches = samples > 1  # later samples read only what the caches do not hold: not the prompt
+    decoder.keep_caches = len(asked) > 1  # later samples read only what the caches do not hold (the prompt)
     max_tokens = profile["sampling"]["max_tokens"]
     try:  # (the caches the last sample left go back at the end)
-        for index, seed in enumerate(seeds):
-            if samples > 1 and not as_json and index:
+        for index, (asking, seed) in enumerate(zip(asked, seeds)):
+            if not as_json and index:
                 out.write("\n---\n")
             token_records: list[dict] = []
             interrupted = None
             try:
                 tokens, stats, events, text_out = stream_completion(
-                    pair, decoder, prompt_ids, max_tokens, seed, out=out, console=console, live=live and not as_json,
-                    write_text=not as_json, keep_events=step_table, stops=stops_of(profile),
+                    pair, decoder, prompt_ids[asking], max_tokens, seed, out=out, console=console,
+                    live=live and not as_json, write_text=not as_json, keep_events=step_table, stops=stops_of(profile),
                     on_step=(lambda event: token_records.extend(token_logprobs(event, logprobs, pair.tokenizer)))
                     if logprobs else None)
             except Interrupted as e:  # Ctrl-C: what was generated is still reported, then rsd exits 130
                 interrupted, (tokens, stats, events, text_out) = e, (e.tokens, e.stats, e.events, e.text)
             finish = "interrupted" if interrupted else events[-1].finished if events else None
-            report(Completion(seed, tokens, stats, events, text_out, token_records, finish,
+            report(Completion(asking, seed, tokens, stats, events, text_out, token_records, finish,
                               events[-1].stop if events else None), decoder.shape.describe(), 1)
             if interrupted:
                 raise interrupted
@@ -333,14 +340,15 @@ def run_generate(pair, profile, text: str, *, system=None, raw=False, samples=1,
             decoder.kept.release()
 
 
-def run_together(pair, profile, decoder, prompt_ids: list[int], seeds: list[int], *, as_json: bool, out,
-                 report: Callable[[Completion, str, int], None], logprobs: int = 0, keep_events: bool = False,
-                 console=None) -> None:
-    """--samples of `ar` or `auto` decoded together (Decoder.generate_together: a forward of one row
-    per unfinished sample; `auto` decodes them plainly, since a row for another sample's token, always
-    kept, pays more than a row for a draft). Reported in order, as one after the other would be: the
-    first sample's text streams, each next one's from where it has got to once the one before is
-    reported. Ctrl-C reports every sample's tokens so far, then raises KeyboardInterrupt."""
+def run_together(pair, profile, decoder, prompt_ids: list[list[int]], seeds: list[int], asked: list[int], *,
+                 as_json: bool, out, report: Callable[[Completion, str, int], None], logprobs: int = 0,
+                 keep_events: bool = False, console=None) -> None:
+    """Completions of `ar` or `auto` decoded together, one per seed, of its prompt (prompt_ids; asked:
+    which prompt it is, for its report) (Decoder.generate_together: a forward of one row per
+    unfinished completion; `auto` decodes them plainly, since a row for another completion's token,
+    always kept, pays more than a row for a draft). Reported in order, as one after the other would
+    be: the first one's text streams, each next one's from where it has got to once the one before is
+    reported. Ctrl-C reports every completion's tokens so far, then raises KeyboardInterrupt."""
     tokenizer, count = pair.tokenizer, len(seeds)
     texts = [StopText(tokenizer, stops_of(profile)) for _ in seeds]
     tokens: list[list[int]] = [[] for _ in seeds]
@@ -348,8 +356,8 @@ def run_together(pair, profile, decoder, prompt_ids: list[int], seeds: list[int]
     events: list[list[StepEvent]] = [[] for _ in seeds]
     token_records: list[list[dict]] = [[] for _ in seeds]
     finish: list[str | None] = [None] * count
-    pending = [""] * count  # text of a sample not shown yet
-    ended: set[int] = set()  # samples ended at a stop string (the engine leaves them out)
+    pending = [""] * count  # text of a completion not shown yet
+    ended: set[int] = set()  # completions ended at a stop string (the engine leaves them out)
     reported = 0
     shape = "ar"
 
@@ -369,8 +377,8 @@ def run_together(pair, profile, decoder, prompt_ids: list[int], seeds: list[int]
             last = events[j][-1] if events[j] else None
             whole = texts[j].text if texts[j].matched is not None else tokenizer.decode(tokens[j],
                                                                                        skip_special_tokens=True)
-            report(Completion(seeds[j], tokens[j], stats[j], events[j], whole, token_records[j], finish[j],
-                              last.stop if last is not None else None), shape, count)
+            report(Completion(asked[j], seeds[j], tokens[j], stats[j], events[j], whole, token_records[j],
+                              finish[j], last.stop if last is not None else None), shape, count)
             reported += 1
             if reported < count and not as_json:
                 out.write("\n---\n" + pending[reported])
@@ -379,14 +387,14 @@ def run_together(pair, profile, decoder, prompt_ids: list[int], seeds: list[int]
 
     max_tokens = profile["sampling"]["max_tokens"]
     start = time.perf_counter()
-    steps = decoder.generate_together(prompt_ids, max_tokens, seeds, ended)
+    steps = decoder.generate_together(prompt_ids, max_tokens, seeds, ended)  # (a prompt per completion)
     try:
         for step_events in steps:
             now = time.perf_counter() - start
             for j, event in enumerate(step_events):
                 if event is None:
                     continue
-                texts[j].cut(event)  # (a stop string ends the sample: finished "stop")
+                texts[j].cut(event)  # (a stop string ends the completion: finished "stop")
                 tokens[j].extend(event.emitted)
                 stats[j].add(event)
                 stats[j].wall_seconds = now
@@ -412,5 +420,5 @@ def run_together(pair, profile, decoder, prompt_ids: list[int], seeds: list[int]
         steps.close()
     if console is not None and count > 1:
         total, wall = sum(len(t) for t in tokens), time.perf_counter() - start
-        console.print(f"[dim]{count} samples decoded together · {total} tokens · {wall:.2f}s · "
+        console.print(f"[dim]{count} completions decoded together · {total} tokens · {wall:.2f}s · "
                       f"{total / wall if wall else 0.0:.1f} tok/s in all[/dim]")

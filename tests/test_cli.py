@@ -162,7 +162,7 @@ def test_samples_of_plain_decoding_are_decoded_together_and_are_what_separate_ru
             assert record[key] == one[key], key
         assert record["stats"]["new_tokens"] == len(record["token_ids"]) == record["stats"]["steps"]
     assert {r["finish_reason"] for r in records} == {"stop", "length"}  # (seeds chosen to show both)
-    assert "4 samples decoded together · " in result.stderr and result.stderr.count("ar · ") == 4
+    assert "4 completions decoded together · " in result.stderr and result.stderr.count("ar · ") == 4
     text = cli("generate", "hi", *common, "--samples", "4", "-v", variant, input="")
     assert text.stdout == "\n---\n".join(one["text"] + "\n" for one in alone)
     drafted = cli("generate", "hi", *common, "--samples", "2", "--json", "-v", "sd", input="")
@@ -178,7 +178,48 @@ def test_more_samples_than_a_forward_takes_are_decoded_in_groups(cli, tiny_profi
     assert [r["samples_together"] for r in records] == [2, 2, 1] and [r["seed"] for r in records] == [4, 5, 6]
     text = cli("generate", "hi", *common, input="")
     assert text.stdout == "\n---\n".join(r["text"] + "\n" for r in records)
-    assert text.stderr.count("samples decoded together") == 1  # (a group of one is just a sample)
+    assert text.stderr.count("completions decoded together") == 1  # (a group of one is just a sample)
+
+
+@pytest.mark.parametrize("variant", ["ar", "sd"])
+def test_prompts_from_a_file_are_answered_in_order_each_as_alone(cli, tiny_profile, tmp_path, variant):
+    """--prompts FILE (lines, .jsonl, or stdin's lines for -): every prompt answered, --samples of each,
+    in order, completion i with seed --seed + i; each record names its prompt and has the tokens of
+    a separate run with that prompt and seed (decoded together for ar, one after the other for sd)."""
+    prompts = ["hello there", "a b c", "what is this?"]
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("\n".join(prompts[:2]) + "\n\n" + prompts[2] + "\n")
+    common = ["-p", tiny_profile, "-n", "8", "-t", "1", "--seed", "3", "-v", variant]
+    result = cli("generate", "--prompts", lines, *common, "--samples", "2", "--json", input="")
+    assert result.exit_code == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["prompt_index"] for r in records] == [0, 0, 1, 1, 2, 2]
+    assert [r["seed"] for r in records] == [3, 4, 5, 6, 7, 8]
+    assert {r["samples_together"] for r in records} == ({6} if variant == "ar" else {1})
+    for record in records:
+        one = cli("generate", prompts[record["prompt_index"]], *common[:-3], str(record["seed"]), "-v", variant,
+                  "--json", input="")
+        alone = json.loads(one.stdout)
+        assert record["token_ids"] == alone["token_ids"] and record["prompt_tokens"] == alone["prompt_tokens"]
+        assert "prompt_index" not in alone
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text("\n".join(json.dumps(p if i % 2 else {"prompt": p}) for i, p in enumerate(prompts)))
+    again = cli("generate", "--prompts", jsonl, *common, "--samples", "2", "--json", input="")
+    assert [json.loads(line)["token_ids"] for line in again.stdout.splitlines()] == [r["token_ids"] for r in records]
+    piped = cli("generate", "--prompts", "-", *common, "--samples", "2", input=lines.read_text())
+    texts = [r["text"] for r in records]
+    assert piped.exit_code == 0 and piped.stdout == "\n---\n".join(t + "\n" for t in texts)
+
+
+def test_bad_prompts_files_are_clear_errors(cli, tiny_profile, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    result = cli("generate", "--prompts", empty, "-p", tiny_profile, input="")
+    assert result.exit_code == 1 and "holds no prompts" in result.stderr and "Traceback" not in result.stderr
+    result = cli("generate", "hi", "--prompts", empty, "-p", tiny_profile, input="")
+    assert result.exit_code == 2 and "give a prompt or --prompts, not both" in result.stderr
+    result = cli("generate", "--prompts", tmp_path / "missing.txt", "-p", tiny_profile, input="")
+    assert result.exit_code == 1 and "cannot read prompts from" in result.stderr
 
 
 def test_ctrl_c_during_samples_decoded_together_reports_each_one_so_far(cli, tiny_profile, monkeypatch):

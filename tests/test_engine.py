@@ -1001,7 +1001,8 @@ def together(decoder, max_tokens: int, seeds: list[int], prompt=PROMPT, ended_at
     """Each seed's tokens and last event from Decoder.generate_together (ended_at: seed index -> the
     step after which the caller ends it, as a stop string does)."""
     tokens, last, ended = [[] for _ in seeds], [None] * len(seeds), set()
-    for step, events in enumerate(decoder.generate_together(prompt, max_tokens, seeds, ended), start=1):
+    prompts = prompt if isinstance(prompt[0], list) else [prompt] * len(seeds)
+    for step, events in enumerate(decoder.generate_together(prompts, max_tokens, seeds, ended), start=1):
         for j, event in enumerate(events):
             if event is not None:
                 assert j not in ended  # an ended sample takes no further step
@@ -1046,6 +1047,25 @@ def test_samples_together_give_each_seed_the_tokens_it_gives_alone(pair, samplin
         assert every_reason == ({"eos", "context"} if sampling.greedy else {"eos", "length", "context"})
         tokens, _ = together(decoder, max_tokens, seeds, ended_at={1: 2})
         assert tokens[1] == alone[1][:2] and tokens[:1] + tokens[2:] == alone[:1] + alone[2:]
+
+
+def test_completions_of_different_prompts_together_give_each_what_it_gives_alone(pair):
+    """Prompts read once each (what they all begin with once for all), each completion seeing only its
+    own prompt, at its own positions: tokens as alone, equal prompts sharing their reading."""
+    from rsd_cli.compiled import CompiledModel
+    from rsd_cli.engine import Runtimes
+
+    target, draft = pair
+    prompts = [[1, 3, 4], [1, 3, 5, 2, 0], [1, 3, 4], [4], [1, 3, 5, 2, 0, 1, 1]]
+    seeds = [21, 22, 23, 24, 25]
+    for sampling in (SamplingParams(1.0), PENALISED):
+        for runtimes in (Runtimes(), Runtimes(CompiledModel(target, False), CompiledModel(draft, False))):
+            alone = [run(pair, make_shape("ar"), sampling, 12, seed, prompt=prompt)
+                     for prompt, seed in zip(prompts, seeds)]
+            decoder = Decoder(target, draft, V, make_shape("ar"), sampling, set(), None, runtimes)
+            assert together(decoder, 12, seeds, prompt=prompts)[0] == alone
+            assert together(decoder, 12, seeds, prompt=prompts[1:2] * 5)[0][1] == alone[1]  # (one prompt: the
+            # common beginning is all of it but its last token)
 
 
 def test_samples_together_follow_the_target_distribution(pair):
