@@ -177,14 +177,15 @@ def read_prompts(path: Path, prompt: str | None, stdin=None) -> list[str]:
     return texts
 
 
-def _profile_and_pair(profile: str | None, arguments: dict, variant_fixed: bool = True):
+def _profile_and_pair(profile: str | None, arguments: dict, plain_if_ar: bool = True):
     """The profile with the command's flags applied (checked before any model loads), and the pair;
-    variant_fixed: the command runs the profile's variant throughout (chat's /set may change it)."""
+    plain_if_ar: `ar` means one-token forwards throughout (not in chat, whose /set may change the
+    variant, nor for completions decoded together)."""
     from .runtime import FLAG_KEYS, shape_of
 
     prof = _load_profile(profile, {name: arguments.get(name) for name in FLAG_KEYS})
     shape_of(prof)
-    return prof, Loader().load(prof, plain=variant_fixed and prof["decoding"]["variant"] == "ar")
+    return prof, Loader().load(prof, plain=plain_if_ar and prof["decoding"]["variant"] == "ar")
 
 
 class Loader:
@@ -265,7 +266,7 @@ def generate(
     if logprobs and not as_json:
         raise UsageError("--logprobs needs --json (they are reported per token in the JSON record)")
     text = read_prompt(prompt) if prompts is None else read_prompts(prompts, prompt)
-    prof, pair = _profile_and_pair(profile, locals())
+    prof, pair = _profile_and_pair(profile, locals(), plain_if_ar=samples == 1 and prompts is None)
     from .generation import run_generate
 
     console = _stderr_console()
@@ -309,7 +310,7 @@ def chat(
     if load is not None:  # checked before any model loads
         saved_system, history = read_conversation(load.expanduser())
         system = system if system is not None else saved_system
-    prof, pair = _profile_and_pair(profile, locals(), variant_fixed=False)  # (/set variant may change it)
+    prof, pair = _profile_and_pair(profile, locals(), plain_if_ar=False)  # (/set variant may change it)
     run_chat(pair, prof, system=system, tree=tree, console=_stderr_console(), history=history)
 
 

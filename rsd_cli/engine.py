@@ -641,8 +641,9 @@ class Decoder:
         uniforms its seed gives `generate` (`ar`), one a step, on its own row's probabilities. Its
         tokens are those `generate` gives for the seed wherever the forwards' logits agree to the
         bit; float rounding of a forward over other rows can differ, which flips a token only where
-        two candidates tie that closely. The prompts are read one after the other (each seeing only
-        itself, at its own positions), the first step reads each one's last token once. `ended`:
+        two candidates tie that closely. What every prompt begins with is read once, then the rest of
+        each prompt but its last token, one after the other (each seeing that beginning and itself,
+        at its own positions); the first step reads each prompt's last token once. `ended`:
         completions the caller has ended (at a stop string), left out from the next step on."""
         for prompt in prompts:
             self._check_prompt(prompt)

@@ -692,6 +692,7 @@ def test_plain_decoding_compiles_only_a_one_token_forward_and_says_once_what_it_
 @pytest.mark.parametrize("command, variant, warmed_sizes", [
     ("generate", "ar", [compiled.PLAIN_SIZES]),
     ("generate", "sd", [compiled.WARM_SIZES, compiled.WARM_SIZES]),  # target and (its own) draft
+    ("samples", "ar", [compiled.WARM_SIZES, compiled.WARM_SIZES]),  # samples together: rows of several
     ("chat", "ar", [compiled.WARM_SIZES, compiled.WARM_SIZES]),  # /set variant may draft later
 ])
 def test_what_a_command_compiles_at_load_follows_its_variant(tiny_profile, monkeypatch, command, variant,
@@ -703,14 +704,16 @@ def test_what_a_command_compiles_at_load_follows_its_variant(tiny_profile, monke
         warm_up(runtime, sizes)
 
     monkeypatch.setattr(compiled, "warm_up", counted)
-    arguments = ["generate", "hello", "-t", "0", "-n", "6", "--json"] if command == "generate" else ["chat"]
+    arguments = {"generate": ["generate", "hello", "-t", "0", "-n", "6", "--json"], "chat": ["chat"],
+                 "samples": ["generate", "hello", "-t", "0", "-n", "6", "--json", "--samples", "2"]}[command]
     result = CliRunner().invoke(app, [*arguments, "-p", str(tiny_profile), "-v", variant, "--compile", "on"],
                                 input="/bye\n" if command == "chat" else None)
     assert result.exit_code == 0, result.stderr
     assert warmed == warmed_sizes
-    if command == "generate":  # and a token count not warmed (the prompt's) compiles at its first use
+    if command != "chat":  # and a token count not warmed (the prompt's) compiles at its first use
         off = CliRunner().invoke(app, [*arguments, "-p", str(tiny_profile), "-v", variant, "--compile", "off"])
-        assert json.loads(result.stdout)["token_ids"] == json.loads(off.stdout)["token_ids"]
+        records = [json.loads(line)["token_ids"] for line in result.stdout.splitlines()]
+        assert records == [json.loads(line)["token_ids"] for line in off.stdout.splitlines()]
 
 
 def test_a_failing_compiler_leaves_the_runtime_uncompiled_with_a_notice(monkeypatch, tmp_path):
