@@ -13,10 +13,11 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh kernel16  # the C kernel's prefetch on 16 cores; auto's policy
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh stepgraphs  # device steps' maths as CUDA graphs, steps queued ahead: A/B
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh auto      # auto against ar, prompt by prompt: GPU, then 16 cores
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh together  # --samples decoded together vs one after the other
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
-part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs or auto}
+part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto or together}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -85,5 +86,13 @@ case $part in
     done | tee "$out/step-graphs-ab.txt"
     $py benchmarks/trace_step.py --compile on --variants ar,sd,rsd-c --temperatures 1 -n 48 --top 8 \
       --json "$out/trace-step-graphs.json" 2>&1 | grep -v "Warning\|USDT\|forward_call" | tee "$out/trace-step-graphs.txt" ;;
-  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs or auto" >&2; exit 2 ;;
+  together)  # samples decoded together (a forward of a row each) against one after the other: the GPU
+    # (compiled graphs; rows padded to buckets up to 64), then the 16-core CPU (C layers)
+    $py -m pytest -p no:warnings -q tests/test_engine.py -k together 2>&1 | tail -3 | tee "$out/together-tests.txt"
+    $py benchmarks/samples_together.py --compile on --samples 2,4,8,16,32 --json "$out/together-gpu.json" 2>&1 |
+      grep -v Warning | tee "$out/together-gpu.txt"
+    CUDA_VISIBLE_DEVICES= $py benchmarks/samples_together.py --samples 2,4,8,16 --json "$out/together-cpu16.json" 2>&1 |
+      grep -v Warning | tee "$out/together-cpu16.txt" ;;
+  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto or together" >&2
+     exit 2 ;;
 esac
