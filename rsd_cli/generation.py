@@ -242,6 +242,14 @@ def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, conso
 TOGETHER = ("ar", "auto")  # variants whose completions (--samples, --prompts) are decoded together
 TOGETHER_AT_MOST = 64  # completions a forward takes at most (more go in groups, one after the other): rsd's C
 # kernels take up to 64 rows, and a GPU's largest graph as many; each row's probabilities take ~0.6 MB
+TOGETHER_KEYS = 8192  # ... and as many as the answers' tokens (-n each) stay within: each row's attention
+# passes over every completion's keys, most of them masked. On the 2-core Xeon (the embedded pair, -n 256)
+# 16 and 32 samples together took 1.3-1.6x the tokens a second of one after the other, 64 0.86x
+
+
+def together_group(max_tokens: int) -> int:
+    """How many completions to decode together at most, for answers of up to max_tokens tokens."""
+    return max(2, min(TOGETHER_AT_MOST, TOGETHER_KEYS // max(max_tokens, 1)))
 
 
 @dataclass
@@ -305,17 +313,18 @@ def run_generate(pair, profile, text: str | list[str], *, system=None, raw=False
             if show_stats and completion.stats.steps:
                 console.print(f"[dim]{shape} · {stats_line(completion.stats, shape)}[/dim]")
 
+    max_tokens = profile["sampling"]["max_tokens"]
     if len(asked) > 1 and decoder.shape.variant in TOGETHER:
-        for first in range(0, len(asked), TOGETHER_AT_MOST):
+        size = together_group(max_tokens)
+        for first in range(0, len(asked), size):
             if first and not as_json:
                 out.write("\n---\n")
-            group = slice(first, first + TOGETHER_AT_MOST)
+            group = slice(first, first + size)
             run_together(pair, profile, decoder, [prompt_ids[k] for k in asked[group]], seeds[group], asked[group],
                          as_json=as_json, out=out, report=report, logprobs=logprobs, keep_events=step_table,
                          console=console if show_stats else None)
         return
     decoder.keep_caches = len(asked) > 1  # later samples read only what the caches do not hold (the prompt)
-    max_tokens = profile["sampling"]["max_tokens"]
     try:  # (the caches the last sample left go back at the end)
         for index, (asking, seed) in enumerate(zip(asked, seeds)):
             if not as_json and index:

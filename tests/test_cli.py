@@ -179,6 +179,9 @@ def test_more_samples_than_a_forward_takes_are_decoded_in_groups(cli, tiny_profi
     text = cli("generate", "hi", *common, input="")
     assert text.stdout == "\n---\n".join(r["text"] + "\n" for r in records)
     assert text.stderr.count("completions decoded together") == 1  # (a group of one is just a sample)
+    monkeypatch.undo()
+    # at most 64 a forward, and fewer for long answers (each row's attention passes over every one's keys)
+    assert [generation.together_group(n) for n in (16, 96, 256, 512, 4000, 10**6)] == [64, 64, 32, 16, 2, 2]
 
 
 @pytest.mark.parametrize("variant", ["ar", "sd"])
