@@ -197,7 +197,7 @@ class Loader:
 
     def load(self, profile, light: bool = True, plain: bool = False):
         """light: the pair runs only on its runtimes (not bench's transformers peers); plain: it
-        decodes plainly throughout. See load_pair."""
+        makes one-token forwards throughout. See load_pair."""
         from .models import load_pair
 
         if self.quiet:

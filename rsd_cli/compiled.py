@@ -845,9 +845,10 @@ def runtime_for(model, setting: str, role: str, progress=lambda message: None, n
     forward. "off": eager transformers; "on": the static-cache runtime, compiled; "auto": the
     static-cache runtime, compiled where it measured faster on this machine (cached verdict), and
     uncompiled without measuring where every layer runs in C (CompiledModel.all_in_c). plain: the
-    run decodes plainly throughout (`ar`, no chat to change it): only a one-token forward is
-    compiled at load, and nothing for the draft, which never runs (on a 2-core Xeon the 2- and
-    4-token graphs took ~1.1 s of a second process's start)."""
+    run makes one-token forwards throughout (`ar` for one completion: not a chat, whose /set may
+    change the variant, nor completions decoded together): only a one-token forward is compiled at
+    load, and nothing for the draft, which never runs (on a 2-core Xeon the 2- and 4-token graphs
+    took ~1.1 s of a second process's start)."""
     if setting == "off":
         return None
     reason = unsupported(model)

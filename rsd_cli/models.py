@@ -940,8 +940,9 @@ def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, l
               plain: bool = False) -> ModelPair:
     """light: the caller runs the pair only through `pair.runtimes` (generate, chat, inspect-tree;
     not bench's transformers peers): with --compile auto or on, Llama checkpoints then load without
-    transformers' modeling code (load_model). plain: the caller decodes plainly throughout (`ar` in
-    generate or inspect-tree): compiling prepares no more than that (compiled.runtime_for)."""
+    transformers' modeling code (load_model). plain: the caller makes one-token forwards throughout
+    (`ar` for one completion in generate, or in inspect-tree): compiling prepares no more than that
+    (compiled.runtime_for)."""
     target_place, device, dtype = target_placement(profile)
     draft_place = placement_of(profile, "draft")
     target_source = profile.resolve_path(profile["target"]["source"])

@@ -107,8 +107,8 @@ def make_decoder(pair, profile: Profile):
 def runtimes_of(pair, setting: str, progress=lambda message: None, notice=lambda message: None,
                 plain: bool = False):
     """The execution of both models for a --compile setting (see compiled.runtime_for; plain: the
-    run decodes plainly throughout); an early-exit draft shares its target's layers, so it shares
-    the verdict and compiled graphs."""
+    run makes one-token forwards throughout); an early-exit draft shares its target's layers, so it
+    shares the verdict and compiled graphs."""
     from .compiled import runtime_for
     from .engine import Runtimes
 
