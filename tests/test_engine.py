@@ -318,7 +318,6 @@ def test_plain_steps_queued_ahead_give_the_events_of_one_step_at_a_time(pair, sa
     keeps hold exactly the tokens they say."""
     from rsd_cli.compiled import CompiledModel
     from rsd_cli.engine import Runtimes
-    from rsd_cli.engine import Runtimes
 
     runtimes = None if runtime == "transformers" else \
         Runtimes(CompiledModel(pair[0], False), CompiledModel(pair[1], False), "off")
@@ -400,7 +399,6 @@ def test_steps_are_queued_ahead_off_the_cpu_unless_switched_off(pair, monkeypatc
 
 def static_runtimes(pair):
     from rsd_cli.compiled import CompiledModel
-    from rsd_cli.engine import Runtimes
     from rsd_cli.engine import Runtimes
 
     return Runtimes(CompiledModel(pair[0], False, static_shapes=True),
@@ -526,7 +524,6 @@ def test_answers_reach_the_end_of_the_models_context_on_the_compiled_runtime(pai
     its angle (their tokens are never emitted), and the answer ends at the context, queued ahead as
     one step at a time."""
     from rsd_cli.compiled import CompiledModel
-    from rsd_cli.engine import Runtimes
     from rsd_cli.engine import Runtimes
 
     runtimes = Runtimes(CompiledModel(pair[0], False, static_shapes=static_shapes),
@@ -928,7 +925,6 @@ def test_a_kept_cache_reads_only_what_the_next_prompt_does_not_share(pair, monke
     last answer's caches kept, the prefill reads only what they do not hold, and the answer is the
     one a fresh decoder gives (greedy: token for token)."""
     from rsd_cli.compiled import CompiledModel
-    from rsd_cli.engine import Runtimes
     from rsd_cli.engine import ChainExtension, Runtimes
 
     runtimes = Runtimes(CompiledModel(pair[0], False), CompiledModel(pair[1], False), "off") \
