@@ -167,14 +167,11 @@ def read_prompt(prompt: str | None, stdin=None) -> str:
 
 def read_prompts(path: Path, prompt: str | None, stdin=None) -> list[str]:
     """--prompts: the prompts of a file (prompting.read_prompt_file), or of stdin's lines for -."""
-    from .prompting import read_prompt_file
+    from .prompting import prompts_in, read_prompt_file
 
     if prompt is not None:
         raise UsageError("give a prompt or --prompts, not both")
-    if str(path) != "-":
-        return read_prompt_file(path)
-    texts = [line.strip() for line in read_prompt("-", stdin).splitlines() if line.strip()]
-    return texts
+    return read_prompt_file(path) if str(path) != "-" else prompts_in(read_prompt("-", stdin), "stdin")
 
 
 def _profile_and_pair(profile: str | None, arguments: dict, plain_if_ar: bool = True):

@@ -18,8 +18,8 @@ import torch
 
 from .drafting import LOOKUP_NGRAM, NgramIndex, Shape, build_tree, lookup_tree, make_shape
 from .errors import RsdError
-from .sampling import (SamplingParams, gumbel_of, inverse_cdf, logits_to_probs, sample, to_device, to_host,
-                       to_host_soon)
+from .sampling import (SamplingParams, gumbel_of, inverse_cdf, logits_to_probs, row_uniforms, sample, to_device,
+                       to_host, to_host_soon)
 from .step_graphs import StepGraphs
 from .tree import DraftTree
 from .verification import Decision, Plan, Rule, chain_outcome, fan_outcome, plan, verify
@@ -705,14 +705,11 @@ class Decoder:
                     for r, j in enumerate(rows):
                         sight[j, base + r] = True
                 seen = None
-                if self.sampling.uses_context:  # (each row's own context)
-                    seen = torch.zeros(len(active), self.vocab_size, dtype=torch.bool)
-                    for r, j in enumerate(active):
-                        seen[r, torch.tensor(seqs[j])] = True
-                    seen = seen.to(logits.device)
+                if self.sampling.uses_context:  # (each row's own context, as a plain step's)
+                    seen = torch.cat([self._seen(self.sampling, seqs[j], DraftTree.rooted_at(seqs[j][-1]), [0],
+                                                 logits.device) for j in active])
                 p = logits_to_probs(logits, self.sampling, seen)
-                u = torch.cat([torch.rand((1, 1), generator=generators[j], dtype=torch.float64,
-                                          device=generators[j].device) for j in active])
+                u = torch.cat([row_uniforms(1, generators[j], generators[j].device) for j in active])
                 tokens = to_host(inverse_cdf(p, u))
                 forward = target.forward_seconds - before + (prefill if first else 0.0)
                 events: list[StepEvent | None] = [None] * count

@@ -19,26 +19,31 @@ def read_prompt_file(path: Path) -> list[str]:
     """Prompts from a file: one a line, or in a .jsonl file one a line as a JSON string or an object
     with a "prompt" string (prompts that hold line breaks: code, documents)."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise RsdError(f"cannot read prompts from {path}: {e}") from None
+    return prompts_in(text, path, jsonl=path.suffix == ".jsonl")
+
+
+def prompts_in(text: str, source, jsonl: bool = False) -> list[str]:
+    """read_prompt_file's prompts of a text read from `source` (named in errors)."""
     prompts = []
-    for number, line in enumerate(lines, start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        if path.suffix != ".jsonl":
+        if not jsonl:
             prompts.append(line.strip())
             continue
         try:
             value = json.loads(line)
         except ValueError as e:
-            raise RsdError(f"{path}, line {number}: not JSON ({e})") from None
+            raise RsdError(f"{source}, line {number}: not JSON ({e})") from None
         value = value.get("prompt") if isinstance(value, dict) else value
         if not isinstance(value, str) or not value.strip():
-            raise RsdError(f'{path}, line {number}: neither a prompt string nor an object with a "prompt" string')
+            raise RsdError(f'{source}, line {number}: neither a prompt string nor an object with a "prompt" string')
         prompts.append(value)
     if not prompts:
-        raise RsdError(f"{path} holds no prompts")
+        raise RsdError(f"{source} holds no prompts")
     return prompts
 
 
