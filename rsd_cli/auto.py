@@ -180,6 +180,7 @@ def measure(make_target: Callable, make_draft: Callable | None, prefix: int = 96
     9.1 ms between 3 at 11.1 and 5 at 12.3, 1 token 7.7: `auto` then drafted 4-node trees there
     and took 1.2-1.5x the time of plain decoding.)"""
     from .engine import timed_chain
+    from .threads import GOVERNOR
 
     def table(make_cache, sizes) -> dict[int, float]:
         cache = make_cache()
@@ -194,7 +195,8 @@ def measure(make_target: Callable, make_draft: Callable | None, prefix: int = 96
         return non_decreasing({n: fastest * statistics.median(seconds[n] / seconds[first] for seconds in rounds)
                                for n in sizes})
 
-    return Costs(table(make_target, TARGET_SIZES), table(make_draft, DRAFT_SIZES) if make_draft else {})
+    with GOVERNOR.held():  # (every size on the same threads)
+        return Costs(table(make_target, TARGET_SIZES), table(make_draft, DRAFT_SIZES) if make_draft else {})
 
 
 def cached_costs(key: str, measure_now: Callable[[], Costs], notice=lambda message: None) -> Costs:

@@ -1512,30 +1512,33 @@ def native_table(layers: list[NativeLayer]) -> torch.Tensor:
 
 
 def native_head(x: torch.Tensor, rows: torch.Tensor, norm: torch.Tensor, eps: float, head: torch.Tensor,
-                lib=None) -> torch.Tensor:
+                lib=None, threads: int | None = None) -> torch.Tensor:
     """(m, N) logits of x's rows `rows` (int64): the final norm (weight `norm`) and the output head
-    held as blocks `head` (N, D / 32, bytes), in one call of the library (`lib`: library()'s by default)."""
+    held as blocks `head` (N, D / 32, bytes), in one call of the library (`lib`: library()'s by
+    default) on `threads` threads (torch's count by default)."""
     lib = lib or library()
     x, rows, norm = x.contiguous(), rows.contiguous(), norm.detach().float().contiguous()
     m, (n_out, _, _) = rows.shape[0], head.shape
     logits = torch.empty(m, n_out)
     scratch = torch.empty(m, x.shape[1])
     lib.blocks_head(x.data_ptr(), rows.data_ptr(), m, x.shape[1], norm.data_ptr(), eps, head.data_ptr(), n_out,
-                    _code(head), torch.get_num_threads(), scratch.data_ptr(), logits.data_ptr())
+                    _code(head), threads or torch.get_num_threads(), scratch.data_ptr(), logits.data_ptr())
     return logits
 
 
 class NativeForward:
     """One forward's inputs for `blocks_layer`, prepared once for all its layers: cos, sin (n, hd);
     mask (n, kv_len) additive, the new tokens at slots kv_len - n .. kv_len - 1 of a layer's keys
-    and values (kv_heads, capacity, hd); dims = (D, heads, kv_heads, hd, intermediate, scaling, eps)."""
+    and values (kv_heads, capacity, hd); dims = (D, heads, kv_heads, hd, intermediate, scaling, eps);
+    run on `threads` threads (torch's count by default)."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, dims: tuple):
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, dims: tuple,
+                 threads: int | None = None):
         self.lib = library()
         self.cos, self.sin, self.mask = (t.contiguous() for t in (cos, sin, mask))
         size, heads, kv_heads, head_dim, intermediate, self.scaling, self.eps = dims
         n, kv_len = mask.shape
-        self.threads = torch.get_num_threads()
+        self.threads = threads or torch.get_num_threads()
         self.shape = torch.tensor([size, heads, kv_heads, head_dim, intermediate], dtype=torch.int32)
         self.scratch = torch.empty(self.lib.blocks_scratch(n, kv_len, self.shape.data_ptr(), self.threads))
 

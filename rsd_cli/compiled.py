@@ -46,6 +46,7 @@ from .step_graphs import cuda_capture
 from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, joined, native_head, native_table
 from .small_batch import (MAX_ROWS, TORCH, blocks_of, enrol, kernel_linear, kernels_of, machine,
                           prepared_copies, register_operator, room_for, signature)
+from .threads import GOVERNOR, adaptive as adaptive_threads, cpu_threads, forward_on_torch
 
 BUCKETS = (1, 2, 4, 8, 16)
 # whole layers in C (blocks.NativeLayer) for every forward that can take them: measured on a 2-core
@@ -548,29 +549,45 @@ class CompiledModel:
         cos, sin = self.cos[positions], self.sin[positions]
         # every layer in one call of the C library where each can run there, else layer by layer
         in_c = native is not None and all(native) and keys.is_contiguous() and values.is_contiguous()
-        if native is not None:
-            heads, kv_heads, head_dim, scaling, eps = self.dims
-            run = NativeForward(cos, sin, mask, (x.shape[1], heads, kv_heads, head_dim, self.intermediate, scaling, eps))
-        if in_c:
-            x = run.layers(self._native_table(native), x, keys, values)
-        else:
-            for index, (weights, small, fused) in enumerate(self.layers):
-                if native is not None and native[index] is not None:
-                    x = run.layer(native[index], x, keys[index], values[index])
-                    continue
-                layer_keys, layer_values = keys[index], values[index]
-                if compiled:
-                    torch._dynamo.maybe_mark_dynamic(layer_keys, 1)
-                    torch._dynamo.maybe_mark_dynamic(layer_values, 1)
-                x = layer(x, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims, slots, fused)
         head = blocks_of(self.model.lm_head)
         # the norm and head: one more call, on the head's blocks (as the layers, whatever its product
         # measured alone: a calibration of one 113 MB weight read again and again is partly served
         # by a large CPU cache, which a forward streaming every weight is not)
-        if (in_c or prompt_on_torch and self.all_in_c) and head is not None and self.model.lm_head.bias is None:
-            return native_head(x, rows, self.model.model.norm.weight, self.norm_eps, head)
-        return final_logits(x[rows], self.model.model.norm.weight, self.norm_eps, self.model.lm_head.weight,
-                            self.head_small)
+        head_in_c = (in_c or prompt_on_torch and self.all_in_c) and head is not None and self.model.lm_head.bias is None
+        if native is not None:
+            heads, kv_heads, head_dim, scaling, eps = self.dims
+            dims = (x.shape[1], heads, kv_heads, head_dim, self.intermediate, scaling, eps)
+        if in_c:
+            def in_the_library(threads: int) -> torch.Tensor:
+                """every layer in one call, the head in another where it is on blocks: on `threads` threads"""
+                out = NativeForward(cos, sin, mask, dims, threads).layers(self._native_table(native), x, keys, values)
+                if head_in_c:
+                    return native_head(out, rows, self.model.model.norm.weight, self.norm_eps, head, threads=threads)
+                return out
+
+            most = cpu_threads()
+            if most > 1 and adaptive_threads():  # (threads change its time, never its bits)
+                x = GOVERNOR.run((id(self), tokens.shape[0]), in_the_library, most)
+            else:
+                x = in_the_library(most)
+            if head_in_c:
+                return x
+        with forward_on_torch():
+            if not in_c:
+                run = NativeForward(cos, sin, mask, dims) if native is not None else None
+                for index, (weights, small, fused) in enumerate(self.layers):
+                    if native is not None and native[index] is not None:
+                        x = run.layer(native[index], x, keys[index], values[index])
+                        continue
+                    layer_keys, layer_values = keys[index], values[index]
+                    if compiled:
+                        torch._dynamo.maybe_mark_dynamic(layer_keys, 1)
+                        torch._dynamo.maybe_mark_dynamic(layer_values, 1)
+                    x = layer(x, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims, slots, fused)
+            if head_in_c:
+                return native_head(x, rows, self.model.model.norm.weight, self.norm_eps, head)
+            return final_logits(x[rows], self.model.model.norm.weight, self.norm_eps, self.model.lm_head.weight,
+                                self.head_small)
 
 
 def _compiled(fn):

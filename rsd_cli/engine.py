@@ -21,6 +21,7 @@ from .errors import RsdError
 from .sampling import (SamplingParams, gumbel_of, inverse_cdf, logits_to_probs, row_uniforms, sample, to_device,
                        to_host, to_host_soon)
 from .step_graphs import StepGraphs
+from .threads import one_thread_maths
 from .tree import DraftTree
 from .verification import Decision, Plan, Rule, chain_outcome, fan_outcome, plan, verify
 
@@ -598,7 +599,19 @@ class Decoder:
             raise RsdError(f"the prompt holds token id {max(prompt)} but the models' vocabulary has "
                            f"{self.vocab_size} tokens: the tokenizer does not fit them")
 
+    def _threads_for(self, events: Iterator, drafts: bool) -> Iterator:
+        """events, their steps' maths on one thread where every forward runs in rsd's C library (drafts:
+        whether the draft's forwards run too); see threads.one_thread_maths."""
+        runtimes = [self.runtimes.target] + ([self.runtimes.draft] if drafts else [])
+        if all(getattr(runtime, "all_in_c", False) and not runtime.compiled for runtime in runtimes):
+            return one_thread_maths(events)
+        return events
+
     def generate(self, prompt: list[int], max_tokens: int, seed: int | None = None) -> Iterator[StepEvent]:
+        drafts = self.shape.uses_draft_model or self.shape.variant == "auto"
+        return self._threads_for(self._generate(prompt, max_tokens, seed), drafts)
+
+    def _generate(self, prompt: list[int], max_tokens: int, seed: int | None) -> Iterator[StepEvent]:
         self._check_prompt(prompt)
         self.prepare()  # (before this generation's caches hold a static-shape runtime's shared buffers)
         # static-cache buffers: room for the prompt, some answer and one tree; they double when full
@@ -645,6 +658,10 @@ class Decoder:
         each prompt but its last token, one after the other (each seeing that beginning and itself,
         at its own positions); the first step reads each prompt's last token once. `ended`:
         completions the caller has ended (at a stop string), left out from the next step on."""
+        return self._threads_for(self._generate_together(prompts, max_tokens, seeds, ended), drafts=False)
+
+    def _generate_together(self, prompts: list[list[int]], max_tokens: int, seeds: list[int],
+                           ended: set[int]) -> Iterator[list[StepEvent | None]]:
         for prompt in prompts:
             self._check_prompt(prompt)
         if self.kept is not None:  # (a generation's kept caches: this one reads the prompt afresh)

@@ -54,6 +54,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .threads import cpu_threads
+
 MAX_ROWS = 64  # above this, prompt prefill: F.linear's GEMM, or the blocks kernel where measured faster
 KERNELS = ("torch", "transposed", "onednn", "packed", "blocks")
 TORCH = ("torch", "torch", "torch")  # kernels for a single row, for 2 to MAX_ROWS rows, for more (prompts)
@@ -538,7 +540,7 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    return f"{cpu} | torch {torch.__version__} | {cpu_threads()} threads"
 
 
 class Verdicts:

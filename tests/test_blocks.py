@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rsd_cli import auto, blocks, small_batch
+from rsd_cli import auto, blocks, small_batch, threads
 from rsd_cli.compiled import CompiledModel, StaticLM
 from rsd_cli.drafting import make_shape
 from rsd_cli.engine import CachedLM, Decoder, Runtimes
@@ -388,6 +388,56 @@ def test_greedy_on_the_blocks_kernel_equals_plain_greedy(quantised_pair, shape):
         assert run(kernel, runtimes, shape, greedy, 25, seed=0) == expected
 
 
+class Alternating(threads.Governor):
+    """A governor that runs forwards on one thread and two in turn, and says which it chose."""
+
+    def __init__(self):
+        super().__init__()
+        self.chosen = []
+
+    def _choose(self) -> int:
+        self.chosen.append(1 + len(self.chosen) % 2)
+        return self.chosen[-1]
+
+
+@pytest.mark.parametrize("variant", ["ar", "sd", "rsd-c"])
+def test_the_threads_of_forwards_in_c_change_their_time_never_a_token(quantised_pair, variant, monkeypatch):
+    """With two threads, the forwards of the C layers run on the count the governor picks (here one
+    and two in turn), the steps' maths between them on one thread, and the caller keeps its two: a
+    seed gives the same tokens at T=1 as with every forward on two threads (RSD_ADAPTIVE_THREADS=0)
+    and as with one thread throughout."""
+    from rsd_cli import compiled, engine
+
+    _, kernel, static = quantised_pair
+    shape = make_shape(variant, draft_len=2, branching=(2, 2))
+    sampling = SamplingParams(temperature=1.0)
+    forwards, maths = [], []
+    native = compiled.NativeForward
+    monkeypatch.setattr(compiled, "NativeForward", lambda *args: forwards.append(args[-1]) or native(*args))
+    probabilities = engine.logits_to_probs
+    monkeypatch.setattr(engine, "logits_to_probs", lambda *args, **kwargs: maths.append(torch.get_num_threads())
+                        or probabilities(*args, **kwargs))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [run(kernel, static[False], shape, sampling, 20, seed=seed) for seed in range(3)]
+        forwards.clear()
+        torch.set_num_threads(2)
+        monkeypatch.setenv("RSD_ADAPTIVE_THREADS", "0")
+        fixed = [run(kernel, static[False], shape, sampling, 20, seed=seed) for seed in range(3)]
+        assert set(forwards) == {2} and set(maths) == {1} and torch.get_num_threads() == 2
+        forwards.clear()
+        monkeypatch.delenv("RSD_ADAPTIVE_THREADS")
+        governor = Alternating()
+        monkeypatch.setattr(compiled, "GOVERNOR", governor)
+        governed = [run(kernel, static[False], shape, sampling, 20, seed=seed) for seed in range(3)]
+        assert set(forwards) == {1, 2} and forwards == governor.chosen[:len(forwards)]
+        assert set(maths) == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert governed == fixed == alone and len({tuple(tokens) for tokens in alone}) > 1
+
+
 @pytest.mark.skipif(not hasattr(torch.library, "custom_op"), reason="torch < 2.4: compiled graphs use torch's product")
 def test_one_compiled_graph_serves_layers_of_every_weight_format_and_kernel(monkeypatch):
     """Compiled graphs hold no kernel name and no weight copy (rsd::linear finds them by the
@@ -507,7 +557,7 @@ def layers_in_c(monkeypatch) -> list:
                         lambda self, table, *args: counted.append(table.shape[0] // blocks.TABLE_ENTRIES)
                         or whole(self, table, *args))
     monkeypatch.setattr(blocks.NativeForward, "layer", lambda *args: counted.append(1) or one(*args))
-    monkeypatch.setattr(compiled, "native_head", lambda *args: counted.append("head") or head(*args))
+    monkeypatch.setattr(compiled, "native_head", lambda *args, **kwargs: counted.append("head") or head(*args, **kwargs))
     return counted
 
 

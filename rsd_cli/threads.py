@@ -1,0 +1,226 @@
+"""How many threads a forward in rsd's C library runs on: torch's count, fewer while the CPU is shared.
+
+A forward of the C layers is one OpenMP region with a few hundred barriers. Where another process
+holds a core, a thread that reaches a barrier spins while the thread it waits for is not
+scheduled: on the 2-core Xeon, `rsd generate` beside one busy process made 32 tokens a second
+instead of 114, beside two 0.8, where one thread made 69 and 45
+(benchmarks/results/intel-xeon-busy-cpu). Beside one, most two-thread forwards took 15 ms (7
+alone) and one in ten 90-180 ms: the scheduler's time slice, waited out at a barrier.
+
+So the `Governor` times every forward and now and then runs a few on half the threads (or, after
+halving, twice as many). Where those take clearly less time than the mean of the last forwards of
+the same model and size on the current count (spikes and all: they are the cost), their count
+becomes the one used. A trial stops at its first forwards once they have cost more than the usual
+time; it is tried again after twice as many forwards, and after enough that the time trials lose
+stays under 2% of the forwards' (a two-thread trial beside two busy processes costs a second).
+Where the median of a model's last forwards doubles or halves (a process started or ended beside
+them), trials start again at once, against those forwards.
+
+A forward's result does not depend on its threads (each output is summed by one thread, in an
+order of its own; tests/test_blocks.py), so the choice changes the time only, never a token.
+`RSD_ADAPTIVE_THREADS=0` keeps torch's count.
+
+While forwards run in the C library, the engine's own maths (probabilities, draws, verification:
+torch operations on a few rows of the vocabulary) runs on one thread (`one_thread_maths`): on
+several, each is an OpenMP region of its own, whose threads beside a busy process wait as the
+layers' do (a step's maths took 6.5 ms there instead of 1), and whose sums over the vocabulary
+round differently for each thread count; on one they are the same bits on every machine and
+whatever else runs. A forward on torch's layers inside it gets the CPU's threads back
+(`forward_on_torch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import statistics
+import time
+from collections import deque
+from typing import Iterator
+
+import torch
+
+KEPT = 32  # a key's last forwards on the current threads, whose mean is its usual time
+LAST = 8  # the fewest forwards a usual time is taken over; the last ones, whose median shows a change
+CHANGE = 2.0  # the last forwards' median this many times (or 1 / this) what it was: trials start again
+TRIAL = 4  # forwards a trial is judged over
+WIN = 0.85  # a trial's forwards must take at most this share of their usual time, together
+FIRST_WAIT = 32  # forwards between trials at first, after a switch and after a change
+LONGEST_WAIT = 4096  # forwards between two trials of a direction at most (unless their cost says more)
+COST_SHARE = 0.02  # the time losing trials lose, as a share of the forwards' time, at most
+UNJUDGED = 2  # a trial's forwards without a usual time to compare with, before it ends unjudged
+
+
+@dataclasses.dataclass
+class Trial:
+    threads: int
+    direction: int  # -1: fewer threads than now, +1: more
+    forwards: int = 0
+    judged: int = 0  # forwards compared with their usual time
+    seconds: float = 0.0  # those forwards' time
+    usual: float = 0.0  # and the usual time of each, summed
+
+
+class Governor:
+    """Chooses the threads of each forward (`run`) from the times of the forwards before it,
+    between 1 and `most`, halving or doubling."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.most = 0
+        self.threads = 0
+        self.switches: list[tuple[int, int]] = []  # (from, to) threads, in order
+        self.holding = False  # no trials (while forwards are timed for auto's costs)
+
+    def _reset(self, most: int) -> None:
+        self.most = self.threads = most
+        self.recent: dict = {}  # key -> deque of the last KEPT seconds on self.threads
+        self.baseline: dict = {}  # key -> the median of its LAST forwards when last set (a change: CHANGE)
+        self.count = 0  # forwards run
+        self.wait = {-1: FIRST_WAIT, 1: FIRST_WAIT}  # forwards between a direction's trials
+        self.due = {-1: LAST, 1: LAST}  # the count at which each direction is tried next
+        self.trial: Trial | None = None
+        self.last_key = None  # the key of the last forward (the next one's, most likely)
+
+    def run(self, key, forward, most: int):
+        """forward(threads)'s result, timed: key names what it runs (a model and a token count),
+        whose forwards' times are compared with each other only; most: the threads at most."""
+        if most != self.most:
+            self._reset(most)
+        threads = self._choose()
+        start = self.clock()
+        result = forward(threads)
+        self._record(key, threads, self.clock() - start)
+        return result
+
+    @contextlib.contextmanager
+    def held(self):
+        """No trials inside: every forward on the threads chosen before (forwards timed to compare
+        their sizes' costs must all run on the same count)."""
+        holding, self.holding = self.holding, True
+        try:
+            yield
+        finally:
+            self.holding = holding
+
+    def _option(self, direction: int) -> int | None:
+        threads = self.threads // 2 if direction < 0 else min(self.most, self.threads * 2)
+        return threads if 1 <= threads != self.threads else None
+
+    def _choose(self) -> int:
+        if self.trial is None and not self.holding and len(self.recent.get(self.last_key, ())) >= LAST:
+            for direction in (-1, 1):
+                threads = self._option(direction)
+                if threads and self.count >= self.due[direction]:
+                    self.trial = Trial(threads, direction)
+                    break
+        return self.trial.threads if self.trial and not self.holding else self.threads
+
+    def _record(self, key, threads: int, seconds: float) -> None:
+        self.count += 1
+        self.last_key = key
+        recent = self.recent.setdefault(key, deque(maxlen=KEPT))
+        trial = self.trial
+        if trial is None or threads != trial.threads:
+            recent.append(seconds)
+            self._watch(key, recent)
+            return
+        trial.forwards += 1
+        if len(recent) < LAST:  # nothing to compare with (a size not seen lately)
+            if trial.forwards >= UNJUDGED:
+                self._end(trial, lost=False)
+            return
+        trial.judged += 1
+        trial.seconds += seconds
+        trial.usual += sum(recent) / len(recent)
+        if trial.seconds > trial.usual:
+            self._end(trial, lost=True)
+        elif trial.judged >= TRIAL:
+            if trial.seconds < WIN * trial.usual:
+                self._switch(trial.threads)
+            else:
+                self._end(trial, lost=True)
+
+    def _watch(self, key, recent: deque) -> None:
+        """Trials at once where this key's last forwards' median has moved by CHANGE, against them."""
+        if len(recent) < LAST:
+            return
+        last = list(recent)[-LAST:]
+        now = statistics.median(last)
+        before = self.baseline.setdefault(key, now)
+        if now > CHANGE * before or now * CHANGE < before:
+            self.baseline[key] = now
+            recent.clear()
+            recent.extend(last)
+            self.wait = {-1: FIRST_WAIT, 1: FIRST_WAIT}
+            self.due = {direction: min(due, self.count) for direction, due in self.due.items()}
+
+    def _end(self, trial: Trial, lost: bool) -> None:
+        """A trial over without a switch: its direction waits twice as long where it lost, and
+        long enough for its lost time to be COST_SHARE of the forwards' at most."""
+        self.trial = None
+        direction = trial.direction
+        if lost:
+            self.wait[direction] = min(2 * self.wait[direction], LONGEST_WAIT)
+        forward = trial.usual / trial.judged if trial.judged else 0.0
+        spent = (trial.seconds - trial.usual) / COST_SHARE / forward if forward > 0 else 0.0
+        self.due[direction] = self.count + max(self.wait[direction], int(spent))
+
+    def _switch(self, threads: int) -> None:
+        self.switches.append((self.threads, threads))
+        self.threads, self.trial = threads, None
+        self.recent.clear()
+        self.baseline.clear()
+        self.wait = {-1: FIRST_WAIT, 1: FIRST_WAIT}
+        self.due = {-1: self.count + FIRST_WAIT, 1: self.count + FIRST_WAIT}
+
+
+GOVERNOR = Governor()  # one for the process: every model's forwards share the CPU
+
+
+def adaptive() -> bool:
+    """Whether forwards in the C library choose their threads (RSD_ADAPTIVE_THREADS=0: never)."""
+    return os.environ.get("RSD_ADAPTIVE_THREADS", "1").strip() != "0"
+
+
+_outside: int | None = None  # torch's threads outside `one_thread_maths`, while inside it
+
+
+def cpu_threads() -> int:
+    """The threads the CPU's work may use: torch's count, outside the engine's one-thread maths."""
+    return _outside or torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def _torch_on(threads: int, outside: int | None):
+    global _outside
+    before, before_outside = torch.get_num_threads(), _outside
+    torch.set_num_threads(threads)
+    _outside = outside
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        _outside = before_outside
+
+
+def one_thread_maths(events: Iterator) -> Iterator:
+    """events (a generator), each step run with torch on one thread; the caller's count between them."""
+    try:
+        while True:
+            outside = cpu_threads()
+            with _torch_on(1, outside) if outside > 1 and _outside is None else contextlib.nullcontext():
+                try:
+                    event = next(events)
+                except StopIteration as stop:
+                    return stop.value
+            yield event
+    finally:
+        events.close()
+
+
+def forward_on_torch():
+    """A context for a forward's work on torch (its layers, a prompt's products): on the CPU's
+    threads, also inside `one_thread_maths`."""
+    return _torch_on(_outside, None) if _outside is not None else contextlib.nullcontext()

@@ -1,0 +1,140 @@
+"""The thread governor of forwards in the C library (rsd_cli/threads.py), on a simulated CPU whose
+forwards take a time that depends on their threads and on what else runs."""
+
+import random
+
+import pytest
+import torch
+
+from rsd_cli import threads
+from rsd_cli.threads import COST_SHARE, FIRST_WAIT, LAST, LONGEST_WAIT, UNJUDGED, Governor
+
+IDLE = {1: 0.016, 2: 0.010}  # seconds a forward, by threads: the 2-core Xeon's ratio alone
+ONE_BUSY = {1: 0.018, 2: 0.040}  # beside one busy process: two threads wait on each other
+TWO_BUSY = {1: 0.024, 2: 1.2}  # beside two: a two-thread forward waits out the scheduler at every barrier
+
+
+class SimulatedCPU:
+    """forward(threads) takes seconds[threads] on the simulated clock, within +-5%."""
+
+    def __init__(self, seconds: dict, seed: int = 0):
+        self.seconds, self.now, self.ran = seconds, 0.0, []
+        self.random = random.Random(seed)
+
+    def clock(self) -> float:
+        return self.now
+
+    def forward(self, threads: int) -> int:
+        self.ran.append(threads)
+        self.now += self.seconds[threads] * (0.95 + 0.1 * self.random.random())
+        return threads
+
+
+def run(governor: Governor, cpu: SimulatedCPU, forwards: int, key=("target", 1), most: int = 2) -> list[int]:
+    return [governor.run(key, cpu.forward, most) for _ in range(forwards)]
+
+
+def test_an_idle_cpu_keeps_every_thread_and_tries_fewer_ever_more_rarely():
+    cpu = SimulatedCPU(IDLE)
+    governor = Governor(clock=cpu.clock)
+    ran = run(governor, cpu, 5000)
+    assert governor.threads == 2 and governor.switches == []
+    tried = [i for i, threads in enumerate(ran) if threads == 1]
+    assert tried[0] == LAST  # the first trial, once there is a usual time to compare with
+    gaps = [b - a for a, b in zip(tried, tried[1:])]
+    assert len(tried) <= 9 and gaps == sorted(gaps) and gaps[-1] >= 2048  # each trial lost: twice the wait
+    lost = len(tried) * (IDLE[1] - IDLE[2])
+    assert lost < 0.005 * cpu.now
+
+
+def test_a_busy_process_beside_the_forwards_makes_them_run_on_fewer_threads_and_back_once_it_ends():
+    cpu = SimulatedCPU(IDLE)
+    governor = Governor(clock=cpu.clock)
+    run(governor, cpu, 200)
+    cpu.seconds = ONE_BUSY  # another process takes a core
+    ran = run(governor, cpu, 800)
+    # the median of the last forwards doubles: fewer threads are tried at once, and win
+    assert governor.switches == [(2, 1)] and ran[:12].count(1) >= 4 and set(ran[16:]) - {2} == {1}
+    assert ran[16:].count(2) <= 6  # trials of two threads again, ever more rarely
+    cpu.seconds = IDLE  # it ends
+    chosen = []
+    for _ in range(LONGEST_WAIT):
+        governor.run(("target", 1), cpu.forward, 2)
+        chosen.append(governor.threads)
+    assert governor.switches == [(2, 1), (1, 2)] and chosen[-1] == 2
+    assert chosen.index(2) <= 512  # at the next trial of two threads (4 lost before: 512 forwards apart)
+
+
+def test_trials_beside_two_busy_processes_lose_at_most_a_small_share_of_the_time():
+    """A two-thread forward beside two busy processes takes 50x a one-thread one: its trials wait
+    long enough after each that the time they lose stays within COST_SHARE."""
+    cpu = SimulatedCPU(TWO_BUSY)
+    governor = Governor(clock=cpu.clock)
+    ran = run(governor, cpu, 20000)
+    assert governor.threads == 1 and governor.switches == [(2, 1)]
+    switched = ran.index(1)
+    assert switched == LAST  # the first trial
+    slow = ran[switched:].count(2)  # trials of two threads after the switch
+    lost = slow * (TWO_BUSY[2] - TWO_BUSY[1])
+    assert 1 <= slow and lost <= 1.2 * COST_SHARE * cpu.now
+
+
+def test_no_trials_while_held_and_none_judged_without_a_usual_time():
+    cpu = SimulatedCPU(IDLE)
+    governor = Governor(clock=cpu.clock)
+    with governor.held():
+        ran = run(governor, cpu, 300)
+        cpu.seconds = ONE_BUSY
+        ran += run(governor, cpu, 300)
+    assert set(ran) == {2} and governor.switches == []
+    # a trial begins after a forward of a size seen LAST times; where the forwards that follow are of
+    # sizes never seen before (prompts), it has nothing to compare them with and ends after UNJUDGED
+    cpu.seconds = IDLE
+    governor = Governor(clock=cpu.clock)
+    ran = run(governor, cpu, LAST)
+    ran += [governor.run(("target", 100 + i), cpu.forward, 2) for i in range(40)]
+    assert ran[LAST:LAST + UNJUDGED] == [1] * UNJUDGED and set(ran[LAST + UNJUDGED:]) == {2}
+    assert governor.switches == [] and governor.wait[-1] == FIRST_WAIT  # (not a lost trial)
+
+
+def test_a_new_thread_count_from_the_user_starts_afresh():
+    cpu = SimulatedCPU(ONE_BUSY)
+    governor = Governor(clock=cpu.clock)
+    run(governor, cpu, 100)
+    assert governor.threads == 1
+    cpu.seconds = {**ONE_BUSY, 4: 0.006}
+    assert run(governor, cpu, 1, most=4) == [4] and governor.threads == 4
+
+
+def test_the_maths_between_forwards_runs_on_one_thread_and_torch_forwards_on_all():
+    """one_thread_maths runs each step of a generator with torch on one thread and gives the
+    caller's count back between steps, after the last and when closed; forward_on_torch gives a
+    forward inside it the caller's count; cpu_threads names that count throughout."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+
+        def steps():
+            for _ in range(3):
+                seen.append((torch.get_num_threads(), threads.cpu_threads()))
+                with threads.forward_on_torch():
+                    seen.append((torch.get_num_threads(), threads.cpu_threads()))
+                yield len(seen)
+
+        between = [torch.get_num_threads() for _ in threads.one_thread_maths(steps())]
+        assert seen == [(1, 2), (2, 2)] * 3 and between == [2, 2, 2] and torch.get_num_threads() == 2
+        events = threads.one_thread_maths(steps())
+        next(events)
+        events.close()
+        assert torch.get_num_threads() == 2 and threads.cpu_threads() == 2
+
+        def failing():
+            yield 1
+            raise ValueError("a step that fails")
+
+        with pytest.raises(ValueError):
+            list(threads.one_thread_maths(failing()))
+        assert torch.get_num_threads() == 2 and threads.cpu_threads() == 2
+    finally:
+        torch.set_num_threads(before)
