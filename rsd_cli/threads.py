@@ -42,7 +42,8 @@ from typing import Iterator
 import torch
 
 KEPT = 32  # a key's last forwards on the current threads, whose mean is its usual time
-LAST = 8  # the fewest forwards a usual time is taken over; the last ones, whose median shows a change
+USUAL = 2  # the fewest forwards a usual time is taken over (beside busy processes a forward can take a second)
+LAST = 8  # a key's last forwards, whose median shows a change
 CHANGE = 2.0  # the last forwards' median this many times (or 1 / this) what it was: trials start again
 TRIAL = 4  # forwards a trial is judged over
 WIN = 0.85  # a trial's forwards must take at most this share of their usual time, together
@@ -79,7 +80,7 @@ class Governor:
         self.baseline: dict = {}  # key -> the median of its LAST forwards when last set (a change: CHANGE)
         self.count = 0  # forwards run
         self.wait = {-1: FIRST_WAIT, 1: FIRST_WAIT}  # forwards between a direction's trials
-        self.due = {-1: LAST, 1: LAST}  # the count at which each direction is tried next
+        self.due = {-1: USUAL, 1: USUAL}  # the count at which each direction is tried next
         self.trial: Trial | None = None
         self.last_key = None  # the key of the last forward (the next one's, most likely)
 
@@ -109,7 +110,7 @@ class Governor:
         return threads if 1 <= threads != self.threads else None
 
     def _choose(self) -> int:
-        if self.trial is None and not self.holding and len(self.recent.get(self.last_key, ())) >= LAST:
+        if self.trial is None and not self.holding and len(self.recent.get(self.last_key, ())) >= USUAL:
             for direction in (-1, 1):
                 threads = self._option(direction)
                 if threads and self.count >= self.due[direction]:
@@ -127,7 +128,7 @@ class Governor:
             self._watch(key, recent)
             return
         trial.forwards += 1
-        if len(recent) < LAST:  # nothing to compare with (a size not seen lately)
+        if len(recent) < USUAL:  # nothing to compare with (a size not seen lately)
             if trial.forwards >= UNJUDGED:
                 self._end(trial, lost=False)
             return

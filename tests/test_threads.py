@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rsd_cli import threads
-from rsd_cli.threads import COST_SHARE, FIRST_WAIT, LAST, LONGEST_WAIT, UNJUDGED, Governor
+from rsd_cli.threads import COST_SHARE, FIRST_WAIT, LONGEST_WAIT, UNJUDGED, USUAL, Governor
 
 IDLE = {1: 0.016, 2: 0.010}  # seconds a forward, by threads: the 2-core Xeon's ratio alone
 ONE_BUSY = {1: 0.018, 2: 0.040}  # beside one busy process: two threads wait on each other
@@ -40,7 +40,7 @@ def test_an_idle_cpu_keeps_every_thread_and_tries_fewer_ever_more_rarely():
     ran = run(governor, cpu, 5000)
     assert governor.threads == 2 and governor.switches == []
     tried = [i for i, threads in enumerate(ran) if threads == 1]
-    assert tried[0] == LAST  # the first trial, once there is a usual time to compare with
+    assert tried[0] == USUAL  # the first trial, once there is a usual time to compare with
     gaps = [b - a for a, b in zip(tried, tried[1:])]
     assert len(tried) <= 9 and gaps == sorted(gaps) and gaps[-1] >= 2048  # each trial lost: twice the wait
     lost = len(tried) * (IDLE[1] - IDLE[2])
@@ -73,7 +73,7 @@ def test_trials_beside_two_busy_processes_lose_at_most_a_small_share_of_the_time
     ran = run(governor, cpu, 20000)
     assert governor.threads == 1 and governor.switches == [(2, 1)]
     switched = ran.index(1)
-    assert switched == LAST  # the first trial
+    assert switched == USUAL  # the first trial
     slow = ran[switched:].count(2)  # trials of two threads after the switch
     lost = slow * (TWO_BUSY[2] - TWO_BUSY[1])
     assert 1 <= slow and lost <= 1.2 * COST_SHARE * cpu.now
@@ -87,13 +87,13 @@ def test_no_trials_while_held_and_none_judged_without_a_usual_time():
         cpu.seconds = ONE_BUSY
         ran += run(governor, cpu, 300)
     assert set(ran) == {2} and governor.switches == []
-    # a trial begins after a forward of a size seen LAST times; where the forwards that follow are of
+    # a trial begins after a forward of a size seen USUAL times; where the forwards that follow are of
     # sizes never seen before (prompts), it has nothing to compare them with and ends after UNJUDGED
     cpu.seconds = IDLE
     governor = Governor(clock=cpu.clock)
-    ran = run(governor, cpu, LAST)
+    ran = run(governor, cpu, USUAL)
     ran += [governor.run(("target", 100 + i), cpu.forward, 2) for i in range(40)]
-    assert ran[LAST:LAST + UNJUDGED] == [1] * UNJUDGED and set(ran[LAST + UNJUDGED:]) == {2}
+    assert ran[USUAL:USUAL + UNJUDGED] == [1] * UNJUDGED and set(ran[USUAL + UNJUDGED:]) == {2}
     assert governor.switches == [] and governor.wait[-1] == FIRST_WAIT  # (not a lost trial)
 
 
