@@ -7,14 +7,17 @@ instead of 114, beside two 0.8, where one thread made 69 and 45
 (benchmarks/results/intel-xeon-busy-cpu). Beside one, most two-thread forwards took 15 ms (7
 alone) and one in ten 90-180 ms: the scheduler's time slice, waited out at a barrier.
 
-So the `Governor` times every forward and now and then runs a few on half the threads (or, after
-halving, twice as many). Where those take clearly less time than the mean of the last forwards of
-the same model and size on the current count (spikes and all: they are the cost), their count
-becomes the one used. A trial stops at its first forwards once they have cost more than the usual
-time; it is tried again after twice as many forwards, and after enough that the time trials lose
-stays under 2% of the forwards' (a two-thread trial beside two busy processes costs a second).
-Where the median of a model's last forwards doubles or halves (a process started or ended beside
-them), trials start again at once, against those forwards.
+So the `Governor` times every forward, and the CPU time the process had during it. Where a
+forward's threads had less than 60% of the time they would have had alone (beside two busy
+processes 50% from the first forward on; alone at least 70% on the 2-core Xeon), the next forwards
+run on half as many. Now and then it runs a few on half the threads (or, after halving, twice as
+many): where those take clearly less time than the mean of the last forwards of the same model
+and size on the current count (spikes and all: they are the cost), their count becomes the one
+used. A trial stops at its first forwards once they have cost more than the usual time; it is
+tried again after twice as many forwards, and after enough that the time trials lose stays under
+2% of the forwards' (a two-thread trial beside two busy processes costs a second). Where the
+median of a model's last forwards doubles or halves (a process started or ended beside them),
+trials start again at once, against those forwards.
 
 A forward's result does not depend on its threads (each output is summed by one thread, in an
 order of its own; tests/test_blocks.py), so the choice changes the time only, never a token.
@@ -51,6 +54,8 @@ FIRST_WAIT = 32  # forwards between trials at first, after a switch and after a 
 LONGEST_WAIT = 4096  # forwards between two trials of a direction at most (unless their cost says more)
 COST_SHARE = 0.02  # the time losing trials lose, as a share of the forwards' time, at most
 UNJUDGED = 2  # a trial's forwards without a usual time to compare with, before it ends unjudged
+STARVED = 0.6  # a forward whose threads had less than this share of its time on the CPU: fewer threads
+STARVED_AFTER = 0.002  # seconds a forward takes at least for its share to count (a thread's wake-up)
 
 
 @dataclasses.dataclass
@@ -67,8 +72,8 @@ class Governor:
     """Chooses the threads of each forward (`run`) from the times of the forwards before it,
     between 1 and `most`, halving or doubling."""
 
-    def __init__(self, clock=time.perf_counter):
-        self.clock = clock
+    def __init__(self, clock=time.perf_counter, cpu_clock=time.process_time):
+        self.clock, self.cpu_clock = clock, cpu_clock  # wall time, and the process's CPU time
         self.most = 0
         self.threads = 0
         self.switches: list[tuple[int, int]] = []  # (from, to) threads, in order
@@ -80,6 +85,7 @@ class Governor:
         self.baseline: dict = {}  # key -> the median of its LAST forwards when last set (a change: CHANGE)
         self.count = 0  # forwards run
         self.wait = {-1: FIRST_WAIT, 1: FIRST_WAIT}  # forwards between a direction's trials
+        self.starved_wait = FIRST_WAIT // 2  # forwards before more threads are tried after starving (doubling)
         self.due = {-1: USUAL, 1: USUAL}  # the count at which each direction is tried next
         self.trial: Trial | None = None
         self.last_key = None  # the key of the last forward (the next one's, most likely)
@@ -90,9 +96,12 @@ class Governor:
         if most != self.most:
             self._reset(most)
         threads = self._choose()
-        start = self.clock()
+        start, cpu = self.clock(), self.cpu_clock()
         result = forward(threads)
-        self._record(key, threads, self.clock() - start)
+        seconds = self.clock() - start
+        self._record(key, threads, seconds)
+        if threads == self.threads and seconds >= STARVED_AFTER and self.cpu_clock() - cpu < STARVED * threads * seconds:
+            self._starved()
         return result
 
     @contextlib.contextmanager
@@ -167,6 +176,17 @@ class Governor:
         forward = trial.usual / trial.judged if trial.judged else 0.0
         spent = (trial.seconds - trial.usual) / COST_SHARE / forward if forward > 0 else 0.0
         self.due[direction] = self.count + max(self.wait[direction], int(spent))
+
+    def _starved(self) -> None:
+        """Half the threads from the next forward on, where the forward's threads did not get the CPU
+        to themselves; more are tried again after twice the wait before (a count that wins a trial
+        but then starves again is tried ever more rarely)."""
+        fewer = self._option(-1)
+        if fewer is None or self.holding:
+            return
+        self.starved_wait = min(2 * self.starved_wait, LONGEST_WAIT)
+        self._switch(fewer)
+        self.wait[1], self.due[1] = self.starved_wait, self.count + self.starved_wait
 
     def _switch(self, threads: int) -> None:
         self.switches.append((self.threads, threads))

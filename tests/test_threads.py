@@ -12,22 +12,33 @@ from rsd_cli.threads import COST_SHARE, FIRST_WAIT, LONGEST_WAIT, UNJUDGED, USUA
 IDLE = {1: 0.016, 2: 0.010}  # seconds a forward, by threads: the 2-core Xeon's ratio alone
 ONE_BUSY = {1: 0.018, 2: 0.040}  # beside one busy process: two threads wait on each other
 TWO_BUSY = {1: 0.024, 2: 1.2}  # beside two: a two-thread forward waits out the scheduler at every barrier
+ALONE = {1: 1.0, 2: 1.0, 4: 1.0}  # the share of a forward's time its threads spend on the CPU
+SHARED = {1: 1.0, 2: 0.7}  # beside one busy process, as measured: 0.5-0.78 (a thread is often descheduled)
 
 
 class SimulatedCPU:
-    """forward(threads) takes seconds[threads] on the simulated clock, within +-5%."""
+    """forward(threads) takes seconds[threads] on the simulated clock, within +-5%, its threads
+    on the CPU share[threads] of that time."""
 
-    def __init__(self, seconds: dict, seed: int = 0):
-        self.seconds, self.now, self.ran = seconds, 0.0, []
+    def __init__(self, seconds: dict, share: dict = ALONE, seed: int = 0):
+        self.seconds, self.share, self.now, self.cpu, self.ran = seconds, share, 0.0, 0.0, []
         self.random = random.Random(seed)
 
     def clock(self) -> float:
         return self.now
 
+    def cpu_clock(self) -> float:
+        return self.cpu
+
     def forward(self, threads: int) -> int:
         self.ran.append(threads)
-        self.now += self.seconds[threads] * (0.95 + 0.1 * self.random.random())
+        seconds = self.seconds[threads] * (0.95 + 0.1 * self.random.random())
+        self.now += seconds
+        self.cpu += seconds * threads * self.share[threads]
         return threads
+
+    def governor(self) -> Governor:
+        return Governor(clock=self.clock, cpu_clock=self.cpu_clock)
 
 
 def run(governor: Governor, cpu: SimulatedCPU, forwards: int, key=("target", 1), most: int = 2) -> list[int]:
@@ -36,7 +47,7 @@ def run(governor: Governor, cpu: SimulatedCPU, forwards: int, key=("target", 1),
 
 def test_an_idle_cpu_keeps_every_thread_and_tries_fewer_ever_more_rarely():
     cpu = SimulatedCPU(IDLE)
-    governor = Governor(clock=cpu.clock)
+    governor = cpu.governor()
     ran = run(governor, cpu, 5000)
     assert governor.threads == 2 and governor.switches == []
     tried = [i for i, threads in enumerate(ran) if threads == 1]
@@ -49,7 +60,7 @@ def test_an_idle_cpu_keeps_every_thread_and_tries_fewer_ever_more_rarely():
 
 def test_a_busy_process_beside_the_forwards_makes_them_run_on_fewer_threads_and_back_once_it_ends():
     cpu = SimulatedCPU(IDLE)
-    governor = Governor(clock=cpu.clock)
+    governor = cpu.governor()
     run(governor, cpu, 200)
     cpu.seconds = ONE_BUSY  # another process takes a core
     ran = run(governor, cpu, 800)
@@ -69,7 +80,7 @@ def test_trials_beside_two_busy_processes_lose_at_most_a_small_share_of_the_time
     """A two-thread forward beside two busy processes takes 50x a one-thread one: its trials wait
     long enough after each that the time they lose stays within COST_SHARE."""
     cpu = SimulatedCPU(TWO_BUSY)
-    governor = Governor(clock=cpu.clock)
+    governor = cpu.governor()
     ran = run(governor, cpu, 20000)
     assert governor.threads == 1 and governor.switches == [(2, 1)]
     switched = ran.index(1)
@@ -79,9 +90,38 @@ def test_trials_beside_two_busy_processes_lose_at_most_a_small_share_of_the_time
     assert 1 <= slow and lost <= 1.2 * COST_SHARE * cpu.now
 
 
+def test_threads_that_do_not_get_the_cpu_are_halved_from_the_next_forward_on():
+    """Beside two busy processes a two-thread forward's threads are on the CPU half its time, from
+    the first forward (the prompt's) on: the next runs on one thread, without a trial."""
+    cpu = SimulatedCPU(TWO_BUSY, {1: 0.5, 2: 0.5})
+    governor = cpu.governor()
+    ran = run(governor, cpu, 2000)
+    assert ran[:2] == [2, 1] and governor.switches[0] == (2, 1) and governor.threads == 1
+
+
+def test_a_cpu_quota_halves_the_threads_until_they_get_the_cpu():
+    """A container allowed two cores of eight: eight threads get a quarter of their time, four half;
+    two run alone. Trials of four lose and grow rarer."""
+    quota = SimulatedCPU({8: 0.040, 4: 0.020, 2: 0.010, 1: 0.016}, {8: 0.25, 4: 0.5, 2: 1.0, 1: 1.0})
+    governor = quota.governor()
+    ran = run(governor, quota, 3000, most=8)
+    assert ran[:3] == [8, 4, 2] and governor.switches == [(8, 4), (4, 2)] and governor.threads == 2
+    assert ran[3:].count(4) <= 8 and 8 not in ran[3:]
+
+
+def test_more_threads_that_win_a_trial_but_starve_are_tried_ever_more_rarely():
+    """Two threads faster by the clock but off the CPU much of the time: halved each time they
+    starve, and tried again after twice the wait before."""
+    cpu = SimulatedCPU(IDLE, {1: 1.0, 2: 0.5})
+    governor = cpu.governor()
+    run(governor, cpu, 20000)
+    ups = [switch for switch in governor.switches if switch == (1, 2)]
+    assert 3 <= len(ups) <= 10 and len(governor.switches) <= 2 * len(ups) + 1
+
+
 def test_no_trials_while_held_and_none_judged_without_a_usual_time():
     cpu = SimulatedCPU(IDLE)
-    governor = Governor(clock=cpu.clock)
+    governor = cpu.governor()
     with governor.held():
         ran = run(governor, cpu, 300)
         cpu.seconds = ONE_BUSY
@@ -90,7 +130,7 @@ def test_no_trials_while_held_and_none_judged_without_a_usual_time():
     # a trial begins after a forward of a size seen USUAL times; where the forwards that follow are of
     # sizes never seen before (prompts), it has nothing to compare them with and ends after UNJUDGED
     cpu.seconds = IDLE
-    governor = Governor(clock=cpu.clock)
+    governor = cpu.governor()
     ran = run(governor, cpu, USUAL)
     ran += [governor.run(("target", 100 + i), cpu.forward, 2) for i in range(40)]
     assert ran[USUAL:USUAL + UNJUDGED] == [1] * UNJUDGED and set(ran[USUAL + UNJUDGED:]) == {2}
@@ -99,7 +139,7 @@ def test_no_trials_while_held_and_none_judged_without_a_usual_time():
 
 def test_a_new_thread_count_from_the_user_starts_afresh():
     cpu = SimulatedCPU(ONE_BUSY)
-    governor = Governor(clock=cpu.clock)
+    governor = cpu.governor()
     run(governor, cpu, 100)
     assert governor.threads == 1
     cpu.seconds = {**ONE_BUSY, 4: 0.006}
