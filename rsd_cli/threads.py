@@ -51,8 +51,9 @@ CHANGE = 2.0  # the last forwards' median this many times (or 1 / this) what it 
 TRIAL = 4  # forwards a trial is judged over
 WIN = 0.85  # a trial's forwards must take at most this share of their usual time, together
 FIRST_WAIT = 32  # forwards between trials at first, after a switch and after a change
-LONGEST_WAIT = 4096  # forwards between two trials of a direction at most (unless their cost says more)
-COST_SHARE = 0.02  # the time losing trials lose, as a share of the forwards' time, at most
+LONGEST_WAIT = 4096  # forwards between two trials of a direction at most
+COST_SHARE = 0.02  # the time trials lose, as a share of the forwards' time, at most (over MEMORY forwards)
+MEMORY = 1000  # forwards over which that is weighed (both sums shrink by 1 / MEMORY a forward)
 UNJUDGED = 2  # a trial's forwards without a usual time to compare with, before it ends unjudged
 STARVED = 0.6  # a forward whose threads had less than this share of its time on the CPU: fewer threads
 STARVED_AFTER = 0.002  # seconds a forward takes at least for its share to count (a thread's wake-up)
@@ -72,8 +73,9 @@ class Governor:
     """Chooses the threads of each forward (`run`) from the times of the forwards before it,
     between 1 and `most`, halving or doubling."""
 
-    def __init__(self, clock=time.perf_counter, cpu_clock=time.process_time):
+    def __init__(self, clock=time.perf_counter, cpu_clock=time.process_time, load=None):
         self.clock, self.cpu_clock = clock, cpu_clock  # wall time, and the process's CPU time
+        self.load = load or system_load  # () -> (the CPUs this process may use, other work's load) or None
         self.most = 0
         self.threads = 0
         self.switches: list[tuple[int, int]] = []  # (from, to) threads, in order
@@ -81,14 +83,24 @@ class Governor:
 
     def _reset(self, most: int) -> None:
         self.most = self.threads = most
+        known = self.load()
+        if known is not None:  # as many threads as the CPUs other work leaves, halving (at least one)
+            cpus, load = known
+            while self.threads > 1 and self.threads > cpus - load + 0.5:
+                self.threads //= 2
         self.recent: dict = {}  # key -> deque of the last KEPT seconds on self.threads
         self.baseline: dict = {}  # key -> the median of its LAST forwards when last set (a change: CHANGE)
         self.count = 0  # forwards run
         self.wait = {-1: FIRST_WAIT, 1: FIRST_WAIT}  # forwards between a direction's trials
         self.starved_wait = FIRST_WAIT // 2  # forwards before more threads are tried after starving (doubling)
-        self.due = {-1: USUAL, 1: USUAL}  # the count at which each direction is tried next
+        # the count at which each direction is tried next (more threads than the load leaves: later,
+        # a trial beside busy processes can take a second)
+        self.due = {-1: USUAL, 1: USUAL if self.threads == most else FIRST_WAIT}
         self.trial: Trial | None = None
         self.last_key = None  # the key of the last forward (the next one's, most likely)
+        self.spent = 0.0  # the forwards' seconds (shrinking by 1 / MEMORY a forward)
+        self.lost = 0.0  # the seconds trials lost (shrinking alike)
+        self.fallback: float | None = None  # after more threads won a trial: a forward's time before
 
     def run(self, key, forward, most: int):
         """forward(threads)'s result, timed: key names what it runs (a model and a token count),
@@ -99,9 +111,8 @@ class Governor:
         start, cpu = self.clock(), self.cpu_clock()
         result = forward(threads)
         seconds = self.clock() - start
-        self._record(key, threads, seconds)
-        if threads == self.threads and seconds >= STARVED_AFTER and self.cpu_clock() - cpu < STARVED * threads * seconds:
-            self._starved()
+        starved = seconds >= STARVED_AFTER and self.cpu_clock() - cpu < STARVED * threads * seconds
+        self._record(key, threads, seconds, starved)
         return result
 
     @contextlib.contextmanager
@@ -119,7 +130,8 @@ class Governor:
         return threads if 1 <= threads != self.threads else None
 
     def _choose(self) -> int:
-        if self.trial is None and not self.holding and len(self.recent.get(self.last_key, ())) >= USUAL:
+        if (self.trial is None and not self.holding and len(self.recent.get(self.last_key, ())) >= USUAL
+                and self.lost <= COST_SHARE * self.spent):
             for direction in (-1, 1):
                 threads = self._option(direction)
                 if threads and self.count >= self.due[direction]:
@@ -127,12 +139,21 @@ class Governor:
                     break
         return self.trial.threads if self.trial and not self.holding else self.threads
 
-    def _record(self, key, threads: int, seconds: float) -> None:
+    def _record(self, key, threads: int, seconds: float, starved: bool) -> None:
         self.count += 1
         self.last_key = key
+        self.spent = self.spent * (1 - 1 / MEMORY) + seconds
+        self.lost *= 1 - 1 / MEMORY
         recent = self.recent.setdefault(key, deque(maxlen=KEPT))
         trial = self.trial
         if trial is None or threads != trial.threads:
+            if self.fallback is not None:  # the first forward on a count that won a trial
+                if starved:  # (what it lost counts as a trial's)
+                    self.lost += max(seconds - self.fallback, 0.0)
+                self.fallback = None
+            if starved and threads == self.threads:
+                self._starved()
+                return
             recent.append(seconds)
             self._watch(key, recent)
             return
@@ -144,10 +165,11 @@ class Governor:
         trial.judged += 1
         trial.seconds += seconds
         trial.usual += sum(recent) / len(recent)
-        if trial.seconds > trial.usual:
+        if trial.seconds > trial.usual or starved and trial.direction > 0:
             self._end(trial, lost=True)
         elif trial.judged >= TRIAL:
             if trial.seconds < WIN * trial.usual:
+                self.fallback = trial.usual / trial.judged if trial.direction > 0 else None
                 self._switch(trial.threads)
             else:
                 self._end(trial, lost=True)
@@ -167,18 +189,17 @@ class Governor:
             self.due = {direction: min(due, self.count) for direction, due in self.due.items()}
 
     def _end(self, trial: Trial, lost: bool) -> None:
-        """A trial over without a switch: its direction waits twice as long where it lost, and
-        long enough for its lost time to be COST_SHARE of the forwards' at most."""
+        """A trial over without a switch: where it lost, its direction waits twice as long, and what
+        it lost counts against COST_SHARE."""
         self.trial = None
         direction = trial.direction
         if lost:
             self.wait[direction] = min(2 * self.wait[direction], LONGEST_WAIT)
-        forward = trial.usual / trial.judged if trial.judged else 0.0
-        spent = (trial.seconds - trial.usual) / COST_SHARE / forward if forward > 0 else 0.0
-        self.due[direction] = self.count + max(self.wait[direction], int(spent))
+            self.lost += max(trial.seconds - trial.usual, 0.0)
+        self.due[direction] = self.count + self.wait[direction]
 
     def _starved(self) -> None:
-        """Half the threads from the next forward on, where the forward's threads did not get the CPU
+        """Half the threads from the next forward on, where a forward's threads did not get the CPU
         to themselves; more are tried again after twice the wait before (a count that wins a trial
         but then starves again is tried ever more rarely)."""
         fewer = self._option(-1)
@@ -195,6 +216,16 @@ class Governor:
         self.baseline.clear()
         self.wait = {-1: FIRST_WAIT, 1: FIRST_WAIT}
         self.due = {-1: self.count + FIRST_WAIT, 1: self.count + FIRST_WAIT}
+
+
+def system_load() -> tuple[int, float] | None:
+    """(the CPUs this process may run on, the system's load average over the last minute: the
+    processes running or waiting to) where the system says, else None."""
+    try:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return (cpus, os.getloadavg()[0]) if cpus else None
+    except OSError:
+        return None
 
 
 GOVERNOR = Governor()  # one for the process: every model's forwards share the CPU

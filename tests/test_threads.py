@@ -12,7 +12,7 @@ from rsd_cli.threads import COST_SHARE, FIRST_WAIT, LONGEST_WAIT, UNJUDGED, USUA
 IDLE = {1: 0.016, 2: 0.010}  # seconds a forward, by threads: the 2-core Xeon's ratio alone
 ONE_BUSY = {1: 0.018, 2: 0.040}  # beside one busy process: two threads wait on each other
 TWO_BUSY = {1: 0.024, 2: 1.2}  # beside two: a two-thread forward waits out the scheduler at every barrier
-ALONE = {1: 1.0, 2: 1.0, 4: 1.0}  # the share of a forward's time its threads spend on the CPU
+ALONE: dict = {}  # the share of a forward's time its threads spend on the CPU, by threads (1 where not given)
 SHARED = {1: 1.0, 2: 0.7}  # beside one busy process, as measured: 0.5-0.78 (a thread is often descheduled)
 
 
@@ -34,11 +34,13 @@ class SimulatedCPU:
         self.ran.append(threads)
         seconds = self.seconds[threads] * (0.95 + 0.1 * self.random.random())
         self.now += seconds
-        self.cpu += seconds * threads * self.share[threads]
+        self.cpu += seconds * threads * self.share.get(threads, 1.0)
         return threads
 
-    def governor(self) -> Governor:
-        return Governor(clock=self.clock, cpu_clock=self.cpu_clock)
+    def governor(self, load=None) -> Governor:
+        """A governor timing this CPU's forwards; load: what the system would say of the CPUs and
+        the load on them (None: nothing, whatever runs beside the tests)."""
+        return Governor(clock=self.clock, cpu_clock=self.cpu_clock, load=lambda: load)
 
 
 def run(governor: Governor, cpu: SimulatedCPU, forwards: int, key=("target", 1), most: int = 2) -> list[int]:
@@ -109,14 +111,55 @@ def test_a_cpu_quota_halves_the_threads_until_they_get_the_cpu():
     assert ran[3:].count(4) <= 8 and 8 not in ran[3:]
 
 
-def test_more_threads_that_win_a_trial_but_starve_are_tried_ever_more_rarely():
-    """Two threads faster by the clock but off the CPU much of the time: halved each time they
-    starve, and tried again after twice the wait before."""
+def test_more_threads_that_starve_lose_their_trials_at_once():
+    """Two threads faster by the clock but off the CPU half their time: each trial of them stops
+    at its first forward, and they are tried ever more rarely."""
     cpu = SimulatedCPU(IDLE, {1: 1.0, 2: 0.5})
     governor = cpu.governor()
+    ran = run(governor, cpu, 20000)
+    assert governor.switches == [(2, 1)] and 3 <= ran[1:].count(2) <= 10
+
+
+class Bimodal(SimulatedCPU):
+    """Beside two busy processes, as measured: most two-thread forwards take 15 ms, their threads on
+    the CPU, but every fifth waits out the scheduler for 1.2 s, half its time off it."""
+
+    def __init__(self):
+        super().__init__({1: 0.020})
+        self.twos = self.collapses = 0
+
+    def forward(self, threads: int) -> int:
+        if threads == 1:
+            return super().forward(1)
+        self.twos += 1
+        collapsed = self.twos % 5 == 0
+        self.collapses += collapsed
+        seconds = 1.2 if collapsed else 0.015
+        self.now += seconds
+        self.cpu += seconds * threads * (0.5 if collapsed else 1.0)
+        return threads
+
+
+def test_time_lost_to_more_threads_that_win_a_trial_and_then_collapse_stays_a_small_share():
+    cpu = Bimodal()
+    governor = cpu.governor()
     run(governor, cpu, 20000)
-    ups = [switch for switch in governor.switches if switch == (1, 2)]
-    assert 3 <= len(ups) <= 10 and len(governor.switches) <= 2 * len(ups) + 1
+    assert governor.threads == 1 and (1, 2) in governor.switches  # (trials won, then starved)
+    assert 1.2 * cpu.collapses <= 1.5 * COST_SHARE * cpu.now + 1.2
+
+
+@pytest.mark.parametrize("cpus, load, most, first", [(2, 2.0, 2, 1), (2, 1.0, 2, 1), (2, 0.4, 2, 2), (2, 0.0, 2, 2),
+                                                     (16, 5.0, 16, 8), (16, 13.0, 16, 2), (4, 9.0, 4, 1)])
+def test_the_first_forwards_run_on_as_many_threads_as_the_load_leaves_cpus(cpus, load, most, first):
+    """Beside busy processes the first forward (the prompt's) would wait out the scheduler on every
+    thread (1.2 s beside two on the 2-core Xeon, where one thread takes 0.2): it starts on the
+    CPUs the system's load leaves, halving; more are tried after FIRST_WAIT forwards, not at once."""
+    cpu = SimulatedCPU({1: 0.016, 2: 0.010, 4: 0.006, 8: 0.004, 16: 0.003})
+    governor = cpu.governor(load=(cpus, load))
+    ran = run(governor, cpu, FIRST_WAIT + 10, most=most)
+    assert ran[0] == first
+    if first < most:
+        assert max(ran[:FIRST_WAIT]) == first and governor.threads == 2 * first  # (more threads won)
 
 
 def test_no_trials_while_held_and_none_judged_without_a_usual_time():
