@@ -27,8 +27,8 @@ While forwards run in the C library, the engine's own maths (probabilities, draw
 torch operations on a few rows of the vocabulary) runs on one thread (`one_thread_maths`): on
 several, each is an OpenMP region of its own, whose threads beside a busy process wait as the
 layers' do (a step's maths took 6.5 ms there instead of 1), and whose sums over the vocabulary
-round differently for each thread count; on one they are the same bits on every machine and
-whatever else runs. A forward on torch's layers inside it gets the CPU's threads back
+round differently for each thread count; on one they are the same bits whatever else runs. A
+forward on torch's layers inside it gets torch's count back, whatever the governor chose
 (`forward_on_torch`).
 """
 
@@ -40,6 +40,7 @@ import os
 import statistics
 import time
 from collections import deque
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -75,7 +76,7 @@ class Governor:
 
     def __init__(self, clock=time.perf_counter, cpu_clock=time.process_time, load=None):
         self.clock, self.cpu_clock = clock, cpu_clock  # wall time, and the process's CPU time
-        self.load = load or system_load  # () -> (the CPUs this process may use, other work's load) or None
+        self.load = load or system_load  # () -> (the CPUs this process may use, other processes' threads running) or None
         self.most = 0
         self.threads = 0
         self.switches: list[tuple[int, int]] = []  # (from, to) threads, in order
@@ -84,17 +85,17 @@ class Governor:
     def _reset(self, most: int) -> None:
         self.most = self.threads = most
         known = self.load()
-        if known is not None:  # as many threads as the CPUs other work leaves, halving (at least one)
-            cpus, load = known
-            while self.threads > 1 and self.threads > cpus - load + 0.5:
+        if known is not None:  # as many threads as the CPUs other processes leave, halving (at least one)
+            cpus, busy = known
+            while self.threads > 1 and self.threads > cpus - busy:
                 self.threads //= 2
         self.recent: dict = {}  # key -> deque of the last KEPT seconds on self.threads
         self.baseline: dict = {}  # key -> the median of its LAST forwards when last set (a change: CHANGE)
         self.count = 0  # forwards run
         self.wait = {-1: FIRST_WAIT, 1: FIRST_WAIT}  # forwards between a direction's trials
         self.starved_wait = FIRST_WAIT // 2  # forwards before more threads are tried after starving (doubling)
-        # the count at which each direction is tried next (more threads than the load leaves: later,
-        # a trial beside busy processes can take a second)
+        # the count at which each direction is tried next (more threads than other processes leave
+        # CPUs for: later, a trial beside busy processes can take a second)
         self.due = {-1: USUAL, 1: USUAL if self.threads == most else FIRST_WAIT}
         self.trial: Trial | None = None
         self.last_key = None  # the key of the last forward (the next one's, most likely)
@@ -219,13 +220,29 @@ class Governor:
 
 
 def system_load() -> tuple[int, float] | None:
-    """(the CPUs this process may run on, the system's load average over the last minute: the
-    processes running or waiting to) where the system says, else None."""
+    """(the CPUs this process may run on, the threads of other processes running or ready to run:
+    the fewest of three looks 1 ms apart, a busy process's thread being in each) on Linux, else None.
+    (Not the load average: back-to-back runs of rsd itself keep it near 1 on two idle cores.)"""
     try:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return (cpus, os.getloadavg()[0]) if cpus else None
-    except OSError:
+        cpus = len(os.sched_getaffinity(0))
+        fewest = None
+        for look in range(3):
+            if look:
+                time.sleep(0.001)
+            running = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+            ours = sum(_running(task) for task in Path("/proc/self/task").iterdir())
+            fewest = running - ours if fewest is None else min(fewest, running - ours)
+        return cpus, max(fewest, 0)
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
+
+
+def _running(task: Path) -> bool:
+    """Whether a thread of this process (its /proc/self/task folder) is running or ready to."""
+    try:
+        return (task / "stat").read_text().rpartition(")")[2].split()[0] == "R"
+    except (OSError, IndexError):
+        return False
 
 
 GOVERNOR = Governor()  # one for the process: every model's forwards share the CPU

@@ -2,6 +2,10 @@
 forwards take a time that depends on their threads and on what else runs."""
 
 import random
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,8 +42,8 @@ class SimulatedCPU:
         return threads
 
     def governor(self, load=None) -> Governor:
-        """A governor timing this CPU's forwards; load: what the system would say of the CPUs and
-        the load on them (None: nothing, whatever runs beside the tests)."""
+        """A governor timing this CPU's forwards; load: what the system would say of its CPUs and
+        other processes' running threads (None: nothing, whatever runs beside the tests)."""
         return Governor(clock=self.clock, cpu_clock=self.cpu_clock, load=lambda: load)
 
 
@@ -148,14 +152,15 @@ def test_time_lost_to_more_threads_that_win_a_trial_and_then_collapse_stays_a_sm
     assert 1.2 * cpu.collapses <= 1.5 * COST_SHARE * cpu.now + 1.2
 
 
-@pytest.mark.parametrize("cpus, load, most, first", [(2, 2.0, 2, 1), (2, 1.0, 2, 1), (2, 0.4, 2, 2), (2, 0.0, 2, 2),
-                                                     (16, 5.0, 16, 8), (16, 13.0, 16, 2), (4, 9.0, 4, 1)])
-def test_the_first_forwards_run_on_as_many_threads_as_the_load_leaves_cpus(cpus, load, most, first):
+@pytest.mark.parametrize("cpus, busy, most, first", [(2, 2, 2, 1), (2, 1, 2, 1), (2, 0, 2, 2), (16, 5, 16, 8),
+                                                     (16, 13, 16, 2), (4, 9, 4, 1)])
+def test_the_first_forwards_run_on_as_many_threads_as_other_processes_leave_cpus(cpus, busy, most, first):
     """Beside busy processes the first forward (the prompt's) would wait out the scheduler on every
     thread (1.2 s beside two on the 2-core Xeon, where one thread takes 0.2): it starts on the
-    CPUs the system's load leaves, halving; more are tried after FIRST_WAIT forwards, not at once."""
+    CPUs other processes' running threads leave, halving; more are tried after FIRST_WAIT forwards,
+    not at once."""
     cpu = SimulatedCPU({1: 0.016, 2: 0.010, 4: 0.006, 8: 0.004, 16: 0.003})
-    governor = cpu.governor(load=(cpus, load))
+    governor = cpu.governor(load=(cpus, busy))
     ran = run(governor, cpu, FIRST_WAIT + 10, most=most)
     assert ran[0] == first
     if first < most:
@@ -221,3 +226,17 @@ def test_the_maths_between_forwards_runs_on_one_thread_and_torch_forwards_on_all
         assert torch.get_num_threads() == 2 and threads.cpu_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not Path("/proc/loadavg").exists(), reason="Linux's /proc")
+def test_the_system_counts_a_busy_process_beside_this_one_and_not_this_ones_threads():
+    alone = threads.system_load()
+    assert alone is not None and alone[0] >= 1
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        beside = threads.system_load()
+    finally:
+        busy.kill()
+        busy.wait()
+    assert beside[1] >= 1 and beside[0] == alone[0]
