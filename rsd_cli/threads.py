@@ -152,8 +152,7 @@ class Governor:
                 if starved:  # (what it lost counts as a trial's)
                     self.lost += max(seconds - self.fallback, 0.0)
                 self.fallback = None
-            if starved and threads == self.threads:
-                self._starved()
+            if starved and threads == self.threads and self._starved():
                 return
             recent.append(seconds)
             self._watch(key, recent)
@@ -199,16 +198,17 @@ class Governor:
             self.lost += max(trial.seconds - trial.usual, 0.0)
         self.due[direction] = self.count + self.wait[direction]
 
-    def _starved(self) -> None:
+    def _starved(self) -> bool:
         """Half the threads from the next forward on, where a forward's threads did not get the CPU
-        to themselves; more are tried again after twice the wait before (a count that wins a trial
-        but then starves again is tried ever more rarely)."""
+        to themselves (False: one thread already, or held); more are tried again after twice the
+        wait before (a count that wins a trial but then starves again is tried ever more rarely)."""
         fewer = self._option(-1)
         if fewer is None or self.holding:
-            return
+            return False
         self.starved_wait = min(2 * self.starved_wait, LONGEST_WAIT)
         self._switch(fewer)
         self.wait[1], self.due[1] = self.starved_wait, self.count + self.starved_wait
+        return True
 
     def _switch(self, threads: int) -> None:
         self.switches.append((self.threads, threads))

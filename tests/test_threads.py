@@ -98,11 +98,13 @@ def test_trials_beside_two_busy_processes_lose_at_most_a_small_share_of_the_time
 
 def test_threads_that_do_not_get_the_cpu_are_halved_from_the_next_forward_on():
     """Beside two busy processes a two-thread forward's threads are on the CPU half its time, from
-    the first forward (the prompt's) on: the next runs on one thread, without a trial."""
+    the first forward (the prompt's) on: the next runs on one thread, without a trial. One thread
+    starves too (it shares a core) but has no fewer to go to: its forwards still make the usual
+    time that trials of two threads are judged against (each a second lost: rare)."""
     cpu = SimulatedCPU(TWO_BUSY, {1: 0.5, 2: 0.5})
     governor = cpu.governor()
     ran = run(governor, cpu, 2000)
-    assert ran[:2] == [2, 1] and governor.switches[0] == (2, 1) and governor.threads == 1
+    assert ran[:2] == [2, 1] and governor.switches == [(2, 1)] and 1 <= ran[2:].count(2) <= 3
 
 
 def test_a_cpu_quota_halves_the_threads_until_they_get_the_cpu():
