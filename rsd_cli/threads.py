@@ -17,7 +17,9 @@ used. A trial stops at its first forwards once they have cost more than the usua
 tried again after twice as many forwards, and after enough that the time trials lose stays under
 2% of the forwards' (a two-thread trial beside two busy processes costs a second). Where the
 median of a model's last forwards doubles or halves (a process started or ended beside them),
-trials start again at once, against those forwards.
+trials start again at once, against those forwards. The first forward runs on as many threads as
+the CPUs other processes' running threads leave (Linux's /proc), halving: beside two busy
+processes the prompt's forward on two threads took 1.2 s in some runs (0.17-0.3 s in others).
 
 A forward's result does not depend on its threads (each output is summed by one thread, in an
 order of its own; tests/test_blocks.py), so the choice changes the time only, never a token.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import statistics
 import time
@@ -219,7 +222,7 @@ class Governor:
         self.due = {-1: self.count + FIRST_WAIT, 1: self.count + FIRST_WAIT}
 
 
-def system_load() -> tuple[int, float] | None:
+def system_load() -> tuple[int, int] | None:
     """(the CPUs this process may run on, the threads of other processes running or ready to run:
     the fewest of three looks 1 ms apart, a busy process's thread being in each) on Linux, else None.
     (Not the load average: back-to-back runs of rsd itself keep it near 1 on two idle cores.)"""
@@ -279,7 +282,8 @@ def one_thread_maths(events: Iterator) -> Iterator:
     try:
         while True:
             outside = cpu_threads()
-            with _torch_on(1, outside) if outside > 1 and _outside is None else contextlib.nullcontext():
+            lower = outside > 1 and _outside is None and _openmp()
+            with _torch_on(1, outside) if lower else contextlib.nullcontext():
                 try:
                     event = next(events)
                 except StopIteration as stop:
@@ -287,6 +291,13 @@ def one_thread_maths(events: Iterator) -> Iterator:
             yield event
     finally:
         events.close()
+
+
+@functools.cache
+def _openmp() -> bool:
+    """Whether torch's threads are OpenMP's, whose count may change at any time (torch's own pool
+    warns at a change after its first parallel work)."""
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 def forward_on_torch():

@@ -157,8 +157,8 @@ def test_time_lost_to_more_threads_that_win_a_trial_and_then_collapse_stays_a_sm
 @pytest.mark.parametrize("cpus, busy, most, first", [(2, 2, 2, 1), (2, 1, 2, 1), (2, 0, 2, 2), (16, 5, 16, 8),
                                                      (16, 13, 16, 2), (4, 9, 4, 1)])
 def test_the_first_forwards_run_on_as_many_threads_as_other_processes_leave_cpus(cpus, busy, most, first):
-    """Beside busy processes the first forward (the prompt's) would wait out the scheduler on every
-    thread (1.2 s beside two on the 2-core Xeon, where one thread takes 0.2): it starts on the
+    """Beside busy processes the first forward (the prompt's) can wait out the scheduler on every
+    thread (beside two on the 2-core Xeon: 1.2 s on two threads in some runs): it starts on the
     CPUs other processes' running threads leave, halving; more are tried after FIRST_WAIT forwards,
     not at once."""
     cpu = SimulatedCPU({1: 0.016, 2: 0.010, 4: 0.006, 8: 0.004, 16: 0.003})
