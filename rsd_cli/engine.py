@@ -607,16 +607,20 @@ class Decoder:
             return one_thread_maths(events)
         return events
 
+    @property
+    def drafts(self) -> bool:
+        """Whether a generation runs the draft model (`auto` may choose shapes that do)."""
+        return self.shape.uses_draft_model or self.shape.variant == "auto"
+
     def generate(self, prompt: list[int], max_tokens: int, seed: int | None = None) -> Iterator[StepEvent]:
-        drafts = self.shape.uses_draft_model or self.shape.variant == "auto"
-        return self._threads_for(self._generate(prompt, max_tokens, seed), drafts)
+        return self._threads_for(self._generate(prompt, max_tokens, seed), self.drafts)
 
     def _generate(self, prompt: list[int], max_tokens: int, seed: int | None) -> Iterator[StepEvent]:
         self._check_prompt(prompt)
         self.prepare()  # (before this generation's caches hold a static-shape runtime's shared buffers)
         # static-cache buffers: room for the prompt, some answer and one tree; they double when full
         capacity = min(len(prompt) + min(max_tokens, 512), self.context_length or 2**31) + self.shape.max_nodes + 1
-        drafts = self.shape.uses_draft_model or self.shape.variant == "auto"
+        drafts = self.drafts
         longest = {"lookup": self.shape.width, "auto": LOOKUP_NGRAM}.get(self.shape.variant)
         self.ngrams = NgramIndex(longest) if longest else None
         target, draft, held = self._reused(prompt, drafts)
