@@ -46,7 +46,7 @@ from .step_graphs import cuda_capture
 from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, joined, native_head, native_table
 from .small_batch import (MAX_ROWS, TORCH, blocks_of, enrol, kernel_linear, kernels_of, machine,
                           prepared_copies, register_operator, room_for, signature)
-from .threads import GOVERNOR, adaptive as adaptive_threads, cpu_threads, forward_on_torch
+from .threads import run_in_c, run_on_torch
 
 BUCKETS = (1, 2, 4, 8, 16)
 # whole layers in C (blocks.NativeLayer) for every forward that can take them: measured on a 2-core
@@ -565,29 +565,33 @@ class CompiledModel:
                     return native_head(out, rows, self.model.model.norm.weight, self.norm_eps, head, threads=threads)
                 return out
 
-            most = cpu_threads()
-            if most > 1 and adaptive_threads():  # (threads change its time, never its bits)
-                x = GOVERNOR.run((id(self), tokens.shape[0]), in_the_library, most)
-            else:
-                x = in_the_library(most)
+            x = run_in_c((id(self), tokens.shape[0]), in_the_library)  # (threads change its time, never its bits)
             if head_in_c:
                 return x
-        with forward_on_torch():
+
+        def on_torch() -> torch.Tensor:
+            """the layers not run in C (all of them, but where in_c) and the head"""
+            y = x
             if not in_c:
                 run = NativeForward(cos, sin, mask, dims) if native is not None else None
                 for index, (weights, small, fused) in enumerate(self.layers):
                     if native is not None and native[index] is not None:
-                        x = run.layer(native[index], x, keys[index], values[index])
+                        y = run.layer(native[index], y, keys[index], values[index])
                         continue
                     layer_keys, layer_values = keys[index], values[index]
                     if compiled:
                         torch._dynamo.maybe_mark_dynamic(layer_keys, 1)
                         torch._dynamo.maybe_mark_dynamic(layer_values, 1)
-                    x = layer(x, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims, slots, fused)
+                    y = layer(y, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims, slots, fused)
             if head_in_c:
-                return native_head(x, rows, self.model.model.norm.weight, self.norm_eps, head)
-            return final_logits(x[rows], self.model.model.norm.weight, self.norm_eps, self.model.lm_head.weight,
+                return native_head(y, rows, self.model.model.norm.weight, self.norm_eps, head)
+            return final_logits(y[rows], self.model.model.norm.weight, self.norm_eps, self.model.lm_head.weight,
                                 self.head_small)
+
+        # on a CPU, uncompiled, on the threads the governor chooses (compiled graphs run on those they
+        # were compiled for)
+        return run_on_torch((id(self), tokens.shape[0], "torch"), on_torch,
+                            governed=not compiled and self.device.type == "cpu")
 
 
 def _compiled(fn):

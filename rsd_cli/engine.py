@@ -21,7 +21,7 @@ from .errors import RsdError
 from .sampling import (SamplingParams, gumbel_of, inverse_cdf, logits_to_probs, row_uniforms, sample, to_device,
                        to_host, to_host_soon)
 from .step_graphs import StepGraphs
-from .threads import one_thread_maths
+from .threads import one_thread_maths, run_on_torch
 from .tree import DraftTree
 from .verification import Decision, Plan, Rule, chain_outcome, fan_outcome, plan, verify
 
@@ -228,6 +228,7 @@ class CachedLM(ChainExtension):
         self.cache_argument = cache_argument(model)
         self.clock = ForwardClock(self.device)
         self.calls = 0
+        self.on_cpu = in_cpu_memory(model)  # then its forwards run on the threads the governor chooses
 
     @property
     def forward_seconds(self) -> float:
@@ -249,16 +250,20 @@ class CachedLM(ChainExtension):
         dtype = self.model.dtype
         device = self.device
         mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=tokens[None].to(device) if isinstance(tokens, torch.Tensor) else
-                torch.tensor([tokens], device=device),
-                position_ids=torch.tensor([positions], device=device),
-                attention_mask=mask[None, None].to(device),
-                **{self.cache_argument: self.cache},
-                use_cache=True,
-                logits_to_keep=1 if last_only else 0,
-            )
+
+        def work():
+            with torch.inference_mode():
+                return self.model(
+                    input_ids=tokens[None].to(device) if isinstance(tokens, torch.Tensor) else
+                    torch.tensor([tokens], device=device),
+                    position_ids=torch.tensor([positions], device=device),
+                    attention_mask=mask[None, None].to(device),
+                    **{self.cache_argument: self.cache},
+                    use_cache=True,
+                    logits_to_keep=1 if last_only else 0,
+                )
+
+        out = run_on_torch((id(self.model), len(tokens)), work, governed=self.on_cpu)
         # the logits stay on the device (a placed model's on its input device): sampling and
         # verification run there, and only a few numbers a step come to the host
         logits = full_vocabulary(out.logits[0, :, : self.vocab_size].float().to(self.device), self.vocab_size)
@@ -476,6 +481,17 @@ class Runtimes:
             f"target {one(self.target)}, draft {one(self.draft)}"
 
 
+def in_cpu_memory(model) -> bool:
+    """Whether every weight of a model is in the CPU's memory (none on a GPU, none offloaded to disk)."""
+    return all(p.device.type == "cpu" for p in model.parameters())
+
+
+def uncompiled_on_cpu(runtime, model) -> bool:
+    """Whether a model's forwards run uncompiled on the CPU (runtime: its compiled.CompiledModel, None
+    for transformers' forward)."""
+    return in_cpu_memory(model) if runtime is None else runtime.device.type == "cpu" and not runtime.compiled
+
+
 @dataclass
 class KeptCaches:
     """A finished generation's KV caches and the tokens they hold (see Decoder.keep_caches)."""
@@ -600,10 +616,11 @@ class Decoder:
                            f"{self.vocab_size} tokens: the tokenizer does not fit them")
 
     def _threads_for(self, events: Iterator, drafts: bool) -> Iterator:
-        """events, their steps' maths on one thread where every forward runs in rsd's C library (drafts:
-        whether the draft's forwards run too); see threads.one_thread_maths."""
-        runtimes = [self.runtimes.target] + ([self.runtimes.draft] if drafts else [])
-        if all(getattr(runtime, "all_in_c", False) and not runtime.compiled for runtime in runtimes):
+        """events, their steps' maths on one thread where every forward runs uncompiled on the CPU, on
+        threads the governor chooses (drafts: whether the draft's forwards run too); see
+        threads.one_thread_maths."""
+        used = [(self.runtimes.target, self.target_model)] + ([(self.runtimes.draft, self.draft_model)] if drafts else [])
+        if all(uncompiled_on_cpu(runtime, model) for runtime, model in used if model is not None):
             return one_thread_maths(events)
         return events
 

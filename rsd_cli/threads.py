@@ -1,11 +1,14 @@
-"""How many threads a forward in rsd's C library runs on: torch's count, fewer while the CPU is shared.
+"""How many threads a forward on the CPU runs on: torch's count, fewer while the CPU is shared.
 
 A forward of the C layers is one OpenMP region with a few hundred barriers. Where another process
 holds a core, a thread that reaches a barrier spins while the thread it waits for is not
 scheduled: on the 2-core Xeon, `rsd generate` beside one busy process made 32 tokens a second
 instead of 114, beside two 0.8, where one thread made 69 and 45
 (benchmarks/results/intel-xeon-busy-cpu). Beside one, most two-thread forwards took 15 ms (7
-alone) and one in ten 90-180 ms: the scheduler's time slice, waited out at a barrier.
+alone) and one in ten 90-180 ms: the scheduler's time slice, waited out at a barrier. A forward on
+torch's layers (a model without quantised blocks, transformers' forward) is hundreds of OpenMP
+regions, and fared worse: 1.4 tokens a second beside one busy process instead of 28.5, where one
+thread made 16.8 (benchmarks/results/intel-xeon-torch-threads).
 
 So the `Governor` times every forward, and the CPU time the process had during it. Where a
 forward's threads had less than 60% of the time they would have had alone (beside two busy
@@ -21,17 +24,21 @@ trials start again at once, against those forwards. The first forward runs on as
 the CPUs other processes' running threads leave (Linux's /proc), halving: beside two busy
 processes the prompt's forward on two threads took 1.2 s in some runs (0.17-0.3 s in others).
 
-A forward's result does not depend on its threads (each output is summed by one thread, in an
-order of its own; tests/test_blocks.py), so the choice changes the time only, never a token.
-`RSD_ADAPTIVE_THREADS=0` keeps torch's count.
+A trial of more threads is not run while other processes' running threads leave the CPUs for
+fewer (it would starve: on torch's layers one such forward took a second); it counts as lost.
 
-While forwards run in the C library, the engine's own maths (probabilities, draws, verification:
-torch operations on a few rows of the vocabulary) runs on one thread (`one_thread_maths`): on
-several, each is an OpenMP region of its own, whose threads beside a busy process wait as the
-layers' do (a step's maths took 6.5 ms there instead of 1), and whose sums over the vocabulary
-round differently for each thread count; on one they are the same bits whatever else runs. A
-forward on torch's layers inside it gets torch's count back, whatever the governor chose
-(`forward_on_torch`).
+A forward's result in the C library does not depend on its threads (each output is summed by one
+thread, in an order of its own; tests/test_blocks.py), so the choice changes the time only, never a
+token. On torch's layers it can change a product's last bits (torch's GEMM of 4-8 rows on a
+576-wide weight sums in another order on two threads than on one). `RSD_ADAPTIVE_THREADS=0` keeps
+torch's count. Compiled graphs run on the threads they were compiled for: not governed.
+
+While forwards run uncompiled on the CPU, the engine's own maths (probabilities, draws,
+verification: torch operations on a few rows of the vocabulary) runs on one thread
+(`one_thread_maths`): on several, each is an OpenMP region of its own, whose threads beside a busy
+process wait as the layers' do (a step's maths took 6.5 ms there instead of 1), and whose sums over
+the vocabulary round differently for each thread count; on one they are the same bits whatever else
+runs. A forward on torch's layers inside it runs on the governor's count (`run_on_torch`).
 """
 
 from __future__ import annotations
@@ -44,9 +51,11 @@ import statistics
 import time
 from collections import deque
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 KEPT = 32  # a key's last forwards on the current threads, whose mean is its usual time
 USUAL = 2  # the fewest forwards a usual time is taken over (beside busy processes a forward can take a second)
@@ -139,9 +148,19 @@ class Governor:
             for direction in (-1, 1):
                 threads = self._option(direction)
                 if threads and self.count >= self.due[direction]:
+                    if direction > 0 and not self._room_for(threads):  # (it would lose: nothing run, the wait doubles)
+                        self._end(Trial(threads, direction), lost=True)
+                        continue
                     self.trial = Trial(threads, direction)
                     break
         return self.trial.threads if self.trial and not self.holding else self.threads
+
+    def _room_for(self, threads: int) -> bool:
+        """Whether other processes' running threads leave this many CPUs free (unknown: True). A trial of
+        more threads where they do not would starve, and one forward of it can cost a second (torch's
+        layers beside a busy process on the 2-core Xeon)."""
+        known = self.load()
+        return known is None or known[0] - known[1] >= threads
 
     def _record(self, key, threads: int, seconds: float, starved: bool) -> None:
         self.count += 1
@@ -252,7 +271,7 @@ GOVERNOR = Governor()  # one for the process: every model's forwards share the C
 
 
 def adaptive() -> bool:
-    """Whether forwards in the C library choose their threads (RSD_ADAPTIVE_THREADS=0: never)."""
+    """Whether forwards on the CPU choose their threads (RSD_ADAPTIVE_THREADS=0: never)."""
     return os.environ.get("RSD_ADAPTIVE_THREADS", "1").strip() != "0"
 
 
@@ -300,7 +319,27 @@ def _openmp() -> bool:
     return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
-def forward_on_torch():
-    """A context for a forward's work on torch (its layers, a prompt's products): on the CPU's
-    threads, also inside `one_thread_maths`."""
-    return _torch_on(_outside, None) if _outside is not None else contextlib.nullcontext()
+def run_in_c(key, forward: Callable[[int], T]) -> T:
+    """forward(threads): a forward in rsd's C library (key: its model and token count), on the
+    threads the governor chooses (RSD_ADAPTIVE_THREADS=0 or one CPU: the CPU's count)."""
+    most = cpu_threads()
+    if most > 1 and adaptive():
+        return GOVERNOR.run(key, forward, most)
+    return forward(most)
+
+
+def run_on_torch(key, work: Callable[[], T], governed: bool = True) -> T:
+    """work(): a forward's work on torch (its layers, a prompt's products; key: its model and token
+    count), with torch on the threads the governor chooses where torch's count may change (OpenMP),
+    else on the CPU's count, also inside `one_thread_maths`. Inside, cpu_threads() stays the CPU's
+    count (kernel verdicts are kept per that count). governed=False: on the CPU's count (compiled
+    graphs run on the threads they were compiled for)."""
+    most = cpu_threads()
+    if governed and most > 1 and adaptive() and _openmp():
+        def forward(threads: int) -> T:
+            with _torch_on(threads, most):
+                return work()
+
+        return GOVERNOR.run(key, forward, most)
+    with _torch_on(most, None) if _outside is not None else contextlib.nullcontext():
+        return work()

@@ -429,7 +429,7 @@ def test_the_threads_of_forwards_in_c_change_their_time_never_a_token(quantised_
         forwards.clear()
         monkeypatch.delenv("RSD_ADAPTIVE_THREADS")
         governor = Alternating()
-        monkeypatch.setattr(compiled, "GOVERNOR", governor)
+        monkeypatch.setattr(threads, "GOVERNOR", governor)
         governed = [run(kernel, static[False], shape, sampling, 20, seed=seed) for seed in range(3)]
         assert set(forwards) == {1, 2} and forwards == governor.chosen[:len(forwards)]
         assert set(maths) == {1} and torch.get_num_threads() == 2

@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from rsd_cli import compiled
+from rsd_cli import compiled, threads
 from rsd_cli.cli import app
 from rsd_cli.compiled import CompiledModel, StaticLM
 from rsd_cli.drafting import make_shape
@@ -785,3 +785,62 @@ def test_buffers_start_small_and_grow_whatever_max_tokens_says(pair, runtimes):
     events = decoder.generate(PROMPT, 10**9, seed=0)
     tokens = [t for _, event in zip(range(200), events) for t in event.emitted]
     assert tokens[:40] == plain_greedy(pair[0], 40) and len(tokens) >= 200
+
+
+class Alternating(threads.Governor):
+    """A governor that runs forwards on one thread and two in turn, and says what it ran."""
+
+    def __init__(self):
+        super().__init__(load=lambda: None)
+        self.keys, self.chosen = [], []
+
+    def run(self, key, forward, most: int):
+        self.keys.append(key)
+        return super().run(key, forward, most)
+
+    def _choose(self) -> int:
+        self.chosen.append(1 + len(self.chosen) % 2)
+        return self.chosen[-1]
+
+
+@pytest.mark.parametrize("backend", ["transformers", "uncompiled", "compiled"])
+@pytest.mark.parametrize("variant", ["ar", "rsd-c"])
+def test_forwards_on_torchs_layers_run_on_the_threads_the_governor_chooses(pair, runtimes, backend, variant,
+                                                                            monkeypatch):
+    """On two threads, a forward on torch's layers (transformers', or the static-cache runtime's
+    uncompiled) runs on the count the governor picks for it — beside a busy process a two-thread
+    forward of the embedded target on torch took a second on the 2-core Xeon — and the steps' maths
+    between forwards on one thread, while the caller keeps two; compiled graphs run on the count they
+    were compiled for, the maths on torch's count. Greedy output stays plain greedy."""
+    from rsd_cli import engine
+
+    if backend != "compiled" and not threads._openmp():
+        pytest.skip("torch's own thread pool: its count is never changed")
+    chosen = {"transformers": Runtimes(), "uncompiled": runtimes[False], "compiled": runtimes[True]}[backend]
+    inside, maths = [], []
+    if backend == "transformers":
+        for model in pair:
+            model.register_forward_pre_hook(lambda *_: inside.append(torch.get_num_threads()))
+    else:
+        final = compiled.final_logits
+        monkeypatch.setattr(compiled, "final_logits", lambda *args: inside.append(torch.get_num_threads())
+                            or final(*args))
+    probabilities = engine.logits_to_probs
+    monkeypatch.setattr(engine, "logits_to_probs", lambda *args, **kwargs: maths.append(torch.get_num_threads())
+                        or probabilities(*args, **kwargs))
+    governor = Alternating()
+    monkeypatch.setattr(threads, "GOVERNOR", governor)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        tokens = run(pair, chosen, make_shape(variant, branching=(2, 2)), SamplingParams(temperature=0), 20, seed=0)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+        for model in pair:
+            model._forward_pre_hooks.clear()
+    assert tokens == plain_greedy(pair[0], 20) and inside
+    if backend == "compiled":  # (PROMPT and the trees: token counts the graphs were compiled for)
+        assert governor.keys == [] and set(inside) == {2} and set(maths) == {2}
+    else:
+        assert len(governor.keys) == len(inside) and inside == governor.chosen and set(maths) == {1}

@@ -41,8 +41,9 @@ class SimulatedCPU:
 
     def governor(self, load=None) -> Governor:
         """A governor timing this CPU's forwards; load: what the system would say of its CPUs and
-        other processes' running threads (None: nothing, whatever runs beside the tests)."""
-        return Governor(clock=self.clock, cpu_clock=self.cpu_clock, load=lambda: load)
+        other processes' running threads, or a function saying it at each look (None: nothing,
+        whatever runs beside the tests)."""
+        return Governor(clock=self.clock, cpu_clock=self.cpu_clock, load=load if callable(load) else lambda: load)
 
 
 def run(governor: Governor, cpu: SimulatedCPU, forwards: int, key=("target", 1), most: int = 2) -> list[int]:
@@ -162,11 +163,33 @@ def test_the_first_forwards_run_on_as_many_threads_as_other_processes_leave_cpus
     CPUs other processes' running threads leave, halving; more are tried after FIRST_WAIT forwards,
     not at once."""
     cpu = SimulatedCPU({1: 0.016, 2: 0.010, 4: 0.006, 8: 0.004, 16: 0.003})
-    governor = cpu.governor(load=(cpus, busy))
+    looks = []
+    governor = cpu.governor(load=lambda: (cpus, 0) if looks else looks.append(1) or (cpus, busy))  # (they end after it)
     ran = run(governor, cpu, FIRST_WAIT + 10, most=most)
     assert ran[0] == first
     if first < most:
         assert max(ran[:FIRST_WAIT]) == first and governor.threads == 2 * first  # (more threads won)
+
+
+def test_more_threads_are_not_tried_while_other_processes_leave_no_cpu_for_them():
+    """A trial of more threads beside busy processes would starve (one forward of torch's layers beside
+    one on the 2-core Xeon took a second): while the system says the CPUs are taken none is run, and
+    the looks grow rarer; once the processes end, more threads are tried and win."""
+    cpu = SimulatedCPU(ONE_BUSY)
+    load = {"busy": 1}
+    looks = []
+    governor = cpu.governor(load=lambda: looks.append(getattr(governor, "count", 0)) or (2, load["busy"]))
+    ran = run(governor, cpu, 5000)
+    assert set(ran) == {1} and governor.switches == [] and governor.lost == 0
+    gaps = [b - a for a, b in zip(looks[1:], looks[2:])]  # (the first look: the first forward's threads)
+    assert gaps == sorted(gaps) and gaps[-1] >= 2048 and len(looks) <= 10
+    load["busy"] = 0
+    cpu.seconds = IDLE
+    chosen = []
+    for _ in range(LONGEST_WAIT):
+        governor.run(("target", 1), cpu.forward, 2)
+        chosen.append(governor.threads)
+    assert governor.switches == [(1, 2)] and chosen[-1] == 2
 
 
 def test_no_trials_while_held_and_none_judged_without_a_usual_time():
@@ -196,24 +219,47 @@ def test_a_new_thread_count_from_the_user_starts_afresh():
     assert run(governor, cpu, 1, most=4) == [4] and governor.threads == 4
 
 
-def test_the_maths_between_forwards_runs_on_one_thread_and_torch_forwards_on_all():
+class Alternating(Governor):
+    """A governor that runs forwards on one thread and two in turn."""
+
+    def __init__(self):
+        super().__init__(load=lambda: None)
+        self.turn = 0
+
+    def _choose(self) -> int:
+        self.turn += 1
+        return 1 + self.turn % 2
+
+
+def test_the_maths_between_forwards_runs_on_one_thread_and_torch_forwards_on_all(monkeypatch):
     """one_thread_maths runs each step of a generator with torch on one thread and gives the
-    caller's count back between steps, after the last and when closed; forward_on_torch gives a
-    forward inside it the caller's count; cpu_threads names that count throughout."""
+    caller's count back between steps, after the last and when closed; run_on_torch gives a
+    forward inside it the caller's count (RSD_ADAPTIVE_THREADS=0), or the governor's; cpu_threads
+    names the caller's count throughout."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
+    monkeypatch.setattr(threads, "GOVERNOR", Alternating())
     try:
         seen = []
 
         def steps():
             for _ in range(3):
                 seen.append((torch.get_num_threads(), threads.cpu_threads()))
-                with threads.forward_on_torch():
-                    seen.append((torch.get_num_threads(), threads.cpu_threads()))
+                threads.run_on_torch("key", lambda: seen.append((torch.get_num_threads(), threads.cpu_threads())))
                 yield len(seen)
 
+        monkeypatch.setenv("RSD_ADAPTIVE_THREADS", "0")
         between = [torch.get_num_threads() for _ in threads.one_thread_maths(steps())]
         assert seen == [(1, 2), (2, 2)] * 3 and between == [2, 2, 2] and torch.get_num_threads() == 2
+        monkeypatch.delenv("RSD_ADAPTIVE_THREADS")
+        seen.clear()
+        list(threads.one_thread_maths(steps()))
+        governed = seen if threads._openmp() else [(1, 2), (2, 2)] * 3  # (torch's own pool: never changed)
+        assert seen == governed == [(1, 2), (2, 2), (1, 2), (1, 2), (1, 2), (2, 2)]
+        seen.clear()
+        threads.run_on_torch("key", lambda: seen.append((torch.get_num_threads(), threads.cpu_threads())),
+                             governed=False)  # (compiled graphs: the caller's count)
+        assert seen == [(2, 2)] and torch.get_num_threads() == 2
         events = threads.one_thread_maths(steps())
         next(events)
         events.close()
