@@ -46,7 +46,7 @@ from .step_graphs import cuda_capture
 from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, joined, native_head, native_table
 from .small_batch import (MAX_ROWS, TORCH, blocks_of, enrol, kernel_linear, kernels_of, machine,
                           prepared_copies, register_operator, room_for, signature)
-from .threads import run_in_c, run_on_torch
+from .threads import cpu_threads, every_thread, run_in_c, run_on_torch
 
 BUCKETS = (1, 2, 4, 8, 16)
 # whole layers in C (blocks.NativeLayer) for every forward that can take them: measured on a 2-core
@@ -539,10 +539,8 @@ class CompiledModel:
         # prompts (more than MAX_ROWS tokens) in C only where rsd's kernel measured faster for them
         prompt_on_torch = not compiled and slots is None and tokens.shape[0] > MAX_ROWS and not self.prompts_in_c
         native = self.native if not compiled and slots is None and not prompt_on_torch else None
-        layer = self._layer if compiled else decoder_layer
         if compiled:
             torch._dynamo.maybe_mark_dynamic(mask, 1)
-            self.graphs.add(tokens.shape[0])
         x = self.model.model.embed_tokens(tokens)  # (n, hidden)
         # (a tree's rows past the context's end read its last rotary angle: their tokens are never emitted)
         positions = positions.clamp(max=self.context - 1)
@@ -570,7 +568,12 @@ class CompiledModel:
                 return x
 
         def on_torch() -> torch.Tensor:
-            """the layers not run in C (all of them, but where in_c) and the head"""
+            """the layers not run in C (all of them, but where in_c) and the head, on torch's threads:
+            compiled graphs only on the CPU's count, which their code was compiled for (on fewer, what
+            the governor chose beside busy processes, the same layers uncompiled)"""
+            graphs = compiled and torch.get_num_threads() == cpu_threads()
+            if graphs:
+                self.graphs.add(tokens.shape[0])
             y = x
             if not in_c:
                 run = NativeForward(cos, sin, mask, dims) if native is not None else None
@@ -579,19 +582,18 @@ class CompiledModel:
                         y = run.layer(native[index], y, keys[index], values[index])
                         continue
                     layer_keys, layer_values = keys[index], values[index]
-                    if compiled:
+                    if graphs:
                         torch._dynamo.maybe_mark_dynamic(layer_keys, 1)
                         torch._dynamo.maybe_mark_dynamic(layer_values, 1)
-                    y = layer(y, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims, slots, fused)
+                    y = (self._layer if graphs else decoder_layer)(y, cos, sin, mask, layer_keys, layer_values,
+                                                                   weights, small, self.dims, slots, fused)
             if head_in_c:
                 return native_head(y, rows, self.model.model.norm.weight, self.norm_eps, head)
             return final_logits(y[rows], self.model.model.norm.weight, self.norm_eps, self.model.lm_head.weight,
                                 self.head_small)
 
-        # on a CPU, uncompiled, on the threads the governor chooses (compiled graphs run on those they
-        # were compiled for)
-        return run_on_torch((id(self), tokens.shape[0], "torch"), on_torch,
-                            governed=not compiled and self.device.type == "cpu")
+        # on a CPU on the threads the governor chooses
+        return run_on_torch((id(self), tokens.shape[0], "torch"), on_torch, governed=self.device.type == "cpu")
 
 
 def _compiled(fn):
@@ -791,7 +793,7 @@ def warm_up(runtime: CompiledModel, sizes=WARM_SIZES) -> None:
     inference mode as StaticLM.forward makes them (so the compiled graphs' guards match)."""
     keys, values = runtime.new_buffers(max(sizes) + 8)
     past = 4
-    with torch.inference_mode():
+    with torch.inference_mode(), every_thread():  # (graphs compiled for the CPU's threads)
         for n in sizes:
             tokens = torch.zeros(n, dtype=torch.long, device=runtime.device)
             # static shapes (what CUDA graphs capture): the new keys at slots, the mask over the capacity
@@ -805,6 +807,11 @@ def compiled_gain(model) -> float:
     a 1-token and a 4-token forward after a 100-token prefix (below 1: compiling pays), each as a
     generation makes it (on a GPU: replaying CUDA graphs). The two alternate, and each keeps its
     fastest of VERDICT_REPEATS runs: a busy moment of the machine then cannot decide the verdict."""
+    with every_thread():  # (both on the threads the graphs are compiled for)
+        return _compiled_gain(model)
+
+
+def _compiled_gain(model) -> float:
     eager, compiled = CompiledModel(model, compile=False), CompiledModel(model, compile=True)
     warm_up(compiled, (1, 4))  # (on a GPU each size's graph is then captured at its first timed run)
     caches = {runtime: StaticLM(runtime, model.config.vocab_size, 128) for runtime in (compiled, eager)}

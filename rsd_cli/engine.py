@@ -486,10 +486,10 @@ def in_cpu_memory(model) -> bool:
     return all(p.device.type == "cpu" for p in model.parameters())
 
 
-def uncompiled_on_cpu(runtime, model) -> bool:
-    """Whether a model's forwards run uncompiled on the CPU (runtime: its compiled.CompiledModel, None
-    for transformers' forward)."""
-    return in_cpu_memory(model) if runtime is None else runtime.device.type == "cpu" and not runtime.compiled
+def on_the_cpu(runtime, model) -> bool:
+    """Whether a model's forwards run on the CPU, every weight in its memory (runtime: its
+    compiled.CompiledModel, None for transformers' forward)."""
+    return in_cpu_memory(model) if runtime is None else runtime.device.type == "cpu"
 
 
 @dataclass
@@ -616,11 +616,10 @@ class Decoder:
                            f"{self.vocab_size} tokens: the tokenizer does not fit them")
 
     def _threads_for(self, events: Iterator, drafts: bool) -> Iterator:
-        """events, their steps' maths on one thread where every forward runs uncompiled on the CPU, on
-        threads the governor chooses (drafts: whether the draft's forwards run too); see
-        threads.one_thread_maths."""
+        """events, their steps' maths on one thread where every forward runs on the CPU, on threads the
+        governor chooses (drafts: whether the draft's forwards run too); see threads.one_thread_maths."""
         used = [(self.runtimes.target, self.target_model)] + ([(self.runtimes.draft, self.draft_model)] if drafts else [])
-        if all(uncompiled_on_cpu(runtime, model) for runtime, model in used if model is not None):
+        if all(on_the_cpu(runtime, model) for runtime, model in used if model is not None):
             return one_thread_maths(events)
         return events
 

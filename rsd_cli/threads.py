@@ -31,9 +31,11 @@ A forward's result in the C library does not depend on its threads (each output 
 thread, in an order of its own; tests/test_blocks.py), so the choice changes the time only, never a
 token. On torch's layers it can change a product's last bits (torch's GEMM of 4-8 rows on a
 576-wide weight sums in another order on two threads than on one). `RSD_ADAPTIVE_THREADS=0` keeps
-torch's count. Compiled graphs run on the threads they were compiled for: not governed.
+torch's count. Compiled CPU graphs hold the thread count they were compiled for in their code: they
+run where the governor chooses the CPU's count, and where it chooses fewer the same layers run
+uncompiled (compiled, beside one busy process `ar` made 1.8 tokens a second on the 2-core Xeon).
 
-While forwards run uncompiled on the CPU, the engine's own maths (probabilities, draws,
+While forwards run on the CPU, the engine's own maths (probabilities, draws,
 verification: torch operations on a few rows of the vocabulary) runs on one thread
 (`one_thread_maths`): on several, each is an OpenMP region of its own, whose threads beside a busy
 process wait as the layers' do (a step's maths took 6.5 ms there instead of 1), and whose sums over
@@ -319,11 +321,30 @@ def _openmp() -> bool:
     return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
+_every_thread = False  # inside every_thread()
+
+
+@contextlib.contextmanager
+def every_thread():
+    """Forwards inside run on the CPU's count, not the governor's: compiling graphs (whose code is
+    compiled for a thread count) and timing runtimes against each other."""
+    global _every_thread
+    before, _every_thread = _every_thread, True
+    try:
+        yield
+    finally:
+        _every_thread = before
+
+
+def _governed(most: int) -> bool:
+    return most > 1 and adaptive() and not _every_thread
+
+
 def run_in_c(key, forward: Callable[[int], T]) -> T:
     """forward(threads): a forward in rsd's C library (key: its model and token count), on the
-    threads the governor chooses (RSD_ADAPTIVE_THREADS=0 or one CPU: the CPU's count)."""
+    threads the governor chooses (RSD_ADAPTIVE_THREADS=0, one CPU or every_thread: the CPU's count)."""
     most = cpu_threads()
-    if most > 1 and adaptive():
+    if _governed(most):
         return GOVERNOR.run(key, forward, most)
     return forward(most)
 
@@ -332,10 +353,10 @@ def run_on_torch(key, work: Callable[[], T], governed: bool = True) -> T:
     """work(): a forward's work on torch (its layers, a prompt's products; key: its model and token
     count), with torch on the threads the governor chooses where torch's count may change (OpenMP),
     else on the CPU's count, also inside `one_thread_maths`. Inside, cpu_threads() stays the CPU's
-    count (kernel verdicts are kept per that count). governed=False: on the CPU's count (compiled
-    graphs run on the threads they were compiled for)."""
+    count (kernel verdicts are kept per that count; compiled graphs run only on it). governed=False:
+    on the CPU's count (a GPU's forwards)."""
     most = cpu_threads()
-    if governed and most > 1 and adaptive() and _openmp():
+    if governed and _governed(most) and _openmp():
         def forward(threads: int) -> T:
             with _torch_on(threads, most):
                 return work()

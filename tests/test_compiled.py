@@ -807,17 +807,22 @@ class Alternating(threads.Governor):
 @pytest.mark.parametrize("variant", ["ar", "rsd-c"])
 def test_forwards_on_torchs_layers_run_on_the_threads_the_governor_chooses(pair, runtimes, backend, variant,
                                                                             monkeypatch):
-    """On two threads, a forward on torch's layers (transformers', or the static-cache runtime's
-    uncompiled) runs on the count the governor picks for it — beside a busy process a two-thread
-    forward of the embedded target on torch took a second on the 2-core Xeon — and the steps' maths
-    between forwards on one thread, while the caller keeps two; compiled graphs run on the count they
-    were compiled for, the maths on torch's count. Greedy output stays plain greedy."""
+    """On two threads, a forward on torch's layers (transformers', or the static-cache runtime's)
+    runs on the count the governor picks for it — beside a busy process a two-thread forward of the
+    embedded target on torch took a second on the 2-core Xeon — and the steps' maths between
+    forwards on one thread, while the caller keeps two. Compiled graphs run only on two threads (the
+    count in their code); on one the same layers run uncompiled. Greedy output stays plain greedy."""
     from rsd_cli import engine
 
-    if backend != "compiled" and not threads._openmp():
+    if not threads._openmp():
         pytest.skip("torch's own thread pool: its count is never changed")
     chosen = {"transformers": Runtimes(), "uncompiled": runtimes[False], "compiled": runtimes[True]}[backend]
-    inside, maths = [], []
+    inside, maths, graphs = [], [], []
+    if backend == "compiled":
+        for runtime in (chosen.target, chosen.draft):
+            layer = runtime._layer
+            monkeypatch.setattr(runtime, "_layer", lambda *args, layer=layer: graphs.append(torch.get_num_threads())
+                                or layer(*args))
     if backend == "transformers":
         for model in pair:
             model.register_forward_pre_hook(lambda *_: inside.append(torch.get_num_threads()))
@@ -840,7 +845,8 @@ def test_forwards_on_torchs_layers_run_on_the_threads_the_governor_chooses(pair,
         for model in pair:
             model._forward_pre_hooks.clear()
     assert tokens == plain_greedy(pair[0], 20) and inside
+    assert len(governor.keys) == len(inside) and inside == governor.chosen and set(maths) == {1}
     if backend == "compiled":  # (PROMPT and the trees: token counts the graphs were compiled for)
-        assert governor.keys == [] and set(inside) == {2} and set(maths) == {2}
-    else:
-        assert len(governor.keys) == len(inside) and inside == governor.chosen and set(maths) == {1}
+        assert set(graphs) == {2} and set(inside) == {1, 2}
+        if variant == "ar":  # (every forward the target's: a graph call a layer on two threads)
+            assert len(graphs) == inside.count(2) * len(pair[0].model.layers)
