@@ -593,7 +593,7 @@ class CompiledModel:
                                 self.head_small)
 
         # on a CPU on the threads the governor chooses
-        return run_on_torch((id(self), tokens.shape[0], "torch"), on_torch, governed=self.device.type == "cpu")
+        return run_on_torch((id(self), tokens.shape[0], "torch"), on_torch, on_cpu=self.device.type == "cpu")
 
 
 def _compiled(fn):

@@ -10,6 +10,7 @@ import bisect
 import math
 import os
 import time
+from collections import Counter
 from functools import partial
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -21,7 +22,7 @@ from .errors import RsdError
 from .sampling import (SamplingParams, gumbel_of, inverse_cdf, logits_to_probs, row_uniforms, sample, to_device,
                        to_host, to_host_soon)
 from .step_graphs import StepGraphs
-from .threads import one_thread_maths, run_on_torch
+from .threads import FORWARDS, cpu_threads, one_thread_maths, run_on_torch
 from .tree import DraftTree
 from .verification import Decision, Plan, Rule, chain_outcome, fan_outcome, plan, verify
 
@@ -263,7 +264,7 @@ class CachedLM(ChainExtension):
                     logits_to_keep=1 if last_only else 0,
                 )
 
-        out = run_on_torch((id(self.model), len(tokens)), work, governed=self.on_cpu)
+        out = run_on_torch((id(self.model), len(tokens)), work, on_cpu=self.on_cpu)
         # the logits stay on the device (a placed model's on its input device): sampling and
         # verification run there, and only a few numbers a step come to the host
         logits = full_vocabulary(out.logits[0, :, : self.vocab_size].float().to(self.device), self.vocab_size)
@@ -368,6 +369,8 @@ class Stats:
     tried_at_depth: list[int] = field(default_factory=list)
     accepted_at_depth: list[int] = field(default_factory=list)
     shapes: dict[str, int] = field(default_factory=dict)  # steps per shape (several with --variant auto)
+    forward_threads: dict[int, int] = field(default_factory=dict)  # forwards on the CPU by their threads
+    cpu_threads: int = 0  # the threads the CPU's work may use (0: no forward on the CPU)
 
     def add(self, event: StepEvent) -> None:
         self.steps += 1
@@ -394,6 +397,15 @@ class Stats:
             self._count_depth(depth, tried, accepted)
         for name, steps in other.shapes.items():
             self.shapes[name] = self.shapes.get(name, 0) + steps
+        self.forward_threads = dict(sorted((Counter(self.forward_threads) + Counter(other.forward_threads)).items()))
+        self.cpu_threads = max(self.cpu_threads, other.cpu_threads)
+
+    def count_threads(self, before: Counter) -> None:
+        """The run's forwards on the CPU by their threads (threads.Governor): those since `before`, a
+        copy of threads.FORWARDS taken when it started."""
+        ran = FORWARDS - before
+        self.forward_threads = dict(sorted(ran.items()))
+        self.cpu_threads = cpu_threads() if ran else 0
 
     def shapes_used(self) -> list[tuple[str, int]]:
         """(shape, steps) by steps, most used first."""
@@ -452,6 +464,9 @@ class Stats:
             "forward_seconds": self.forward_seconds,
             "overhead_seconds": max(0.0, self.wall_seconds - self.forward_seconds),
             "wall_seconds": self.wall_seconds,
+            # forwards on the CPU by their threads: fewer than cpu_threads where other processes held cores
+            "forward_threads": {str(threads): n for threads, n in self.forward_threads.items()},
+            "cpu_threads": self.cpu_threads,
         }
         if draft_params and target_params:
             out["mbsu"] = self.mbsu(draft_params, target_params)

@@ -7,6 +7,7 @@ import math
 import sys
 import threading
 import time
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
@@ -17,6 +18,7 @@ from .engine import Stats, StepEvent, fresh_seed
 from .prompting import IncrementalDecoder, encode_prompt
 from .render import live_view, stats_line, steps_table
 from .runtime import make_decoder, seed_of, stops_of
+from .threads import FORWARDS
 
 
 class StopText:
@@ -96,7 +98,7 @@ def complete(decoder, prompt_ids: list[int], max_tokens: int, seed: int | None, 
     events: list[StepEvent] = []
     tokens: list[int] = []
     decoder.prepare()  # (a first run's one-off measuring is not the generation's time)
-    start = time.perf_counter()
+    start, forwards = time.perf_counter(), Counter(FORWARDS)
     steps = decoder.generate(prompt_ids, max_tokens, seed)
     try:
         for event in steps:
@@ -105,6 +107,7 @@ def complete(decoder, prompt_ids: list[int], max_tokens: int, seed: int | None, 
             tokens.extend(event.emitted)
             stats.add(event)
             stats.wall_seconds = time.perf_counter() - start
+            stats.count_threads(forwards)
             if not keep_events:
                 events.clear()
             events.append(event)
@@ -395,7 +398,7 @@ def run_together(pair, profile, decoder, prompt_ids: list[list[int]], seeds: lis
                 out.flush()
 
     max_tokens = profile["sampling"]["max_tokens"]
-    start = time.perf_counter()
+    start, forwards = time.perf_counter(), Counter(FORWARDS)
     steps = decoder.generate_together(prompt_ids, max_tokens, seeds, ended)  # (a prompt per completion)
     try:
         for step_events in steps:
@@ -407,6 +410,7 @@ def run_together(pair, profile, decoder, prompt_ids: list[list[int]], seeds: lis
                 tokens[j].extend(event.emitted)
                 stats[j].add(event)
                 stats[j].wall_seconds = now
+                stats[j].count_threads(forwards)  # (the forwards it shared with the others)
                 if not keep_events:
                     events[j].clear()
                 events[j].append(event)

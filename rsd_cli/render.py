@@ -16,7 +16,17 @@ def stats_line(stats: Stats, configured: str | None = None) -> str:
         f"{stats.steps} steps · {stats.new_tokens} tokens · block efficiency {stats.block_efficiency:.2f} · "
         f"acceptance {stats.acceptance_rate:.2f} (per depth {per_depth}) · {stats.tokens_per_second:.1f} tok/s · "
         f"draft {stats.draft_seconds:.2f}s · verify {stats.verify_seconds:.2f}s"
-    )
+    ) + fewer_threads(stats)
+
+
+def fewer_threads(stats: Stats) -> str:
+    """" · forwards on 1 of 2 threads" where some of the run's forwards ran on fewer threads than the CPU's
+    count (other processes held cores: threads.Governor), else nothing."""
+    used = list(stats.forward_threads)
+    if not used or min(used) >= stats.cpu_threads:
+        return ""
+    low, high = min(used), max(used)
+    return f" · forwards on {low if low == high else f'{low}-{high}'} of {stats.cpu_threads} threads"
 
 
 def token_label(tokenizer, token: int, width: int = 16) -> str:

@@ -51,7 +51,7 @@ import functools
 import os
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
@@ -345,22 +345,38 @@ def run_in_c(key, forward: Callable[[int], T]) -> T:
     threads the governor chooses (RSD_ADAPTIVE_THREADS=0, one CPU or every_thread: the CPU's count)."""
     most = cpu_threads()
     if _governed(most):
-        return GOVERNOR.run(key, forward, most)
-    return forward(most)
+        return GOVERNOR.run(key, _counted(forward, governed=True), most)
+    return _counted(forward)(most)
 
 
-def run_on_torch(key, work: Callable[[], T], governed: bool = True) -> T:
+def run_on_torch(key, work: Callable[[], T], on_cpu: bool = True) -> T:
     """work(): a forward's work on torch (its layers, a prompt's products; key: its model and token
     count), with torch on the threads the governor chooses where torch's count may change (OpenMP),
     else on the CPU's count, also inside `one_thread_maths`. Inside, cpu_threads() stays the CPU's
-    count (kernel verdicts are kept per that count; compiled graphs run only on it). governed=False:
-    on the CPU's count (a GPU's forwards)."""
+    count (kernel verdicts are kept per that count; compiled graphs run only on it). on_cpu=False
+    (a GPU's forward): torch's count, not counted in FORWARDS."""
     most = cpu_threads()
-    if governed and _governed(most) and _openmp():
-        def forward(threads: int) -> T:
-            with _torch_on(threads, most):
-                return work()
+    if not on_cpu:
+        with _torch_on(most, None) if _outside is not None else contextlib.nullcontext():
+            return work()
 
-        return GOVERNOR.run(key, forward, most)
-    with _torch_on(most, None) if _outside is not None else contextlib.nullcontext():
-        return work()
+    def forward(threads: int) -> T:
+        with _torch_on(threads, most):
+            return work()
+
+    if _governed(most) and _openmp():
+        return GOVERNOR.run(key, _counted(forward, governed=True), most)
+    return _counted(forward)(most)
+
+
+# the CPU forwards this process ran, by their threads: for the governor's, the count it kept (a trial of
+# another count, a few forwards now and then, is counted under the kept one)
+FORWARDS: Counter = Counter()
+
+
+def _counted(forward: Callable[[int], T], governed: bool = False) -> Callable[[int], T]:
+    def counted(threads: int) -> T:
+        FORWARDS[GOVERNOR.threads if governed else threads] += 1
+        return forward(threads)
+
+    return counted

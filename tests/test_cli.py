@@ -85,6 +85,53 @@ def test_generate_json_has_every_field(cli, tiny_profile):
     assert record["prompt_tokens"] > raw[0]["prompt_tokens"]  # (the chat template's tokens around "hello")
 
 
+def test_forwards_on_fewer_threads_are_said_in_the_stats_line_and_counted_in_json(cli, tiny_profile, monkeypatch):
+    """Where the governor keeps fewer threads than the CPU's (other processes hold cores), the stats
+    line says so and --json counts the forwards by their threads; on every thread nothing is said.
+    The tokens are the same."""
+    import torch
+
+    from rsd_cli import threads
+
+    if not threads._openmp():
+        pytest.skip("torch's own thread pool: its count is never changed")
+
+    class Kept(threads.Governor):
+        """a governor that keeps `kept` threads: no trial, no halving"""
+
+        def __init__(self, kept: int):
+            super().__init__(load=lambda: None)
+            self.kept = kept
+
+        def _reset(self, most: int) -> None:
+            super()._reset(most)
+            self.threads = self.kept
+
+        def _choose(self) -> int:
+            return self.threads
+
+        def _record(self, *_) -> None:
+            pass
+
+    def generate(kept: int):
+        monkeypatch.setattr(threads, "GOVERNOR", Kept(kept))
+        result = cli("generate", "hello", "-p", tiny_profile, "--json", "-n", "6", "-t", "0", input="")
+        assert result.exit_code == 0, result.stderr
+        return json.loads(result.stdout), result.stderr
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        (alone, quiet), (shared, said) = generate(2), generate(1)
+    finally:
+        torch.set_num_threads(before)
+    assert alone["stats"]["cpu_threads"] == shared["stats"]["cpu_threads"] == 2
+    assert set(alone["stats"]["forward_threads"]) == {"2"} and set(shared["stats"]["forward_threads"]) == {"1"}
+    assert shared["stats"]["forward_threads"]["1"] > shared["stats"]["steps"]  # (the prompt's, each step's, drafts')
+    assert "forwards on 1 of 2 threads" in said and "forwards on" not in quiet
+    assert alone["token_ids"] == shared["token_ids"]
+
+
 def test_seeded_runs_repeat_and_greedy_variants_agree(cli, tiny_profile):
     def text(*extra):
         result = cli("generate", "the cat", "-p", tiny_profile, "--json", "-n", "12", *extra, input="")

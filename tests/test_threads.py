@@ -254,11 +254,10 @@ def test_the_maths_between_forwards_runs_on_one_thread_and_torch_forwards_on_all
         monkeypatch.delenv("RSD_ADAPTIVE_THREADS")
         seen.clear()
         list(threads.one_thread_maths(steps()))
-        governed = seen if threads._openmp() else [(1, 2), (2, 2)] * 3  # (torch's own pool: never changed)
-        assert seen == governed == [(1, 2), (2, 2), (1, 2), (1, 2), (1, 2), (2, 2)]
+        assert seen == [(1, 2), (2, 2), (1, 2), (1, 2), (1, 2), (2, 2)]  # (the governor's 2, 1, 2 inside)
         seen.clear()
         threads.run_on_torch("key", lambda: seen.append((torch.get_num_threads(), threads.cpu_threads())),
-                             governed=False)  # (compiled graphs: the caller's count)
+                             on_cpu=False)  # (a GPU's forward: the caller's count)
         assert seen == [(2, 2)] and torch.get_num_threads() == 2
         events = threads.one_thread_maths(steps())
         next(events)
