@@ -46,7 +46,7 @@ from .step_graphs import cuda_capture
 from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, joined, native_head, native_table
 from .small_batch import (MAX_ROWS, TORCH, blocks_of, enrol, kernel_linear, kernels_of, machine,
                           prepared_copies, register_operator, room_for, signature)
-from .threads import cpu_threads, every_thread, run_in_c, run_on_torch
+from .threads import cpu_threads, every_thread, on_threads, run_in_c, run_on_torch
 
 BUCKETS = (1, 2, 4, 8, 16)
 # whole layers in C (blocks.NativeLayer) for every forward that can take them: measured on a 2-core
@@ -557,36 +557,36 @@ class CompiledModel:
             dims = (x.shape[1], heads, kv_heads, head_dim, self.intermediate, scaling, eps)
         if in_c:
             def in_the_library(threads: int) -> torch.Tensor:
-                """every layer in one call, the head in another where it is on blocks: on `threads` threads"""
+                """every layer in one call, the head in another where it is on blocks (else on torch): on
+                `threads` threads"""
                 out = NativeForward(cos, sin, mask, dims, threads).layers(self._native_table(native), x, keys, values)
                 if head_in_c:
                     return native_head(out, rows, self.model.model.norm.weight, self.norm_eps, head, threads=threads)
-                return out
+                with on_threads(threads):
+                    return final_logits(out[rows], self.model.model.norm.weight, self.norm_eps,
+                                        self.model.lm_head.weight, self.head_small)
 
-            x = run_in_c((id(self), tokens.shape[0]), in_the_library)  # (threads change its time, never its bits)
-            if head_in_c:
-                return x
+            return run_in_c((id(self), tokens.shape[0]), in_the_library)  # (threads change its time, never its bits)
 
         def on_torch() -> torch.Tensor:
-            """the layers not run in C (all of them, but where in_c) and the head, on torch's threads:
-            compiled graphs only on the CPU's count, which their code was compiled for (on fewer, what
-            the governor chose beside busy processes, the same layers uncompiled)"""
+            """the layers (on torch, or some in C one by one) and the head, on torch's threads: compiled
+            graphs only on the CPU's count, which their code was compiled for (on fewer, what the
+            governor chose beside busy processes, the same layers uncompiled)"""
             graphs = compiled and torch.get_num_threads() == cpu_threads()
             if graphs:
                 self.graphs.add(tokens.shape[0])
             y = x
-            if not in_c:
-                run = NativeForward(cos, sin, mask, dims) if native is not None else None
-                for index, (weights, small, fused) in enumerate(self.layers):
-                    if native is not None and native[index] is not None:
-                        y = run.layer(native[index], y, keys[index], values[index])
-                        continue
-                    layer_keys, layer_values = keys[index], values[index]
-                    if graphs:
-                        torch._dynamo.maybe_mark_dynamic(layer_keys, 1)
-                        torch._dynamo.maybe_mark_dynamic(layer_values, 1)
-                    y = (self._layer if graphs else decoder_layer)(y, cos, sin, mask, layer_keys, layer_values,
-                                                                   weights, small, self.dims, slots, fused)
+            run = NativeForward(cos, sin, mask, dims) if native is not None else None
+            for index, (weights, small, fused) in enumerate(self.layers):
+                if native is not None and native[index] is not None:
+                    y = run.layer(native[index], y, keys[index], values[index])
+                    continue
+                layer_keys, layer_values = keys[index], values[index]
+                if graphs:
+                    torch._dynamo.maybe_mark_dynamic(layer_keys, 1)
+                    torch._dynamo.maybe_mark_dynamic(layer_values, 1)
+                y = (self._layer if graphs else decoder_layer)(y, cos, sin, mask, layer_keys, layer_values,
+                                                               weights, small, self.dims, slots, fused)
             if head_in_c:
                 return native_head(y, rows, self.model.model.norm.weight, self.norm_eps, head)
             return final_logits(y[rows], self.model.model.norm.weight, self.norm_eps, self.model.lm_head.weight,

@@ -7,8 +7,8 @@ instead of 114, beside two 0.8, where one thread made 69 and 45
 (benchmarks/results/intel-xeon-busy-cpu). Beside one, most two-thread forwards took 15 ms (7
 alone) and one in ten 90-180 ms: the scheduler's time slice, waited out at a barrier. A forward on
 torch's layers (a model without quantised blocks, transformers' forward) is hundreds of OpenMP
-regions, and fared worse: 1.4 tokens a second beside one busy process instead of 28.5, where one
-thread made 16.8 (benchmarks/results/intel-xeon-torch-threads).
+regions, and fared worse: 2.9 tokens a second beside one busy process (1.5-5.4) instead of 29.3,
+where one thread made 17.2 (benchmarks/results/intel-xeon-torch-threads).
 
 So the `Governor` times every forward, and the CPU time the process had during it. Where a
 forward's threads had less than 60% of the time they would have had alone (beside two busy
@@ -33,7 +33,7 @@ token. On torch's layers it can change a product's last bits (torch's GEMM of 4-
 576-wide weight sums in another order on two threads than on one). `RSD_ADAPTIVE_THREADS=0` keeps
 torch's count. Compiled CPU graphs hold the thread count they were compiled for in their code: they
 run where the governor chooses the CPU's count, and where it chooses fewer the same layers run
-uncompiled (compiled, beside one busy process `ar` made 1.8 tokens a second on the 2-core Xeon).
+uncompiled (compiled, beside one busy process `ar` made 1.3 tokens a second on the 2-core Xeon).
 
 While forwards run on the CPU, the engine's own maths (probabilities, draws,
 verification: torch operations on a few rows of the vocabulary) runs on one thread
@@ -361,12 +361,18 @@ def run_on_torch(key, work: Callable[[], T], on_cpu: bool = True) -> T:
             return work()
 
     def forward(threads: int) -> T:
-        with _torch_on(threads, most):
+        with on_threads(threads):
             return work()
 
     if _governed(most) and _openmp():
         return GOVERNOR.run(key, _counted(forward, governed=True), most)
     return _counted(forward)(most)
+
+
+def on_threads(threads: int):
+    """A context: torch on `threads` threads, cpu_threads() inside still the CPU's count (kernel
+    verdicts are kept per that count)."""
+    return _torch_on(threads, cpu_threads())
 
 
 # the CPU forwards this process ran, by their threads: for the governor's, the count it kept (a trial of
