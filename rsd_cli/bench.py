@@ -242,6 +242,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
             "draft_seconds": d["draft_seconds"], "verify_seconds": d["verify_seconds"],
             "forward_seconds": d["forward_seconds"], "overhead_seconds": d["overhead_seconds"],
             "wall_seconds": d["wall_seconds"], "new_tokens": d["new_tokens"], "steps": d["steps"],
+            "forward_threads": d["forward_threads"], "cpu_threads": d["cpu_threads"],
         })
     for (name, t), (n, seconds) in peer_totals.items():
         error = peer_errors.get(name)
@@ -258,6 +259,19 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
             "new_tokens": n, "steps": None, "error": error,
         })
     return rows
+
+
+def shared_cpu(rows: list[dict]) -> str | None:
+    """A warning where some rows' forwards ran on fewer threads than the CPU's (the thread governor's
+    answer to other processes holding cores): their numbers are the shared machine's. None otherwise."""
+    counts = [(int(threads), n, row["cpu_threads"]) for row in rows
+              for threads, n in (row.get("forward_threads") or {}).items()]
+    fewer = sum(n for threads, n, cpus in counts if threads < cpus)
+    if not fewer:
+        return None
+    return (f"rsd: warning: other processes held cores during the benchmark: {fewer} of {sum(n for _, n, _ in counts)} "
+            f"forwards ran on fewer threads than the CPU's {max(cpus for _, _, cpus in counts)}, so these numbers are "
+            "the shared machine's (transformers' own rows keep their threads)")
 
 
 def _shape_label(shape: Shape, used: dict[str, int]) -> str:

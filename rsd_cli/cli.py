@@ -436,11 +436,13 @@ def bench(
         if row.get("error"):
             console.print(f"rsd: warning: {row['variant']} failed and has no numbers: {row['error']}",
                           markup=False, highlight=False)
+    from .bench import memory_summary, shared_cpu
+
+    if shared_cpu(rows):
+        console.print(shared_cpu(rows), markup=False, highlight=False)
     if plot:
         write_plot(rows, plot)
         console.print(f"wrote {plot}")
-    from .bench import memory_summary
-
     memory = memory_summary(pair, runtime_mb)
     if as_json:
         from .small_batch import installed, signature

@@ -236,3 +236,16 @@ def test_with_cuda_graphs_each_job_is_warmed_at_the_timed_length_on_the_longest_
                         runtimes={"on": runtimes})
         assert calls[:2] == [expected] * 2  # the two jobs' warm-ups
         assert calls[2:] == [(lengths[0], 12)] * 2 + [(lengths[1], 12)] * 2  # then the timed runs
+
+
+def test_a_benchmark_on_a_shared_cpu_says_its_numbers_are_the_shared_machines():
+    """Rows whose forwards ran on fewer threads than the CPU's (the governor's answer to other
+    processes holding cores) give one warning counting them; rows on every thread, and peers, none."""
+    from rsd_cli.bench import shared_cpu
+
+    alone = {"variant": "ar", "forward_threads": {"2": 40}, "cpu_threads": 2}
+    shared = {"variant": "sd", "forward_threads": {"1": 30, "2": 10}, "cpu_threads": 2}
+    peer = {"variant": "hf-static", "tokens_per_second": 20.0}
+    assert shared_cpu([alone, peer]) is None and shared_cpu([]) is None
+    warning = shared_cpu([alone, shared, peer])
+    assert "30 of 80 forwards ran on fewer threads than the CPU's 2" in warning
