@@ -263,15 +263,16 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
 
 def shared_cpu(rows: list[dict]) -> str | None:
     """A warning where some rows' forwards ran on fewer threads than the CPU's (the thread governor's
-    answer to other processes holding cores): their numbers are the shared machine's. None otherwise."""
+    answer to other processes holding cores, mostly): their numbers may be the shared machine's. None
+    otherwise."""
     counts = [(int(threads), n, row["cpu_threads"]) for row in rows
               for threads, n in (row.get("forward_threads") or {}).items()]
     fewer = sum(n for threads, n, cpus in counts if threads < cpus)
     if not fewer:
         return None
-    return (f"rsd: warning: other processes held cores during the benchmark: {fewer} of {sum(n for _, n, _ in counts)} "
-            f"forwards ran on fewer threads than the CPU's {max(cpus for _, _, cpus in counts)}, so these numbers are "
-            "the shared machine's (transformers' own rows keep their threads)")
+    return (f"rsd: warning: {fewer} of {sum(n for _, n, _ in counts)} forwards ran on fewer threads than the CPU's "
+            f"{max(cpus for _, _, cpus in counts)}, as the thread governor found faster: where other processes held "
+            "cores, these numbers are the shared machine's (transformers' own rows keep their threads)")
 
 
 def _shape_label(shape: Shape, used: dict[str, int]) -> str:
