@@ -438,8 +438,9 @@ def bench(
                           markup=False, highlight=False)
     from .bench import memory_summary, shared_cpu
 
-    if shared_cpu(rows):
-        console.print(shared_cpu(rows), markup=False, highlight=False)
+    warning = shared_cpu(rows)
+    if warning:
+        console.print(warning, markup=False, highlight=False)
     if plot:
         write_plot(rows, plot)
         console.print(f"wrote {plot}")
