@@ -7,7 +7,8 @@ of rsd to run instead of this one (git worktree add /tmp/before <commit>).
   .venv/bin/python benchmarks/busy_cpu.py --hogs 0,1,2 --rounds 3 \\
       "governed=" "fixed=RSD_ADAPTIVE_THREADS=0" "omp1=OMP_NUM_THREADS=1" "before=@/tmp/before"
 
-Prints one line per round and hog count, then the medians; --json FILE keeps every number.
+Prints one line per round and hog count, then the medians (nan: the run failed or took over
+--timeout seconds); --json FILE keeps every number.
 """
 
 import argparse
@@ -35,8 +36,11 @@ def tokens_per_second(args, env: dict, checkout: str | None) -> float:
     full_env = {**os.environ, **env}
     if checkout:
         full_env["PYTHONPATH"] = checkout
-    done = subprocess.run(command, env=full_env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          cwd="/tmp" if checkout else ROOT, timeout=args.timeout)
+    try:
+        done = subprocess.run(command, env=full_env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              cwd="/tmp" if checkout else ROOT, timeout=args.timeout)
+    except subprocess.TimeoutExpired:  # (a collapsed run: less than -n / --timeout tokens a second)
+        return float("nan")
     if done.returncode != 0:
         return float("nan")
     return json.loads(done.stdout)["stats"]["tokens_per_second"]

@@ -14,10 +14,11 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh stepgraphs  # device steps' maths as CUDA graphs, steps queued ahead: A/B
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh auto      # auto against ar, prompt by prompt: GPU, then 16 cores
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh together  # --samples decoded together vs one after the other
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh busy16    # the thread governor on 16 cores beside busy processes
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
-part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto or together}
+part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together or busy16}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -93,6 +94,13 @@ case $part in
       grep -v Warning | tee "$out/together-gpu.txt"
     CUDA_VISIBLE_DEVICES= $py benchmarks/samples_together.py --samples 2,4,8,16 --json "$out/together-cpu16.json" 2>&1 |
       grep -v Warning | tee "$out/together-cpu16.txt" ;;
-  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto or together" >&2
+  busy16)  # the 16-core CPU alone and beside 8 and 16 busy processes: the governor against torch's fixed
+    # count, on the C layers and on torch's (whether it keeps 16 threads alone; nan: over 30 s, collapsed)
+    # (first, once: the per-machine verdicts torch's layers need, so that no timed run measures them)
+    CUDA_VISIBLE_DEVICES= RSD_BLOCK_KERNELS=0 $py -m rsd_cli generate Hi -n 2 -v ar < /dev/null > /dev/null 2>&1
+    CUDA_VISIBLE_DEVICES= $py benchmarks/busy_cpu.py --hogs 0,8,16 --rounds 2 -n 48 --timeout 30 \
+      --json "$out/busy16.json" "governed=" "fixed=RSD_ADAPTIVE_THREADS=0" "torch=RSD_BLOCK_KERNELS=0" \
+      "torch-fixed=RSD_BLOCK_KERNELS=0 RSD_ADAPTIVE_THREADS=0" 2>&1 | tee "$out/busy16.txt" ;;
+  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together or busy16" >&2
      exit 2 ;;
 esac
