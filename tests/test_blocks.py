@@ -21,6 +21,7 @@ from rsd_cli.engine import CachedLM, Decoder, Runtimes
 from rsd_cli.models import write_json_table
 from rsd_cli.sampling import SamplingParams
 from test_compiled import run
+from test_threads import Alternating
 from test_engine import MC_SHAPES, N_SAMPLES, V, chi_square_pvalue, exact_joint, plain_greedy, shapes
 from tiny import quantise_like_gguf, quantise_q4_1, quantise_q8_0, tiny_model
 
@@ -386,18 +387,6 @@ def test_greedy_on_the_blocks_kernel_equals_plain_greedy(quantised_pair, shape):
     assert run(kernel, Runtimes(), shape, greedy, 25, seed=0) == expected
     for runtimes in static.values():  # compiled, and uncompiled with fused projections
         assert run(kernel, runtimes, shape, greedy, 25, seed=0) == expected
-
-
-class Alternating(threads.Governor):
-    """A governor that runs forwards on one thread and two in turn, and says which it chose."""
-
-    def __init__(self):
-        super().__init__()
-        self.chosen = []
-
-    def _choose(self) -> int:
-        self.chosen.append(1 + len(self.chosen) % 2)
-        return self.chosen[-1]
 
 
 @pytest.mark.parametrize("variant", ["ar", "sd", "rsd-c"])

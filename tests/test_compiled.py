@@ -20,6 +20,7 @@ from rsd_cli.sampling import SamplingParams
 from rsd_cli.tree import DraftTree
 from test_engine import (DEVICE_SHAPES, MC_SHAPES, N_SAMPLES, PROMPT, V, chi_square_pvalue, exact_joint,
                          plain_greedy, shapes)
+from test_threads import Alternating
 from tiny import tiny_model, tiny_relative
 
 
@@ -785,22 +786,6 @@ def test_buffers_start_small_and_grow_whatever_max_tokens_says(pair, runtimes):
     events = decoder.generate(PROMPT, 10**9, seed=0)
     tokens = [t for _, event in zip(range(200), events) for t in event.emitted]
     assert tokens[:40] == plain_greedy(pair[0], 40) and len(tokens) >= 200
-
-
-class Alternating(threads.Governor):
-    """A governor that runs forwards on one thread and two in turn, and says what it ran."""
-
-    def __init__(self):
-        super().__init__(load=lambda: None)
-        self.keys, self.chosen = [], []
-
-    def run(self, key, forward, most: int):
-        self.keys.append(key)
-        return super().run(key, forward, most)
-
-    def _choose(self) -> int:
-        self.chosen.append(1 + len(self.chosen) % 2)
-        return self.chosen[-1]
 
 
 @pytest.mark.parametrize("backend", ["transformers", "uncompiled", "compiled"])
