@@ -34,6 +34,7 @@ compare the two runtimes' logits, greedy outputs and sampled distributions.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 
@@ -555,16 +556,21 @@ class CompiledModel:
         if native is not None:
             heads, kv_heads, head_dim, scaling, eps = self.dims
             dims = (x.shape[1], heads, kv_heads, head_dim, self.intermediate, scaling, eps)
+
+        def logits(y: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+            """the final norm and head on the last layer's output y (in C where the head is on blocks), on
+            `threads` threads (None: torch's)"""
+            if head_in_c:
+                return native_head(y, rows, self.model.model.norm.weight, self.norm_eps, head, threads=threads)
+            with on_threads(threads) if threads else contextlib.nullcontext():
+                return final_logits(y[rows], self.model.model.norm.weight, self.norm_eps, self.model.lm_head.weight,
+                                    self.head_small)
+
         if in_c:
             def in_the_library(threads: int) -> torch.Tensor:
-                """every layer in one call, the head in another where it is on blocks (else on torch): on
-                `threads` threads"""
+                """every layer in one call, then the head: on `threads` threads"""
                 out = NativeForward(cos, sin, mask, dims, threads).layers(self._native_table(native), x, keys, values)
-                if head_in_c:
-                    return native_head(out, rows, self.model.model.norm.weight, self.norm_eps, head, threads=threads)
-                with on_threads(threads):
-                    return final_logits(out[rows], self.model.model.norm.weight, self.norm_eps,
-                                        self.model.lm_head.weight, self.head_small)
+                return logits(out, threads)
 
             return run_in_c((id(self), tokens.shape[0]), in_the_library)  # (threads change its time, never its bits)
 
@@ -587,10 +593,7 @@ class CompiledModel:
                     torch._dynamo.maybe_mark_dynamic(layer_values, 1)
                 y = (self._layer if graphs else decoder_layer)(y, cos, sin, mask, layer_keys, layer_values,
                                                                weights, small, self.dims, slots, fused)
-            if head_in_c:
-                return native_head(y, rows, self.model.model.norm.weight, self.norm_eps, head)
-            return final_logits(y[rows], self.model.model.norm.weight, self.norm_eps, self.model.lm_head.weight,
-                                self.head_small)
+            return logits(y)
 
         # on a CPU on the threads the governor chooses
         return run_on_torch((id(self), tokens.shape[0], "torch"), on_torch, on_cpu=self.device.type == "cpu")

@@ -340,11 +340,12 @@ def _governed(most: int) -> bool:
     return most > 1 and adaptive() and not _every_thread
 
 
-def run_in_c(key, forward: Callable[[int], T]) -> T:
+def run_in_c(key, forward: Callable[[int], T], chosen: bool = True) -> T:
     """forward(threads): a forward in rsd's C library (key: its model and token count), on the
-    threads the governor chooses (RSD_ADAPTIVE_THREADS=0, one CPU or every_thread: the CPU's count)."""
+    threads the governor chooses (RSD_ADAPTIVE_THREADS=0, one CPU, every_thread or not `chosen`: the
+    CPU's count). Counted in FORWARDS."""
     most = cpu_threads()
-    if _governed(most):
+    if chosen and _governed(most):
         return GOVERNOR.run(key, _counted(forward, governed=True), most)
     return _counted(forward)(most)
 
@@ -364,9 +365,7 @@ def run_on_torch(key, work: Callable[[], T], on_cpu: bool = True) -> T:
         with on_threads(threads):
             return work()
 
-    if _governed(most) and _openmp():
-        return GOVERNOR.run(key, _counted(forward, governed=True), most)
-    return _counted(forward)(most)
+    return run_in_c(key, forward, chosen=_openmp())  # (the same choice and count, on torch's threads)
 
 
 def on_threads(threads: int):
