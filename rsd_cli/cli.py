@@ -10,11 +10,52 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup
+
+try:  # typer carries its own copy of click since 0.2x; before, it used click itself
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - an older typer
+    from click import exceptions as click_errors
 
 from .errors import RsdError, UsageError
 
+
+def _one_line(usage_error):
+    """Click's usage errors (an unknown flag or command, a value of the wrong type, a missing
+    argument) as rsd's own: one line on stderr and exit code 2, instead of a framed box under the
+    usage. (Asking for nothing, as `rsd` alone does, still shows the help.)"""
+    if isinstance(usage_error, getattr(click_errors, "NoArgsIsHelpError", ())):
+        raise usage_error
+    where = f" (see '{usage_error.ctx.command_path} -h')" if usage_error.ctx is not None else ""
+    error(usage_error.format_message().removesuffix(".") + where)  # (click's "No such command 'x'.")
+    raise typer.Exit(2)
+
+
+class OneLineUsage:
+    """A command whose command line's errors are one line (_one_line)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click_errors.UsageError as e:
+            _one_line(e)
+
+
+class Command(OneLineUsage, TyperCommand):
+    pass
+
+
+class Group(OneLineUsage, TyperGroup):
+    def resolve_command(self, ctx, args):  # (an unknown command)
+        try:
+            return super().resolve_command(ctx, args)
+        except click_errors.UsageError as e:
+            _one_line(e)
+
+
 app = typer.Typer(
     name="rsd",
+    cls=Group,
     help="Faster text generation with Recursive Speculative Decoding: a draft model proposes a "
     "tree of tokens, the target verifies it in one pass, the output stays exactly the target's.",
     no_args_is_help=True,
@@ -22,7 +63,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
     rich_markup_mode="rich",
 )
-profiles_app = typer.Typer(help="List and inspect profiles.", no_args_is_help=True,
+profiles_app = typer.Typer(help="List and inspect profiles.", no_args_is_help=True, cls=Group,
                            context_settings={"help_option_names": ["-h", "--help"]})
 app.add_typer(profiles_app, name="profiles")
 
@@ -215,7 +256,7 @@ class Loader:
             return resolve_source(source, lambda m: status.update(m))[0]
 
 
-@app.command(no_args_is_help=False)
+@app.command(no_args_is_help=False, cls=Command)
 @cli_errors
 def generate(
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt; - reads stdin. Piped stdin is joined before it.",
@@ -272,7 +313,7 @@ def generate(
                  show_stats=not quiet, step_table=stats, live=live, console=console, logprobs=logprobs)
 
 
-@app.command()
+@app.command(cls=Command)
 @cli_errors
 def chat(
     profile: ProfileOpt = None,
@@ -311,7 +352,7 @@ def chat(
     run_chat(pair, prof, system=system, tree=tree, console=_stderr_console(), history=history)
 
 
-@app.command("inspect-tree")
+@app.command("inspect-tree", cls=Command)
 @cli_errors
 def inspect_tree(
     prompt: Annotated[str, typer.Argument(help="The prompt; - reads stdin.")],
@@ -357,7 +398,7 @@ def _csv_list(text: str, kind, name: str) -> list:
         raise UsageError(f"{name} takes a comma-separated list (got {text!r})") from None
 
 
-@app.command()
+@app.command(cls=Command)
 @cli_errors
 def bench(
     profile: ProfileOpt = None,
@@ -466,7 +507,7 @@ def bench(
                       f"(target + draft, shared tensors counted once)")
 
 
-@profiles_app.command("list")
+@profiles_app.command("list", cls=Command)
 @cli_errors
 def profiles_list():
     """Built-in and user profiles (user ones shadow built-in ones of the same name)."""
@@ -480,7 +521,7 @@ def profiles_list():
         typer.echo(f"{name}\t{where}\t{path}\t{description}")
 
 
-@profiles_app.command("show")
+@profiles_app.command("show", cls=Command)
 @cli_errors
 def profiles_show(name: Annotated[str, typer.Argument(autocompletion=complete_profile)] = "default",
                   as_json: Annotated[bool, typer.Option("--json")] = False):
@@ -515,7 +556,7 @@ def _toml_value(value) -> str:
     return json.dumps(value)
 
 
-@profiles_app.command("path")
+@profiles_app.command("path", cls=Command)
 @cli_errors
 def profiles_path():
     """The folder where user profiles live."""
@@ -524,7 +565,7 @@ def profiles_path():
     typer.echo(str(user_profiles_dir()))
 
 
-@app.command()
+@app.command(cls=Command)
 @cli_errors
 def distill(
     out: Annotated[Path, typer.Option("--out", "-o", help="Where to write the adapter (.safetensors).")],

@@ -317,6 +317,7 @@ def test_bad_parameters_are_one_line_errors(cli, tiny_profile, args, code, fragm
     result = cli("generate", "hi", "-p", tiny_profile, *args, input="")
     assert result.exit_code == code, (result.stdout, result.stderr)
     assert fragment in result.stderr and "Traceback" not in result.stderr and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("rsd: error: "), result.stderr
 
 
 def test_an_out_of_range_value_in_the_environment_is_not_a_usage_error(cli, tiny_profile):
@@ -401,10 +402,34 @@ def test_profiles_commands(cli, tiny_profile):
     assert path.exit_code == 0 and path.stdout.strip().endswith("profiles")
 
 
-def test_usage_errors_exit_2(cli):
-    result = cli("generate", "--no-such-flag")
-    assert result.exit_code == 2
-    assert result.stdout == ""
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "--no-such-flag"], "No such option: --no-such-flag (see 'rsd generate -h')"),
+        (["generate", "hi", "--budgett", "3"], "No such option: --budgett"),  # (and click's guesses: --budget)
+        (["frobnicate"], "No such command 'frobnicate' (see 'rsd -h')"),
+        (["profiles", "frob"], "No such command 'frob' (see 'rsd profiles -h')"),
+        (["inspect-tree"], "Missing argument 'prompt' (see 'rsd inspect-tree -h')"),
+        (["inspect-tree", "hi", "--step", "0"], "Invalid value for '--step'"),
+        (["generate", "hi", "--samples", "0"], "Invalid value for '--samples'"),
+        (["bench", "--limit", "many"], "Invalid value for '--limit'"),
+        (["chat", "--seed", "x"], "Invalid value for '--seed'"),
+        (["distill", "--layers", "x"], "Invalid value for '--layers'"),
+    ],
+)
+def test_usage_errors_are_one_line_and_exit_2(cli, args, message):
+    """Click's own checks (an unknown flag or command, a value of the wrong type or out of range, a
+    missing argument) read as rsd's own: one line, no framed box, no usage block."""
+    result = cli(*args)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.startswith("rsd: error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr
+
+
+def test_asking_for_nothing_still_shows_the_help(cli):
+    for args in ([], ["profiles"]):
+        result = cli(*args)
+        assert "Usage: rsd" in result.stdout + result.stderr and "rsd: error" not in result.stderr
 
 
 def test_help_everywhere(cli):
