@@ -2,6 +2,8 @@
 small_batch measured fastest for prompts), interleaved in one process, for the embedded target
 and its draft: seconds per P-token prompt, medians over rounds. Prints what this machine's
 verdicts choose (`CompiledModel.prompts_in_c`) and how far the two paths' last logits are apart.
+A third column times torch's layer with the prompt's attention masked (-inf added to the hidden
+half of the scores, as before its attention was told it is causal: compiled.decoder_layer).
 
     .venv/bin/python benchmarks/prompt_path_ab.py [--prefixes 64,96,128,256,1000,2000] [--rounds 3]
 """
@@ -12,6 +14,7 @@ import time
 
 import torch
 
+from rsd_cli import compiled
 from rsd_cli.compiled import CompiledModel, StaticLM
 from rsd_cli.models import load_pair
 from rsd_cli.profiles import load_profile
@@ -31,19 +34,24 @@ for role, model in (("target", pair.target), ("draft", pair.draft)):
     print(f"{role}: this machine's verdicts read prompts {'in C' if chosen else 'on torch’s layer'}", flush=True)
     for prefix in (int(p) for p in args.prefixes.split(",")):
         prompt = [100 + (i * 37) % 5000 for i in range(prefix)]
-        times, last = {True: [], False: []}, {}
+        paths = {"C": (True, compiled._lower_triangle), "torch": (False, compiled._lower_triangle),
+                 "masked": (False, lambda n: torch.zeros(n, n, dtype=torch.bool))}  # (never causal)
+        times, last = {path: [] for path in paths}, {}
         for _ in range(args.rounds):
-            for in_c in (True, False):
-                runtime.prompts_in_c = in_c
+            for path, (in_c, causal_test) in paths.items():
+                runtime.prompts_in_c, compiled._lower_triangle = in_c, causal_test
                 cache = StaticLM(runtime, model.config.vocab_size, prefix + 1)
                 start = time.perf_counter()
                 logits = cache.extend(prompt)
-                times[in_c].append(time.perf_counter() - start)
-                last[in_c] = torch.as_tensor(logits)[-1].float()
+                times[path].append(time.perf_counter() - start)
+                last[path] = torch.as_tensor(logits)[-1].float()
                 cache.release()
-        c, t = (statistics.median(times[k]) for k in (True, False))
-        seen = last[True].isfinite()  # (a draft's head may cover only the first ids: -inf past them)
-        gap = (last[True][seen] - last[False][seen]).abs().max().item()
-        print(f"{role}, a {prefix}-token prompt: C {c:.3f} s, torch's layer {t:.3f} s (C / torch {c / t:.2f}x); "
-              f"last logits within {gap:.1e}", flush=True)
+        compiled._lower_triangle = paths["C"][1]
+        c, t, m = (statistics.median(times[path]) for path in paths)
+        seen = last["C"].isfinite()  # (a draft's head may cover only the first ids: -inf past them)
+        gap = (last["C"][seen] - last["torch"][seen]).abs().max().item()
+        same = torch.equal(last["torch"], last["masked"])
+        print(f"{role}, a {prefix}-token prompt: C {c:.3f} s, torch's layer {t:.3f} s (C / torch {c / t:.2f}x), "
+              f"masked {m:.3f} s (torch / masked {t / m:.2f}x); last logits within {gap:.1e}, "
+              f"{'the same' if same else 'not the same'} masked", flush=True)
     runtime.prompts_in_c = chosen

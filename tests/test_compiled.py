@@ -835,3 +835,48 @@ def test_forwards_on_torchs_layers_run_on_the_threads_the_governor_chooses(pair,
         assert set(graphs) == {2} and set(inside) == {1, 2}
         if variant == "ar":  # (every forward the target's: a graph call a layer on two threads)
             assert len(graphs) == inside.count(2) * len(pair[0].model.layers)
+
+
+def test_a_prompts_first_forward_takes_its_attention_as_causal_with_the_masks_logits(pair, runtimes, monkeypatch):
+    """A prompt read into an empty cache: each layer's attention is told it is causal instead of
+    adding a mask of -inf (which makes torch's kernel skip the hidden half), and the logits are
+    those the mask gives, bit for bit. Where the cache holds tokens before them (a chain after the
+    prompt) or the new tokens do not see each other causally (a tree), the mask as before."""
+    attention = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+
+    def recorded(*args, **kwargs):
+        calls.append("causal" if kwargs.get("is_causal") and kwargs.get("attn_mask") is None else "mask")
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(compiled.F, "scaled_dot_product_attention", recorded)
+    prompt = PROMPT * 3
+    layers = len(pair[0].model.layers)
+
+    def first_forward(lm: StaticLM) -> torch.Tensor:
+        calls.clear()
+        return lm.extend(prompt, last_only=False)
+
+    ours = StaticLM(runtimes[False].target, V, capacity=16)
+    causal = first_forward(ours)
+    assert calls == ["causal"] * layers
+    with monkeypatch.context() as never_causal:  # the same forward through the mask
+        never_causal.setattr(compiled, "_lower_triangle", lambda n: torch.zeros(n, n, dtype=torch.bool))
+        masked_lm = StaticLM(runtimes[False].target, V, capacity=16)
+        masked = first_forward(masked_lm)
+        assert calls == ["mask"] * layers
+        masked_lm.release()
+    assert torch.equal(causal, masked)
+    calls.clear()
+    ours.extend([2, 5])
+    tree = a_tree()
+    base = ours.length
+    visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
+    ours.forward(tree.tokens, [base + d for d in tree.depths], visible)
+    assert calls == ["mask"] * 2 * layers
+    ours.release()
+    tree_first = StaticLM(runtimes[False].target, V, capacity=16)  # a tree in an empty cache: not causal
+    calls.clear()
+    tree_first.forward(tree.tokens, tree.depths, tree.ancestry())
+    assert calls == ["mask"] * layers
+    tree_first.release()
