@@ -35,6 +35,7 @@ compare the two runtimes' logits, greedy outputs and sampled distributions.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import weakref
 
@@ -135,7 +136,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple, dims: tuple,
-                  slots: torch.Tensor | None = None, fused: tuple = (None, None), causal: bool = False) -> torch.Tensor:
+                  slots: torch.Tensor | None = None, fused: tuple = (None, None),
+                  sight: "Sight | None" = None) -> torch.Tensor:
     """One Llama decoder layer on n new tokens. x (n, hidden); cos, sin (n, head_dim); mask (n, kv_len)
     additive, the new tokens at slots kv_len - n .. kv_len - 1 of keys, values (kv_heads, capacity,
     head_dim), written in place. With `slots` (n,) (static shapes, what a CUDA graph replays) the
@@ -146,10 +148,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     `fused` = (q, k and v's quantised blocks in one, gate and up's in one) or None each (fused_blocks):
     one call of the blocks kernel instead of three or two, the same arithmetic for every output. On a
     GPU wk, wv and wu are None: wq holds q, k and v's weights stacked and wg gate and up's
-    (stack_projections), one product instead of three and one instead of two. `causal`: the mask is
-    the plain causal one of n new tokens in an empty cache (a prompt's first forward), which
-    attention then takes as such, skipping the hidden half of the scores instead of adding -inf to
-    them (a 5173-token prompt's attention on the 2-core Xeon 0.32 -> 0.15 s a layer, the same bits)."""
+    (stack_projections), one product instead of three and one instead of two. `sight` (see Sight):
+    the keys attention reads and how, where fewer than all of them or plainly causal."""
     ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd, q_norm, k_norm = weights
     heads, kv_heads, head_dim, scaling, eps = dims
     n, kv_len = x.shape[0], mask.shape[1]
@@ -176,6 +176,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
         keys[:, kv_len - n: kv_len] = k
         values[:, kv_len - n: kv_len] = v
         k, v = keys[:, :kv_len], values[:, :kv_len]
+        if sight is not None and sight.keys is not None:
+            k, v = k.index_select(1, sight.keys), v.index_select(1, sight.keys)
     else:
         keys.index_copy_(1, slots, k)
         values.index_copy_(1, slots, v)
@@ -185,7 +187,9 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
         grouped = {"enable_gqa": True}
     elif heads != kv_heads:
         k, v = k.repeat_interleave(heads // kv_heads, dim=0), v.repeat_interleave(heads // kv_heads, dim=0)
-    masking = {"is_causal": True} if causal else {"attn_mask": mask[None, None].to(q.dtype)}
+    if sight is not None:
+        mask = sight.mask
+    masking = {"is_causal": True} if mask is None else {"attn_mask": mask[None, None].to(q.dtype)}
     out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scaling, **masking, **grouped)[0]  # (H, n, hd)
     x = x + _linear(out.transpose(0, 1).reshape(n, heads * head_dim), wo, bo, small[3])
     h = _rms_norm(x, ln2, eps)
@@ -534,13 +538,13 @@ class CompiledModel:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor | None = None,
-                causal: bool = False) -> torch.Tensor:
+                sight: Sight | None = None) -> torch.Tensor:
         """tokens, positions (n,); mask (n, kv_len) additive, the new tokens at slots kv_len - n ..
         kv_len - 1 (or at `slots`, the mask then over the whole capacity); keys, values (layers,
         kv_heads, capacity, head_dim), written in place; rows (m,) which outputs to return. Returns
         (m, rows of the head) logits. Sizes in BUCKETS run the compiled graphs (the used length and
-        the capacity are dynamic dimensions), others eager. causal: the mask is the causal one over
-        an empty cache (decoder_layer's `causal`, for the layers run by torch uncompiled)."""
+        the capacity are dynamic dimensions), others eager. sight: what attention reads, where less
+        than every key through the mask (Sight; for the layers run by torch uncompiled)."""
         compiled = self.inductor and tokens.shape[0] in self.buckets
         # prompts (more than MAX_ROWS tokens) in C only where rsd's kernel measured faster for them
         prompt_on_torch = not compiled and slots is None and tokens.shape[0] > MAX_ROWS and not self.prompts_in_c
@@ -600,7 +604,7 @@ class CompiledModel:
                     y = self._layer(y, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims, slots, fused)
                 else:
                     y = decoder_layer(y, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims, slots,
-                                      fused, causal)
+                                      fused, sight)
             return logits(y)
 
         # on a CPU on the threads the governor chooses
@@ -610,6 +614,44 @@ class CompiledModel:
 def _lower_triangle(n: int) -> torch.Tensor:
     """(n, n) bool: row i sees columns 0..i (causal attention over n tokens in an empty cache)."""
     return torch.arange(n)[:, None] >= torch.arange(n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sight:
+    """What torch's attention reads in a forward of n new tokens (decoder_layer), worked out once
+    for all its layers where that is less than every key with the mask added: `keys` (m,) the cache
+    slots some new token sees, in order (None: every slot of the used length), and `mask` (n, m)
+    additive over them, or None where that is plain causal (the new tokens see each other causally
+    and nothing else), which attention then takes as such (`is_causal`).
+
+    torch's kernel computes every score a mask hides, then adds -inf to it; told it is causal, it
+    skips the hidden half, and keys no new token sees are left out instead of being read and hidden.
+    A prompt read into an empty cache is plain causal: the same bits as through the mask, a
+    5173-token prompt's attention on the 2-core Xeon 0.32 -> 0.15 s a layer. The prompts of
+    `--samples`/`--prompts` read together (Decoder.generate_together) each see their shared
+    beginning and themselves, not the prompts read before them: without the others' keys each
+    prompt's attention costs what its own length says, not what all of them before it add up to."""
+
+    keys: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
+def sight_of(visible: torch.Tensor, mask: torch.Tensor) -> Sight | None:
+    """The Sight of new tokens whose `visible` (n, kv_len) bool and additive `mask` (n, kv_len) are
+    given, or None where attention should read every key through the mask: the keys are left out
+    where the scores that saves outnumber the keys copied (a tree's few rows in a long context read
+    them all), and the mask where what is left is causal."""
+    n, kv_len = visible.shape
+    seen = visible.any(0)
+    hidden = kv_len - int(seen.sum())
+    if not hidden or n * hidden <= kv_len - hidden:
+        if kv_len == n and torch.equal(visible, _lower_triangle(n)):
+            return Sight(None, None)
+        return None
+    keys = seen.nonzero().squeeze(1)
+    if len(keys) == n and torch.equal(visible[:, keys], _lower_triangle(n)):
+        return Sight(keys, None)
+    return Sight(keys, mask[:, keys])
 
 
 def _compiled(fn):
@@ -747,10 +789,12 @@ class StaticLM(ChainExtension):
                 ids = torch.tensor(ids, device=device)
                 token_ids = torch.nn.functional.pad(tokens.to(device), (0, pad)) if on_device else ids[0]
                 rows = torch.tensor([n - 1]) if last_only else torch.arange(n)  # padding rows skip the head
-                # a prompt's first forward: its attention as plainly causal (decoder_layer), where visible says so
-                causal = self.length == 0 and n > 1 and not pad and torch.equal(visible, _lower_triangle(n))
+                # what torch's attention reads, where less than every key through the mask (a prompt's)
+                sight = sight_of(visible, mask) if n > 1 and not pad else None
+                if sight is not None:
+                    sight = Sight(*(t if t is None else t.to(device) for t in (sight.keys, sight.mask)))
                 logits = self.compiled.forward(token_ids, ids[1], mask.to(device), self.keys, self.values,
-                                               rows.to(device), causal=causal)
+                                               rows.to(device), sight=sight)
         self.length += n
         logits = full_vocabulary(logits[:, : self.vocab_size].float(), self.vocab_size)  # stays on the device
         self.clock.stop(start)

@@ -5,6 +5,7 @@ for trees and pruned caches, the same greedy output for every variant, the targe
 from __future__ import annotations
 
 import json
+import math
 import weakref
 
 import pytest
@@ -837,21 +838,28 @@ def test_forwards_on_torchs_layers_run_on_the_threads_the_governor_chooses(pair,
             assert len(graphs) == inside.count(2) * len(pair[0].model.layers)
 
 
-def test_a_prompts_first_forward_takes_its_attention_as_causal_with_the_masks_logits(pair, runtimes, monkeypatch):
+@pytest.fixture
+def attention_calls(monkeypatch):
+    """torch's attention calls in the static-cache runtime, each ("causal" or "mask", keys read)."""
+    attention = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+
+    def recorded(q, k, v, **kwargs):
+        causal = kwargs.get("is_causal") and kwargs.get("attn_mask") is None
+        calls.append(("causal" if causal else "mask", k.shape[2]))
+        return attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(compiled.F, "scaled_dot_product_attention", recorded)
+    return calls
+
+
+def test_a_prompts_first_forward_takes_its_attention_as_causal_with_the_masks_logits(pair, runtimes, monkeypatch,
+                                                                                     attention_calls):
     """A prompt read into an empty cache: each layer's attention is told it is causal instead of
     adding a mask of -inf (which makes torch's kernel skip the hidden half), and the logits are
     those the mask gives, bit for bit. Where the cache holds tokens before them (a chain after the
     prompt) or the new tokens do not see each other causally (a tree), the mask as before."""
-    attention = torch.nn.functional.scaled_dot_product_attention
-    calls = []
-
-    def recorded(*args, **kwargs):
-        calls.append("causal" if kwargs.get("is_causal") and kwargs.get("attn_mask") is None else "mask")
-        return attention(*args, **kwargs)
-
-    monkeypatch.setattr(compiled.F, "scaled_dot_product_attention", recorded)
-    prompt = PROMPT * 3
-    layers = len(pair[0].model.layers)
+    calls, prompt, layers = attention_calls, PROMPT * 3, len(pair[0].model.layers)
 
     def first_forward(lm: StaticLM) -> torch.Tensor:
         calls.clear()
@@ -859,12 +867,12 @@ def test_a_prompts_first_forward_takes_its_attention_as_causal_with_the_masks_lo
 
     ours = StaticLM(runtimes[False].target, V, capacity=16)
     causal = first_forward(ours)
-    assert calls == ["causal"] * layers
+    assert calls == [("causal", len(prompt))] * layers
     with monkeypatch.context() as never_causal:  # the same forward through the mask
         never_causal.setattr(compiled, "_lower_triangle", lambda n: torch.zeros(n, n, dtype=torch.bool))
         masked_lm = StaticLM(runtimes[False].target, V, capacity=16)
         masked = first_forward(masked_lm)
-        assert calls == ["mask"] * layers
+        assert calls == [("mask", len(prompt))] * layers
         masked_lm.release()
     assert torch.equal(causal, masked)
     calls.clear()
@@ -873,10 +881,71 @@ def test_a_prompts_first_forward_takes_its_attention_as_causal_with_the_masks_lo
     base = ours.length
     visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
     ours.forward(tree.tokens, [base + d for d in tree.depths], visible)
-    assert calls == ["mask"] * 2 * layers
+    assert calls == [("mask", base)] * layers + [("mask", base + len(tree))] * layers
     ours.release()
     tree_first = StaticLM(runtimes[False].target, V, capacity=16)  # a tree in an empty cache: not causal
     calls.clear()
     tree_first.forward(tree.tokens, tree.depths, tree.ancestry())
-    assert calls == ["mask"] * layers
+    assert calls == [("mask", len(tree))] * layers
     tree_first.release()
+
+
+@pytest.mark.parametrize("shared", [0, 2], ids=["nothing-shared", "a-shared-beginning"])
+def test_prompts_read_together_attend_to_their_own_keys_only(pair, runtimes, monkeypatch, attention_calls, shared):
+    """Prompts read into one cache one after the other (generate_together), each seeing the shared
+    beginning and itself: each one's attention reads only those keys (causal where nothing is
+    shared), not the prompts before it, and gives the logits of the masked attention over them all."""
+    calls, layers = attention_calls, len(pair[0].model.layers)
+    beginning, prompts = [1, 2][:shared], [[3, 4, 5, 1, 2, 4], [5, 5, 1, 0, 3, 2, 1]]
+
+    def read_together(lm: StaticLM) -> list[torch.Tensor]:
+        if beginning:
+            lm.extend(beginning)
+        logits = []
+        for prompt in prompts:
+            past, n = lm.length, len(prompt)
+            visible = torch.zeros(n, past + n, dtype=torch.bool)
+            visible[:, :shared] = True
+            visible[:, past:] = compiled._lower_triangle(n)
+            calls.clear()
+            logits.append(lm.forward(prompt, list(range(shared, shared + n)), visible))
+        return logits
+
+    ours = StaticLM(runtimes[False].target, V, capacity=32)
+    together = read_together(ours)
+    read = [len(prompts[1]) + shared] * layers  # the second prompt's forward: its keys and the beginning's
+    assert calls == [("mask" if shared else "causal", read[0])] * layers
+    ours.release()
+    with monkeypatch.context() as every_key:
+        every_key.setattr(compiled, "sight_of", lambda visible, mask: None)
+        masked_lm = StaticLM(runtimes[False].target, V, capacity=32)
+        masked = read_together(masked_lm)
+        assert calls == [("mask", shared + len(prompts[0]) + len(prompts[1]))] * layers
+        masked_lm.release()
+    for ours_logits, masked_logits in zip(together, masked):
+        torch.testing.assert_close(ours_logits, masked_logits, atol=1e-6, rtol=1e-6)
+
+
+def test_what_attention_reads_is_worked_out_from_what_the_new_tokens_see():
+    """sight_of: plain causal in an empty cache; every key where all are seen after a cache (a chain,
+    a chat's next message); where some are hidden, the seen ones only if the scores skipped outnumber
+    the keys copied (a tree's rows in a long context hide a few keys: all are read)."""
+    causal = compiled._lower_triangle
+    mask_of = lambda visible: torch.zeros(visible.shape).masked_fill_(~visible, -math.inf)  # noqa: E731
+    empty = compiled.sight_of(causal(5), mask_of(causal(5)))
+    assert empty.keys is None and empty.mask is None
+    after = torch.cat([torch.ones(4, 6, dtype=torch.bool), causal(4)], dim=1)
+    assert compiled.sight_of(after, mask_of(after)) is None
+    others = torch.cat([torch.ones(4, 2, dtype=torch.bool), torch.zeros(4, 6, dtype=torch.bool), causal(4)], dim=1)
+    sight = compiled.sight_of(others, mask_of(others))
+    assert sight.keys.tolist() == [0, 1, 8, 9, 10, 11]
+    assert torch.equal(sight.mask, mask_of(others)[:, [0, 1, 8, 9, 10, 11]])
+    alone = torch.cat([torch.zeros(4, 6, dtype=torch.bool), causal(4)], dim=1)
+    sight = compiled.sight_of(alone, mask_of(alone))
+    assert sight.keys.tolist() == [6, 7, 8, 9] and sight.mask is None
+    tree = torch.ones(3, 40, dtype=torch.bool)
+    tree[:, 37:] = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and two children
+    tree[:, 10:12] = False  # two keys none of them sees: 6 scores skipped would cost 38 keys copied
+    assert compiled.sight_of(tree, mask_of(tree)) is None
+    tree[:, 10:30] = False  # twenty: 60 scores against 20 keys
+    assert compiled.sight_of(tree, mask_of(tree)).keys.tolist() == list(range(10)) + list(range(30, 40))
