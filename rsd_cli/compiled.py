@@ -187,10 +187,15 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
         grouped = {"enable_gqa": True}
     elif heads != kv_heads:
         k, v = k.repeat_interleave(heads // kv_heads, dim=0), v.repeat_interleave(heads // kv_heads, dim=0)
-    if sight is not None:
-        mask = sight.mask
-    masking = {"is_causal": True} if mask is None else {"attn_mask": mask[None, None].to(q.dtype)}
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scaling, **masking, **grouped)[0]  # (H, n, hd)
+    if sight is not None and sight.mask is None:  # causal, every key before the new tokens' own seen by all
+        before = k.shape[1] - n  # (rows of zeros before the queries: torch's causal attention is top-left)
+        q = torch.cat([q.new_zeros(heads, before, head_dim), q], dim=1) if before else q
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scaling, is_causal=True,
+                                             **grouped)[0, :, before:]  # (H, n, hd)
+    else:
+        mask = mask if sight is None else sight.mask
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None].to(q.dtype),
+                                             scale=scaling, **grouped)[0]
     x = x + _linear(out.transpose(0, 1).reshape(n, heads * head_dim), wo, bo, small[3])
     h = _rms_norm(x, ln2, eps)
     if wu is None:  # (stacked float weights)
@@ -621,16 +626,18 @@ class Sight:
     """What torch's attention reads in a forward of n new tokens (decoder_layer), worked out once
     for all its layers where that is less than every key with the mask added: `keys` (m,) the cache
     slots some new token sees, in order (None: every slot of the used length), and `mask` (n, m)
-    additive over them, or None where that is plain causal (the new tokens see each other causally
-    and nothing else), which attention then takes as such (`is_causal`).
+    additive over them, or None where that is causal: the new tokens, the last n of the keys read,
+    see each other causally and every key before theirs — a chain after what they see of the cache.
 
-    torch's kernel computes every score a mask hides, then adds -inf to it; told it is causal, it
-    skips the hidden half, and keys no new token sees are left out instead of being read and hidden.
-    A prompt read into an empty cache is plain causal: the same bits as through the mask, a
-    5173-token prompt's attention on the 2-core Xeon 0.32 -> 0.15 s a layer. The prompts of
+    torch's kernel computes every score a mask hides, then adds -inf to it. Told the attention is
+    causal, it skips the hidden half (the keys before the new tokens' own are then seen by as many
+    rows of zeros before the new tokens' queries, whose outputs are dropped: worth it where those keys
+    are at most half as many as the new tokens); keys no new token sees are left out instead of
+    read and hidden. A prompt read into an empty cache is causal: the same bits as through the mask,
+    a 5173-token prompt's attention on the 2-core Xeon 0.32 -> 0.15 s a layer. The prompts of
     `--samples`/`--prompts` read together (Decoder.generate_together) each see their shared
-    beginning and themselves, not the prompts read before them: without the others' keys each
-    prompt's attention costs what its own length says, not what all of them before it add up to."""
+    beginning and themselves, not the prompts read before them: each one's attention costs what its
+    own length says, not what all of them before it add up to."""
 
     keys: torch.Tensor | None
     mask: torch.Tensor | None
@@ -638,20 +645,20 @@ class Sight:
 
 def sight_of(visible: torch.Tensor, mask: torch.Tensor) -> Sight | None:
     """The Sight of new tokens whose `visible` (n, kv_len) bool and additive `mask` (n, kv_len) are
-    given, or None where attention should read every key through the mask: the keys are left out
-    where the scores that saves outnumber the keys copied (a tree's few rows in a long context read
-    them all), and the mask where what is left is causal."""
+    given, or None where attention should read every key through the mask: keys are left out where
+    the scores that saves outnumber the keys copied (a tree's few rows in a long context read them
+    all), and the mask where what is read is causal with at most n / 2 keys before the new tokens'
+    (a chat's next message read after a longer conversation keeps the mask: the rows of zeros would
+    cost more than the mask)."""
     n, kv_len = visible.shape
     seen = visible.any(0)
     hidden = kv_len - int(seen.sum())
-    if not hidden or n * hidden <= kv_len - hidden:
-        if kv_len == n and torch.equal(visible, _lower_triangle(n)):
-            return Sight(None, None)
-        return None
-    keys = seen.nonzero().squeeze(1)
-    if len(keys) == n and torch.equal(visible[:, keys], _lower_triangle(n)):
+    keys = seen.nonzero().squeeze(1) if hidden and n * hidden > kv_len - hidden else None
+    read = visible if keys is None else visible[:, keys]
+    before = read.shape[1] - n
+    if 0 <= before <= n // 2 and bool(read[:, :before].all()) and torch.equal(read[:, before:], _lower_triangle(n)):
         return Sight(keys, None)
-    return Sight(keys, mask[:, keys])
+    return None if keys is None else Sight(keys, mask[:, keys])
 
 
 def _compiled(fn):

@@ -893,8 +893,8 @@ def test_a_prompts_first_forward_takes_its_attention_as_causal_with_the_masks_lo
 @pytest.mark.parametrize("shared", [0, 2], ids=["nothing-shared", "a-shared-beginning"])
 def test_prompts_read_together_attend_to_their_own_keys_only(pair, runtimes, monkeypatch, attention_calls, shared):
     """Prompts read into one cache one after the other (generate_together), each seeing the shared
-    beginning and itself: each one's attention reads only those keys (causal where nothing is
-    shared), not the prompts before it, and gives the logits of the masked attention over them all."""
+    beginning and itself: each one's attention reads only those keys, causally (the beginning's seen
+    by all), not the prompts before it, and gives the logits of the masked attention over them all."""
     calls, layers = attention_calls, len(pair[0].model.layers)
     beginning, prompts = [1, 2][:shared], [[3, 4, 5, 1, 2, 4], [5, 5, 1, 0, 3, 2, 1]]
 
@@ -914,7 +914,7 @@ def test_prompts_read_together_attend_to_their_own_keys_only(pair, runtimes, mon
     ours = StaticLM(runtimes[False].target, V, capacity=32)
     together = read_together(ours)
     read = [len(prompts[1]) + shared] * layers  # the second prompt's forward: its keys and the beginning's
-    assert calls == [("mask" if shared else "causal", read[0])] * layers
+    assert calls == [("causal", read[0])] * layers
     ours.release()
     with monkeypatch.context() as every_key:
         every_key.setattr(compiled, "sight_of", lambda visible, mask: None)
@@ -927,25 +927,37 @@ def test_prompts_read_together_attend_to_their_own_keys_only(pair, runtimes, mon
 
 
 def test_what_attention_reads_is_worked_out_from_what_the_new_tokens_see():
-    """sight_of: plain causal in an empty cache; every key where all are seen after a cache (a chain,
-    a chat's next message); where some are hidden, the seen ones only if the scores skipped outnumber
-    the keys copied (a tree's rows in a long context hide a few keys: all are read)."""
+    """sight_of: causal in an empty cache, and after at most half as many keys as the new tokens that
+    they all see; every key through the mask after more (a chat's next message); where some keys are
+    hidden from every new token, the seen ones only if the scores skipped outnumber the keys copied
+    (a tree's rows in a long context hide a few: all are read)."""
     causal = compiled._lower_triangle
     mask_of = lambda visible: torch.zeros(visible.shape).masked_fill_(~visible, -math.inf)  # noqa: E731
-    empty = compiled.sight_of(causal(5), mask_of(causal(5)))
-    assert empty.keys is None and empty.mask is None
-    after = torch.cat([torch.ones(4, 6, dtype=torch.bool), causal(4)], dim=1)
-    assert compiled.sight_of(after, mask_of(after)) is None
-    others = torch.cat([torch.ones(4, 2, dtype=torch.bool), torch.zeros(4, 6, dtype=torch.bool), causal(4)], dim=1)
-    sight = compiled.sight_of(others, mask_of(others))
-    assert sight.keys.tolist() == [0, 1, 8, 9, 10, 11]
-    assert torch.equal(sight.mask, mask_of(others)[:, [0, 1, 8, 9, 10, 11]])
-    alone = torch.cat([torch.zeros(4, 6, dtype=torch.bool), causal(4)], dim=1)
-    sight = compiled.sight_of(alone, mask_of(alone))
-    assert sight.keys.tolist() == [6, 7, 8, 9] and sight.mask is None
+
+    def sight(visible: torch.Tensor):
+        found = compiled.sight_of(visible, mask_of(visible))
+        if found is None:
+            return None
+        keys = None if found.keys is None else found.keys.tolist()
+        if found.mask is not None:
+            assert torch.equal(found.mask, mask_of(visible)[:, keys])
+        return keys, "causal" if found.mask is None else "mask"
+
+    def seen_by_all(before: int, n: int) -> torch.Tensor:
+        return torch.cat([torch.ones(n, before, dtype=torch.bool), causal(n)], dim=1)
+
+    def after_others(before: int, n: int) -> torch.Tensor:  # 6 keys of other prompts between
+        return torch.cat([torch.ones(n, before, dtype=torch.bool), torch.zeros(n, 6, dtype=torch.bool), causal(n)], 1)
+
+    assert sight(causal(5)) == (None, "causal")
+    assert sight(seen_by_all(2, 4)) == (None, "causal")
+    assert sight(seen_by_all(3, 4)) is None  # (3 rows of zeros would cost more than the mask)
+    assert sight(after_others(2, 4)) == ([0, 1, 8, 9, 10, 11], "causal")
+    assert sight(after_others(0, 4)) == ([6, 7, 8, 9], "causal")
+    assert sight(after_others(3, 4)) == ([0, 1, 2, 9, 10, 11, 12], "mask")
     tree = torch.ones(3, 40, dtype=torch.bool)
     tree[:, 37:] = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and two children
     tree[:, 10:12] = False  # two keys none of them sees: 6 scores skipped would cost 38 keys copied
-    assert compiled.sight_of(tree, mask_of(tree)) is None
+    assert sight(tree) is None
     tree[:, 10:30] = False  # twenty: 60 scores against 20 keys
-    assert compiled.sight_of(tree, mask_of(tree)).keys.tolist() == list(range(10)) + list(range(30, 40))
+    assert sight(tree) == (list(range(10)) + list(range(30, 40)), "mask")
