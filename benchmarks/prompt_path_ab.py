@@ -34,19 +34,19 @@ for role, model in (("target", pair.target), ("draft", pair.draft)):
     print(f"{role}: this machine's verdicts read prompts {'in C' if chosen else 'on torch’s layer'}", flush=True)
     for prefix in (int(p) for p in args.prefixes.split(",")):
         prompt = [100 + (i * 37) % 5000 for i in range(prefix)]
-        paths = {"C": (True, compiled._lower_triangle), "torch": (False, compiled._lower_triangle),
+        paths = {"C": (True, compiled.lower_triangle), "torch": (False, compiled.lower_triangle),
                  "masked": (False, lambda n: torch.zeros(n, n, dtype=torch.bool))}  # (never causal)
         times, last = {path: [] for path in paths}, {}
         for _ in range(args.rounds):
             for path, (in_c, causal_test) in paths.items():
-                runtime.prompts_in_c, compiled._lower_triangle = in_c, causal_test
+                runtime.prompts_in_c, compiled.lower_triangle = in_c, causal_test
                 cache = StaticLM(runtime, model.config.vocab_size, prefix + 1)
                 start = time.perf_counter()
                 logits = cache.extend(prompt)
                 times[path].append(time.perf_counter() - start)
                 last[path] = torch.as_tensor(logits)[-1].float()
                 cache.release()
-        compiled._lower_triangle = paths["C"][1]
+        compiled.lower_triangle = paths["C"][1]
         c, t, m = (statistics.median(times[path]) for path in paths)
         seen = last["C"].isfinite()  # (a draft's head may cover only the first ids: -inf past them)
         gap = (last["C"][seen] - last["torch"][seen]).abs().max().item()

@@ -42,7 +42,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .engine import ChainExtension, ForwardClock, full_vocabulary, timed_chain, unchanged_prefix
+from .engine import ChainExtension, ForwardClock, full_vocabulary, lower_triangle, timed_chain, unchanged_prefix
 from .sampling import to_device
 from .step_graphs import cuda_capture
 from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, joined, native_head, native_table
@@ -616,11 +616,6 @@ class CompiledModel:
         return run_on_torch((id(self), tokens.shape[0], "torch"), on_torch, on_cpu=self.device.type == "cpu")
 
 
-def _lower_triangle(n: int) -> torch.Tensor:
-    """(n, n) bool: row i sees columns 0..i (causal attention over n tokens in an empty cache)."""
-    return torch.arange(n)[:, None] >= torch.arange(n)
-
-
 @dataclasses.dataclass(frozen=True)
 class Sight:
     """What torch's attention reads in a forward of n new tokens (decoder_layer), worked out once
@@ -656,7 +651,7 @@ def sight_of(visible: torch.Tensor, mask: torch.Tensor) -> Sight | None:
     keys = seen.nonzero().squeeze(1) if hidden and n * hidden > kv_len - hidden else None
     read = visible if keys is None else visible[:, keys]
     before = read.shape[1] - n
-    if 0 <= before <= n // 2 and bool(read[:, :before].all()) and torch.equal(read[:, before:], _lower_triangle(n)):
+    if 0 <= before <= n // 2 and bool(read[:, :before].all()) and torch.equal(read[:, before:], lower_triangle(n)):
         return Sight(keys, None)
     return None if keys is None else Sight(keys, mask[:, keys])
 

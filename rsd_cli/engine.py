@@ -97,6 +97,11 @@ def chain_next(gamma: int, packed: torch.Tensor, base: torch.Tensor) -> tuple:
     return root, catch, 1 + every, base + 1 + run
 
 
+def lower_triangle(n: int) -> torch.Tensor:
+    """(n, n) bool: row i sees columns 0..i (n new tokens attending to each other causally)."""
+    return torch.arange(n)[:, None] >= torch.arange(n)
+
+
 def fresh_seed() -> int:
     """A seed for a run that was given none (`--seed N` with it reproduces the run)."""
     return int(torch.randint(0, 2**62, ()).item())
@@ -192,7 +197,7 @@ class ChainExtension:
         visible = torch.ones(n, past + n, dtype=torch.bool)
         # (Tensor.tril runs its rows in parallel whatever their number: waking a many-core CPU's
         # threads took 0.1-0.3 ms a call on the H100 machine's 16 cores)
-        visible[:, past:] = torch.arange(n)[:, None] >= torch.arange(n)
+        visible[:, past:] = lower_triangle(n)
         return self.forward(tokens, list(range(past, past + n)), visible, last_only)
 
     def release(self) -> None:
@@ -246,11 +251,19 @@ class CachedLM(ChainExtension):
 
         Returns (n, V) logits, or (1, V) with last_only. Transformers wants an additive float
         mask (0 where visible, dtype min elsewhere): a boolean 4D mask is not honoured everywhere.
+        A prompt read into an empty cache goes without one: transformers' attention then takes it
+        as causal, which torch's kernel computes without the hidden half of the scores (a
+        2000-token prompt on the 2-core Xeon 3.1 -> 2.5 s, the same logits).
         """
         start = self.clock.start()
         dtype = self.model.dtype
         device = self.device
-        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+        n = len(tokens)
+        if self.length == 0 and n > 1 and torch.equal(visible, lower_triangle(n)):
+            mask = None
+        else:
+            mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+            mask = mask[None, None].to(device)
 
         def work():
             with torch.inference_mode():
@@ -258,13 +271,13 @@ class CachedLM(ChainExtension):
                     input_ids=tokens[None].to(device) if isinstance(tokens, torch.Tensor) else
                     torch.tensor([tokens], device=device),
                     position_ids=torch.tensor([positions], device=device),
-                    attention_mask=mask[None, None].to(device),
+                    attention_mask=mask,
                     **{self.cache_argument: self.cache},
                     use_cache=True,
                     logits_to_keep=1 if last_only else 0,
                 )
 
-        out = run_on_torch((id(self.model), len(tokens)), work, on_cpu=self.on_cpu)
+        out = run_on_torch((id(self.model), n), work, on_cpu=self.on_cpu)
         # the logits stay on the device (a placed model's on its input device): sampling and
         # verification run there, and only a few numbers a step come to the host
         logits = full_vocabulary(out.logits[0, :, : self.vocab_size].float().to(self.device), self.vocab_size)

@@ -869,7 +869,7 @@ def test_a_prompts_first_forward_takes_its_attention_as_causal_with_the_masks_lo
     causal = first_forward(ours)
     assert calls == [("causal", len(prompt))] * layers
     with monkeypatch.context() as never_causal:  # the same forward through the mask
-        never_causal.setattr(compiled, "_lower_triangle", lambda n: torch.zeros(n, n, dtype=torch.bool))
+        never_causal.setattr(compiled, "lower_triangle", lambda n: torch.zeros(n, n, dtype=torch.bool))
         masked_lm = StaticLM(runtimes[False].target, V, capacity=16)
         masked = first_forward(masked_lm)
         assert calls == [("mask", len(prompt))] * layers
@@ -906,7 +906,7 @@ def test_prompts_read_together_attend_to_their_own_keys_only(pair, runtimes, mon
             past, n = lm.length, len(prompt)
             visible = torch.zeros(n, past + n, dtype=torch.bool)
             visible[:, :shared] = True
-            visible[:, past:] = compiled._lower_triangle(n)
+            visible[:, past:] = compiled.lower_triangle(n)
             calls.clear()
             logits.append(lm.forward(prompt, list(range(shared, shared + n)), visible))
         return logits
@@ -931,7 +931,7 @@ def test_what_attention_reads_is_worked_out_from_what_the_new_tokens_see():
     they all see; every key through the mask after more (a chat's next message); where some keys are
     hidden from every new token, the seen ones only if the scores skipped outnumber the keys copied
     (a tree's rows in a long context hide a few: all are read)."""
-    causal = compiled._lower_triangle
+    causal = compiled.lower_triangle
     mask_of = lambda visible: torch.zeros(visible.shape).masked_fill_(~visible, -math.inf)  # noqa: E731
 
     def sight(visible: torch.Tensor):
@@ -961,3 +961,30 @@ def test_what_attention_reads_is_worked_out_from_what_the_new_tokens_see():
     assert sight(tree) is None
     tree[:, 10:30] = False  # twenty: 60 scores against 20 keys
     assert sight(tree) == (list(range(10)) + list(range(30, 40)), "mask")
+
+
+def test_transformers_forward_reads_a_prompt_into_an_empty_cache_without_a_mask(pair, monkeypatch):
+    """CachedLM (transformers' forward): a prompt read into an empty cache is given no mask, which
+    transformers takes as causal (skipping the hidden half of the scores), with the logits the mask
+    gives; after it, and for a tree, the mask."""
+    model, masks = pair[0], []
+    forward = model.forward
+
+    def recorded(*args, **kwargs):
+        masks.append(kwargs["attention_mask"])
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", recorded)
+    prompt = PROMPT * 3
+    ours = CachedLM(model, V)
+    plain = ours.extend(prompt, last_only=False)
+    assert masks == [None]
+    n = len(prompt)
+    mask = torch.zeros(n, n).masked_fill_(~compiled.lower_triangle(n), torch.finfo(torch.float32).min)
+    with torch.inference_mode():  # (the forward before: the same prompt through the mask)
+        masked = model(input_ids=torch.tensor([prompt]), position_ids=torch.arange(n)[None],
+                       attention_mask=mask[None, None]).logits[0, :, :V]
+    torch.testing.assert_close(plain, masked, atol=1e-6, rtol=1e-6)
+    masks.clear()
+    ours.extend([2, 5])
+    assert masks[0] is not None and masks[0].shape[-2:] == (2, len(prompt) + 2)
