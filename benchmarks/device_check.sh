@@ -15,10 +15,11 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh auto      # auto against ar, prompt by prompt: GPU, then 16 cores
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh together  # --samples decoded together vs one after the other
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh busy16    # the thread governor on 16 cores beside busy processes
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh prompts   # a long prompt's causal attention against the mask: GPU, 16 cores
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
-part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together or busy16}
+part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16 or prompts}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -94,6 +95,17 @@ case $part in
       grep -v Warning | tee "$out/together-gpu.txt"
     CUDA_VISIBLE_DEVICES= $py benchmarks/samples_together.py --samples 2,4,8,16 --json "$out/together-cpu16.json" 2>&1 |
       grep -v Warning | tee "$out/together-cpu16.txt" ;;
+  prompts)  # reading a prompt: attention told it is causal (compiled.Sight) against the mask, on the GPU (flash
+    # attention where causal) and on the 16-core CPU (there against the C layers too), then a whole command
+    $py benchmarks/prompt_path_ab.py --prefixes 256,1000,4000 --rounds 3 2>&1 | tee "$out/prompts-gpu.txt"
+    CUDA_VISIBLE_DEVICES= $py benchmarks/prompt_path_ab.py --prefixes 256,1000,4000 --rounds 3 2>&1 |
+      tee "$out/prompts-cpu16.txt"
+    head -3 benchmarks/long-prompts.txt | tr '\n' ' ' > /tmp/long3.txt
+    TIMEFORMAT="rsd generate - -n 8 -t 0 -v ar, a 3655-token prompt (the GPU): %R s"
+    for run in 1 2; do
+      { time $py -m rsd_cli generate - -n 8 -t 0 -v ar < /tmp/long3.txt > /dev/null 2>&1; } 2>&1 |
+        tee -a "$out/prompts-gpu.txt"
+    done ;;
   busy16)  # the 16-core CPU alone and beside 8 and 16 busy processes: the governor against torch's fixed
     # count, on the C layers and on torch's (whether it keeps 16 threads alone; nan: over 30 s, collapsed)
     # (first, once: the per-machine verdicts torch's layers need, so that no timed run measures them)
