@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import math
 import weakref
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -543,13 +544,14 @@ class CompiledModel:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor | None = None,
-                sight: Sight | None = None) -> torch.Tensor:
+                sight: Callable[[], Sight | None] | None = None) -> torch.Tensor:
         """tokens, positions (n,); mask (n, kv_len) additive, the new tokens at slots kv_len - n ..
         kv_len - 1 (or at `slots`, the mask then over the whole capacity); keys, values (layers,
         kv_heads, capacity, head_dim), written in place; rows (m,) which outputs to return. Returns
         (m, rows of the head) logits. Sizes in BUCKETS run the compiled graphs (the used length and
-        the capacity are dynamic dimensions), others eager. sight: what attention reads, where less
-        than every key through the mask (Sight; for the layers run by torch uncompiled)."""
+        the capacity are dynamic dimensions), others eager. sight: () -> what attention reads, where
+        less than every key through the mask (a Sight, worked out only where torch runs the layers
+        uncompiled)."""
         compiled = self.inductor and tokens.shape[0] in self.buckets
         # prompts (more than MAX_ROWS tokens) in C only where rsd's kernel measured faster for them
         prompt_on_torch = not compiled and slots is None and tokens.shape[0] > MAX_ROWS and not self.prompts_in_c
@@ -597,6 +599,7 @@ class CompiledModel:
                 self.graphs.add(tokens.shape[0])
             y = x
             run = NativeForward(cos, sin, mask, dims) if native is not None else None
+            reads = sight() if sight is not None and not graphs else None
             for index, (weights, small, fused) in enumerate(self.layers):
                 if native is not None and native[index] is not None:
                     y = run.layer(native[index], y, keys[index], values[index])
@@ -605,11 +608,10 @@ class CompiledModel:
                 if graphs:
                     torch._dynamo.maybe_mark_dynamic(layer_keys, 1)
                     torch._dynamo.maybe_mark_dynamic(layer_values, 1)
-                if graphs:
                     y = self._layer(y, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims, slots, fused)
                 else:
                     y = decoder_layer(y, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims, slots,
-                                      fused, sight)
+                                      fused, reads)
             return logits(y)
 
         # on a CPU on the threads the governor chooses
@@ -625,10 +627,10 @@ class Sight:
     see each other causally and every key before theirs — a chain after what they see of the cache.
 
     torch's kernel computes every score a mask hides, then adds -inf to it. Told the attention is
-    causal, it skips the hidden half (the keys before the new tokens' own are then seen by as many
-    rows of zeros before the new tokens' queries, whose outputs are dropped: worth it where those keys
-    are at most half as many as the new tokens); keys no new token sees are left out instead of
-    read and hidden. A prompt read into an empty cache is causal: the same bits as through the mask,
+    causal, it skips the hidden half. Its causal attention is aligned top-left (query i sees keys
+    0..i), so where the new tokens also see keys before their own, as many rows of zeros go before
+    their queries and those rows' outputs are dropped: worth it where those keys are at most half as
+    many as the new tokens. Keys no new token sees are left out instead of read and hidden. A prompt read into an empty cache is causal: the same bits as through the mask,
     a 5173-token prompt's attention on the 2-core Xeon 0.32 -> 0.15 s a layer. The prompts of
     `--samples`/`--prompts` read together (Decoder.generate_together) each see their shared
     beginning and themselves, not the prompts read before them: each one's attention costs what its
@@ -791,10 +793,14 @@ class StaticLM(ChainExtension):
                 ids = torch.tensor(ids, device=device)
                 token_ids = torch.nn.functional.pad(tokens.to(device), (0, pad)) if on_device else ids[0]
                 rows = torch.tensor([n - 1]) if last_only else torch.arange(n)  # padding rows skip the head
-                # what torch's attention reads, where less than every key through the mask (a prompt's)
-                sight = sight_of(visible, mask) if n > 1 and not pad else None
-                if sight is not None:
-                    sight = Sight(*(t if t is None else t.to(device) for t in (sight.keys, sight.mask)))
+
+                def sight() -> Sight | None:
+                    """what torch's attention reads, where less than every key through the mask (a prompt's)"""
+                    found = sight_of(visible, mask) if n > 1 and not pad else None
+                    if found is None:
+                        return None
+                    return Sight(*(t if t is None else t.to(device) for t in (found.keys, found.mask)))
+
                 logits = self.compiled.forward(token_ids, ids[1], mask.to(device), self.keys, self.values,
                                                rows.to(device), sight=sight)
         self.length += n
