@@ -225,6 +225,7 @@ class CachedLM(ChainExtension):
     def __init__(self, model, vocab_size: int):
         from transformers import DynamicCache
 
+        from .compiled import sliding_window
         from .models import input_device
 
         self.model = model
@@ -235,6 +236,9 @@ class CachedLM(ChainExtension):
         self.clock = ForwardClock(self.device)
         self.calls = 0
         self.on_cpu = in_cpu_memory(model)  # then its forwards run on the threads the governor chooses
+        # a prompt into an empty cache goes without a mask (forward), except where transformers would then
+        # keep it to a sliding window that rsd's masks do not
+        self.unmasked_prompts = not sliding_window(model.config)
 
     @property
     def forward_seconds(self) -> float:
@@ -259,7 +263,7 @@ class CachedLM(ChainExtension):
         dtype = self.model.dtype
         device = self.device
         n = len(tokens)
-        if self.length == 0 and n > 1 and torch.equal(visible, lower_triangle(n)):
+        if self.unmasked_prompts and self.length == 0 and n > 1 and torch.equal(visible, lower_triangle(n)):
             mask = None
         else:
             mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)

@@ -988,3 +988,18 @@ def test_transformers_forward_reads_a_prompt_into_an_empty_cache_without_a_mask(
     masks.clear()
     ours.extend([2, 5])
     assert masks[0] is not None and masks[0].shape[-2:] == (2, len(prompt) + 2)
+
+
+def test_a_model_with_a_sliding_window_reads_its_prompt_through_rsds_mask():
+    """Given no mask, transformers keeps a sliding-window model's prompt to its window, which the
+    masks rsd gives its later forwards do not: so such a model's prompt goes through the mask too."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    small = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256)
+    for window, masked in ((16, True), (256, False)):  # (256: the whole context, no window)
+        model, masks = MistralForCausalLM(MistralConfig(**small, sliding_window=window)), []
+        forward = model.forward
+        model.forward = lambda *args, **kwargs: masks.append(kwargs["attention_mask"]) or forward(*args, **kwargs)
+        CachedLM(model, V).extend(PROMPT * 3)
+        assert (masks[0] is not None) == masked
