@@ -383,6 +383,8 @@ class Stats:
     verify_seconds: float = 0.0
     forward_seconds: float = 0.0
     wall_seconds: float = 0.0
+    first_token_seconds: float = 0.0  # wall time until the first step's tokens (reading the prompt, that step)
+    first_step_tokens: int = 0  # the first step's tokens (what the rate after the first token leaves out)
     tried_at_depth: list[int] = field(default_factory=list)
     accepted_at_depth: list[int] = field(default_factory=list)
     shapes: dict[str, int] = field(default_factory=dict)  # steps per shape (several with --variant auto)
@@ -390,6 +392,8 @@ class Stats:
     cpu_threads: int = 0  # the threads the CPU's work may use (0: no forward on the CPU)
 
     def add(self, event: StepEvent) -> None:
+        if not self.steps:
+            self.first_step_tokens = len(event.emitted)
         self.steps += 1
         name = event.shape.describe()
         self.shapes[name] = self.shapes.get(name, 0) + 1
@@ -408,7 +412,8 @@ class Stats:
     def merge(self, other: "Stats") -> None:
         """Add another run's statistics into this total (wall time included)."""
         for name in ("steps", "new_tokens", "step_tokens", "accepted", "levels_tried", "target_tokens",
-                     "draft_calls", "draft_seconds", "verify_seconds", "forward_seconds", "wall_seconds"):
+                     "draft_calls", "draft_seconds", "verify_seconds", "forward_seconds", "wall_seconds",
+                     "first_token_seconds", "first_step_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for depth, (tried, accepted) in enumerate(zip(other.tried_at_depth, other.accepted_at_depth)):
             self._count_depth(depth, tried, accepted)
@@ -451,6 +456,13 @@ class Stats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.wall_seconds if self.wall_seconds else 0.0
 
+    @property
+    def tokens_per_second_after_first(self) -> float:
+        """Tokens a second once the first step's were out: the rate without reading the prompt (0 for
+        a run of one step). Merged runs: each one's after its own first token."""
+        seconds = self.wall_seconds - self.first_token_seconds
+        return (self.new_tokens - self.first_step_tokens) / seconds if seconds > 0 else 0.0
+
     def mbsu(self, draft_params: int, target_params: int) -> float:
         """Memory-bound speed-up: BE / (1 + L * N_draft / N_target), L = draft calls per step."""
         if not self.steps:
@@ -469,6 +481,9 @@ class Stats:
             "target_tokens_per_step": self.target_tokens / self.steps if self.steps else 0.0,
             "draft_calls_per_step": self.draft_calls / self.steps if self.steps else 0.0,
             "tokens_per_second": self.tokens_per_second,
+            # time to the first token (the prompt read and the first step), and the rate after it
+            "first_token_seconds": self.first_token_seconds,
+            "tokens_per_second_after_first": self.tokens_per_second_after_first,
             # the counts other tools report (see the README): llama.cpp's draft_n / draft_n_accepted,
             # target forwards (tree verifications; the prompt's prefill not counted), and vLLM's
             # mean accepted length per forward, bonus token included (= block efficiency)

@@ -107,6 +107,8 @@ def complete(decoder, prompt_ids: list[int], max_tokens: int, seed: int | None, 
             tokens.extend(event.emitted)
             stats.add(event)
             stats.wall_seconds = time.perf_counter() - start
+            if stats.steps == 1:
+                stats.first_token_seconds = stats.wall_seconds
             stats.count_threads(forwards)
             if not keep_events:
                 events.clear()
@@ -410,6 +412,8 @@ def run_together(pair, profile, decoder, prompt_ids: list[list[int]], seeds: lis
                 tokens[j].extend(event.emitted)
                 stats[j].add(event)
                 stats[j].wall_seconds = now
+                if stats[j].steps == 1:
+                    stats[j].first_token_seconds = now
                 stats[j].count_threads(forwards)  # (the forwards it shared with the others)
                 if not keep_events:
                     events[j].clear()

@@ -14,9 +14,17 @@ def stats_line(stats: Stats, configured: str | None = None) -> str:
         shapes = "shapes " + ", ".join(f"{name} ×{n}" for name, n in used[:3]) + (", …" if len(used) > 3 else "") + " · "
     return shapes + (
         f"{stats.steps} steps · {stats.new_tokens} tokens · block efficiency {stats.block_efficiency:.2f} · "
-        f"acceptance {stats.acceptance_rate:.2f} (per depth {per_depth}) · {stats.tokens_per_second:.1f} tok/s · "
-        f"draft {stats.draft_seconds:.2f}s · verify {stats.verify_seconds:.2f}s"
+        f"acceptance {stats.acceptance_rate:.2f} (per depth {per_depth}) · {stats.tokens_per_second:.1f} tok/s"
+        f"{after_the_prompt(stats)} · draft {stats.draft_seconds:.2f}s · verify {stats.verify_seconds:.2f}s"
     ) + fewer_threads(stats)
+
+
+def after_the_prompt(stats: Stats) -> str:
+    """" (first token after 12.1 s, then 95.3 tok/s)" where the first token took at least half the run's
+    time (a long prompt read: the rate over the whole run says little of the answer's), else nothing."""
+    if stats.steps < 2 or stats.first_token_seconds < stats.wall_seconds / 2:
+        return ""
+    return f" (first token after {stats.first_token_seconds:.1f} s, then {stats.tokens_per_second_after_first:.1f} tok/s)"
 
 
 def fewer_threads(stats: Stats) -> str:

@@ -85,6 +85,42 @@ def test_generate_json_has_every_field(cli, tiny_profile):
     assert record["prompt_tokens"] > raw[0]["prompt_tokens"]  # (the chat template's tokens around "hello")
 
 
+def test_the_first_tokens_time_is_reported_and_said_apart_where_it_took_most_of_the_run(cli, tiny_profile,
+                                                                                       monkeypatch):
+    """--json gives the time to the first token (the prompt read and the first step) and the rate
+    after it; where the first token took at least half the run (a long prompt), the statistics line
+    says both, else neither. A clock made up for the run: 12 s to the first step, 0.1 s a step after."""
+    from types import SimpleNamespace
+
+    from rsd_cli import generation
+
+    def run(first: float, *args: str):
+        ticks = iter([0.0] + [first + 0.1 * i for i in range(1000)])  # the start, then one a step
+        monkeypatch.setattr(generation, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+        result = cli("generate", "hello", "-p", tiny_profile, "-n", "6", "-t", "0", "-v", "ar", *args, input="")
+        assert result.exit_code == 0, result.stderr
+        return result
+
+    stats = json.loads(run(12.0, "--json").stdout)["stats"]
+    assert stats["steps"] == 6 and stats["first_token_seconds"] == pytest.approx(12.0)
+    assert stats["wall_seconds"] == pytest.approx(12.5)
+    assert stats["tokens_per_second_after_first"] == pytest.approx(5 / 0.5)  # (ar: a token a step)
+    assert stats["tokens_per_second"] == pytest.approx(6 / 12.5)
+    assert "0.5 tok/s (first token after 12.0 s, then 10.0 tok/s) · draft" in run(12.0).stderr
+    assert "tok/s · draft" in run(0.1).stderr and "first token after" not in run(0.1).stderr  # (0.1 s of 0.6)
+
+
+def test_the_rate_after_the_first_token_of_merged_runs_leaves_each_ones_first_step_out():
+    from rsd_cli.engine import Stats
+
+    one, other = Stats(), Stats()
+    one.steps, one.new_tokens, one.first_step_tokens, one.wall_seconds, one.first_token_seconds = 4, 7, 1, 3.0, 2.0
+    other.steps, other.new_tokens, other.first_step_tokens, other.wall_seconds, other.first_token_seconds = 2, 3, 2, 1.5, 1.0
+    one.merge(other)
+    assert one.first_token_seconds == 3.0 and one.tokens_per_second_after_first == pytest.approx((10 - 3) / (4.5 - 3.0))
+    assert Stats().tokens_per_second_after_first == 0.0
+
+
 def test_forwards_on_fewer_threads_are_said_in_the_stats_line_and_counted_in_json(cli, tiny_profile, monkeypatch):
     """Where the governor keeps fewer threads than the CPU's (other processes hold cores), the stats
     line says so and --json counts the forwards by their threads; on every thread nothing is said.
