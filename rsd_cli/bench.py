@@ -227,6 +227,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
 
     for (compile, variant, setting, shape), stats in totals.items():
         d = stats.as_dict(pair.draft_params, pair.target_params)
+        runs = len(per_prompt.get((compile, variant, setting, shape), {})) or 1  # (prompts x repeats)
         rows.append({
             "variant": variant, "compile": compile, "runtime": runtimes[compile].describe(),
             "budget": setting.budget, "depth": setting.depth, "shape": _shape_label(shape, d["shapes"]),
@@ -235,6 +236,9 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
             "block_efficiency": d["block_efficiency"], "acceptance_rate": d["acceptance_rate"],
             "acceptance_per_depth": d["acceptance_per_depth"], "mbsu": d["mbsu"],
             "tokens_per_second": d["tokens_per_second"],
+            # a run's time to its first token (the prompt read), on average, and the rate after it
+            "first_token_seconds": d["first_token_seconds"] / runs,
+            "tokens_per_second_after_first": d["tokens_per_second_after_first"],
             "speedup_vs_ar": ratio(d["tokens_per_second"], compile, setting.temperature),
             "speedup_vs_ar_range": spread((compile, variant, setting, shape), compile, setting.temperature),
             "speedup_vs_ar_off": ratio(d["tokens_per_second"], "off", setting.temperature),
@@ -251,6 +255,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
             "variant": name, "compile": None, "runtime": "transformers", "budget": None, "depth": None,
             "shape": PEERS[name][0], "shapes_used": None, "max_nodes": None, "temperature": t, "block_efficiency": None,
             "acceptance_rate": None, "acceptance_per_depth": None, "mbsu": None, "tokens_per_second": rate,
+            "first_token_seconds": None, "tokens_per_second_after_first": None,
             "speedup_vs_ar": ratio(rate, compiles[0], t),
             "speedup_vs_ar_range": spread((name, t), compiles[0], t) if error is None else None,
             "speedup_vs_ar_off": ratio(rate, "off", t),

@@ -7,7 +7,7 @@ from rsd_cli.cli import app
 
 FIELDS = {"variant", "budget", "shape", "temperature", "block_efficiency", "mbsu", "tokens_per_second",
           "speedup_vs_ar", "speedup_vs_ar_range", "draft_seconds", "verify_seconds", "overhead_seconds",
-          "acceptance_per_depth"}
+          "acceptance_per_depth", "first_token_seconds", "tokens_per_second_after_first"}
 
 
 def test_bench_runs_end_to_end_with_every_field_and_a_plot(tiny_profile, tmp_path):
@@ -27,6 +27,8 @@ def test_bench_runs_end_to_end_with_every_field_and_a_plot(tiny_profile, tmp_pat
     assert variants == {"ar", "sd", "mss", "spectr", "rsd-c", "rsd-s", "lookup", "auto", "hf-assisted", "hf-static"}
     for row in rows:
         assert FIELDS <= set(row), row
+        if not row["variant"].startswith("hf-"):  # (a run's mean time to its first token, below its wall time)
+            assert 0 < row["first_token_seconds"] < row["wall_seconds"] and row["tokens_per_second_after_first"] > 0
     auto_rows = [r for r in rows if r["variant"] == "auto"]  # one per temperature: it picks its own trees
     assert len(auto_rows) == 2 and all(r["budget"] is None and r["shapes_used"] for r in auto_rows)
     tree_rows = [r for r in rows if r["variant"] not in ("ar", "auto", "hf-assisted", "hf-static")]
