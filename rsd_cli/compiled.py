@@ -138,7 +138,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple, dims: tuple,
                   slots: torch.Tensor | None = None, fused: tuple = (None, None),
-                  sight: "Sight | None" = None) -> torch.Tensor:
+                  sight: Sight | None = None) -> torch.Tensor:
     """One Llama decoder layer on n new tokens. x (n, hidden); cos, sin (n, head_dim); mask (n, kv_len)
     additive, the new tokens at slots kv_len - n .. kv_len - 1 of keys, values (kv_heads, capacity,
     head_dim), written in place. With `slots` (n,) (static shapes, what a CUDA graph replays) the
