@@ -70,6 +70,20 @@ app.add_typer(profiles_app, name="profiles")
 SAMPLING, DRAFT, OUTPUT = "Sampling", "Draft", "Output"
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from . import __version__
+
+        typer.echo(f"rsd {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                                   help="Print rsd's version and exit.")] = False) -> None:
+    """(rsd's own options, before a command: --version)"""
+
+
 def _stderr_console():
     from rich.console import Console
 

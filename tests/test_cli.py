@@ -462,6 +462,16 @@ def test_usage_errors_are_one_line_and_exit_2(cli, args, message):
     assert message in result.stderr
 
 
+def test_version_is_the_packages(cli):
+    from pathlib import Path
+
+    from rsd_cli.profiles import tomllib  # (tomli before Python 3.11)
+
+    version = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["version"]
+    result = cli("--version")
+    assert result.exit_code == 0 and result.stdout == f"rsd {version}\n" and result.stderr == ""
+
+
 def test_asking_for_nothing_still_shows_the_help(cli):
     for args in ([], ["profiles"]):
         result = cli(*args)
