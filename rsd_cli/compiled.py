@@ -608,7 +608,8 @@ class CompiledModel:
                 if graphs:
                     torch._dynamo.maybe_mark_dynamic(layer_keys, 1)
                     torch._dynamo.maybe_mark_dynamic(layer_values, 1)
-                    y = self._layer(y, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims, slots, fused)
+                    y = self._layer(y, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims, slots,
+                                    fused)
                 else:
                     y = decoder_layer(y, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims, slots,
                                       fused, reads)
@@ -620,8 +621,8 @@ class CompiledModel:
 
 @dataclasses.dataclass(frozen=True)
 class Sight:
-    """What torch's attention reads in a forward of n new tokens (decoder_layer), worked out once
-    for all its layers where that is less than every key with the mask added: `keys` (m,) the cache
+    """What torch's attention reads in a forward of n new tokens (decoder_layer), worked out once for
+    all its layers where that is less than every key with the mask added: `keys` (m,) the cache
     slots some new token sees, in order (None: every slot of the used length), and `mask` (n, m)
     additive over them, or None where that is causal: the new tokens, the last n of the keys read,
     see each other causally and every key before theirs — a chain after what they see of the cache.
@@ -630,11 +631,12 @@ class Sight:
     causal, it skips the hidden half. Its causal attention is aligned top-left (query i sees keys
     0..i), so where the new tokens also see keys before their own, as many rows of zeros go before
     their queries and those rows' outputs are dropped: worth it where those keys are at most half as
-    many as the new tokens. Keys no new token sees are left out instead of read and hidden. A prompt read into an empty cache is causal: the same bits as through the mask,
-    a 5173-token prompt's attention on the 2-core Xeon 0.32 -> 0.15 s a layer. The prompts of
-    `--samples`/`--prompts` read together (Decoder.generate_together) each see their shared
-    beginning and themselves, not the prompts read before them: each one's attention costs what its
-    own length says, not what all of them before it add up to."""
+    many as the new tokens. Keys no new token sees are left out instead of read and hidden. A prompt
+    read into an empty cache is causal: the same bits as through the mask, a 5173-token prompt's
+    attention on the 2-core Xeon 0.32 -> 0.15 s a layer. The prompts of `--samples`/`--prompts` read
+    together (Decoder.generate_together) each see their shared beginning and themselves, not the
+    prompts read before them: each one's attention costs what its own length says, not what all of
+    them before it add up to."""
 
     keys: torch.Tensor | None
     mask: torch.Tensor | None

@@ -409,6 +409,12 @@ class Stats:
         for depth in range(event.levels_tried):
             self._count_depth(depth, 1, int(depth < event.accepted))
 
+    def timed(self, seconds: float) -> None:
+        """The run's wall time so far, after a step: the first step's is its time to the first token."""
+        self.wall_seconds = seconds
+        if self.steps == 1:
+            self.first_token_seconds = seconds
+
     def merge(self, other: "Stats") -> None:
         """Add another run's statistics into this total (wall time included)."""
         for name in ("steps", "new_tokens", "step_tokens", "accepted", "levels_tried", "target_tokens",

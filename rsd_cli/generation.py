@@ -106,9 +106,7 @@ def complete(decoder, prompt_ids: list[int], max_tokens: int, seed: int | None, 
                 text.cut(event)
             tokens.extend(event.emitted)
             stats.add(event)
-            stats.wall_seconds = time.perf_counter() - start
-            if stats.steps == 1:
-                stats.first_token_seconds = stats.wall_seconds
+            stats.timed(time.perf_counter() - start)
             stats.count_threads(forwards)
             if not keep_events:
                 events.clear()
@@ -411,9 +409,7 @@ def run_together(pair, profile, decoder, prompt_ids: list[list[int]], seeds: lis
                 texts[j].cut(event)  # (a stop string ends the completion: finished "stop")
                 tokens[j].extend(event.emitted)
                 stats[j].add(event)
-                stats[j].wall_seconds = now
-                if stats[j].steps == 1:
-                    stats[j].first_token_seconds = now
+                stats[j].timed(now)
                 stats[j].count_threads(forwards)  # (the forwards it shared with the others)
                 if not keep_events:
                     events[j].clear()
