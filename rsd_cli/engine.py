@@ -205,6 +205,25 @@ class ChainExtension:
         buffers, see compiled.StaticLM); nothing for transformers' cache."""
 
 
+def every_key_cache(config):
+    """transformers' DynamicCache for a model of this config, every attention layer keeping every key:
+    a sliding-window layer's own cache drops the keys its window has passed, and so the slots that
+    rsd's masks and `keep` count on (the window is in the masks, CachedLM.forward)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    cache = DynamicCache(config=config)
+    cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers]
+    return cache
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    """(1, 1, n, keys) float mask for transformers' attention: 0 where `visible`, dtype's min elsewhere
+    (a boolean 4D mask is not honoured everywhere)."""
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible.cpu(), torch.finfo(dtype).min)
+    return mask[None, None].to(device)
+
+
 def cache_argument(model) -> str:
     """The name the model's forward takes its KV cache by: "cache" since transformers 5.24 (where
     "past_key_values" warns on every call that it is deprecated, to be removed in 5.40),
@@ -223,22 +242,27 @@ class CachedLM(ChainExtension):
     tree nodes with an explicit mask."""
 
     def __init__(self, model, vocab_size: int):
-        from transformers import DynamicCache
-
         from .compiled import sliding_window
         from .models import input_device
 
         self.model = model
         self.device = input_device(model)  # a placed model's layers move what they get to their own devices
         self.vocab_size = vocab_size
-        self.cache = DynamicCache(config=model.config)
+        self.cache = every_key_cache(model.config)
         self.cache_argument = cache_argument(model)
         self.clock = ForwardClock(self.device)
         self.calls = 0
         self.on_cpu = in_cpu_memory(model)  # then its forwards run on the threads the governor chooses
-        # a prompt into an empty cache goes without a mask (forward), except where transformers would then
-        # keep it to a sliding window that rsd's masks do not
-        self.unmasked_prompts = not sliding_window(model.config)
+        # a sliding-window model's layers see the keys within its window of positions (or some of its
+        # layers do: masks by layer kind), which rsd's masks then say, knowing each cache slot's position
+        # (a slot's position is not its index where prompts are read together)
+        cfg = model.config
+        self.window = getattr(cfg, "sliding_window", None) if sliding_window(cfg) else None
+        self.masks_by_kind = self.window is not None and bool(getattr(cfg, "layer_types", None))
+        self.key_positions = torch.zeros(0, dtype=torch.long)  # [cache slot] (kept for a window only)
+        # a prompt into an empty cache goes without a mask (forward), except for a window: rsd's masks
+        # say it where transformers' own would take slot indices for positions
+        self.unmasked_prompts = self.window is None
 
     @property
     def forward_seconds(self) -> float:
@@ -255,9 +279,10 @@ class CachedLM(ChainExtension):
 
         Returns (n, V) logits, or (1, V) with last_only. Transformers wants an additive float
         mask (0 where visible, dtype min elsewhere): a boolean 4D mask is not honoured everywhere.
-        A prompt read into an empty cache goes without one: transformers' attention then takes it
-        as causal, which torch's kernel computes without the hidden half of the scores (a
-        2000-token prompt on the 2-core Xeon 3.1 -> 2.5 s, the same logits).
+        A sliding-window model gets the window in it too (by layer kind where only some layers
+        have one). Another's prompt read into an empty cache goes without one: transformers'
+        attention then takes it as causal, which torch's kernel computes without the hidden half
+        of the scores (a 2000-token prompt on the 2-core Xeon 3.1 -> 2.5 s, the same logits).
         """
         start = self.clock.start()
         dtype = self.model.dtype
@@ -265,9 +290,14 @@ class CachedLM(ChainExtension):
         n = len(tokens)
         if self.unmasked_prompts and self.length == 0 and n > 1 and torch.equal(visible, lower_triangle(n)):
             mask = None
+        elif self.window is not None:
+            keys = torch.cat([self.key_positions, torch.tensor(positions)])
+            near = (torch.tensor(positions)[:, None] - keys) < self.window  # (n, keys): within the window
+            windowed = additive_mask(visible & near.to(visible.device), dtype, device)
+            mask = {"full_attention": additive_mask(visible, dtype, device),
+                    "sliding_attention": windowed} if self.masks_by_kind else windowed
         else:
-            mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
-            mask = mask[None, None].to(device)
+            mask = additive_mask(visible, dtype, device)
 
         def work():
             with torch.inference_mode():
@@ -282,6 +312,8 @@ class CachedLM(ChainExtension):
                 )
 
         out = run_on_torch((id(self.model), n), work, on_cpu=self.on_cpu)
+        if self.window is not None:
+            self.key_positions = keys
         # the logits stay on the device (a placed model's on its input device): sampling and
         # verification run there, and only a few numbers a step come to the host
         logits = full_vocabulary(out.logits[0, :, : self.vocab_size].float().to(self.device), self.vocab_size)
@@ -295,6 +327,8 @@ class CachedLM(ChainExtension):
         The prefix stays where it is; only the few accepted positions after it are moved down
         before the cache is cropped, so a step copies O(path) entries, not the whole cache."""
         prefix = unchanged_prefix(indices)
+        if self.window is not None:
+            self.key_positions = self.key_positions[indices]
         if prefix < len(indices):
             tail = torch.tensor(indices[prefix:])
             with torch.inference_mode():  # the cache tensors were made in inference mode

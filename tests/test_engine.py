@@ -871,7 +871,7 @@ def test_a_step_moves_only_a_few_numbers_to_the_host(pair, monkeypatch, runtime,
     as it runs on a GPU: device steps on, the support search (CPU only) off."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from rsd_cli import compiled, engine, sampling, verification
+    from rsd_cli import engine, sampling, verification
     from rsd_cli.compiled import CompiledModel, StaticLM
     from rsd_cli.engine import Runtimes
 
@@ -1073,3 +1073,57 @@ def test_samples_together_follow_the_target_distribution(pair):
         for first, second in tokens:
             counts[first, second] += 1
     assert chi_square_pvalue(counts, exact_joint(pair[0], sampling) * N_SAMPLES) > 1e-3
+
+
+WINDOWED = ["mistral", "qwen2", "gemma3"]  # every layer windowed; the layers past the first; all but the last
+LONG_PROMPT = [1, 3, 4, 5, 2, 0, 1, 3, 4, 5, 0, 4]  # (12 tokens: past the window of 8)
+
+
+@pytest.mark.parametrize("kind", WINDOWED)
+def test_a_sliding_window_models_tree_sees_its_window_once_the_cache_outgrows_it(kind):
+    """A model whose layers (or some of them) attend to the last 8 positions only: a tree's nodes
+    after a 12-token cache get the logits of a full forward of their path (transformers' own window),
+    and so does the next token after the accepted path is kept; a mask without the window would not
+    give them (before, the cache's sliding layers dropped old keys and the forward failed)."""
+    from tiny import tiny_windowed
+
+    target = tiny_windowed(kind, V, seed=0)
+    tree = DraftTree.rooted_at(5)
+    a, _ = tree.add_draw(0, 2)
+    b, _ = tree.add_draw(0, 4)
+    c, _ = tree.add_draw(a, 1)
+    base = len(LONG_PROMPT)
+    visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
+    references = [full_logits(target, LONG_PROMPT + [tree.tokens[n] for n in tree.path_to(node)])[-1]
+                  for node in range(len(tree))]
+    lm, unwindowed = CachedLM(target, V), CachedLM(target, V)
+    unwindowed.window, unwindowed.unmasked_prompts = None, False  # (the window left out of the masks)
+    for cache in (lm, unwindowed):
+        cache.extend(LONG_PROMPT)
+    logits = lm.forward(tree.tokens, [base + depth for depth in tree.depths], visible)
+    for node in range(len(tree)):
+        assert torch.allclose(logits[node], references[node], atol=1e-5), node
+    wrong = unwindowed.forward(tree.tokens, [base + depth for depth in tree.depths], visible)
+    assert not torch.allclose(wrong, logits, atol=1e-4)
+    lm.keep(list(range(base)) + [base + n for n in (0, a, c)])
+    nxt = lm.extend([3], last_only=True)[-1]
+    assert torch.allclose(nxt, full_logits(target, LONG_PROMPT + [5, 2, 1, 3])[-1], atol=1e-5)
+    assert lm.key_positions.tolist() == list(range(base + 4))
+
+
+@pytest.mark.parametrize("kind", WINDOWED)
+def test_a_sliding_window_model_decodes_plain_greedy_past_its_window(kind):
+    """Every variant, trees kept and cropped step after step 30 tokens past a window of 8, gives the
+    target's greedy tokens (its draft windowed too), and so do completions of prompts of different
+    lengths decoded together, where a cache slot's position is not its index."""
+    from tiny import tiny_windowed
+
+    target, draft = tiny_windowed(kind, V, seed=0), tiny_windowed(kind, V, layers=1, seed=1)
+    greedy = SamplingParams(temperature=0)
+    expected = plain_greedy(target, 30, LONG_PROMPT)
+    for shape in shapes() + [FAN]:
+        assert run((target, draft), shape, greedy, 30, seed=0, prompt=LONG_PROMPT) == expected, shape.describe()
+    prompts = [LONG_PROMPT, [4, 1], LONG_PROMPT[2:] + [3, 3]]
+    decoder = Decoder(target, draft, V, make_shape("ar"), greedy, set())
+    tokens, _ = together(decoder, 20, [1, 2, 3], prompt=prompts)
+    assert tokens == [plain_greedy(target, 20, prompt) for prompt in prompts]

@@ -64,6 +64,31 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     return model.eval()
 
 
+def tiny_windowed(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, window: int = 8,
+                  scale: float = 0.3):
+    """A random model whose attention (or some layers' of it) sees a sliding window of the last
+    `window` positions: "mistral" (every layer), "qwen2" (the layers past the first, with
+    `use_sliding_window`) or "gemma3" (every layer but the last, its own layer types)."""
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    shared = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=scale, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0, sliding_window=window)
+    torch.manual_seed(seed)
+    if kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**shared))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**shared, use_sliding_window=True, max_window_layers=1))
+    else:
+        types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**shared, head_dim=8, layer_types=types))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+    return model.eval()
+
+
 def tiny_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
