@@ -306,12 +306,14 @@ class AutoShape:
 
     def __init__(self, costs: Costs, max_nodes: int = MAX_NODES, every: int = CHOOSE_EVERY, vocab: int | None = None,
                  memory_key: str | None = None, timing_key: str | None = None,
-                 on_device: Callable[[Shape], bool] | None = None):
+                 on_device: Callable[[Shape], bool] | None = None, chains_only: bool = False):
         """on_device: where steps are decided on the device (a GPU), which shapes are (see
-        `for_decoder`): the candidates are then those and plain decoding."""
+        `for_decoder`): the candidates are then those and plain decoding. chains_only: plain decoding
+        and `sd` chains only (models whose attention takes no tree, engine.chains_only)."""
         self.costs = costs
         self.shapes = [s for s in candidates(max_nodes) if (vocab is None or max(s.branching, default=1) <= vocab)
-                       and (on_device is None or s.depth == 0 or on_device(s))]
+                       and (on_device is None or s.depth == 0 or on_device(s))
+                       and (not chains_only or s.variant in ("ar", "sd"))]
         self.every = every
         self.acceptance = Acceptance()
         self.target_scale = self.draft_scale = 1.0
@@ -677,7 +679,8 @@ def for_decoder(decoder, notice=lambda message: None) -> AutoShape:
         return decoder._on_device(shape, decoder.draft_model, device) is not None
 
     policy = AutoShape(_MEASURED[key], decoder.shape.max_nodes, vocab=decoder.vocab_size, memory_key=memory_key,
-                       timing_key=timing_key, on_device=on_device if on_device(make_shape("sd", draft_len=1)) else None)
+                       timing_key=timing_key, on_device=on_device if on_device(make_shape("sd", draft_len=1)) else None,
+                       chains_only=bool(decoder.chains_only))
     known = read_json_table(memory_path())
     # what a run with these sampling settings learnt, else the timings of one with other settings
     # (how long each shape's steps take hardly depends on them; how often drafts are accepted does)

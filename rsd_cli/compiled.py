@@ -912,8 +912,13 @@ def verdict_key(model) -> str:
     layers run one compiled graph each)."""
     cfg = model.config
     p = next(model.parameters())
+
+    def size(name: str):  # (what a config does not name, as GPT-2's or BLOOM's intermediate size: None)
+        return getattr(cfg, name, None)
+
     key = (f"{machine()} | {p.device.type} | {str(p.dtype).removeprefix('torch.')} | {cfg.model_type} "
-           f"{cfg.hidden_size}x{cfg.intermediate_size} {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads")
+           f"{size('hidden_size')}x{size('intermediate_size')} {size('num_attention_heads')}/"
+           f"{size('num_key_value_heads')} heads")
     layers = getattr(getattr(model, "model", None), "layers", None)
     return f"{key} | kernels {signature(layers[0])}" if layers else key
 

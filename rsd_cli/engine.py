@@ -205,6 +205,25 @@ class ChainExtension:
         buffers, see compiled.StaticLM); nothing for transformers' cache."""
 
 
+CHAIN_VARIANTS = ("ar", "sd", "lookup")  # what a model whose attention takes no tree (chains_only) runs
+
+
+def chains_only(config) -> str | None:
+    """Why this model's attention cannot take a tree's mask (nor rows of prompts read together), or
+    None: it works out position biases or scales from cache slots or a 2D mask instead of the
+    positions and mask it is given. Such a model runs plain chains only, each token at the slot of
+    its position (`ar`, `sd`, `lookup`), on its own causal mask: ALiBi (BLOOM, MPT, Falcon with
+    `alibi`) and Llama 4 (attention scaled by the cache's length on its NoPE layers, chunked
+    attention)."""
+    kind = getattr(config, "model_type", "") or ""
+    attention = getattr(config, "attn_config", None)
+    if kind in ("bloom", "mpt") or getattr(config, "alibi", False) or getattr(attention, "alibi", False):
+        return "ALiBi position biases"
+    if kind.startswith("llama4") or getattr(config, "attention_chunk_size", None):
+        return "attention by chunks, scaled by the cache's length"
+    return None
+
+
 def every_key_cache(config):
     """transformers' DynamicCache for a model of this config, every attention layer keeping every key:
     a sliding-window layer's own cache drops the keys its window has passed, and so the slots that
@@ -259,6 +278,7 @@ class CachedLM(ChainExtension):
         cfg = model.config
         self.window = getattr(cfg, "sliding_window", None) if sliding_window(cfg) else None
         self.masks_by_kind = self.window is not None and bool(getattr(cfg, "layer_types", None))
+        self.chains_only = chains_only(cfg)  # then its forwards take a 2D mask of the keys (forward)
         self.key_positions = torch.zeros(0, dtype=torch.long)  # [cache slot] (kept for a window only)
         # a prompt into an empty cache goes without a mask (forward), except for a window: rsd's masks
         # say it where transformers' own would take slot indices for positions
@@ -288,7 +308,9 @@ class CachedLM(ChainExtension):
         dtype = self.model.dtype
         device = self.device
         n = len(tokens)
-        if self.unmasked_prompts and self.length == 0 and n > 1 and torch.equal(visible, lower_triangle(n)):
+        if self.chains_only:
+            mask = self._chain_mask(positions, visible)
+        elif self.unmasked_prompts and self.length == 0 and n > 1 and torch.equal(visible, lower_triangle(n)):
             mask = None
         elif self.window is not None:
             keys = torch.cat([self.key_positions, torch.tensor(positions)])
@@ -320,6 +342,16 @@ class CachedLM(ChainExtension):
         self.clock.stop(start)
         self.calls += 1
         return logits
+
+    def _chain_mask(self, positions: list[int], visible: torch.Tensor) -> torch.Tensor:
+        """(1, keys) ones: the 2D mask a chains_only model makes its own causal mask and biases
+        from, for tokens that extend the cache as a chain at the positions of their slots."""
+        past, n = self.length, len(positions)
+        if (list(positions) != list(range(past, past + n)) or not bool(visible[:, :past].all())
+                or not torch.equal(visible[:, past:].cpu(), lower_triangle(n))):
+            raise RsdError(f"a {self.model.config.model_type} model's attention ({self.chains_only}) takes "
+                           "chains only, here asked for a tree")
+        return torch.ones(1, past + n, dtype=torch.long, device=self.device)
 
     def keep(self, indices: list[int]) -> None:
         """Keep only these cache positions (ascending: the prefix plus the accepted path).
@@ -711,6 +743,23 @@ class Decoder:
         return events
 
     @property
+    def chains_only(self) -> str | None:
+        """Why this decoder's models run chains only (engine.chains_only): "a bloom model's ALiBi
+        position biases", or None."""
+        for model in (self.target_model, self.draft_model):
+            reason = chains_only(getattr(model, "config", None))
+            if reason:
+                return f"a {model.config.model_type} model's {reason}"
+        return None
+
+    def _check_shape(self) -> None:
+        """A tree (or rows of prompts read together: together=True) only for models that take one."""
+        reason = self.chains_only
+        if reason and self.shape.variant not in CHAIN_VARIANTS + ("auto",):
+            raise RsdError(f"{self.shape.variant} verifies a tree, which {reason} cannot take: use --variant "
+                           f"{', '.join(CHAIN_VARIANTS[:-1])} or {CHAIN_VARIANTS[-1]} (or auto)")
+
+    @property
     def drafts(self) -> bool:
         """Whether a generation runs the draft model (`auto` may choose shapes that do)."""
         return self.shape.uses_draft_model or self.shape.variant == "auto"
@@ -720,6 +769,7 @@ class Decoder:
 
     def _generate(self, prompt: list[int], max_tokens: int, seed: int | None) -> Iterator[StepEvent]:
         self._check_prompt(prompt)
+        self._check_shape()
         self.prepare()  # (before this generation's caches hold a static-shape runtime's shared buffers)
         # static-cache buffers: room for the prompt, some answer and one tree; they double when full
         capacity = min(len(prompt) + min(max_tokens, 512), self.context_length or 2**31) + self.shape.max_nodes + 1
@@ -771,6 +821,8 @@ class Decoder:
                            ended: set[int]) -> Iterator[list[StepEvent | None]]:
         for prompt in prompts:
             self._check_prompt(prompt)
+        if self.chains_only:  # (each row sees its own prompt, at slots that are not its positions)
+            raise RsdError(f"completions decoded together need attention by rsd's masks, not {self.chains_only}'s")
         if self.kept is not None:  # (a generation's kept caches: this one reads the prompt afresh)
             self.kept.release()
             self.kept = None

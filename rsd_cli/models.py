@@ -598,8 +598,14 @@ def _transformers_model(location: str, local: bool, device, dtype, placement: Pl
     kwargs = placement.kwargs() if placement is not None else {}
     with _warnings_off("accelerate"):  # ("Some parameters are on the meta device..." when it offloads;
         # stderr itself is left as it is, where rsd's spinner goes on turning)
-        model = _from_pretrained(AutoModelForCausalLM, location, local, dtype=dtype, attn_implementation="sdpa",
-                                 **kwargs)
+        try:
+            model = _from_pretrained(AutoModelForCausalLM, location, local, dtype=dtype, attn_implementation="sdpa",
+                                     **kwargs)
+        except RsdError as e:  # an architecture without torch's attention (BLOOM, MPT): transformers' own
+            if "scaled_dot_product_attention" not in str(e):
+                raise
+            model = _from_pretrained(AutoModelForCausalLM, location, local, dtype=dtype, attn_implementation="eager",
+                                     **kwargs)
     if placement is None:
         model = model.to(device)
     elif not getattr(model, "hf_device_map", None):  # it fitted on one device: accelerate left no map

@@ -207,6 +207,42 @@ def test_a_sliding_window_pair_answers_with_its_targets_greedy_tokens_past_the_w
         assert json.loads(result.stdout)["token_ids"] == expected.tolist(), variant
 
 
+def test_an_alibi_pair_runs_chains_and_refuses_a_tree_in_one_line(cli, tmp_path):
+    """A saved BLOOM pair (ALiBi: its attention takes no tree): `sd` gives transformers' own greedy
+    answer, several samples of `ar` run one after the other with their seeds, and a tree variant
+    is refused in one line naming the variants that run; before, rsd failed with "too many values
+    to unpack" (a tree's mask given where BLOOM wants a 2D one)."""
+    import torch
+    from tiny import tiny_alibi, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    for name, layers, seed in (("target", 3, 0), ("draft", 1, 1)):
+        tiny_alibi("bloom", len(tokenizer), layers, seed).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    profile = tmp_path / "alibi.toml"
+    profile.write_text(f'[target]\nsource = "{tmp_path / "target"}"\n'
+                       f'[draft]\nkind = "model"\nsource = "{tmp_path / "draft"}"\n')
+    prompt = "the cat sat on the mat"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = tiny_alibi("bloom", len(tokenizer), 3, 0).generate(
+            ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
+    result = cli("generate", prompt, "-p", profile, "--raw", "--json", "-n", "16", "-t", "0", "-v", "sd", input="")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["token_ids"] == expected
+    samples = cli("generate", prompt, "-p", profile, "--json", "-n", "6", "-t", "1", "-v", "ar", "--samples", "2",
+                  "--seed", "4", input="")
+    assert samples.exit_code == 0, samples.stderr
+    records = [json.loads(line) for line in samples.stdout.splitlines()]
+    assert [(r["seed"], r["samples_together"]) for r in records] == [(4, 1), (5, 1)]
+    alone = cli("generate", prompt, "-p", profile, "--json", "-n", "6", "-t", "1", "-v", "ar", "--seed", "5", input="")
+    assert json.loads(alone.stdout)["token_ids"] == records[1]["token_ids"]
+    refused = cli("generate", prompt, "-p", profile, "-v", "rsd-c", input="")
+    assert refused.exit_code == 1 and refused.stdout == ""
+    assert refused.stderr.strip() == ("rsd: error: rsd-c verifies a tree, which a bloom model's ALiBi position "
+                                      "biases cannot take: use --variant ar, sd or lookup (or auto)")
+
+
 def test_samples_json_prints_one_object_per_line(cli, tiny_profile):
     result = cli("generate", "hi", "-p", tiny_profile, "--samples", "3", "--json", "-n", "5", input="")
     assert result.exit_code == 0, result.stderr

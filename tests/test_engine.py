@@ -1127,3 +1127,47 @@ def test_a_sliding_window_model_decodes_plain_greedy_past_its_window(kind):
     decoder = Decoder(target, draft, V, make_shape("ar"), greedy, set())
     tokens, _ = together(decoder, 20, [1, 2, 3], prompt=prompts)
     assert tokens == [plain_greedy(target, 20, prompt) for prompt in prompts]
+
+
+@pytest.mark.parametrize("kind", ["bloom", "mpt"])
+def test_an_alibi_model_decodes_chains_plain_greedy_and_refuses_trees(kind):
+    """ALiBi models work their position biases out of cache slots or a 2D mask, so their attention
+    takes no tree: they decode `ar`, `sd` and `lookup` chains (on their own causal mask) with the
+    target's greedy tokens, `auto` among chains only, and a tree variant, or completions read
+    together, is refused in one line instead of decoded with wrong biases."""
+    from rsd_cli.errors import RsdError
+    from tiny import tiny_alibi
+
+    target, draft = tiny_alibi(kind, V, seed=0), tiny_model(V, layers=1, seed=1, scale=0.1)
+    greedy = SamplingParams(temperature=0)
+    expected = plain_greedy(target, 20, LONG_PROMPT)
+    for shape in (make_shape("ar"), make_shape("sd", draft_len=3), make_shape("lookup", draft_len=3),
+                  make_shape("auto")):
+        assert run((target, draft), shape, greedy, 20, seed=0, prompt=LONG_PROMPT) == expected, shape.describe()
+    decoder = Decoder(target, draft, V, make_shape("auto"), SamplingParams(temperature=1.0), set())
+    list(decoder.generate(LONG_PROMPT, 30, seed=3))
+    assert {shape.variant for shape in decoder.policy.shapes} == {"ar", "sd"}
+    for shape in (make_shape("rsd-c", branching=(2,)), make_shape("mss", branching=(2, 1)), make_shape("spectr"),
+                  make_shape("rsd-s")):
+        with pytest.raises(RsdError, match=f"{shape.variant} verifies a tree, which a {kind} model's ALiBi"):
+            run((target, draft), shape, greedy, 5, seed=0)
+    with pytest.raises(RsdError, match="decoded together"):
+        together(Decoder(target, draft, V, make_shape("ar"), greedy, set()), 4, [1, 2])
+    lm = CachedLM(target, V)
+    lm.extend(PROMPT)
+    with pytest.raises(RsdError, match="takes chains only"):  # (a tree asked of the cache itself)
+        lm.forward([2, 4], [3, 3], torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 1]], dtype=torch.bool))
+
+
+def test_models_whose_attention_takes_no_tree_are_told_by_their_config():
+    from transformers import AutoConfig
+
+    from rsd_cli.engine import chains_only
+
+    assert chains_only(AutoConfig.for_model("bloom")) == "ALiBi position biases"
+    assert chains_only(AutoConfig.for_model("mpt")) == "ALiBi position biases"
+    assert chains_only(AutoConfig.for_model("falcon", alibi=True)) == "ALiBi position biases"
+    assert chains_only(AutoConfig.for_model("falcon")) is None  # (rotary by default)
+    assert chains_only(AutoConfig.for_model("llama4_text")).startswith("attention by chunks")
+    for kind in ("llama", "gpt2", "gpt_neox", "opt", "gemma3_text", "mistral", "qwen2", "phi3"):
+        assert chains_only(AutoConfig.for_model(kind)) is None, kind

@@ -89,6 +89,25 @@ def tiny_windowed(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, wi
     return model.eval()
 
 
+def tiny_alibi(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, scale: float = 0.3):
+    """A random model with ALiBi position biases, whose attention takes chains only
+    (engine.chains_only): "bloom" or "mpt"."""
+    from transformers import BloomConfig, BloomForCausalLM, MptConfig, MptForCausalLM
+
+    torch.manual_seed(seed)
+    if kind == "bloom":
+        model = BloomForCausalLM(BloomConfig(vocab_size=vocab, hidden_size=32, n_layer=layers, n_head=4,
+                                             initializer_range=scale, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    else:
+        model = MptForCausalLM(MptConfig(vocab_size=vocab, d_model=32, n_layers=layers, n_heads=4, max_seq_len=256,
+                                         initializer_range=scale, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.mul_(3.0)
+    return model.eval()
+
+
 def tiny_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
