@@ -309,7 +309,7 @@ class AutoShape:
                  on_device: Callable[[Shape], bool] | None = None, chains_only: bool = False):
         """on_device: where steps are decided on the device (a GPU), which shapes are (see
         `for_decoder`): the candidates are then those and plain decoding. chains_only: plain decoding
-        and `sd` chains only (models whose attention takes no tree, engine.chains_only)."""
+        and `sd` chains only (models whose attention takes no tree, engine.limit_of)."""
         self.costs = costs
         self.shapes = [s for s in candidates(max_nodes) if (vocab is None or max(s.branching, default=1) <= vocab)
                        and (on_device is None or s.depth == 0 or on_device(s))
@@ -680,7 +680,7 @@ def for_decoder(decoder, notice=lambda message: None) -> AutoShape:
 
     policy = AutoShape(_MEASURED[key], decoder.shape.max_nodes, vocab=decoder.vocab_size, memory_key=memory_key,
                        timing_key=timing_key, on_device=on_device if on_device(make_shape("sd", draft_len=1)) else None,
-                       chains_only=bool(decoder.chains_only))
+                       chains_only=decoder.limit is not None)
     known = read_json_table(memory_path())
     # what a run with these sampling settings learnt, else the timings of one with other settings
     # (how long each shape's steps take hardly depends on them; how often drafts are accepted does)

@@ -157,17 +157,19 @@ VariantOpt = Annotated[Optional[str], typer.Option("--variant", "-v", help="ar, 
                                                    rich_help_panel=DRAFT, show_default=False)]
 TemperatureOpt = Annotated[Optional[float], typer.Option("--temperature", "-t", help="0 is greedy.",
                                                          rich_help_panel=SAMPLING, show_default=False)]
-TopPOpt = Annotated[Optional[float], typer.Option("--top-p", rich_help_panel=SAMPLING, show_default=False)]
-TopKOpt = Annotated[Optional[int], typer.Option("--top-k", help="0 disables.", rich_help_panel=SAMPLING,
-                                                show_default=False)]
+TopPOpt = Annotated[Optional[float], typer.Option("--top-p", help="Keep the likeliest tokens whose probabilities add "
+                                                 "up to P (1 disables).", rich_help_panel=SAMPLING,
+                                                 show_default=False)]
+TopKOpt = Annotated[Optional[int], typer.Option("--top-k", help="Keep the K likeliest tokens (0 disables).",
+                                                rich_help_panel=SAMPLING, show_default=False)]
 MinPOpt = Annotated[Optional[float], typer.Option("--min-p", help="Drop tokens below this fraction of the likeliest "
                                                  "one's probability (0 disables).", rich_help_panel=SAMPLING,
                                                  show_default=False)]
 RepetitionPenaltyOpt = Annotated[Optional[float], typer.Option(
     "--repetition-penalty", help="> 1 discourages tokens already in the context (1 disables).",
     rich_help_panel=SAMPLING, show_default=False)]
-MaxTokensOpt = Annotated[Optional[int], typer.Option("--max-tokens", "-n", rich_help_panel=SAMPLING,
-                                                     show_default=False)]
+MaxTokensOpt = Annotated[Optional[int], typer.Option("--max-tokens", "-n", help="The most tokens an answer takes.",
+                                                     rich_help_panel=SAMPLING, show_default=False)]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Makes the run reproducible.",
                                                 rich_help_panel=SAMPLING, show_default=False)]
 DraftLenOpt = Annotated[Optional[int], typer.Option("--draft-len", help="sd: draft length γ; lookup: at most γ tokens.",

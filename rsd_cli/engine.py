@@ -205,22 +205,52 @@ class ChainExtension:
         buffers, see compiled.StaticLM); nothing for transformers' cache."""
 
 
-CHAIN_VARIANTS = ("ar", "sd", "lookup")  # what a model whose attention takes no tree (chains_only) runs
+PLAIN = make_shape("ar")
+CHAIN_VARIANTS = ("ar", "sd", "lookup")
+# layer kinds and models (for configs that name no layer kinds) that carry a state from token to token:
+# Mamba and other state-space or linear-attention layers, short convolutions (LFM2), RWKV
+RECURRENT_LAYERS = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "recurrent"})
+RECURRENT_MODELS = frozenset({
+    "mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "xlstm", "bamba", "zamba", "zamba2", "jamba",
+    "falcon_h1", "granitemoehybrid", "lfm2", "lfm2_moe", "lfm3", "nemotron_h", "qwen3_next", "kimi_linear",
+    "minimax", "olmo_hybrid", "bailing_hybrid", "plamo2"})
 
 
-def chains_only(config) -> str | None:
-    """Why this model's attention cannot take a tree's mask (nor rows of prompts read together), or
-    None: it works out position biases or scales from cache slots or a 2D mask instead of the
-    positions and mask it is given. Such a model runs plain chains only, each token at the slot of
-    its position (`ar`, `sd`, `lookup`), on its own causal mask: ALiBi (BLOOM, MPT, Falcon with
-    `alibi`) and Llama 4 (attention scaled by the cache's length on its NoPE layers, chunked
-    attention)."""
+@dataclass(frozen=True)
+class Limit:
+    """What a model whose layers take no tree can run, and why (`limit_of`)."""
+
+    variants: tuple[str, ...]  # (`auto` then chooses among these)
+    reason: str  # "ALiBi position biases"
+
+    def refusal(self, variant: str, whose: str) -> str:
+        """The one line that refuses `variant` for this model ("the target's ALiBi position biases
+        (bloom)"...)."""
+        if self.variants == ("ar",):
+            return f"{variant} verifies drafts, which {whose} cannot take back: use --variant ar (or auto)"
+        runs = f"{', '.join(self.variants[:-1])} or {self.variants[-1]}"
+        return f"{variant} verifies a tree, which {whose} cannot take: use --variant {runs} (or auto)"
+
+
+def limit_of(config) -> Limit | None:
+    """What a model runs where it cannot take a tree's mask (nor rows of prompts read together), or
+    None. Layers with a state (Mamba, linear attention, short convolutions) read every token into
+    it, siblings included, and a rejected draft cannot be taken out again: plain decoding only.
+    Attention that works position biases or scales out of cache slots or a 2D mask, instead of
+    the positions and mask it is given, takes chains (each token at the slot of its position) on
+    its own causal mask: ALiBi (BLOOM, MPT, Falcon with `alibi`), Llama 4 (attention scaled by
+    the cache's length on its NoPE layers, chunked attention) and GPT-Neo's local layers (a window
+    of slots, not positions)."""
     kind = getattr(config, "model_type", "") or ""
+    if kind in RECURRENT_MODELS or RECURRENT_LAYERS & set(getattr(config, "layer_types", None) or ()):
+        return Limit(("ar",), "recurrent layers")
     attention = getattr(config, "attn_config", None)
     if kind in ("bloom", "mpt") or getattr(config, "alibi", False) or getattr(attention, "alibi", False):
-        return "ALiBi position biases"
+        return Limit(CHAIN_VARIANTS, "ALiBi position biases")
     if kind.startswith("llama4") or getattr(config, "attention_chunk_size", None):
-        return "attention by chunks, scaled by the cache's length"
+        return Limit(CHAIN_VARIANTS, "chunked attention scaled by the cache's length")
+    if kind == "gpt_neo" and "local" in (getattr(config, "attention_layers", None) or ()):
+        return Limit(CHAIN_VARIANTS, "local attention windowed by cache slots")
     return None
 
 
@@ -229,9 +259,12 @@ def every_key_cache(config):
     a sliding-window layer's own cache drops the keys its window has passed, and so the slots that
     rsd's masks and `keep` count on (the window is in the masks, CachedLM.forward)."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     cache = DynamicCache(config=config)
+    try:
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+    except ImportError:  # (a transformers whose caches have no such layers)
+        return cache
     cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers]
     return cache
 
@@ -278,7 +311,11 @@ class CachedLM(ChainExtension):
         cfg = model.config
         self.window = getattr(cfg, "sliding_window", None) if sliding_window(cfg) else None
         self.masks_by_kind = self.window is not None and bool(getattr(cfg, "layer_types", None))
-        self.chains_only = chains_only(cfg)  # then its forwards take a 2D mask of the keys (forward)
+        # a model that takes no tree (limit_of) makes its own causal mask from a 2D one (forward); one
+        # with a state (recurrent) is read afresh where `keep` takes tokens back, from the tokens it read
+        self.limit = limit_of(cfg)
+        self.recurrent = self.limit is not None and self.limit.variants == ("ar",)
+        self.read: list[int] | None = [] if self.recurrent else None  # (None while a forward runs)
         self.key_positions = torch.zeros(0, dtype=torch.long)  # [cache slot] (kept for a window only)
         # a prompt into an empty cache goes without a mask (forward), except for a window: rsd's masks
         # say it where transformers' own would take slot indices for positions
@@ -290,6 +327,8 @@ class CachedLM(ChainExtension):
 
     @property
     def length(self) -> int:
+        if self.recurrent:  # (a cache of states alone has no length; -1 after an interrupted forward)
+            return -1 if self.read is None else len(self.read)
         return self.cache.get_seq_length()
 
     def forward(self, tokens: list[int] | torch.Tensor, positions: list[int], visible: torch.Tensor,
@@ -308,8 +347,10 @@ class CachedLM(ChainExtension):
         dtype = self.model.dtype
         device = self.device
         n = len(tokens)
-        if self.chains_only:
+        if self.limit is not None:
             mask = self._chain_mask(positions, visible)
+            if self.recurrent:  # (Mamba masks its new tokens' states with a 2D mask: of the new tokens alone)
+                mask = None
         elif self.unmasked_prompts and self.length == 0 and n > 1 and torch.equal(visible, lower_triangle(n)):
             mask = None
         elif self.window is not None:
@@ -333,9 +374,12 @@ class CachedLM(ChainExtension):
                     logits_to_keep=1 if last_only else 0,
                 )
 
+        read, self.read = self.read, None
         out = run_on_torch((id(self.model), n), work, on_cpu=self.on_cpu)
         if self.window is not None:
             self.key_positions = keys
+        if read is not None:
+            self.read = read + (tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens))
         # the logits stay on the device (a placed model's on its input device): sampling and
         # verification run there, and only a few numbers a step come to the host
         logits = full_vocabulary(out.logits[0, :, : self.vocab_size].float().to(self.device), self.vocab_size)
@@ -344,13 +388,14 @@ class CachedLM(ChainExtension):
         return logits
 
     def _chain_mask(self, positions: list[int], visible: torch.Tensor) -> torch.Tensor:
-        """(1, keys) ones: the 2D mask a chains_only model makes its own causal mask and biases
-        from, for tokens that extend the cache as a chain at the positions of their slots."""
+        """(1, keys) ones: the 2D mask a model that takes no tree (limit_of) makes its own causal
+        mask and biases from, for tokens that extend the cache as a chain at their positions (and
+        else an error: a tree asked of it)."""
         past, n = self.length, len(positions)
         if (list(positions) != list(range(past, past + n)) or not bool(visible[:, :past].all())
                 or not torch.equal(visible[:, past:].cpu(), lower_triangle(n))):
-            raise RsdError(f"a {self.model.config.model_type} model's attention ({self.chains_only}) takes "
-                           "chains only, here asked for a tree")
+            raise RsdError(f"the {self.model.config.model_type} model's {self.limit.reason} take chains only, "
+                           "here asked for a tree")
         return torch.ones(1, past + n, dtype=torch.long, device=self.device)
 
     def keep(self, indices: list[int]) -> None:
@@ -358,6 +403,13 @@ class CachedLM(ChainExtension):
 
         The prefix stays where it is; only the few accepted positions after it are moved down
         before the cache is cropped, so a step copies O(path) entries, not the whole cache."""
+        if self.recurrent:
+            if len(indices) < self.length:  # (a state cannot give tokens back: the kept ones read afresh)
+                kept = [self.read[i] for i in indices]
+                self.cache, self.read = every_key_cache(self.model.config), []
+                if kept:
+                    self.extend(kept)
+            return
         prefix = unchanged_prefix(indices)
         if self.window is not None:
             self.key_positions = self.key_positions[indices]
@@ -365,6 +417,8 @@ class CachedLM(ChainExtension):
             tail = torch.tensor(indices[prefix:])
             with torch.inference_mode():  # the cache tensors were made in inference mode
                 for layer in self.cache.layers:  # each on its decoder layer's device
+                    if getattr(layer, "keys", None) is None:  # (a layer reading another's keys: Gemma 4's)
+                        continue
                     tail = tail.to(layer.keys.device)
                     layer.keys[..., prefix : len(indices), :] = layer.keys.index_select(-2, tail)
                     layer.values[..., prefix : len(indices), :] = layer.values.index_select(-2, tail)
@@ -694,6 +748,8 @@ class Decoder:
         host has not read yet — the continuation found is then expected to go on after them)."""
         if self.shape.variant != "auto":
             return self.shape
+        if self.plain_only:  # (a model with a state: no draft can be taken back)
+            return PLAIN
         policy = self._auto_policy()
         n, continuation = self.ngrams.match(seq, policy.longest_lookup + unread) if seq else (0, [])
         return policy.next_shape(lag, remaining, lookup=(n, max(len(continuation) - unread, 0)))
@@ -702,7 +758,7 @@ class Decoder:
         """The one-off set-up a first generation needs: `auto`'s forward costs, measured once per
         machine (seconds on a first run). Callers that time generations run it first (complete), so
         the statistics of a first run on a machine give the generation's rate, not the measuring's."""
-        if self.shape.variant == "auto":
+        if self.shape.variant == "auto" and not self.plain_only:
             self._auto_policy()
 
     def _auto_policy(self):
@@ -743,26 +799,30 @@ class Decoder:
         return events
 
     @property
-    def chains_only(self) -> str | None:
-        """Why this decoder's models run chains only (engine.chains_only): "a bloom model's ALiBi
-        position biases", or None."""
-        for model in (self.target_model, self.draft_model):
-            reason = chains_only(getattr(model, "config", None))
-            if reason:
-                return f"a {model.config.model_type} model's {reason}"
-        return None
+    def limit(self) -> tuple[Limit, str] | None:
+        """The tightest limit of this decoder's models (limit_of) and whose it is ("the target's
+        ALiBi position biases (bloom)"), or None where both take trees."""
+        limits = [(limit, f"the {role}'s {limit.reason} ({model.config.model_type})")
+                  for role, model in (("target", self.target_model), ("draft", self.draft_model))
+                  if (limit := limit_of(getattr(model, "config", None))) is not None]
+        return min(limits, key=lambda pair: len(pair[0].variants), default=None)
+
+    @property
+    def plain_only(self) -> bool:
+        """Whether a model carries a state (limit_of): then every step is plain, `auto`'s too."""
+        limit = self.limit
+        return limit is not None and limit[0].variants == ("ar",)
 
     def _check_shape(self) -> None:
-        """A tree (or rows of prompts read together: together=True) only for models that take one."""
-        reason = self.chains_only
-        if reason and self.shape.variant not in CHAIN_VARIANTS + ("auto",):
-            raise RsdError(f"{self.shape.variant} verifies a tree, which {reason} cannot take: use --variant "
-                           f"{', '.join(CHAIN_VARIANTS[:-1])} or {CHAIN_VARIANTS[-1]} (or auto)")
+        """A shape the models can take (limit_of): a tree only where they take one."""
+        limit = self.limit
+        if limit is not None and self.shape.variant not in limit[0].variants + ("auto",):
+            raise RsdError(limit[0].refusal(self.shape.variant, limit[1]))
 
     @property
     def drafts(self) -> bool:
         """Whether a generation runs the draft model (`auto` may choose shapes that do)."""
-        return self.shape.uses_draft_model or self.shape.variant == "auto"
+        return self.shape.uses_draft_model or (self.shape.variant == "auto" and not self.plain_only)
 
     def generate(self, prompt: list[int], max_tokens: int, seed: int | None = None) -> Iterator[StepEvent]:
         return self._threads_for(self._generate(prompt, max_tokens, seed), self.drafts)
@@ -821,8 +881,8 @@ class Decoder:
                            ended: set[int]) -> Iterator[list[StepEvent | None]]:
         for prompt in prompts:
             self._check_prompt(prompt)
-        if self.chains_only:  # (each row sees its own prompt, at slots that are not its positions)
-            raise RsdError(f"completions decoded together need attention by rsd's masks, not {self.chains_only}'s")
+        if self.limit is not None:  # (each row sees its own prompt, at slots that are not its positions)
+            raise RsdError(f"completions decoded together need attention by rsd's masks, not {self.limit[1]}")
         if self.kept is not None:  # (a generation's kept caches: this one reads the prompt afresh)
             self.kept.release()
             self.kept = None
@@ -997,7 +1057,7 @@ class Decoder:
         _tree_steps_ahead) on static-shape caches whose buckets hold its forwards; sampling that
         does not depend on the context; else None."""
         wanted = self.steps_ahead if self.steps_ahead is not None else target.device.type != "cpu"
-        if not wanted or self.sampling.uses_context:
+        if not wanted or self.sampling.uses_context or self.plain_only:  # (a state read ahead is read afresh)
             return None
         if self.shape.variant in ("ar", "auto"):
             return "plain"

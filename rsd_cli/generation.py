@@ -317,7 +317,7 @@ def run_generate(pair, profile, text: str | list[str], *, system=None, raw=False
                 console.print(f"[dim]{shape} · {stats_line(completion.stats, shape)}[/dim]")
 
     max_tokens = profile["sampling"]["max_tokens"]
-    if len(asked) > 1 and decoder.shape.variant in TOGETHER and not decoder.chains_only:
+    if len(asked) > 1 and decoder.shape.variant in TOGETHER and decoder.limit is None:
         size = together_group(max_tokens)
         for first in range(0, len(asked), size):
             if first and not as_json:

@@ -98,10 +98,16 @@ def seed_of(profile: Profile) -> int | None:
 
 
 def make_decoder(pair, profile: Profile):
+    from .drafting import make_shape
     from .engine import Decoder
 
-    return Decoder(pair.target, pair.draft, pair.vocab_size, shape_of(profile, pair.vocab_size),
-                   sampling_of(profile), pair.eos_ids, pair.context_length, pair.runtimes, pair.notice)
+    decoder = Decoder(pair.target, pair.draft, pair.vocab_size, shape_of(profile, pair.vocab_size),
+                      sampling_of(profile), pair.eos_ids, pair.context_length, pair.runtimes, pair.notice)
+    limit = decoder.limit
+    if (limit is not None and decoder.shape.variant not in limit[0].variants
+            and profile.origins["decoding"]["variant"] == "default"):  # (one asked for is refused: Decoder)
+        decoder.shape = make_shape("auto")  # the best of what these models run, where no variant was chosen
+    return decoder
 
 
 def runtimes_of(pair, setting: str, progress=lambda message: None, notice=lambda message: None,

@@ -239,8 +239,32 @@ def test_an_alibi_pair_runs_chains_and_refuses_a_tree_in_one_line(cli, tmp_path)
     assert json.loads(alone.stdout)["token_ids"] == records[1]["token_ids"]
     refused = cli("generate", prompt, "-p", profile, "-v", "rsd-c", input="")
     assert refused.exit_code == 1 and refused.stdout == ""
-    assert refused.stderr.strip() == ("rsd: error: rsd-c verifies a tree, which a bloom model's ALiBi position "
-                                      "biases cannot take: use --variant ar, sd or lookup (or auto)")
+    assert refused.stderr.strip() == ("rsd: error: rsd-c verifies a tree, which the target's ALiBi position "
+                                      "biases (bloom) cannot take: use --variant ar, sd or lookup (or auto)")
+
+
+def test_a_pair_with_recurrent_layers_decodes_plainly_by_default_and_refuses_drafts(cli, tmp_path):
+    """A saved LFM2 pair (short convolutions: a state no rejected draft can be taken out of):
+    without a variant chosen, `auto` among plain steps; `sd` asked for is refused in one line."""
+    from tiny import tiny_recurrent, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    for name, layers, seed in (("target", 4, 0), ("draft", 2, 1)):
+        tiny_recurrent("lfm2", len(tokenizer), layers, seed).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    profile = tmp_path / "recurrent.toml"
+    profile.write_text(f'[target]\nsource = "{tmp_path / "target"}"\n'
+                       f'[draft]\nkind = "model"\nsource = "{tmp_path / "draft"}"\n')
+    result = cli("generate", "the cat", "-p", profile, "--json", "-n", "8", "--seed", "3", input="")
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["variant"] == "auto" and record["stats"]["shapes"] == {"ar": 8} and len(record["token_ids"]) == 8
+    plain = cli("generate", "the cat", "-p", profile, "--json", "-n", "8", "--seed", "3", "-v", "ar", input="")
+    assert json.loads(plain.stdout)["token_ids"] == record["token_ids"]
+    refused = cli("generate", "the cat", "-p", profile, "-v", "sd", input="")
+    assert refused.exit_code == 1 and refused.stdout == ""
+    assert refused.stderr.strip() == ("rsd: error: sd verifies drafts, which the target's recurrent layers (lfm2) "
+                                      "cannot take back: use --variant ar (or auto)")
 
 
 def test_samples_json_prints_one_object_per_line(cli, tiny_profile):

@@ -1075,7 +1075,8 @@ def test_samples_together_follow_the_target_distribution(pair):
     assert chi_square_pvalue(counts, exact_joint(pair[0], sampling) * N_SAMPLES) > 1e-3
 
 
-WINDOWED = ["mistral", "qwen2", "gemma3"]  # every layer windowed; the layers past the first; all but the last
+# every layer windowed; the layers past the first; all but the last; every other, half the layers reading others' keys
+WINDOWED = ["mistral", "qwen2", "gemma3", "gemma4"]
 LONG_PROMPT = [1, 3, 4, 5, 2, 0, 1, 3, 4, 5, 0, 4]  # (12 tokens: past the window of 8)
 
 
@@ -1149,25 +1150,66 @@ def test_an_alibi_model_decodes_chains_plain_greedy_and_refuses_trees(kind):
     assert {shape.variant for shape in decoder.policy.shapes} == {"ar", "sd"}
     for shape in (make_shape("rsd-c", branching=(2,)), make_shape("mss", branching=(2, 1)), make_shape("spectr"),
                   make_shape("rsd-s")):
-        with pytest.raises(RsdError, match=f"{shape.variant} verifies a tree, which a {kind} model's ALiBi"):
+        with pytest.raises(RsdError, match=rf"{shape.variant} verifies a tree, which the target's ALiBi position "
+                                           rf"biases \({kind}\) cannot take: use --variant ar, sd or lookup"):
             run((target, draft), shape, greedy, 5, seed=0)
     with pytest.raises(RsdError, match="decoded together"):
         together(Decoder(target, draft, V, make_shape("ar"), greedy, set()), 4, [1, 2])
     lm = CachedLM(target, V)
     lm.extend(PROMPT)
-    with pytest.raises(RsdError, match="takes chains only"):  # (a tree asked of the cache itself)
+    with pytest.raises(RsdError, match="take chains only, here asked for a tree"):  # (asked of the cache itself)
         lm.forward([2, 4], [3, 3], torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 1]], dtype=torch.bool))
 
 
-def test_models_whose_attention_takes_no_tree_are_told_by_their_config():
+def test_models_whose_layers_take_no_tree_are_told_by_their_config():
     from transformers import AutoConfig
 
-    from rsd_cli.engine import chains_only
+    from rsd_cli.engine import CHAIN_VARIANTS, limit_of
 
-    assert chains_only(AutoConfig.for_model("bloom")) == "ALiBi position biases"
-    assert chains_only(AutoConfig.for_model("mpt")) == "ALiBi position biases"
-    assert chains_only(AutoConfig.for_model("falcon", alibi=True)) == "ALiBi position biases"
-    assert chains_only(AutoConfig.for_model("falcon")) is None  # (rotary by default)
-    assert chains_only(AutoConfig.for_model("llama4_text")).startswith("attention by chunks")
+    def limit(kind, **extra):
+        found = limit_of(AutoConfig.for_model(kind, **extra))
+        return found and (found.variants, found.reason)
+
+    alibi = (CHAIN_VARIANTS, "ALiBi position biases")
+    assert limit("bloom") == limit("mpt") == limit("falcon", alibi=True) == alibi
+    assert limit("falcon") is None  # (rotary by default)
+    assert limit("llama4_text") == (CHAIN_VARIANTS, "chunked attention scaled by the cache's length")
+    assert limit("gpt_neo") == (CHAIN_VARIANTS, "local attention windowed by cache slots")
+    for kind in ("lfm2", "mamba", "qwen3_next", "jamba", "falcon_h1", "granitemoehybrid"):  # by name or layer kinds
+        assert limit(kind) == (("ar",), "recurrent layers"), kind
     for kind in ("llama", "gpt2", "gpt_neox", "opt", "gemma3_text", "mistral", "qwen2", "phi3"):
-        assert chains_only(AutoConfig.for_model(kind)) is None, kind
+        assert limit(kind) is None, kind
+
+
+@pytest.mark.parametrize("kind", ["lfm2", "mamba"])
+def test_a_model_with_recurrent_layers_decodes_plainly_and_refuses_drafts(kind):
+    """Layers with a state (short convolutions, Mamba) read every token into it and cannot give a
+    rejected draft back: plain decoding only (`auto` too), the target's greedy tokens; a draft
+    variant, or completions read together, refused in one line; tokens the cache must give back
+    (a later sample's prompt, an answer's end read ahead) read afresh, the same samples as alone."""
+    from rsd_cli.errors import RsdError
+    from tiny import tiny_recurrent
+
+    target, draft = tiny_recurrent(kind, V, seed=0), tiny_model(V, layers=1, seed=1, scale=0.1)
+    greedy = SamplingParams(temperature=0)
+    expected = plain_greedy(target, 16, LONG_PROMPT)
+    for shape in (make_shape("ar"), make_shape("auto")):
+        assert run((target, draft), shape, greedy, 16, seed=0, prompt=LONG_PROMPT) == expected, shape.describe()
+    for variant in ("sd", "lookup", "rsd-c"):
+        with pytest.raises(RsdError, match=rf"{variant} verifies drafts, which the target's recurrent layers "
+                                           rf"\({kind}\) cannot take back: use --variant ar"):
+            run((target, draft), make_shape(variant), greedy, 4, seed=0)
+    with pytest.raises(RsdError, match="decoded together"):
+        together(Decoder(target, draft, V, make_shape("ar"), greedy, set()), 4, [1, 2])
+    lm = CachedLM(target, V)
+    lm.extend(LONG_PROMPT)
+    lm.extend([5, 2])
+    lm.keep(list(range(len(LONG_PROMPT) + 1)))  # (the 2 given back: the rest read afresh)
+    assert lm.length == len(LONG_PROMPT) + 1
+    assert torch.allclose(lm.extend([3])[-1], full_logits(target, LONG_PROMPT + [5, 3])[-1], atol=1e-5)
+    sampling = SamplingParams(temperature=1.0)
+    alone = [run((target, draft), make_shape("ar"), sampling, 8, seed=seed) for seed in (4, 5)]
+    assert alone[0] != alone[1]
+    decoder = Decoder(target, draft, V, make_shape("ar"), sampling, set())
+    decoder.keep_caches, decoder.steps_ahead = True, True  # (a prompt kept from the first; a step read ahead)
+    assert [[t for e in decoder.generate(PROMPT, 8, seed) for t in e.emitted] for seed in (4, 5)] == alone

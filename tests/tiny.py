@@ -68,9 +68,10 @@ def tiny_windowed(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, wi
                   scale: float = 0.3):
     """A random model whose attention (or some layers' of it) sees a sliding window of the last
     `window` positions: "mistral" (every layer), "qwen2" (the layers past the first, with
-    `use_sliding_window`) or "gemma3" (every layer but the last, its own layer types)."""
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    `use_sliding_window`), "gemma3" (every layer but the last, its own layer types) or "gemma4"
+    (every other layer, in 4: the last two reading the keys of the first two's kinds)."""
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Gemma4ForCausalLM, Gemma4TextConfig, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
     shared = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -81,9 +82,14 @@ def tiny_windowed(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, wi
         model = MistralForCausalLM(MistralConfig(**shared))
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**shared, use_sliding_window=True, max_window_layers=1))
-    else:
+    elif kind == "gemma3":
         types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
         model = Gemma3ForCausalLM(Gemma3TextConfig(**shared, head_dim=8, layer_types=types))
+    else:
+        shared["num_hidden_layers"] = 4
+        model = Gemma4ForCausalLM(Gemma4TextConfig(
+            **shared, head_dim=8, global_head_dim=8, layer_types=["sliding_attention", "full_attention"] * 2,
+            num_kv_shared_layers=2, vocab_size_per_layer_input=vocab, hidden_size_per_layer_input=8))
     with torch.no_grad():
         model.lm_head.weight.mul_(3.0)
     return model.eval()
@@ -91,7 +97,7 @@ def tiny_windowed(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, wi
 
 def tiny_alibi(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, scale: float = 0.3):
     """A random model with ALiBi position biases, whose attention takes chains only
-    (engine.chains_only): "bloom" or "mpt"."""
+    (engine.limit_of): "bloom" or "mpt"."""
     from transformers import BloomConfig, BloomForCausalLM, MptConfig, MptForCausalLM
 
     torch.manual_seed(seed)
@@ -105,6 +111,25 @@ def tiny_alibi(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, scale
         for parameter in model.parameters():
             if parameter.dim() == 2:
                 parameter.mul_(3.0)
+    return model.eval()
+
+
+def tiny_recurrent(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, scale: float = 0.1):
+    """A random model with layers that carry a state from token to token (engine.limit_of: plain
+    decoding only): "lfm2" (short convolutions, attention on every other layer) or "mamba"."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM, MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(seed)
+    shared = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=layers, initializer_range=scale,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    if kind == "lfm2":
+        model = Lfm2ForCausalLM(Lfm2Config(**shared, num_attention_heads=4, num_key_value_heads=2,
+                                           intermediate_size=64, block_ff_dim=64, max_position_embeddings=256,
+                                           full_attn_idxs=list(range(1, layers, 2))))
+    else:
+        model = MambaForCausalLM(MambaConfig(**shared, state_size=4, expand=2))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
     return model.eval()
 
 

@@ -1,0 +1,149 @@
+"""Which transformers architectures rsd decodes exactly, on tiny random models of each (offline,
+seconds each): for every architecture, a tree's forward after a 14-token cache against a full
+forward of each node's path, the next token after the accepted path is kept against a fresh
+forward, and greedy decoding of every variant against the target's own greedy tokens (a
+second random model of the same kind as the draft). Architectures whose layers take no tree
+(engine.limit_of) should refuse what they cannot take in one line and decode the rest exactly.
+
+    .venv/bin/python benchmarks/architectures.py [gpt2 lfm2 ...]   (default: all below)
+
+Prints one line per architecture: the largest logit difference of the tree and after pruning, and
+each variant's outcome ("ok", "WRONG", or the error's first words).
+"""
+
+import sys
+import warnings
+
+import torch
+
+V = 64  # vocabulary
+PROMPT = [(i * 7 + 3) % V for i in range(14)]  # longer than the windows and chunks of 8 below
+ATTENTION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+GQA = dict(ATTENTION, num_key_value_heads=2)
+ARCHITECTURES = {  # model_type -> tiny config (the sizes each config names its own way)
+    "llama": GQA,
+    "mistral": dict(GQA, sliding_window=8),
+    "qwen2": dict(GQA, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    "qwen3": dict(GQA, head_dim=8),
+    "qwen3_moe": dict(GQA, head_dim=8, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
+    "gemma": dict(GQA, head_dim=8),
+    "gemma2": dict(GQA, head_dim=8, sliding_window=8),
+    "gemma3_text": dict(GQA, num_hidden_layers=3, head_dim=8, sliding_window=8),
+    "gemma4_text": dict(GQA, num_hidden_layers=6, head_dim=8, global_head_dim=8, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"] * 3, num_kv_shared_layers=2,
+                        vocab_size_per_layer_input=V, hidden_size_per_layer_input=8),
+    "gpt_oss": dict(GQA, intermediate_size=32, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=8),
+    "phi": ATTENTION,
+    "phi3": dict(GQA, pad_token_id=0),
+    "stablelm": dict(ATTENTION, hidden_size=64, num_key_value_heads=4),
+    "olmo2": ATTENTION,
+    "granite": ATTENTION,
+    "smollm3": dict(GQA, num_hidden_layers=4, pad_token_id=0),
+    "cohere": ATTENTION,
+    "starcoder2": dict(GQA, sliding_window=8),
+    "falcon": dict(ATTENTION, new_decoder_architecture=False),
+    "gpt_neox": dict(ATTENTION, max_position_embeddings=128),
+    "opt": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=32),
+    "gpt2": dict(n_embd=32, n_layer=2, n_head=4),
+    "gpt_bigcode": dict(n_embd=32, n_layer=2, n_head=4),
+    "gptj": dict(n_embd=32, n_layer=2, n_head=4, rotary_dim=4),
+    "gpt_neo": dict(hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+                    window_size=8),
+    "bloom": dict(hidden_size=32, n_layer=2, n_head=4),
+    "mpt": dict(d_model=32, n_layers=2, n_heads=4),
+    "llama4_text": dict(GQA, head_dim=8, intermediate_size_mlp=64, attention_chunk_size=8, num_local_experts=2),
+    "lfm2": dict(GQA, num_hidden_layers=4, block_ff_dim=64, full_attn_idxs=[1, 3]),
+    "mamba": dict(hidden_size=32, num_hidden_layers=2, state_size=4, expand=2),
+    "jamba": dict(GQA, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, num_experts=2,
+                  mamba_d_state=4),
+    "falcon_h1": dict(GQA, head_dim=8, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8),
+    "qwen3_next": dict(GQA, num_hidden_layers=4, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2,
+                       linear_key_head_dim=8, linear_value_head_dim=8, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
+}
+VARIANTS = ("ar", "sd", "rsd-c", "rsd-s", "auto")
+
+
+def tiny(kind: str, seed: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, vocab_size=V, **ARCHITECTURES[kind])).eval()
+    with torch.no_grad():  # (peakier distributions than the initialiser's: logits that differ show)
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.mul_(3.0)
+    return model
+
+
+def last_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0, -1].float()
+
+
+def tree_and_pruning(model) -> tuple[float, float]:
+    """The largest logit difference of a 5-node tree's forward after the prompt, and of the next
+    token after keeping the root and one path, against full forwards."""
+    from rsd_cli.engine import CachedLM
+    from rsd_cli.tree import DraftTree
+
+    lm = CachedLM(model, V)
+    lm.extend(PROMPT)
+    tree = DraftTree.rooted_at(5)
+    a, _ = tree.add_draw(0, 2)
+    b, _ = tree.add_draw(0, 4)
+    c, _ = tree.add_draw(a, 1)
+    tree.add_draw(b, 9)
+    base = len(PROMPT)
+    visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
+    logits = lm.forward(tree.tokens, [base + depth for depth in tree.depths], visible)
+    tree_error = max((logits[node] - last_logits(model, PROMPT + [tree.tokens[k] for k in tree.path_to(node)]))
+                     .abs().max().item() for node in range(len(tree)))
+    lm.keep(list(range(base)) + [base + n for n in (0, a, c)])
+    after = lm.extend([3], last_only=True)[-1]
+    return tree_error, (after - last_logits(model, PROMPT + [5, 2, 1, 3])).abs().max().item()
+
+
+def greedy_variants(target, draft) -> dict[str, str]:
+    from rsd_cli.drafting import make_shape
+    from rsd_cli.engine import Decoder
+    from rsd_cli.sampling import SamplingParams
+
+    tokens = list(PROMPT)
+    for _ in range(24):
+        tokens.append(int(last_logits(target, tokens).argmax()))
+    expected, outcomes = tokens[len(PROMPT):], {}
+    for variant in VARIANTS:
+        try:
+            decoder = Decoder(target, draft, V, make_shape(variant, branching=(2, 2)), SamplingParams(temperature=0),
+                              set())
+            got = [t for event in decoder.generate(PROMPT, 24, 0) for t in event.emitted]
+            outcomes[variant] = "ok" if got == expected else "WRONG"
+        except Exception as error:  # (what a user would see, in one line)
+            outcomes[variant] = f"{type(error).__name__}: {str(error)[:70]}"
+    return outcomes
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    for kind in sys.argv[1:] or ARCHITECTURES:
+        try:
+            target, draft = tiny(kind, 0), tiny(kind, 1)
+        except Exception as error:
+            print(f"{kind:12s} not built here: {type(error).__name__}: {str(error)[:80]}")
+            continue
+        try:
+            tree_error, pruned_error = tree_and_pruning(target)
+            errors = f"tree {tree_error:.1e}, after pruning {pruned_error:.1e}"
+        except Exception as error:
+            errors = f"tree: {type(error).__name__}: {str(error)[:70]}"
+        print(f"{kind:12s} {errors} | {greedy_variants(target, draft)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
