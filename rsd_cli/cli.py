@@ -157,6 +157,7 @@ VariantOpt = Annotated[Optional[str], typer.Option("--variant", "-v", help="ar, 
                                                    rich_help_panel=DRAFT, show_default=False)]
 TemperatureOpt = Annotated[Optional[float], typer.Option("--temperature", "-t", help="0 is greedy.",
                                                          rich_help_panel=SAMPLING, show_default=False)]
+BENCH_VARIANTS = "ar,sd,mss,spectr,rsd-c,rsd-s,lookup,auto"
 TopPOpt = Annotated[Optional[float], typer.Option("--top-p", help="Keep the likeliest tokens whose probabilities add "
                                                  "up to P (1 disables).", rich_help_panel=SAMPLING,
                                                  show_default=False)]
@@ -418,7 +419,7 @@ def _csv_list(text: str, kind, name: str) -> list:
 @cli_errors
 def bench(
     profile: ProfileOpt = None,
-    variants: Annotated[str, typer.Option("--variants", help="Comma-separated variants.")] = "ar,sd,mss,spectr,rsd-c,rsd-s,lookup,auto",
+    variants: Annotated[str, typer.Option("--variants", help="Comma-separated variants.")] = BENCH_VARIANTS,
     budgets: Annotated[Optional[str], typer.Option("--budgets", help="Fixed target budgets, e.g. 6,10,14,21,30.",
                                                    show_default=False)] = None,
     depths: Annotated[Optional[str], typer.Option("--depths", help="Fixed draft lengths L, e.g. 2,4.",
@@ -475,6 +476,12 @@ def bench(
     loader = Loader()
     runtime_mb = runtime_rss_mb(loader.target_location(prof))  # before any weights load
     pair = loader.load(prof, light=False)  # the peers and --compile off run transformers' forward
+    from .engine import pair_limit
+
+    limit = pair_limit(pair.target, pair.draft)
+    if limit is not None and variants == BENCH_VARIANTS:  # (variants asked for are refused: Decoder)
+        names = [v for v in names if v in limit[0].variants + ("auto",)]
+        notice(f"{limit[1]} take no tree: measuring {', '.join(names)}")
     from .runtime import runtimes_of
 
     compiles = compiles or [prof["runtime"]["compile"]]

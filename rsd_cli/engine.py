@@ -254,6 +254,15 @@ def limit_of(config) -> Limit | None:
     return None
 
 
+def pair_limit(target, draft) -> tuple[Limit, str] | None:
+    """The tighter limit of a target and draft (limit_of) and whose it is ("the target's ALiBi
+    position biases (bloom)"), or None where both take trees."""
+    limits = [(limit, f"the {role}'s {limit.reason} ({model.config.model_type})")
+              for role, model in (("target", target), ("draft", draft))
+              if (limit := limit_of(getattr(model, "config", None))) is not None]
+    return min(limits, key=lambda found: len(found[0].variants), default=None)
+
+
 def every_key_cache(config):
     """transformers' DynamicCache for a model of this config, every attention layer keeping every key:
     a sliding-window layer's own cache drops the keys its window has passed, and so the slots that
@@ -800,12 +809,8 @@ class Decoder:
 
     @property
     def limit(self) -> tuple[Limit, str] | None:
-        """The tightest limit of this decoder's models (limit_of) and whose it is ("the target's
-        ALiBi position biases (bloom)"), or None where both take trees."""
-        limits = [(limit, f"the {role}'s {limit.reason} ({model.config.model_type})")
-                  for role, model in (("target", self.target_model), ("draft", self.draft_model))
-                  if (limit := limit_of(getattr(model, "config", None))) is not None]
-        return min(limits, key=lambda pair: len(pair[0].variants), default=None)
+        """pair_limit of this decoder's models."""
+        return pair_limit(self.target_model, self.draft_model)
 
     @property
     def plain_only(self) -> bool:

@@ -241,6 +241,11 @@ def test_an_alibi_pair_runs_chains_and_refuses_a_tree_in_one_line(cli, tmp_path)
     assert refused.exit_code == 1 and refused.stdout == ""
     assert refused.stderr.strip() == ("rsd: error: rsd-c verifies a tree, which the target's ALiBi position "
                                       "biases (bloom) cannot take: use --variant ar, sd or lookup (or auto)")
+    bench = cli("bench", "-p", profile, "--limit", "1", "-n", "4", "--no-assisted", "--no-hf-static", "--json",
+                input="")
+    assert bench.exit_code == 0, bench.stderr  # (its default variants: those the pair takes)
+    assert [row["variant"] for row in json.loads(bench.stdout)["results"]] == ["ar", "sd", "lookup", "auto"]
+    assert "the target's ALiBi position biases (bloom) take no tree: measuring ar, sd, lookup, auto" in bench.stderr
 
 
 def test_a_pair_with_recurrent_layers_decodes_plainly_by_default_and_refuses_drafts(cli, tmp_path):
