@@ -635,6 +635,19 @@ def params_read(model) -> int:
     return sum(p.numel() for key, p in unique.items() if tied or key != id(embed))
 
 
+def draft_reads_every_token(draft, vocab: int) -> None:
+    """Where a separate draft's embedding has fewer rows than the target's vocabulary (Qwen2.5-0.5B's
+    151936 against 7B's 152064: the same tokenizer, rows padded differently), the draft reads a
+    token only the target has as its own last row. Any input keeps decoding exact: the draft's q
+    after it is still the q its drafts are drawn from and verified with (and 0 on the target's
+    extra tokens). Without it the draft's embedding would fail on such a token; narrowing the
+    vocabulary to the draft's instead (before) dropped the target's probability of those tokens."""
+    embedding = draft.get_input_embeddings()
+    rows = embedding.num_embeddings
+    if rows < vocab:
+        embedding.register_forward_pre_hook(lambda module, inputs: (inputs[0].clamp(max=rows - 1), *inputs[1:]))
+
+
 def fingerprint(model) -> str:
     """A short id of a target model's architecture: its type, sizes and tensor names and shapes.
     Not its dtype or device: one adapter serves the target in float32 on a CPU and in bfloat16 on
@@ -971,9 +984,9 @@ def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, l
                                       progress, draft_place, light)
         check_same_tokenizer(tokenizer, draft_tok)
         what = draft_cfg["source"]
-    vocab = target.config.vocab_size
+    vocab = target.config.vocab_size  # (the target's distribution whole: a narrower draft's q is 0 past its own)
     if draft_cfg["kind"] == "model":
-        vocab = min(vocab, draft.config.vocab_size)  # embedding rows may be padded
+        draft_reads_every_token(draft, vocab)
     placement = {role: counts for role, counts in (("target", layers_per_device(target)),
                  ("draft", layers_per_device(draft, target if draft_cfg["kind"] == "early-exit" else None)))
                  if counts}

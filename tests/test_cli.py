@@ -272,6 +272,31 @@ def test_a_pair_with_recurrent_layers_decodes_plainly_by_default_and_refuses_dra
                                       "cannot take back: use --variant ar (or auto)")
 
 
+def test_a_draft_with_fewer_rows_than_the_target_leaves_the_target_its_own_tokens(cli, tmp_path):
+    """A target whose embedding has rows past the draft's (Qwen2.5-7B's 152064 against 0.5B's
+    151936): its answers hold tokens only it has (before, the vocabulary was narrowed to the
+    draft's and they were never drawn), which the draft reads without failing."""
+    import torch
+    from tiny import tiny_model, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    rows = len(tokenizer)
+    target, draft = tiny_model(rows + 4, layers=3, seed=0, scale=0.3), tiny_model(rows, layers=1, seed=1, scale=0.3)
+    with torch.no_grad():  # (the target's own tokens about as likely as its likeliest)
+        target.lm_head.weight[rows:] = target.lm_head.weight[:4] * 1.5
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    profile = tmp_path / "rows.toml"
+    profile.write_text(f'[target]\nsource = "{tmp_path / "target"}"\n'
+                       f'[draft]\nkind = "model"\nsource = "{tmp_path / "draft"}"\n')
+    result = cli("generate", "the cat", "-p", profile, "--json", "-n", "24", "-t", "1", "-v", "sd", "--samples", "3",
+                 input="")
+    assert result.exit_code == 0, result.stderr
+    drawn = [token for line in result.stdout.splitlines() for token in json.loads(line)["token_ids"]]
+    assert max(drawn) >= rows
+
+
 def test_samples_json_prints_one_object_per_line(cli, tiny_profile):
     result = cli("generate", "hi", "-p", tiny_profile, "--samples", "3", "--json", "-n", "5", input="")
     assert result.exit_code == 0, result.stderr

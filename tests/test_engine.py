@@ -1213,3 +1213,32 @@ def test_a_model_with_recurrent_layers_decodes_plainly_and_refuses_drafts(kind):
     decoder = Decoder(target, draft, V, make_shape("ar"), sampling, set())
     decoder.keep_caches, decoder.steps_ahead = True, True  # (a prompt kept from the first; a step read ahead)
     assert [[t for e in decoder.generate(PROMPT, 8, seed) for t in e.emitted] for seed in (4, 5)] == alone
+
+
+def test_a_draft_with_fewer_rows_than_the_targets_vocabulary_keeps_the_targets_whole_distribution():
+    """Qwen2.5-0.5B's embedding has 151936 rows, 7B's 152064 (one tokenizer, rows padded otherwise):
+    the first two tokens follow the target's distribution over all its tokens, those only it has
+    included (before, the vocabulary was narrowed to the draft's), and the draft reads such a token
+    as its own last row (its q stays the one its drafts are drawn from, 0 on the target's extra
+    tokens)."""
+    from rsd_cli.models import draft_reads_every_token
+
+    wide = V + 2
+    target, draft = tiny_model(wide, layers=2, seed=0, scale=0.1), tiny_model(V, layers=1, seed=1, scale=0.1)
+    with torch.no_grad():  # (the extra tokens as likely as two of the others)
+        target.lm_head.weight[V:] = target.lm_head.weight[1:3]
+    draft_reads_every_token(draft, wide)
+    with torch.no_grad():
+        assert torch.equal(draft(torch.tensor([[V + 1, 2]])).logits, draft(torch.tensor([[V - 1, 2]])).logits)
+    sampling = SamplingParams(temperature=1.0)
+    first = logits_to_probs(full_logits(target, PROMPT)[-1], sampling).double()
+    expected = torch.stack([first[x] * logits_to_probs(full_logits(target, PROMPT + [x])[-1], sampling).double()
+                            for x in range(wide)]) * N_SAMPLES
+    for shape in (make_shape("sd", draft_len=2), make_shape("rsd-c", branching=(2, 2))):
+        counts = torch.zeros(wide, wide)
+        for seed in range(N_SAMPLES):
+            decoder = Decoder(target, draft, wide, shape, sampling, set())
+            first_token, second_token = [t for e in decoder.generate(PROMPT, 2, seed) for t in e.emitted][:2]
+            counts[first_token, second_token] += 1
+        assert counts[V:].sum() > 0.1 * N_SAMPLES  # (the target's own tokens drawn, and read by the draft)
+        assert chi_square_pvalue(counts, expected) > 1e-3, shape.describe()
