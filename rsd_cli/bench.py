@@ -142,7 +142,8 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     per_prompt: dict[tuple, dict[tuple, float]] = {}  # a job's or a peer's key -> (repeat, prompt) -> tokens/s
     peer_errors: dict[str, str] = {}  # a peer failing must not cost the other rows
     encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]
-    top = {key: profile["sampling"][key] for key in ("top_k", "top_p", "min_p", "repetition_penalty")}
+    top = {key: profile["sampling"][key]
+           for key in ("top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")}
     stops = profile["sampling"]["stop"]  # completions end at them, as in generate (peers ignore them)
     runs = repeats * len(encoded) * (len(jobs) + len(peers) * len(temperatures))
     done = 0

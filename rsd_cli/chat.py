@@ -22,8 +22,9 @@ HELP = """commands:
   /clear                forget the conversation
   /system TEXT          set the system prompt (empty TEXT clears it)
   /set KEY VALUE        KEY: temperature, top_p, top_k, min_p, repetition_penalty,
-                        max_tokens, seed, stop, variant, draft_len, ngram, branching,
-                        beam_width, depth, num_drafts, budget (0: off)
+                        presence_penalty, frequency_penalty, max_tokens, seed, stop,
+                        variant, draft_len, ngram, branching, beam_width, depth,
+                        num_drafts, budget (0: off)
                         (/set stop TEXT: one stop string; /set stop ["a", "b"]: several; [] none;
                         /set branching 3,2: factors per depth)
   /stats                statistics of the last answer
@@ -45,7 +46,7 @@ def _stop_list(value: str) -> list[str]:
 
 # what /set takes (the flags' names, runtime.FLAG_KEYS) -> how its text is read
 SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
-            "max_tokens": int, "seed": int, "stop": _stop_list, "variant": str, "draft_len": int, "ngram": int,
+            "presence_penalty": float, "frequency_penalty": float, "max_tokens": int, "seed": int, "stop": _stop_list, "variant": str, "draft_len": int, "ngram": int,
             "branching": branching_factors, "beam_width": int, "depth": int, "num_drafts": int, "budget": int}
 EXPECTED = {float: "a number", int: "an integer", _stop_list: "a string or a JSON list of strings",
             branching_factors: "integers separated by commas, like 3,2,2"}

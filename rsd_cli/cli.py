@@ -169,6 +169,12 @@ MinPOpt = Annotated[Optional[float], typer.Option("--min-p", help="Drop tokens b
 RepetitionPenaltyOpt = Annotated[Optional[float], typer.Option(
     "--repetition-penalty", help="> 1 discourages tokens already in the context (1 disables).",
     rich_help_panel=SAMPLING, show_default=False)]
+PresencePenaltyOpt = Annotated[Optional[float], typer.Option(
+    "--presence-penalty", help="Subtracted from the logit of every token in the context (0 disables).",
+    rich_help_panel=SAMPLING, show_default=False)]
+FrequencyPenaltyOpt = Annotated[Optional[float], typer.Option(
+    "--frequency-penalty", help="Subtracted from a token's logit once per time it is in the context (0 disables).",
+    rich_help_panel=SAMPLING, show_default=False)]
 MaxTokensOpt = Annotated[Optional[int], typer.Option("--max-tokens", "-n", help="The most tokens an answer takes.",
                                                      rich_help_panel=SAMPLING, show_default=False)]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Makes the run reproducible.",
@@ -287,6 +293,8 @@ def generate(
     top_k: TopKOpt = None,
     min_p: MinPOpt = None,
     repetition_penalty: RepetitionPenaltyOpt = None,
+    presence_penalty: PresencePenaltyOpt = None,
+    frequency_penalty: FrequencyPenaltyOpt = None,
     max_tokens: MaxTokensOpt = None,
     seed: SeedOpt = None,
     draft_len: DraftLenOpt = None,
@@ -341,6 +349,8 @@ def chat(
     top_k: TopKOpt = None,
     min_p: MinPOpt = None,
     repetition_penalty: RepetitionPenaltyOpt = None,
+    presence_penalty: PresencePenaltyOpt = None,
+    frequency_penalty: FrequencyPenaltyOpt = None,
     max_tokens: MaxTokensOpt = None,
     seed: SeedOpt = None,
     draft_len: DraftLenOpt = None,
@@ -386,6 +396,8 @@ def inspect_tree(
     top_k: TopKOpt = None,
     min_p: MinPOpt = None,
     repetition_penalty: RepetitionPenaltyOpt = None,
+    presence_penalty: PresencePenaltyOpt = None,
+    frequency_penalty: FrequencyPenaltyOpt = None,
     seed: SeedOpt = None,
     draft_len: DraftLenOpt = None,
     ngram: NgramOpt = None,

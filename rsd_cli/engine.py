@@ -749,6 +749,7 @@ class Decoder:
         # never, one step at a time everywhere
         self.steps_ahead: bool | None = False if os.environ.get("RSD_STEPS_AHEAD", "1").strip() == "0" else None
         self._placed_constants: dict[tuple, tuple] = {}  # (_placed)
+        self.answer_from = 0  # where the sequence's answer begins (_seen), set by each generation
 
     def _next_shape(self, lag: int = 0, remaining: int | None = None, seq: list[int] = (), unread: int = 0) -> Shape:
         """This step's shape: the configured one, or auto's choice from the steps before it (lag:
@@ -835,6 +836,7 @@ class Decoder:
     def _generate(self, prompt: list[int], max_tokens: int, seed: int | None) -> Iterator[StepEvent]:
         self._check_prompt(prompt)
         self._check_shape()
+        self.answer_from = len(prompt)  # (the presence and frequency penalties count the answer's tokens)
         self.prepare()  # (before this generation's caches hold a static-shape runtime's shared buffers)
         # static-cache buffers: room for the prompt, some answer and one tree; they double when full
         capacity = min(len(prompt) + min(max_tokens, 512), self.context_length or 2**31) + self.shape.max_nodes + 1
@@ -945,11 +947,12 @@ class Decoder:
                 else:
                     for r, j in enumerate(rows):
                         sight[j, base + r] = True
-                seen = None
+                context = {}
                 if self.sampling.uses_context:  # (each row's own context, as a plain step's)
-                    seen = torch.cat([self._seen(self.sampling, seqs[j], DraftTree.rooted_at(seqs[j][-1]), [0],
-                                                 logits.device) for j in active])
-                p = logits_to_probs(logits, self.sampling, seen)
+                    each = [self._seen(self.sampling, seqs[j], DraftTree.rooted_at(seqs[j][-1]), [0], logits.device,
+                                       len(prompts[j])) for j in active]
+                    context = {key: torch.cat([row[key] for row in each]) for key in each[0]}
+                p = logits_to_probs(logits, self.sampling, **context)
                 u = torch.cat([row_uniforms(1, generators[j], generators[j].device) for j in active])
                 tokens = to_host(inverse_cdf(p, u))
                 forward = target.forward_seconds - before + (prefill if first else 0.0)
@@ -1592,8 +1595,8 @@ class Decoder:
         base = len(seq) - 1
         visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
         logits = target.forward(tree.tokens, [base + d for d in tree.depths], visible)
-        seen = self._seen(self.sampling, seq, tree, range(len(tree)), logits.device)
-        p = logits_to_probs(logits, self.sampling, seen)
+        p = logits_to_probs(logits, self.sampling, **self._seen(self.sampling, seq, tree, range(len(tree)),
+                                                                 logits.device))
         checks, path, node = [], [], 0
         while tree.draws[node]:
             draws = tree.draws[node]
@@ -1622,20 +1625,38 @@ class Decoder:
             draft_forward_seconds=(draft.forward_seconds if draft else 0.0) - draft_before,
         )
 
-    def _seen(self, sampling: SamplingParams, seq: list[int], tree: DraftTree, nodes,
-              device: torch.device) -> torch.Tensor | None:
-        """(len(nodes), V) bool: the tokens in each node's context — the sequence so far and the
-        node's path in the tree (the node's own token included: its row is the distribution of
-        the token after it). None when the processing does not depend on the context. The draft's
+    def _seen(self, sampling: SamplingParams, seq: list[int], tree: DraftTree, nodes, device: torch.device,
+              answer_from: int | None = None) -> dict[str, torch.Tensor]:
+        """What context-dependent processing reads of each node's context — the sequence so far and
+        the node's path in the tree (the node's own token included: its row is the distribution of
+        the token after it) —, as logits_to_probs takes it: "seen", (len(nodes), V) bool, the
+        tokens in it (the repetition penalty); "counts", how often each token is in its answer, the
+        context from `answer_from` on (this generation's prompt length by default: the presence and
+        frequency penalties). Empty when the processing does not depend on the context. The draft's
         q at a node gets the same context as the target's p there, so q stays close to p."""
         if not sampling.uses_context:
-            return None
-        base = torch.zeros(self.vocab_size, dtype=torch.bool)
-        base[torch.tensor(seq)] = True
-        seen = base.repeat(len(nodes), 1)
-        for row, node in enumerate(nodes):
-            seen[row, [tree.tokens[n] for n in tree.path_to(node)]] = True
-        return seen.to(device)
+            return {}
+        paths = [torch.tensor([tree.tokens[n] for n in tree.path_to(node)]) for node in nodes]
+        context = {}
+        if sampling.repetition_penalty != 1.0:
+            base = torch.zeros(self.vocab_size, dtype=torch.bool)
+            base[torch.tensor(seq)] = True
+            seen = base.repeat(len(nodes), 1)
+            for row, path in enumerate(paths):
+                seen[row, path] = True
+            context["seen"] = seen.to(device)
+        if sampling.presence_penalty or sampling.frequency_penalty:
+            start = self.answer_from if answer_from is None else answer_from
+            # (seq ends with the tree's root, which each path begins with)
+            answer = torch.tensor(seq[start:-1], dtype=torch.long)
+            base = torch.bincount(answer, minlength=self.vocab_size)[: self.vocab_size]
+            counts = base.repeat(len(nodes), 1)
+            for row, path in enumerate(paths):
+                counts[row].index_add_(0, path, torch.ones_like(path))
+            if start >= len(seq):  # (the root is the prompt's last token: not the answer's)
+                counts[:, seq[-1]] -= 1
+            context["counts"] = counts.to(device)
+        return context
 
     def _draft(self, shape: Shape, seq: list[int], draft: CachedLM | None, generator: torch.Generator):
         """Build this step's tree. Returns it and the draft-cache position of each node the
@@ -1648,7 +1669,7 @@ class Decoder:
             return DraftTree.rooted_at(root), {}
         device = generator.device  # the target's: the draft's q joins p there
         root_seen = self._seen(self.draft_sampling, seq, DraftTree.rooted_at(root), [0], device)
-        q_root = logits_to_probs(self._draft_catch_up(seq, draft, device), self.draft_sampling, root_seen)[0]
+        q_root = logits_to_probs(self._draft_catch_up(seq, draft, device), self.draft_sampling, **root_seen)[0]
         draft_index = {0: len(seq) - 1}
         base = len(seq) - 1
 
@@ -1662,7 +1683,7 @@ class Decoder:
                 for ancestor in tree.path_to(node):
                     visible[row, draft_index[ancestor]] = True
             logits = draft.forward([tree.tokens[n] for n in nodes], [base + tree.depths[n] for n in nodes], visible)
-            seen = self._seen(self.draft_sampling, seq, tree, nodes, device)
-            return logits_to_probs(logits.to(device), self.draft_sampling, seen)
+            return logits_to_probs(logits.to(device), self.draft_sampling,
+                                   **self._seen(self.draft_sampling, seq, tree, nodes, device))
 
         return build_tree(shape, root, q_root, expand, generator, self.greedy_ranking), draft_index

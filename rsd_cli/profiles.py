@@ -5,6 +5,7 @@ Precedence: flags > environment (RSD_<TABLE>_<KEY>) > profile file > built-in de
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -41,6 +42,10 @@ def _min_p(v) -> str | None:
 
 def _penalty(v) -> str | None:
     return None if v > 0 else "must be greater than 0"
+
+
+def _finite(v) -> str | None:
+    return None if math.isfinite(v) else "must be a finite number"
 
 
 def _one_of(*choices: str) -> Callable[[Any], str | None]:
@@ -167,6 +172,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "top_k": Key(int, 0, _non_negative, "0 disables"),
         "min_p": Key(float, 0.0, _min_p, "drop tokens below min_p x the likeliest one's probability; 0 disables"),
         "repetition_penalty": Key(float, 1.0, _penalty, "> 1 discourages tokens already in the context; 1 disables"),
+        "presence_penalty": Key(float, 0.0, _finite, "subtracted from the logit of every token in the context; "
+                                "0 disables"),
+        "frequency_penalty": Key(float, 0.0, _finite, "subtracted from a token's logit once per time it is in the "
+                                 "context; 0 disables"),
         "max_tokens": Key(int, 256, _positive),
         "seed": Key(int, -1, None, "-1 draws a fresh seed"),
         "stop": Key(list, [], _stops, "end the answer at the first of these strings (not printed)", item=str),

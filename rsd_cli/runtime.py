@@ -23,6 +23,8 @@ FLAG_KEYS = {
     "top_k": ("sampling", "top_k"),
     "min_p": ("sampling", "min_p"),
     "repetition_penalty": ("sampling", "repetition_penalty"),
+    "presence_penalty": ("sampling", "presence_penalty"),
+    "frequency_penalty": ("sampling", "frequency_penalty"),
     "max_tokens": ("sampling", "max_tokens"),
     "seed": ("sampling", "seed"),
     "compile": ("runtime", "compile"),
@@ -85,7 +87,8 @@ def sampling_of(profile: Profile):
     from .sampling import SamplingParams
 
     s = profile["sampling"]
-    return SamplingParams(s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["repetition_penalty"])
+    return SamplingParams(s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["repetition_penalty"],
+                          s["presence_penalty"], s["frequency_penalty"])
 
 
 def stops_of(profile: Profile) -> list[str]:

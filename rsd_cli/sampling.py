@@ -19,6 +19,8 @@ class SamplingParams:
     top_p: float = 1.0  # 1 disables
     min_p: float = 0.0  # drop tokens below min_p x the likeliest token's probability; 0 disables
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the context; 1 disables
+    presence_penalty: float = 0.0  # subtracted from the logit of every token in the context; 0 disables
+    frequency_penalty: float = 0.0  # subtracted from a token's logit once per time it is in the context
 
     @property
     def greedy(self) -> bool:
@@ -27,7 +29,7 @@ class SamplingParams:
     @property
     def uses_context(self) -> bool:
         """Whether processing depends on the tokens before each position (it then needs `seen`)."""
-        return self.repetition_penalty != 1.0
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def penalise_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -37,18 +39,32 @@ def penalise_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float
     return torch.where(seen, penalised, logits)
 
 
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
+def penalise_presence(logits: torch.Tensor, counts: torch.Tensor, presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties (as its API and vLLM apply them): each token's logit
+    less `presence` if it is in the answer so far and `frequency` times its count there (the
+    prompt's tokens do not count). counts (..., V)."""
+    return logits - presence * (counts > 0) - frequency * counts
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None,
+                    counts: torch.Tensor | None = None) -> torch.Tensor:
     """(..., V) logits -> (..., V) float32 probabilities after the repetition penalty (seen: (..., V)
-    bool, the tokens in each row's context), temperature, top-k, top-p and min-p.
+    bool, the tokens in each row's context), the presence and frequency penalties (counts: (..., V),
+    how often each token is in each row's answer so far, as OpenAI counts), temperature, top-k,
+    top-p and min-p.
 
     Target and draft go through this same function with the same contexts, so p and q are
     processed identically: what the output follows exactly is this processed target distribution.
     """
     logits = logits.float()
-    if params.uses_context:
+    if params.repetition_penalty != 1.0:
         if seen is None:
             raise ValueError("a repetition penalty needs the tokens seen in each row's context")
         logits = penalise_repetition(logits, seen, params.repetition_penalty)
+    if params.presence_penalty or params.frequency_penalty:
+        if counts is None:
+            raise ValueError("a presence or frequency penalty needs the counts of each row's answer so far")
+        logits = penalise_presence(logits, counts.float(), params.presence_penalty, params.frequency_penalty)
     if params.greedy:
         # one-hot on the argmax (F.one_hot would check the indices' range: a read of their values)
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)

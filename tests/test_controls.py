@@ -214,12 +214,55 @@ def test_processing_matches_transformers_processors():
         logits_to_probs(logits, SamplingParams(repetition_penalty=1.3))
 
 
+def test_presence_and_frequency_penalties_are_openais():
+    """Each token's logit less the presence penalty if it is in the answer so far and the frequency
+    penalty times its count there (OpenAI's definition, before the temperature); with a repetition
+    penalty, that comes first (transformers' order)."""
+    import torch
+
+    from rsd_cli.sampling import SamplingParams, logits_to_probs
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 20) * 3
+    counts = torch.zeros(2, 20, dtype=torch.long)
+    counts[0, 3], counts[0, 7], counts[1, 7] = 2, 1, 4
+    sampling = SamplingParams(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.25)
+    expected = ((logits - 0.5 * (counts > 0) - 0.25 * counts) / 0.8).softmax(-1)
+    torch.testing.assert_close(logits_to_probs(logits, sampling, counts=counts), expected)
+    both = SamplingParams(repetition_penalty=1.3, presence_penalty=-0.5)  # (a negative one encourages)
+    penalised = torch.where(counts > 0, torch.where(logits > 0, logits / 1.3, logits * 1.3), logits)
+    torch.testing.assert_close(logits_to_probs(logits, both, counts > 0, counts),
+                               (penalised + 0.5 * (counts > 0)).softmax(-1))
+    with pytest.raises(ValueError, match="needs the counts of each row's answer"):
+        logits_to_probs(logits, SamplingParams(frequency_penalty=0.1), counts > 0)
+
+
 def test_min_p_and_penalty_flags_are_checked(tiny_profile):
     for flag, value, message in (("--min-p", "1", "sampling.min_p must be in [0, 1)"),
                                  ("--min-p", "-0.1", "sampling.min_p must be in [0, 1)"),
-                                 ("--repetition-penalty", "0", "sampling.repetition_penalty must be greater than 0")):
+                                 ("--repetition-penalty", "0", "sampling.repetition_penalty must be greater than 0"),
+                                 ("--presence-penalty", "nan", "sampling.presence_penalty must be a finite number"),
+                                 ("--frequency-penalty", "inf", "sampling.frequency_penalty must be a finite number")):
         result = CliRunner().invoke(app, ["generate", "hi", "-p", str(tiny_profile), flag, value])
         assert result.exit_code == 2 and message in result.stderr, (flag, value, result.stderr)
+
+
+def test_presence_and_frequency_penalties_reach_generation_from_flags_and_profiles(tiny_profile, tmp_path):
+    """--presence-penalty and --frequency-penalty (and the profile's keys) penalise what the answer
+    repeats: a greedy answer that repeats tokens repeats none under them (here it ends sooner),
+    the same from a flag as from the profile."""
+    def tokens(*extra, profile=tiny_profile):
+        result = CliRunner().invoke(app, ["generate", "the cat", "-p", str(profile), "-t", "0", "-v", "sd", "-n", "24",
+                                          "--json", *extra], input="")
+        assert result.exit_code == 0, result.stderr
+        return json.loads(result.stdout)["token_ids"]
+
+    plain = tokens()
+    penalised = tokens("--presence-penalty", "2", "--frequency-penalty", "1")
+    assert len(set(plain)) < len(plain) and len(set(penalised)) == len(penalised) > 1
+    profile = tmp_path / "penalised.toml"
+    profile.write_text(tiny_profile.read_text() + "presence_penalty = 2.0\nfrequency_penalty = 1.0\n")
+    assert tokens(profile=profile) == penalised
 
 
 def test_a_stop_inside_one_accepted_path_cuts_that_step(tiny_pair_dir):

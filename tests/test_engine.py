@@ -823,12 +823,12 @@ def test_every_node_is_penalised_for_the_tokens_on_its_own_path(pair, monkeypatc
     p is processed with them. Negative control: contexts without the path do not match."""
     assert node_distributions_match_fresh_forwards(pair, PENALISED)
 
-    def without_path(self, sampling, seq, tree, nodes, device):
+    def without_path(self, sampling, seq, tree, nodes, device, answer_from=None):
         if not sampling.uses_context:
-            return None
+            return {}
         seen = torch.zeros(len(nodes), self.vocab_size, dtype=torch.bool, device=device)
         seen[:, seq] = True
-        return seen
+        return {"seen": seen}
 
     monkeypatch.setattr(Decoder, "_seen", without_path)
     assert not node_distributions_match_fresh_forwards(pair, PENALISED)
@@ -844,6 +844,41 @@ def test_greedy_with_the_repetition_penalty_equals_plain_penalised_greedy(pair):
         tokens.append(int(logits_to_probs(full_logits(target, tokens)[-1], sampling, seen).argmax()))
     for shape in (make_shape("rsd-c", branching=(3, 2)), make_shape("rsd-s", beam_width=2, depth=3)):
         assert run(pair, shape, sampling, 20, seed=0) == tokens[len(PROMPT):], shape.describe()
+
+
+def answer_counts(tokens: list[int]) -> torch.Tensor:
+    """(V,) how often each token is in the answer: what follows PROMPT."""
+    return torch.bincount(torch.tensor(tokens[len(PROMPT):], dtype=torch.long), minlength=V)
+
+
+def counted_greedy(target, sampling, steps: int) -> list[int]:
+    """The target's greedy tokens under the presence and frequency penalties, one full forward each."""
+    tokens = list(PROMPT)
+    for _ in range(steps):
+        probs = logits_to_probs(full_logits(target, tokens)[-1], sampling, counts=answer_counts(tokens))
+        tokens.append(int(probs.argmax()))
+    return tokens[len(PROMPT):]
+
+
+def test_presence_and_frequency_penalties_count_each_nodes_own_path_exactly(pair):
+    """OpenAI's presence and frequency penalties depend on how often each token is in the answer so
+    far, the node's own path included (the prompt's tokens not): greedy trees give the penalised
+    greedy tokens, and the first two tokens drawn by a depth-2 tree follow the penalised target's
+    distribution."""
+    greedy = SamplingParams(temperature=0, presence_penalty=0.4, frequency_penalty=0.6)
+    expected_tokens = counted_greedy(pair[0], greedy, 20)
+    assert counted_greedy(pair[0], SamplingParams(temperature=0, presence_penalty=0.4), 20) != expected_tokens
+    for shape in (make_shape("rsd-c", branching=(3, 2)), make_shape("sd", draft_len=3)):
+        assert run(pair, shape, greedy, 20, seed=0) == expected_tokens, shape.describe()
+    sampling = SamplingParams(temperature=1.0, presence_penalty=1.5, frequency_penalty=1.0)
+
+    def probs(tokens):
+        return logits_to_probs(full_logits(pair[0], tokens)[-1], sampling, counts=answer_counts(tokens)).double()
+
+    first = probs(PROMPT)
+    expected = torch.stack([first[x] * probs(PROMPT + [x]) for x in range(V)]) * N_SAMPLES
+    counts = sample_pairs(pair, make_shape("rsd-c", branching=(2, 2)), sampling, N_SAMPLES)
+    assert chi_square_pvalue(counts, expected) > 1e-3
 
 
 class ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
