@@ -19,6 +19,7 @@ import torch
 
 from .drafting import LOOKUP_NGRAM, NgramIndex, Shape, build_tree, lookup_tree, make_shape
 from .errors import RsdError
+from .models import text_config
 from .sampling import (SamplingParams, gumbel_of, inverse_cdf, logits_to_probs, row_uniforms, sample, to_device,
                        to_host, to_host_soon)
 from .step_graphs import StepGraphs
@@ -241,6 +242,7 @@ def limit_of(config) -> Limit | None:
     its own causal mask: ALiBi (BLOOM, MPT, Falcon with `alibi`), Llama 4 (attention scaled by
     the cache's length on its NoPE layers, chunked attention) and GPT-Neo's local layers (a window
     of slots, not positions)."""
+    config = text_config(config)
     kind = getattr(config, "model_type", "") or ""
     if kind in RECURRENT_MODELS or RECURRENT_LAYERS & set(getattr(config, "layer_types", None) or ()):
         return Limit(("ar",), "recurrent layers")
@@ -316,8 +318,9 @@ class CachedLM(ChainExtension):
         self.on_cpu = in_cpu_memory(model)  # then its forwards run on the threads the governor chooses
         # a sliding-window model's layers see the keys within its window of positions (or some of its
         # layers do: masks by layer kind), which rsd's masks then say, knowing each cache slot's position
-        # (a slot's position is not its index where prompts are read together)
-        cfg = model.config
+        # (a slot's position is not its index where prompts are read together); a multimodal model's
+        # decoder (Gemma 3 4B and up) says its window in its text config
+        cfg = text_config(model.config)
         self.window = getattr(cfg, "sliding_window", None) if sliding_window(cfg) else None
         self.masks_by_kind = self.window is not None and bool(getattr(cfg, "layer_types", None))
         # a model that takes no tree (limit_of) makes its own causal mask from a 2D one (forward); one

@@ -225,11 +225,18 @@ def tensor_value(model, name: str):
     return tensor
 
 
+def text_config(config):
+    """The config of a model's text decoder: its own, or a multimodal model's `text_config` (Gemma 3
+    4B and up, LFM2-VL: their sizes, context, windows and layer kinds are there)."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
 def decoder_layers(model):
     """The model's list of decoder blocks (model.layers for Llama, transformer.h for GPT-2...)."""
     import torch
 
-    count = getattr(model.config, "num_hidden_layers", None)
+    count = getattr(text_config(model.config), "num_hidden_layers", None)
     return next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count), [])
 
 
@@ -653,7 +660,7 @@ def fingerprint(model) -> str:
     Not its dtype or device: one adapter serves the target in float32 on a CPU and in bfloat16 on
     a GPU. Its weights are told apart by `weight_sample`, compared with a tolerance."""
     h = hashlib.sha256()
-    cfg = model.config
+    cfg = text_config(model.config)
     h.update(f"{cfg.model_type}:{cfg.hidden_size}:{cfg.num_hidden_layers}:{cfg.vocab_size}".encode())
     for name, tensor in sorted(model.state_dict().items()):
         h.update(f"{name}:{tuple(tensor.shape)}".encode())
@@ -697,7 +704,7 @@ def legacy_fingerprint(model) -> str:
     import torch
 
     h = hashlib.sha256()
-    cfg = model.config
+    cfg = text_config(model.config)
     h.update(f"{cfg.model_type}:{cfg.hidden_size}:{cfg.num_hidden_layers}:{cfg.vocab_size}".encode())
     for name in sorted(model.state_dict())[:8]:
         h.update(name.encode())
@@ -984,7 +991,8 @@ def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, l
                                       progress, draft_place, light)
         check_same_tokenizer(tokenizer, draft_tok)
         what = draft_cfg["source"]
-    vocab = target.config.vocab_size  # (the target's distribution whole: a narrower draft's q is 0 past its own)
+    vocab = text_config(target.config).vocab_size  # (the target's whole distribution: a narrower draft's q is 0
+    # past its own)
     if draft_cfg["kind"] == "model":
         draft_reads_every_token(draft, vocab)
     placement = {role: counts for role, counts in (("target", layers_per_device(target)),
@@ -1005,7 +1013,7 @@ def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, l
     pair = ModelPair(
         target=target, draft=draft, tokenizer=tokenizer, vocab_size=vocab,
         eos_ids=_eos_ids(tokenizer, target),
-        context_length=getattr(target.config, "max_position_embeddings", None),
+        context_length=getattr(text_config(target.config), "max_position_embeddings", None),
         target_params=params_read(target), draft_params=params_read(draft),
         description=f"target {profile['target']['source']}, draft {what}",
         placement=placement or None, notice=notice,

@@ -182,21 +182,22 @@ def test_seeded_runs_repeat_and_greedy_variants_agree(cli, tiny_profile):
 
 
 def test_a_sliding_window_pair_answers_with_its_targets_greedy_tokens_past_the_window(cli, tmp_path):
-    """A saved Gemma 3-like pair (every layer but the last sees the last 8 positions) gives, for every
+    """A saved Gemma 3-like pair (every layer but the last sees the last 8 positions; the target
+    multimodal, as Gemma 3 4B and up, its sizes and window in its text config) gives, for every
     variant, transformers' own greedy answer to a prompt longer than the window: before, the
-    forward past the window failed with a traceback."""
+    forward past the window failed with a traceback, and the multimodal target did not load."""
     import torch
     from tiny import tiny_tokenizer, tiny_windowed
 
     tokenizer = tiny_tokenizer()
-    for name, layers, seed in (("target", 3, 0), ("draft", 1, 1)):
-        tiny_windowed("gemma3", len(tokenizer), layers, seed).save_pretrained(tmp_path / name)
+    for name, kind, layers, seed in (("target", "gemma3-vision", 3, 0), ("draft", "gemma3", 1, 1)):
+        tiny_windowed(kind, len(tokenizer), layers, seed).save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
     profile = tmp_path / "windowed.toml"
     profile.write_text(f'[target]\nsource = "{tmp_path / "target"}"\n'
                        f'[draft]\nkind = "model"\nsource = "{tmp_path / "draft"}"\n')
     prompt = "the cat sat on"
-    target = tiny_windowed("gemma3", len(tokenizer), 3, 0)
+    target = tiny_windowed("gemma3-vision", len(tokenizer), 3, 0)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         expected = target.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, ids.shape[1]:]

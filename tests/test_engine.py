@@ -1110,8 +1110,9 @@ def test_samples_together_follow_the_target_distribution(pair):
     assert chi_square_pvalue(counts, exact_joint(pair[0], sampling) * N_SAMPLES) > 1e-3
 
 
-# every layer windowed; the layers past the first; all but the last; every other, half the layers reading others' keys
-WINDOWED = ["mistral", "qwen2", "gemma3", "gemma4"]
+# every layer windowed; the layers past the first; all but the last (in a text model, in a multimodal one);
+# every other, half the layers reading others' keys
+WINDOWED = ["mistral", "qwen2", "gemma3", "gemma3-vision", "gemma4"]
 LONG_PROMPT = [1, 3, 4, 5, 2, 0, 1, 3, 4, 5, 0, 4]  # (12 tokens: past the window of 8)
 
 

@@ -68,8 +68,10 @@ def tiny_windowed(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, wi
                   scale: float = 0.3):
     """A random model whose attention (or some layers' of it) sees a sliding window of the last
     `window` positions: "mistral" (every layer), "qwen2" (the layers past the first, with
-    `use_sliding_window`), "gemma3" (every layer but the last, its own layer types) or "gemma4"
-    (every other layer, in 4: the last two reading the keys of the first two's kinds)."""
+    `use_sliding_window`), "gemma3" (every layer but the last, its own layer types), "gemma3-vision"
+    (the same decoder in Gemma 3's multimodal model, as Gemma 3 4B and up: its window in its text
+    config) or "gemma4" (every other layer, in 4: the last two reading the keys of the first two's
+    kinds)."""
     from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Gemma4ForCausalLM, Gemma4TextConfig, MistralConfig,
                               MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
@@ -85,6 +87,15 @@ def tiny_windowed(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, wi
     elif kind == "gemma3":
         types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
         model = Gemma3ForCausalLM(Gemma3TextConfig(**shared, head_dim=8, layer_types=types))
+    elif kind == "gemma3-vision":
+        from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+        text = dict(shared, head_dim=8, layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"])
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                      patch_size=14)
+        model = Gemma3ForConditionalGeneration(Gemma3Config(  # (image tokens past the tests' tokens)
+            text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=vocab + 2,
+            boi_token_index=vocab, eoi_token_index=vocab + 1))
     else:
         shared["num_hidden_layers"] = 4
         model = Gemma4ForCausalLM(Gemma4TextConfig(
