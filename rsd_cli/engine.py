@@ -753,6 +753,10 @@ class Decoder:
         self.steps_ahead: bool | None = False if os.environ.get("RSD_STEPS_AHEAD", "1").strip() == "0" else None
         self._placed_constants: dict[tuple, tuple] = {}  # (_placed)
         self.answer_from = 0  # where the sequence's answer begins (_seen), set by each generation
+        # what the models take where not every tree (pair_limit), and whether every step is then plain (a
+        # model with a state: `auto`'s steps too)
+        self.limit: tuple[Limit, str] | None = pair_limit(target, draft)
+        self.plain_only = self.limit is not None and self.limit[0].variants == ("ar",)
 
     def _next_shape(self, lag: int = 0, remaining: int | None = None, seq: list[int] = (), unread: int = 0) -> Shape:
         """This step's shape: the configured one, or auto's choice from the steps before it (lag:
@@ -810,17 +814,6 @@ class Decoder:
         if all(on_the_cpu(runtime, model) for runtime, model in used if model is not None):
             return one_thread_maths(events)
         return events
-
-    @property
-    def limit(self) -> tuple[Limit, str] | None:
-        """pair_limit of this decoder's models."""
-        return pair_limit(self.target_model, self.draft_model)
-
-    @property
-    def plain_only(self) -> bool:
-        """Whether a model carries a state (limit_of): then every step is plain, `auto`'s too."""
-        limit = self.limit
-        return limit is not None and limit[0].variants == ("ar",)
 
     def _check_shape(self) -> None:
         """A shape the models can take (limit_of): a tree only where they take one."""
