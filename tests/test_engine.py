@@ -788,6 +788,7 @@ def exact_joint_with_context(target, sampling) -> torch.Tensor:
 
 
 PENALISED = SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=3.0)
+COUNTED = SamplingParams(temperature=1.0, presence_penalty=0.8, frequency_penalty=0.5)  # (the answer's counts)
 
 
 @pytest.mark.parametrize("shape", [make_shape("rsd-c", branching=(2, 2)), make_shape("sd", draft_len=2),
@@ -1045,8 +1046,8 @@ def together(decoder, max_tokens: int, seeds: list[int], prompt=PROMPT, ended_at
 
 
 @pytest.mark.parametrize("variant", ["ar", "auto"])
-@pytest.mark.parametrize("sampling", [SamplingParams(0.0), SamplingParams(1.0), PENALISED],
-                         ids=["greedy", "T=1", "penalised"])
+@pytest.mark.parametrize("sampling", [SamplingParams(0.0), SamplingParams(1.0), PENALISED, COUNTED],
+                         ids=["greedy", "T=1", "penalised", "presence-frequency"])
 def test_samples_together_give_each_seed_the_tokens_it_gives_alone(pair, sampling, variant):
     """Completions decoded together (a row each per forward) draw what each seed draws alone: the
     same tokens, on transformers' forward and on the static-cache runtime (static shapes too); each
