@@ -46,8 +46,9 @@ def _stop_list(value: str) -> list[str]:
 
 # what /set takes (the flags' names, runtime.FLAG_KEYS) -> how its text is read
 SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
-            "presence_penalty": float, "frequency_penalty": float, "max_tokens": int, "seed": int, "stop": _stop_list, "variant": str, "draft_len": int, "ngram": int,
-            "branching": branching_factors, "beam_width": int, "depth": int, "num_drafts": int, "budget": int}
+            "presence_penalty": float, "frequency_penalty": float, "max_tokens": int, "seed": int, "stop": _stop_list,
+            "variant": str, "draft_len": int, "ngram": int, "branching": branching_factors, "beam_width": int,
+            "depth": int, "num_drafts": int, "budget": int}
 EXPECTED = {float: "a number", int: "an integer", _stop_list: "a string or a JSON list of strings",
             branching_factors: "integers separated by commas, like 3,2,2"}
 

@@ -170,10 +170,11 @@ RepetitionPenaltyOpt = Annotated[Optional[float], typer.Option(
     "--repetition-penalty", help="> 1 discourages tokens already in the context (1 disables).",
     rich_help_panel=SAMPLING, show_default=False)]
 PresencePenaltyOpt = Annotated[Optional[float], typer.Option(
-    "--presence-penalty", help="Subtracted from the logit of every token in the context (0 disables).",
+    "--presence-penalty", help="Subtracted from the logit of every token in the answer so far (0 disables).",
     rich_help_panel=SAMPLING, show_default=False)]
 FrequencyPenaltyOpt = Annotated[Optional[float], typer.Option(
-    "--frequency-penalty", help="Subtracted from a token's logit once per time it is in the context (0 disables).",
+    "--frequency-penalty", help="Subtracted from a token's logit once per time it is in the answer so far "
+    "(0 disables).",
     rich_help_panel=SAMPLING, show_default=False)]
 MaxTokensOpt = Annotated[Optional[int], typer.Option("--max-tokens", "-n", help="The most tokens an answer takes.",
                                                      rich_help_panel=SAMPLING, show_default=False)]

@@ -172,10 +172,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "top_k": Key(int, 0, _non_negative, "0 disables"),
         "min_p": Key(float, 0.0, _min_p, "drop tokens below min_p x the likeliest one's probability; 0 disables"),
         "repetition_penalty": Key(float, 1.0, _penalty, "> 1 discourages tokens already in the context; 1 disables"),
-        "presence_penalty": Key(float, 0.0, _finite, "subtracted from the logit of every token in the context; "
-                                "0 disables"),
+        "presence_penalty": Key(float, 0.0, _finite, "subtracted from the logit of every token in the answer so "
+                                "far; 0 disables"),
         "frequency_penalty": Key(float, 0.0, _finite, "subtracted from a token's logit once per time it is in the "
-                                 "context; 0 disables"),
+                                 "answer so far; 0 disables"),
         "max_tokens": Key(int, 256, _positive),
         "seed": Key(int, -1, None, "-1 draws a fresh seed"),
         "stop": Key(list, [], _stops, "end the answer at the first of these strings (not printed)", item=str),

@@ -19,8 +19,8 @@ class SamplingParams:
     top_p: float = 1.0  # 1 disables
     min_p: float = 0.0  # drop tokens below min_p x the likeliest token's probability; 0 disables
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the context; 1 disables
-    presence_penalty: float = 0.0  # subtracted from the logit of every token in the context; 0 disables
-    frequency_penalty: float = 0.0  # subtracted from a token's logit once per time it is in the context
+    presence_penalty: float = 0.0  # subtracted from the logit of every token in the answer so far; 0 disables
+    frequency_penalty: float = 0.0  # subtracted from a token's logit once per time it is in the answer so far
 
     @property
     def greedy(self) -> bool:
@@ -28,7 +28,8 @@ class SamplingParams:
 
     @property
     def uses_context(self) -> bool:
-        """Whether processing depends on the tokens before each position (it then needs `seen`)."""
+        """Whether processing depends on the tokens before each position (it then needs `seen` or
+        `counts`: logits_to_probs)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
