@@ -187,15 +187,11 @@ def test_a_sliding_window_pair_answers_with_its_targets_greedy_tokens_past_the_w
     variant, transformers' own greedy answer to a prompt longer than the window: before, the
     forward past the window failed with a traceback, and the multimodal target did not load."""
     import torch
-    from tiny import tiny_tokenizer, tiny_windowed
+    from tiny import save_profiled_pair, tiny_tokenizer, tiny_windowed
 
     tokenizer = tiny_tokenizer()
-    for name, kind, layers, seed in (("target", "gemma3-vision", 3, 0), ("draft", "gemma3", 1, 1)):
-        tiny_windowed(kind, len(tokenizer), layers, seed).save_pretrained(tmp_path / name)
-        tokenizer.save_pretrained(tmp_path / name)
-    profile = tmp_path / "windowed.toml"
-    profile.write_text(f'[target]\nsource = "{tmp_path / "target"}"\n'
-                       f'[draft]\nkind = "model"\nsource = "{tmp_path / "draft"}"\n')
+    profile = save_profiled_pair(tmp_path, tiny_windowed("gemma3-vision", len(tokenizer), 3, 0),
+                                 tiny_windowed("gemma3", len(tokenizer), 1, 1))
     prompt = "the cat sat on"
     target = tiny_windowed("gemma3-vision", len(tokenizer), 3, 0)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -214,15 +210,11 @@ def test_an_alibi_pair_runs_chains_and_refuses_a_tree_in_one_line(cli, tmp_path)
     is refused in one line naming the variants that run; before, rsd failed with "too many values
     to unpack" (a tree's mask given where BLOOM wants a 2D one)."""
     import torch
-    from tiny import tiny_alibi, tiny_tokenizer
+    from tiny import save_profiled_pair, tiny_alibi, tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
-    for name, layers, seed in (("target", 3, 0), ("draft", 1, 1)):
-        tiny_alibi("bloom", len(tokenizer), layers, seed).save_pretrained(tmp_path / name)
-        tokenizer.save_pretrained(tmp_path / name)
-    profile = tmp_path / "alibi.toml"
-    profile.write_text(f'[target]\nsource = "{tmp_path / "target"}"\n'
-                       f'[draft]\nkind = "model"\nsource = "{tmp_path / "draft"}"\n')
+    profile = save_profiled_pair(tmp_path, tiny_alibi("bloom", len(tokenizer), 3, 0),
+                                 tiny_alibi("bloom", len(tokenizer), 1, 1))
     prompt = "the cat sat on the mat"
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
@@ -252,15 +244,10 @@ def test_an_alibi_pair_runs_chains_and_refuses_a_tree_in_one_line(cli, tmp_path)
 def test_a_pair_with_recurrent_layers_decodes_plainly_by_default_and_refuses_drafts(cli, tmp_path):
     """A saved LFM2 pair (short convolutions: a state no rejected draft can be taken out of):
     without a variant chosen, `auto` among plain steps; `sd` asked for is refused in one line."""
-    from tiny import tiny_recurrent, tiny_tokenizer
+    from tiny import save_profiled_pair, tiny_recurrent, tiny_tokenizer
 
-    tokenizer = tiny_tokenizer()
-    for name, layers, seed in (("target", 4, 0), ("draft", 2, 1)):
-        tiny_recurrent("lfm2", len(tokenizer), layers, seed).save_pretrained(tmp_path / name)
-        tokenizer.save_pretrained(tmp_path / name)
-    profile = tmp_path / "recurrent.toml"
-    profile.write_text(f'[target]\nsource = "{tmp_path / "target"}"\n'
-                       f'[draft]\nkind = "model"\nsource = "{tmp_path / "draft"}"\n')
+    rows = len(tiny_tokenizer())
+    profile = save_profiled_pair(tmp_path, tiny_recurrent("lfm2", rows, 4, 0), tiny_recurrent("lfm2", rows, 2, 1))
     result = cli("generate", "the cat", "-p", profile, "--json", "-n", "8", "--seed", "3", input="")
     assert result.exit_code == 0, result.stderr
     record = json.loads(result.stdout)
@@ -278,19 +265,14 @@ def test_a_draft_with_fewer_rows_than_the_target_leaves_the_target_its_own_token
     151936): its answers hold tokens only it has (before, the vocabulary was narrowed to the
     draft's and they were never drawn), which the draft reads without failing."""
     import torch
-    from tiny import tiny_model, tiny_tokenizer
+    from tiny import save_profiled_pair, tiny_model, tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
     rows = len(tokenizer)
     target, draft = tiny_model(rows + 4, layers=3, seed=0, scale=0.3), tiny_model(rows, layers=1, seed=1, scale=0.3)
     with torch.no_grad():  # (the target's own tokens about as likely as its likeliest)
         target.lm_head.weight[rows:] = target.lm_head.weight[:4] * 1.5
-    for name, model in (("target", target), ("draft", draft)):
-        model.save_pretrained(tmp_path / name)
-        tokenizer.save_pretrained(tmp_path / name)
-    profile = tmp_path / "rows.toml"
-    profile.write_text(f'[target]\nsource = "{tmp_path / "target"}"\n'
-                       f'[draft]\nkind = "model"\nsource = "{tmp_path / "draft"}"\n')
+    profile = save_profiled_pair(tmp_path, target, draft)
     result = cli("generate", "the cat", "-p", profile, "--json", "-n", "24", "-t", "1", "-v", "sd", "--samples", "3",
                  input="")
     assert result.exit_code == 0, result.stderr

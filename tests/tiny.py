@@ -157,6 +157,19 @@ def tiny_tokenizer():
     return fast
 
 
+def save_profiled_pair(root: Path, target, draft) -> Path:
+    """A target and a separate draft saved in root (each with the tiny tokenizer) and the profile
+    of that pair: its path."""
+    tokenizer = tiny_tokenizer()
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    profile = root / "pair.toml"
+    profile.write_text(f'[target]\nsource = "{root / "target"}"\n'
+                       f'[draft]\nkind = "model"\nsource = "{root / "draft"}"\n')
+    return profile
+
+
 def save_tiny_pair(root: Path, vocab: int = 40) -> tuple[Path, Path]:
     """A target (3 layers) and a separate draft (1 layer) sharing one tokenizer."""
     target_dir, draft_dir = root / "target", root / "draft"
