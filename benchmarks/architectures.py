@@ -4,6 +4,9 @@ forward of each node's path, the next token after the accepted path is kept agai
 forward, and greedy decoding of every variant against the target's own greedy tokens (a
 second random model of the same kind as the draft). Architectures whose layers take no tree
 (engine.limit_of) should refuse what they cannot take in one line and decode the rest exactly.
+"chain" is how far a 3-token forward after a 9-token cache is from the same tokens read one at a
+time, through transformers alone: what a model with recurrent layers needs near 0 to decode
+chains (engine.CHAIN_RECURRENT).
 
     .venv/bin/python benchmarks/architectures.py [gpt2 lfm2 ...]   (default: all below)
 
@@ -32,6 +35,11 @@ ARCHITECTURES = {  # model_type -> tiny config (the sizes each config names its 
     "gemma4_text": dict(GQA, num_hidden_layers=6, head_dim=8, global_head_dim=8, sliding_window=8,
                         layer_types=["sliding_attention", "full_attention"] * 3, num_kv_shared_layers=2,
                         vocab_size_per_layer_input=V, hidden_size_per_layer_input=8),
+    "gemma3n_text": dict(GQA, num_hidden_layers=4, head_dim=8, sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+                         vocab_size_per_layer_input=V, hidden_size_per_layer_input=8, laurel_rank=4,
+                         altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4),
+    "qwen3_5_text": dict(GQA, num_hidden_layers=4, head_dim=8),
     "gpt_oss": dict(GQA, intermediate_size=32, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                     sliding_window=8),
     "mixtral": dict(GQA, num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
@@ -76,6 +84,10 @@ ARCHITECTURES = {  # model_type -> tiny config (the sizes each config names its 
     "mpt": dict(d_model=32, n_layers=2, n_heads=4),
     "llama4_text": dict(GQA, head_dim=8, intermediate_size_mlp=64, attention_chunk_size=8, num_local_experts=2),
     "lfm2": dict(GQA, num_hidden_layers=4, block_ff_dim=64, full_attn_idxs=[1, 3]),
+    "mamba2": dict(hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, num_heads=4, head_dim=16, n_groups=1),
+    "granitemoehybrid": dict(GQA, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
+                             mamba_d_state=8, num_local_experts=2, num_experts_per_tok=1),
+    "falcon_mamba": dict(hidden_size=32, num_hidden_layers=2, state_size=4, expand=2),
     "mamba": dict(hidden_size=32, num_hidden_layers=2, state_size=4, expand=2),
     "jamba": dict(GQA, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, num_experts=2,
                   mamba_d_state=4),
@@ -127,6 +139,21 @@ def tree_and_pruning(model) -> tuple[float, float]:
     return tree_error, (after - last_logits(model, PROMPT + [5, 2, 1, 3])).abs().max().item()
 
 
+def chain_after_cache(model) -> float:
+    """The largest logit difference between a 3-token forward after a 9-token cache and the same
+    tokens one at a time (transformers' own cache and forward)."""
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        rows = []
+        for chunks in ([[5, 2, 8]], [[5], [2], [8]]):
+            cache = DynamicCache(config=model.config)
+            model(torch.tensor([PROMPT[:9]]), cache=cache, use_cache=True)
+            rows.append(torch.cat([model(torch.tensor([chunk]), cache=cache, use_cache=True).logits[0]
+                                   for chunk in chunks]))
+    return (rows[0] - rows[1]).abs().max().item()
+
+
 def greedy_variants(target, draft) -> dict[str, str]:
     from rsd_cli.drafting import make_shape
     from rsd_cli.engine import Decoder
@@ -164,6 +191,10 @@ def main() -> None:
             errors = f"tree {tree_error:.1e}, after pruning {pruned_error:.1e}"
         except Exception as error:
             errors = f"tree: {type(error).__name__}: {str(error)[:70]}"
+        try:
+            errors += f", chain {chain_after_cache(target):.1e}"
+        except Exception as error:
+            errors += f", chain: {type(error).__name__}"
         try:
             outcomes = greedy_variants(target, draft)
         except Exception as error:  # (the reference itself: a config this script got wrong)

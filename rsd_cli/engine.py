@@ -7,6 +7,7 @@ inspect-tree, bench, --json) and the tests consume these events.
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 import os
 import time
@@ -211,10 +212,19 @@ CHAIN_VARIANTS = ("ar", "sd", "lookup")
 # layer kinds and models (for configs that name no layer kinds) that carry a state from token to token:
 # Mamba and other state-space or linear-attention layers, short convolutions (LFM2), RWKV
 RECURRENT_LAYERS = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "recurrent"})
+# ... of those, the ones whose forward of several tokens after a cache gives what the same tokens one
+# at a time give (benchmarks/architectures.py; 3 tokens after 9, to 1e-6): LFM2's convolutions, Qwen3-Next's
+# and Qwen3.5's gated delta rule, Mamba-2's mixers (Granite 4 hybrids). transformers' Mamba-1 mixers (Mamba,
+# Falcon-Mamba, Jamba) read such a chain without the state before it (1.8-2.4 off; Jamba 5e-3), Bamba's
+# differ already one at a time, and Falcon-H1's layers hold keys beside their state, which each rollback
+# copy would copy too: plain decoding for those and the rest
+CHAIN_RECURRENT = frozenset({"lfm2", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "mamba2",
+                             "granitemoehybrid"})
+SNAPSHOTS = 8  # the most states a recurrent cache keeps to roll back to (CachedLM.keep)
 RECURRENT_MODELS = frozenset({
     "mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "xlstm", "bamba", "zamba", "zamba2", "jamba",
-    "falcon_h1", "granitemoehybrid", "lfm2", "lfm2_moe", "lfm3", "nemotron_h", "qwen3_next", "kimi_linear",
-    "minimax", "olmo_hybrid", "bailing_hybrid", "plamo2"})
+    "falcon_h1", "granitemoehybrid", "lfm2", "lfm2_moe", "lfm3", "nemotron_h", "qwen3_next", "qwen3_5_text",
+    "qwen3_5_moe_text", "kimi_linear", "minimax", "olmo_hybrid", "bailing_hybrid", "plamo2"})
 
 
 @dataclass(frozen=True)
@@ -236,7 +246,9 @@ class Limit:
 def limit_of(config) -> Limit | None:
     """What a model runs where it cannot take a tree's mask (nor rows of prompts read together), or
     None. Layers with a state (Mamba, linear attention, short convolutions) read every token into
-    it, siblings included, and a rejected draft cannot be taken out again: plain decoding only.
+    it, a tree's siblings too: chains only, a rejected draft taken out by going back to the state
+    before it and reading the accepted tokens again (CachedLM.keep), where a chain's forward gives
+    what its tokens one at a time do (CHAIN_RECURRENT); plain decoding for the others.
     Attention that works position biases or scales out of cache slots or a 2D mask, instead of
     the positions and mask it is given, takes chains (each token at the slot of its position) on
     its own causal mask: ALiBi (BLOOM, MPT, Falcon with `alibi`), Llama 4 (attention scaled by
@@ -245,7 +257,7 @@ def limit_of(config) -> Limit | None:
     config = text_config(config)
     kind = getattr(config, "model_type", "") or ""
     if kind in RECURRENT_MODELS or RECURRENT_LAYERS & set(getattr(config, "layer_types", None) or ()):
-        return Limit(("ar",), "recurrent layers")
+        return Limit(CHAIN_VARIANTS if kind in CHAIN_RECURRENT else ("ar",), "recurrent layers")
     attention = getattr(config, "attn_config", None)
     if kind in ("bloom", "mpt") or getattr(config, "alibi", False) or getattr(attention, "alibi", False):
         return Limit(CHAIN_VARIANTS, "ALiBi position biases")
@@ -324,10 +336,14 @@ class CachedLM(ChainExtension):
         self.window = getattr(cfg, "sliding_window", None) if sliding_window(cfg) else None
         self.masks_by_kind = self.window is not None and bool(getattr(cfg, "layer_types", None))
         # a model that takes no tree (limit_of) makes its own causal mask from a 2D one (forward); one
-        # with a state (recurrent) is read afresh where `keep` takes tokens back, from the tokens it read
+        # with a state (recurrent) goes back to the state before tokens `keep` takes back and reads the
+        # kept ones again, from the tokens it read
         self.limit = limit_of(cfg)
-        self.recurrent = self.limit is not None and self.limit.variants == ("ar",)
+        self.recurrent = self.limit is not None and self.limit.reason == "recurrent layers"
         self.read: list[int] | None = [] if self.recurrent else None  # (None while a forward runs)
+        self.snapshots: list[tuple[int, dict]] = []  # (length, {layer index: its state then}) before each forward
+        # (taken where a chain read after a state is what its tokens one at a time give: CHAIN_RECURRENT)
+        self.rolls_back = self.recurrent and self.limit.variants != ("ar",)
         self.key_positions = torch.zeros(0, dtype=torch.long)  # [cache slot] (kept for a window only)
         # a prompt into an empty cache goes without a mask (forward), except for a window: rsd's masks
         # say it where transformers' own would take slot indices for positions
@@ -386,6 +402,8 @@ class CachedLM(ChainExtension):
                     logits_to_keep=1 if last_only else 0,
                 )
 
+        if self.rolls_back:
+            self._snapshot()
         read, self.read = self.read, None
         out = run_on_torch((id(self.model), n), work, on_cpu=self.on_cpu)
         if self.window is not None:
@@ -410,17 +428,53 @@ class CachedLM(ChainExtension):
                            "here asked for a tree")
         return torch.ones(1, past + n, dtype=torch.long, device=self.device)
 
+    def _snapshot(self) -> None:
+        """Copy the state of every layer that holds one, before a forward changes it (a recurrent
+        model's; at most SNAPSHOTS kept): `keep` goes back to one. A layer with keys and a state is
+        not copied (its keys would be): such a cache has none to go back to."""
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+        layers = self.cache.layers
+        if any(getattr(layer, "keys", None) is not None and isinstance(layer, LinearAttentionCacheLayerMixin)
+               for layer in layers):
+            return
+        self.snapshots.append((self.length, {i: copy.deepcopy(layer) for i, layer in enumerate(layers)
+                                             if isinstance(layer, LinearAttentionCacheLayerMixin)}))
+        del self.snapshots[:-SNAPSHOTS]
+
+    def _roll_back(self, indices: list[int]) -> None:
+        """`keep` for a model with a state, which cannot give tokens back: the cache goes back to the
+        latest state copied before a forward that the kept tokens all precede (the attention layers
+        cropped to it), then the kept tokens after it are read again (a chain's accepted ones: a
+        forward of those few tokens); without such a copy (or where a chain's forward after a state
+        is not exact: rolls_back), the kept tokens are all read afresh, from an empty cache."""
+        if len(indices) >= self.length:  # (nothing given back)
+            self.snapshots.clear()
+            return
+        kept = [self.read[i] for i in indices]
+        back = [(length, states) for length, states in self.snapshots
+                if length <= len(indices) and (length == 0 or indices[length - 1] == length - 1)]
+        self.snapshots = []
+        if back:
+            length, states = back[-1]
+            for i, layer in enumerate(self.cache.layers):
+                if i in states:
+                    self.cache.layers[i] = states[i]
+                elif getattr(layer, "keys", None) is not None and layer.get_seq_length() > length:
+                    layer.crop(length - layer.get_seq_length())
+            self.read = self.read[:length]
+        else:
+            self.cache, self.read = every_key_cache(self.model.config), []
+        if len(kept) > self.length:
+            self.extend(kept[self.length:])
+
     def keep(self, indices: list[int]) -> None:
         """Keep only these cache positions (ascending: the prefix plus the accepted path).
 
         The prefix stays where it is; only the few accepted positions after it are moved down
         before the cache is cropped, so a step copies O(path) entries, not the whole cache."""
         if self.recurrent:
-            if len(indices) < self.length:  # (a state cannot give tokens back: the kept ones read afresh)
-                kept = [self.read[i] for i in indices]
-                self.cache, self.read = every_key_cache(self.model.config), []
-                if kept:
-                    self.extend(kept)
+            self._roll_back(indices)
             return
         prefix = unchanged_prefix(indices)
         if self.window is not None:

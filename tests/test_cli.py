@@ -241,23 +241,37 @@ def test_an_alibi_pair_runs_chains_and_refuses_a_tree_in_one_line(cli, tmp_path)
     assert "the target's ALiBi position biases (bloom) take no tree: measuring ar, sd, lookup, auto" in bench.stderr
 
 
-def test_a_pair_with_recurrent_layers_decodes_plainly_by_default_and_refuses_drafts(cli, tmp_path):
-    """A saved LFM2 pair (short convolutions: a state no rejected draft can be taken out of):
-    without a variant chosen, `auto` among plain steps; `sd` asked for is refused in one line."""
+def test_pairs_with_recurrent_layers_decode_what_they_can_take_back_and_refuse_the_rest(cli, tmp_path):
+    """A saved LFM2 pair (short convolutions) decodes `sd` chains, its greedy answer plain
+    decoding's, and refuses a tree in one line; a saved Mamba pair (transformers' Mamba reads a chain
+    after a state without it) runs `auto` among plain steps where no variant was chosen and refuses
+    `sd` asked for."""
     from tiny import save_profiled_pair, tiny_recurrent, tiny_tokenizer
 
     rows = len(tiny_tokenizer())
-    profile = save_profiled_pair(tmp_path, tiny_recurrent("lfm2", rows, 4, 0), tiny_recurrent("lfm2", rows, 2, 1))
-    result = cli("generate", "the cat", "-p", profile, "--json", "-n", "8", "--seed", "3", input="")
-    assert result.exit_code == 0, result.stderr
-    record = json.loads(result.stdout)
-    assert record["variant"] == "auto" and record["stats"]["shapes"] == {"ar": 8} and len(record["token_ids"]) == 8
-    plain = cli("generate", "the cat", "-p", profile, "--json", "-n", "8", "--seed", "3", "-v", "ar", input="")
-    assert json.loads(plain.stdout)["token_ids"] == record["token_ids"]
-    refused = cli("generate", "the cat", "-p", profile, "-v", "sd", input="")
+
+    def answer(profile, *extra):
+        result = cli("generate", "the cat", "-p", profile, "--json", "-n", "8", "-t", "0", *extra, input="")
+        assert result.exit_code == 0, result.stderr
+        return json.loads(result.stdout)
+
+    chains = save_profiled_pair(tmp_path / "lfm2", tiny_recurrent("lfm2", rows, 4, 0),
+                                tiny_recurrent("lfm2", rows, 2, 1))
+    drafted = answer(chains)  # (the profile's variant: sd's default)
+    assert drafted["variant"] == "sd" and drafted["token_ids"] == answer(chains, "-v", "ar")["token_ids"]
+    refused = cli("generate", "the cat", "-p", chains, "-v", "rsd-c", input="")
     assert refused.exit_code == 1 and refused.stdout == ""
-    assert refused.stderr.strip() == ("rsd: error: sd verifies drafts, which the target's recurrent layers (lfm2) "
-                                      "cannot take back: use --variant ar (or auto)")
+    assert refused.stderr.strip() == ("rsd: error: rsd-c verifies a tree, which the target's recurrent layers (lfm2) "
+                                      "cannot take: use --variant ar, sd or lookup (or auto)")
+    plain = save_profiled_pair(tmp_path / "mamba", tiny_recurrent("mamba", rows, 2, 0),
+                               tiny_recurrent("mamba", rows, 1, 1))
+    record = answer(plain)
+    assert record["variant"] == "auto" and record["stats"]["shapes"] == {"ar": len(record["token_ids"])}
+    assert record["token_ids"] == answer(plain, "-v", "ar")["token_ids"]
+    refused = cli("generate", "the cat", "-p", plain, "-v", "sd", input="")
+    assert refused.exit_code == 1 and refused.stderr.strip() == (
+        "rsd: error: sd verifies drafts, which the target's recurrent layers (mamba) cannot take back: use --variant "
+        "ar (or auto)")
 
 
 def test_a_draft_with_fewer_rows_than_the_target_leaves_the_target_its_own_tokens(cli, tmp_path):

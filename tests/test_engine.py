@@ -1212,36 +1212,47 @@ def test_models_whose_layers_take_no_tree_are_told_by_their_config():
     assert limit("falcon") is None  # (rotary by default)
     assert limit("llama4_text") == (CHAIN_VARIANTS, "chunked attention scaled by the cache's length")
     assert limit("gpt_neo") == (CHAIN_VARIANTS, "local attention windowed by cache slots")
-    for kind in ("lfm2", "mamba", "qwen3_next", "jamba", "falcon_h1", "granitemoehybrid"):  # by name or layer kinds
+    for kind in ("lfm2", "qwen3_next", "granitemoehybrid"):  # (chains read after a state as one at a time)
+        assert limit(kind) == (CHAIN_VARIANTS, "recurrent layers"), kind
+    for kind in ("mamba", "falcon_mamba", "jamba", "falcon_h1", "bamba"):  # (by name or layer kinds)
         assert limit(kind) == (("ar",), "recurrent layers"), kind
     for kind in ("llama", "gpt2", "gpt_neox", "opt", "gemma3_text", "mistral", "qwen2", "phi3"):
         assert limit(kind) is None, kind
 
 
 @pytest.mark.parametrize("kind", ["lfm2", "mamba"])
-def test_a_model_with_recurrent_layers_decodes_plainly_and_refuses_drafts(kind):
-    """Layers with a state (short convolutions, Mamba) read every token into it and cannot give a
-    rejected draft back: plain decoding only (`auto` too), the target's greedy tokens; a draft
-    variant, or completions read together, refused in one line; tokens the cache must give back
-    (a later sample's prompt, an answer's end read ahead) read afresh, the same samples as alone."""
+def test_a_model_with_recurrent_layers_decodes_the_chains_it_can_take_back(kind):
+    """Layers with a state (LFM2's short convolutions, Mamba) read every token into it, a tree's
+    siblings too. LFM2 decodes chains (`ar`, `sd`, `lookup`; `auto` among plain steps and `sd`)
+    with the target's greedy tokens: a rejected draft is taken back by going back to the state
+    copied before it and reading the accepted tokens again. transformers' Mamba reads a chain after
+    a state without that state, so it decodes plainly only. What neither can take, and completions
+    read together, is refused in one line; tokens a cache must give back (a later sample's prompt,
+    an answer's end read ahead) are read again, the same samples as alone."""
     from rsd_cli.errors import RsdError
     from tiny import tiny_recurrent
 
-    target, draft = tiny_recurrent(kind, V, seed=0), tiny_model(V, layers=1, seed=1, scale=0.1)
+    target, draft = tiny_recurrent(kind, V, layers=4, seed=0), tiny_recurrent(kind, V, layers=2, seed=1)
+    chains = kind == "lfm2"
     greedy = SamplingParams(temperature=0)
     expected = plain_greedy(target, 16, LONG_PROMPT)
-    for shape in (make_shape("ar"), make_shape("auto")):
-        assert run((target, draft), shape, greedy, 16, seed=0, prompt=LONG_PROMPT) == expected, shape.describe()
-    for variant in ("sd", "lookup", "rsd-c"):
-        with pytest.raises(RsdError, match=rf"{variant} verifies drafts, which the target's recurrent layers "
-                                           rf"\({kind}\) cannot take back: use --variant ar"):
+    runs = ("ar", "sd", "lookup", "auto") if chains else ("ar", "auto")
+    for variant in runs:
+        assert run((target, draft), make_shape(variant, draft_len=3), greedy, 16, seed=0, prompt=LONG_PROMPT) == \
+            expected, variant
+    refusal = (f"verifies a tree, which the target's recurrent layers \\({kind}\\) cannot take: use --variant ar, "
+               "sd or lookup" if chains else
+               f"verifies drafts, which the target's recurrent layers \\({kind}\\) cannot take back: use --variant ar")
+    for variant in ("rsd-c",) if chains else ("sd", "lookup", "rsd-c"):
+        with pytest.raises(RsdError, match=f"{variant} {refusal}"):
             run((target, draft), make_shape(variant), greedy, 4, seed=0)
     with pytest.raises(RsdError, match="decoded together"):
         together(Decoder(target, draft, V, make_shape("ar"), greedy, set()), 4, [1, 2])
     lm = CachedLM(target, V)
     lm.extend(LONG_PROMPT)
     lm.extend([5, 2])
-    lm.keep(list(range(len(LONG_PROMPT) + 1)))  # (the 2 given back: the rest read afresh)
+    lm.extend([4])
+    lm.keep(list(range(len(LONG_PROMPT) + 1)))  # (2 and 4 given back: back to a state, or all read afresh)
     assert lm.length == len(LONG_PROMPT) + 1
     assert torch.allclose(lm.extend([3])[-1], full_logits(target, LONG_PROMPT + [5, 3])[-1], atol=1e-5)
     sampling = SamplingParams(temperature=1.0)
@@ -1250,6 +1261,9 @@ def test_a_model_with_recurrent_layers_decodes_plainly_and_refuses_drafts(kind):
     decoder = Decoder(target, draft, V, make_shape("ar"), sampling, set())
     decoder.keep_caches, decoder.steps_ahead = True, True  # (a prompt kept from the first; a step read ahead)
     assert [[t for e in decoder.generate(PROMPT, 8, seed) for t in e.emitted] for seed in (4, 5)] == alone
+    if chains:  # the first two tokens of `sd` chains, rejected drafts taken back, follow the target's distribution
+        counts = sample_pairs((target, draft), make_shape("sd", draft_len=2), sampling, N_SAMPLES)
+        assert chi_square_pvalue(counts, exact_joint(target, sampling) * N_SAMPLES) > 1e-3
 
 
 def test_a_draft_with_fewer_rows_than_the_targets_vocabulary_keeps_the_targets_whole_distribution():
