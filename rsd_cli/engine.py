@@ -214,13 +214,15 @@ CHAIN_VARIANTS = ("ar", "sd", "lookup")
 RECURRENT_LAYERS = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "recurrent"})
 # ... of those, the ones whose forward of several tokens after a cache gives what the same tokens one
 # at a time give (benchmarks/architectures.py; 3 tokens after 9, to 1e-6): LFM2's convolutions, Qwen3-Next's
-# and Qwen3.5's gated delta rule, Mamba-2's mixers (Granite 4 hybrids). transformers' Mamba-1 mixers (Mamba,
-# Falcon-Mamba, Jamba) read such a chain without the state before it (1.8-2.4 off; Jamba 5e-3), Bamba's
-# differ already one at a time, and Falcon-H1's layers hold keys beside their state, which each rollback
-# copy would copy too: plain decoding for those and the rest
+# and Qwen3.5's gated delta rule, Mamba-2's mixers (Granite 4 and Falcon-H1 hybrids). transformers' Mamba-1
+# mixers (Mamba, Falcon-Mamba, Jamba) read such a chain without the state before it (1.8-2.4 off; Jamba
+# 5e-3), and Bamba's differ already one at a time: plain decoding for those and the rest
 CHAIN_RECURRENT = frozenset({"lfm2", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "mamba2",
-                             "granitemoehybrid"})
+                             "granitemoehybrid", "falcon_h1"})
 SNAPSHOTS = 8  # the most states a recurrent cache keeps to roll back to (CachedLM.keep)
+# what a layer's state is (transformers' LinearAttentionCacheLayerMixin): copied before a forward, put back
+STATE_FIELDS = ("conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",
+                "has_previous_state", "conv_kernel_size")
 RECURRENT_MODELS = frozenset({
     "mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "xlstm", "bamba", "zamba", "zamba2", "jamba",
     "falcon_h1", "granitemoehybrid", "lfm2", "lfm2_moe", "lfm3", "nemotron_h", "qwen3_next", "qwen3_5_text",
@@ -257,6 +259,7 @@ def limit_of(config) -> Limit | None:
     config = text_config(config)
     kind = getattr(config, "model_type", "") or ""
     if kind in RECURRENT_MODELS or RECURRENT_LAYERS & set(getattr(config, "layer_types", None) or ()):
+        # (a chain read again after a state copied: CachedLM._roll_back)
         return Limit(CHAIN_VARIANTS if kind in CHAIN_RECURRENT else ("ar",), "recurrent layers")
     attention = getattr(config, "attn_config", None)
     if kind in ("bloom", "mpt") or getattr(config, "alibi", False) or getattr(attention, "alibi", False):
@@ -429,17 +432,14 @@ class CachedLM(ChainExtension):
         return torch.ones(1, past + n, dtype=torch.long, device=self.device)
 
     def _snapshot(self) -> None:
-        """Copy the state of every layer that holds one, before a forward changes it (a recurrent
-        model's; at most SNAPSHOTS kept): `keep` goes back to one. A layer with keys and a state is
-        not copied (its keys would be): such a cache has none to go back to."""
+        """Copy the state of every layer that holds one (STATE_FIELDS; a layer's keys are not
+        copied: cropped instead), before a forward changes it (a recurrent model's; at most
+        SNAPSHOTS kept): `keep` goes back to one."""
         from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-        layers = self.cache.layers
-        if any(getattr(layer, "keys", None) is not None and isinstance(layer, LinearAttentionCacheLayerMixin)
-               for layer in layers):
-            return
-        self.snapshots.append((self.length, {i: copy.deepcopy(layer) for i, layer in enumerate(layers)
-                                             if isinstance(layer, LinearAttentionCacheLayerMixin)}))
+        self.snapshots.append((self.length, {
+            i: {name: copy.deepcopy(getattr(layer, name)) for name in STATE_FIELDS if hasattr(layer, name)}
+            for i, layer in enumerate(self.cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)}))
         del self.snapshots[:-SNAPSHOTS]
 
     def _roll_back(self, indices: list[int]) -> None:
@@ -456,12 +456,15 @@ class CachedLM(ChainExtension):
                 if length <= len(indices) and (length == 0 or indices[length - 1] == length - 1)]
         self.snapshots = []
         if back:
+            from transformers.cache_utils import DynamicLayer
+
             length, states = back[-1]
             for i, layer in enumerate(self.cache.layers):
-                if i in states:
-                    self.cache.layers[i] = states[i]
-                elif getattr(layer, "keys", None) is not None and layer.get_seq_length() > length:
-                    layer.crop(length - layer.get_seq_length())
+                for name, value in states.get(i, {}).items():
+                    setattr(layer, name, value)
+                if getattr(layer, "keys", None) is not None and layer.get_seq_length() > length:
+                    # (its keys alone: a layer holding a state too crops that only where it records its past)
+                    DynamicLayer.crop(layer, length - layer.get_seq_length())
             self.read = self.read[:length]
         else:
             self.cache, self.read = every_key_cache(self.model.config), []

@@ -126,9 +126,11 @@ def tiny_alibi(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, scale
 
 
 def tiny_recurrent(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, scale: float = 0.1):
-    """A random model with layers that carry a state from token to token (engine.limit_of: plain
-    decoding only): "lfm2" (short convolutions, attention on every other layer) or "mamba"."""
-    from transformers import Lfm2Config, Lfm2ForCausalLM, MambaConfig, MambaForCausalLM
+    """A random model with layers that carry a state from token to token (engine.limit_of): "lfm2"
+    (short convolutions, attention on every other layer), "falcon_h1" (Mamba-2 mixers and
+    attention in each layer, its cache holding keys beside the state) or "mamba"."""
+    from transformers import (FalconH1Config, FalconH1ForCausalLM, Lfm2Config, Lfm2ForCausalLM, MambaConfig,
+                              MambaForCausalLM)
 
     torch.manual_seed(seed)
     shared = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=layers, initializer_range=scale,
@@ -137,6 +139,11 @@ def tiny_recurrent(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, s
         model = Lfm2ForCausalLM(Lfm2Config(**shared, num_attention_heads=4, num_key_value_heads=2,
                                            intermediate_size=64, block_ff_dim=64, max_position_embeddings=256,
                                            full_attn_idxs=list(range(1, layers, 2))))
+    elif kind == "falcon_h1":
+        model = FalconH1ForCausalLM(FalconH1Config(**shared, num_attention_heads=4, num_key_value_heads=2,
+                                                   intermediate_size=64, head_dim=8, mamba_d_ssm=64,
+                                                   mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+                                                   max_position_embeddings=256))
     else:
         model = MambaForCausalLM(MambaConfig(**shared, state_size=4, expand=2))
     with torch.no_grad():
