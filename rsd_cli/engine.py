@@ -351,9 +351,9 @@ class CachedLM(ChainExtension):
         # to copy on the 2-core Xeon; where it is wrong, keep reads the tokens afresh)
         self.copies_states = True
         self.key_positions = torch.zeros(0, dtype=torch.long)  # [cache slot] (kept for a window only)
-        # a prompt into an empty cache goes without a mask (forward), except for a window: rsd's masks
-        # say it where transformers' own would take slot indices for positions
-        self.unmasked_prompts = self.window is None
+        # a prompt into an empty cache goes without a mask (forward): transformers makes its own, windows
+        # included, from slot indices, which are then its positions (its sdpa masks take a byte a score, or
+        # none where causal: a windowed 8000-token prompt's two float masks took 512 MB)
 
     @property
     def forward_seconds(self) -> float:
@@ -373,22 +373,25 @@ class CachedLM(ChainExtension):
         Returns (n, V) logits, or (1, V) with last_only. Transformers wants an additive float
         mask (0 where visible, dtype min elsewhere): a boolean 4D mask is not honoured everywhere.
         A sliding-window model gets the window in it too (by layer kind where only some layers
-        have one). Another's prompt read into an empty cache goes without one: transformers'
-        attention then takes it as causal, which torch's kernel computes without the hidden half
-        of the scores (a 2000-token prompt on the 2-core Xeon 3.1 -> 2.5 s, the same logits).
+        have one). A prompt read into an empty cache goes without one: transformers' attention then
+        takes it as causal (and windowed, by slot: there its position), which torch's kernel
+        computes without the hidden half of the scores (a 2000-token prompt on the 2-core Xeon 3.1
+        -> 2.5 s, the same logits).
         """
         start = self.clock.start()
         dtype = self.model.dtype
         device = self.device
         n = len(tokens)
+        # each cache slot's position, then (a window's keys are hidden by position)
+        keys = torch.cat([self.key_positions, torch.tensor(positions)]) if self.window is not None else None
         if self.limit is not None:
             mask = self._chain_mask(positions, visible)
             if self.recurrent:  # (Mamba masks its new tokens' states with a 2D mask: of the new tokens alone)
                 mask = None
-        elif self.unmasked_prompts and self.length == 0 and n > 1 and torch.equal(visible, lower_triangle(n)):
-            mask = None
+        elif (self.length == 0 and n > 1 and positions[0] == 0 and positions[-1] == n - 1
+              and torch.equal(visible, lower_triangle(n))):
+            mask = None  # (a prompt at positions 0.. : ChainExtension.extend's, or prompts read together's first)
         elif self.window is not None:
-            keys = torch.cat([self.key_positions, torch.tensor(positions)])
             near = (torch.tensor(positions)[:, None] - keys) < self.window  # (n, keys): within the window
             windowed = additive_mask(visible & near.to(visible.device), dtype, device)
             mask = {"full_attention": additive_mask(visible, dtype, device),

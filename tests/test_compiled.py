@@ -990,16 +990,21 @@ def test_transformers_forward_reads_a_prompt_into_an_empty_cache_without_a_mask(
     assert masks[0] is not None and masks[0].shape[-2:] == (2, len(prompt) + 2)
 
 
-def test_a_model_with_a_sliding_window_reads_its_prompt_through_rsds_mask():
-    """Given no mask, transformers keeps a sliding-window model's prompt to its window, which the
-    masks rsd gives its later forwards do not: so such a model's prompt goes through the mask too."""
-    from transformers import MistralConfig, MistralForCausalLM
+def test_a_model_with_a_sliding_window_reads_its_prompt_without_rsds_masks():
+    """A prompt into an empty cache goes without a mask for a sliding-window model too (every layer
+    windowed, or all but the last): transformers makes its own, by slot, there each token's
+    position, with a full forward's logits (rsd's two float masks would take the prompt's length
+    squared each); what follows gets rsd's windowed masks, with a full forward's logits too."""
+    from tiny import tiny_windowed
 
-    small = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=256)
-    for window, masked in ((16, True), (256, False)):  # (256: the whole context, no window)
-        model, masks = MistralForCausalLM(MistralConfig(**small, sliding_window=window)), []
+    for kind in ("mistral", "gemma3"):
+        model, masks = tiny_windowed(kind, V, seed=0), []
         forward = model.forward
         model.forward = lambda *args, **kwargs: masks.append(kwargs["attention_mask"]) or forward(*args, **kwargs)
-        CachedLM(model, V).extend(PROMPT * 3)
-        assert (masks[0] is not None) == masked
+        prompt = [1, 3, 4, 5, 2, 0, 1, 3, 4, 5, 0, 4, 2, 2]  # (past the window of 8)
+        lm = CachedLM(model, V)
+        with torch.no_grad():
+            assert torch.allclose(lm.extend(prompt)[-1], forward(torch.tensor([prompt])).logits[0, -1], atol=1e-5)
+            later = lm.extend([3, 1])[-1]
+            assert torch.allclose(later, forward(torch.tensor([prompt + [3, 1]])).logits[0, -1], atol=1e-5)
+        assert masks[0] is None and masks[1] is not None, kind

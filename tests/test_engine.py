@@ -1135,7 +1135,7 @@ def test_a_sliding_window_models_tree_sees_its_window_once_the_cache_outgrows_it
     references = [full_logits(target, LONG_PROMPT + [tree.tokens[n] for n in tree.path_to(node)])[-1]
                   for node in range(len(tree))]
     lm, unwindowed = CachedLM(target, V), CachedLM(target, V)
-    unwindowed.window, unwindowed.unmasked_prompts = None, False  # (the window left out of the masks)
+    unwindowed.window = None  # (the window left out of the masks)
     for cache in (lm, unwindowed):
         cache.extend(LONG_PROMPT)
     logits = lm.forward(tree.tokens, [base + depth for depth in tree.depths], visible)
