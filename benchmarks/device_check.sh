@@ -16,10 +16,11 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh together  # --samples decoded together vs one after the other
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh busy16    # the thread governor on 16 cores beside busy processes
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh prompts   # a long prompt's causal attention against the mask: GPU, 16 cores
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh architectures  # 55 families on that machine's transformers
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
-part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16 or prompts}
+part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts or architectures}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -106,6 +107,9 @@ case $part in
       { time $py -m rsd_cli generate - -n 8 -t 0 -v ar < /tmp/long3.txt > /dev/null 2>&1; } 2>&1 |
         tee -a "$out/prompts-gpu.txt"
     done ;;
+  architectures)  # tiny models of 55 families, exact or refused (benchmarks/architectures.py) on that machine's
+    # transformers (5.17 there, 5.24 here: caches, masks by layer kind and text configs may differ), on the CPU
+    CUDA_VISIBLE_DEVICES= $py benchmarks/architectures.py 2>&1 | grep -v "falling back" | tee "$out/architectures.txt" ;;
   busy16)  # the 16-core CPU alone and beside 8 and 16 busy processes: the governor against torch's fixed
     # count, on the C layers and on torch's (whether it keeps 16 threads alone; nan: over 30 s, collapsed)
     # (first, once: the per-machine verdicts torch's layers need, so that no timed run measures them)
@@ -113,6 +117,6 @@ case $part in
     CUDA_VISIBLE_DEVICES= $py benchmarks/busy_cpu.py --hogs 0,8,16 --rounds 2 -n 48 --timeout 30 \
       --json "$out/busy16.json" "governed=" "fixed=RSD_ADAPTIVE_THREADS=0" "torch=RSD_BLOCK_KERNELS=0" \
       "torch-fixed=RSD_BLOCK_KERNELS=0 RSD_ADAPTIVE_THREADS=0" 2>&1 | tee "$out/busy16.txt" ;;
-  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together or busy16" >&2
+  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts or architectures" >&2
      exit 2 ;;
 esac
