@@ -91,9 +91,12 @@ class ChatSession:
                 raise RsdError(f"/set {key}: {value.strip()!r} is not {EXPECTED[SETTABLE[key]]}") from None
             table, entry = FLAG_KEYS[key]
             before = self.profile.values[table][entry], self.profile.origins[table][entry]
-            try:  # checked like a profile entry; the shape now, not at the next answer
+            try:  # checked like a profile entry; the shape now (and whether the models take it), not at the next answer
                 self.profile.set(table, entry, typed, "/set")
-                shape = make_decoder(self.pair, self.profile).shape
+                decoder = make_decoder(self.pair, self.profile)
+                if table == "decoding":
+                    decoder.check_shape("/set variant")
+                shape = decoder.shape
             except RsdError:  # a setting refused leaves the session as it was
                 self.profile.values[table][entry], self.profile.origins[table][entry] = before
                 raise

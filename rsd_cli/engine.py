@@ -236,13 +236,13 @@ class Limit:
     variants: tuple[str, ...]  # (`auto` then chooses among these)
     reason: str  # "ALiBi position biases"
 
-    def refusal(self, variant: str, whose: str) -> str:
+    def refusal(self, variant: str, whose: str, how: str = "--variant") -> str:
         """The one line that refuses `variant` for this model ("the target's ALiBi position biases
-        (bloom)"...)."""
+        (bloom)"...), naming what runs as `how` sets it."""
         if self.variants == ("ar",):
-            return f"{variant} verifies drafts, which {whose} cannot take back: use --variant ar (or auto)"
+            return f"{variant} verifies drafts, which {whose} cannot take back: use {how} ar (or auto)"
         runs = f"{', '.join(self.variants[:-1])} or {self.variants[-1]}"
-        return f"{variant} verifies a tree, which {whose} cannot take: use --variant {runs} (or auto)"
+        return f"{variant} verifies a tree, which {whose} cannot take: use {how} {runs} (or auto)"
 
 
 def limit_of(config) -> Limit | None:
@@ -878,11 +878,12 @@ class Decoder:
             return one_thread_maths(events)
         return events
 
-    def _check_shape(self) -> None:
-        """A shape the models can take (limit_of): a tree only where they take one."""
+    def check_shape(self, how: str = "--variant") -> None:
+        """A shape the models can take (limit_of): a tree only where they take one (how: what sets
+        the variant, for the refusal's line)."""
         limit = self.limit
         if limit is not None and self.shape.variant not in limit[0].variants + ("auto",):
-            raise RsdError(limit[0].refusal(self.shape.variant, limit[1]))
+            raise RsdError(limit[0].refusal(self.shape.variant, limit[1], how))
 
     @property
     def drafts(self) -> bool:
@@ -894,7 +895,7 @@ class Decoder:
 
     def _generate(self, prompt: list[int], max_tokens: int, seed: int | None) -> Iterator[StepEvent]:
         self._check_prompt(prompt)
-        self._check_shape()
+        self.check_shape()
         self.answer_from = len(prompt)  # (the presence and frequency penalties count the answer's tokens)
         self.prepare()  # (before this generation's caches hold a static-shape runtime's shared buffers)
         # static-cache buffers: room for the prompt, some answer and one tree; they double when full

@@ -239,6 +239,11 @@ def test_an_alibi_pair_runs_chains_and_refuses_a_tree_in_one_line(cli, tmp_path)
     assert bench.exit_code == 0, bench.stderr  # (its default variants: those the pair takes)
     assert [row["variant"] for row in json.loads(bench.stdout)["results"]] == ["ar", "sd", "lookup", "auto"]
     assert "the target's ALiBi position biases (bloom) take no tree: measuring ar, sd, lookup, auto" in bench.stderr
+    chat = cli("chat", "-p", profile, "-n", "4", input="/set variant rsd-c\n/set temperature 0\n/set variant sd\nhi\n")
+    assert chat.exit_code == 0, chat.stderr  # (a tree refused at /set, the session as it was; other settings taken)
+    assert ("error: rsd-c verifies a tree, which the target's ALiBi position biases (bloom) cannot take: use /set "
+            "variant ar, sd or lookup (or auto)") in chat.stderr
+    assert "temperature = 0.0" in chat.stdout + chat.stderr and "variant = sd" in chat.stdout + chat.stderr
 
 
 def test_pairs_with_recurrent_layers_decode_what_they_can_take_back_and_refuse_the_rest(cli, tmp_path):
