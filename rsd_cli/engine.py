@@ -235,6 +235,7 @@ class Limit:
 
     variants: tuple[str, ...]  # (`auto` then chooses among these)
     reason: str  # "ALiBi position biases"
+    recurrent: bool = False  # layers with a state (CachedLM reads chains into it and takes drafts back itself)
 
     def refusal(self, variant: str, whose: str, how: str = "--variant") -> str:
         """The one line that refuses `variant` for this model ("the target's ALiBi position biases
@@ -260,7 +261,7 @@ def limit_of(config) -> Limit | None:
     kind = getattr(config, "model_type", "") or ""
     if kind in RECURRENT_MODELS or RECURRENT_LAYERS & set(getattr(config, "layer_types", None) or ()):
         # (a chain read again after a state copied: CachedLM._roll_back)
-        return Limit(CHAIN_VARIANTS if kind in CHAIN_RECURRENT else ("ar",), "recurrent layers")
+        return Limit(CHAIN_VARIANTS if kind in CHAIN_RECURRENT else ("ar",), "recurrent layers", recurrent=True)
     attention = getattr(config, "attn_config", None)
     if kind in ("bloom", "mpt") or getattr(config, "alibi", False) or getattr(attention, "alibi", False):
         return Limit(CHAIN_VARIANTS, "ALiBi position biases")
@@ -342,7 +343,7 @@ class CachedLM(ChainExtension):
         # with a state (recurrent) goes back to the state before tokens `keep` takes back and reads the
         # kept ones again, from the tokens it read
         self.limit = limit_of(cfg)
-        self.recurrent = self.limit is not None and self.limit.reason == "recurrent layers"
+        self.recurrent = self.limit is not None and self.limit.recurrent
         self.read: list[int] | None = [] if self.recurrent else None  # (None while a forward runs)
         self.snapshots: list[tuple[int, dict]] = []  # (length, {layer index: its state then}) before each forward
         # (taken where a chain read after a state is what its tokens one at a time give: CHAIN_RECURRENT)
@@ -385,9 +386,10 @@ class CachedLM(ChainExtension):
         # each cache slot's position, then (a window's keys are hidden by position)
         keys = torch.cat([self.key_positions, torch.tensor(positions)]) if self.window is not None else None
         if self.limit is not None:
-            mask = self._chain_mask(positions, visible)
-            if self.recurrent:  # (Mamba masks its new tokens' states with a 2D mask: of the new tokens alone)
-                mask = None
+            self._check_chain(positions, visible)
+            # a 2D mask of the keys, which the model makes its own causal mask and biases from; none for layers
+            # with a state (Mamba masks its new tokens' states with a 2D mask: of the new tokens alone)
+            mask = None if self.recurrent else torch.ones(1, self.length + n, dtype=torch.long, device=device)
         elif (self.length == 0 and n > 1 and positions[0] == 0 and positions[-1] == n - 1
               and torch.equal(visible, lower_triangle(n))):
             mask = None  # (a prompt at positions 0.. : ChainExtension.extend's, or prompts read together's first)
@@ -426,16 +428,14 @@ class CachedLM(ChainExtension):
         self.calls += 1
         return logits
 
-    def _chain_mask(self, positions: list[int], visible: torch.Tensor) -> torch.Tensor:
-        """(1, keys) ones: the 2D mask a model that takes no tree (limit_of) makes its own causal
-        mask and biases from, for tokens that extend the cache as a chain at their positions (and
-        else an error: a tree asked of it)."""
+    def _check_chain(self, positions: list[int], visible: torch.Tensor) -> None:
+        """That the new tokens extend the cache as a chain at their positions, the one thing a model
+        that takes no tree (limit_of) reads right (else an error: a tree asked of it)."""
         past, n = self.length, len(positions)
         if (list(positions) != list(range(past, past + n)) or not bool(visible[:, :past].all())
                 or not torch.equal(visible[:, past:].cpu(), lower_triangle(n))):
             raise RsdError(f"the {self.model.config.model_type} model's {self.limit.reason} take chains only, "
                            "here asked for a tree")
-        return torch.ones(1, past + n, dtype=torch.long, device=self.device)
 
     def _snapshot(self) -> None:
         """Copy the state of every layer that holds one (STATE_FIELDS; a layer's keys are not
@@ -878,12 +878,16 @@ class Decoder:
             return one_thread_maths(events)
         return events
 
+    def takes(self, variant: str) -> bool:
+        """Whether the models take this variant (limit_of): a tree only where they take one; `auto`
+        always (it chooses among what they take)."""
+        return self.limit is None or variant in self.limit[0].variants + ("auto",)
+
     def check_shape(self, how: str = "--variant") -> None:
-        """A shape the models can take (limit_of): a tree only where they take one (how: what sets
-        the variant, for the refusal's line)."""
-        limit = self.limit
-        if limit is not None and self.shape.variant not in limit[0].variants + ("auto",):
-            raise RsdError(limit[0].refusal(self.shape.variant, limit[1], how))
+        """A shape the models can take (takes), else the one line that refuses it (how: what sets
+        the variant there)."""
+        if not self.takes(self.shape.variant):
+            raise RsdError(self.limit[0].refusal(self.shape.variant, self.limit[1], how))
 
     @property
     def drafts(self) -> bool:

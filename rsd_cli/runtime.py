@@ -106,10 +106,9 @@ def make_decoder(pair, profile: Profile):
 
     decoder = Decoder(pair.target, pair.draft, pair.vocab_size, shape_of(profile, pair.vocab_size),
                       sampling_of(profile), pair.eos_ids, pair.context_length, pair.runtimes, pair.notice)
-    limit = decoder.limit
-    if (limit is not None and decoder.shape.variant not in limit[0].variants
-            and profile.origins["decoding"]["variant"] == "default"):  # (one asked for is refused: Decoder)
-        decoder.shape = make_shape("auto")  # the best of what these models run, where no variant was chosen
+    if not decoder.takes(decoder.shape.variant) and profile.origins["decoding"]["variant"] == "default":
+        decoder.shape = make_shape("auto")  # the best of what these models run, where no variant was chosen (one
+        # asked for is refused: Decoder.check_shape)
     return decoder
 
 
