@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .drafting import LOOKUP_NGRAM, Shape, make_shape, shape_for_budget
 from .engine import Stats
@@ -54,31 +54,35 @@ def _padded_head(head, vocab_size: int):
     return PaddedHead()
 
 
-def _assisted(pair, ids: list[int], temperature: float, max_tokens: int, seed: int) -> tuple[int, float]:
+def _assisted(pair, ids: list[int], temperature: float, max_tokens: int, seed: int,
+              min_tokens: int = 0) -> tuple[int, float]:
     """transformers' own assisted generation, same target, draft and sampling: (new tokens, seconds)."""
     head = pair.draft.get_output_embeddings()
     if head.weight.shape[0] >= pair.vocab_size:
-        return _assisted_run(pair, ids, temperature, max_tokens, seed)
+        return _assisted_run(pair, ids, temperature, max_tokens, seed, min_tokens)
     pair.draft.lm_head = _padded_head(head, pair.vocab_size)  # a reduced head: same draft, logits padded
     try:
-        return _assisted_run(pair, ids, temperature, max_tokens, seed)
+        return _assisted_run(pair, ids, temperature, max_tokens, seed, min_tokens)
     finally:
         pair.draft.lm_head = head
 
 
-def _assisted_run(pair, ids: list[int], temperature: float, max_tokens: int, seed: int) -> tuple[int, float]:
-    return _hf_generate(pair, ids, temperature, max_tokens, seed, assistant_model=pair.draft)
+def _assisted_run(pair, ids: list[int], temperature: float, max_tokens: int, seed: int,
+                  min_tokens: int = 0) -> tuple[int, float]:
+    return _hf_generate(pair, ids, temperature, max_tokens, seed, min_tokens, assistant_model=pair.draft)
 
 
-def _hf_static(pair, ids: list[int], temperature: float, max_tokens: int, seed: int) -> tuple[int, float]:
+def _hf_static(pair, ids: list[int], temperature: float, max_tokens: int, seed: int,
+               min_tokens: int = 0) -> tuple[int, float]:
     """transformers' generate with a static cache (what a GPU user would pick; it compiles the
     forward on CUDA by itself), the target alone: (new tokens, seconds)."""
-    return _hf_generate(pair, ids, temperature, max_tokens, seed, cache_implementation="static")
+    return _hf_generate(pair, ids, temperature, max_tokens, seed, min_tokens, cache_implementation="static")
 
 
-def _hf_generate(pair, ids: list[int], temperature: float, max_tokens: int, seed: int,
+def _hf_generate(pair, ids: list[int], temperature: float, max_tokens: int, seed: int, min_tokens: int = 0,
                  **options) -> tuple[int, float]:
-    """transformers' generate on the target with rsd's sampling and stop tokens: (new tokens, seconds)."""
+    """transformers' generate on the target with rsd's sampling and stop tokens: (new tokens, seconds);
+    min_tokens: no end-of-sequence token before that many (transformers' min_new_tokens)."""
     import torch
 
     from .models import input_device
@@ -87,6 +91,8 @@ def _hf_generate(pair, ids: list[int], temperature: float, max_tokens: int, seed
     inputs = torch.tensor([ids], device=input_device(pair.target))
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
         dict(do_sample=False)
+    if min_tokens:
+        sampling["min_new_tokens"] = min(min_tokens, max_tokens)
     start = time.perf_counter()
     with torch.inference_mode():
         out = pair.target.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_tokens,
@@ -131,7 +137,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     -> engine.Runtimes), interleaved prompt by prompt, plus the peers asked for."""
     from .engine import Decoder, Runtimes
     from .models import input_device
-    from .sampling import SamplingParams
+    from .runtime import sampling_of
 
     compiles = compiles or [pair.runtimes.setting if pair.runtimes else "off"]
     runtimes = runtimes or {compiles[0]: pair.runtimes or Runtimes()}
@@ -142,14 +148,14 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     per_prompt: dict[tuple, dict[tuple, float]] = {}  # a job's or a peer's key -> (repeat, prompt) -> tokens/s
     peer_errors: dict[str, str] = {}  # a peer failing must not cost the other rows
     encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]
-    top = {key: profile["sampling"][key]
-           for key in ("top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")}
+    base = sampling_of(profile)  # (every row at its own temperature)
     stops = profile["sampling"]["stop"]  # completions end at them, as in generate (peers ignore them)
+    min_tokens = base.min_tokens  # (peers too: no end-of-sequence token before it)
     runs = repeats * len(encoded) * (len(jobs) + len(peers) * len(temperatures))
     done = 0
 
     def decoder_for(compile: str, setting: Setting, shape: Shape) -> Decoder:
-        return Decoder(pair.target, pair.draft, pair.vocab_size, shape, SamplingParams(setting.temperature, **top),
+        return Decoder(pair.target, pair.draft, pair.vocab_size, shape, replace(base, temperature=setting.temperature),
                        pair.eos_ids, pair.context_length, runtimes[compile], pair.notice)
 
     def tick() -> None:
@@ -178,7 +184,8 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
             for t in temperatures:
                 try:
                     for ids in encoded[:2] if compiling else encoded[:1]:
-                        PEERS[name][1](pair, ids, t, max_tokens if compiling else min(max_tokens, 8), seed)
+                        PEERS[name][1](pair, ids, t, max_tokens if compiling else min(max_tokens, 8), seed,
+                                       min_tokens)
                 except Exception as e:  # noqa: BLE001 - a peer's failure is reported, not raised
                     peer_errors.setdefault(name, f"{type(e).__name__}: {e}".splitlines()[0])
 
@@ -190,7 +197,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
             # pace drifts 1.5x within minutes, and a row run last sits furthest from `ar` run first)
             in_turn = jobs if (repeat * len(encoded) + index) % 2 == 0 else jobs[::-1]
             for compile, variant, setting, shape in in_turn:
-                text = StopText(pair.tokenizer, stops) if stops else None
+                text = StopText(pair.tokenizer, stops, min_tokens) if stops else None
                 _, stats, _ = complete(decoder_for(compile, setting, shape), ids, max_tokens, run_seed, text=text)
                 totals.setdefault((compile, variant, setting, shape), Stats()).merge(stats)
                 per_prompt.setdefault((compile, variant, setting, shape), {})[repeat, index] = stats.tokens_per_second
@@ -200,7 +207,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
                     if name in peer_errors:
                         break
                     try:
-                        n, seconds = PEERS[name][1](pair, ids, t, max_tokens, run_seed)
+                        n, seconds = PEERS[name][1](pair, ids, t, max_tokens, run_seed, min_tokens)
                     except Exception as e:  # noqa: BLE001
                         peer_errors[name] = f"{type(e).__name__}: {e}".splitlines()[0]
                         break

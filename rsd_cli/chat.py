@@ -9,12 +9,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import RsdError
+from .errors import RsdError, UsageError
 from .generation import stream_completion
 from .models import describe_layers
 from .prompting import encode_prompt
 from .render import stats_line
-from .runtime import FLAG_KEYS, branching_factors, make_decoder, seed_of, stops_of
+from .runtime import FLAG_KEYS, branching_factors, make_decoder, min_tokens_of, parse_logit_bias, seed_of, stops_of
 
 HELP = """commands:
   /help                 this help
@@ -22,10 +22,11 @@ HELP = """commands:
   /clear                forget the conversation
   /system TEXT          set the system prompt (empty TEXT clears it)
   /set KEY VALUE        KEY: temperature, top_p, top_k, min_p, repetition_penalty,
-                        presence_penalty, frequency_penalty, max_tokens, seed, stop,
-                        variant, draft_len, ngram, branching, beam_width, depth,
-                        num_drafts, budget (0: off)
+                        presence_penalty, frequency_penalty, logit_bias, min_tokens,
+                        max_tokens, seed, stop, variant, draft_len, ngram, branching,
+                        beam_width, depth, num_drafts, budget (0: off)
                         (/set stop TEXT: one stop string; /set stop ["a", "b"]: several; [] none;
+                        /set logit_bias 2=-100,13=5: token id = bias, {} none;
                         /set branching 3,2: factors per depth)
   /stats                statistics of the last answer
   /tree on|off          live view of the draft tree while answering
@@ -44,13 +45,25 @@ def _stop_list(value: str) -> list[str]:
     return parsed
 
 
+def _bias_table(value: str) -> dict[str, float]:
+    """`/set logit_bias 2=-100,13=5` (or spaces between): a profile's table; {} clears it."""
+    if value.strip() == "{}":
+        return {}
+    try:
+        return parse_logit_bias([entry for entry in value.replace(",", " ").split()], "/set logit_bias")
+    except UsageError:
+        raise ValueError(value) from None
+
+
 # what /set takes (the flags' names, runtime.FLAG_KEYS) -> how its text is read
 SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
-            "presence_penalty": float, "frequency_penalty": float, "max_tokens": int, "seed": int, "stop": _stop_list,
+            "presence_penalty": float, "frequency_penalty": float, "logit_bias": _bias_table, "min_tokens": int,
+            "max_tokens": int, "seed": int, "stop": _stop_list,
             "variant": str, "draft_len": int, "ngram": int, "branching": branching_factors, "beam_width": int,
             "depth": int, "num_drafts": int, "budget": int}
 EXPECTED = {float: "a number", int: "an integer", _stop_list: "a string or a JSON list of strings",
-            branching_factors: "integers separated by commas, like 3,2,2"}
+            branching_factors: "integers separated by commas, like 3,2,2",
+            _bias_table: "TOKEN_ID=BIAS entries separated by commas, like 2=-100,13=5 ({} for none)"}
 
 
 @dataclass
@@ -148,7 +161,8 @@ class ChatSession:
         try:
             _, stats, _, text = stream_completion(self.pair, decoder, ids, self.profile["sampling"]["max_tokens"],
                                                   seed, out=out, console=console, live=self.tree,
-                                                  stops=stops_of(self.profile), reading_note=True)
+                                                  stops=stops_of(self.profile),
+                                                  min_tokens=min_tokens_of(self.profile), reading_note=True)
         except RsdError:  # not answered: the message leaves the conversation (the next one would fail too)
             self.kept = decoder.kept
             self.history.pop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -176,6 +177,15 @@ FrequencyPenaltyOpt = Annotated[Optional[float], typer.Option(
     "--frequency-penalty", help="Subtracted from a token's logit once per time it is in the answer so far "
     "(0 disables).",
     rich_help_panel=SAMPLING, show_default=False)]
+LogitBiasOpt = Annotated[Optional[list[str]], typer.Option(
+    "--logit-bias", help="TOKEN_ID=BIAS: added to that token's logit, e.g. 2=-100 (-inf bars the token); "
+    "repeatable.", rich_help_panel=SAMPLING, show_default=False)]
+MinTokensOpt = Annotated[Optional[int], typer.Option(
+    "--min-tokens", help="The answer does not end at an end-of-sequence token or a stop string before this many "
+    "tokens (0 disables).", rich_help_panel=SAMPLING, show_default=False)]
+IgnoreEosOpt = Annotated[bool, typer.Option(
+    "--ignore-eos", help="Never end at an end-of-sequence token: answers run to --max-tokens (or a stop string).",
+    rich_help_panel=SAMPLING)]
 MaxTokensOpt = Annotated[Optional[int], typer.Option("--max-tokens", "-n", help="The most tokens an answer takes.",
                                                      rich_help_panel=SAMPLING, show_default=False)]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Makes the run reproducible.",
@@ -245,7 +255,8 @@ def _profile_and_pair(profile: str | None, arguments: dict, plain_if_ar: bool = 
     variant, nor for completions decoded together)."""
     from .runtime import FLAG_KEYS, shape_of
 
-    prof = _load_profile(profile, {name: arguments.get(name) for name in FLAG_KEYS})
+    flags = {name: arguments.get(name) for name in FLAG_KEYS}
+    prof = _load_profile(profile, {**flags, "ignore_eos": arguments.get("ignore_eos", False)})
     shape_of(prof)
     return prof, Loader().load(prof, plain=plain_if_ar and prof["decoding"]["variant"] == "ar")
 
@@ -296,6 +307,9 @@ def generate(
     repetition_penalty: RepetitionPenaltyOpt = None,
     presence_penalty: PresencePenaltyOpt = None,
     frequency_penalty: FrequencyPenaltyOpt = None,
+    logit_bias: LogitBiasOpt = None,
+    min_tokens: MinTokensOpt = None,
+    ignore_eos: IgnoreEosOpt = False,
     max_tokens: MaxTokensOpt = None,
     seed: SeedOpt = None,
     draft_len: DraftLenOpt = None,
@@ -352,6 +366,8 @@ def chat(
     repetition_penalty: RepetitionPenaltyOpt = None,
     presence_penalty: PresencePenaltyOpt = None,
     frequency_penalty: FrequencyPenaltyOpt = None,
+    logit_bias: LogitBiasOpt = None,
+    min_tokens: MinTokensOpt = None,
     max_tokens: MaxTokensOpt = None,
     seed: SeedOpt = None,
     draft_len: DraftLenOpt = None,
@@ -399,6 +415,9 @@ def inspect_tree(
     repetition_penalty: RepetitionPenaltyOpt = None,
     presence_penalty: PresencePenaltyOpt = None,
     frequency_penalty: FrequencyPenaltyOpt = None,
+    logit_bias: LogitBiasOpt = None,
+    min_tokens: MinTokensOpt = None,
+    ignore_eos: IgnoreEosOpt = False,
     seed: SeedOpt = None,
     draft_len: DraftLenOpt = None,
     ngram: NgramOpt = None,
@@ -454,6 +473,9 @@ def bench(
                                             "with a static cache (the target alone; compiled by transformers on "
                                             "CUDA).")] = True,
     stop: StopOpt = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Never end at an end-of-sequence token: every "
+                                             "run, the peers' too, takes --max-tokens tokens (or ends at a stop "
+                                             "string).")] = False,
     compile: Annotated[Optional[str], typer.Option("--compile", help="Comma-separated --compile settings to "
                                                    "measure, rows interleaved, e.g. on,off [default: the "
                                                    "profile's].", show_default=False)] = None,
@@ -484,6 +506,8 @@ def bench(
 
     prompt_list = (_read_prompts(prompts) if prompts else builtin_prompts("eval"))[:limit]
     prof = _load_profile(profile, {"beam_width": width, "compile": compiles[0] if compiles else None, "stop": stop})
+    if ignore_eos:  # (bench's --max-tokens, not the profile's)
+        prof.set("sampling", "min_tokens", max_tokens, "flag --ignore-eos")
     from .bench import results_table, run_bench, runtime_rss_mb, write_csv, write_plot
 
     loader = Loader()
@@ -589,6 +613,8 @@ def _toml_value(value) -> str:
     if isinstance(value, dict):
         bare = lambda key: key if key and all(c.isalnum() or c in "-_" for c in key) else json.dumps(key)  # noqa: E731
         return "{ " + ", ".join(f"{bare(k)} = {_toml_value(v)}" for k, v in value.items()) + " }" if value else "{}"
+    if isinstance(value, float) and not math.isfinite(value):  # (TOML's inf and -inf, where JSON has none)
+        return str(value)
     return json.dumps(value)
 
 

@@ -796,6 +796,10 @@ class Decoder:
         self.runtimes = runtimes or Runtimes()
         self.vocab_size = vocab_size
         self.shape = shape
+        beyond = [token for token, _ in sampling.logit_bias if token >= vocab_size]
+        if beyond:  # (an index past the logits: a device-side assert on a GPU)
+            raise RsdError(f"the logit bias names token id {beyond[0]}, but the models' vocabulary has "
+                           f"{vocab_size} tokens (ids 0-{vocab_size - 1})")
         self.sampling = sampling
         self.eos_ids = eos_ids
         self.context_length = context_length
@@ -859,7 +863,9 @@ class Decoder:
 
     @property
     def draft_sampling(self) -> SamplingParams:
-        return SamplingParams() if self.greedy_ranking else self.sampling
+        if self.greedy_ranking:  # (what bars or favours tokens still ranks the draft's candidates)
+            return SamplingParams(logit_bias=self.sampling.logit_bias, min_tokens=self.sampling.min_tokens)
+        return self.sampling
 
     def _check_prompt(self, prompt: list[int]) -> None:
         if not prompt:
@@ -1699,7 +1705,8 @@ class Decoder:
         the token after it) —, as logits_to_probs takes it: "seen", (len(nodes), V) bool, the
         tokens in it (the repetition penalty); "counts", how often each token is in its answer, the
         context from `answer_from` on (this generation's prompt length by default: the presence and
-        frequency penalties). Empty when the processing does not depend on the context. The draft's
+        frequency penalties); "barred", (len(nodes), V) bool, the end-of-sequence tokens where that
+        answer is shorter than min_tokens. Empty when the processing does not depend on the context. The draft's
         q at a node gets the same context as the target's p there, so q stays close to p."""
         if not sampling.uses_context:
             return {}
@@ -1723,6 +1730,12 @@ class Decoder:
             if start >= len(seq):  # (the root is the prompt's last token: not the answer's)
                 counts[:, seq[-1]] -= 1
             context["counts"] = counts.to(device)
+        if sampling.min_tokens:  # a node's answer so far: the sequence's (root included) and its path below the root
+            start = self.answer_from if answer_from is None else answer_from
+            short = torch.tensor([len(seq) - start + len(path) - 1 < sampling.min_tokens for path in paths])
+            ends = torch.zeros(self.vocab_size, dtype=torch.bool)
+            ends[[token for token in self.eos_ids if token < self.vocab_size]] = True
+            context["barred"] = (short[:, None] & ends[None, :]).to(device)
         return context
 
     def _draft(self, shape: Shape, seq: list[int], draft: CachedLM | None, generator: torch.Generator):

@@ -17,18 +17,23 @@ import torch
 from .engine import Stats, StepEvent, fresh_seed
 from .prompting import IncrementalDecoder, encode_prompt
 from .render import live_view, stats_line, steps_table
-from .runtime import make_decoder, seed_of, stops_of
+from .runtime import make_decoder, min_tokens_of, seed_of, stops_of
 from .threads import FORWARDS
 
 
 class StopText:
     """A completion's text as it grows, ended at the first stop string: the stop string and what
     follows are never released, and while streaming only the tail that could still begin a stop
-    string is held back. Without stop strings it is plain incremental detokenisation."""
+    string is held back. Without stop strings it is plain incremental detokenisation. With
+    min_tokens, a stop string ends the text only where it ends after the first min_tokens - 1
+    tokens' text (as vLLM's min_tokens: no stop is looked for before the answer has that many)."""
 
-    def __init__(self, tokenizer, stops: list[str] = ()):
+    def __init__(self, tokenizer, stops: list[str] = (), min_tokens: int = 0):
         self.detok = IncrementalDecoder(tokenizer)
         self.stops = [s for s in stops if s]
+        self.min_tokens = min_tokens
+        self.pushed = 0  # tokens pushed
+        self.floor = 0  # characters of the first min_tokens - 1 tokens' text: a stop must end past them
         self.text = ""  # decoded so far (past a stop only up to it)
         self.released = 0  # characters of text handed out
         self.piece = ""  # what the last push released
@@ -43,7 +48,10 @@ class StopText:
             return len(tokens), self.piece
         for kept, token in enumerate(tokens, start=1):
             self.text += self.detok.push([token])
-            if self._match():
+            self.pushed += 1
+            if self.pushed < self.min_tokens:
+                self.floor = len(self.text)
+            elif self._match():
                 self.piece = self._release(len(self.text))
                 return kept, self.piece
         self.piece = self._release(len(self.text) - self._held())
@@ -65,7 +73,7 @@ class StopText:
     def _match(self) -> bool:
         """Find the earliest stop string in the unreleased text; cut the text there."""
         start = max(0, self.released - max((len(s) for s in self.stops), default=0))
-        found = [(self.text.find(s, start), s) for s in self.stops]
+        found = [(self.text.find(s, max(start, self.floor - len(s) + 1)), s) for s in self.stops]
         found = [(at, s) for at, s in found if at >= 0]
         if not found:
             return False
@@ -184,8 +192,8 @@ class Interrupted(KeyboardInterrupt):
 
 
 def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, console=None, live=False,
-                      write_text=True, keep_events=False, stops: list[str] = (), on_step=None,
-                      reading_note=False):
+                      write_text=True, keep_events=False, stops: list[str] = (), min_tokens: int = 0,
+                      on_step=None, reading_note=False):
     """One completion with text streamed to `out` and, optionally, the live view on `console`.
     Returns (token ids, stats, events, text): the text ends before a stop string.
 
@@ -196,7 +204,7 @@ def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, conso
     """
     from rich.live import Live
 
-    text = StopText(pair.tokenizer, stops)
+    text = StopText(pair.tokenizer, stops, min_tokens)
     shown: list[str] = []
     hold_text = live and getattr(out, "isatty", lambda: False)()
     view = Live(console=console, transient=True, refresh_per_second=8) if live else nullcontext()
@@ -338,6 +346,7 @@ def run_generate(pair, profile, text: str | list[str], *, system=None, raw=False
                 tokens, stats, events, text_out = stream_completion(
                     pair, decoder, prompt_ids[asking], max_tokens, seed, out=out, console=console,
                     live=live and not as_json, write_text=not as_json, keep_events=step_table, stops=stops_of(profile),
+                    min_tokens=min_tokens_of(profile),
                     on_step=(lambda event: token_records.extend(token_logprobs(event, logprobs, pair.tokenizer)))
                     if logprobs else None)
             except Interrupted as e:  # Ctrl-C: what was generated is still reported, then rsd exits 130
@@ -362,7 +371,7 @@ def run_together(pair, profile, decoder, prompt_ids: list[list[int]], seeds: lis
     be: the first one's text streams, each next one's from where it has got to once the one before is
     reported. Ctrl-C reports every completion's tokens so far, then raises KeyboardInterrupt."""
     tokenizer, count = pair.tokenizer, len(seeds)
-    texts = [StopText(tokenizer, stops_of(profile)) for _ in seeds]
+    texts = [StopText(tokenizer, stops_of(profile), min_tokens_of(profile)) for _ in seeds]
     tokens: list[list[int]] = [[] for _ in seeds]
     stats = [Stats() for _ in seeds]
     events: list[list[StepEvent]] = [[] for _ in seeds]

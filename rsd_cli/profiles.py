@@ -58,6 +58,16 @@ def _branching(v) -> str | None:
     return None if all(b >= 1 for b in v) else "every branching factor must be at least 1"
 
 
+def _logit_bias(v) -> str | None:
+    """A table of token id = bias (OpenAI's logit_bias: ids as strings, a number each; -inf bars the token)."""
+    for token, bias in v.items():
+        if not str(token).isdecimal():
+            return f"must have token ids as keys, like {{ 2 = -100 }}; {token!r} is not one"
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias) or bias == math.inf:
+            return f"must give token {token} a number (-inf bars it; nan and inf are not biases)"
+    return None
+
+
 def _stops(v) -> str | None:
     return "must not contain an empty string" if any(not text for text in v) else None
 
@@ -176,6 +186,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                 "far; 0 disables"),
         "frequency_penalty": Key(float, 0.0, _finite, "subtracted from a token's logit once per time it is in the "
                                  "answer so far; 0 disables"),
+        "logit_bias": Key(dict, {}, _logit_bias, 'added to the logits of the tokens named: a table of token id = '
+                          'bias, e.g. { 2 = -100, 13 = 5 } (-inf bars the token)'),
+        "min_tokens": Key(int, 0, _non_negative, "the answer does not end at an end-of-sequence token or a stop "
+                          "string before this many tokens"),
         "max_tokens": Key(int, 256, _positive),
         "seed": Key(int, -1, None, "-1 draws a fresh seed"),
         "stop": Key(list, [], _stops, "end the answer at the first of these strings (not printed)", item=str),

@@ -25,6 +25,8 @@ FLAG_KEYS = {
     "repetition_penalty": ("sampling", "repetition_penalty"),
     "presence_penalty": ("sampling", "presence_penalty"),
     "frequency_penalty": ("sampling", "frequency_penalty"),
+    "logit_bias": ("sampling", "logit_bias"),
+    "min_tokens": ("sampling", "min_tokens"),
     "max_tokens": ("sampling", "max_tokens"),
     "seed": ("sampling", "seed"),
     "compile": ("runtime", "compile"),
@@ -44,14 +46,34 @@ def parse_branching(text: str) -> list[int]:
         raise UsageError(f"--branching takes integers separated by commas, like 3,2,2 (got {text!r})") from None
 
 
+def parse_logit_bias(entries: list[str], name: str = "--logit-bias") -> dict[str, float]:
+    """["2=-100", "13=5"] -> {"2": -100.0, "13": 5.0} (a profile's table: ids as keys); later entries win."""
+    table = {}
+    for entry in entries:
+        token, _, bias = entry.replace(" ", "").partition("=")
+        try:
+            if not token.isdecimal():
+                raise ValueError(token)
+            table[str(int(token))] = float(bias)
+        except ValueError:
+            raise UsageError(f"{name} takes TOKEN_ID=BIAS, like 2=-100 or 13=5 (-inf bars the token; "
+                             f"got {entry!r})") from None
+    return table
+
+
 def apply_flags(profile: Profile, flags: dict[str, Any]) -> Profile:
     """Flags override the profile; None means 'not given'. A value out of its range is a usage
-    error (exit 2), as a value of the wrong type is for Typer."""
+    error (exit 2), as a value of the wrong type is for Typer. --ignore-eos (ignore_eos: True)
+    makes min_tokens the answer's most tokens."""
+    flags = dict(flags)
+    ignore_eos = flags.pop("ignore_eos", False)
     for name, value in flags.items():
-        if value is None or name == "stop" and not value:  # a repeatable option not given is []
+        if value is None or name in ("stop", "logit_bias") and not value:  # a repeatable option not given is []
             continue
         if name == "stop":
             value = list(value)
+        if name == "logit_bias":
+            value = parse_logit_bias(value)
         table, key = FLAG_KEYS[name]
         if name == "branching" and isinstance(value, str):
             value = parse_branching(value)
@@ -63,6 +85,8 @@ def apply_flags(profile: Profile, flags: dict[str, Any]) -> Profile:
             profile.set(table, key, value, f"flag --{name.replace('_', '-')}")
         except RsdError as e:
             raise UsageError(str(e)) from None
+    if ignore_eos:  # (the end-of-sequence tokens barred throughout, as llama.cpp's and vLLM's --ignore-eos)
+        profile.set("sampling", "min_tokens", profile["sampling"]["max_tokens"], "flag --ignore-eos")
     return profile
 
 
@@ -87,12 +111,17 @@ def sampling_of(profile: Profile):
     from .sampling import SamplingParams
 
     s = profile["sampling"]
+    bias = tuple(sorted((int(token), float(value)) for token, value in s["logit_bias"].items()))
     return SamplingParams(s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["repetition_penalty"],
-                          s["presence_penalty"], s["frequency_penalty"])
+                          s["presence_penalty"], s["frequency_penalty"], bias, s["min_tokens"])
 
 
 def stops_of(profile: Profile) -> list[str]:
     return list(profile["sampling"]["stop"])
+
+
+def min_tokens_of(profile: Profile) -> int:
+    return profile["sampling"]["min_tokens"]
 
 
 def seed_of(profile: Profile) -> int | None:

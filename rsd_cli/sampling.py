@@ -6,6 +6,7 @@ run is reproducible from its seed.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the context; 1 disables
     presence_penalty: float = 0.0  # subtracted from the logit of every token in the answer so far; 0 disables
     frequency_penalty: float = 0.0  # subtracted from a token's logit once per time it is in the answer so far
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs, ids ascending; -inf bars
+    min_tokens: int = 0  # the end-of-sequence tokens are barred until the answer has this many tokens
 
     @property
     def greedy(self) -> bool:
@@ -28,9 +31,10 @@ class SamplingParams:
 
     @property
     def uses_context(self) -> bool:
-        """Whether processing depends on the tokens before each position (it then needs `seen` or
-        `counts`: logits_to_probs)."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Whether processing depends on the tokens before each position (it then needs `seen`,
+        `counts` or `barred`: logits_to_probs)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.min_tokens > 0)
 
 
 def penalise_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -47,12 +51,27 @@ def penalise_presence(logits: torch.Tensor, counts: torch.Tensor, presence: floa
     return logits - presence * (counts > 0) - frequency * counts
 
 
+@functools.lru_cache(maxsize=16)
+def bias_tensors(logit_bias: tuple[tuple[int, float], ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A logit bias's token ids (n,) and values (n,) on the device, made once (a graph captured
+    after a first run reads the same tensors: step_graphs)."""
+    ids, values = zip(*logit_bias)
+    return (torch.tensor(ids, dtype=torch.long).to(device), torch.tensor(values, dtype=torch.float32).to(device))
+
+
+def add_logit_bias(logits: torch.Tensor, logit_bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """OpenAI's logit_bias: each named token's (..., V) float32 logit plus its value (-inf bars it)."""
+    ids, values = bias_tensors(logit_bias, logits.device)
+    return logits.index_add(-1, ids, values.expand(*logits.shape[:-1], -1))
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None,
-                    counts: torch.Tensor | None = None) -> torch.Tensor:
+                    counts: torch.Tensor | None = None, barred: torch.Tensor | None = None) -> torch.Tensor:
     """(..., V) logits -> (..., V) float32 probabilities after the repetition penalty (seen: (..., V)
     bool, the tokens in each row's context), the presence and frequency penalties (counts: (..., V),
-    how often each token is in each row's answer so far, as OpenAI counts), temperature, top-k,
-    top-p and min-p.
+    how often each token is in each row's answer so far, as OpenAI counts), the logit bias, the
+    tokens barred in each row (barred: (..., V) bool, the end-of-sequence tokens of a row whose
+    answer is shorter than min_tokens), temperature, top-k, top-p and min-p.
 
     Target and draft go through this same function with the same contexts, so p and q are
     processed identically: what the output follows exactly is this processed target distribution.
@@ -66,6 +85,12 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams, seen: torch.Te
         if counts is None:
             raise ValueError("a presence or frequency penalty needs the counts of each row's answer so far")
         logits = penalise_presence(logits, counts.float(), params.presence_penalty, params.frequency_penalty)
+    if params.logit_bias:
+        logits = add_logit_bias(logits, params.logit_bias)
+    if params.min_tokens:
+        if barred is None:
+            raise ValueError("min_tokens needs the tokens barred in each row")
+        logits = logits.masked_fill(barred, -math.inf)
     if params.greedy:
         # one-hot on the argmax (F.one_hot would check the indices' range: a read of their values)
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)

@@ -251,3 +251,16 @@ def test_a_benchmark_on_a_shared_cpu_says_its_numbers_are_the_shared_machines():
     assert shared_cpu([alone, peer]) is None and shared_cpu([]) is None
     warning = shared_cpu([alone, shared, peer])
     assert "30 of 80 forwards ran on fewer threads than the CPU's 2" in warning
+
+
+def test_ignore_eos_gives_every_row_and_peer_the_same_number_of_tokens(tiny_profile):
+    """--ignore-eos: every run, transformers' peers too, takes --max-tokens tokens (the tiny pair's
+    answers end at its end-of-sequence token otherwise, each row at its own length)."""
+    def new_tokens(*extra):
+        result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--variants", "ar,sd,rsd-c", "--depths",
+                                          "2", "--limit", "3", "-n", "40", "--json", *extra])
+        assert result.exit_code == 0, result.stderr
+        return {row["variant"]: row["new_tokens"] for row in json.loads(result.stdout)["results"]}
+
+    assert min(new_tokens().values()) < 120
+    assert new_tokens("--ignore-eos") == dict.fromkeys(["ar", "sd", "rsd-c", "hf-assisted", "hf-static"], 120)

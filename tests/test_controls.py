@@ -289,3 +289,92 @@ def test_a_stop_inside_one_accepted_path_cuts_that_step(tiny_pair_dir):
     assert tokens == before[: start + 3] and stats.new_tokens == start + 3
     assert events[-1].finished == "stop" and events[-1].emitted == emitted[:3] and events[-1].stop == stop
     assert stats.steps == len([s for s, _ in steps if s <= start])
+
+
+def test_a_stop_string_counts_only_past_min_tokens(tokenizer):
+    """With min_tokens, a stop string ends the text only where it ends after the first min_tokens - 1
+    tokens' text (vLLM's rule): one inside them is kept as text, a later one still ends it."""
+    text = StopText(tokenizer, ["b"], min_tokens=4)
+    assert text.push(ids(tokenizer, "abc")) == (3, "abc")  # ("b" would have ended it at "a")
+    assert text.push(ids(tokenizer, "d")) == (1, "d") and text.matched is None
+    assert text.push(ids(tokenizer, "ab")) == (2, "a") and text.matched == "b" and text.text == "abcda"
+    spanning = StopText(tokenizer, ["cd"], min_tokens=4)  # completed by the 4th token: it counts
+    assert spanning.push(ids(tokenizer, "abcd")) == (4, "ab") and spanning.matched == "cd"
+
+
+def sampled(profile, *extra) -> dict:
+    """One `rsd generate --json` record: T=1, sd, seed 3 (an answer the tiny pair ends at its
+    end-of-sequence token, id 2, after 9 tokens), up to 40 tokens."""
+    result = CliRunner().invoke(app, ["generate", "the cat", "-p", str(profile), "-t", "1", "-v", "sd", "--seed", "3",
+                                      "-n", "40", "--json", *extra], input="")
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_ignore_eos_min_tokens_and_the_logit_bias_reach_generation(tiny_profile, tmp_path):
+    """--ignore-eos runs the answer to -n without its end-of-sequence token, as a bias of -inf on
+    that token does; --min-tokens N bars it for the first N tokens only (the same draws there); the
+    profile's keys give what the flags give."""
+    plain = sampled(tiny_profile)
+    assert plain["finish_reason"] == "eos" and len(plain["token_ids"]) < 12 and plain["token_ids"][-1] == 2
+    ignoring = sampled(tiny_profile, "--ignore-eos")
+    assert ignoring["finish_reason"] == "length" and len(ignoring["token_ids"]) == 40 and 2 not in ignoring["token_ids"]
+    assert sampled(tiny_profile, "--logit-bias", "2=-inf")["token_ids"] == ignoring["token_ids"]
+    at_least = sampled(tiny_profile, "--min-tokens", "12")
+    assert len(at_least["token_ids"]) >= 12 and at_least["token_ids"][:12] == ignoring["token_ids"][:12]
+    favoured = sampled(tiny_profile, "--logit-bias", "17=4", "--logit-bias", "2=-inf")["token_ids"]
+    assert favoured.count(17) >= 10 > 3 >= ignoring["token_ids"].count(17) and 2 not in favoured
+    profile = tmp_path / "biased.toml"
+    profile.write_text(tiny_profile.read_text() + "logit_bias = { 17 = 4, 2 = -inf }\nmin_tokens = 12\n")
+    assert sampled(profile, "--min-tokens", "0")["token_ids"] == favoured
+    assert sampled(profile, "--logit-bias", "5=0")["token_ids"][:12] == ignoring["token_ids"][:12]  # (a flag's
+    # table replaces the profile's, as --stop's list does)
+
+
+def test_malformed_logit_biases_and_min_tokens_are_one_line_errors(tiny_profile, tmp_path):
+    for args, code, message in (
+            (["--logit-bias", "x=1"], 2, "--logit-bias takes TOKEN_ID=BIAS, like 2=-100 or 13=5"),
+            (["--logit-bias", "2"], 2, "--logit-bias takes TOKEN_ID=BIAS"),
+            (["--logit-bias", "2=nan"], 2, "sampling.logit_bias must give token 2 a number"),
+            (["--logit-bias", "2=inf"], 2, "sampling.logit_bias must give token 2 a number"),
+            (["--logit-bias", "40=-1"], 1, "the logit bias names token id 40, but the models' vocabulary has 40 tokens"),
+            (["--min-tokens", "-1"], 2, "sampling.min_tokens must be at least 0")):
+        result = CliRunner().invoke(app, ["generate", "hi", "-p", str(tiny_profile), *args], input="")
+        assert result.exit_code == code and message in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text(tiny_profile.read_text() + 'logit_bias = { two = -1 }\n')
+    result = CliRunner().invoke(app, ["generate", "hi", "-p", str(bad)], input="")
+    assert result.exit_code == 1 and "sampling.logit_bias must have token ids as keys" in result.stderr
+
+
+def test_chat_sets_a_logit_bias_and_min_tokens(tiny_profile, tmp_path):
+    """/set logit_bias and /set min_tokens apply from the next answer; a malformed or impossible
+    bias is refused in one line and leaves the session's as it was."""
+    saved = tmp_path / "chat.json"
+    script = ("/set temperature 0\n/set max_tokens 30\n/set logit_bias x\n/set logit_bias 2=-1,40=5\n"
+              "/set logit_bias 17=6, 2=-inf\n/set min_tokens 3\nhello\n/save " + str(saved) + "\n")
+    result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile)], input=script)
+    assert result.exit_code == 0, result.stderr
+    assert "/set logit_bias: 'x' is not TOKEN_ID=BIAS entries separated by commas" in result.stderr
+    assert "the logit bias names token id 40" in result.stderr
+    assert "logit_bias = {'17': 6.0, '2': -inf}" in result.stderr and "min_tokens = 3" in result.stderr
+    answer = json.loads(saved.read_text())["messages"][-1]["content"]
+    assert answer.count("o") >= 9  # (token 17 is "o"; the greedy answer without the bias has one)
+
+
+def test_a_logit_bias_from_the_environment_shows_as_a_toml_table(tiny_profile, monkeypatch):
+    """RSD_SAMPLING_LOGIT_BIAS takes a JSON object; `rsd profiles show` writes the table as TOML
+    reads it back (-inf included), and --json as numbers."""
+    import tomllib
+
+    monkeypatch.setenv("RSD_SAMPLING_LOGIT_BIAS", '{"2": -Infinity, "17": 4}')
+    monkeypatch.setenv("RSD_SAMPLING_MIN_TOKENS", "5")
+    result = CliRunner().invoke(app, ["profiles", "show", str(tiny_profile)])
+    assert result.exit_code == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("logit_bias"))
+    assert tomllib.loads(line.split("  #")[0])["logit_bias"] == {"2": -float("inf"), "17": 4}
+    assert "min_tokens = 5  # env RSD_SAMPLING_MIN_TOKENS" in result.stdout
+    monkeypatch.setenv("RSD_SAMPLING_LOGIT_BIAS", "2=-1")
+    result = CliRunner().invoke(app, ["profiles", "show", str(tiny_profile)])
+    assert result.exit_code == 1 and "RSD_SAMPLING_LOGIT_BIAS must be a JSON object" in result.stderr

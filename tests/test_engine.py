@@ -882,6 +882,93 @@ def test_presence_and_frequency_penalties_count_each_nodes_own_path_exactly(pair
     assert chi_square_pvalue(counts, expected) > 1e-3
 
 
+BIASED = SamplingParams(temperature=1.0, logit_bias=((0, -torch.inf), (3, 1.5), (4, -0.7)))  # (token 0 barred)
+
+
+@pytest.mark.parametrize("device_steps", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("shape", [make_shape("rsd-c", branching=(2, 2)), make_shape("sd", draft_len=2),
+                                   make_shape("rsd-s", beam_width=2, depth=2)], ids=lambda s: s.describe())
+def test_a_logit_bias_is_exact_and_bars_tokens_biased_to_minus_infinity(pair, shape, device_steps):
+    """The first two tokens follow the target distribution with the bias added to its logits, on the
+    host's maths and on the device's (sd chains and rsd-c fans): never a token biased to -inf."""
+    expected = exact_joint(pair[0], BIASED) * N_SAMPLES
+    assert expected[0].sum() == 0 and expected[:, 0].sum() == 0
+    assert not torch.allclose(expected, exact_joint(pair[0], SamplingParams(1.0)) * N_SAMPLES, atol=10)
+    counts = sample_pairs(pair, shape, BIASED, N_SAMPLES, device_steps=device_steps)
+    assert counts[0].sum() == 0 and counts[:, 0].sum() == 0
+    assert chi_square_pvalue(counts, expected) > 1e-3
+
+
+def test_greedy_with_a_logit_bias_equals_plain_biased_greedy(pair):
+    """Greedy decoding takes the biased argmax, the draft's ranking included (rsd-c at T=0 ranks its
+    candidates on a distribution of its own, which gets the bias too)."""
+    sampling = SamplingParams(temperature=0, logit_bias=((5, -torch.inf), (2, 0.8)))
+    tokens = list(PROMPT)
+    for _ in range(20):
+        tokens.append(int(logits_to_probs(full_logits(pair[0], tokens)[-1], sampling).argmax()))
+    assert tokens[len(PROMPT):] != plain_greedy(pair[0], 20)
+    for shape in (make_shape("ar"), make_shape("sd", draft_len=3), make_shape("rsd-c", branching=(3, 2)),
+                  make_shape("rsd-s", beam_width=2, depth=3)):
+        assert run(pair, shape, sampling, 20, seed=0) == tokens[len(PROMPT):], shape.describe()
+
+
+def test_a_logit_bias_beyond_the_vocabulary_is_refused(pair):
+    from rsd_cli.errors import RsdError
+
+    with pytest.raises(RsdError, match=f"names token id {V}, but the models' vocabulary has {V} tokens"):
+        Decoder(*pair, V, make_shape("sd"), SamplingParams(logit_bias=((1, 1.0), (V, -1.0))), set())
+
+
+def sample_pairs_until_eos(pair, shape, sampling, eos: set[int], n: int) -> torch.Tensor:
+    """sample_pairs where `eos` ends an answer: (first, second) counts, the second token missing
+    (column V) where the first ended the answer."""
+    counts = torch.zeros(V, V + 1)
+    for seed in range(n):
+        tokens = run(pair, shape, sampling, 2, seed, eos=eos)
+        counts[tokens[0], tokens[1] if len(tokens) > 1 else V] += 1
+    return counts
+
+
+@pytest.mark.parametrize("shape", [make_shape("rsd-c", branching=(2, 2)), make_shape("sd", draft_len=2),
+                                   make_shape("spectr", num_drafts=2, depth=2)], ids=lambda s: s.describe())
+def test_min_tokens_bars_the_end_of_sequence_tokens_only_while_the_answer_is_shorter(pair, shape):
+    """min_tokens = 1 with end-of-sequence tokens {2, 5}: the first token is drawn with them barred,
+    the second from the target as it is (a depth-2 tree: the root's row barred, its children's not),
+    and the answer ends where the second is one of them."""
+    eos = {2, 5}
+    sampling = SamplingParams(temperature=1.0, min_tokens=1)
+    barred = torch.zeros(V, dtype=torch.bool)
+    barred[list(eos)] = True
+    first = logits_to_probs(full_logits(pair[0], PROMPT)[-1], sampling, barred=barred).double()
+    expected = torch.zeros(V, V + 1, dtype=torch.float64)
+    for x in range(V):
+        expected[x, :V] = first[x] * logits_to_probs(full_logits(pair[0], PROMPT + [x])[-1], SamplingParams(1.0)).double()
+    assert expected[:, list(eos)].sum() > 0.2  # (the second token ends the answer often)
+    counts = sample_pairs_until_eos(pair, shape, sampling, eos, N_SAMPLES)
+    assert counts[list(eos)].sum() == 0 and counts[:, V].sum() == 0
+    assert chi_square_pvalue(counts, expected * N_SAMPLES) > 1e-3
+
+
+def test_greedy_answers_run_to_min_tokens_then_end_as_plain_greedy(pair):
+    """A greedy answer that ends at once (its first token is end-of-sequence) runs to min_tokens
+    with those tokens barred, then ends where plain greedy decoding of that context would."""
+    eos = {1, 2}
+    assert run(pair, make_shape("ar"), SamplingParams(temperature=0), 30, seed=0, eos=eos) == [1]
+    sampling = SamplingParams(temperature=0, min_tokens=6)
+    tokens = list(PROMPT)
+    for length in range(30):
+        barred = torch.zeros(V, dtype=torch.bool)
+        if length < 6:
+            barred[list(eos)] = True
+        tokens.append(int(logits_to_probs(full_logits(pair[0], tokens)[-1], sampling, barred=barred).argmax()))
+        if tokens[-1] in eos:
+            break
+    assert 6 < len(tokens) - len(PROMPT) <= 30 and tokens[-1] in eos
+    for shape in (make_shape("ar"), make_shape("sd", draft_len=3), make_shape("rsd-c", branching=(3, 2)),
+                  make_shape("rsd-s", beam_width=2, depth=3), make_shape("lookup", draft_len=3)):
+        assert run(pair, shape, sampling, 30, seed=0, eos=eos) == tokens[len(PROMPT):], shape.describe()
+
+
 class ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts reads of one tensor value into Python (`int(t)`, `float(t)`, `bool(t)`, `.item()`):
     on a GPU each one waits for the device."""
@@ -1046,8 +1133,9 @@ def together(decoder, max_tokens: int, seeds: list[int], prompt=PROMPT, ended_at
 
 
 @pytest.mark.parametrize("variant", ["ar", "auto"])
-@pytest.mark.parametrize("sampling", [SamplingParams(0.0), SamplingParams(1.0), PENALISED, COUNTED],
-                         ids=["greedy", "T=1", "penalised", "presence-frequency"])
+@pytest.mark.parametrize("sampling", [SamplingParams(0.0), SamplingParams(1.0), PENALISED, COUNTED,
+                                      SamplingParams(1.0, logit_bias=((0, -torch.inf), (3, 1.0)), min_tokens=2)],
+                         ids=["greedy", "T=1", "penalised", "presence-frequency", "biased-min-tokens"])
 def test_samples_together_give_each_seed_the_tokens_it_gives_alone(pair, sampling, variant):
     """Completions decoded together (a row each per forward) draw what each seed draws alone: the
     same tokens, on transformers' forward and on the static-cache runtime (static shapes too); each
