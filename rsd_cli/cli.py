@@ -280,6 +280,16 @@ class Loader:
                              notice=lambda m: self.console.print(f"rsd: {m}", markup=False, highlight=False),
                              light=light, plain=plain)
 
+    def tokenizer(self, profile):
+        """The target's tokenizer and the tokens that end an answer (models.load_tokenizer)."""
+        from .models import load_tokenizer
+
+        source = profile.resolve_path(profile["target"]["source"])
+        if self.quiet:
+            return load_tokenizer(source)
+        with self.console.status("loading the tokenizer…") as status:
+            return load_tokenizer(source, lambda m: status.update(m))
+
     def target_location(self, profile) -> str:
         """The target's source as from_pretrained takes it (a GGUF file is converted here, once)."""
         from .models import resolve_source
@@ -438,6 +448,41 @@ def inspect_tree(
 
     run_inspect(pair, prof, text, step=step, fmt=fmt, output=output, system=system, raw=raw,
                 console=_stderr_console())
+
+
+@app.command(cls=Command)
+@cli_errors
+def tokenize(
+    text: Annotated[str, typer.Argument(help="The text; - reads stdin.")],
+    profile: ProfileOpt = None,
+    chat: Annotated[bool, typer.Option("--chat", help="The tokens `rsd generate` sends for TEXT as a prompt: "
+                                       "through the chat template (with --system).")] = False,
+    system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt (with --chat).",
+                                                  show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.", rich_help_panel=OUTPUT)] = False,
+):
+    """The target's token ids for TEXT, one a line with its text (for --logit-bias), and the tokens
+    that end an answer; only the tokenizer loads."""
+    if system is not None and not chat:
+        raise UsageError("--system applies with --chat (the tokens of a prompt)")
+    text = read_prompt(text)
+    tokenizer, eos = Loader().tokenizer(_load_profile(profile, {}))
+    from .prompting import encode_prompt
+
+    ids = encode_prompt(tokenizer, text, system) if chat else tokenizer.encode(text, add_special_tokens=False)
+
+    def entry(token: int) -> dict:
+        return {"id": token, "text": tokenizer.decode([token])}
+
+    ends = [entry(token) for token in sorted(eos)]
+    if as_json:
+        typer.echo(json.dumps({"tokens": [entry(token) for token in ids], "count": len(ids),
+                               "end_of_sequence": ends}, ensure_ascii=False))
+        return
+    for token in ids:  # (the text JSON-quoted: spaces and line breaks stay visible)
+        typer.echo(f"{token}\t{json.dumps(tokenizer.decode([token]), ensure_ascii=False)}")
+    listed = ", ".join(f"{e['id']} {json.dumps(e['text'], ensure_ascii=False)}" for e in ends) or "none"
+    sys.stderr.write(f"{len(ids)} tokens · the answer ends at: {listed}\n")
 
 
 def _csv_list(text: str, kind, name: str) -> list:

@@ -598,6 +598,33 @@ def load_model(source: str, device, dtype, progress: Progress = _quiet, placemen
     return model, tokenizer
 
 
+def load_tokenizer(source: str, progress: Progress = _quiet) -> tuple[object, set[int]]:
+    """A model source's tokenizer alone, as load_model loads it (no weights read), and the tokens
+    that end an answer there: the tokenizer's and those its generation_config.json names (else its
+    config.json, as transformers falls back to)."""
+    location, local = resolve_source(source, progress)
+    folder = Path(location) if local else _hub_snapshot(location)
+    tokenizer, configured = None, None
+    if folder is not None:
+        for name in ("generation_config.json", "config.json"):
+            try:
+                configured = json.loads((folder / name).read_text()).get("eos_token_id")
+                break
+            except (OSError, ValueError, AttributeError):
+                continue
+        if light_load_enabled():
+            from . import llama
+
+            if llama.why_not(folder) is None and llama.read_config(folder).model_type == "llama":
+                tokenizer = _light_tokenizer(folder)  # (what load_model takes for such a checkpoint)
+    if tokenizer is None:
+        quiet_transformers()
+        from transformers import AutoTokenizer
+
+        tokenizer = _from_pretrained(AutoTokenizer, location, local)
+    return tokenizer, eos_ids_of(tokenizer, configured)
+
+
 def _transformers_model(location: str, local: bool, device, dtype, placement: Placement | None):
     """The model loaded by transformers, on `device` or placed by accelerate, in eval mode."""
     from transformers import AutoModelForCausalLM
@@ -920,10 +947,15 @@ def adapter_path(setting: str, profile, target, layers: int) -> Path | None:
 
 
 def _eos_ids(tokenizer, model) -> set[int]:
+    return eos_ids_of(tokenizer, getattr(model.generation_config, "eos_token_id", None))
+
+
+def eos_ids_of(tokenizer, configured) -> set[int]:
+    """The tokens that end an answer: the tokenizer's end-of-sequence token and those a generation
+    config names (configured: an id, a list of them, or None)."""
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
-    configured = getattr(model.generation_config, "eos_token_id", None)
     if isinstance(configured, int):
         ids.add(configured)
     elif configured:

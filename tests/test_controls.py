@@ -378,3 +378,28 @@ def test_a_logit_bias_from_the_environment_shows_as_a_toml_table(tiny_profile, m
     monkeypatch.setenv("RSD_SAMPLING_LOGIT_BIAS", "2=-1")
     result = CliRunner().invoke(app, ["profiles", "show", str(tiny_profile)])
     assert result.exit_code == 1 and "RSD_SAMPLING_LOGIT_BIAS must be a JSON object" in result.stderr
+
+
+def test_tokenize_gives_the_ids_a_logit_bias_takes_and_the_prompts_length(tiny_profile):
+    """`rsd tokenize TEXT`: a line per token (id, tab, its text JSON-quoted) on stdout, the count and
+    the tokens that end an answer on stderr; --chat gives the tokens `rsd generate` sends (its
+    prompt_tokens); --json one object. An id it prints bars that text through --logit-bias."""
+    from rsd_cli.models import load_pair
+    from rsd_cli.profiles import load_profile
+
+    result = CliRunner().invoke(app, ["tokenize", "cat o", "-p", str(tiny_profile)])
+    assert result.exit_code == 0, result.stderr
+    lines = [line.split("\t") for line in result.stdout.splitlines()]
+    assert [json.loads(text) for _, text in lines] == ["c", "a", "t", " ", "o"]
+    o = int(lines[-1][0])
+    pair = load_pair(load_profile(str(tiny_profile)))
+    assert [int(token) for token, _ in lines] == pair.tokenizer.encode("cat o", add_special_tokens=False)
+    assert result.stderr.strip() == f'5 tokens · the answer ends at: {" ".join(str(t) for t in pair.eos_ids)} "</s>"'
+    chat = CliRunner().invoke(app, ["tokenize", "the cat", "-p", str(tiny_profile), "--chat", "--json"])
+    record = json.loads(chat.stdout)
+    answer = sampled(tiny_profile, "--ignore-eos")
+    assert record["count"] == len(record["tokens"]) == answer["prompt_tokens"]
+    assert record["end_of_sequence"] == [{"id": t, "text": "</s>"} for t in sorted(pair.eos_ids)]
+    assert "o" in answer["text"] and "o" not in sampled(tiny_profile, "--ignore-eos", "--logit-bias", f"{o}=-inf")["text"]
+    refused = CliRunner().invoke(app, ["tokenize", "x", "-p", str(tiny_profile), "-s", "be brief"])
+    assert refused.exit_code == 2 and "--system applies with --chat" in refused.stderr

@@ -87,6 +87,28 @@ def test_json_output_on_the_embedded_default():
     assert record["profile"] == "default" and 1 <= record["stats"]["new_tokens"] <= 6
 
 
+def test_the_answer_ends_where_rsd_tokenize_says_and_ignore_eos_runs_to_the_length(embedded_pair):
+    """`rsd tokenize` reads the embedded tokenizer alone and names the tokens that end an answer,
+    the ones the loaded pair stops at; a greedy answer that ends at one runs to -n with --ignore-eos."""
+    _, pair = embedded_pair
+    result = CliRunner().invoke(app, ["tokenize", " Paris", "--json"])
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert {e["id"] for e in record["end_of_sequence"]} == pair.eos_ids
+    assert [t["text"] for t in record["tokens"]] == [" Paris"]
+
+    def answer(*extra):
+        result = CliRunner().invoke(app, ["generate", "Say hi in two words.", "-n", "24", "-t", "0", "--json",
+                                          *extra], input="")
+        assert result.exit_code == 0, result.stderr
+        return json.loads(result.stdout)
+
+    short, full = answer(), answer("--ignore-eos")
+    assert short["finish_reason"] == "eos" and len(short["token_ids"]) < 24
+    assert full["finish_reason"] == "length" and len(full["token_ids"]) == 24
+    assert full["token_ids"][: len(short["token_ids"]) - 1] == short["token_ids"][:-1]  # (until its end)
+
+
 def test_the_compiled_runtime_is_greedy_exact_on_the_embedded_pair(embedded_pair):
     """Every tree verified on the compiled static-cache runtime gives transformers' eager `ar` output."""
     from rsd_cli.compiled import CompiledModel
