@@ -52,17 +52,13 @@ def penalise_presence(logits: torch.Tensor, counts: torch.Tensor, presence: floa
 
 
 @functools.lru_cache(maxsize=16)
-def bias_tensors(logit_bias: tuple[tuple[int, float], ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A logit bias's token ids (n,) and values (n,) on the device, made once (a graph captured
-    after a first run reads the same tensors: step_graphs)."""
-    ids, values = zip(*logit_bias)
-    return (torch.tensor(ids, dtype=torch.long).to(device), torch.tensor(values, dtype=torch.float32).to(device))
-
-
-def add_logit_bias(logits: torch.Tensor, logit_bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
-    """OpenAI's logit_bias: each named token's (..., V) float32 logit plus its value (-inf bars it)."""
-    ids, values = bias_tensors(logit_bias, logits.device)
-    return logits.index_add(-1, ids, values.expand(*logits.shape[:-1], -1))
+def bias_vector(logit_bias: tuple[tuple[int, float], ...], vocab: int, device: torch.device) -> torch.Tensor:
+    """A logit bias as a (vocab,) float32 vector on the device, made once (a graph captured after a
+    first run reads the same tensor: step_graphs)."""
+    vector = torch.zeros(vocab, dtype=torch.float32)
+    for token, bias in logit_bias:
+        vector[token] = bias
+    return vector.to(device)
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None,
@@ -85,8 +81,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams, seen: torch.Te
         if counts is None:
             raise ValueError("a presence or frequency penalty needs the counts of each row's answer so far")
         logits = penalise_presence(logits, counts.float(), params.presence_penalty, params.frequency_penalty)
-    if params.logit_bias:
-        logits = add_logit_bias(logits, params.logit_bias)
+    if params.logit_bias:  # (OpenAI's logit_bias: each named token's logit plus its value; -inf bars it)
+        logits = logits + bias_vector(params.logit_bias, logits.shape[-1], logits.device)
     if params.min_tokens:
         if barred is None:
             raise ValueError("min_tokens needs the tokens barred in each row")
