@@ -62,8 +62,9 @@ BUCKETS = (1, 2, 4, 8, 16)
 STATIC_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # scaled_dot_product_attention(enable_gqa=)
 # Llama-style decoders the tests cover: Llama itself; Qwen2 (biases on q, k and v: the layer takes
-# them); Mistral (Llama's layer); Qwen3 (an RMS norm on each head of q and k). Sliding-window
-# attention is not covered (see `unsupported`).
+# them); Mistral (Llama's layer); Qwen3 (an RMS norm on each head of q and k). A sliding window is
+# covered where every layer has it (Mistral 7B v0.1's 4096: the masks hide the keys it has passed,
+# StaticLM.forward), not where only some layers do (see `unsupported`).
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")  # rotary tables that depend on the position alone
 
@@ -86,8 +87,8 @@ def unsupported(model) -> str | None:
         return f"{type(model).__name__}'s layers differ from Llama's"
     if getattr(inner.rotary_emb, "rope_type", "default") not in ROPE_TYPES:
         return f"rope type {inner.rotary_emb.rope_type!r}"
-    if sliding_window(cfg):
-        return "sliding-window attention"
+    if sliding_window(cfg) and window_of(cfg) is None:
+        return "sliding-window attention on some layers only"
     placement = getattr(model, "hf_device_map", None) or {}
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1 or len(set(placement.values())) > 1:
@@ -106,6 +107,14 @@ def sliding_window(cfg) -> bool:
         return any(kind == "sliding_attention" for kind in types)
     window = getattr(cfg, "sliding_window", None)
     return bool(window) and window < getattr(cfg, "max_position_embeddings", math.inf)
+
+
+def window_of(cfg) -> int | None:
+    """The sliding window every layer attends to, or None (no window, or one on some layers only)."""
+    types = getattr(cfg, "layer_types", None)
+    if not sliding_window(cfg) or types and any(kind != "sliding_attention" for kind in types):
+        return None
+    return cfg.sliding_window
 
 
 PLACEMENT_REASONS = ("a model placed over several devices", "a model whose weights accelerate offloads")
@@ -400,6 +409,7 @@ class CompiledModel:
         self.device = inner.embed_tokens.weight.device
         self.dtype = inner.embed_tokens.weight.dtype
         self.context = getattr(cfg, "max_position_embeddings", 4096)
+        self.window = window_of(cfg)  # every layer's sliding window (StaticLM's masks), or None
         with torch.inference_mode():  # rotary tables for every position, computed once
             positions = torch.arange(self.context, device=self.device)[None]
             cos, sin = inner.rotary_emb(torch.zeros(1, dtype=self.dtype, device=self.device), positions)
@@ -746,6 +756,10 @@ class StaticLM(ChainExtension):
         self.keys, self.values = buffers or compiled.new_buffers(capacity)
         self.capacity = self.keys.shape[2]
         self.length = 0
+        # a sliding window's keys are hidden by position (a slot's is not its index where completions
+        # share the cache): each slot's position, kept for a window only
+        self.window = compiled.window
+        self.key_positions = torch.zeros(self.capacity if self.window else 0, dtype=torch.long)
         self.clock = ForwardClock(compiled.device)
         self.calls = 0
 
@@ -778,6 +792,11 @@ class StaticLM(ChainExtension):
         # a graph's inputs are made on the host in page-locked memory, which its replay copies in
         # without waiting for the device (a plain copy to a GPU waits for all the work queued before it)
         pinned = static and self.compiled.graphed and device.type == "cuda"
+        if self.window is not None:  # (the keys within the window of each row's position)
+            new = torch.tensor(positions)
+            self.key_positions[self.length: self.length + n] = new
+            near = new[:, None] - self.key_positions[None, : self.length + n] < self.window
+            visible = visible & near
         with torch.inference_mode():  # inputs made here as in warm_up: the compiled graphs' guards match
             mask = torch.full((size, kv_len), -math.inf, dtype=torch.float32, pin_memory=pinned)
             mask[:n, : self.length + n].masked_fill_(visible, 0.0)
@@ -815,7 +834,9 @@ class StaticLM(ChainExtension):
         """A static-shape forward whose inputs were made on the device (nothing read on the host):
         ids (3, size) — tokens, positions and the slots their keys go to — and mask (size, capacity)
         additive, size a bucket. The host's `length` does not move: the caller, which knows what
-        the caches hold only once it reads a step's outcome, sets it (Decoder._tree_steps_ahead)."""
+        the caches hold only once it reads a step's outcome, sets it (Decoder._tree_steps_ahead).
+        Not for a windowed model, whose masks need each slot's position (Decoder._ahead_kind)."""
+        assert self.window is None, "a windowed model's masks are made on the host"
         start = self.clock.start()
         with torch.inference_mode():
             logits = self.compiled.replay(ids, mask, self.keys, self.values, rows)
@@ -838,6 +859,9 @@ class StaticLM(ChainExtension):
         keys[:, :, : self.length] = self.keys[:, :, : self.length]
         values[:, :, : self.length] = self.values[:, :, : self.length]
         self.keys, self.values, self.capacity = keys, values, capacity
+        if self.window is not None:
+            self.key_positions = torch.cat([self.key_positions, torch.zeros(capacity - len(self.key_positions),
+                                                                            dtype=torch.long)])
 
     def release(self) -> None:
         """Hand the model's shared buffers back (the next generation may take them)."""
@@ -852,6 +876,8 @@ class StaticLM(ChainExtension):
             with torch.inference_mode():
                 self.keys[:, :, prefix: len(indices)] = self.keys.index_select(2, tail)
                 self.values[:, :, prefix: len(indices)] = self.values.index_select(2, tail)
+            if self.window is not None:
+                self.key_positions[prefix: len(indices)] = self.key_positions[indices[prefix:]]
         self.length = len(indices)
 
 

@@ -1145,6 +1145,7 @@ class Decoder:
         from .compiled import StaticLM, bucket
 
         fits = (isinstance(target, StaticLM) and isinstance(draft, StaticLM) and target.static and draft.static
+                and target.window is None and draft.window is None  # (a window's masks need the slots' positions)
                 and bucket(self._drafted(kind) + 1, target.compiled.buckets) is not None
                 and {1, 2} <= set(draft.compiled.buckets))
         return kind if fits else None

@@ -86,8 +86,8 @@ def why_not(folder: Path) -> str | None:
         return f"a {kind} model"
     if kind != "llama" and any(key not in raw for key in STATED):
         return f"a config.json that leaves out {next(key for key in STATED if key not in raw)}"
-    if _window(raw) is not None:
-        return "sliding-window attention"
+    if _window(raw) is not None and kind != "mistral":  # (Mistral's is every layer's: compiled.window_of)
+        return f"{kind}'s sliding-window attention (on the layers past max_window_layers)"
     if raw.get("auto_map") or raw.get("quantization_config"):
         return "remote code or quantised weights"
     if raw.get("hidden_act", "silu") != "silu" or raw.get("mlp_bias") or raw.get("pretraining_tp", 1) != 1:
@@ -137,7 +137,7 @@ def read_config(folder: Path) -> SimpleNamespace:
         values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
     values.pop("rope_scaling", None)
     values.pop("rope_theta", None)
-    values["sliding_window"] = _window(raw)  # (None: why_not lets no window through)
+    values["sliding_window"] = _window(raw)  # (None, or Mistral's window on every layer: why_not)
     return SimpleNamespace(**values)
 
 
@@ -261,7 +261,8 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """transformers' MistralForCausalLM's modules and names: Llama's (no sliding window here)."""
+    """transformers' MistralForCausalLM's modules and names: Llama's (a sliding window is in the
+    static-cache runtime's masks: compiled.window_of)."""
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -204,6 +204,30 @@ def test_a_sliding_window_pair_answers_with_its_targets_greedy_tokens_past_the_w
         assert json.loads(result.stdout)["token_ids"] == expected.tolist(), variant
 
 
+def test_a_mistral_pair_windowed_on_every_layer_runs_on_the_static_cache_runtime(cli, tmp_path):
+    """A saved Mistral 7B v0.1-like pair (every layer sees the last 8 positions) runs on the
+    static-cache runtime (before: transformers' eager forward), loaded without transformers'
+    modeling code, and gives transformers' own greedy answer past the window for every variant."""
+    import torch
+    from tiny import save_profiled_pair, tiny_tokenizer, tiny_windowed
+
+    tokenizer = tiny_tokenizer()
+    profile = save_profiled_pair(tmp_path, tiny_windowed("mistral", len(tokenizer), 3, 0),
+                                 tiny_windowed("mistral", len(tokenizer), 1, 1))
+    prompt = "the cat sat on"
+    target = tiny_windowed("mistral", len(tokenizer), 3, 0)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = target.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
+    for variant, compile in (("ar", "auto"), ("sd", "auto"), ("rsd-c", "auto"), ("rsd-c", "off")):
+        result = cli("generate", prompt, "-p", profile, "--raw", "--json", "-n", "24", "-t", "0", "-v", variant,
+                     "--compile", compile, input="")
+        assert result.exit_code == 0, result.stderr
+        record = json.loads(result.stdout)
+        assert record["token_ids"] == expected.tolist(), variant
+        assert record["runtime"].startswith("static cache") == (compile == "auto"), record["runtime"]
+
+
 def test_an_alibi_pair_runs_chains_and_refuses_a_tree_in_one_line(cli, tmp_path):
     """A saved BLOOM pair (ALiBi: its attention takes no tree): `sd` gives transformers' own greedy
     answer, several samples of `ar` run one after the other with their seeds, and a tree variant

@@ -533,10 +533,13 @@ def test_unsupported_models_are_named_with_a_reason():
     small = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=256)
     windowed = Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True, sliding_window=16, max_window_layers=1))
-    assert compiled.unsupported(windowed) == "sliding-window attention"  # its second layer sees 16 tokens
-    assert compiled.unsupported(MistralForCausalLM(MistralConfig(**small, sliding_window=16))) == \
-        "sliding-window attention"
-    assert compiled.unsupported(MistralForCausalLM(MistralConfig(**small, sliding_window=256))) is None  # the context
+    assert compiled.unsupported(windowed) == "sliding-window attention on some layers only"  # (its second layer's)
+    every = Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True, sliding_window=16, max_window_layers=0))
+    mistral = MistralForCausalLM(MistralConfig(**small, sliding_window=16))
+    assert compiled.unsupported(every) is compiled.unsupported(mistral) is None  # (every layer's: in the masks)
+    assert compiled.window_of(every.config) == compiled.window_of(mistral.config) == 16
+    wide = MistralForCausalLM(MistralConfig(**small, sliding_window=256))  # (the whole context: no window)
+    assert compiled.unsupported(wide) is None and compiled.window_of(wide.config) is None
     notices = []
     assert compiled.runtime_for(gpt2, "on", "target", notice=notices.append) is None
     assert notices == ["--compile on does not apply to the target (a gpt2 model (the static-cache runtime covers "

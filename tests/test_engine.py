@@ -1255,6 +1255,81 @@ def test_a_sliding_window_model_decodes_plain_greedy_past_its_window(kind):
     assert tokens == [plain_greedy(target, 20, prompt) for prompt in prompts]
 
 
+def every_layer_windowed(kind: str, layers: int = 2, seed: int = 0):
+    """A tiny model every layer of which sees the last 8 positions: Mistral's, or Qwen2's with
+    max_window_layers = 0."""
+    from tiny import tiny_windowed
+
+    model = tiny_windowed(kind, V, layers=layers, seed=seed)
+    if kind == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        settings = {key: value for key, value in model.config.to_dict().items() if key != "layer_types"}
+        config = Qwen2Config(**{**settings, "max_window_layers": 0})
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).eval()
+        with torch.no_grad():
+            model.lm_head.weight.mul_(3.0)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_the_static_cache_runtime_windows_a_model_whose_every_layer_has_a_window(kind):
+    """A window on every layer (Mistral 7B v0.1's) runs on the static-cache runtime, its masks hiding
+    the keys each row's window has passed by their positions: a tree after a 12-token cache gets
+    full-forward logits (not without the window), and every variant, on dynamic and static shapes,
+    and completions of different prompts decoded together (slots that are not positions) give the
+    target's greedy tokens 30 tokens past a window of 8."""
+    from rsd_cli.compiled import CompiledModel, StaticLM
+    from rsd_cli.engine import Runtimes
+
+    target, draft = every_layer_windowed(kind), every_layer_windowed(kind, layers=1, seed=1)
+    assert set(getattr(target.config, "layer_types", None) or ["sliding_attention"]) == {"sliding_attention"}
+    tree = DraftTree.rooted_at(5)
+    a, _ = tree.add_draw(0, 2)
+    tree.add_draw(0, 4)
+    c, _ = tree.add_draw(a, 1)
+    base = len(LONG_PROMPT)
+    visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
+    references = torch.stack([full_logits(target, LONG_PROMPT + [tree.tokens[n] for n in tree.path_to(node)])[-1]
+                              for node in range(len(tree))])
+    runtime = CompiledModel(target, False)
+    assert runtime.window == 8
+    for static_shapes in (False, True):
+        lm, unwindowed = (StaticLM(CompiledModel(target, False, static_shapes=static_shapes), V, 32) for _ in "ab")
+        unwindowed.window = None
+        with torch.inference_mode():
+            for cache in (lm, unwindowed):
+                cache.extend(LONG_PROMPT)
+            logits = lm.forward(tree.tokens, [base + depth for depth in tree.depths], visible)
+            wrong = unwindowed.forward(tree.tokens, [base + depth for depth in tree.depths], visible)
+        torch.testing.assert_close(logits, references, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(wrong, references, atol=1e-4)
+        # the path kept (root, a, c) and the tokens after it, one at a time until its keys leave the window
+        lm.keep(list(range(base)) + [base + n for n in (0, a, c)])
+        context = LONG_PROMPT + [5, 2, 1]
+        for token in [3, 0, 4, 4, 1, 5, 2, 3, 0]:
+            context.append(token)
+            with torch.inference_mode():
+                nxt = lm.extend([token], last_only=True)[-1]
+            torch.testing.assert_close(nxt, full_logits(target, context)[-1], atol=1e-5, rtol=1e-5)
+        assert lm.key_positions[: lm.length].tolist() == list(range(len(context)))
+        for cache in (lm, unwindowed):
+            cache.release()
+    greedy = SamplingParams(temperature=0)
+    expected = plain_greedy(target, 30, LONG_PROMPT)
+    prompts = [LONG_PROMPT, [4, 1], LONG_PROMPT[2:] + [3, 3]]
+    for static_shapes in (False, True):
+        runtimes = Runtimes(CompiledModel(target, False, static_shapes=static_shapes),
+                            CompiledModel(draft, False, static_shapes=static_shapes))
+        for shape in shapes() + [FAN]:
+            decoder = Decoder(target, draft, V, shape, greedy, set(), None, runtimes)
+            tokens = [t for event in decoder.generate(LONG_PROMPT, 30, seed=0) for t in event.emitted]
+            assert tokens == expected, (static_shapes, shape.describe())
+        decoder = Decoder(target, draft, V, make_shape("ar"), greedy, set(), None, runtimes)
+        assert together(decoder, 20, [1, 2, 3], prompt=prompts)[0] == [plain_greedy(target, 20, p) for p in prompts]
+
+
 @pytest.mark.parametrize("kind", ["bloom", "mpt"])
 def test_an_alibi_model_decodes_chains_plain_greedy_and_refuses_trees(kind):
     """ALiBi models work their position biases out of cache slots or a 2D mask, so their attention
