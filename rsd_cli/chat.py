@@ -114,6 +114,8 @@ class ChatSession:
                 self.profile.values[table][entry], self.profile.origins[table][entry] = before
                 raise
             what = f" · {shape.describe()}" if table == "decoding" else ""
+            if isinstance(typed, dict):  # (a logit bias, as it is typed)
+                typed = ",".join(f"{token}={bias:g}" for token, bias in typed.items()) or "{}"
             console.print(f"{key} = {typed}{what}")
         elif name == "stats":
             console.print(stats_line(self.last_stats) if self.last_stats else "no answer yet", highlight=False)

@@ -454,6 +454,50 @@ def test_auto_queued_ahead_on_a_gpu_gives_the_events_of_one_step_at_a_time(pair)
         assert all(torch.allclose(a.p, b.p, atol=1e-4) for a, b in zip(events[True], events[False]))
 
 
+@CUDA
+def test_a_logit_bias_in_step_maths_replayed_as_cuda_graphs_decides_as_launched_op_by_op(pair):
+    """A logit bias (one vector made once on the device) inside the step maths a GPU captures as CUDA
+    graphs: `ar` queued ahead, `sd` and `rsd-c` fans queued ahead or not, the tokens and p of the same
+    maths launched op by op, and never the token biased to -inf."""
+    import copy
+
+    from rsd_cli.step_graphs import StepGraphs
+
+    biased = SamplingParams(1.0, logit_bias=((0, -math.inf), (3, 1.5)))
+    models = tuple(copy.deepcopy(model).cuda() for model in pair)
+    runtimes = Runtimes(CompiledModel(models[0], True), CompiledModel(models[1], True), "on")
+    for seed, shape in enumerate([make_shape("ar"), make_shape("sd", draft_len=2), make_shape("rsd-c", branching=(3,))]):
+        events = {}
+        for graphed in (True, False):
+            decoder = Decoder(*models, V, shape, biased, set(), runtimes=runtimes)
+            if not graphed:
+                decoder.step_graphs = StepGraphs(torch.device("cuda"), False)
+            events[graphed] = list(decoder.generate(PROMPT, 30, seed=seed))
+        assert [e.emitted for e in events[True]] == [e.emitted for e in events[False]], shape.describe()
+        assert all(torch.equal(a.p, b.p) for a, b in zip(events[True], events[False]))
+        assert 0 not in [t for e in events[True] for t in e.emitted]
+
+
+@CUDA
+def test_a_model_windowed_on_every_layer_runs_in_cuda_graphs_past_its_window():
+    """Mistral-like, every layer seeing the last 8 positions, in compiled CUDA graphs (masks over the
+    whole capacity, windowed on the host): every variant's greedy tokens are the target's, 30 tokens
+    past the window."""
+    import copy
+
+    from test_engine import FAN, LONG_PROMPT, every_layer_windowed
+
+    target, draft = every_layer_windowed("mistral"), every_layer_windowed("mistral", layers=1, seed=1)
+    expected = plain_greedy(target, 30, LONG_PROMPT)
+    models = tuple(copy.deepcopy(model).cuda() for model in (target, draft))
+    runtimes = Runtimes(CompiledModel(models[0], True), CompiledModel(models[1], True), "on")
+    assert runtimes.target.graphed and runtimes.target.window == 8
+    for shape in shapes() + [FAN]:
+        decoder = Decoder(*models, V, shape, SamplingParams(temperature=0), set(), runtimes=runtimes)
+        tokens = [t for event in decoder.generate(LONG_PROMPT, 30, seed=0) for t in event.emitted]
+        assert tokens == expected, shape.describe()
+
+
 def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
     """The backends differ only in the order of float additions: sampled runs agree token for token
     on this pair (the test would catch a runtime that draws random numbers differently)."""
