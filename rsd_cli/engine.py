@@ -13,7 +13,7 @@ import os
 import time
 from collections import Counter
 from functools import partial
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import torch
@@ -901,7 +901,23 @@ class Decoder:
         return self.shape.uses_draft_model or (self.shape.variant == "auto" and not self.plain_only)
 
     def generate(self, prompt: list[int], max_tokens: int, seed: int | None = None) -> Iterator[StepEvent]:
-        return self._threads_for(self._generate(prompt, max_tokens, seed), self.drafts)
+        return self._threads_for(self._for_answers(max_tokens, self._generate(prompt, max_tokens, seed)), self.drafts)
+
+    def _for_answers(self, max_tokens: int, steps: Iterator) -> Iterator:
+        """steps, with `sampling` for answers of at most max_tokens tokens while they run: a min_tokens
+        that covers all of them (--ignore-eos) bars the end-of-sequence tokens at every position an
+        answer reaches, as a logit bias of -inf on them does — the same processing there, without
+        reading each node's context, so the steps that need none (on the device, queued ahead) stay
+        open. (A tree's nodes past the answer's end are barred too; none of their tokens is emitted.)"""
+        sampling = self.sampling
+        ends = [token for token in sorted(self.eos_ids) if token < self.vocab_size]
+        if 0 < max_tokens <= sampling.min_tokens:
+            bias = {**dict(sampling.logit_bias), **dict.fromkeys(ends, -math.inf)}
+            self.sampling = replace(sampling, min_tokens=0, logit_bias=tuple(sorted(bias.items())))
+        try:
+            yield from steps
+        finally:
+            self.sampling = sampling
 
     def _generate(self, prompt: list[int], max_tokens: int, seed: int | None) -> Iterator[StepEvent]:
         self._check_prompt(prompt)
@@ -952,7 +968,8 @@ class Decoder:
         each prompt but its last token, one after the other (each seeing that beginning and itself,
         at its own positions); the first step reads each prompt's last token once. `ended`:
         completions the caller has ended (at a stop string), left out from the next step on."""
-        return self._threads_for(self._generate_together(prompts, max_tokens, seeds, ended), drafts=False)
+        return self._threads_for(self._for_answers(max_tokens, self._generate_together(prompts, max_tokens, seeds,
+                                                                                       ended)), drafts=False)
 
     def _generate_together(self, prompts: list[list[int]], max_tokens: int, seeds: list[int],
                            ended: set[int]) -> Iterator[list[StepEvent | None]]:

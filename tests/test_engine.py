@@ -969,6 +969,28 @@ def test_greedy_answers_run_to_min_tokens_then_end_as_plain_greedy(pair):
         assert run(pair, shape, sampling, 30, seed=0, eos=eos) == tokens[len(PROMPT):], shape.describe()
 
 
+@pytest.mark.parametrize("shape", DEVICE_SHAPES + [make_shape("ar")], ids=lambda s: s.describe())
+def test_min_tokens_covering_the_whole_answer_runs_as_a_logit_bias_on_the_fast_paths(pair, shape):
+    """--ignore-eos (min_tokens >= the answer's length): the end-of-sequence tokens barred at every
+    position, as a bias of -inf on them bars them, with the steps that read no context (decided on
+    the device, queued ahead): the bias's tokens, none of them an end-of-sequence token, and the
+    decoder's own settings as they were once the answer is over."""
+    eos, seen = {2, 5}, []
+    ignoring = SamplingParams(1.0, min_tokens=30)
+    barring = SamplingParams(1.0, logit_bias=((2, -torch.inf), (5, -torch.inf)))
+    tokens = {}
+    for sampling in (ignoring, barring):
+        decoder = Decoder(*pair, V, shape, sampling, eos)
+        decoder.device_steps, decoder.steps_ahead = True, True
+        tokens[sampling] = [t for event in decoder.generate(PROMPT, 30, seed=4)
+                            if not seen.append(decoder.sampling.uses_context) for t in event.emitted]
+        assert decoder.sampling == sampling
+    assert tokens[ignoring] == tokens[barring] and len(tokens[barring]) == 30 and not eos & set(tokens[barring])
+    assert not any(seen)  # (no step read each node's context)
+    decoder = Decoder(*pair, V, shape, SamplingParams(1.0, min_tokens=29), eos)  # (the last token may end it)
+    assert [decoder.sampling.uses_context for _ in decoder.generate(PROMPT, 30, seed=4)][0]
+
+
 class ScalarReads(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts reads of one tensor value into Python (`int(t)`, `float(t)`, `bool(t)`, `.item()`):
     on a GPU each one waits for the device."""
