@@ -17,10 +17,11 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh busy16    # the thread governor on 16 cores beside busy processes
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh prompts   # a long prompt's causal attention against the mask: GPU, 16 cores
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh architectures  # 55 families on that machine's transformers
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh controls  # logit bias, --ignore-eos, windows in CUDA graphs
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
-part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts or architectures}
+part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures or controls}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -117,6 +118,19 @@ case $part in
     CUDA_VISIBLE_DEVICES= $py benchmarks/busy_cpu.py --hogs 0,8,16 --rounds 2 -n 48 --timeout 30 \
       --json "$out/busy16.json" "governed=" "fixed=RSD_ADAPTIVE_THREADS=0" "torch=RSD_BLOCK_KERNELS=0" \
       "torch-fixed=RSD_BLOCK_KERNELS=0 RSD_ADAPTIVE_THREADS=0" 2>&1 | tee "$out/busy16.txt" ;;
-  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts or architectures" >&2
+  controls)  # a logit bias in step maths captured as CUDA graphs, a model windowed on every layer in CUDA graphs
+    # (the CUDA-only tests), then the embedded pair with --ignore-eos, as a bias and as min_tokens (the same
+    # processing: the fast steps' speed), and bench's rows and peers at the same length
+    $py -m pytest -p no:warnings -q -rs tests/test_compiled.py -k "logit_bias or windowed" 2>&1 | tee "$out/controls-tests.txt"
+    for extra in "" "--ignore-eos" "--logit-bias 2=-inf"; do
+      for variant in ar sd rsd-c; do
+        $py -m rsd_cli generate "Write a long story about a robot who learns to paint." -n 256 -t 1 --seed 3 \
+          -v "$variant" --json $extra < /dev/null 2>/dev/null | $py -c "import json, sys; r = json.load(sys.stdin); \
+print('$variant', '$extra', r['finish_reason'], len(r['token_ids']), round(r['stats']['tokens_per_second'], 1))"
+      done
+    done 2>&1 | tee "$out/controls-generate.txt"
+    $py -m rsd_cli bench --variants ar,sd,auto --depths 1 --temperatures 1 --limit 2 -n 128 --no-assisted \
+      --ignore-eos --compile on --json > "$out/controls-bench.json" ;;
+  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures or controls" >&2
      exit 2 ;;
 esac
