@@ -25,6 +25,7 @@ HELP = """commands:
                         presence_penalty, frequency_penalty, logit_bias, min_tokens,
                         max_tokens, seed, stop, variant, draft_len, ngram, branching,
                         beam_width, depth, num_drafts, budget (0: off)
+                        (/set alone: every setting now and where it comes from; /set KEY: one)
                         (/set stop TEXT: one stop string; /set stop ["a", "b"]: several; [] none;
                         /set logit_bias 2=-100,13=5: token id = bias, {} none;
                         /set branching 3,2: factors per depth)
@@ -53,6 +54,15 @@ def _bias_table(value: str) -> dict[str, float]:
         return parse_logit_bias([entry for entry in value.replace(",", " ").split()], "/set logit_bias")
     except UsageError:
         raise ValueError(value) from None
+
+
+def _as_typed(value) -> str:
+    """A setting as /set takes it: a logit bias as 2=-inf,17=6, a list as 3,2 or a JSON list of strings."""
+    if isinstance(value, dict):
+        return ",".join(f"{token}={bias:g}" for token, bias in value.items()) or "{}"
+    if isinstance(value, list):
+        return json.dumps(value) if not value or isinstance(value[0], str) else ",".join(map(str, value))
+    return str(value)
 
 
 # what /set takes (the flags' names, runtime.FLAG_KEYS) -> how its text is read
@@ -96,8 +106,14 @@ class ChatSession:
             console.print(f"system prompt {'set' if arg else 'cleared'}")
         elif name == "set":
             key, _, value = arg.partition(" ")
-            if key not in SETTABLE or not value.strip():
-                raise RsdError(f"usage: /set {'|'.join(SETTABLE)} VALUE")
+            if key in ("", *SETTABLE) and not value.strip():  # what the settings are now, and where from
+                for shown in SETTABLE if not key else [key]:
+                    table, entry = FLAG_KEYS[shown]
+                    console.print(f"{shown} = {_as_typed(self.profile[table][entry])}  "
+                                  f"({self.profile.origins[table][entry]})", markup=False, highlight=False)
+                return True
+            if key not in SETTABLE:
+                raise RsdError(f"usage: /set {'|'.join(SETTABLE)} VALUE (/set alone: the settings now)")
             try:
                 typed = SETTABLE[key](value.strip())
             except ValueError:
@@ -114,9 +130,7 @@ class ChatSession:
                 self.profile.values[table][entry], self.profile.origins[table][entry] = before
                 raise
             what = f" · {shape.describe()}" if table == "decoding" else ""
-            if isinstance(typed, dict):  # (a logit bias, as it is typed)
-                typed = ",".join(f"{token}={bias:g}" for token, bias in typed.items()) or "{}"
-            console.print(f"{key} = {typed}{what}")
+            console.print(f"{key} = {_as_typed(typed)}{what}", markup=False, highlight=False)
         elif name == "stats":
             console.print(stats_line(self.last_stats) if self.last_stats else "no answer yet", highlight=False)
         elif name == "tree":

@@ -403,3 +403,21 @@ def test_tokenize_gives_the_ids_a_logit_bias_takes_and_the_prompts_length(tiny_p
     assert "o" in answer["text"] and "o" not in sampled(tiny_profile, "--ignore-eos", "--logit-bias", f"{o}=-inf")["text"]
     refused = CliRunner().invoke(app, ["tokenize", "x", "-p", str(tiny_profile), "-s", "be brief"])
     assert refused.exit_code == 2 and "--system applies with --chat" in refused.stderr
+
+
+def test_chat_set_alone_lists_every_setting_as_set_takes_it_and_where_it_comes_from(tiny_profile):
+    """`/set` alone: every setting /set takes, its value as /set would take it, and where it comes from
+    (the default, the profile, a flag, /set); `/set KEY`: that one."""
+    script = "/set logit_bias 2=-inf,17=6\n/set stop [\"a b\"]\n/set\n/set top_k\n"
+    result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile), "-t", "0.5"], input=script)
+    assert result.exit_code == 0, result.stderr
+    lines = result.stderr.split("you› ")
+    listing = next(part for part in lines if part.startswith("temperature = "))
+    from rsd_cli.chat import SETTABLE
+
+    assert [line.split(" = ")[0] for line in listing.strip().splitlines()] == list(SETTABLE)
+    for expected in ("temperature = 0.5  (flag --temperature)", "logit_bias = 2=-inf,17=6  (/set)",
+                     'stop = ["a b"]  (/set)', "branching = 2,2  (" + str(tiny_profile) + ")",
+                     "max_tokens = 12  (" + str(tiny_profile) + ")", "top_p = 1.0  (default)"):
+        assert expected in listing.splitlines(), expected
+    assert lines[-2].strip() == "top_k = 0  (default)"

@@ -68,7 +68,7 @@ def test_chat_sets_every_tree_setting_and_a_refused_one_changes_nothing(tiny_pro
     result = invoke("chat", "-p", tiny_profile, "-n", "5", "-t", "0", input=script)
     assert result.exit_code == 0, result.stderr
     assert "Traceback" not in result.stderr
-    for line in ["branching = [3, 2] · rsd-c b=(3,2)", "budget = 6 · rsd-c b=(1,1,1,1,1)",
+    for line in ["branching = 3,2 · rsd-c b=(3,2)", "budget = 6 · rsd-c b=(1,1,1,1,1)",
                  "budget = 0 · rsd-c b=(3,2)", "beam_width = 2 · rsd-s W=2 L=4", "depth = 3 · rsd-s W=2 L=3",
                  "num_drafts = 2 · spectr K=2 L=3", "variant = rsd-c · rsd-c b=(3,2)",
                  "error: branching factor 1000 is larger than the vocabulary (40 tokens)",
