@@ -181,50 +181,47 @@ def test_seeded_runs_repeat_and_greedy_variants_agree(cli, tiny_profile):
     assert text("-t", "0", "-v", "lookup", "--ngram", "1", "--draft-len", "6") == greedy
 
 
+def saved_windowed_pair(root, target_kind: str, draft_kind: str) -> tuple:
+    """A saved pair of tiny sliding-window models (tiny.tiny_windowed kinds, windows of 8): its
+    profile, a prompt longer than the window, and transformers' own 24 greedy tokens after it."""
+    import torch
+    from tiny import save_profiled_pair, tiny_tokenizer, tiny_windowed
+
+    tokenizer = tiny_tokenizer()
+    profile = save_profiled_pair(root, tiny_windowed(target_kind, len(tokenizer), 3, 0),
+                                 tiny_windowed(draft_kind, len(tokenizer), 1, 1))
+    prompt = "the cat sat on"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = tiny_windowed(target_kind, len(tokenizer), 3, 0).generate(
+            ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
+    return profile, prompt, expected.tolist()
+
+
 def test_a_sliding_window_pair_answers_with_its_targets_greedy_tokens_past_the_window(cli, tmp_path):
     """A saved Gemma 3-like pair (every layer but the last sees the last 8 positions; the target
     multimodal, as Gemma 3 4B and up, its sizes and window in its text config) gives, for every
     variant, transformers' own greedy answer to a prompt longer than the window: before, the
     forward past the window failed with a traceback, and the multimodal target did not load."""
-    import torch
-    from tiny import save_profiled_pair, tiny_tokenizer, tiny_windowed
-
-    tokenizer = tiny_tokenizer()
-    profile = save_profiled_pair(tmp_path, tiny_windowed("gemma3-vision", len(tokenizer), 3, 0),
-                                 tiny_windowed("gemma3", len(tokenizer), 1, 1))
-    prompt = "the cat sat on"
-    target = tiny_windowed("gemma3-vision", len(tokenizer), 3, 0)
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    with torch.no_grad():
-        expected = target.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
+    profile, prompt, expected = saved_windowed_pair(tmp_path, "gemma3-vision", "gemma3")
     for variant in ("ar", "sd", "rsd-c", "rsd-s"):
         result = cli("generate", prompt, "-p", profile, "--raw", "--json", "-n", "24", "-t", "0", "-v", variant,
                      input="")
         assert result.exit_code == 0, result.stderr
-        assert json.loads(result.stdout)["token_ids"] == expected.tolist(), variant
+        assert json.loads(result.stdout)["token_ids"] == expected, variant
 
 
 def test_a_mistral_pair_windowed_on_every_layer_runs_on_the_static_cache_runtime(cli, tmp_path):
     """A saved Mistral 7B v0.1-like pair (every layer sees the last 8 positions) runs on the
     static-cache runtime (before: transformers' eager forward), loaded without transformers'
     modeling code, and gives transformers' own greedy answer past the window for every variant."""
-    import torch
-    from tiny import save_profiled_pair, tiny_tokenizer, tiny_windowed
-
-    tokenizer = tiny_tokenizer()
-    profile = save_profiled_pair(tmp_path, tiny_windowed("mistral", len(tokenizer), 3, 0),
-                                 tiny_windowed("mistral", len(tokenizer), 1, 1))
-    prompt = "the cat sat on"
-    target = tiny_windowed("mistral", len(tokenizer), 3, 0)
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    with torch.no_grad():
-        expected = target.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
+    profile, prompt, expected = saved_windowed_pair(tmp_path, "mistral", "mistral")
     for variant, compile in (("ar", "auto"), ("sd", "auto"), ("rsd-c", "auto"), ("rsd-c", "off")):
         result = cli("generate", prompt, "-p", profile, "--raw", "--json", "-n", "24", "-t", "0", "-v", variant,
                      "--compile", compile, input="")
         assert result.exit_code == 0, result.stderr
         record = json.loads(result.stdout)
-        assert record["token_ids"] == expected.tolist(), variant
+        assert record["token_ids"] == expected, variant
         assert record["runtime"].startswith("static cache") == (compile == "auto"), record["runtime"]
 
 
