@@ -51,10 +51,11 @@ def penalise_presence(logits: torch.Tensor, counts: torch.Tensor, presence: floa
     return logits - presence * (counts > 0) - frequency * counts
 
 
-@functools.lru_cache(maxsize=16)
+@functools.cache
 def bias_vector(logit_bias: tuple[tuple[int, float], ...], vocab: int, device: torch.device) -> torch.Tensor:
-    """A logit bias as a (vocab,) float32 vector on the device, made once (a graph captured after a
-    first run reads the same tensor: step_graphs)."""
+    """A logit bias as a (vocab,) float32 vector on the device, made once and kept: a CUDA graph
+    captured after a first run reads this tensor's memory whenever it replays (step_graphs), so it
+    must never be freed and made again elsewhere."""
     vector = torch.zeros(vocab, dtype=torch.float32)
     for token, bias in logit_bias:
         vector[token] = bias
