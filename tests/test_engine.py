@@ -885,12 +885,14 @@ def test_presence_and_frequency_penalties_count_each_nodes_own_path_exactly(pair
 BIASED = SamplingParams(temperature=1.0, logit_bias=((0, -torch.inf), (3, 1.5), (4, -0.7)))  # (token 0 barred)
 
 
-@pytest.mark.parametrize("device_steps", [False, True], ids=["host", "device"])
-@pytest.mark.parametrize("shape", [make_shape("rsd-c", branching=(2, 2)), make_shape("sd", draft_len=2),
-                                   make_shape("rsd-s", beam_width=2, depth=2)], ids=lambda s: s.describe())
+@pytest.mark.parametrize("shape, device_steps", [
+    (make_shape("rsd-c", branching=(2, 2)), False), (make_shape("sd", draft_len=2), False),
+    (make_shape("rsd-s", beam_width=2, depth=2), False), (make_shape("sd", draft_len=2), True), (FAN, True),
+], ids=lambda value: value.describe() if isinstance(value, Shape) else "device" if value else "host")
 def test_a_logit_bias_is_exact_and_bars_tokens_biased_to_minus_infinity(pair, shape, device_steps):
     """The first two tokens follow the target distribution with the bias added to its logits, on the
-    host's maths and on the device's (sd chains and rsd-c fans): never a token biased to -inf."""
+    host's maths and on the device's (an sd chain, an rsd-c fan of root children): never a token
+    biased to -inf."""
     expected = exact_joint(pair[0], BIASED) * N_SAMPLES
     assert expected[0].sum() == 0 and expected[:, 0].sum() == 0
     assert not torch.allclose(expected, exact_joint(pair[0], SamplingParams(1.0)) * N_SAMPLES, atol=10)
