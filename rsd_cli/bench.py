@@ -54,40 +54,35 @@ def _padded_head(head, vocab_size: int):
     return PaddedHead()
 
 
-def _assisted(pair, ids: list[int], temperature: float, max_tokens: int, seed: int,
-              min_tokens: int = 0) -> tuple[int, float]:
+def _assisted(pair, ids: list[int], temperature: float, max_tokens: int, seed: int, **stopping) -> tuple[int, float]:
     """transformers' own assisted generation, same target, draft and sampling: (new tokens, seconds)."""
     head = pair.draft.get_output_embeddings()
     if head.weight.shape[0] >= pair.vocab_size:
-        return _assisted_run(pair, ids, temperature, max_tokens, seed, min_tokens)
+        return _hf_generate(pair, ids, temperature, max_tokens, seed, assistant_model=pair.draft, **stopping)
     pair.draft.lm_head = _padded_head(head, pair.vocab_size)  # a reduced head: same draft, logits padded
     try:
-        return _assisted_run(pair, ids, temperature, max_tokens, seed, min_tokens)
+        return _hf_generate(pair, ids, temperature, max_tokens, seed, assistant_model=pair.draft, **stopping)
     finally:
         pair.draft.lm_head = head
 
 
-def _assisted_run(pair, ids: list[int], temperature: float, max_tokens: int, seed: int,
-                  min_tokens: int = 0) -> tuple[int, float]:
-    return _hf_generate(pair, ids, temperature, max_tokens, seed, min_tokens, assistant_model=pair.draft)
-
-
-def _hf_static(pair, ids: list[int], temperature: float, max_tokens: int, seed: int,
-               min_tokens: int = 0) -> tuple[int, float]:
+def _hf_static(pair, ids: list[int], temperature: float, max_tokens: int, seed: int, **stopping) -> tuple[int, float]:
     """transformers' generate with a static cache (what a GPU user would pick; it compiles the
     forward on CUDA by itself), the target alone: (new tokens, seconds)."""
-    return _hf_generate(pair, ids, temperature, max_tokens, seed, min_tokens, cache_implementation="static")
+    return _hf_generate(pair, ids, temperature, max_tokens, seed, cache_implementation="static", **stopping)
 
 
 def _hf_generate(pair, ids: list[int], temperature: float, max_tokens: int, seed: int, min_tokens: int = 0,
-                 **options) -> tuple[int, float]:
+                 ends: frozenset = frozenset(), **options) -> tuple[int, float]:
     """transformers' generate on the target with rsd's sampling and stop tokens: (new tokens, seconds);
-    min_tokens: no end-of-sequence token before that many (transformers' min_new_tokens)."""
+    ends: the tokens that end an answer (the pair's end-of-sequence tokens where none are given);
+    min_tokens: none of them before that many (transformers' min_new_tokens)."""
     import torch
 
     from .models import input_device
 
     torch.manual_seed(seed)
+    ends = sorted(ends or pair.eos_ids)
     inputs = torch.tensor([ids], device=input_device(pair.target))
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
         dict(do_sample=False)
@@ -96,15 +91,15 @@ def _hf_generate(pair, ids: list[int], temperature: float, max_tokens: int, seed
     start = time.perf_counter()
     with torch.inference_mode():
         out = pair.target.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_tokens,
-                                   eos_token_id=sorted(pair.eos_ids), pad_token_id=sorted(pair.eos_ids)[0],
+                                   eos_token_id=ends, pad_token_id=sorted(pair.eos_ids or ends)[0],
                                    **sampling, **options)
     if inputs.device.type == "cuda":
         torch.cuda.synchronize(inputs.device)
     return out.shape[1] - inputs.shape[1], time.perf_counter() - start
 
 
-PEERS = {"hf-assisted": ("transformers assisted generation", lambda *args: _assisted(*args)),
-         "hf-static": ("transformers generate, static cache", lambda *args: _hf_static(*args))}
+PEERS = {"hf-assisted": ("transformers assisted generation", lambda *args, **stopping: _assisted(*args, **stopping)),
+         "hf-static": ("transformers generate, static cache", lambda *args, **stopping: _hf_static(*args, **stopping))}
 
 
 def plan_jobs(profile, variants: list[str], temperatures: list[float], budgets: list[int],
@@ -137,7 +132,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     -> engine.Runtimes), interleaved prompt by prompt, plus the peers asked for."""
     from .engine import Decoder, Runtimes
     from .models import input_device
-    from .runtime import sampling_of
+    from .runtime import ends_of, sampling_of
 
     compiles = compiles or [pair.runtimes.setting if pair.runtimes else "off"]
     runtimes = runtimes or {compiles[0]: pair.runtimes or Runtimes()}
@@ -151,12 +146,13 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     base = sampling_of(profile)  # (every row at its own temperature)
     stops = profile["sampling"]["stop"]  # completions end at them, as in generate (peers ignore them)
     min_tokens = base.min_tokens  # (peers too: no end-of-sequence token before it)
+    ends = frozenset(ends_of(pair, profile))  # (the stop tokens too, for the peers as for the rows)
     runs = repeats * len(encoded) * (len(jobs) + len(peers) * len(temperatures))
     done = 0
 
     def decoder_for(compile: str, setting: Setting, shape: Shape) -> Decoder:
         return Decoder(pair.target, pair.draft, pair.vocab_size, shape, replace(base, temperature=setting.temperature),
-                       pair.eos_ids, pair.context_length, runtimes[compile], pair.notice)
+                       set(ends), pair.context_length, runtimes[compile], pair.notice)
 
     def tick() -> None:
         nonlocal done
@@ -185,7 +181,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
                 try:
                     for ids in encoded[:2] if compiling else encoded[:1]:
                         PEERS[name][1](pair, ids, t, max_tokens if compiling else min(max_tokens, 8), seed,
-                                       min_tokens)
+                                       min_tokens=min_tokens, ends=ends)
                 except Exception as e:  # noqa: BLE001 - a peer's failure is reported, not raised
                     peer_errors.setdefault(name, f"{type(e).__name__}: {e}".splitlines()[0])
 
@@ -207,7 +203,8 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
                     if name in peer_errors:
                         break
                     try:
-                        n, seconds = PEERS[name][1](pair, ids, t, max_tokens, run_seed, min_tokens)
+                        n, seconds = PEERS[name][1](pair, ids, t, max_tokens, run_seed, min_tokens=min_tokens,
+                                                    ends=ends)
                     except Exception as e:  # noqa: BLE001
                         peer_errors[name] = f"{type(e).__name__}: {e}".splitlines()[0]
                         break

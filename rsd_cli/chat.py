@@ -23,11 +23,12 @@ HELP = """commands:
   /system TEXT          set the system prompt (empty TEXT clears it)
   /set KEY VALUE        KEY: temperature, top_p, top_k, min_p, repetition_penalty,
                         presence_penalty, frequency_penalty, logit_bias, min_tokens,
-                        max_tokens, seed, stop, variant, draft_len, ngram, branching,
+                        max_tokens, seed, stop, stop_token, variant, draft_len, ngram, branching,
                         beam_width, depth, num_drafts, budget (0: off)
                         (/set alone: every setting now and where it comes from; /set KEY: one)
                         (/set stop TEXT: one stop string; /set stop ["a", "b"]: several; [] none;
                         /set logit_bias 2=-100,13=5: token id = bias, {} none;
+                        /set stop_token 198,13: token ids that end the answer, [] none;
                         /set branching 3,2: factors per depth)
   /stats                statistics of the last answer
   /tree on|off          live view of the draft tree while answering
@@ -44,6 +45,13 @@ def _stop_list(value: str) -> list[str]:
     if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
         raise ValueError(value)
     return parsed
+
+
+def _token_list(value: str) -> list[int]:
+    """`/set stop_token 198,13` (or spaces between): token ids; [] clears them."""
+    if value.strip() == "[]":
+        return []
+    return [int(entry) for entry in value.replace(",", " ").split()]
 
 
 def _bias_table(value: str) -> dict[str, float]:
@@ -68,11 +76,12 @@ def _as_typed(value) -> str:
 # what /set takes (the flags' names, runtime.FLAG_KEYS) -> how its text is read
 SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
             "presence_penalty": float, "frequency_penalty": float, "logit_bias": _bias_table, "min_tokens": int,
-            "max_tokens": int, "seed": int, "stop": _stop_list,
+            "max_tokens": int, "seed": int, "stop": _stop_list, "stop_token": _token_list,
             "variant": str, "draft_len": int, "ngram": int, "branching": branching_factors, "beam_width": int,
             "depth": int, "num_drafts": int, "budget": int}
 EXPECTED = {float: "a number", int: "an integer", _stop_list: "a string or a JSON list of strings",
             branching_factors: "integers separated by commas, like 3,2,2",
+            _token_list: "token ids separated by commas, like 198,13 ([] for none)",
             _bias_table: "TOKEN_ID=BIAS entries separated by commas, like 2=-100,13=5 ({} for none)"}
 
 

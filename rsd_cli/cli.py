@@ -205,6 +205,9 @@ NumDraftsOpt = Annotated[Optional[int], typer.Option("--num-drafts", help="spect
 StopOpt = Annotated[Optional[list[str]], typer.Option(
     "--stop", help="End the answer at the first occurrence of TEXT (not printed); repeatable.",
     rich_help_panel=SAMPLING, show_default=False)]
+StopTokenOpt = Annotated[Optional[list[int]], typer.Option(
+    "--stop-token", help="End the answer at this token id too, as at an end-of-sequence token (its text kept "
+    "unless special; `rsd tokenize` gives ids); repeatable.", rich_help_panel=SAMPLING, show_default=False)]
 CompileOpt = Annotated[Optional[str], typer.Option(
     "--compile", help="auto, on or off: run the models on rsd's static-cache runtime compiled (on; CUDA graphs on a "
     "GPU), compiled where measured 20% faster on this machine (auto), or on transformers' eager forward (off).",
@@ -331,6 +334,7 @@ def generate(
     budget: BudgetOpt = None,
     compile: CompileOpt = None,
     stop: StopOpt = None,
+    stop_token: StopTokenOpt = None,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Independent completions (models load once).",
                                          rich_help_panel=OUTPUT)] = 1,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Answer every prompt of a file instead, in "
@@ -389,6 +393,7 @@ def chat(
     budget: BudgetOpt = None,
     compile: CompileOpt = None,
     stop: StopOpt = None,
+    stop_token: StopTokenOpt = None,
     tree: Annotated[bool, typer.Option("--tree/--no-tree", help="Live view of the draft tree while answering.",
                                        rich_help_panel=OUTPUT)] = False,
     load: Annotated[Optional[Path], typer.Option("--load", help="Resume a conversation written by /save "
@@ -438,6 +443,7 @@ def inspect_tree(
     budget: BudgetOpt = None,
     compile: CompileOpt = None,
     stop: StopOpt = None,
+    stop_token: StopTokenOpt = None,
 ):
     """Decode up to step N and show that step in full: every node with q, p, order and fate."""
     if fmt not in ("text", "json", "svg"):
@@ -466,7 +472,9 @@ def tokenize(
     if system is not None and not chat:
         raise UsageError("--system applies with --chat (the tokens of a prompt)")
     text = read_prompt(text)
-    tokenizer, eos = Loader().tokenizer(_load_profile(profile, {}))
+    prof = _load_profile(profile, {})
+    tokenizer, eos = Loader().tokenizer(prof)
+    eos |= set(prof["sampling"]["stop_tokens"])  # (what ends an answer with this profile)
     from .prompting import encode_prompt
 
     ids = encode_prompt(tokenizer, text, system) if chat else tokenizer.encode(text, add_special_tokens=False)
@@ -518,6 +526,7 @@ def bench(
                                             "with a static cache (the target alone; compiled by transformers on "
                                             "CUDA).")] = True,
     stop: StopOpt = None,
+    stop_token: StopTokenOpt = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Never end at an end-of-sequence token: every "
                                              "run, the peers' too, takes --max-tokens tokens (or ends at a stop "
                                              "string).")] = False,
@@ -550,7 +559,8 @@ def bench(
     from .prompting import builtin_prompts
 
     prompt_list = (_read_prompts(prompts) if prompts else builtin_prompts("eval"))[:limit]
-    prof = _load_profile(profile, {"beam_width": width, "compile": compiles[0] if compiles else None, "stop": stop})
+    prof = _load_profile(profile, {"beam_width": width, "compile": compiles[0] if compiles else None, "stop": stop,
+                                   "stop_token": stop_token})
     if ignore_eos:  # (bench's --max-tokens, not the profile's)
         prof.set("sampling", "min_tokens", max_tokens, "flag --ignore-eos")
     from .bench import results_table, run_bench, runtime_rss_mb, write_csv, write_plot

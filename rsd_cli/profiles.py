@@ -68,6 +68,10 @@ def _logit_bias(v) -> str | None:
     return None
 
 
+def _token_ids(v) -> str | None:
+    return "must list token ids (at least 0)" if any(token < 0 for token in v) else None
+
+
 def _stops(v) -> str | None:
     return "must not contain an empty string" if any(not text for text in v) else None
 
@@ -193,6 +197,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "max_tokens": Key(int, 256, _positive),
         "seed": Key(int, -1, None, "-1 draws a fresh seed"),
         "stop": Key(list, [], _stops, "end the answer at the first of these strings (not printed)", item=str),
+        "stop_tokens": Key(list, [], _token_ids, "end the answer at any of these token ids too, as at an "
+                           "end-of-sequence token (its text kept unless special)"),
     },
 }
 TOP_LEVEL_KEYS = {"description": str}

@@ -31,6 +31,7 @@ FLAG_KEYS = {
     "seed": ("sampling", "seed"),
     "compile": ("runtime", "compile"),
     "stop": ("sampling", "stop"),
+    "stop_token": ("sampling", "stop_tokens"),
 }
 
 
@@ -68,9 +69,9 @@ def apply_flags(profile: Profile, flags: dict[str, Any]) -> Profile:
     flags = dict(flags)
     ignore_eos = flags.pop("ignore_eos", False)
     for name, value in flags.items():
-        if value is None or name in ("stop", "logit_bias") and not value:  # a repeatable option not given is []
-            continue
-        if name == "stop":
+        if value is None or name in ("stop", "stop_token", "logit_bias") and not value:  # (a repeatable option
+            continue  # not given is [])
+        if name in ("stop", "stop_token"):
             value = list(value)
         if name == "logit_bias":
             value = parse_logit_bias(value)
@@ -124,6 +125,16 @@ def min_tokens_of(profile: Profile) -> int:
     return profile["sampling"]["min_tokens"]
 
 
+def ends_of(pair, profile: Profile) -> set[int]:
+    """The tokens that end an answer: the models' end-of-sequence tokens and the profile's stop tokens
+    (sampling.stop_tokens, --stop-token), which must be in the models' vocabulary."""
+    stops = profile["sampling"]["stop_tokens"]
+    beyond = [token for token in stops if token >= pair.vocab_size]
+    if beyond:
+        raise RsdError(f"stop token id {beyond[0]} is beyond the models' vocabulary ({pair.vocab_size} tokens)")
+    return set(pair.eos_ids) | set(stops)
+
+
 def seed_of(profile: Profile) -> int | None:
     seed = profile["sampling"]["seed"]
     return None if seed < 0 else seed
@@ -134,7 +145,7 @@ def make_decoder(pair, profile: Profile):
     from .engine import Decoder
 
     decoder = Decoder(pair.target, pair.draft, pair.vocab_size, shape_of(profile, pair.vocab_size),
-                      sampling_of(profile), pair.eos_ids, pair.context_length, pair.runtimes, pair.notice)
+                      sampling_of(profile), ends_of(pair, profile), pair.context_length, pair.runtimes, pair.notice)
     if not decoder.takes(decoder.shape.variant) and profile.origins["decoding"]["variant"] == "default":
         decoder.shape = make_shape("auto")  # the best of what these models run, where no variant was chosen (one
         # asked for is refused: Decoder.check_shape)

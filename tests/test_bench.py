@@ -264,3 +264,20 @@ def test_ignore_eos_gives_every_row_and_peer_the_same_number_of_tokens(tiny_prof
 
     assert min(new_tokens().values()) < 120
     assert new_tokens("--ignore-eos") == dict.fromkeys(["ar", "sd", "rsd-c", "hf-assisted", "hf-static"], 120)
+
+
+def test_stop_tokens_end_every_row_and_peer_alike(tiny_profile):
+    """--stop-token ends rsd's rows and transformers' peers at the same token: greedy, each takes the
+    tokens up to its first occurrence."""
+    from rsd_cli.prompting import builtin_prompts
+
+    prompt = builtin_prompts("eval")[0]
+    answer = CliRunner().invoke(app, ["generate", prompt, "-p", str(tiny_profile), "-t", "0", "-n", "20", "--json"],
+                                input="")
+    tokens = json.loads(answer.stdout)["token_ids"]
+    stop = tokens[3]
+    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--variants", "ar,sd", "--limit", "1", "-n",
+                                      "20", "--temperatures", "0", "--stop-token", str(stop), "--json"])
+    assert result.exit_code == 0, result.stderr
+    counts = {row["variant"]: row["new_tokens"] for row in json.loads(result.stdout)["results"]}
+    assert counts == dict.fromkeys(["ar", "sd", "hf-assisted", "hf-static"], tokens.index(stop) + 1)

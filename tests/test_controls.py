@@ -421,3 +421,35 @@ def test_chat_set_alone_lists_every_setting_as_set_takes_it_and_where_it_comes_f
                      "max_tokens = 12  (" + str(tiny_profile) + ")", "top_p = 1.0  (default)"):
         assert expected in listing.splitlines(), expected
     assert lines[-2].strip() == "top_k = 0  (default)"
+
+
+def test_stop_tokens_end_the_answer_as_its_end_of_sequence_token_does(tiny_profile, tmp_path):
+    """--stop-token ID (sampling.stop_tokens, /set stop_token) ends the answer at that token, kept
+    with its text as vLLM keeps a stop token that is not special; --min-tokens bars it as it bars
+    the end-of-sequence token; `rsd tokenize` lists it among the tokens that end an answer; an id
+    beyond the vocabulary is one line."""
+    def record(*extra, profile=tiny_profile):
+        result = CliRunner().invoke(app, ["generate", "the cat", "-p", str(profile), "-t", "0", "-v", "sd", "-n", "20",
+                                          "--json", *extra], input="")
+        assert result.exit_code == 0, result.stderr
+        return json.loads(result.stdout)
+
+    plain = record()["token_ids"]
+    stop = plain[1]
+    stopped = record("--stop-token", str(stop))
+    assert stopped["token_ids"] == plain[:2] and stopped["finish_reason"] == "eos"
+    assert stopped["text"] == record("-n", "2")["text"]  # (its text kept)
+    at_least = record("--stop-token", str(stop), "--min-tokens", "8")["token_ids"]
+    assert stop not in at_least[:8] and (len(at_least) == 20 or at_least.index(stop) == len(at_least) - 1)
+    profile = tmp_path / "stops.toml"
+    profile.write_text(tiny_profile.read_text() + f"stop_tokens = [{stop}]\n")
+    assert record(profile=profile)["token_ids"] == plain[:2]
+    listed = json.loads(CliRunner().invoke(app, ["tokenize", "x", "-p", str(profile), "--json"]).stdout)
+    assert stop in {entry["id"] for entry in listed["end_of_sequence"]}
+    chat = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile), "-t", "0", "-v", "sd", "-n", "20"],
+                              input=f"/set stop_token 40\n/set stop_token {stop}\nthe cat\n/set stop_token\n")
+    assert "stop token id 40 is beyond the models' vocabulary (40 tokens)" in chat.stderr
+    assert f"stop_token = {stop}  (/set)" in chat.stderr
+    beyond = CliRunner().invoke(app, ["generate", "hi", "-p", str(tiny_profile), "--stop-token", "40"], input="")
+    assert beyond.exit_code == 1 and beyond.stderr.strip() == \
+        "rsd: error: stop token id 40 is beyond the models' vocabulary (40 tokens)"
