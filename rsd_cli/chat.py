@@ -23,8 +23,8 @@ HELP = """commands:
   /system TEXT          set the system prompt (empty TEXT clears it)
   /set KEY VALUE        KEY: temperature, top_p, top_k, min_p, repetition_penalty,
                         presence_penalty, frequency_penalty, logit_bias, min_tokens,
-                        max_tokens, seed, stop, stop_token, variant, draft_len, ngram, branching,
-                        beam_width, depth, num_drafts, budget (0: off)
+                        max_tokens, seed, stop, stop_token, variant, draft_len, ngram,
+                        branching, beam_width, depth, num_drafts, budget (0: off)
                         (/set alone: every setting now and where it comes from; /set KEY: one)
                         (/set stop TEXT: one stop string; /set stop ["a", "b"]: several; [] none;
                         /set logit_bias 2=-100,13=5: token id = bias, {} none;
