@@ -43,7 +43,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .engine import ChainExtension, ForwardClock, full_vocabulary, lower_triangle, timed_chain, unchanged_prefix
+from .engine import (ChainExtension, ForwardClock, full_vocabulary, lower_triangle, timed_chain, unchanged_prefix,
+                     within_window)
 from .sampling import to_device
 from .step_graphs import cuda_capture
 from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, joined, native_head, native_table
@@ -795,8 +796,7 @@ class StaticLM(ChainExtension):
         if self.window is not None:  # (the keys within the window of each row's position)
             new = torch.tensor(positions)
             self.key_positions[self.length: self.length + n] = new
-            near = new[:, None] - self.key_positions[None, : self.length + n] < self.window
-            visible = visible & near
+            visible = visible & within_window(new, self.key_positions[: self.length + n], self.window)
         with torch.inference_mode():  # inputs made here as in warm_up: the compiled graphs' guards match
             mask = torch.full((size, kv_len), -math.inf, dtype=torch.float32, pin_memory=pinned)
             mask[:n, : self.length + n].masked_fill_(visible, 0.0)

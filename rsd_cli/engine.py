@@ -43,6 +43,12 @@ def probs_and_draw(sampling: SamplingParams, argmax: bool, logits: torch.Tensor,
     return probs, probs.argmax(-1) if argmax else inverse_cdf(probs, u)
 
 
+def within_window(positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """(n, keys) bool: which keys a sliding window of `window` positions lets each row see (as
+    transformers' sliding-window masks: a key less than `window` positions behind the row's)."""
+    return positions[:, None] - key_positions[None, :] < window
+
+
 def placed_mask(columns: torch.Tensor, limit: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """A static-shape forward's additive mask (n, capacity) made on the device: row r sees the
     cache's slots up to limit[r] and its own slot, slots[r]. columns: arange(capacity)."""
@@ -394,7 +400,7 @@ class CachedLM(ChainExtension):
               and torch.equal(visible, lower_triangle(n))):
             mask = None  # (a prompt at positions 0.. : ChainExtension.extend's, or prompts read together's first)
         elif self.window is not None:
-            near = (torch.tensor(positions)[:, None] - keys) < self.window  # (n, keys): within the window
+            near = within_window(torch.tensor(positions), keys, self.window)
             windowed = additive_mask(visible & near.to(visible.device), dtype, device)
             mask = {"full_attention": additive_mask(visible, dtype, device),
                     "sliding_attention": windowed} if self.masks_by_kind else windowed
@@ -862,6 +868,12 @@ class Decoder:
         return self.sampling.greedy and self.shape.rule is Rule.WITHOUT_REPLACEMENT  # auto's shapes too
 
     @property
+    def _ends(self) -> list[int]:
+        """The tokens that end an answer (eos_ids) which the models' vocabulary holds, ascending: what
+        min_tokens bars."""
+        return [token for token in sorted(self.eos_ids) if token < self.vocab_size]
+
+    @property
     def draft_sampling(self) -> SamplingParams:
         if self.greedy_ranking:  # (what bars or favours tokens still ranks the draft's candidates)
             return SamplingParams(logit_bias=self.sampling.logit_bias, min_tokens=self.sampling.min_tokens)
@@ -910,9 +922,8 @@ class Decoder:
         reading each node's context, so the steps that need none (on the device, queued ahead) stay
         open. (A tree's nodes past the answer's end are barred too; none of their tokens is emitted.)"""
         sampling = self.sampling
-        ends = [token for token in sorted(self.eos_ids) if token < self.vocab_size]
         if 0 < max_tokens <= sampling.min_tokens:
-            bias = {**dict(sampling.logit_bias), **dict.fromkeys(ends, -math.inf)}
+            bias = {**dict(sampling.logit_bias), **dict.fromkeys(self._ends, -math.inf)}
             self.sampling = replace(sampling, min_tokens=0, logit_bias=tuple(sorted(bias.items())))
         try:
             yield from steps
@@ -1752,7 +1763,7 @@ class Decoder:
             start = self.answer_from if answer_from is None else answer_from
             short = torch.tensor([len(seq) - start + len(path) - 1 < sampling.min_tokens for path in paths])
             ends = torch.zeros(self.vocab_size, dtype=torch.bool)
-            ends[[token for token in self.eos_ids if token < self.vocab_size]] = True
+            ends[self._ends] = True
             context["barred"] = (short[:, None] & ends[None, :]).to(device)
         return context
 
