@@ -1,13 +1,17 @@
-"""A model windowed on every layer (Mistral 7B v0.1's kind) on the static-cache runtime against
-transformers' eager forward: tokens per second of `rsd generate` with `--compile auto` and `off`,
-alternating, and whether both give the same greedy tokens.
+"""A sliding-window model on the static-cache runtime against transformers' eager forward: tokens
+per second of `rsd generate` with `--compile auto` and `off`, alternating, and whether both give
+the same greedy tokens.
 
-The model is the embedded target's shape (SmolLM2-135M: 30 layers, hidden 576, 9 heads, 3 key-value
-heads) as a Mistral with random float32 weights and a window of 64 positions, with the embedded
-model's tokenizer; the prompt and answer run well past the window. Random weights: the speeds say
-what the runtime costs, the tokens only that both runtimes agree.
+`--family mistral` (the default): a model windowed on every layer (Mistral 7B v0.1's kind), of the
+embedded target's shape (SmolLM2-135M: 30 layers, hidden 576, 9 heads, 3 key-value heads).
+`--family gemma3`: Gemma 3 270M's shape (18 layers, hidden 640, 4 heads of 256, 1 key-value head,
+five windowed layers to one of full attention, norms after attention and the MLP), with the
+embedded model's 49152-token vocabulary instead of its 262144. Random float32 weights, a window of
+64 positions, the embedded model's tokenizer; the prompt and answer run well past the window.
+Random weights: the speeds say what the runtime costs, the tokens only that both runtimes agree.
 
     .venv/bin/python benchmarks/windowed_runtime.py --rounds 2 -n 96
+    .venv/bin/python benchmarks/windowed_runtime.py --family gemma3 --rounds 2 -n 96
 """
 
 from __future__ import annotations
@@ -23,17 +27,24 @@ from pathlib import Path
 PROMPT = "Write a long story about a robot who learns to paint, with many details about colours and brushes."
 
 
-def make_model(folder: Path, window: int) -> Path:
+def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
     import torch
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
 
     from rsd_cli.models import resolve_source
 
     torch.manual_seed(0)
-    config = MistralConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                           num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                           sliding_window=window, tie_word_embeddings=True, rms_norm_eps=1e-5)
-    MistralForCausalLM(config).save_pretrained(folder / "target")
+    if family == "gemma3":
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            vocab_size=49152, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=256, max_position_embeddings=8192, sliding_window=window,
+            query_pre_attn_scalar=256, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    else:
+        model = MistralForCausalLM(MistralConfig(
+            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+            num_key_value_heads=3, max_position_embeddings=8192, sliding_window=window, tie_word_embeddings=True,
+            rms_norm_eps=1e-5))
+    model.save_pretrained(folder / "target")
     embedded = Path(resolve_source("embedded")[0])
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (embedded / name).exists():
@@ -56,9 +67,10 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=96)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--variants", default="ar,sd")
+    parser.add_argument("--family", choices=("mistral", "gemma3"), default="mistral")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        profile = make_model(Path(tmp), args.window)
+        profile = make_model(Path(tmp), args.window, args.family)
         for variant in args.variants.split(","):
             rates: dict[str, list[float]] = {"off": [], "auto": []}
             answers = {}

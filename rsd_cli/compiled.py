@@ -38,7 +38,7 @@ import contextlib
 import dataclasses
 import math
 import weakref
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -63,11 +63,55 @@ BUCKETS = (1, 2, 4, 8, 16)
 STATIC_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # scaled_dot_product_attention(enable_gqa=)
 # Llama-style decoders the tests cover: Llama itself; Qwen2 (biases on q, k and v: the layer takes
-# them); Mistral (Llama's layer); Qwen3 (an RMS norm on each head of q and k). A sliding window is
-# covered where every layer has it (Mistral 7B v0.1's 4096: the masks hide the keys it has passed,
-# StaticLM.forward), not where only some layers do (see `unsupported`).
-SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3")
+# them); Mistral (Llama's layer); Qwen3 (an RMS norm on each head of q and k); Gemma (norms that scale
+# by 1 + weight, a GELU MLP: `Style`) and Gemma 3's text decoder (Gemma 1B and 270M: norms after
+# attention and the MLP too, q and k normed per head, a rotary table and a window per layer kind).
+# A sliding window is in the masks (StaticLM.forward hides the keys it has passed): one mask where
+# every layer has it (Mistral 7B v0.1's 4096), one per layer kind where some layers do (Gemma 3's
+# five of six, Qwen2's past `max_window_layers`).
+SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma3_text")
 ROPE_TYPES = ("default", "linear", "llama3")  # rotary tables that depend on the position alone
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP's gate: SiLU (Llama), GELU tanh-approximated or exact
+
+
+class Style(NamedTuple):
+    """How a family's decoder layers differ from Llama's: what decoder_layer branches on (constants
+    in its compiled graphs)."""
+
+    gemma_norms: bool = False  # RMS norms scale by 1 + weight, in float32 before the cast to the model's dtype
+    sandwich: bool = False  # norms after attention and after the MLP too (Gemma 2 and 3)
+    activation: str = "silu"  # the MLP gate's (ACTIVATIONS)
+
+
+def decoder_of(model) -> tuple:
+    """(the module holding the text decoder's layers, embedding, final norm and rotary tables, its
+    config): the model's own `model`, or a multimodal model's `language_model`, read for its text
+    (Gemma 3 4B and up, whose output head is the model's `lm_head` as a text model's)."""
+    inner = getattr(model, "model", None)
+    language = getattr(inner, "language_model", None)
+    get = getattr(model.config, "get_text_config", None)
+    if language is not None and hasattr(language, "layers") and callable(get):
+        return language, get(decoder=True)
+    return inner, model.config
+
+
+def style_of(model) -> Style:
+    inner, cfg = decoder_of(model)
+    layer = inner.layers[0]
+    return Style(cfg.model_type.startswith("gemma"), hasattr(layer, "pre_feedforward_layernorm"), activation_of(cfg))
+
+
+def activation_of(cfg) -> str:
+    """The MLP's activation as transformers' config names it (Gemma 3: `hidden_activation`)."""
+    return getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+
+
+def layer_kinds(cfg, count: int) -> list[str]:
+    """Each of the first `count` layers' attention kind ("full_attention", "sliding_attention")."""
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return list(types[:count])
+    return ["sliding_attention" if sliding_window(cfg) else "full_attention"] * count
 
 
 def bucket(n: int, sizes: tuple[int, ...] = BUCKETS) -> int | None:
@@ -77,19 +121,18 @@ def bucket(n: int, sizes: tuple[int, ...] = BUCKETS) -> int | None:
 
 def unsupported(model) -> str | None:
     """Why this model cannot run on the static-cache runtime, or None when it can."""
-    cfg = model.config
+    inner, cfg = decoder_of(model)
     if cfg.model_type not in SUPPORTED_TYPES:
         return f"a {cfg.model_type} model (the static-cache runtime covers {', '.join(SUPPORTED_TYPES)})"
-    inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(model, "lm_head") or not hasattr(inner, "rotary_emb"):
         return f"{type(model).__name__} is not laid out as a Llama-style decoder"
-    if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "mlp_bias", False):
+    if activation_of(cfg) not in ACTIVATIONS or getattr(cfg, "mlp_bias", False) \
+            or getattr(cfg, "attn_logit_softcapping", None) or getattr(cfg, "use_bidirectional_attention", False):
         return f"{type(model).__name__}'s layers differ from Llama's"
-    if getattr(inner.rotary_emb, "rope_type", "default") not in ROPE_TYPES:
-        return f"rope type {inner.rotary_emb.rope_type!r}"
-    if sliding_window(cfg) and window_of(cfg) is None:
-        return "sliding-window attention on some layers only"
+    rope = getattr(inner.rotary_emb, "rope_type", "default")  # (Gemma 3: one per layer kind)
+    if any(kind not in ROPE_TYPES for kind in (rope.values() if isinstance(rope, dict) else [rope])):
+        return f"rope type {rope!r}"
     placement = getattr(model, "hf_device_map", None) or {}
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1 or len(set(placement.values())) > 1:
@@ -140,18 +183,39 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sm
     return F.linear(x, weight, bias)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
+    """Llama's RMS norm (the weight times the normed x cast to x's dtype), or with `gemma` Gemma's: the
+    normed x times a float32 weight that already holds 1 + the module's (norm_weight), then cast."""
+    dtype, x = x.dtype, x.float()
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight).to(dtype) if gemma else weight * normed.to(dtype)
+
+
+def _eps(norm) -> float:
+    """An RMS norm module's epsilon (Llama's `variance_epsilon`, Gemma's `eps`)."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return norm.eps if eps is None else eps
+
+
+def norm_weight(weight: torch.Tensor, style: Style) -> torch.Tensor:
+    """What _rms_norm takes for a norm module's weight: the weight, or for Gemma 1 + it in float32
+    (computed once: the values Gemma's norm computes at every call)."""
+    weight = weight.detach()
+    return 1.0 + weight.float() if style.gemma_norms else weight
+
+
+def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
+    if name == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if name == "gelu_pytorch_tanh" else "none")
 
 
 def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple, dims: tuple,
                   slots: torch.Tensor | None = None, fused: tuple = (None, None),
-                  sight: Sight | None = None) -> torch.Tensor:
-    """One Llama decoder layer on n new tokens. x (n, hidden); cos, sin (n, head_dim); mask (n, kv_len)
-    additive, the new tokens at slots kv_len - n .. kv_len - 1 of keys, values (kv_heads, capacity,
-    head_dim), written in place. With `slots` (n,) (static shapes, what a CUDA graph replays) the
+                  sight: Sight | None = None, style: Style = Style()) -> torch.Tensor:
+    """One Llama decoder layer on n new tokens (or one of a family `style` describes: Gemma's).
+    x (n, hidden); cos, sin (n, head_dim); mask (n, kv_len) additive, the new tokens at slots
+    kv_len - n .. kv_len - 1 of keys, values (kv_heads, capacity, head_dim), written in place. With `slots` (n,) (static shapes, what a CUDA graph replays) the
     new tokens go to those slots and the mask covers the whole capacity: no size depends on the
     cache's length. `weights` are the layer's tensors, `small` the CPU kernels of its
     linears (small_batch.kernels_of), dims = (heads, kv_heads, head_dim, scaling, eps). Every layer of a model (and
@@ -160,14 +224,18 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     one call of the blocks kernel instead of three or two, the same arithmetic for every output. On a
     GPU wk, wv and wu are None: wq holds q, k and v's weights stacked and wg gate and up's
     (stack_projections), one product instead of three and one instead of two. `sight` (see Sight):
-    the keys attention reads and how, where fewer than all of them or plainly causal."""
-    ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd, q_norm, k_norm = weights
+    the keys attention reads and how, where fewer than all of them or plainly causal. Norms' weights
+    are norm_weight's; `after_attention` and `after_mlp` (Gemma 2 and 3's norms of each block's
+    output before it joins the residual) are None for Llama, whose `ln2` is before the MLP as Gemma's
+    `pre_feedforward_layernorm` is."""
+    ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd, q_norm, k_norm, after_attention, after_mlp = weights
+    gemma = style.gemma_norms
     heads, kv_heads, head_dim, scaling, eps = dims
     n, kv_len = x.shape[0], mask.shape[1]
     # stacked blocks where the blocks kernel serves this many rows (prompts: where it measured faster)
     on_blocks = n <= MAX_ROWS or small[0][0][2] == "blocks"
     fused = fused if on_blocks and not torch.compiler.is_compiling() else (None, None)
-    h = _rms_norm(x, ln1, eps)
+    h = _rms_norm(x, ln1, eps, gemma)
     widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
     if wk is None:  # (stacked float weights)
         q, k, v = F.linear(h, wq).split(widths, -1)
@@ -178,8 +246,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     else:
         q, k, v = _linear(h, wq, bq, small[0]), _linear(h, wk, bk, small[1]), _linear(h, wv, bv, small[2])
     q, k = q.view(n, heads, head_dim), k.view(n, kv_heads, head_dim)
-    if q_norm is not None:  # Qwen3: each head of q and k RMS-normed before the rotation
-        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
+    if q_norm is not None:  # Qwen3, Gemma 3: each head of q and k RMS-normed before the rotation
+        q, k = _rms_norm(q, q_norm, eps, gemma), _rms_norm(k, k_norm, eps, gemma)
     q, k = q.transpose(0, 1), k.transpose(0, 1)  # (H, n, hd), (KVH, n, hd)
     v = v.view(n, kv_heads, head_dim).transpose(0, 1)
     q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
@@ -207,15 +275,17 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
         mask = mask if sight is None else sight.mask
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None].to(q.dtype),
                                              scale=scaling, **grouped)[0]
-    x = x + _linear(out.transpose(0, 1).reshape(n, heads * head_dim), wo, bo, small[3])
-    h = _rms_norm(x, ln2, eps)
+    attended = _linear(out.transpose(0, 1).reshape(n, heads * head_dim), wo, bo, small[3])
+    x = x + (attended if after_attention is None else _rms_norm(attended, after_attention, eps, gemma))
+    h = _rms_norm(x, ln2, eps, gemma)
     if wu is None:  # (stacked float weights)
         gate, up = F.linear(h, wg).chunk(2, -1)
     elif fused[1] is not None:
         gate, up = blocks_linear(h, fused[1]).chunk(2, -1)
     else:
         gate, up = _linear(h, wg, None, small[4]), _linear(h, wu, None, small[5])
-    return x + _linear(F.silu(gate) * up, wd, None, small[6])
+    mlp = _linear(_activation(gate, style.activation) * up, wd, None, small[6])
+    return x + (mlp if after_mlp is None else _rms_norm(mlp, after_mlp, eps, gemma))
 
 
 def _native_layer(layer, fused: tuple, fuse: bool):
@@ -349,9 +419,13 @@ def fused_blocks(linears, biased: bool = False, held: bool = False) -> torch.Ten
     return torch.cat(found) if flat is None else flat.view(found[0].dtype).view(-1, *found[0].shape[1:])
 
 
-def final_logits(x, norm, eps: float, head, small: tuple) -> torch.Tensor:
-    """(m, hidden) -> (m, rows of the head) logits: the final norm and the output head."""
-    return _linear(_rms_norm(x, norm, eps), head, None, small)
+def final_logits(x, norm, eps: float, head, small: tuple, gemma: bool = False,
+                 softcap: float | None = None) -> torch.Tensor:
+    """(m, hidden) -> (m, rows of the head) logits: the final norm (a norm_weight) and the output head,
+    the logits then soft-capped to (-softcap, softcap) where the model says (Gemma 2 and 3's
+    `final_logit_softcapping`)."""
+    logits = _linear(_rms_norm(x, norm, eps, gemma), head, None, small)
+    return logits if not softcap else torch.tanh(logits / softcap) * softcap
 
 
 class CompiledModel:
@@ -372,11 +446,11 @@ class CompiledModel:
         self.model = model
         self.compiled = compile
         self.notice = notice  # one line for the user (a CUDA graph that cannot be captured)
-        cfg = model.config
-        inner = model.model
+        self.inner, cfg = inner, _ = decoder_of(model)
         attn = inner.layers[0].self_attn
         self.dims = (cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim, attn.scaling,
-                     inner.layers[0].input_layernorm.variance_epsilon)
+                     _eps(inner.layers[0].input_layernorm))
+        self.style = style = style_of(model)
         self.layers = []
         fuse = _room_to_fuse(inner.layers)
         if stack is None:  # q/k/v's and gate/up's weights stacked (stack_projections): on a GPU
@@ -385,10 +459,17 @@ class CompiledModel:
             a, m = layer.self_attn, layer.mlp
             stacks = stack_projections(layer) if stack else None  # (before the views of weights below)
             linears = projections(layer)
-            weights = (layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
+            # (Gemma 2 and 3 call the norm after attention `post_attention_layernorm`, Llama its norm before the MLP)
+            norms = ((layer.input_layernorm, layer.pre_feedforward_layernorm, layer.post_attention_layernorm,
+                      layer.post_feedforward_layernorm) if style.sandwich else
+                     (layer.input_layernorm, layer.post_attention_layernorm, None, None))
+            ln1, ln2, after_attention, after_mlp = (None if norm is None else norm_weight(norm.weight, style)
+                                                    for norm in norms)
+            head_norms = tuple(None if w is None else norm_weight(w, style) for w in _head_norms(a))
+            weights = (ln1, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
                        a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, a.o_proj.bias,
-                       layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
-                       *_head_norms(a))
+                       ln2, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
+                       *head_norms, after_attention, after_mlp)
             if stacks is not None:  # q's weight slot holds q/k/v's stack, gate's gate/up's; k, v and up: None
                 weights = (weights[0], stacks[0], weights[2], None, weights[4], None, *weights[6:10], stacks[1], None,
                            *weights[12:])
@@ -399,22 +480,38 @@ class CompiledModel:
                                 (fused_blocks(linears[:3], biased=True), fused_blocks(linears[4:6])) if fuse
                                 else (None, None)))
         self.head_small = self._kernels(model.lm_head)
-        # layers on quantised blocks run in the blocks library (uncompiled CPU path): all of a forward's
-        # layers in one call where every layer can, then the final norm and head in one more
-        native = [_native_layer(layer, fused, fuse) for layer, (_, _, fused) in zip(inner.layers, self.layers)]
-        self.native = native if any(native) else None
-        self.prompts_in_c = _blocks_for_prompts(inner.layers)
         self._table: tuple = (None, None)  # (native list, its native_table): every layer in one call
         self.intermediate = cfg.intermediate_size
-        self.norm_eps = inner.norm.variance_epsilon
+        self.norm_eps = _eps(inner.norm)
+        self.final_norm = norm_weight(inner.norm.weight, style)
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.device = inner.embed_tokens.weight.device
         self.dtype = inner.embed_tokens.weight.dtype
         self.context = getattr(cfg, "max_position_embeddings", 4096)
-        self.window = window_of(cfg)  # every layer's sliding window (StaticLM's masks), or None
-        with torch.inference_mode():  # rotary tables for every position, computed once
+        # the sliding window (StaticLM's masks), or None; `by_kind`: each layer's mask, 0 for the
+        # full-attention layers' and 1 for the windowed ones' (a mask for each: (2, n, kv_len)), where
+        # only some layers have the window
+        kinds = layer_kinds(cfg, len(inner.layers))
+        self.window = cfg.sliding_window if sliding_window(cfg) else None
+        self.by_kind = [int(kind == "sliding_attention") for kind in kinds] \
+            if self.window is not None and window_of(cfg) is None else None
+        with torch.inference_mode():  # rotary tables for every position, computed once (Gemma 3: one per layer kind)
             positions = torch.arange(self.context, device=self.device)[None]
-            cos, sin = inner.rotary_emb(torch.zeros(1, dtype=self.dtype, device=self.device), positions)
-        self.cos, self.sin = cos[0], sin[0]  # (context, head_dim)
+            x = torch.zeros(1, dtype=self.dtype, device=self.device)
+            rotary = inner.rotary_emb
+            tables = {kind: rotary(x, positions, kind) for kind in dict.fromkeys(kinds)} \
+                if getattr(rotary, "layer_types", None) else {kind: rotary(x, positions) for kind in kinds[:1]}
+        self.tables = [(cos[0], sin[0]) for cos, sin in tables.values()]  # (context, head_dim) each
+        self.table_of = [list(tables).index(kind) if len(tables) > 1 else 0 for kind in kinds]  # [layer]
+        self.cos, self.sin = self.tables[0]  # (the only table where the C library runs the layers)
+        # layers on quantised blocks run in the blocks library (uncompiled CPU path): all of a forward's
+        # layers in one call where every layer can, then the final norm and head in one more (Llama's
+        # layers, on one rotary table and one mask)
+        in_c = style == Style() and len(self.tables) == 1 and self.by_kind is None
+        native = [_native_layer(layer, fused, fuse) if in_c else None
+                  for layer, (_, _, fused) in zip(inner.layers, self.layers)]
+        self.native = native if any(native) else None
+        self.prompts_in_c = _blocks_for_prompts(inner.layers)
         self.graphs: set[int] = set()  # token counts compiled so far
         self.graphed = compile and self.device.type == "cuda"  # CUDA graphs of the whole forward
         self.static_shapes = self.graphed if static_shapes is None else static_shapes
@@ -495,9 +592,10 @@ class CompiledModel:
     def replay(self, ids: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                rows: slice = slice(None), tokens: torch.Tensor | None = None) -> torch.Tensor:
         """A static-shape forward: float32 logits of these rows, a tensor of their own. ids (3, n):
-        the tokens, their positions and the slots their keys go to; mask (n, capacity); both on the
-        host or the device (page-locked host memory is copied in without waiting); tokens (k,), k <=
-        n, on the device: the first k tokens instead of ids' first row (drawn there: no value read).
+        the tokens, their positions and the slots their keys go to; mask (n, capacity) (by_kind: (2,
+        n, capacity)); both on the host or the device (page-locked host memory is copied in without
+        waiting); tokens (k,), k <= n, on the device: the first k tokens instead of ids' first row
+        (drawn there: no value read).
         Graphed: the CUDA graph captured for this token count and these buffers (at its first use),
         fed by copying the inputs into its own — ids in one copy, the mask in another, device tokens
         in a third; otherwise a plain call."""
@@ -556,7 +654,8 @@ class CompiledModel:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor | None = None,
                 sight: Callable[[], Sight | None] | None = None) -> torch.Tensor:
-        """tokens, positions (n,); mask (n, kv_len) additive, the new tokens at slots kv_len - n ..
+        """tokens, positions (n,); mask (n, kv_len) additive (or (2, n, kv_len): the full-attention layers'
+        and the windowed ones', where only some layers have a window: by_kind), the new tokens at slots kv_len - n ..
         kv_len - 1 (or at `slots`, the mask then over the whole capacity); keys, values (layers,
         kv_heads, capacity, head_dim), written in place; rows (m,) which outputs to return. Returns
         (m, rows of the head) logits. Sizes in BUCKETS run the compiled graphs (the used length and
@@ -567,12 +666,16 @@ class CompiledModel:
         # prompts (more than MAX_ROWS tokens) in C only where rsd's kernel measured faster for them
         prompt_on_torch = not compiled and slots is None and tokens.shape[0] > MAX_ROWS and not self.prompts_in_c
         native = self.native if not compiled and slots is None and not prompt_on_torch else None
+        # each layer's mask: the one mask, or its kind's of the two (full attention's, the window's)
+        masks = [mask] if self.by_kind is None else list(mask)
         if compiled:
-            torch._dynamo.maybe_mark_dynamic(mask, 1)
-        x = self.model.model.embed_tokens(tokens)  # (n, hidden)
+            for kind_mask in masks:
+                torch._dynamo.maybe_mark_dynamic(kind_mask, 1)
+        x = self.inner.embed_tokens(tokens)  # (n, hidden; Gemma's embedding scales it)
         # (a tree's rows past the context's end read its last rotary angle: their tokens are never emitted)
         positions = positions.clamp(max=self.context - 1)
-        cos, sin = self.cos[positions], self.sin[positions]
+        angles = [(cos[positions], sin[positions]) for cos, sin in self.tables]  # each table's (n, head_dim)
+        cos, sin = angles[0]
         # every layer in one call of the C library where each can run there, else layer by layer
         in_c = native is not None and all(native) and keys.is_contiguous() and values.is_contiguous()
         head = blocks_of(self.model.lm_head)
@@ -588,10 +691,10 @@ class CompiledModel:
             """the final norm and head on the last layer's output y (in C where the head is on blocks), on
             `threads` threads (None: torch's)"""
             if head_in_c:
-                return native_head(y, rows, self.model.model.norm.weight, self.norm_eps, head, threads=threads)
+                return native_head(y, rows, self.inner.norm.weight, self.norm_eps, head, threads=threads)
             with on_threads(threads) if threads else contextlib.nullcontext():
-                return final_logits(y[rows], self.model.model.norm.weight, self.norm_eps, self.model.lm_head.weight,
-                                    self.head_small)
+                return final_logits(y[rows], self.final_norm, self.norm_eps, self.model.lm_head.weight,
+                                    self.head_small, self.style.gemma_norms, self.softcap)
 
         if in_c:
             def in_the_library(threads: int) -> torch.Tensor:
@@ -616,14 +719,16 @@ class CompiledModel:
                     y = run.layer(native[index], y, keys[index], values[index])
                     continue
                 layer_keys, layer_values = keys[index], values[index]
+                layer_cos, layer_sin = angles[self.table_of[index]]
+                layer_mask = masks[0 if self.by_kind is None else self.by_kind[index]]
                 if graphs:
                     torch._dynamo.maybe_mark_dynamic(layer_keys, 1)
                     torch._dynamo.maybe_mark_dynamic(layer_values, 1)
-                    y = self._layer(y, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims, slots,
-                                    fused)
+                    y = self._layer(y, layer_cos, layer_sin, layer_mask, layer_keys, layer_values, weights, small,
+                                    self.dims, slots, fused, None, self.style)
                 else:
-                    y = decoder_layer(y, cos, sin, mask, layer_keys, layer_values, weights, small, self.dims, slots,
-                                      fused, reads)
+                    y = decoder_layer(y, layer_cos, layer_sin, layer_mask, layer_keys, layer_values, weights, small,
+                                      self.dims, slots, fused, reads, self.style)
             return logits(y)
 
         # on a CPU on the threads the governor chooses
@@ -793,16 +898,22 @@ class StaticLM(ChainExtension):
         # a graph's inputs are made on the host in page-locked memory, which its replay copies in
         # without waiting for the device (a plain copy to a GPU waits for all the work queued before it)
         pinned = static and self.compiled.graphed and device.type == "cuda"
+        by_kind = self.compiled.by_kind is not None  # (a mask for full attention's layers, one for the window's)
+        seen = [visible]  # what each mask lets the new tokens see
         if self.window is not None:  # (the keys within the window of each row's position)
             new = torch.tensor(positions)
             self.key_positions[self.length: self.length + n] = new
-            visible = visible & within_window(new, self.key_positions[: self.length + n], self.window)
+            seen.append(visible & within_window(new, self.key_positions[: self.length + n], self.window))
+            seen = seen if by_kind else seen[1:]
+            visible = seen[-1]
         with torch.inference_mode():  # inputs made here as in warm_up: the compiled graphs' guards match
-            mask = torch.full((size, kv_len), -math.inf, dtype=torch.float32, pin_memory=pinned)
-            mask[:n, : self.length + n].masked_fill_(visible, 0.0)
+            mask = torch.full((len(seen), size, kv_len), -math.inf, dtype=torch.float32, pin_memory=pinned)
+            for kind_mask, kind_seen in zip(mask, seen):
+                kind_mask[:n, : self.length + n].masked_fill_(kind_seen, 0.0)
             if pad:  # padding rows see only themselves; their keys land beyond the used length
-                mask[n:, self.length + n: self.length + size] = torch.where(torch.eye(pad, dtype=torch.bool), 0.0,
-                                                                            -math.inf)
+                mask[:, n:, self.length + n: self.length + size] = torch.where(torch.eye(pad, dtype=torch.bool), 0.0,
+                                                                               -math.inf)
+            mask = mask if by_kind else mask[0]  # (n, kv_len), or (2, n, kv_len) by layer kind
             on_device = isinstance(tokens, torch.Tensor)
             ids = [[0] * size if on_device else tokens + [0] * pad, positions + [positions[-1]] * pad]
             if static:  # (tokens, positions, slots): one host tensor, device tokens beside it
@@ -817,7 +928,7 @@ class StaticLM(ChainExtension):
 
                 def sight() -> Sight | None:
                     """what torch's attention reads, where less than every key through the mask (a prompt's)"""
-                    found = sight_of(visible, mask) if n > 1 and not pad else None
+                    found = sight_of(visible, mask) if n > 1 and not pad and not by_kind else None
                     if found is None:
                         return None
                     return Sight(*(t if t is None else t.to(device) for t in (found.keys, found.mask)))
@@ -896,6 +1007,7 @@ def warm_up(runtime: CompiledModel, sizes=WARM_SIZES) -> None:
             tokens = torch.zeros(n, dtype=torch.long, device=runtime.device)
             # static shapes (what CUDA graphs capture): the new keys at slots, the mask over the capacity
             mask = torch.zeros(n, keys.shape[2] if runtime.static_shapes else past + n, device=runtime.device)
+            mask = mask if runtime.by_kind is None else mask.expand(2, -1, -1).clone()
             slots = torch.arange(past, past + n, device=runtime.device) if runtime.static_shapes else None
             runtime.forward(tokens, tokens, mask, keys, values, torch.arange(n, device=runtime.device), slots)
 
@@ -912,9 +1024,10 @@ def compiled_gain(model) -> float:
 def _compiled_gain(model) -> float:
     eager, compiled = CompiledModel(model, compile=False), CompiledModel(model, compile=True)
     warm_up(compiled, (1, 4))  # (on a GPU each size's graph is then captured at its first timed run)
-    caches = {runtime: StaticLM(runtime, model.config.vocab_size, 128) for runtime in (compiled, eager)}
+    vocab = decoder_of(model)[1].vocab_size
+    caches = {runtime: StaticLM(runtime, vocab, 128) for runtime in (compiled, eager)}
     for lm in caches.values():
-        lm.extend([i % model.config.vocab_size for i in range(100)])  # (ids the embedding has: on a GPU
+        lm.extend([i % vocab for i in range(100)])  # (ids the embedding has: on a GPU
         # an id past it is a device-side assert, which leaves the process's CUDA context unusable)
     best = {runtime: [math.inf, math.inf] for runtime in (compiled, eager)}
     for _ in range(VERDICT_REPEATS + 1):
@@ -936,7 +1049,7 @@ def verdict_key(model) -> str:
     """What the verdict depends on: the machine, device, dtype, the layer's shape and the CPU kernels
     its linears use (an early-exit draft shares its target's layers; the layer count does not enter:
     layers run one compiled graph each)."""
-    cfg = model.config
+    inner, cfg = decoder_of(model)
     p = next(model.parameters())
 
     def size(name: str):  # (what a config does not name, as GPT-2's or BLOOM's intermediate size: None)
@@ -945,7 +1058,7 @@ def verdict_key(model) -> str:
     key = (f"{machine()} | {p.device.type} | {str(p.dtype).removeprefix('torch.')} | {cfg.model_type} "
            f"{size('hidden_size')}x{size('intermediate_size')} {size('num_attention_heads')}/"
            f"{size('num_key_value_heads')} heads")
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    layers = getattr(inner, "layers", None)
     return f"{key} | kernels {signature(layers[0])}" if layers else key
 
 

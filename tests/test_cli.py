@@ -201,21 +201,25 @@ def saved_windowed_pair(root, target_kind: str, draft_kind: str) -> tuple:
 def test_a_sliding_window_pair_answers_with_its_targets_greedy_tokens_past_the_window(cli, tmp_path):
     """A saved Gemma 3-like pair (every layer but the last sees the last 8 positions; the target
     multimodal, as Gemma 3 4B and up, its sizes and window in its text config) gives, for every
-    variant, transformers' own greedy answer to a prompt longer than the window: before, the
-    forward past the window failed with a traceback, and the multimodal target did not load."""
+    variant, on transformers' forward and on the static-cache runtime (its text decoder read there),
+    transformers' own greedy answer to a prompt longer than the window: before, the forward past
+    the window failed with a traceback, and the multimodal target did not load."""
     profile, prompt, expected = saved_windowed_pair(tmp_path, "gemma3-vision", "gemma3")
-    for variant in ("ar", "sd", "rsd-c", "rsd-s"):
+    for variant, compile in (("ar", "off"), ("sd", "auto"), ("rsd-c", "auto"), ("rsd-c", "off"), ("rsd-s", "auto")):
         result = cli("generate", prompt, "-p", profile, "--raw", "--json", "-n", "24", "-t", "0", "-v", variant,
-                     input="")
+                     "--compile", compile, input="")
         assert result.exit_code == 0, result.stderr
-        assert json.loads(result.stdout)["token_ids"] == expected, variant
+        record = json.loads(result.stdout)
+        assert record["token_ids"] == expected, (variant, compile)
+        assert record["runtime"].startswith("static cache") == (compile == "auto"), record["runtime"]
 
 
-def test_a_mistral_pair_windowed_on_every_layer_runs_on_the_static_cache_runtime(cli, tmp_path):
-    """A saved Mistral 7B v0.1-like pair (every layer sees the last 8 positions) runs on the
-    static-cache runtime (before: transformers' eager forward), loaded without transformers'
-    modeling code, and gives transformers' own greedy answer past the window for every variant."""
-    profile, prompt, expected = saved_windowed_pair(tmp_path, "mistral", "mistral")
+@pytest.mark.parametrize("kind", ["mistral", "gemma3"])
+def test_a_sliding_window_pair_runs_on_the_static_cache_runtime(cli, tmp_path, kind):
+    """A saved Mistral 7B v0.1-like pair (every layer sees the last 8 positions), or a Gemma 3 one
+    (every layer but the last), runs on the static-cache runtime (before: transformers' eager
+    forward) and gives transformers' own greedy answer past the window for every variant."""
+    profile, prompt, expected = saved_windowed_pair(tmp_path, kind, kind)
     for variant, compile in (("ar", "auto"), ("sd", "auto"), ("rsd-c", "auto"), ("rsd-c", "off")):
         result = cli("generate", prompt, "-p", profile, "--raw", "--json", "-n", "24", "-t", "0", "-v", variant,
                      "--compile", compile, input="")

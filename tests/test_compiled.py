@@ -510,11 +510,12 @@ def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
     assert run(pair, static, shape, sampling, 30, seed=3) == reference
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3"])
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3", "gemma", "gemma3"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
-    """Qwen2 (q, k and v with biases), Mistral and Qwen3 (q and k normed per head): tree logits,
-    pruning and growth as transformers' forward gives them on every backend, and each variant's
-    greedy output is plain greedy."""
+    """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
+    weight, GELU) and Gemma 3 (norms after attention and MLP, a window and a rotary table by layer
+    kind, soft-capped logits): tree logits, pruning and growth as transformers' forward gives them
+    on every backend, and each variant's greedy output is plain greedy."""
     target, draft = tiny_relative(kind, V, layers=2, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     assert compiled.unsupported(target) is None
     for backend in (CompiledModel(target, True), CompiledModel(target, False),
@@ -568,8 +569,8 @@ def test_stacked_projections_give_the_separate_products(kind, monkeypatch):
 
 
 def test_unsupported_models_are_named_with_a_reason():
-    from transformers import (GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                              LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=64))
     assert "gpt2" in compiled.unsupported(gpt2)
@@ -577,17 +578,23 @@ def test_unsupported_models_are_named_with_a_reason():
     small = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=256)
     windowed = Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True, sliding_window=16, max_window_layers=1))
-    assert compiled.unsupported(windowed) == "sliding-window attention on some layers only"  # (its second layer's)
+    assert compiled.unsupported(windowed) is None and compiled.window_of(windowed.config) is None  # (by layer kind)
+    assert compiled.CompiledModel(windowed, False).by_kind == [0, 1]  # (its second layer's)
     every = Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True, sliding_window=16, max_window_layers=0))
     mistral = MistralForCausalLM(MistralConfig(**small, sliding_window=16))
     assert compiled.unsupported(every) is compiled.unsupported(mistral) is None  # (every layer's: in the masks)
     assert compiled.window_of(every.config) == compiled.window_of(mistral.config) == 16
+    assert compiled.CompiledModel(every, False).by_kind is None
+    gemma2 = Gemma2ForCausalLM(Gemma2Config(**small, head_dim=8))  # (attention scores soft-capped: not in torch's kernel)
+    assert "gemma2" in compiled.unsupported(gemma2)
+    gelu = LlamaForCausalLM(LlamaConfig(**small, hidden_act="relu"))
+    assert compiled.unsupported(gelu) == "LlamaForCausalLM's layers differ from Llama's"
     wide = MistralForCausalLM(MistralConfig(**small, sliding_window=256))  # (the whole context: no window)
     assert compiled.unsupported(wide) is None and compiled.window_of(wide.config) is None
     notices = []
     assert compiled.runtime_for(gpt2, "on", "target", notice=notices.append) is None
     assert notices == ["--compile on does not apply to the target (a gpt2 model (the static-cache runtime covers "
-                       "llama, qwen2, mistral, qwen3)): it runs on transformers' eager forward"]
+                       "llama, qwen2, mistral, qwen3, gemma, gemma3_text)): it runs on transformers' eager forward"]
     assert compiled.runtime_for(gpt2, "auto", "target", notice=notices.append) is None and len(notices) == 1
     assert compiled.runtime_for(tiny_model(V, layers=1), "off", "target") is None
 

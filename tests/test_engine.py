@@ -1297,18 +1297,26 @@ def every_layer_windowed(kind: str, layers: int = 2, seed: int = 0):
     return model
 
 
-@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
-def test_the_static_cache_runtime_windows_a_model_whose_every_layer_has_a_window(kind):
-    """A window on every layer (Mistral 7B v0.1's) runs on the static-cache runtime, its masks hiding
-    the keys each row's window has passed by their positions: a tree after a 12-token cache gets
-    full-forward logits (not without the window), and every variant, on dynamic and static shapes,
-    and completions of different prompts decoded together (slots that are not positions) give the
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen2-some-layers", "gemma3"])
+def test_the_static_cache_runtime_windows_a_model_with_a_sliding_window(kind):
+    """A window on every layer (Mistral 7B v0.1's) or on some (Qwen2's past `max_window_layers`, Gemma
+    3's: a mask for each layer kind) runs on the static-cache runtime, its masks hiding the keys each
+    row's window has passed by their positions: a tree after a 12-token cache gets full-forward
+    logits (not without the window), and every variant, on dynamic and static shapes, and
+    completions of different prompts decoded together (slots that are not positions) give the
     target's greedy tokens 30 tokens past a window of 8."""
+    from tiny import tiny_windowed
+
     from rsd_cli.compiled import CompiledModel, StaticLM
     from rsd_cli.engine import Runtimes
 
-    target, draft = every_layer_windowed(kind), every_layer_windowed(kind, layers=1, seed=1)
-    assert set(getattr(target.config, "layer_types", None) or ["sliding_attention"]) == {"sliding_attention"}
+    if kind in ("mistral", "qwen2"):
+        target, draft = every_layer_windowed(kind), every_layer_windowed(kind, layers=1, seed=1)
+        assert set(getattr(target.config, "layer_types", None) or ["sliding_attention"]) == {"sliding_attention"}
+    else:  # (the first layer windowed and the second not, or the other way round)
+        kind = kind.removesuffix("-some-layers")
+        target, draft = tiny_windowed(kind, V), tiny_windowed(kind, V, layers=1, seed=1)
+        assert set(target.config.layer_types) == {"sliding_attention", "full_attention"}
     tree = DraftTree.rooted_at(5)
     a, _ = tree.add_draw(0, 2)
     tree.add_draw(0, 4)
@@ -1321,7 +1329,7 @@ def test_the_static_cache_runtime_windows_a_model_whose_every_layer_has_a_window
     assert runtime.window == 8
     for static_shapes in (False, True):
         lm, unwindowed = (StaticLM(CompiledModel(target, False, static_shapes=static_shapes), V, 32) for _ in "ab")
-        unwindowed.window = None
+        unwindowed.window = unwindowed.compiled.by_kind = None
         with torch.inference_mode():
             for cache in (lm, unwindowed):
                 cache.extend(LONG_PROMPT)

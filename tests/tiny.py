@@ -39,28 +39,40 @@ def tiny_model(vocab: int = 40, layers: int = 2, seed: int = 0, scale: float = 0
 
 def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, scale: float = 0.3):
     """A random model of another Llama-style family the static-cache runtime covers, as tiny_model:
-    "qwen2" (biases on q, k and v, set random here so that they matter), "mistral" or "qwen3" (an
-    RMS norm on each head of q and k, its weights random here too); with sliding-window attention
-    off (what the runtime covers)."""
-    from transformers import (MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
+    "qwen2" (biases on q, k and v, set random here so that they matter), "mistral", "qwen3" (an
+    RMS norm on each head of q and k, its weights random here too), "gemma" (norms scaling by 1 +
+    weight, a GELU MLP, a scaled embedding) or "gemma3" (Gemma's, with norms after attention and the
+    MLP, q and k normed per head, the first layer windowed to 4 positions with its own rotary base,
+    linearly scaled rotary angles on the full-attention layers, soft-capped logits); with
+    sliding-window attention off (but Gemma 3's). Every norm's weight is random."""
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-                           "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[kind]
+                           "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
+                           "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}[kind]
+    settings = dict(sliding_window=None)
+    if kind == "gemma":
+        settings = dict(head_dim=8)
+    elif kind == "gemma3":
+        settings = dict(head_dim=8, sliding_window=4, final_logit_softcapping=5.0, query_pre_attn_scalar=16,
+                        layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1),
+                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     torch.manual_seed(seed)
     model = model_class(config(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, initializer_range=scale, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, sliding_window=None))
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, **settings))
     with torch.no_grad():
         model.lm_head.weight.mul_(3.0)
         for layer in model.model.layers:
             for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 if linear.bias is not None:
                     linear.bias.normal_(0.0, scale)
-            for norm in (getattr(layer.self_attn, "q_norm", None), getattr(layer.self_attn, "k_norm", None)):
-                if norm is not None:
-                    norm.weight.normal_(1.0, scale)
+        for name, weight in model.named_parameters():
+            if "norm" in name:  # (Gemma's start at 0, others' at 1)
+                weight.normal_(float(weight.mean()), scale)
     return model.eval()
 
 
@@ -103,6 +115,10 @@ def tiny_windowed(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, wi
             num_kv_shared_layers=2, vocab_size_per_layer_input=vocab, hidden_size_per_layer_input=8))
     with torch.no_grad():
         model.lm_head.weight.mul_(3.0)
+        if kind.startswith("gemma"):  # (Gemma's norms start at 0: 1 + weight)
+            for name, weight in model.named_parameters():
+                if "norm" in name:
+                    weight.normal_(0.0, scale)
     return model.eval()
 
 
