@@ -68,8 +68,8 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # attention and the MLP too, q and k normed per head, a rotary table and a window per layer kind).
 # A sliding window is in the masks (StaticLM.forward hides the keys it has passed): one mask where
 # every layer has it (Mistral 7B v0.1's 4096), one per layer kind where some layers do (Gemma 3's
-# five of six, Qwen2's past `max_window_layers`).
-SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma3_text")
+# five of six, Qwen2's past `max_window_layers`). SmolLM3: Llama's layers, every fourth without a rotation.
+SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma3_text", "smollm3")
 ROPE_TYPES = ("default", "linear", "llama3")  # rotary tables that depend on the position alone
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP's gate: SiLU (Llama), GELU tanh-approximated or exact
 
@@ -495,19 +495,24 @@ class CompiledModel:
         self.window = cfg.sliding_window if sliding_window(cfg) else None
         self.by_kind = [int(kind == "sliding_attention") for kind in kinds] \
             if self.window is not None and window_of(cfg) is None else None
-        with torch.inference_mode():  # rotary tables for every position, computed once (Gemma 3: one per layer kind)
+        # rotary tables for every position, computed once: one, or one per layer kind (Gemma 3), and
+        # None for layers without a rotation (SmolLM3's every fourth: forward rotates them by angle 0)
+        rotary = inner.rotary_emb
+        per_kind = bool(getattr(rotary, "layer_types", None))
+        names = [(kind if per_kind else "rotary") if getattr(layer.self_attn, "use_rope", True) else None
+                 for kind, layer in zip(kinds, inner.layers)]
+        with torch.inference_mode():
             positions = torch.arange(self.context, device=self.device)[None]
             x = torch.zeros(1, dtype=self.dtype, device=self.device)
-            rotary = inner.rotary_emb
-            tables = {kind: rotary(x, positions, kind) for kind in dict.fromkeys(kinds)} \
-                if getattr(rotary, "layer_types", None) else {kind: rotary(x, positions) for kind in kinds[:1]}
-        self.tables = [(cos[0], sin[0]) for cos, sin in tables.values()]  # (context, head_dim) each
-        self.table_of = [list(tables).index(kind) if len(tables) > 1 else 0 for kind in kinds]  # [layer]
+            tables = {name: None if name is None else rotary(x, positions, name) if per_kind else rotary(x, positions)
+                      for name in dict.fromkeys(names)}
+        self.tables = [(None, None) if table is None else (table[0][0], table[1][0]) for table in tables.values()]
+        self.table_of = [list(tables).index(name) for name in names]  # [layer]
         self.cos, self.sin = self.tables[0]  # (the only table where the C library runs the layers)
         # layers on quantised blocks run in the blocks library (uncompiled CPU path): all of a forward's
         # layers in one call where every layer can, then the final norm and head in one more (Llama's
         # layers, on one rotary table and one mask)
-        in_c = style == Style() and len(self.tables) == 1 and self.by_kind is None
+        in_c = style == Style() and len(self.tables) == 1 and self.cos is not None and self.by_kind is None
         native = [_native_layer(layer, fused, fuse) if in_c else None
                   for layer, (_, _, fused) in zip(inner.layers, self.layers)]
         self.native = native if any(native) else None
@@ -674,7 +679,10 @@ class CompiledModel:
         x = self.inner.embed_tokens(tokens)  # (n, hidden; Gemma's embedding scales it)
         # (a tree's rows past the context's end read its last rotary angle: their tokens are never emitted)
         positions = positions.clamp(max=self.context - 1)
-        angles = [(cos[positions], sin[positions]) for cos, sin in self.tables]  # each table's (n, head_dim)
+        head_dim = self.dims[2]
+        angles = [(cos[positions], sin[positions]) if cos is not None else  # each table's (n, head_dim)
+                  (x.new_ones(x.shape[0], head_dim), x.new_zeros(x.shape[0], head_dim))  # (no rotation: angle 0)
+                  for cos, sin in self.tables]
         cos, sin = angles[0]
         # every layer in one call of the C library where each can run there, else layer by layer
         in_c = native is not None and all(native) and keys.is_contiguous() and values.is_contiguous()
