@@ -118,10 +118,10 @@ case $part in
     CUDA_VISIBLE_DEVICES= $py benchmarks/busy_cpu.py --hogs 0,8,16 --rounds 2 -n 48 --timeout 30 \
       --json "$out/busy16.json" "governed=" "fixed=RSD_ADAPTIVE_THREADS=0" "torch=RSD_BLOCK_KERNELS=0" \
       "torch-fixed=RSD_BLOCK_KERNELS=0 RSD_ADAPTIVE_THREADS=0" 2>&1 | tee "$out/busy16.txt" ;;
-  controls)  # a logit bias in step maths captured as CUDA graphs, a model windowed on every layer in CUDA graphs
-    # (the CUDA-only tests), then the embedded pair with --ignore-eos, as a bias and as min_tokens (the same
+  controls)  # a logit bias in step maths captured as CUDA graphs, windowed models (Mistral's every layer, Gemma 3's
+    # some) in CUDA graphs (the CUDA-only tests), the other families on the static-cache runtime, then the embedded pair with --ignore-eos, as a bias and as min_tokens (the same
     # processing: the fast steps' speed), and bench's rows and peers at the same length
-    $py -m pytest -p no:warnings -q -rs tests/test_compiled.py -k "logit_bias or windowed" 2>&1 | tee "$out/controls-tests.txt"
+    $py -m pytest -p no:warnings -q -rs tests/test_compiled.py -k "logit_bias or windowed or other_llama_style" 2>&1 | tee "$out/controls-tests.txt"
     for extra in "" "--ignore-eos" "--logit-bias 2=-inf"; do
       for variant in ar sd rsd-c; do
         $py -m rsd_cli generate "Write a long story about a robot who learns to paint." -n 256 -t 1 --seed 3 \

@@ -479,19 +479,25 @@ def test_a_logit_bias_in_step_maths_replayed_as_cuda_graphs_decides_as_launched_
 
 
 @CUDA
-def test_a_model_windowed_on_every_layer_runs_in_cuda_graphs_past_its_window():
-    """Mistral-like, every layer seeing the last 8 positions, in compiled CUDA graphs (masks over the
-    whole capacity, windowed on the host): every variant's greedy tokens are the target's, 30 tokens
-    past the window."""
+@pytest.mark.parametrize("kind", ["mistral", "gemma3"])
+def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
+    """Mistral-like, every layer seeing the last 8 positions, or Gemma 3-like, the first layer only (a
+    mask for each layer kind), in compiled CUDA graphs (masks over the whole capacity, windowed on
+    the host): every variant's greedy tokens are the target's, 30 tokens past the window."""
     import copy
 
     from test_engine import FAN, LONG_PROMPT, every_layer_windowed
+    from tiny import tiny_windowed
 
-    target, draft = every_layer_windowed("mistral"), every_layer_windowed("mistral", layers=1, seed=1)
+    if kind == "mistral":
+        target, draft = every_layer_windowed(kind), every_layer_windowed(kind, layers=1, seed=1)
+    else:
+        target, draft = tiny_windowed(kind, V), tiny_windowed(kind, V, layers=1, seed=1)
     expected = plain_greedy(target, 30, LONG_PROMPT)
     models = tuple(copy.deepcopy(model).cuda() for model in (target, draft))
     runtimes = Runtimes(CompiledModel(models[0], True), CompiledModel(models[1], True), "on")
     assert runtimes.target.graphed and runtimes.target.window == 8
+    assert (runtimes.target.by_kind is None) == (kind == "mistral")
     for shape in shapes() + [FAN]:
         decoder = Decoder(*models, V, shape, SamplingParams(temperature=0), set(), runtimes=runtimes)
         tokens = [t for event in decoder.generate(LONG_PROMPT, 30, seed=0) for t in event.emitted]
