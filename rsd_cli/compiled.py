@@ -70,7 +70,8 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # every layer has it (Mistral 7B v0.1's 4096), one per layer kind where some layers do (Gemma 3's
 # five of six, Qwen2's past `max_window_layers`). SmolLM3: Llama's layers, every fourth without a rotation.
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma3_text", "smollm3")
-ROPE_TYPES = ("default", "linear", "llama3")  # rotary tables that depend on the position alone
+# rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP's gate: SiLU (Llama), GELU tanh-approximated or exact
 
 

@@ -540,6 +540,36 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
             plain_greedy(target, 20), shape.describe()
 
 
+def test_a_yarn_scaled_model_runs_on_the_static_cache_runtime_with_transformers_logits():
+    """YaRN (Qwen2.5's and Qwen3's long-context setting: scaled angles, and cos and sin scaled by its
+    attention factor) depends on the position alone: past the original context of 16 positions, a
+    tree's logits are transformers', on every backend. Llama 3's `dynamic` scaling, which depends
+    on the sequence's length, stays with transformers."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    settings = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3,
+                    tie_word_embeddings=False)
+    torch.manual_seed(0)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    model = Qwen2ForCausalLM(Qwen2Config(**settings, rope_parameters=yarn)).eval()
+    assert model.model.rotary_emb.attention_scaling != 1.0 and compiled.unsupported(model) is None
+    prompt, tree = [t % V for t in range(3, 23)], a_tree()  # (past the original 16 positions)
+    visible = torch.cat([torch.ones(len(tree), len(prompt), dtype=torch.bool), tree.ancestry()], dim=1)
+    positions = [len(prompt) + depth for depth in tree.depths]
+    for backend in (CompiledModel(model, True), CompiledModel(model, False, static_shapes=True)):
+        ours, reference = StaticLM(backend, V, capacity=32), CachedLM(model, V)
+        with torch.inference_mode():
+            for lm in (ours, reference):
+                lm.extend(prompt)
+            torch.testing.assert_close(ours.forward(tree.tokens, positions, visible),
+                                       reference.forward(tree.tokens, positions, visible), atol=1e-5, rtol=1e-5)
+        ours.release()
+    dynamic = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+    assert compiled.unsupported(Qwen2ForCausalLM(Qwen2Config(**settings, rope_parameters=dynamic))) == \
+        "rope type 'dynamic'"
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_stacked_projections_give_the_separate_products(kind, monkeypatch):
     """On a GPU each layer's q/k/v and gate/up weights are stacked (one product each, fewer kernels
