@@ -64,12 +64,13 @@ STATIC_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # scaled_dot_product_attention(enable_gqa=)
 # Llama-style decoders the tests cover: Llama itself; Qwen2 (biases on q, k and v: the layer takes
 # them); Mistral (Llama's layer); Qwen3 (an RMS norm on each head of q and k); Gemma (norms that scale
-# by 1 + weight, a GELU MLP: `Style`) and Gemma 3's text decoder (Gemma 1B and 270M: norms after
-# attention and the MLP too, q and k normed per head, a rotary table and a window per layer kind).
+# by 1 + weight, a GELU MLP: `Style`), Gemma 2 (norms after attention and the MLP too, attention
+# scores soft-capped) and Gemma 3's text decoder (Gemma 1B and 270M: norms after attention and the
+# MLP too, q and k normed per head, a rotary table and a window per layer kind).
 # A sliding window is in the masks (StaticLM.forward hides the keys it has passed): one mask where
 # every layer has it (Mistral 7B v0.1's 4096), one per layer kind where some layers do (Gemma 3's
 # five of six, Qwen2's past `max_window_layers`). SmolLM3: Llama's layers, every fourth without a rotation.
-SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma3_text", "smollm3")
+SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP's gate: SiLU (Llama), GELU tanh-approximated or exact
@@ -82,6 +83,7 @@ class Style(NamedTuple):
     gemma_norms: bool = False  # RMS norms scale by 1 + weight, in float32 before the cast to the model's dtype
     sandwich: bool = False  # norms after attention and after the MLP too (Gemma 2 and 3)
     activation: str = "silu"  # the MLP gate's (ACTIVATIONS)
+    softcap: float | None = None  # attention scores soft-capped to (-softcap, softcap) before the mask (Gemma 2)
 
 
 def decoder_of(model) -> tuple:
@@ -99,7 +101,8 @@ def decoder_of(model) -> tuple:
 def style_of(model) -> Style:
     inner, cfg = decoder_of(model)
     layer = inner.layers[0]
-    return Style(cfg.model_type.startswith("gemma"), hasattr(layer, "pre_feedforward_layernorm"), activation_of(cfg))
+    return Style(cfg.model_type.startswith("gemma"), hasattr(layer, "pre_feedforward_layernorm"), activation_of(cfg),
+                 getattr(cfg, "attn_logit_softcapping", None) or None)
 
 
 def activation_of(cfg) -> str:
@@ -129,7 +132,7 @@ def unsupported(model) -> str | None:
     if layers is None or not hasattr(model, "lm_head") or not hasattr(inner, "rotary_emb"):
         return f"{type(model).__name__} is not laid out as a Llama-style decoder"
     if activation_of(cfg) not in ACTIVATIONS or getattr(cfg, "mlp_bias", False) \
-            or getattr(cfg, "attn_logit_softcapping", None) or getattr(cfg, "use_bidirectional_attention", False):
+            or getattr(cfg, "use_bidirectional_attention", False):
         return f"{type(model).__name__}'s layers differ from Llama's"
     rope = getattr(inner.rotary_emb, "rope_type", "default")  # (Gemma 3: one per layer kind)
     if any(kind not in ROPE_TYPES for kind in (rope.values() if isinstance(rope, dict) else [rope])):
@@ -263,11 +266,14 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
         values.index_copy_(1, slots, v)
         k, v = keys, values
     grouped = {}
-    if heads != kv_heads and SDPA_GQA:  # grouped-query attention without copying the cache per head
+    if heads != kv_heads and SDPA_GQA and not style.softcap:  # grouped-query attention without copying the cache
         grouped = {"enable_gqa": True}
     elif heads != kv_heads:
         k, v = k.repeat_interleave(heads // kv_heads, dim=0), v.repeat_interleave(heads // kv_heads, dim=0)
-    if sight is not None and sight.mask is None:  # causal, every key before the new tokens' own seen by all
+    if style.softcap:  # Gemma 2: scores soft-capped before the mask, which torch's attention kernel cannot do
+        scores = torch.tanh(q @ k.transpose(1, 2) * scaling / style.softcap) * style.softcap + mask.to(q.dtype)
+        out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v  # (H, n, hd)
+    elif sight is not None and sight.mask is None:  # causal, every key before the new tokens' own seen by all
         before = k.shape[1] - n  # (rows of zeros before the queries: torch's causal attention is top-left)
         q = torch.cat([q.new_zeros(heads, before, head_dim), q], dim=1) if before else q
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scaling, is_causal=True,
@@ -722,7 +728,8 @@ class CompiledModel:
                 self.graphs.add(tokens.shape[0])
             y = x
             run = NativeForward(cos, sin, mask, dims) if native is not None else None
-            reads = sight() if sight is not None and not graphs else None
+            # (a Gemma 2 layer's attention reads every key through the mask)
+            reads = sight() if sight is not None and not graphs and not self.style.softcap else None
             for index, (weights, small, fused) in enumerate(self.layers):
                 if native is not None and native[index] is not None:
                     y = run.layer(native[index], y, keys[index], values[index])

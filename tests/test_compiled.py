@@ -479,10 +479,11 @@ def test_a_logit_bias_in_step_maths_replayed_as_cuda_graphs_decides_as_launched_
 
 
 @CUDA
-@pytest.mark.parametrize("kind", ["mistral", "gemma3"])
+@pytest.mark.parametrize("kind", ["mistral", "gemma3", "gemma2"])
 def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
-    """Mistral-like, every layer seeing the last 8 positions, or Gemma 3-like, the first layer only (a
-    mask for each layer kind), in compiled CUDA graphs (masks over the whole capacity, windowed on
+    """Mistral-like, every layer seeing the last 8 positions, Gemma 3-like, the first layer only (a
+    mask for each layer kind), or Gemma 2-like, every other layer seeing 4 (and rsd's own attention,
+    its scores soft-capped), in compiled CUDA graphs (masks over the whole capacity, windowed on
     the host): every variant's greedy tokens are the target's, 30 tokens past the window."""
     import copy
 
@@ -491,12 +492,14 @@ def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
 
     if kind == "mistral":
         target, draft = every_layer_windowed(kind), every_layer_windowed(kind, layers=1, seed=1)
-    else:
+    elif kind == "gemma3":
         target, draft = tiny_windowed(kind, V), tiny_windowed(kind, V, layers=1, seed=1)
+    else:
+        target, draft = tiny_relative(kind, V, layers=2), tiny_relative(kind, V, layers=1, seed=1)
     expected = plain_greedy(target, 30, LONG_PROMPT)
     models = tuple(copy.deepcopy(model).cuda() for model in (target, draft))
     runtimes = Runtimes(CompiledModel(models[0], True), CompiledModel(models[1], True), "on")
-    assert runtimes.target.graphed and runtimes.target.window == 8
+    assert runtimes.target.graphed and runtimes.target.window == (4 if kind == "gemma2" else 8)
     assert (runtimes.target.by_kind is None) == (kind == "mistral")
     for shape in shapes() + [FAN]:
         decoder = Decoder(*models, V, shape, SamplingParams(temperature=0), set(), runtimes=runtimes)
@@ -516,13 +519,13 @@ def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
     assert run(pair, static, shape, sampling, 30, seed=3) == reference
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3", "gemma", "gemma3", "smollm3"])
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "smollm3"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
-    weight, GELU), Gemma 3 (norms after attention and MLP, a window and a rotary table by layer
-    kind, soft-capped logits) and SmolLM3 (layers without a rotation): tree logits, pruning and
-    growth as transformers' forward gives them on every backend, and each variant's greedy output
-    is plain greedy."""
+    weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
+    a window on every other layer), Gemma 3 (q and k normed, a window and a rotary table by layer
+    kind) and SmolLM3 (layers without a rotation): tree logits, pruning and growth as transformers'
+    forward gives them on every backend, and each variant's greedy output is plain greedy."""
     target, draft = tiny_relative(kind, V, layers=2, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     assert compiled.unsupported(target) is None
     for backend in (CompiledModel(target, True), CompiledModel(target, False),
@@ -622,8 +625,8 @@ def test_unsupported_models_are_named_with_a_reason():
     assert compiled.unsupported(every) is compiled.unsupported(mistral) is None  # (every layer's: in the masks)
     assert compiled.window_of(every.config) == compiled.window_of(mistral.config) == 16
     assert compiled.CompiledModel(every, False).by_kind is None
-    gemma2 = Gemma2ForCausalLM(Gemma2Config(**small, head_dim=8))  # (attention scores soft-capped: not in torch's kernel)
-    assert "gemma2" in compiled.unsupported(gemma2)
+    gemma2 = Gemma2ForCausalLM(Gemma2Config(**small, head_dim=8))  # (attention scores soft-capped: attention of its own)
+    assert compiled.unsupported(gemma2) is None and compiled.style_of(gemma2).softcap == 50.0
     gelu = LlamaForCausalLM(LlamaConfig(**small, hidden_act="relu"))
     assert compiled.unsupported(gelu) == "LlamaForCausalLM's layers differ from Llama's"
     wide = MistralForCausalLM(MistralConfig(**small, sliding_window=256))  # (the whole context: no window)
@@ -631,7 +634,8 @@ def test_unsupported_models_are_named_with_a_reason():
     notices = []
     assert compiled.runtime_for(gpt2, "on", "target", notice=notices.append) is None
     assert notices == ["--compile on does not apply to the target (a gpt2 model (the static-cache runtime covers "
-                       "llama, qwen2, mistral, qwen3, gemma, gemma3_text, smollm3)): it runs on transformers' eager forward"]
+                       "llama, qwen2, mistral, qwen3, gemma, gemma2, gemma3_text, smollm3)): it runs on transformers' eager "
+                       "forward"]
     assert compiled.runtime_for(gpt2, "auto", "target", notice=notices.append) is None and len(notices) == 1
     assert compiled.runtime_for(tiny_model(V, layers=1), "off", "target") is None
 
@@ -722,10 +726,10 @@ def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtim
     assert records["on"]["runtime"] == "static cache, compiled" and records["off"]["runtime"] == "transformers eager"
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "smollm3"])
-def test_a_gemma3_or_smollm3_target_with_an_early_exit_draft_generates_alike_on_both_runtimes(tmp_path, kind):
-    """As a user runs it: a Gemma 3 (or SmolLM3) checkpoint folder, its first layer as the draft, on
-    the static-cache runtime compiled and on transformers' forward: the same greedy tokens."""
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3"])
+def test_a_gemma_or_smollm3_target_with_an_early_exit_draft_generates_alike_on_both_runtimes(tmp_path, kind):
+    """As a user runs it: a Gemma 2 or 3 (or SmolLM3) checkpoint folder, its first layer as the draft,
+    on the static-cache runtime compiled and on transformers' forward: the same greedy tokens."""
     from tiny import tiny_tokenizer
 
     folder = tmp_path / kind

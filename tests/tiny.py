@@ -44,21 +44,27 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     weight, a GELU MLP, a scaled embedding) or "gemma3" (Gemma's, with norms after attention and the
     MLP, q and k normed per head, the first layer windowed to 4 positions with its own rotary base,
     linearly scaled rotary angles on the full-attention layers, soft-capped logits) or "smollm3"
-    (Llama's layers, every other one without a rotation here); with sliding-window attention off
-    (but Gemma 3's). Every norm's weight is random."""
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, MistralConfig,
+    (Llama's layers, every other one without a rotation here) or "gemma2" (Gemma 3's norms, every
+    other layer windowed to 4 positions, attention scores soft-capped); with sliding-window attention
+    off (but Gemma 2 and 3's). Every norm's weight is random."""
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
+                              GemmaForCausalLM, MistralConfig,
                               MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                               SmolLM3Config, SmolLM3ForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
-                           "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+                           "gemma2": (Gemma2Config, Gemma2ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
                            "smollm3": (SmolLM3Config, SmolLM3ForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "smollm3":
         settings = dict(no_rope_layers=[int(i % 2 == 0) for i in range(layers)])  # (1: rotated)
     elif kind == "gemma":
         settings = dict(head_dim=8)
+    elif kind == "gemma2":
+        settings = dict(head_dim=8, sliding_window=4, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                        query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                        + ["sliding_attention"] * (layers % 2))
     elif kind == "gemma3":
         settings = dict(head_dim=8, sliding_window=4, final_logit_softcapping=5.0, query_pre_attn_scalar=16,
                         layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1),
@@ -101,6 +107,10 @@ def tiny_windowed(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, wi
         model = MistralForCausalLM(MistralConfig(**shared))
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**shared, use_sliding_window=True, max_window_layers=1))
+    elif kind == "gemma2":
+        settings = dict(head_dim=8, sliding_window=4, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                        query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                        + ["sliding_attention"] * (layers % 2))
     elif kind == "gemma3":
         types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
         model = Gemma3ForCausalLM(Gemma3TextConfig(**shared, head_dim=8, layer_types=types))
