@@ -107,10 +107,6 @@ def tiny_windowed(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, wi
         model = MistralForCausalLM(MistralConfig(**shared))
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**shared, use_sliding_window=True, max_window_layers=1))
-    elif kind == "gemma2":
-        settings = dict(head_dim=8, sliding_window=4, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
-                        query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
-                        + ["sliding_attention"] * (layers % 2))
     elif kind == "gemma3":
         types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
         model = Gemma3ForCausalLM(Gemma3TextConfig(**shared, head_dim=8, layer_types=types))
