@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import RsdError, UsageError
-from .generation import stream_completion
+from .generation import stop_text_of, stream_completion
 from .models import describe_layers
+from .profiles import parse_bool
 from .prompting import encode_prompt
 from .render import stats_line
-from .runtime import FLAG_KEYS, branching_factors, make_decoder, min_tokens_of, parse_logit_bias, seed_of, stops_of
+from .runtime import FLAG_KEYS, branching_factors, make_decoder, parse_logit_bias, seed_of
 
 HELP = """commands:
   /help                 this help
@@ -23,10 +24,12 @@ HELP = """commands:
   /system TEXT          set the system prompt (empty TEXT clears it)
   /set KEY VALUE        KEY: temperature, top_p, top_k, min_p, repetition_penalty,
                         presence_penalty, frequency_penalty, logit_bias, min_tokens,
-                        max_tokens, seed, stop, stop_token, variant, draft_len, ngram,
-                        branching, beam_width, depth, num_drafts, budget (0: off)
+                        max_tokens, seed, stop, include_stop, stop_token, variant,
+                        draft_len, ngram, branching, beam_width, depth, num_drafts,
+                        budget (0: off)
                         (/set alone: every setting now and where it comes from; /set KEY: one)
                         (/set stop TEXT: one stop string; /set stop ["a", "b"]: several; [] none;
+                        /set include_stop on: print the stop string too;
                         /set logit_bias 2=-100,13=5: token id = bias, {} none;
                         /set stop_token 198,13: token ids that end the answer, [] none;
                         /set branching 3,2: factors per depth)
@@ -65,7 +68,10 @@ def _bias_table(value: str) -> dict[str, float]:
 
 
 def _as_typed(value) -> str:
-    """A setting as /set takes it: a logit bias as 2=-inf,17=6, a list as 3,2 or a JSON list of strings."""
+    """A setting as /set takes it: a logit bias as 2=-inf,17=6, a list as 3,2 or a JSON list of strings,
+    a switch as on or off."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
     if isinstance(value, dict):
         return ",".join(f"{token}={bias:g}" for token, bias in value.items()) or "{}"
     if isinstance(value, list):
@@ -76,10 +82,11 @@ def _as_typed(value) -> str:
 # what /set takes (the flags' names, runtime.FLAG_KEYS) -> how its text is read
 SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
             "presence_penalty": float, "frequency_penalty": float, "logit_bias": _bias_table, "min_tokens": int,
-            "max_tokens": int, "seed": int, "stop": _stop_list, "stop_token": _token_list,
+            "max_tokens": int, "seed": int, "stop": _stop_list, "include_stop": parse_bool, "stop_token": _token_list,
             "variant": str, "draft_len": int, "ngram": int, "branching": branching_factors, "beam_width": int,
             "depth": int, "num_drafts": int, "budget": int}
 EXPECTED = {float: "a number", int: "an integer", _stop_list: "a string or a JSON list of strings",
+            parse_bool: "on or off",
             branching_factors: "integers separated by commas, like 3,2,2",
             _token_list: "token ids separated by commas, like 198,13 ([] for none)",
             _bias_table: "TOKEN_ID=BIAS entries separated by commas, like 2=-100,13=5 ({} for none)"}
@@ -186,8 +193,8 @@ class ChatSession:
         try:
             _, stats, _, text = stream_completion(self.pair, decoder, ids, self.profile["sampling"]["max_tokens"],
                                                   seed, out=out, console=console, live=self.tree,
-                                                  stops=stops_of(self.profile),
-                                                  min_tokens=min_tokens_of(self.profile), reading_note=True)
+                                                  stop_text=stop_text_of(self.pair.tokenizer, self.profile),
+                                                  reading_note=True)
         except RsdError:  # not answered: the message leaves the conversation (the next one would fail too)
             self.kept = decoder.kept
             self.history.pop()

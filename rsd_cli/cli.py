@@ -205,6 +205,9 @@ NumDraftsOpt = Annotated[Optional[int], typer.Option("--num-drafts", help="spect
 StopOpt = Annotated[Optional[list[str]], typer.Option(
     "--stop", help="End the answer at the first occurrence of TEXT (not printed); repeatable.",
     rich_help_panel=SAMPLING, show_default=False)]
+IncludeStopOpt = Annotated[Optional[bool], typer.Option(
+    "--include-stop/--no-include-stop", help="Print the stop string that ended the answer too (its text in --json).",
+    rich_help_panel=SAMPLING, show_default=False)]
 StopTokenOpt = Annotated[Optional[list[int]], typer.Option(
     "--stop-token", help="End the answer at this token id too, as at an end-of-sequence token (its text kept "
     "unless special; `rsd tokenize` gives ids); repeatable.", rich_help_panel=SAMPLING, show_default=False)]
@@ -334,6 +337,7 @@ def generate(
     budget: BudgetOpt = None,
     compile: CompileOpt = None,
     stop: StopOpt = None,
+    include_stop: IncludeStopOpt = None,
     stop_token: StopTokenOpt = None,
     samples: Annotated[int, typer.Option("--samples", min=1, help="Independent completions (models load once).",
                                          rich_help_panel=OUTPUT)] = 1,
@@ -393,6 +397,7 @@ def chat(
     budget: BudgetOpt = None,
     compile: CompileOpt = None,
     stop: StopOpt = None,
+    include_stop: IncludeStopOpt = None,
     stop_token: StopTokenOpt = None,
     tree: Annotated[bool, typer.Option("--tree/--no-tree", help="Live view of the draft tree while answering.",
                                        rich_help_panel=OUTPUT)] = False,

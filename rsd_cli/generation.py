@@ -17,21 +17,23 @@ import torch
 from .engine import Stats, StepEvent, fresh_seed
 from .prompting import IncrementalDecoder, encode_prompt
 from .render import live_view, stats_line, steps_table
-from .runtime import make_decoder, min_tokens_of, seed_of, stops_of
+from .runtime import make_decoder, seed_of
 from .threads import FORWARDS
 
 
 class StopText:
-    """A completion's text as it grows, ended at the first stop string: the stop string and what
-    follows are never released, and while streaming only the tail that could still begin a stop
-    string is held back. Without stop strings it is plain incremental detokenisation. With
-    min_tokens, a stop string ends the text only where it ends after the first min_tokens - 1
-    tokens' text (as vLLM's min_tokens: no stop is looked for before the answer has that many)."""
+    """A completion's text as it grows, ended at the first stop string: the stop string (unless
+    `include`, vLLM's include_stop_str_in_output: then it ends the text) and what follows are never
+    released, and while streaming only the tail that could still begin a stop string is held back.
+    Without stop strings it is plain incremental detokenisation. With min_tokens, a stop string ends
+    the text only where it ends after the first min_tokens - 1 tokens' text (as vLLM's min_tokens:
+    no stop is looked for before the answer has that many)."""
 
-    def __init__(self, tokenizer, stops: list[str] = (), min_tokens: int = 0):
+    def __init__(self, tokenizer, stops: list[str] = (), min_tokens: int = 0, include: bool = False):
         self.detok = IncrementalDecoder(tokenizer)
         self.stops = [s for s in stops if s]
         self.min_tokens = min_tokens
+        self.include = include
         self.pushed = 0  # tokens pushed
         self.floor = 0  # characters of the first min_tokens - 1 tokens' text: a stop must end past them
         self.text = ""  # decoded so far (past a stop only up to it)
@@ -78,7 +80,7 @@ class StopText:
         if not found:
             return False
         at, self.matched = min(found)
-        self.text = self.text[:at]
+        self.text = self.text[: at + len(self.matched) if self.include else at]
         return True
 
     def _held(self) -> int:
@@ -191,11 +193,18 @@ class Interrupted(KeyboardInterrupt):
         self.tokens, self.stats, self.events, self.text = tokens, stats, events, text
 
 
+def stop_text_of(tokenizer, profile) -> StopText:
+    """A completion's StopText with the profile's stop strings, min_tokens and include_stop."""
+    sampling = profile["sampling"]
+    return StopText(tokenizer, sampling["stop"], sampling["min_tokens"], sampling["include_stop"])
+
+
 def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, console=None, live=False,
-                      write_text=True, keep_events=False, stops: list[str] = (), min_tokens: int = 0,
+                      write_text=True, keep_events=False, stop_text: StopText | None = None,
                       on_step=None, reading_note=False):
     """One completion with text streamed to `out` and, optionally, the live view on `console`.
-    Returns (token ids, stats, events, text): the text ends before a stop string.
+    Returns (token ids, stats, events, text): the text ends at a stop string (stop_text: the
+    completion's StopText, stop_text_of; None: no stop strings).
 
     With the live view on and stdout on the same terminal, the text is written once at the end
     (the live region would otherwise fight with it); piped stdout still streams. Without it,
@@ -204,7 +213,7 @@ def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, conso
     """
     from rich.live import Live
 
-    text = StopText(pair.tokenizer, stops, min_tokens)
+    text = stop_text if stop_text is not None else StopText(pair.tokenizer)
     shown: list[str] = []
     hold_text = live and getattr(out, "isatty", lambda: False)()
     view = Live(console=console, transient=True, refresh_per_second=8) if live else nullcontext()
@@ -345,8 +354,8 @@ def run_generate(pair, profile, text: str | list[str], *, system=None, raw=False
             try:
                 tokens, stats, events, text_out = stream_completion(
                     pair, decoder, prompt_ids[asking], max_tokens, seed, out=out, console=console,
-                    live=live and not as_json, write_text=not as_json, keep_events=step_table, stops=stops_of(profile),
-                    min_tokens=min_tokens_of(profile),
+                    live=live and not as_json, write_text=not as_json, keep_events=step_table,
+                    stop_text=stop_text_of(pair.tokenizer, profile),
                     on_step=(lambda event: token_records.extend(token_logprobs(event, logprobs, pair.tokenizer)))
                     if logprobs else None)
             except Interrupted as e:  # Ctrl-C: what was generated is still reported, then rsd exits 130
@@ -371,7 +380,7 @@ def run_together(pair, profile, decoder, prompt_ids: list[list[int]], seeds: lis
     be: the first one's text streams, each next one's from where it has got to once the one before is
     reported. Ctrl-C reports every completion's tokens so far, then raises KeyboardInterrupt."""
     tokenizer, count = pair.tokenizer, len(seeds)
-    texts = [StopText(tokenizer, stops_of(profile), min_tokens_of(profile)) for _ in seeds]
+    texts = [stop_text_of(tokenizer, profile) for _ in seeds]
     tokens: list[list[int]] = [[] for _ in seeds]
     stats = [Stats() for _ in seeds]
     events: list[list[StepEvent]] = [[] for _ in seeds]

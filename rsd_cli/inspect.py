@@ -111,13 +111,13 @@ def run_inspect(pair, profile, text: str, *, step: int, fmt: str, output, system
 
     from .errors import RsdError
     from .prompting import encode_prompt
-    from .generation import StopText
-    from .runtime import make_decoder, min_tokens_of, seed_of, stops_of
+    from .generation import stop_text_of
+    from .runtime import make_decoder, seed_of
 
     decoder = make_decoder(pair, profile)
     ids = encode_prompt(pair.tokenizer, text, system=system, raw=raw)
     seed = seed_of(profile)
-    stop = StopText(pair.tokenizer, stops_of(profile), min_tokens_of(profile))
+    stop = stop_text_of(pair.tokenizer, profile)
     event = None
     for event in decoder.generate(ids, max_tokens=10**9, seed=0 if seed is None else seed):
         stop.cut(event)  # generation ends at a stop string, as in generate

@@ -129,7 +129,7 @@ def _max_memory(v) -> str | None:
 
 @dataclass(frozen=True)
 class Key:
-    type: type | tuple  # int, float, str, list (of `item`), dict (a table) or (str, dict)
+    type: type | tuple  # int, float, str, bool, list (of `item`), dict (a table) or (str, dict)
     default: Any
     check: Callable[[Any], str | None] | None = None
     help: str = ""
@@ -196,7 +196,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
                           "string before this many tokens"),
         "max_tokens": Key(int, 256, _positive),
         "seed": Key(int, -1, None, "-1 draws a fresh seed"),
-        "stop": Key(list, [], _stops, "end the answer at the first of these strings (not printed)", item=str),
+        "stop": Key(list, [], _stops, "end the answer at the first of these strings (not printed unless "
+                    "include_stop)", item=str),
+        "include_stop": Key(bool, False, None, "print the stop string that ended the answer too (vLLM's "
+                            "include_stop_str_in_output)"),
         "stop_tokens": Key(list, [], _token_ids, "end the answer at any of these token ids too, as at an "
                            "end-of-sequence token (its text kept unless special)"),
     },
@@ -261,11 +264,11 @@ class Profile:
 def _coerce(key: Key, value: Any, where: str) -> Any:
     if key.type is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    ok = isinstance(value, key.type) and not isinstance(value, bool)
+    ok = isinstance(value, key.type) and (key.type is bool or not isinstance(value, bool))
     if key.type is list:
         ok = isinstance(value, list) and all(isinstance(v, key.item) and not isinstance(v, bool) for v in value)
     if not ok:
-        expected = {int: "an integer", float: "a number", str: "a string", dict: "a table",
+        expected = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a table",
                     (str, dict): "a string or a table",
                     list: f"a list of {'strings' if key.item is str else 'integers'}"}[key.type]
         raise RsdError(f"{where} must be {expected}, got {value!r}")
@@ -275,8 +278,19 @@ def _coerce(key: Key, value: Any, where: str) -> Any:
     return value
 
 
+def parse_bool(raw: str) -> bool:
+    """true/false, 1/0, yes/no, on/off (any case) -> bool; ValueError otherwise."""
+    answer = {"true": True, "1": True, "yes": True, "on": True,
+              "false": False, "0": False, "no": False, "off": False}.get(raw.strip().lower())
+    if answer is None:
+        raise ValueError(raw)
+    return answer
+
+
 def _parse_env(key: Key, raw: str, where: str) -> Any:
     try:
+        if key.type is bool:
+            return parse_bool(raw)
         if key.type is int:
             return int(raw)
         if key.type is float:
@@ -293,7 +307,7 @@ def _parse_env(key: Key, raw: str, where: str) -> Any:
         if key.type is list:
             return [int(x) for x in raw.replace(",", " ").split()]
     except ValueError:  # json.JSONDecodeError is one
-        expected = {float: "a number", list: "a JSON list" if key.item is str else "integers",
+        expected = {float: "a number", bool: "true or false", list: "a JSON list" if key.item is str else "integers",
                     dict: "a JSON object", (str, dict): "a string or a JSON object"}.get(key.type, "an integer")
         raise RsdError(f"{where} must be {expected}, got {raw!r}") from None
     return raw

@@ -32,6 +32,7 @@ FLAG_KEYS = {
     "compile": ("runtime", "compile"),
     "stop": ("sampling", "stop"),
     "stop_token": ("sampling", "stop_tokens"),
+    "include_stop": ("sampling", "include_stop"),
 }
 
 
@@ -115,14 +116,6 @@ def sampling_of(profile: Profile):
     bias = tuple(sorted((int(token), float(value)) for token, value in s["logit_bias"].items()))
     return SamplingParams(s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["repetition_penalty"],
                           s["presence_penalty"], s["frequency_penalty"], bias, s["min_tokens"])
-
-
-def stops_of(profile: Profile) -> list[str]:
-    return list(profile["sampling"]["stop"])
-
-
-def min_tokens_of(profile: Profile) -> int:
-    return profile["sampling"]["min_tokens"]
 
 
 def ends_of(pair, profile: Profile) -> set[int]:

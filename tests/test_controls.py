@@ -76,6 +76,29 @@ def test_streamed_pieces_never_hold_part_of_a_stop_string(tokenizer):
         assert printed == expected == text.text, (body, stop)
 
 
+def test_include_stop_ends_the_text_with_the_stop_string(tokenizer):
+    """vLLM's include_stop_str_in_output: the stop string is released and ends the text (what follows
+    it, in the same token or later, is not), and nothing of it is shown before it is complete."""
+    text = StopText(tokenizer, ["lo w"], include=True)
+    assert text.push(ids(tokenizer, "hel")) == (3, "he")
+    assert text.push(ids(tokenizer, "lo")) == (2, "l")
+    assert text.push(ids(tokenizer, " wor")) == (2, "lo w")  # the stop complete: released with it
+    assert text.matched == "lo w" and text.text == "hello w" and text.flush() == ""
+    rng = random.Random(1)
+    for _ in range(200):
+        body = "".join(rng.choice("ab ") for _ in range(rng.randint(0, 12)))
+        stop = "".join(rng.choice("ab ") for _ in range(rng.randint(1, 3)))
+        tokens, text, printed, position = ids(tokenizer, body), StopText(tokenizer, [stop], include=True), "", 0
+        while position < len(tokens) and not text.matched:
+            size = rng.randint(1, 4)
+            printed += text.push(tokens[position:position + size])[1]
+            assert stop not in printed[:-len(stop)]
+            position += size
+        printed += text.flush()
+        expected = body[: body.index(stop) + len(stop)] if stop in body else body
+        assert printed == expected == text.text, (body, stop)
+
+
 def greedy(tiny_profile, *extra):
     result = CliRunner().invoke(app, ["generate", "hello", "-p", str(tiny_profile), "-t", "0", "-n", "12", "--json",
                                       *extra])
@@ -96,6 +119,45 @@ def test_generate_stops_at_a_string_and_counts_only_what_it_emitted(tiny_profile
     plain = CliRunner().invoke(app, ["generate", "hello", "-p", str(tiny_profile), "-t", "0", "-n", "12",
                                      "--stop", stop])
     assert plain.exit_code == 0 and plain.stdout == full["text"][:cut] + "\n"
+
+
+def test_include_stop_prints_the_stop_string_from_a_flag_the_profile_the_environment_and_chat(
+        tiny_profile, tmp_path, monkeypatch):
+    full = greedy(tiny_profile)
+    stop = full["text"][4:6]
+    end = full["text"].index(stop) + len(stop)
+    record = greedy(tiny_profile, "--stop", stop, "--include-stop")
+    assert record["text"] == full["text"][:end] and record["finish_reason"] == "stop" and record["stop"] == stop
+    assert record["token_ids"] == greedy(tiny_profile, "--stop", stop)["token_ids"]  # (the same tokens either way)
+    plain = CliRunner().invoke(app, ["generate", "hello", "-p", str(tiny_profile), "-t", "0", "-n", "12",
+                                     "--stop", stop, "--include-stop"])
+    assert plain.exit_code == 0 and plain.stdout == full["text"][:end] + "\n"
+    profile = tmp_path / "include.toml"
+    profile.write_text(tiny_profile.read_text().replace(
+        "[sampling]\n", f"[sampling]\nstop = {json.dumps([stop])}\ninclude_stop = true\n"))
+    assert greedy(profile)["text"] == full["text"][:end]
+    assert greedy(profile, "--no-include-stop")["text"] == full["text"][: end - len(stop)]
+    shown = CliRunner().invoke(app, ["profiles", "show", str(profile)])
+    assert "include_stop = true" in shown.stdout
+    monkeypatch.setenv("RSD_SAMPLING_INCLUDE_STOP", "off")
+    assert greedy(profile)["text"] == full["text"][: end - len(stop)]
+    monkeypatch.setenv("RSD_SAMPLING_INCLUDE_STOP", "maybe")
+    result = CliRunner().invoke(app, ["generate", "hi", "-p", str(profile)])
+    assert result.exit_code == 1 and result.stderr.strip().endswith(
+        "environment variable RSD_SAMPLING_INCLUDE_STOP must be true or false, got 'maybe'")
+    monkeypatch.delenv("RSD_SAMPLING_INCLUDE_STOP")
+    bad = tmp_path / "bad.toml"
+    bad.write_text(tiny_profile.read_text().replace("[sampling]\n", "[sampling]\ninclude_stop = 1\n"))
+    result = CliRunner().invoke(app, ["generate", "hi", "-p", str(bad)])
+    assert result.exit_code == 1 and "sampling.include_stop must be true or false, got 1" in result.stderr
+    saved = tmp_path / "chat.json"
+    script = f"/set temperature 0\n/set max_tokens 12\n/set stop {stop}\n/set include_stop on\nhello\n/save {saved}\n"
+    result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile)], input=script)
+    assert result.exit_code == 0, result.stderr
+    assert "include_stop = on" in result.stderr
+    assert json.loads(saved.read_text())["messages"][-1]["content"].endswith(stop)
+    result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile)], input="/set include_stop sometimes\n")
+    assert "/set include_stop: 'sometimes' is not on or off" in result.stderr
 
 
 def test_stop_strings_from_the_profile_and_the_environment(tiny_profile, tmp_path, monkeypatch):
