@@ -368,7 +368,7 @@ def test_the_live_view_says_the_prompt_is_being_read_until_the_first_step(monkey
     monkeypatch.setattr(generation, "complete", slow_first_step)
     console = Console(force_terminal=True, record=True, width=60, file=io.StringIO())
     pair = type("Pair", (), {"tokenizer": None})()
-    monkeypatch.setattr(generation, "StopText", lambda tokenizer, stops, min_tokens=0: type(
+    monkeypatch.setattr(generation, "StopText", lambda tokenizer, *settings: type(
         "Text", (), {"flush": lambda self: "", "text": "", "matched": ""})())
     decoder = type("Decoder", (), {"unread": lambda self, prompt: len(prompt)})()
     generation.stream_completion(pair, decoder, list(range(1234)), 4, 0, out=io.StringIO(), console=console, live=True)
@@ -391,7 +391,7 @@ def test_without_the_live_view_a_slow_prompt_read_is_noted_on_a_terminal(monkeyp
 
     monkeypatch.setattr(generation, "complete", first_step_after_the_note)
     monkeypatch.setattr(generation, "READING_NOTE_DELAY", 0.05 if slow else 10)
-    monkeypatch.setattr(generation, "StopText", lambda tokenizer, stops, min_tokens=0: type(
+    monkeypatch.setattr(generation, "StopText", lambda tokenizer, *settings: type(
         "Text", (), {"flush": lambda self: "", "text": "", "matched": ""})())
     pair = type("Pair", (), {"tokenizer": None})()
     decoder = type("Decoder", (), {"unread": lambda self, prompt: len(prompt) - 1000})()
