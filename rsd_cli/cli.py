@@ -290,11 +290,11 @@ class Loader:
         """The target's tokenizer and the tokens that end an answer (models.load_tokenizer)."""
         from .models import load_tokenizer
 
-        source = profile.resolve_path(profile["target"]["source"])
+        source, trusted = profile.resolve_path(profile["target"]["source"]), profile["target"]["trust_remote_code"]
         if self.quiet:
-            return load_tokenizer(source)
+            return load_tokenizer(source, remote_code=trusted)
         with self.console.status("loading the tokenizer…") as status:
-            return load_tokenizer(source, lambda m: status.update(m))
+            return load_tokenizer(source, lambda m: status.update(m), trusted)
 
     def target_location(self, profile) -> str:
         """The target's source as from_pretrained takes it (a GGUF file is converted here, once)."""

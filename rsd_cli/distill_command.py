@@ -48,7 +48,7 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
     source = profile.resolve_path(profile["target"]["source"])
     console.print(f"loading target {profile['target']['source']}…")
     target, tokenizer = load_model(source, device, torch.float32 if dtype == torch.float16 else dtype,
-                                   placement=placement)
+                                   placement=placement, remote_code=profile["target"]["trust_remote_code"])
     if placement is not None:
         console.print(f"the target's layers: {describe_layers(layers_per_device(target))}")
     total_layers = target.config.num_hidden_layers

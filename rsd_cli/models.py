@@ -493,25 +493,46 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+REMOTE_CODE = ("it comes with Python code of its own, which rsd runs only where the profile says "
+               "trust_remote_code = true (in [target], or [draft] for the draft; only for a model you trust)")
+
+
 def _from_pretrained(loader, source: str, local: bool, **kwargs):
-    """Load from a directory, the hub cache, or (if the network answers) the hub; never hang."""
+    """Load from a directory, the hub cache, or (if the network answers) the hub; never hang. A
+    model whose own code transformers would run without trust_remote_code is one line saying so."""
     if local:
         try:
             return loader.from_pretrained(source, **kwargs)
         except (OSError, ValueError) as e:
-            raise RsdError(f"cannot load model files from {source}: {str(e).splitlines()[0]}") from None
+            raise RsdError(f"cannot load model files from {source}: {_first_line(e)}") from None
     try:
         return loader.from_pretrained(source, local_files_only=True, **kwargs)
-    except Exception:
-        pass
+    except Exception as e:
+        if _asks_for_remote_code(e):  # (cached, but its code not trusted)
+            raise RsdError(f"cannot load {source!r}: {REMOTE_CODE}") from None
     if not hub_reachable():
         raise RsdError(f"cannot load {source!r} from the Hugging Face hub: it is not in the local hub cache "
                        "and the hub cannot be reached (offline?)")
     try:
         return loader.from_pretrained(source, **kwargs)
     except Exception as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise RsdError(f"cannot load {source!r} from the Hugging Face hub: {first}") from None
+        raise RsdError(f"cannot load {source!r} from the Hugging Face hub: {_first_line(e)}") from None
+
+
+def _asks_for_remote_code(error: Exception) -> bool:
+    return "trust_remote_code" in str(error)
+
+
+def _first_line(error: Exception) -> str:
+    """What an error says, in a line (REMOTE_CODE where transformers asks for trust_remote_code)."""
+    if _asks_for_remote_code(error):
+        return REMOTE_CODE
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _remote(trusted: bool) -> dict:
+    """from_pretrained's keyword for a model whose own code the profile trusts (none otherwise)."""
+    return {"trust_remote_code": True} if trusted else {}
 
 
 def quiet_transformers() -> None:
@@ -557,11 +578,12 @@ def _hub_snapshot(repo_id: str) -> Path | None:
 
 
 def load_model(source: str, device, dtype, progress: Progress = _quiet, placement: Placement | None = None,
-               light: bool = False):
+               light: bool = False, remote_code: bool = False):
     """Model and tokenizer, on `device`, or placed over devices by accelerate (`placement`).
     light: the caller runs the model on rsd's static-cache runtime only, so a Llama (Qwen2, Qwen3, Mistral)
     checkpoint in a local folder or in the local hub cache may load without transformers' modeling
-    code (rsd_cli/llama.py): ~2 s sooner."""
+    code (rsd_cli/llama.py): ~2 s sooner. remote_code: the profile trusts the model's own Python code
+    (transformers' trust_remote_code)."""
     location, local = resolve_source(source, progress)
     progress(f"loading {source}")
     model = tokenizer = None
@@ -579,9 +601,9 @@ def load_model(source: str, device, dtype, progress: Progress = _quiet, placemen
     if tokenizer is None:
         from transformers import AutoTokenizer
 
-        tokenizer = _from_pretrained(AutoTokenizer, location, local)
+        tokenizer = _from_pretrained(AutoTokenizer, location, local, **_remote(remote_code))
     if model is None:
-        model = _transformers_model(location, local, device, dtype, placement)
+        model = _transformers_model(location, local, device, dtype, placement, remote_code)
     from . import blocks_cache, small_batch
 
     cpu_folder = Path(location) if local and placement is None and next(model.parameters()).device.type == "cpu" else None
@@ -598,7 +620,7 @@ def load_model(source: str, device, dtype, progress: Progress = _quiet, placemen
     return model, tokenizer
 
 
-def load_tokenizer(source: str, progress: Progress = _quiet) -> tuple[object, set[int]]:
+def load_tokenizer(source: str, progress: Progress = _quiet, remote_code: bool = False) -> tuple[object, set[int]]:
     """A model source's tokenizer alone, as load_model loads it (no weights read), and the tokens
     that end an answer there: the tokenizer's and those its generation_config.json names (else its
     config.json, as transformers falls back to)."""
@@ -621,15 +643,16 @@ def load_tokenizer(source: str, progress: Progress = _quiet) -> tuple[object, se
         quiet_transformers()
         from transformers import AutoTokenizer
 
-        tokenizer = _from_pretrained(AutoTokenizer, location, local)
+        tokenizer = _from_pretrained(AutoTokenizer, location, local, **_remote(remote_code))
     return tokenizer, eos_ids_of(tokenizer, configured)
 
 
-def _transformers_model(location: str, local: bool, device, dtype, placement: Placement | None):
+def _transformers_model(location: str, local: bool, device, dtype, placement: Placement | None,
+                        remote_code: bool = False):
     """The model loaded by transformers, on `device` or placed by accelerate, in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = placement.kwargs() if placement is not None else {}
+    kwargs = {**(placement.kwargs() if placement is not None else {}), **_remote(remote_code)}
     with _warnings_off("accelerate"):  # ("Some parameters are on the meta device..." when it offloads;
         # stderr itself is left as it is, where rsd's spinner goes on turning)
         try:
@@ -1005,7 +1028,8 @@ def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, l
     draft_place = placement_of(profile, "draft")
     target_source = profile.resolve_path(profile["target"]["source"])
     light = light and profile["runtime"]["compile"] != "off"
-    target, tokenizer = load_model(target_source, device, dtype, progress, target_place, light)
+    target, tokenizer = load_model(target_source, device, dtype, progress, target_place, light,
+                                   profile["target"]["trust_remote_code"])
     draft_cfg = profile["draft"]
     if draft_cfg["kind"] == "early-exit":
         path = adapter_path(draft_cfg["adapter"], profile, target, draft_cfg["layers"])
@@ -1020,7 +1044,7 @@ def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, l
             raise RsdError(f"{profile.path}: draft.kind = \"model\" needs draft.source")
         # unless placed itself, a separate draft goes where the target's inputs go (its first GPU)
         draft, draft_tok = load_model(profile.resolve_path(draft_cfg["source"]), input_device(target), dtype,
-                                      progress, draft_place, light)
+                                      progress, draft_place, light, draft_cfg["trust_remote_code"])
         check_same_tokenizer(tokenizer, draft_tok)
         what = draft_cfg["source"]
     vocab = text_config(target.config).vocab_size  # (the target's whole distribution: a narrower draft's q is 0

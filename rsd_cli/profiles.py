@@ -137,8 +137,11 @@ class Key:
 
 
 def _placement_keys(applies: str) -> dict[str, Key]:
-    """device_map, max_memory and offload_folder, for [target] and (kind = model) [draft]."""
+    """device_map, max_memory and offload_folder (and trust_remote_code), for [target] and (kind =
+    model) [draft]."""
     return {
+        "trust_remote_code": Key(bool, False, None, f"{applies}run the model's own Python code from its folder or "
+                                 "hub repo (transformers' trust_remote_code): only for a model you trust"),
         "device_map": Key((str, dict), "", _device_map,
                           f'{applies}place the model over devices with accelerate: "auto", "balanced", "sequential", '
                           'or a table of module = device ("cpu", "disk", 0, "cuda:1"); "" = all on `device`'),

@@ -638,3 +638,41 @@ def test_an_adapter_is_rounded_to_8_bit_blocks_where_the_kernel_runs_them(tmp_pa
     monkeypatch.delenv("RSD_ADAPTER_BLOCKS")
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "torch")  # the kernel not used: nothing to gain
     assert not models.round_adapter(models.load_adapter(path, target, 1, vocab=20))
+
+
+def test_a_model_with_code_of_its_own_loads_only_where_the_profile_trusts_it(tiny_profile, tiny_pair_dir, tmp_path,
+                                                                            monkeypatch):
+    """A model whose config.json points transformers at Python files of its own (as some hub repos
+    do) is refused in one line naming the profile key; with `trust_remote_code = true` (or its
+    environment variable) it loads and answers as the same weights do without that code."""
+    import transformers.dynamic_module_utils as modules
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from rsd_cli.cli import app
+    from tiny import save_remote_code_model
+
+    monkeypatch.setattr(modules, "HF_MODULES_CACHE", str(tmp_path / "modules"))  # (where transformers copies it)
+    folder = save_remote_code_model(tmp_path / "remote", AutoModelForCausalLM.from_pretrained(tiny_pair_dir / "target"))
+    untrusted = tmp_path / "remote.toml"
+    untrusted.write_text(tiny_profile.read_text().replace(str(tiny_pair_dir / "target"), str(folder)))
+    trusted = tmp_path / "trusted.toml"
+    trusted.write_text(untrusted.read_text().replace("[target]\n", "[target]\ntrust_remote_code = true\n"))
+
+    def run(*args):
+        return CliRunner().invoke(app, [*args, "-t", "0", "-n", "8", "--json"] if args[0] == "generate" else list(args))
+
+    result = run("generate", "hello", "-p", str(untrusted))
+    assert result.exit_code == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().endswith("it comes with Python code of its own, which rsd runs only where the "
+                                          "profile says trust_remote_code = true (in [target], or [draft] for the "
+                                          "draft; only for a model you trust)")
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert run("tokenize", "hello", "-p", str(untrusted)).exit_code == 0  # (its tokenizer runs none of that code)
+    expected = json.loads(run("generate", "hello", "-p", str(tiny_profile)).stdout)["token_ids"]
+    result = run("generate", "hello", "-p", str(trusted))
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["token_ids"] == expected
+    monkeypatch.setenv("RSD_TARGET_TRUST_REMOTE_CODE", "1")
+    result = run("generate", "hello", "-p", str(untrusted))
+    assert result.exit_code == 0 and json.loads(result.stdout)["token_ids"] == expected

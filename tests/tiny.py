@@ -204,6 +204,41 @@ def save_profiled_pair(root: Path, target, draft) -> Path:
     return profile
 
 
+REMOTE_CONFIG = """from transformers import LlamaConfig
+
+
+class TinyRemoteConfig(LlamaConfig):
+    model_type = "tiny_remote"
+"""
+REMOTE_MODEL = """from transformers import LlamaForCausalLM
+
+from .configuration_tiny_remote import TinyRemoteConfig
+
+
+class TinyRemoteForCausalLM(LlamaForCausalLM):
+    config_class = TinyRemoteConfig
+"""
+
+
+def save_remote_code_model(folder: Path, model) -> Path:
+    """`model` (a tiny Llama) saved as a model with code of its own, as some hub repos are: its
+    config.json names a model type transformers does not know and the Python files (beside the
+    weights) that define it, which transformers runs only with trust_remote_code; with the tiny
+    tokenizer."""
+    import json
+
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    (folder / "configuration_tiny_remote.py").write_text(REMOTE_CONFIG)
+    (folder / "modeling_tiny_remote.py").write_text(REMOTE_MODEL)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="tiny_remote", architectures=["TinyRemoteForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
+                            "AutoModelForCausalLM": "modeling_tiny_remote.TinyRemoteForCausalLM"})
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 def save_tiny_pair(root: Path, vocab: int = 40) -> tuple[Path, Path]:
     """A target (3 layers) and a separate draft (1 layer) sharing one tokenizer."""
     target_dir, draft_dir = root / "target", root / "draft"
