@@ -70,7 +70,8 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # A sliding window is in the masks (StaticLM.forward hides the keys it has passed): one mask where
 # every layer has it (Mistral 7B v0.1's 4096), one per layer kind where some layers do (Gemma 3's
 # five of six, Qwen2's past `max_window_layers`). SmolLM3: Llama's layers, every fourth without a rotation.
-SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3")
+# Granite (3.x): Llama's, with the embedding, each block's output and the logits scaled by constants.
+SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP's gate: SiLU (Llama), GELU tanh-approximated or exact
@@ -84,6 +85,7 @@ class Style(NamedTuple):
     sandwich: bool = False  # norms after attention and after the MLP too (Gemma 2 and 3)
     activation: str = "silu"  # the MLP gate's (ACTIVATIONS)
     softcap: float | None = None  # attention scores soft-capped to (-softcap, softcap) before the mask (Gemma 2)
+    residual_scale: float = 1.0  # what attention's and the MLP's outputs are multiplied by before they join (Granite)
 
 
 def decoder_of(model) -> tuple:
@@ -102,7 +104,7 @@ def style_of(model) -> Style:
     inner, cfg = decoder_of(model)
     layer = inner.layers[0]
     return Style(cfg.model_type.startswith("gemma"), hasattr(layer, "pre_feedforward_layernorm"), activation_of(cfg),
-                 getattr(cfg, "attn_logit_softcapping", None) or None)
+                 getattr(cfg, "attn_logit_softcapping", None) or None, float(getattr(cfg, "residual_multiplier", 1.0)))
 
 
 def activation_of(cfg) -> str:
@@ -283,6 +285,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None].to(q.dtype),
                                              scale=scaling, **grouped)[0]
     attended = _linear(out.transpose(0, 1).reshape(n, heads * head_dim), wo, bo, small[3])
+    if style.residual_scale != 1.0:  # (Granite)
+        attended = attended * style.residual_scale
     x = x + (attended if after_attention is None else _rms_norm(attended, after_attention, eps, gemma))
     h = _rms_norm(x, ln2, eps, gemma)
     if wu is None:  # (stacked float weights)
@@ -292,6 +296,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     else:
         gate, up = _linear(h, wg, None, small[4]), _linear(h, wu, None, small[5])
     mlp = _linear(_activation(gate, style.activation) * up, wd, None, small[6])
+    if style.residual_scale != 1.0:
+        mlp = mlp * style.residual_scale
     return x + (mlp if after_mlp is None else _rms_norm(mlp, after_mlp, eps, gemma))
 
 
@@ -427,11 +433,12 @@ def fused_blocks(linears, biased: bool = False, held: bool = False) -> torch.Ten
 
 
 def final_logits(x, norm, eps: float, head, small: tuple, gemma: bool = False,
-                 softcap: float | None = None) -> torch.Tensor:
+                 softcap: float | None = None, divisor: float = 1.0) -> torch.Tensor:
     """(m, hidden) -> (m, rows of the head) logits: the final norm (a norm_weight) and the output head,
-    the logits then soft-capped to (-softcap, softcap) where the model says (Gemma 2 and 3's
-    `final_logit_softcapping`)."""
+    the logits then divided by `divisor` (Granite's `logits_scaling`) and soft-capped to (-softcap,
+    softcap) where the model says (Gemma 2 and 3's `final_logit_softcapping`)."""
     logits = _linear(_rms_norm(x, norm, eps, gemma), head, None, small)
+    logits = logits if divisor == 1.0 else logits / divisor
     return logits if not softcap else torch.tanh(logits / softcap) * softcap
 
 
@@ -492,6 +499,8 @@ class CompiledModel:
         self.norm_eps = _eps(inner.norm)
         self.final_norm = norm_weight(inner.norm.weight, style)
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.embedding_scale = float(getattr(cfg, "embedding_multiplier", 1.0))  # (Granite's, besides the module's)
+        self.logits_divisor = float(getattr(cfg, "logits_scaling", 1.0))  # (Granite's)
         self.device = inner.embed_tokens.weight.device
         self.dtype = inner.embed_tokens.weight.dtype
         self.context = getattr(cfg, "max_position_embeddings", 4096)
@@ -519,7 +528,8 @@ class CompiledModel:
         # layers on quantised blocks run in the blocks library (uncompiled CPU path): all of a forward's
         # layers in one call where every layer can, then the final norm and head in one more (Llama's
         # layers, on one rotary table and one mask)
-        in_c = style == Style() and len(self.tables) == 1 and self.cos is not None and self.by_kind is None
+        in_c = style == Style() and len(self.tables) == 1 and self.cos is not None and self.by_kind is None \
+            and self.embedding_scale == self.logits_divisor == 1.0
         native = [_native_layer(layer, fused, fuse) if in_c else None
                   for layer, (_, _, fused) in zip(inner.layers, self.layers)]
         self.native = native if any(native) else None
@@ -684,6 +694,8 @@ class CompiledModel:
             for kind_mask in masks:
                 torch._dynamo.maybe_mark_dynamic(kind_mask, 1)
         x = self.inner.embed_tokens(tokens)  # (n, hidden; Gemma's embedding scales it)
+        if self.embedding_scale != 1.0:  # (Granite's model scales it)
+            x = x * self.embedding_scale
         # (a tree's rows past the context's end read its last rotary angle: their tokens are never emitted)
         positions = positions.clamp(max=self.context - 1)
         head_dim = self.dims[2]
@@ -709,7 +721,7 @@ class CompiledModel:
                 return native_head(y, rows, self.inner.norm.weight, self.norm_eps, head, threads=threads)
             with on_threads(threads) if threads else contextlib.nullcontext():
                 return final_logits(y[rows], self.final_norm, self.norm_eps, self.model.lm_head.weight,
-                                    self.head_small, self.style.gemma_norms, self.softcap)
+                                    self.head_small, self.style.gemma_norms, self.softcap, self.logits_divisor)
 
         if in_c:
             def in_the_library(threads: int) -> torch.Tensor:
