@@ -3,9 +3,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo
 
 # tiny models gain nothing from threads, and the suite runs beside other work
 torch.set_num_threads(1)
+# torch.compile keeps what it compiled of decoder_layer (every model family, size and token count) per code
+# object, up to its recompile limit: rsd sets 64, plenty for the one or two models of a run, but one test process
+# compiles it for dozens of tiny models
+for _name in ("recompile_limit", "cache_size_limit"):  # (renamed in torch 2.6)
+    if hasattr(torch._dynamo.config, _name):
+        setattr(torch._dynamo.config, _name, 1024)
 
 sys.path.insert(0, str(Path(__file__).parent))
 
