@@ -63,14 +63,14 @@ BUCKETS = (1, 2, 4, 8, 16)
 STATIC_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # scaled_dot_product_attention(enable_gqa=)
 # Llama-style decoders the tests cover: Llama itself; Qwen2 (biases on q, k and v: the layer takes
-# them); Mistral (Llama's layer); Qwen3 (an RMS norm on each head of q and k); Gemma (norms that scale
-# by 1 + weight, a GELU MLP: `Style`), Gemma 2 (norms after attention and the MLP too, attention
-# scores soft-capped) and Gemma 3's text decoder (Gemma 1B and 270M: norms after attention and the
-# MLP too, q and k normed per head, a rotary table and a window per layer kind).
-# A sliding window is in the masks (StaticLM.forward hides the keys it has passed): one mask where
-# every layer has it (Mistral 7B v0.1's 4096), one per layer kind where some layers do (Gemma 3's
-# five of six, Qwen2's past `max_window_layers`). SmolLM3: Llama's layers, every fourth without a rotation.
-# Granite (3.x): Llama's, with the embedding, each block's output and the logits scaled by constants.
+# them); Mistral (Llama's layer); Qwen3 (an RMS norm on each head of q and k); SmolLM3 (Llama's layers,
+# every fourth without a rotation); Granite 3.x (Llama's, the embedding, each block's output and the
+# logits scaled by constants); Gemma (norms that scale by 1 + weight, a GELU MLP: `Style`); Gemma 2
+# (norms after attention and the MLP too, attention scores soft-capped); Gemma 3's text decoder (270M,
+# 1B, and 4B and up read for their text: Gemma 2's norms, q and k normed per head, a rotary table per
+# layer kind). A sliding window is in the masks (StaticLM.forward hides the keys it has passed): one
+# mask where every layer has it (Mistral 7B v0.1's 4096), one per layer kind where some layers do
+# (Gemma 2's every other, Gemma 3's five of six, Qwen2's past `max_window_layers`).
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -221,11 +221,12 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
                   sight: Sight | None = None, style: Style = Style()) -> torch.Tensor:
     """One Llama decoder layer on n new tokens (or one of a family `style` describes: Gemma's).
     x (n, hidden); cos, sin (n, head_dim); mask (n, kv_len) additive, the new tokens at slots
-    kv_len - n .. kv_len - 1 of keys, values (kv_heads, capacity, head_dim), written in place. With `slots` (n,) (static shapes, what a CUDA graph replays) the
-    new tokens go to those slots and the mask covers the whole capacity: no size depends on the
-    cache's length. `weights` are the layer's tensors, `small` the CPU kernels of its
-    linears (small_batch.kernels_of), dims = (heads, kv_heads, head_dim, scaling, eps). Every layer of a model (and
-    of its early-exit draft, adapter included) has the same shapes: one compiled graph serves them all.
+    kv_len - n .. kv_len - 1 of keys, values (kv_heads, capacity, head_dim), written in place. With
+    `slots` (n,) (static shapes, what a CUDA graph replays) the new tokens go to those slots and the
+    mask covers the whole capacity: no size depends on the cache's length. `weights` are the layer's
+    tensors, `small` the CPU kernels of its linears (small_batch.kernels_of), dims = (heads, kv_heads,
+    head_dim, scaling, eps). Every layer of a model (and of its early-exit draft, adapter included)
+    has the same shapes: one compiled graph serves them all.
     `fused` = (q, k and v's quantised blocks in one, gate and up's in one) or None each (fused_blocks):
     one call of the blocks kernel instead of three or two, the same arithmetic for every output. On a
     GPU wk, wv and wu are None: wq holds q, k and v's weights stacked and wg gate and up's
@@ -460,7 +461,8 @@ class CompiledModel:
         self.model = model
         self.compiled = compile
         self.notice = notice  # one line for the user (a CUDA graph that cannot be captured)
-        self.inner, cfg = inner, _ = decoder_of(model)
+        inner, cfg = decoder_of(model)
+        self.inner = inner  # (the text decoder: a multimodal model's language model)
         attn = inner.layers[0].self_attn
         self.dims = (cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim, attn.scaling,
                      _eps(inner.layers[0].input_layernorm))
@@ -676,9 +678,9 @@ class CompiledModel:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor | None = None,
                 sight: Callable[[], Sight | None] | None = None) -> torch.Tensor:
-        """tokens, positions (n,); mask (n, kv_len) additive (or (2, n, kv_len): the full-attention layers'
-        and the windowed ones', where only some layers have a window: by_kind), the new tokens at slots kv_len - n ..
-        kv_len - 1 (or at `slots`, the mask then over the whole capacity); keys, values (layers,
+        """tokens, positions (n,); mask (n, kv_len) additive (or (2, n, kv_len): the full-attention
+        layers' and the windowed ones', where only some layers have a window: by_kind), the new tokens
+        at slots kv_len - n .. kv_len - 1 (or at `slots`, the mask then over the whole capacity); keys, values (layers,
         kv_heads, capacity, head_dim), written in place; rows (m,) which outputs to return. Returns
         (m, rows of the head) logits. Sizes in BUCKETS run the compiled graphs (the used length and
         the capacity are dynamic dimensions), others eager. sight: () -> what attention reads, where
