@@ -136,9 +136,9 @@ class Key:
     item: type = int  # the type of a list's items
 
 
-def _placement_keys(applies: str) -> dict[str, Key]:
-    """device_map, max_memory and offload_folder (and trust_remote_code), for [target] and (kind =
-    model) [draft]."""
+def _loading_keys(applies: str) -> dict[str, Key]:
+    """How a model loads, for [target] and (kind = model) [draft]: trust_remote_code, and its placement
+    (device_map, max_memory, offload_folder)."""
     return {
         "trust_remote_code": Key(bool, False, None, f"{applies}run the model's own Python code from its folder or "
                                  "hub repo (transformers' trust_remote_code): only for a model you trust"),
@@ -157,7 +157,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "source": Key(str, "embedded", None, '"embedded", a model directory, a .gguf file, or a hub id'),
         "dtype": Key(str, "auto", _one_of("auto", "float32", "bfloat16", "float16")),
         "device": Key(str, "auto", None, '"auto", "cpu", "cuda", "cuda:1", ...'),
-        **_placement_keys(""),
+        **_loading_keys(""),
     },
     "draft": {
         "kind": Key(str, "early-exit", _one_of("early-exit", "model")),
@@ -166,7 +166,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "adapter": Key(str, "auto", None,
                        'early-exit: "auto" (the shipped one if trained for this target), "embedded", a file, or ""'),
         "vocab": Key(int, 0, _non_negative, "early-exit: draft only among the first N token ids (0 = all)"),
-        **_placement_keys("kind = model: "),
+        **_loading_keys("kind = model: "),
     },
     "decoding": {
         "variant": Key(str, "sd", _one_of(*VARIANTS)),
