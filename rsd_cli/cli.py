@@ -203,10 +203,11 @@ DepthOpt = Annotated[Optional[int], typer.Option("--depth", help="rsd-s, spectr:
 NumDraftsOpt = Annotated[Optional[int], typer.Option("--num-drafts", help="spectr: number of draft sequences K.",
                                                      rich_help_panel=DRAFT, show_default=False)]
 StopOpt = Annotated[Optional[list[str]], typer.Option(
-    "--stop", help="End the answer at the first occurrence of TEXT (not printed); repeatable.",
+    "--stop", help="End the answer at the first occurrence of TEXT (not printed unless --include-stop); repeatable.",
     rich_help_panel=SAMPLING, show_default=False)]
 IncludeStopOpt = Annotated[Optional[bool], typer.Option(
-    "--include-stop/--no-include-stop", help="Print the stop string that ended the answer too (its text in --json).",
+    "--include-stop/--no-include-stop", help="Print the stop string that ended the answer too (and keep it in "
+    "--json's text).",
     rich_help_panel=SAMPLING, show_default=False)]
 StopTokenOpt = Annotated[Optional[list[int]], typer.Option(
     "--stop-token", help="End the answer at this token id too, as at an end-of-sequence token (its text kept "
