@@ -837,8 +837,10 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
         raise RsdError(f"draft.layers = {layers} but the target has only {total} layers")
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = layers + (adapter is not None)
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[: config.num_hidden_layers]
+    if getattr(config, "layer_types", None):  # (each layer's attention kind: the adapter's is its layer K's, which
+        # `rsd distill`'s training graph, the adapter alone, has as its only layer)
+        index = getattr(adapter["layer"].self_attn, "layer_idx", layers) if adapter is not None else None
+        config.layer_types = config.layer_types[:layers] + ([config.layer_types[index]] if adapter is not None else [])
     with torch.device("meta"), uninitialised():
         draft = type(target)(config)
     draft.model.embed_tokens = inner.embed_tokens

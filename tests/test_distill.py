@@ -133,6 +133,30 @@ def test_training_graph_equals_the_draft_it_trains(tiny_pair_dir, vocab, head_ro
     assert adapter["layer"].self_attn.layer_idx == 1  # still the draft's own cache slot
 
 
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_training_graph_of_an_adapter_whose_layer_kind_is_not_the_first_layers(kind):
+    """Gemma 2 and 3 (tiny, random): layer 1, where the adapter of a 1-layer draft sits, attends to
+    every key where layer 0 sees a window (and, Gemma 3, takes another rotary table). The training
+    graph, the adapter as its only layer, must give it its own layer's kind: before, it took layer
+    0's (the first of the target's kinds), and trained an adapter for the wrong mask and angles."""
+    import torch
+
+    from rsd_cli.distill import adapter_only, hidden_entering
+    from tiny import tiny_relative
+
+    target = tiny_relative(kind, 40, layers=3)
+    assert target.config.layer_types[:2] == ["sliding_attention", "full_attention"]
+    adapter = models.new_adapter(target, 1, None)
+    draft, trainee = models.early_exit_draft(target, 1, adapter), adapter_only(target, adapter)
+    assert trainee.config.layer_types == ["full_attention"] and draft.config.layer_types == target.config.layer_types[:2]
+    ids = [1, 5, 9, 3, 7, 11, 4]  # (longer than the window of 4)
+    with torch.no_grad():
+        expected = draft(torch.tensor([ids])).logits[0]
+        got = trainee(inputs_embeds=hidden_entering(models.early_exit_draft(target, 1), ids)[None],
+                      use_cache=False).logits[0]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_an_adapter_trained_for_a_reduced_head_asks_for_that_head(target_profile, tmp_path):
     profile, prompts = target_profile
     out = tmp_path / "adapter.safetensors"
