@@ -68,10 +68,12 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # logits scaled by constants); Gemma (norms that scale by 1 + weight, a GELU MLP: `Style`); Gemma 2
 # (norms after attention and the MLP too, attention scores soft-capped); Gemma 3's text decoder (270M,
 # 1B, and 4B and up read for their text: Gemma 2's norms, q and k normed per head, a rotary table per
-# layer kind). A sliding window is in the masks (StaticLM.forward hides the keys it has passed): one
+# layer kind); OLMo 2 (norms after attention and the MLP only, q and k normed whole) and OLMo 3 (OLMo
+# 2's, a window and a rotary table per layer kind). A sliding window is in the masks (StaticLM.forward hides the keys it has passed): one
 # mask where every layer has it (Mistral 7B v0.1's 4096), one per layer kind where some layers do
-# (Gemma 2's every other, Gemma 3's five of six, Qwen2's past `max_window_layers`).
-SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite")
+# (Gemma 2's every other, Gemma 3's five of six, OLMo 3's three of four, Qwen2's past `max_window_layers`).
+SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
+                   "olmo2", "olmo3")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP's gate: SiLU (Llama), GELU tanh-approximated or exact
@@ -81,8 +83,8 @@ class Style(NamedTuple):
     """How a family's decoder layers differ from Llama's: what decoder_layer branches on (constants
     in its compiled graphs)."""
 
-    gemma_norms: bool = False  # RMS norms scale by 1 + weight, in float32 before the cast to the model's dtype
-    sandwich: bool = False  # norms after attention and after the MLP too (Gemma 2 and 3)
+    norm_in_float: bool = False  # RMS norms multiply by their weight in float32, then cast (Gemma, OLMo 2 and 3)
+    norm_offset: bool = False  # ... by 1 + their weight (Gemma)
     activation: str = "silu"  # the MLP gate's (ACTIVATIONS)
     softcap: float | None = None  # attention scores soft-capped to (-softcap, softcap) before the mask (Gemma 2)
     residual_scale: float = 1.0  # what attention's and the MLP's outputs are multiplied by before they join (Granite)
@@ -101,10 +103,21 @@ def decoder_of(model) -> tuple:
 
 
 def style_of(model) -> Style:
-    inner, cfg = decoder_of(model)
-    layer = inner.layers[0]
-    return Style(cfg.model_type.startswith("gemma"), hasattr(layer, "pre_feedforward_layernorm"), activation_of(cfg),
+    _, cfg = decoder_of(model)
+    gemma = cfg.model_type.startswith("gemma")
+    return Style(gemma or cfg.model_type.startswith("olmo"), gemma, activation_of(cfg),
                  getattr(cfg, "attn_logit_softcapping", None) or None, float(getattr(cfg, "residual_multiplier", 1.0)))
+
+
+def layer_norms(layer) -> tuple:
+    """A decoder layer's norm modules (before attention, before the MLP, after attention, after the
+    MLP), None where its family has none: Llama's input_layernorm and post_attention_layernorm (the
+    one before the MLP, whatever its name says); Gemma 2 and 3's four (their post_attention_layernorm
+    is after attention); OLMo 2 and 3's last two only."""
+    if hasattr(layer, "post_feedforward_layernorm"):
+        return (getattr(layer, "input_layernorm", None), getattr(layer, "pre_feedforward_layernorm", None),
+                layer.post_attention_layernorm, layer.post_feedforward_layernorm)
+    return layer.input_layernorm, layer.post_attention_layernorm, None, None
 
 
 def activation_of(cfg) -> str:
@@ -189,12 +202,12 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sm
     return F.linear(x, weight, bias)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
-    """Llama's RMS norm (the weight times the normed x cast to x's dtype), or with `gemma` Gemma's: the
-    normed x times a float32 weight that already holds 1 + the module's (norm_weight), then cast."""
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, in_float: bool = False) -> torch.Tensor:
+    """Llama's RMS norm (the weight times the normed x cast to x's dtype), or with `in_float` Gemma's
+    and OLMo's: the normed x times a float32 weight (norm_weight), then cast."""
     dtype, x = x.dtype, x.float()
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * weight).to(dtype) if gemma else weight * normed.to(dtype)
+    return (normed * weight).to(dtype) if in_float else weight * normed.to(dtype)
 
 
 def _eps(norm) -> float:
@@ -204,10 +217,13 @@ def _eps(norm) -> float:
 
 
 def norm_weight(weight: torch.Tensor, style: Style) -> torch.Tensor:
-    """What _rms_norm takes for a norm module's weight: the weight, or for Gemma 1 + it in float32
-    (computed once: the values Gemma's norm computes at every call)."""
+    """What _rms_norm takes for a norm module's weight: the weight, or where norms multiply in float32
+    the weight in float32, for Gemma 1 + it (computed once: the values its norm computes at every
+    call)."""
     weight = weight.detach()
-    return 1.0 + weight.float() if style.gemma_norms else weight
+    if style.norm_offset:
+        return 1.0 + weight.float()
+    return weight.float() if style.norm_in_float else weight
 
 
 def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -232,17 +248,18 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     GPU wk, wv and wu are None: wq holds q, k and v's weights stacked and wg gate and up's
     (stack_projections), one product instead of three and one instead of two. `sight` (see Sight):
     the keys attention reads and how, where fewer than all of them or plainly causal. Norms' weights
-    are norm_weight's; `after_attention` and `after_mlp` (Gemma 2 and 3's norms of each block's
-    output before it joins the residual) are None for Llama, whose `ln2` is before the MLP as Gemma's
-    `pre_feedforward_layernorm` is."""
+    are norm_weight's, each None where the family has no such norm (layer_norms): `ln1` before
+    attention and `ln2` before the MLP (OLMo has neither), `after_attention` and `after_mlp` on each
+    block's output before it joins the residual (Gemma 2 and 3, OLMo; not Llama). q_norm and k_norm
+    norm each head (Qwen3, Gemma 3) or, as wide as q and k, the whole of them (OLMo)."""
     ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd, q_norm, k_norm, after_attention, after_mlp = weights
-    gemma = style.gemma_norms
+    in_float = style.norm_in_float
     heads, kv_heads, head_dim, scaling, eps = dims
     n, kv_len = x.shape[0], mask.shape[1]
     # stacked blocks where the blocks kernel serves this many rows (prompts: where it measured faster)
     on_blocks = n <= MAX_ROWS or small[0][0][2] == "blocks"
     fused = fused if on_blocks and not torch.compiler.is_compiling() else (None, None)
-    h = _rms_norm(x, ln1, eps, gemma)
+    h = x if ln1 is None else _rms_norm(x, ln1, eps, in_float)  # (OLMo: no norm before attention)
     widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
     if wk is None:  # (stacked float weights)
         q, k, v = F.linear(h, wq).split(widths, -1)
@@ -252,9 +269,12 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
         q, k, v = (t if b is None else t + b for t, b in ((q, bq), (k, bk), (v, bv)))  # (Qwen2's biases)
     else:
         q, k, v = _linear(h, wq, bq, small[0]), _linear(h, wk, bk, small[1]), _linear(h, wv, bv, small[2])
+    whole = q_norm is not None and q_norm.shape[0] != head_dim  # (OLMo 2 and 3: q and k normed as a whole)
+    if whole:
+        q, k = _rms_norm(q, q_norm, eps, in_float), _rms_norm(k, k_norm, eps, in_float)
     q, k = q.view(n, heads, head_dim), k.view(n, kv_heads, head_dim)
-    if q_norm is not None:  # Qwen3, Gemma 3: each head of q and k RMS-normed before the rotation
-        q, k = _rms_norm(q, q_norm, eps, gemma), _rms_norm(k, k_norm, eps, gemma)
+    if q_norm is not None and not whole:  # Qwen3, Gemma 3: each head of q and k RMS-normed before the rotation
+        q, k = _rms_norm(q, q_norm, eps, in_float), _rms_norm(k, k_norm, eps, in_float)
     q, k = q.transpose(0, 1), k.transpose(0, 1)  # (H, n, hd), (KVH, n, hd)
     v = v.view(n, kv_heads, head_dim).transpose(0, 1)
     q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
@@ -288,8 +308,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     attended = _linear(out.transpose(0, 1).reshape(n, heads * head_dim), wo, bo, small[3])
     if style.residual_scale != 1.0:  # (Granite)
         attended = attended * style.residual_scale
-    x = x + (attended if after_attention is None else _rms_norm(attended, after_attention, eps, gemma))
-    h = _rms_norm(x, ln2, eps, gemma)
+    x = x + (attended if after_attention is None else _rms_norm(attended, after_attention, eps, in_float))
+    h = x if ln2 is None else _rms_norm(x, ln2, eps, in_float)
     if wu is None:  # (stacked float weights)
         gate, up = F.linear(h, wg).chunk(2, -1)
     elif fused[1] is not None:
@@ -299,7 +319,7 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     mlp = _linear(_activation(gate, style.activation) * up, wd, None, small[6])
     if style.residual_scale != 1.0:
         mlp = mlp * style.residual_scale
-    return x + (mlp if after_mlp is None else _rms_norm(mlp, after_mlp, eps, gemma))
+    return x + (mlp if after_mlp is None else _rms_norm(mlp, after_mlp, eps, in_float))
 
 
 def _native_layer(layer, fused: tuple, fuse: bool):
@@ -433,12 +453,12 @@ def fused_blocks(linears, biased: bool = False, held: bool = False) -> torch.Ten
     return torch.cat(found) if flat is None else flat.view(found[0].dtype).view(-1, *found[0].shape[1:])
 
 
-def final_logits(x, norm, eps: float, head, small: tuple, gemma: bool = False,
+def final_logits(x, norm, eps: float, head, small: tuple, in_float: bool = False,
                  softcap: float | None = None, divisor: float = 1.0) -> torch.Tensor:
     """(m, hidden) -> (m, rows of the head) logits: the final norm (a norm_weight) and the output head,
     the logits then divided by `divisor` (Granite's `logits_scaling`) and soft-capped to (-softcap,
     softcap) where the model says (Gemma 2 and 3's `final_logit_softcapping`)."""
-    logits = _linear(_rms_norm(x, norm, eps, gemma), head, None, small)
+    logits = _linear(_rms_norm(x, norm, eps, in_float), head, None, small)
     logits = logits if divisor == 1.0 else logits / divisor
     return logits if not softcap else torch.tanh(logits / softcap) * softcap
 
@@ -465,7 +485,7 @@ class CompiledModel:
         self.inner = inner  # (the text decoder: a multimodal model's language model)
         attn = inner.layers[0].self_attn
         self.dims = (cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim, attn.scaling,
-                     _eps(inner.layers[0].input_layernorm))
+                     _eps(next(norm for norm in layer_norms(inner.layers[0]) if norm is not None)))
         self.style = style = style_of(model)
         self.layers = []
         fuse = _room_to_fuse(inner.layers)
@@ -475,12 +495,8 @@ class CompiledModel:
             a, m = layer.self_attn, layer.mlp
             stacks = stack_projections(layer) if stack else None  # (before the views of weights below)
             linears = projections(layer)
-            # (Gemma 2 and 3 call the norm after attention `post_attention_layernorm`, Llama its norm before the MLP)
-            norms = ((layer.input_layernorm, layer.pre_feedforward_layernorm, layer.post_attention_layernorm,
-                      layer.post_feedforward_layernorm) if style.sandwich else
-                     (layer.input_layernorm, layer.post_attention_layernorm, None, None))
             ln1, ln2, after_attention, after_mlp = (None if norm is None else norm_weight(norm.weight, style)
-                                                    for norm in norms)
+                                                    for norm in layer_norms(layer))
             head_norms = tuple(None if w is None else norm_weight(w, style) for w in _head_norms(a))
             weights = (ln1, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
                        a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, a.o_proj.bias,
@@ -531,7 +547,7 @@ class CompiledModel:
         # layers in one call where every layer can, then the final norm and head in one more (Llama's
         # layers, on one rotary table and one mask)
         in_c = style == Style() and len(self.tables) == 1 and self.cos is not None and self.by_kind is None \
-            and self.embedding_scale == self.logits_divisor == 1.0
+            and self.embedding_scale == self.logits_divisor == 1.0 and layer_norms(inner.layers[0])[2] is None
         native = [_native_layer(layer, fused, fuse) if in_c else None
                   for layer, (_, _, fused) in zip(inner.layers, self.layers)]
         self.native = native if any(native) else None
@@ -723,7 +739,7 @@ class CompiledModel:
                 return native_head(y, rows, self.inner.norm.weight, self.norm_eps, head, threads=threads)
             with on_threads(threads) if threads else contextlib.nullcontext():
                 return final_logits(y[rows], self.final_norm, self.norm_eps, self.model.lm_head.weight,
-                                    self.head_small, self.style.gemma_norms, self.softcap, self.logits_divisor)
+                                    self.head_small, self.style.norm_in_float, self.softcap, self.logits_divisor)
 
         if in_c:
             def in_the_library(threads: int) -> torch.Tensor:

@@ -519,14 +519,16 @@ def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
     assert run(pair, static, shape, sampling, 30, seed=3) == reference
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "granite"])
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "granite",
+                                  "olmo2", "olmo3"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
     a window on every other layer), Gemma 3 (q and k normed, a window and a rotary table by layer
-    kind), SmolLM3 (layers without a rotation) and Granite (the embedding, blocks' outputs and logits
-    scaled): tree logits, pruning and growth as transformers' forward gives them on every backend,
-    and each variant's greedy output is plain greedy."""
+    kind), SmolLM3 (layers without a rotation), Granite (the embedding, blocks' outputs and logits
+    scaled) and OLMo 2 and 3 (norms after the blocks only, q and k normed whole; OLMo 3 windowed by
+    layer kind): tree logits, pruning and growth as transformers' forward gives them on every
+    backend, and each variant's greedy output is plain greedy."""
     target, draft = tiny_relative(kind, V, layers=2, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     assert compiled.unsupported(target) is None
     for backend in (CompiledModel(target, True), CompiledModel(target, False),
@@ -635,8 +637,8 @@ def test_unsupported_models_are_named_with_a_reason():
     notices = []
     assert compiled.runtime_for(gpt2, "on", "target", notice=notices.append) is None
     assert notices == ["--compile on does not apply to the target (a gpt2 model (the static-cache runtime covers "
-                       "llama, qwen2, mistral, qwen3, gemma, gemma2, gemma3_text, smollm3, granite)): it runs on "
-                       "transformers' eager forward"]
+                       "llama, qwen2, mistral, qwen3, gemma, gemma2, gemma3_text, smollm3, granite, olmo2, olmo3)): it "
+                       "runs on transformers' eager forward"]
     assert compiled.runtime_for(gpt2, "auto", "target", notice=notices.append) is None and len(notices) == 1
     assert compiled.runtime_for(tiny_model(V, layers=1), "off", "target") is None
 
@@ -727,9 +729,9 @@ def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtim
     assert records["on"]["runtime"] == "static cache, compiled" and records["off"]["runtime"] == "transformers eager"
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3"])
 def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both_runtimes(tmp_path, kind):
-    """As a user runs it: a Gemma 2 or 3, SmolLM3 or Granite checkpoint folder, its first layer as the
+    """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite or OLMo 3 checkpoint folder, its first layer as the
     draft, on the static-cache runtime compiled and on transformers' forward: the same greedy tokens."""
     from tiny import tiny_tokenizer
 

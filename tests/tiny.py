@@ -44,23 +44,29 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     weight, a GELU MLP, a scaled embedding) or "gemma3" (Gemma's, with norms after attention and the
     MLP, q and k normed per head, the first layer windowed to 4 positions with its own rotary base,
     linearly scaled rotary angles on the full-attention layers, soft-capped logits) or "smollm3"
-    (Llama's layers, every other one without a rotation here), "granite" (Llama's, its embedding,
+    (Llama's layers, every other one without a rotation here), "olmo2" (norms after attention and the
+    MLP only, q and k normed as a whole), "olmo3" (OLMo 2's, the first layer windowed to 4 positions with
+    a rotary table of its own), "granite" (Llama's, its embedding,
     blocks' outputs, attention scores and logits scaled by constants) or "gemma2" (Gemma 3's norms, every
     other layer windowed to 4 positions, attention scores soft-capped); with sliding-window attention
     off (but Gemma 2 and 3's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                               GemmaForCausalLM, MistralConfig,
                               MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                              SmolLM3Config, SmolLM3ForCausalLM, GraniteConfig, GraniteForCausalLM)
+                              SmolLM3Config, SmolLM3ForCausalLM, GraniteConfig, GraniteForCausalLM, Olmo2Config,
+                              Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
                            "gemma2": (Gemma2Config, Gemma2ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
                            "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
-                           "granite": (GraniteConfig, GraniteForCausalLM)}[kind]
+                           "granite": (GraniteConfig, GraniteForCausalLM), "olmo2": (Olmo2Config, Olmo2ForCausalLM),
+                           "olmo3": (Olmo3Config, Olmo3ForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "smollm3":
         settings = dict(no_rope_layers=[int(i % 2 == 0) for i in range(layers)])  # (1: rotated)
+    elif kind == "olmo3":
+        settings = dict(sliding_window=4, layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1))
     elif kind == "granite":
         settings = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0)
     elif kind == "gemma":
