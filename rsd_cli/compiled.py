@@ -69,9 +69,10 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # (norms after attention and the MLP too, attention scores soft-capped); Gemma 3's text decoder (270M,
 # 1B, and 4B and up read for their text: Gemma 2's norms, q and k normed per head, a rotary table per
 # layer kind); OLMo 2 (norms after attention and the MLP only, q and k normed whole) and OLMo 3 (OLMo
-# 2's, a window and a rotary table per layer kind). A sliding window is in the masks (StaticLM.forward hides the keys it has passed): one
-# mask where every layer has it (Mistral 7B v0.1's 4096), one per layer kind where some layers do
-# (Gemma 2's every other, Gemma 3's five of six, OLMo 3's three of four, Qwen2's past `max_window_layers`).
+# 2's, a window and a rotary table per layer kind). A sliding window is in the masks (StaticLM.forward
+# hides the keys it has passed): one mask where every layer has it (Mistral 7B v0.1's 4096), one per
+# layer kind where some layers do (Gemma 2's every other, Gemma 3's five of six, OLMo 3's three of
+# four, Qwen2's past `max_window_layers`).
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
                    "olmo2", "olmo3")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
@@ -235,7 +236,8 @@ def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
 def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple, dims: tuple,
                   slots: torch.Tensor | None = None, fused: tuple = (None, None),
                   sight: Sight | None = None, style: Style = Style()) -> torch.Tensor:
-    """One Llama decoder layer on n new tokens (or one of a family `style` describes: Gemma's).
+    """One Llama decoder layer on n new tokens (or one of a related family: `style`, and the norms
+    `weights` hold).
     x (n, hidden); cos, sin (n, head_dim); mask (n, kv_len) additive, the new tokens at slots
     kv_len - n .. kv_len - 1 of keys, values (kv_heads, capacity, head_dim), written in place. With
     `slots` (n,) (static shapes, what a CUDA graph replays) the new tokens go to those slots and the
