@@ -6,12 +6,15 @@ second random model of the same kind as the draft). Architectures whose layers t
 (engine.limit_of) should refuse what they cannot take in one line and decode the rest exactly.
 "chain" is how far a 3-token forward after a 9-token cache is from the same tokens read one at a
 time, through transformers alone: what a model with recurrent layers needs near 0 to decode
-chains (engine.CHAIN_RECURRENT).
+chains (engine.CHAIN_RECURRENT). Where rsd's static-cache runtime covers the architecture
+(compiled.unsupported), the same tree, pruning and greedy checks run on it too (uncompiled: the
+same layer code a compiled graph traces); otherwise the line says why it does not.
 
     .venv/bin/python benchmarks/architectures.py [gpt2 lfm2 ...]   (default: all below)
 
 Prints one line per architecture: the largest logit difference of the tree and after pruning, and
-each variant's outcome ("ok", "WRONG", or the error's first words).
+each variant's outcome ("ok", "WRONG", or the error's first words), then the static-cache
+runtime's ("static: ...").
 """
 
 import sys
@@ -116,13 +119,15 @@ def last_logits(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0, -1].float()
 
 
-def tree_and_pruning(model) -> tuple[float, float]:
+def tree_and_pruning(model, static: bool = False) -> tuple[float, float]:
     """The largest logit difference of a 5-node tree's forward after the prompt, and of the next
-    token after keeping the root and one path, against full forwards."""
+    token after keeping the root and one path, against full forwards (on transformers' forward, or
+    with `static` on rsd's static-cache runtime)."""
+    from rsd_cli.compiled import CompiledModel, StaticLM
     from rsd_cli.engine import CachedLM
     from rsd_cli.tree import DraftTree
 
-    lm = CachedLM(model, V)
+    lm = StaticLM(CompiledModel(model, compile=False), V, 64) if static else CachedLM(model, V)
     lm.extend(PROMPT)
     tree = DraftTree.rooted_at(5)
     a, _ = tree.add_draw(0, 2)
@@ -154,10 +159,13 @@ def chain_after_cache(model) -> float:
     return (rows[0] - rows[1]).abs().max().item()
 
 
-def greedy_variants(target, draft) -> dict[str, str]:
+def greedy_variants(target, draft, static: bool = False) -> dict[str, str]:
+    from rsd_cli.compiled import CompiledModel
     from rsd_cli.drafting import make_shape
-    from rsd_cli.engine import Decoder
+    from rsd_cli.engine import Decoder, Runtimes
     from rsd_cli.sampling import SamplingParams
+
+    runtimes = Runtimes(CompiledModel(target, compile=False), CompiledModel(draft, compile=False)) if static else None
 
     tokens = list(PROMPT)
     for _ in range(24):
@@ -166,7 +174,7 @@ def greedy_variants(target, draft) -> dict[str, str]:
     for variant in VARIANTS:
         try:
             decoder = Decoder(target, draft, V, make_shape(variant, branching=(2, 2)), SamplingParams(temperature=0),
-                              set())
+                              set(), runtimes=runtimes)
             got = [t for event in decoder.generate(PROMPT, 24, 0) for t in event.emitted]
             outcomes[variant] = "ok" if got == expected else "WRONG"
         except Exception as error:  # (what a user would see, in one line)
@@ -199,7 +207,24 @@ def main() -> None:
             outcomes = greedy_variants(target, draft)
         except Exception as error:  # (the reference itself: a config this script got wrong)
             outcomes = f"no greedy reference: {type(error).__name__}: {str(error)[:70]}"
-        print(f"{kind:12s} {errors} | {outcomes}", flush=True)
+        print(f"{kind:12s} {errors} | {outcomes} | static: {on_the_static_runtime(target, draft)}", flush=True)
+
+
+def on_the_static_runtime(target, draft) -> str:
+    """The tree, pruning and greedy checks on rsd's static-cache runtime, or why it does not cover
+    the architecture."""
+    from rsd_cli.compiled import unsupported
+
+    reason = unsupported(target)
+    if reason is not None:
+        return f"not covered ({reason[:60]})"
+    try:
+        tree_error, pruned_error = tree_and_pruning(target, static=True)
+        outcomes = greedy_variants(target, draft, static=True)
+    except Exception as error:  # (a family the runtime takes but gets wrong)
+        return f"{type(error).__name__}: {str(error)[:70]}"
+    verdict = "all ok" if set(outcomes.values()) == {"ok"} else outcomes
+    return f"tree {tree_error:.1e}, after pruning {pruned_error:.1e}, greedy {verdict}"
 
 
 if __name__ == "__main__":

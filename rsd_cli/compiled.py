@@ -62,10 +62,10 @@ BUCKETS = (1, 2, 4, 8, 16)
 # (what `auto` drafts) replay too, where one forward costs about the same for 1 or 64 tokens
 STATIC_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # scaled_dot_product_attention(enable_gqa=)
-# Llama-style decoders the tests cover: Llama itself; Qwen2 (biases on q, k and v: the layer takes
-# them); Mistral (Llama's layer); Qwen3 (an RMS norm on each head of q and k); SmolLM3 (Llama's layers,
-# every fourth without a rotation); Granite 3.x (Llama's, the embedding, each block's output and the
-# logits scaled by constants); Gemma (norms that scale by 1 + weight, a GELU MLP: `Style`); Gemma 2
+# Llama-style decoders the tests cover: Llama itself; Qwen2 and Seed-OSS (biases on q, k and v: the
+# layer takes them); Mistral (Llama's layer); Qwen3 (an RMS norm on each head of q and k); SmolLM3
+# (Llama's layers, every fourth without a rotation); Granite 3.x (Llama's, the embedding, each block's
+# output and the logits scaled by constants); Gemma (norms that scale by 1 + weight, a GELU MLP: `Style`); Gemma 2
 # (norms after attention and the MLP too, attention scores soft-capped); Gemma 3's text decoder (270M,
 # 1B, and 4B and up read for their text: Gemma 2's norms, q and k normed per head, a rotary table per
 # layer kind); OLMo 2 (norms after attention and the MLP only, q and k normed whole) and OLMo 3 (OLMo
@@ -74,7 +74,7 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # layer kind where some layers do (Gemma 2's every other, Gemma 3's five of six, OLMo 3's three of
 # four, Qwen2's past `max_window_layers`).
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
-                   "olmo2", "olmo3")
+                   "olmo2", "olmo3", "seed_oss")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP's gate: SiLU (Llama), GELU tanh-approximated or exact

@@ -520,14 +520,14 @@ def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "granite",
-                                  "olmo2", "olmo3"])
+                                  "olmo2", "olmo3", "seed_oss"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
     a window on every other layer), Gemma 3 (q and k normed, a window and a rotary table by layer
     kind), SmolLM3 (layers without a rotation), Granite (the embedding, blocks' outputs and logits
-    scaled) and OLMo 2 and 3 (norms after the blocks only, q and k normed whole; OLMo 3 windowed by
-    layer kind): tree logits, pruning and growth as transformers' forward gives them on every
+    scaled), OLMo 2 and 3 (norms after the blocks only, q and k normed whole; OLMo 3 windowed by
+    layer kind) and Seed-OSS (Qwen2's biases): tree logits, pruning and growth as transformers' forward gives them on every
     backend, and each variant's greedy output is plain greedy."""
     target, draft = tiny_relative(kind, V, layers=2, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     assert compiled.unsupported(target) is None
@@ -637,8 +637,8 @@ def test_unsupported_models_are_named_with_a_reason():
     notices = []
     assert compiled.runtime_for(gpt2, "on", "target", notice=notices.append) is None
     assert notices == ["--compile on does not apply to the target (a gpt2 model (the static-cache runtime covers "
-                       "llama, qwen2, mistral, qwen3, gemma, gemma2, gemma3_text, smollm3, granite, olmo2, olmo3)): it "
-                       "runs on transformers' eager forward"]
+                       "llama, qwen2, mistral, qwen3, gemma, gemma2, gemma3_text, smollm3, granite, olmo2, olmo3, "
+                       "seed_oss)): it runs on transformers' eager forward"]
     assert compiled.runtime_for(gpt2, "auto", "target", notice=notices.append) is None and len(notices) == 1
     assert compiled.runtime_for(tiny_model(V, layers=1), "off", "target") is None
 

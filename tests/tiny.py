@@ -46,7 +46,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     linearly scaled rotary angles on the full-attention layers, soft-capped logits) or "smollm3"
     (Llama's layers, every other one without a rotation here), "olmo2" (norms after attention and the
     MLP only, q and k normed as a whole), "olmo3" (OLMo 2's, the first layer windowed to 4 positions with
-    a rotary table of its own), "granite" (Llama's, its embedding,
+    a rotary table of its own), "seed_oss" (Llama's, biases on q, k and v), "granite" (Llama's, its embedding,
     blocks' outputs, attention scores and logits scaled by constants) or "gemma2" (Gemma 3's norms, every
     other layer windowed to 4 positions, attention scores soft-capped); with sliding-window attention
     off (but Gemma 2 and 3's). Every norm's weight is random."""
@@ -54,14 +54,15 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               GemmaForCausalLM, MistralConfig,
                               MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                               SmolLM3Config, SmolLM3ForCausalLM, GraniteConfig, GraniteForCausalLM, Olmo2Config,
-                              Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM)
+                              Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, SeedOssConfig, SeedOssForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
                            "gemma2": (Gemma2Config, Gemma2ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
                            "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
                            "granite": (GraniteConfig, GraniteForCausalLM), "olmo2": (Olmo2Config, Olmo2ForCausalLM),
-                           "olmo3": (Olmo3Config, Olmo3ForCausalLM)}[kind]
+                           "olmo3": (Olmo3Config, Olmo3ForCausalLM),
+                           "seed_oss": (SeedOssConfig, SeedOssForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "smollm3":
         settings = dict(no_rope_layers=[int(i % 2 == 0) for i in range(layers)])  # (1: rotated)
