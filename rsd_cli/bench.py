@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from .drafting import LOOKUP_NGRAM, Shape, make_shape, shape_for_budget
 from .engine import Stats
-from .generation import StopText, complete
+from .generation import complete, stop_text_of
 from .prompting import encode_prompt
 
 
@@ -193,7 +193,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
             # pace drifts 1.5x within minutes, and a row run last sits furthest from `ar` run first)
             in_turn = jobs if (repeat * len(encoded) + index) % 2 == 0 else jobs[::-1]
             for compile, variant, setting, shape in in_turn:
-                text = StopText(pair.tokenizer, stops, min_tokens) if stops else None
+                text = stop_text_of(pair.tokenizer, profile) if stops else None
                 _, stats, _ = complete(decoder_for(compile, setting, shape), ids, max_tokens, run_seed, text=text)
                 totals.setdefault((compile, variant, setting, shape), Stats()).merge(stats)
                 per_prompt.setdefault((compile, variant, setting, shape), {})[repeat, index] = stats.tokens_per_second
