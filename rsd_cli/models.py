@@ -839,8 +839,10 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
     config.num_hidden_layers = layers + (adapter is not None)
     if getattr(config, "layer_types", None):  # (each layer's attention kind: the adapter's is its layer K's, which
         # `rsd distill`'s training graph, the adapter alone, has as its only layer)
-        index = getattr(adapter["layer"].self_attn, "layer_idx", layers) if adapter is not None else None
-        config.layer_types = config.layer_types[:layers] + ([config.layer_types[index]] if adapter is not None else [])
+        kinds = list(config.layer_types[:layers])
+        if adapter is not None:
+            kinds.append(config.layer_types[getattr(adapter["layer"].self_attn, "layer_idx", layers)])
+        config.layer_types = kinds
     with torch.device("meta"), uninitialised():
         draft = type(target)(config)
     draft.model.embed_tokens = inner.embed_tokens
