@@ -149,12 +149,15 @@ def chain_after_cache(model) -> float:
     tokens one at a time (transformers' own cache and forward)."""
     from transformers import DynamicCache
 
+    from rsd_cli.engine import cache_argument
+
+    name = cache_argument(model)  # ("cache" since transformers 5.24; older ones' forwards ignore it)
     with torch.no_grad():
         rows = []
         for chunks in ([[5, 2, 8]], [[5], [2], [8]]):
             cache = DynamicCache(config=model.config)
-            model(torch.tensor([PROMPT[:9]]), cache=cache, use_cache=True)
-            rows.append(torch.cat([model(torch.tensor([chunk]), cache=cache, use_cache=True).logits[0]
+            model(torch.tensor([PROMPT[:9]]), use_cache=True, **{name: cache})
+            rows.append(torch.cat([model(torch.tensor([chunk]), use_cache=True, **{name: cache}).logits[0]
                                    for chunk in chunks]))
     return (rows[0] - rows[1]).abs().max().item()
 

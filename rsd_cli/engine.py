@@ -312,14 +312,16 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype, device) -> torch.Te
 def cache_argument(model) -> str:
     """The name the model's forward takes its KV cache by: "cache" since transformers 5.24 (where
     "past_key_values" warns on every call that it is deprecated, to be removed in 5.40),
-    "past_key_values" before (the GPU machine's 5.17) and for models that do not name "cache"."""
+    "past_key_values" before (the GPU machine's 5.17) and for models that do not name "cache", and
+    "cache_params" for Mamba's family before 5.24 (which takes any other name into **kwargs unread:
+    every forward would start from an empty state)."""
     import inspect
 
     try:
         named = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):  # a forward Python cannot introspect
         return "past_key_values"
-    return "cache" if "cache" in named else "past_key_values"
+    return next((name for name in ("cache", "past_key_values", "cache_params") if name in named), "past_key_values")
 
 
 class CachedLM(ChainExtension):

@@ -663,11 +663,23 @@ def _transformers_model(location: str, local: bool, device, dtype, placement: Pl
                 raise
             model = _from_pretrained(AutoModelForCausalLM, location, local, dtype=dtype, attn_implementation="eager",
                                      **kwargs)
+    model = with_soft_capped_attention(model)
     if placement is None:
         model = model.to(device)
     elif not getattr(model, "hf_device_map", None):  # it fitted on one device: accelerate left no map
         model.hf_device_map = {"": str(next(model.parameters()).device)}
     return model.eval()
+
+
+def with_soft_capped_attention(model):
+    """`model` on transformers' eager attention where its config soft-caps attention scores (Gemma 2):
+    torch's SDPA takes no soft-cap, and transformers before 5.24 ran such a model through it anyway,
+    dropping the cap (another model than the one trained, and than rsd's runtime computes), where
+    5.24 refuses SDPA for it (the load above then falls back to eager)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "attn_logit_softcapping", None) and model.config._attn_implementation != "eager":
+        model.set_attn_implementation("eager")
+    return model
 
 
 def import_model_code(location: str) -> None:

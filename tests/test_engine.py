@@ -61,7 +61,8 @@ def test_tree_forward_equals_per_path_forwards_and_pruning_keeps_the_path(pair):
 
 def test_the_cache_goes_by_the_name_the_model_takes_it_by_without_a_deprecation_warning(pair):
     """transformers 5.24 renamed forward's past_key_values to cache (the old name warns on every
-    call, to be removed in 5.40); 5.17, on the GPU machine, knows only past_key_values."""
+    call, to be removed in 5.40); 5.17, on the GPU machine, knows only past_key_values, and its Mamba
+    family cache_params."""
     import inspect
     import warnings
 
@@ -83,6 +84,12 @@ def test_the_cache_goes_by_the_name_the_model_takes_it_by_without_a_deprecation_
             pass
 
     assert cache_argument(Older()) == "past_key_values"
+
+    class OlderMamba(torch.nn.Module):  # (Mamba's family before 5.24: any other name lands unread in **kwargs)
+        def forward(self, input_ids=None, cache_params=None, use_cache=None, **kwargs):
+            pass
+
+    assert cache_argument(OlderMamba()) == "cache_params"
 
 
 def test_a_wrong_mask_would_be_caught(pair):

@@ -676,3 +676,19 @@ def test_a_model_with_code_of_its_own_loads_only_where_the_profile_trusts_it(tin
     monkeypatch.setenv("RSD_TARGET_TRUST_REMOTE_CODE", "1")
     result = run("generate", "hello", "-p", str(untrusted))
     assert result.exit_code == 0 and json.loads(result.stdout)["token_ids"] == expected
+
+
+def test_a_model_that_soft_caps_its_attention_scores_loads_on_transformers_eager_attention(tmp_path):
+    """Torch's SDPA takes no soft-cap: transformers before 5.24 ran Gemma 2 through it anyway, dropping
+    the cap (so rsd's --compile off computed another model than its runtime, which caps), where 5.24
+    refuses it. A model whose config soft-caps loads on eager attention, whatever transformers
+    would pick (a Llama whose config carries the key stands for Gemma 2 here: 5.24 cannot give Gemma
+    2 SDPA to check against)."""
+    capped = tiny_model(40, layers=1, seed=0)
+    capped.config.attn_logit_softcapping = 30.0
+    capped.save_pretrained(tmp_path / "capped")
+    plain = tiny_model(40, layers=1, seed=0)
+    plain.save_pretrained(tmp_path / "plain")
+    load = lambda folder: models._transformers_model(str(folder), True, torch.device("cpu"), torch.float32, None)
+    assert load(tmp_path / "capped").config._attn_implementation == "eager"
+    assert load(tmp_path / "plain").config._attn_implementation == "sdpa"

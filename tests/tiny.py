@@ -73,8 +73,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     elif kind == "gemma":
         settings = dict(head_dim=8)
     elif kind == "gemma2":
+        # (eager attention, as rsd loads it: transformers before 5.24 defaulted to SDPA, which drops the soft-cap)
         settings = dict(head_dim=8, sliding_window=4, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
-                        query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                        query_pre_attn_scalar=16, attn_implementation="eager", layer_types=["sliding_attention", "full_attention"] * (layers // 2)
                         + ["sliding_attention"] * (layers % 2))
     elif kind == "gemma3":
         settings = dict(head_dim=8, sliding_window=4, final_logit_softcapping=5.0, query_pre_attn_scalar=16,
