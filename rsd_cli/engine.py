@@ -1666,10 +1666,14 @@ class Decoder:
 
     def _maths(self, target) -> StepGraphs:
         """Where the maths of device steps and plain steps runs: replayed as CUDA graphs (StepGraphs)
-        on a GPU with compiled forwards, else directly (made once per decoder; tests set their own)."""
+        on a GPU with compiled forwards — the model's own where the target holds its shared buffers
+        (one generation at a time: graphs captured once for all its decoders), else the decoder's —,
+        else directly (decided once per decoder; tests set their own)."""
         if self.step_graphs is None:
-            compiled = getattr(getattr(target, "compiled", None), "compiled", False)
-            self.step_graphs = StepGraphs(target.device, compiled and target.device.type == "cuda", self.notice)
+            compiled = getattr(target, "compiled", None)
+            graphed = getattr(compiled, "compiled", False) and target.device.type == "cuda"
+            self.step_graphs = (compiled.step_graphs(self.notice) if graphed and getattr(target, "static", False)
+                                else StepGraphs(target.device, graphed, self.notice))
         return self.step_graphs
 
     def _step(self, step: int, shape: Shape, seq: list[int], target: CachedLM, draft: CachedLM | None,

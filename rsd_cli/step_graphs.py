@@ -14,6 +14,12 @@ import torch
 # graph's output buffers, which each replay overwrites with what run() would return then
 Capture = Callable[[Callable[[], tuple]], tuple[Callable[[], None], tuple]]
 
+# a site and shapes runs directly on its first calls and is captured at this one: a capture (a run on
+# a side stream, the capture, the graph's own memory pool) costs milliseconds, a replay saves a
+# fraction of one a call (an H200, `rsd-c` b=(7): ~0.9 ms a step), so a shape `auto` tries once or
+# twice, or a run's last steps, need not pay for one
+CAPTURE_AT = 3
+
 
 def cuda_capture(device: torch.device, pool=None) -> Capture:
     """Captures on a CUDA device: one run on a side stream first (libraries set their workspaces
@@ -40,21 +46,27 @@ class StepGraphs:
     `enabled`, else directly. fn reads nothing but its arguments (uniforms passed in, no generator)
     and returns a tuple of tensors; a site (any hashable) names one fn with its constants, and each
     site and input shapes is captured once. Graphed, the results are the graph's own buffers,
-    overwritten by the next call of the same site and shapes: callers `keep` what outlives it. If a
-    capture fails, the maths runs directly from then on, with a one-line notice."""
+    overwritten by the next call of the same site and shapes: callers `keep` what outlives it. A site
+    and shapes runs directly until its `capture_at`-th call (CAPTURE_AT). If a capture fails, the
+    maths runs directly from then on, with a one-line notice."""
 
     def __init__(self, device: torch.device, enabled: bool, notice=lambda message: None,
-                 capture: Capture | None = None):
+                 capture: Capture | None = None, capture_at: int = CAPTURE_AT):
         self.enabled = enabled
         self.notice = notice
         self.capture = capture or cuda_capture(device)
+        self.capture_at = capture_at
         self._graphs: dict[tuple, tuple] = {}  # (site, input shapes) -> (input buffers, replay, outputs)
+        self._calls: dict[tuple, int] = {}  # (site, input shapes) -> calls so far, until it is captured
 
     def __call__(self, site, fn: Callable[..., tuple], *tensors: torch.Tensor) -> tuple:
         if not self.enabled:
             return fn(*tensors)
         key = (site, *((t.shape, t.dtype) for t in tensors))
         if key not in self._graphs:
+            calls = self._calls[key] = self._calls.get(key, 0) + 1
+            if calls < self.capture_at:
+                return fn(*tensors)
             inputs = tuple(t.clone() for t in tensors)
             try:
                 replay, outputs = self.capture(lambda: fn(*inputs))

@@ -577,6 +577,37 @@ def test_step_maths_are_graphed_on_a_gpu_with_compiled_forwards_only(pair):
     assert not decoder._maths(SimpleNamespace(device=torch.device("cuda"))).enabled
 
 
+def test_decoders_on_a_model_s_shared_buffers_share_its_step_maths_graphs(pair):
+    """Generations on a model's shared static buffers (CUDA graphs) run one at a time, and so do their
+    maths' graphs: a chat's turns and bench's runs, a decoder each, capture them once, not once
+    per decoder. A generation on buffers of its own (beside one holding the shared) keeps its own."""
+    from rsd_cli.compiled import CompiledModel
+
+    compiled = CompiledModel(pair[0], False, static_shapes=True)
+    compiled.compiled = True  # (as a model compiled on a GPU)
+    holder = SimpleNamespace(device=torch.device("cuda"), compiled=compiled, static=True)
+    beside = SimpleNamespace(device=torch.device("cuda"), compiled=compiled, static=False)
+    first, second, third = (Decoder(*pair, V, FAN, SamplingParams(1.0), set()) for _ in range(3))
+    assert first._maths(holder) is second._maths(holder) is compiled.step_graphs(None)
+    assert first._maths(holder).enabled
+    assert third._maths(beside) is not first._maths(holder) and third._maths(beside).enabled
+
+
+def test_a_site_runs_directly_until_its_capture_then_replays_it():
+    """A capture costs milliseconds, a replay saves a fraction of one: a site and shapes runs directly
+    on its first CAPTURE_AT - 1 calls (a shape `auto` tries once or twice pays for no capture), then
+    is captured once and replayed; every call gives what the function gives."""
+    from rsd_cli.step_graphs import CAPTURE_AT
+
+    captured = []
+    graphs = StepGraphs(torch.device("cpu"), True, capture=replaying_capture(captured))
+    for k in range(CAPTURE_AT + 3):
+        (doubled,) = graphs("double", lambda x: (2 * x,), torch.tensor([float(k)]))
+        assert doubled.item() == 2.0 * k and len(captured) == int(k + 1 >= CAPTURE_AT)
+    (doubled,) = graphs("double", lambda x: (2 * x,), torch.tensor([1.0, 2.0]))  # (other shapes: direct at first)
+    assert doubled.tolist() == [2.0, 4.0] and len(captured) == 1
+
+
 def test_step_maths_that_cannot_be_captured_run_directly_with_a_notice(pair):
     notices = []
 
