@@ -74,7 +74,7 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # layer kind where some layers do (Gemma 2's every other, Gemma 3's five of six, OLMo 3's three of
 # four, Qwen2's past `max_window_layers`).
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
-                   "olmo2", "olmo3", "seed_oss")
+                   "olmo2", "olmo3", "seed_oss", "phi3")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP's gate: SiLU (Llama), GELU tanh-approximated or exact
@@ -153,6 +153,8 @@ def unsupported(model) -> str | None:
     rope = getattr(inner.rotary_emb, "rope_type", "default")  # (Gemma 3: one per layer kind)
     if any(kind not in ROPE_TYPES for kind in (rope.values() if isinstance(rope, dict) else [rope])):
         return f"rope type {rope!r}"
+    if partial_rotary(cfg) != 1.0:  # (Phi-4-mini: 3/4 of each head turned)
+        return f"rotary embedding on {partial_rotary(cfg):g} of each head"
     placement = getattr(model, "hf_device_map", None) or {}
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1 or len(set(placement.values())) > 1:
@@ -160,6 +162,14 @@ def unsupported(model) -> str | None:
     if "disk" in placement.values() or any(d.type == "meta" for d in devices):
         return "a model whose weights accelerate offloads"
     return None
+
+
+def partial_rotary(cfg) -> float:
+    """The share of each head's dimensions the rotary embedding turns (1.0: all; in transformers 5.24
+    a rope parameter, before a config key)."""
+    parameters = getattr(cfg, "rope_parameters", None)
+    parameters = parameters if isinstance(parameters, dict) else {}
+    return float(parameters.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0))
 
 
 def sliding_window(cfg) -> bool:
@@ -335,22 +345,47 @@ def _native_layer(layer, fused: tuple, fuse: bool):
     every row count and for one row of most others, the embedded target's forward took 38 ms with
     those kernels and 10.8 ms in C (`benchmarks/runtime_cost.py`), `ar` 37.8 against 93.5 tok/s
     (few-row products of quantised weights now take the blocks unmeasured: small_batch.FEW_ROWS_ON_BLOCKS)."""
-    a, m = layer.self_attn, layer.mlp
-    qkv = (a.q_proj, a.k_proj, a.v_proj)
+    q, k, v, o, gate, up, down = projections(layer)
+    qkv = (q, k, v)
     stacks = [found if found is not None else _c_stack(linears, biased) if fuse else None
-              for found, linears, biased in zip(fused, (qkv, (m.gate_proj, m.up_proj)), (True, False))]
-    if any(stack is None for stack in stacks) or not (_holds_blocks(a.o_proj) and _holds_blocks(m.down_proj)):
+              for found, linears, biased in zip(fused, (qkv, (gate, up)), (True, False))]
+    if any(stack is None for stack in stacks) or not (_holds_blocks(o) and _holds_blocks(down)):
         return None
     bias = None if all(p.bias is None for p in qkv) else \
         torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in qkv])
     return NativeLayer((layer.input_layernorm.weight, layer.post_attention_layernorm.weight), stacks[0],
-                       blocks_of(a.o_proj), stacks[1], blocks_of(m.down_proj), bias, _head_norms(a))
+                       blocks_of(o), stacks[1], blocks_of(down), bias, _head_norms(layer.self_attn))
 
 
 def projections(layer) -> tuple:
-    """A decoder layer's seven linears: q, k, v, o, gate, up, down."""
+    """A decoder layer's seven linears: q, k, v, o, gate, up, down (where q/k/v and gate/up are one
+    linear each, Phi-3's `qkv_proj` and `gate_up_proj`: linears over views of its rows, made once)."""
     a, m = layer.self_attn, layer.mlp
-    return a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
+    if not hasattr(a, "qkv_proj"):
+        return a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
+    views = getattr(layer, "_rsd_views", None)
+    if views is None:
+        heads, kv_heads = a.config.num_attention_heads, a.num_key_value_heads
+        q, k, v = _row_views(a.qkv_proj, (heads * a.head_dim, kv_heads * a.head_dim, kv_heads * a.head_dim))
+        gate, up = _row_views(m.gate_up_proj, (m.gate_up_proj.out_features // 2,) * 2)  # (gate first)
+        views = (q, k, v, a.o_proj, gate, up, m.down_proj)
+        object.__setattr__(layer, "_rsd_views", views)  # (not a submodule: the model's parameters stay its own)
+    return views
+
+
+def _row_views(fused: torch.nn.Linear, sizes: tuple) -> list[torch.nn.Linear]:
+    """Linears over consecutive rows of `fused`'s weight (and bias), sharing its memory; the first
+    one's `_rsd_stack` is the fused weight itself (stack_projections then stacks nothing)."""
+    linears, start = [], 0
+    for size in sizes:
+        linear = torch.nn.Linear(fused.in_features, size, bias=fused.bias is not None, device="meta")
+        linear.weight = torch.nn.Parameter(fused.weight.detach()[start: start + size], requires_grad=False)
+        if fused.bias is not None:
+            linear.bias = torch.nn.Parameter(fused.bias.detach()[start: start + size], requires_grad=False)
+        linears.append(linear)
+        start += size
+    linears[0]._rsd_stack = fused.weight.detach()
+    return linears
 
 
 def _blocks_for_prompts(layers) -> bool:
@@ -376,9 +411,9 @@ def stack_projections(layer) -> tuple[torch.Tensor, torch.Tensor]:
     two, 3 fewer kernels a layer for a CUDA graph to replay. The linears' weights become views of
     the stacks (same values, no second copy); a layer stacked before (an early-exit draft shares
     its target's layers) keeps its stacks."""
-    a, m = layer.self_attn, layer.mlp
+    q, k, v, _, gate, up, _ = projections(layer)
     stacks = []
-    for linears in ((a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)):
+    for linears in ((q, k, v), (gate, up)):
         stacked = getattr(linears[0], "_rsd_stack", None)
         if stacked is None or any(linear.weight.data_ptr() != stacked[start:].data_ptr()
                                   for linear, start in zip(linears, _starts(linears))):
@@ -424,8 +459,7 @@ def _room_to_fuse(layers) -> bool:
     """Stacked copies of q/k/v's and gate/up's blocks only while they take at most half the memory
     still available (as small_batch's packed copies)."""
     groups = [[blocks_of(linear) for linear in linears] for layer in layers
-              for linears in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
-                              (layer.mlp.gate_proj, layer.mlp.up_proj))]
+              for linears in (projections(layer)[:3], projections(layer)[4:6])]
     needed = sum(b.numel() * b.element_size() for group in groups if None not in group and joined(group) is None
                  for b in group)  # (parts kept side by side need no copy)
     return needed == 0 or room_for(needed)
@@ -494,16 +528,14 @@ class CompiledModel:
         if stack is None:  # q/k/v's and gate/up's weights stacked (stack_projections): on a GPU
             stack = inner.embed_tokens.weight.device.type == "cuda"
         for layer in inner.layers:
-            a, m = layer.self_attn, layer.mlp
             stacks = stack_projections(layer) if stack else None  # (before the views of weights below)
             linears = projections(layer)
+            q, k, v, o, gate, up, down = linears
             ln1, ln2, after_attention, after_mlp = (None if norm is None else norm_weight(norm.weight, style)
                                                     for norm in layer_norms(layer))
-            head_norms = tuple(None if w is None else norm_weight(w, style) for w in _head_norms(a))
-            weights = (ln1, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
-                       a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, a.o_proj.bias,
-                       ln2, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
-                       *head_norms, after_attention, after_mlp)
+            head_norms = tuple(None if w is None else norm_weight(w, style) for w in _head_norms(layer.self_attn))
+            weights = (ln1, q.weight, q.bias, k.weight, k.bias, v.weight, v.bias, o.weight, o.bias,
+                       ln2, gate.weight, up.weight, down.weight, *head_norms, after_attention, after_mlp)
             if stacks is not None:  # q's weight slot holds q/k/v's stack, gate's gate/up's; k, v and up: None
                 weights = (weights[0], stacks[0], weights[2], None, weights[4], None, *weights[6:10], stacks[1], None,
                            *weights[12:])

@@ -520,14 +520,15 @@ def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "granite",
-                                  "olmo2", "olmo3", "seed_oss"])
+                                  "olmo2", "olmo3", "seed_oss", "phi3"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
     a window on every other layer), Gemma 3 (q and k normed, a window and a rotary table by layer
     kind), SmolLM3 (layers without a rotation), Granite (the embedding, blocks' outputs and logits
     scaled), OLMo 2 and 3 (norms after the blocks only, q and k normed whole; OLMo 3 windowed by
-    layer kind) and Seed-OSS (Qwen2's biases): tree logits, pruning and growth as transformers' forward gives them on every
+    layer kind), Seed-OSS (Qwen2's biases) and Phi-3 (q, k and v one linear, gate and up one, a window on
+    every layer): tree logits, pruning and growth as transformers' forward gives them on every
     backend, and each variant's greedy output is plain greedy."""
     target, draft = tiny_relative(kind, V, layers=2, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     assert compiled.unsupported(target) is None
@@ -544,6 +545,32 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     for shape in shapes():
         assert run((target, draft), runtimes, shape, SamplingParams(temperature=0), 20, seed=0) == \
             plain_greedy(target, 20), shape.describe()
+
+
+def test_phi3_s_fused_linears_run_as_views_of_their_rows_and_a_partial_rotation_is_refused():
+    """Phi-3's q/k/v and gate/up are one linear each: the runtime reads them as linears over views of
+    the fused weight's rows (no copy, no parameter added to the model: its state dict and fingerprint
+    stay as they are), which on a GPU are already the stacks it multiplies by. Phi-4-mini's rotation
+    of 3/4 of each head is refused in a line (it runs on transformers' forward)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from rsd_cli.compiled import projections, stack_projections
+
+    model = tiny_relative("phi3", V, layers=1)
+    names = list(model.state_dict())
+    layer = model.model.layers[0]
+    q, k, v, _, gate, up, _ = projections(layer)
+    fused = layer.self_attn.qkv_proj.weight
+    assert q.weight.data_ptr() == fused.data_ptr() and v.weight.data_ptr() + v.weight.numel() * 4 == \
+        fused.data_ptr() + fused.numel() * 4
+    assert [t.data_ptr() for t in stack_projections(layer)] == \
+        [fused.data_ptr(), layer.mlp.gate_up_proj.weight.data_ptr()]
+    CompiledModel(model, False)
+    assert list(model.state_dict()) == names and projections(layer)[0] is q
+    partial = Phi3ForCausalLM(Phi3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.75,
+                                         bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    assert compiled.unsupported(partial) == "rotary embedding on 0.75 of each head"
 
 
 def test_a_yarn_scaled_model_runs_on_the_static_cache_runtime_with_transformers_logits():
@@ -729,9 +756,9 @@ def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtim
     assert records["on"]["runtime"] == "static cache, compiled" and records["off"]["runtime"] == "transformers eager"
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3", "phi3"])
 def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both_runtimes(tmp_path, kind):
-    """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite or OLMo 3 checkpoint folder, its first layer as the
+    """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3 or Phi-3 checkpoint folder, its first layer as the
     draft, on the static-cache runtime compiled and on transformers' forward: the same greedy tokens."""
     from tiny import tiny_tokenizer
 

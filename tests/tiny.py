@@ -47,14 +47,16 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     (Llama's layers, every other one without a rotation here), "olmo2" (norms after attention and the
     MLP only, q and k normed as a whole), "olmo3" (OLMo 2's, the first layer windowed to 4 positions with
     a rotary table of its own), "seed_oss" (Llama's, biases on q, k and v), "granite" (Llama's, its embedding,
-    blocks' outputs, attention scores and logits scaled by constants) or "gemma2" (Gemma 3's norms, every
-    other layer windowed to 4 positions, attention scores soft-capped); with sliding-window attention
-    off (but Gemma 2 and 3's). Every norm's weight is random."""
+    blocks' outputs, attention scores and logits scaled by constants), "gemma2" (Gemma 3's norms, every
+    other layer windowed to 4 positions, attention scores soft-capped) or "phi3" (q, k and v one
+    linear, gate and up one linear, every layer windowed to 4 positions); with sliding-window attention
+    off (but Gemma 2 and 3's and Phi-3's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                               GemmaForCausalLM, MistralConfig,
                               MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                               SmolLM3Config, SmolLM3ForCausalLM, GraniteConfig, GraniteForCausalLM, Olmo2Config,
-                              Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, SeedOssConfig, SeedOssForCausalLM)
+                              Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM,
+                              SeedOssConfig, SeedOssForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -62,12 +64,14 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
                            "granite": (GraniteConfig, GraniteForCausalLM), "olmo2": (Olmo2Config, Olmo2ForCausalLM),
                            "olmo3": (Olmo3Config, Olmo3ForCausalLM),
-                           "seed_oss": (SeedOssConfig, SeedOssForCausalLM)}[kind]
+                           "seed_oss": (SeedOssConfig, SeedOssForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "smollm3":
         settings = dict(no_rope_layers=[int(i % 2 == 0) for i in range(layers)])  # (1: rotated)
     elif kind == "olmo3":
         settings = dict(sliding_window=4, layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1))
+    elif kind == "phi3":  # (as Phi-3-mini-4k: a window on every layer, 2047 of its 4096 positions there)
+        settings = dict(sliding_window=4)
     elif kind == "granite":
         settings = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0)
     elif kind == "gemma":
@@ -90,8 +94,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     with torch.no_grad():
         model.lm_head.weight.mul_(3.0)
         for layer in model.model.layers:
-            for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                if linear.bias is not None:
+            for linear in (getattr(layer.self_attn, name, None) for name in ("q_proj", "k_proj", "v_proj")):
+                if linear is not None and linear.bias is not None:
                     linear.bias.normal_(0.0, scale)
         for name, weight in model.named_parameters():
             if "norm" in name:  # (Gemma's start at 0, others' at 1)
