@@ -364,7 +364,7 @@ def projections(layer) -> tuple:
     if not hasattr(a, "qkv_proj"):
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
     views = getattr(layer, "_rsd_views", None)
-    if views is None:
+    if views is None or views[0].weight.data_ptr() != a.qkv_proj.weight.data_ptr():  # (none yet, or the model moved)
         heads, kv_heads = a.config.num_attention_heads, a.num_key_value_heads
         q, k, v = _row_views(a.qkv_proj, (heads * a.head_dim, kv_heads * a.head_dim, kv_heads * a.head_dim))
         gate, up = _row_views(m.gate_up_proj, (m.gate_up_proj.out_features // 2,) * 2)  # (gate first)

@@ -552,6 +552,8 @@ def test_phi3_s_fused_linears_run_as_views_of_their_rows_and_a_partial_rotation_
     the fused weight's rows (no copy, no parameter added to the model: its state dict and fingerprint
     stay as they are), which on a GPU are already the stacks it multiplies by. Phi-4-mini's rotation
     of 3/4 of each head is refused in a line (it runs on transformers' forward)."""
+    import copy
+
     from transformers import Phi3Config, Phi3ForCausalLM
 
     from rsd_cli.compiled import projections, stack_projections
@@ -567,6 +569,8 @@ def test_phi3_s_fused_linears_run_as_views_of_their_rows_and_a_partial_rotation_
         [fused.data_ptr(), layer.mlp.gate_up_proj.weight.data_ptr()]
     CompiledModel(model, False)
     assert list(model.state_dict()) == names and projections(layer)[0] is q
+    moved = copy.deepcopy(model).double()  # (views made before a model moves are made again)
+    assert projections(moved.model.layers[0])[0].weight.dtype == torch.float64
     partial = Phi3ForCausalLM(Phi3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.75,
                                          bos_token_id=1, eos_token_id=2, pad_token_id=0))
