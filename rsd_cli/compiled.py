@@ -74,7 +74,7 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # layer kind where some layers do (Gemma 2's every other, Gemma 3's five of six, OLMo 3's three of
 # four, Qwen2's past `max_window_layers`).
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
-                   "olmo2", "olmo3", "seed_oss", "phi3")
+                   "olmo2", "olmo3", "seed_oss", "phi3", "exaone4")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP's gate: SiLU (Llama), GELU tanh-approximated or exact
@@ -114,11 +114,19 @@ def layer_norms(layer) -> tuple:
     """A decoder layer's norm modules (before attention, before the MLP, after attention, after the
     MLP), None where its family has none: Llama's input_layernorm and post_attention_layernorm (the
     one before the MLP, whatever its name says); Gemma 2 and 3's four (their post_attention_layernorm
-    is after attention); OLMo 2 and 3's last two only."""
+    is after attention); OLMo 2 and 3's and EXAONE 4's last two only."""
     if hasattr(layer, "post_feedforward_layernorm"):
         return (getattr(layer, "input_layernorm", None), getattr(layer, "pre_feedforward_layernorm", None),
                 layer.post_attention_layernorm, layer.post_feedforward_layernorm)
     return layer.input_layernorm, layer.post_attention_layernorm, None, None
+
+
+def rotates(layer, kind: str, cfg) -> bool:
+    """Whether a layer turns q and k by its positions' angles: not SmolLM3's layers without a rotation
+    (`use_rope` off), nor EXAONE 4's full-attention layers beside windowed ones (its "global NoPE")."""
+    if cfg.model_type == "exaone4":
+        return getattr(cfg, "sliding_window", None) is None or kind == "sliding_attention"
+    return bool(getattr(layer.self_attn, "use_rope", True))
 
 
 def activation_of(cfg) -> str:
@@ -567,7 +575,7 @@ class CompiledModel:
         # None for layers without a rotation (SmolLM3's every fourth: forward rotates them by angle 0)
         rotary = inner.rotary_emb
         per_kind = bool(getattr(rotary, "layer_types", None))
-        names = [(kind if per_kind else "rotary") if getattr(layer.self_attn, "use_rope", True) else None
+        names = [(kind if per_kind else "rotary") if rotates(layer, kind, cfg) else None
                  for kind, layer in zip(kinds, inner.layers)]
         with torch.inference_mode():
             positions = torch.arange(self.context, device=self.device)[None]

@@ -520,15 +520,16 @@ def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "granite",
-                                  "olmo2", "olmo3", "seed_oss", "phi3"])
+                                  "olmo2", "olmo3", "seed_oss", "phi3", "exaone4"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
     a window on every other layer), Gemma 3 (q and k normed, a window and a rotary table by layer
     kind), SmolLM3 (layers without a rotation), Granite (the embedding, blocks' outputs and logits
     scaled), OLMo 2 and 3 (norms after the blocks only, q and k normed whole; OLMo 3 windowed by
-    layer kind), Seed-OSS (Qwen2's biases) and Phi-3 (q, k and v one linear, gate and up one, a window on
-    every layer): tree logits, pruning and growth as transformers' forward gives them on every
+    layer kind), Seed-OSS (Qwen2's biases), Phi-3 (q, k and v one linear, gate and up one, a window on
+    every layer) and EXAONE 4 (OLMo 2's norms, q and k normed per head, full-attention layers without a
+    rotation beside windowed ones): tree logits, pruning and growth as transformers' forward gives them on every
     backend, and each variant's greedy output is plain greedy."""
     target, draft = tiny_relative(kind, V, layers=2, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     assert compiled.unsupported(target) is None
@@ -760,9 +761,9 @@ def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtim
     assert records["on"]["runtime"] == "static cache, compiled" and records["off"]["runtime"] == "transformers eager"
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3", "phi3"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3", "phi3", "exaone4"])
 def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both_runtimes(tmp_path, kind):
-    """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3 or Phi-3 checkpoint folder, its first layer as the
+    """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3, Phi-3 or EXAONE 4 checkpoint folder, its first layer as the
     draft, on the static-cache runtime compiled and on transformers' forward: the same greedy tokens."""
     from tiny import tiny_tokenizer
 
