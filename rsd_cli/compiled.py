@@ -74,7 +74,7 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # layer kind where some layers do (Gemma 2's every other, Gemma 3's five of six, OLMo 3's three of
 # four, Qwen2's past `max_window_layers`).
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
-                   "olmo2", "olmo3", "seed_oss", "phi3", "exaone4")
+                   "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP's gate: SiLU (Llama), GELU tanh-approximated or exact
@@ -89,6 +89,7 @@ class Style(NamedTuple):
     activation: str = "silu"  # the MLP gate's (ACTIVATIONS)
     softcap: float | None = None  # attention scores soft-capped to (-softcap, softcap) before the mask (Gemma 2)
     residual_scale: float = 1.0  # what attention's and the MLP's outputs are multiplied by before they join (Granite)
+    pairs: bool = False  # q and k turned by adjacent pairs of dimensions, in float32 (ERNIE 4.5), not by halves
 
 
 def decoder_of(model) -> tuple:
@@ -107,7 +108,8 @@ def style_of(model) -> Style:
     _, cfg = decoder_of(model)
     gemma = cfg.model_type.startswith("gemma")
     return Style(gemma or cfg.model_type.startswith("olmo"), gemma, activation_of(cfg),
-                 getattr(cfg, "attn_logit_softcapping", None) or None, float(getattr(cfg, "residual_multiplier", 1.0)))
+                 getattr(cfg, "attn_logit_softcapping", None) or None, float(getattr(cfg, "residual_multiplier", 1.0)),
+                 cfg.model_type == "ernie4_5")
 
 
 def layer_norms(layer) -> tuple:
@@ -163,6 +165,8 @@ def unsupported(model) -> str | None:
         return f"rope type {rope!r}"
     if partial_rotary(cfg) != 1.0:  # (Phi-4-mini: 3/4 of each head turned)
         return f"rotary embedding on {partial_rotary(cfg):g} of each head"
+    if any(linear.bias is not None for linear in projections(layers[0])[4:]):  # (ERNIE 4.5's `use_bias`)
+        return f"{type(model).__name__}'s MLP has biases"
     placement = getattr(model, "hf_device_map", None) or {}
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1 or len(set(placement.values())) > 1:
@@ -206,6 +210,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """transformers' Llama rotation (its modeling module costs ~0.7 s to import; rsd_cli/llama.py)."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """ERNIE 4.5's rotation: each pair of adjacent dimensions (x0, x1) turned to (-x1, x0)."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def pair_angles(table: torch.Tensor) -> torch.Tensor:
+    """A rotary table (positions, head_dim: each angle's cos or sin for the first half of the dimensions,
+    then again for the second) as rotate_pairs reads it: each angle twice in a row, in float32."""
+    return table[..., : table.shape[-1] // 2].float().repeat_interleave(2, dim=-1)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small: tuple) -> torch.Tensor:
@@ -297,7 +312,10 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
         q, k = _rms_norm(q, q_norm, eps, in_float), _rms_norm(k, k_norm, eps, in_float)
     q, k = q.transpose(0, 1), k.transpose(0, 1)  # (H, n, hd), (KVH, n, hd)
     v = v.view(n, kv_heads, head_dim).transpose(0, 1)
-    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    if style.pairs:  # (cos and sin: each angle twice in a row, float32: pair_angles)
+        q, k = ((t.float() * cos + rotate_pairs(t).float() * sin).to(t.dtype) for t in (q, k))
+    else:
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     if slots is None:
         keys[:, kv_len - n: kv_len] = k
         values[:, kv_len - n: kv_len] = v
@@ -583,6 +601,8 @@ class CompiledModel:
             tables = {name: None if name is None else rotary(x, positions, name) if per_kind else rotary(x, positions)
                       for name in dict.fromkeys(names)}
         self.tables = [(None, None) if table is None else (table[0][0], table[1][0]) for table in tables.values()]
+        if style.pairs:
+            self.tables = [(None, None) if cos is None else (pair_angles(cos), pair_angles(sin)) for cos, sin in self.tables]
         self.table_of = [list(tables).index(name) for name in names]  # [layer]
         self.cos, self.sin = self.tables[0]  # (the only table where the C library runs the layers)
         # layers on quantised blocks run in the blocks library (uncompiled CPU path): all of a forward's

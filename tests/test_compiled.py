@@ -520,7 +520,7 @@ def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "granite",
-                                  "olmo2", "olmo3", "seed_oss", "phi3", "exaone4"])
+                                  "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
@@ -528,8 +528,8 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     kind), SmolLM3 (layers without a rotation), Granite (the embedding, blocks' outputs and logits
     scaled), OLMo 2 and 3 (norms after the blocks only, q and k normed whole; OLMo 3 windowed by
     layer kind), Seed-OSS (Qwen2's biases), Phi-3 (q, k and v one linear, gate and up one, a window on
-    every layer) and EXAONE 4 (OLMo 2's norms, q and k normed per head, full-attention layers without a
-    rotation beside windowed ones): tree logits, pruning and growth as transformers' forward gives them on every
+    every layer), EXAONE 4 (OLMo 2's norms, q and k normed per head, full-attention layers without a
+    rotation beside windowed ones) and ERNIE 4.5 (q and k turned by adjacent pairs of dimensions): tree logits, pruning and growth as transformers' forward gives them on every
     backend, and each variant's greedy output is plain greedy."""
     target, draft = tiny_relative(kind, V, layers=2, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     assert compiled.unsupported(target) is None
@@ -548,14 +548,15 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
             plain_greedy(target, 20), shape.describe()
 
 
-def test_phi3_s_fused_linears_run_as_views_of_their_rows_and_a_partial_rotation_is_refused():
+def test_phi3_s_fused_linears_run_as_views_of_their_rows_and_a_partial_rotation_or_mlp_biases_are_refused():
     """Phi-3's q/k/v and gate/up are one linear each: the runtime reads them as linears over views of
     the fused weight's rows (no copy, no parameter added to the model: its state dict and fingerprint
-    stay as they are), which on a GPU are already the stacks it multiplies by. Phi-4-mini's rotation
-    of 3/4 of each head is refused in a line (it runs on transformers' forward)."""
+    stay as they are; made again where the model moved since), which on a GPU are already the stacks
+    it multiplies by. Phi-4-mini's rotation of 3/4 of each head is refused in a line (it runs on
+    transformers' forward), as is an MLP with biases (ERNIE 4.5's `use_bias`)."""
     import copy
 
-    from transformers import Phi3Config, Phi3ForCausalLM
+    from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, Phi3Config, Phi3ForCausalLM
 
     from rsd_cli.compiled import projections, stack_projections
 
@@ -576,6 +577,10 @@ def test_phi3_s_fused_linears_run_as_views_of_their_rows_and_a_partial_rotation_
                                          num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.75,
                                          bos_token_id=1, eos_token_id=2, pad_token_id=0))
     assert compiled.unsupported(partial) == "rotary embedding on 0.75 of each head"
+    biased = Ernie4_5ForCausalLM(Ernie4_5Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                num_attention_heads=4, num_key_value_heads=2, use_bias=True,
+                                                bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    assert compiled.unsupported(biased) == "Ernie4_5ForCausalLM's MLP has biases"
 
 
 def test_a_yarn_scaled_model_runs_on_the_static_cache_runtime_with_transformers_logits():
@@ -761,9 +766,9 @@ def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtim
     assert records["on"]["runtime"] == "static cache, compiled" and records["off"]["runtime"] == "transformers eager"
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3", "phi3", "exaone4"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3", "phi3", "exaone4", "ernie4_5"])
 def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both_runtimes(tmp_path, kind):
-    """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3, Phi-3 or EXAONE 4 checkpoint folder, its first layer as the
+    """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3, Phi-3, EXAONE 4 or ERNIE 4.5 checkpoint folder, its first layer as the
     draft, on the static-cache runtime compiled and on transformers' forward: the same greedy tokens."""
     from tiny import tiny_tokenizer
 

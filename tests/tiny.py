@@ -50,15 +50,16 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     blocks' outputs, attention scores and logits scaled by constants), "gemma2" (Gemma 3's norms, every
     other layer windowed to 4 positions, attention scores soft-capped), "phi3" (q, k and v one
     linear, gate and up one linear, every layer windowed to 4 positions) or "exaone4" (OLMo 2's norms,
-    q and k normed per head, the first layer windowed to 4 positions, the others without a rotation);
-    with sliding-window attention off (but Gemma 2 and 3's, Phi-3's and EXAONE 4's). Every norm's
-    weight is random."""
+    q and k normed per head, the first layer windowed to 4 positions, the others without a rotation)
+    or "ernie4_5" (q and k turned by adjacent pairs of dimensions); with sliding-window attention off
+    (but Gemma 2 and 3's, Phi-3's and EXAONE 4's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                               GemmaForCausalLM, MistralConfig,
                               MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                               SmolLM3Config, SmolLM3ForCausalLM, GraniteConfig, GraniteForCausalLM, Olmo2Config,
                               Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM,
-                              SeedOssConfig, SeedOssForCausalLM, Exaone4Config, Exaone4ForCausalLM)
+                              SeedOssConfig, SeedOssForCausalLM, Exaone4Config, Exaone4ForCausalLM, Ernie4_5Config,
+                              Ernie4_5ForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -67,7 +68,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "granite": (GraniteConfig, GraniteForCausalLM), "olmo2": (Olmo2Config, Olmo2ForCausalLM),
                            "olmo3": (Olmo3Config, Olmo3ForCausalLM),
                            "seed_oss": (SeedOssConfig, SeedOssForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
-                           "exaone4": (Exaone4Config, Exaone4ForCausalLM)}[kind]
+                           "exaone4": (Exaone4Config, Exaone4ForCausalLM),
+                           "ernie4_5": (Ernie4_5Config, Ernie4_5ForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "smollm3":
         settings = dict(no_rope_layers=[int(i % 2 == 0) for i in range(layers)])  # (1: rotated)
