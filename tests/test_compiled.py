@@ -479,12 +479,14 @@ def test_a_logit_bias_in_step_maths_replayed_as_cuda_graphs_decides_as_launched_
 
 
 @CUDA
-@pytest.mark.parametrize("kind", ["mistral", "gemma3", "gemma2"])
+@pytest.mark.parametrize("kind", ["mistral", "gemma3", "gemma2", "phi3", "exaone4"])
 def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
     """Mistral-like, every layer seeing the last 8 positions, Gemma 3-like, the first layer only (a
-    mask for each layer kind), or Gemma 2-like, every other layer seeing 4 (and rsd's own attention,
-    its scores soft-capped), in compiled CUDA graphs (masks over the whole capacity, windowed on
-    the host): every variant's greedy tokens are the target's, 30 tokens past the window."""
+    mask for each layer kind), Gemma 2-like, every other layer seeing 4 (and rsd's own attention,
+    its scores soft-capped), Phi-3-like, every layer seeing 4 (its fused linears the stacks a GPU
+    multiplies by), or EXAONE 4-like, the first layer seeing 4 and the next without a rotation, in
+    compiled CUDA graphs (masks over the whole capacity, windowed on the host): every variant's
+    greedy tokens are the target's, 30 tokens past the window."""
     import copy
 
     from test_engine import FAN, LONG_PROMPT, every_layer_windowed
@@ -499,8 +501,8 @@ def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
     expected = plain_greedy(target, 30, LONG_PROMPT)
     models = tuple(copy.deepcopy(model).cuda() for model in (target, draft))
     runtimes = Runtimes(CompiledModel(models[0], True), CompiledModel(models[1], True), "on")
-    assert runtimes.target.graphed and runtimes.target.window == (4 if kind == "gemma2" else 8)
-    assert (runtimes.target.by_kind is None) == (kind == "mistral")
+    assert runtimes.target.graphed and runtimes.target.window == (8 if kind in ("mistral", "gemma3") else 4)
+    assert (runtimes.target.by_kind is None) == (kind in ("mistral", "phi3"))
     for shape in shapes() + [FAN]:
         decoder = Decoder(*models, V, shape, SamplingParams(temperature=0), set(), runtimes=runtimes)
         tokens = [t for event in decoder.generate(LONG_PROMPT, 30, seed=0) for t in event.emitted]
