@@ -74,9 +74,9 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # layer kind where some layers do (Gemma 2's every other, Gemma 3's five of six, OLMo 3's three of
 # four, Qwen2's past `max_window_layers`).
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
-                   "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5")
+                   "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "ntk_alpha")  # (ntk_alpha: Hunyuan's, a fixed base)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP's gate: SiLU (Llama), GELU tanh-approximated or exact
 
 
@@ -90,6 +90,7 @@ class Style(NamedTuple):
     softcap: float | None = None  # attention scores soft-capped to (-softcap, softcap) before the mask (Gemma 2)
     residual_scale: float = 1.0  # what attention's and the MLP's outputs are multiplied by before they join (Granite)
     pairs: bool = False  # q and k turned by adjacent pairs of dimensions, in float32 (ERNIE 4.5), not by halves
+    norm_after_rotation: bool = False  # each head of q and k normed after the rotation (Hunyuan), not before
 
 
 def decoder_of(model) -> tuple:
@@ -109,7 +110,7 @@ def style_of(model) -> Style:
     gemma = cfg.model_type.startswith("gemma")
     return Style(gemma or cfg.model_type.startswith("olmo"), gemma, activation_of(cfg),
                  getattr(cfg, "attn_logit_softcapping", None) or None, float(getattr(cfg, "residual_multiplier", 1.0)),
-                 cfg.model_type == "ernie4_5")
+                 cfg.model_type == "ernie4_5", cfg.model_type == "hunyuan_v1_dense")
 
 
 def layer_norms(layer) -> tuple:
@@ -308,7 +309,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     if whole:
         q, k = _rms_norm(q, q_norm, eps, in_float), _rms_norm(k, k_norm, eps, in_float)
     q, k = q.view(n, heads, head_dim), k.view(n, kv_heads, head_dim)
-    if q_norm is not None and not whole:  # Qwen3, Gemma 3: each head of q and k RMS-normed before the rotation
+    by_head = q_norm is not None and not whole  # (each head of q and k RMS-normed)
+    if by_head and not style.norm_after_rotation:  # Qwen3, Gemma 3: before the rotation
         q, k = _rms_norm(q, q_norm, eps, in_float), _rms_norm(k, k_norm, eps, in_float)
     q, k = q.transpose(0, 1), k.transpose(0, 1)  # (H, n, hd), (KVH, n, hd)
     v = v.view(n, kv_heads, head_dim).transpose(0, 1)
@@ -316,6 +318,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
         q, k = ((t.float() * cos + rotate_pairs(t).float() * sin).to(t.dtype) for t in (q, k))
     else:
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    if by_head and style.norm_after_rotation:  # Hunyuan: after it
+        q, k = _rms_norm(q, q_norm, eps, in_float), _rms_norm(k, k_norm, eps, in_float)
     if slots is None:
         keys[:, kv_len - n: kv_len] = k
         values[:, kv_len - n: kv_len] = v
@@ -477,8 +481,10 @@ def _parts(linears, biased: bool, held: bool = False) -> list | None:
 
 
 def _head_norms(attention) -> tuple:
-    """The weights of Qwen3's RMS norms of each head of q and of k, or (None, None)."""
-    return tuple(getattr(getattr(attention, name, None), "weight", None) for name in ("q_norm", "k_norm"))
+    """The weights of the RMS norms of q and of k (Qwen3's of each head, Hunyuan's named otherwise), or
+    (None, None)."""
+    names = ("query_layernorm", "key_layernorm") if hasattr(attention, "query_layernorm") else ("q_norm", "k_norm")
+    return tuple(getattr(getattr(attention, name, None), "weight", None) for name in names)
 
 
 def _room_to_fuse(layers) -> bool:

@@ -51,7 +51,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     other layer windowed to 4 positions, attention scores soft-capped), "phi3" (q, k and v one
     linear, gate and up one linear, every layer windowed to 4 positions) or "exaone4" (OLMo 2's norms,
     q and k normed per head, the first layer windowed to 4 positions, the others without a rotation)
-    or "ernie4_5" (q and k turned by adjacent pairs of dimensions); with sliding-window attention off
+    "ernie4_5" (q and k turned by adjacent pairs of dimensions) or "hunyuan" (Hunyuan's dense models:
+    each head of q and k normed after the rotation, its base scaled by a fixed NTK alpha); with
+    sliding-window attention off
     (but Gemma 2 and 3's, Phi-3's and EXAONE 4's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                               GemmaForCausalLM, MistralConfig,
@@ -59,7 +61,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               SmolLM3Config, SmolLM3ForCausalLM, GraniteConfig, GraniteForCausalLM, Olmo2Config,
                               Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM,
                               SeedOssConfig, SeedOssForCausalLM, Exaone4Config, Exaone4ForCausalLM, Ernie4_5Config,
-                              Ernie4_5ForCausalLM)
+                              Ernie4_5ForCausalLM, HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -69,12 +71,16 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "olmo3": (Olmo3Config, Olmo3ForCausalLM),
                            "seed_oss": (SeedOssConfig, SeedOssForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
                            "exaone4": (Exaone4Config, Exaone4ForCausalLM),
-                           "ernie4_5": (Ernie4_5Config, Ernie4_5ForCausalLM)}[kind]
+                           "ernie4_5": (Ernie4_5Config, Ernie4_5ForCausalLM),
+                           "hunyuan": (HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "smollm3":
         settings = dict(no_rope_layers=[int(i % 2 == 0) for i in range(layers)])  # (1: rotated)
     elif kind == "olmo3":
         settings = dict(sliding_window=4, layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1))
+    elif kind == "hunyuan":  # (its checkpoints' rotary base: "dynamic" by name, a fixed NTK alpha)
+        settings = dict(head_dim=8, rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10000.0,
+                                                     "factor": 1.0})
     elif kind == "exaone4":  # (the first layer windowed, the others full attention without a rotation)
         settings = dict(sliding_window=4, layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1))
     elif kind == "phi3":  # (as Phi-3-mini-4k: a window on every layer, 2047 of its 4096 positions there)
