@@ -74,7 +74,7 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # layer kind where some layers do (Gemma 2's every other, Gemma 3's five of six, OLMo 3's three of
 # four, Qwen2's past `max_window_layers`).
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
-                   "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense")
+                   "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "ntk_alpha")  # (ntk_alpha: Hunyuan's, a fixed base)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP's gate: SiLU (Llama), GELU tanh-approximated or exact
@@ -89,7 +89,8 @@ class Style(NamedTuple):
     activation: str = "silu"  # the MLP gate's (ACTIVATIONS)
     softcap: float | None = None  # attention scores soft-capped to (-softcap, softcap) before the mask (Gemma 2)
     residual_scale: float = 1.0  # what attention's and the MLP's outputs are multiplied by before they join (Granite)
-    pairs: bool = False  # q and k turned by adjacent pairs of dimensions, in float32 (ERNIE 4.5), not by halves
+    pairs: bool = False  # q and k turned by adjacent pairs of dimensions (GLM-4, ERNIE 4.5), not by halves
+    rotation_in_float: bool = False  # ... in float32, then cast (ERNIE 4.5)
     norm_after_rotation: bool = False  # each head of q and k normed after the rotation (Hunyuan), not before
 
 
@@ -110,14 +111,19 @@ def style_of(model) -> Style:
     gemma = cfg.model_type.startswith("gemma")
     return Style(gemma or cfg.model_type.startswith("olmo"), gemma, activation_of(cfg),
                  getattr(cfg, "attn_logit_softcapping", None) or None, float(getattr(cfg, "residual_multiplier", 1.0)),
-                 cfg.model_type == "ernie4_5", cfg.model_type == "hunyuan_v1_dense")
+                 cfg.model_type in ("ernie4_5", "glm4"), cfg.model_type == "ernie4_5",
+                 cfg.model_type == "hunyuan_v1_dense")
 
 
 def layer_norms(layer) -> tuple:
     """A decoder layer's norm modules (before attention, before the MLP, after attention, after the
     MLP), None where its family has none: Llama's input_layernorm and post_attention_layernorm (the
     one before the MLP, whatever its name says); Gemma 2 and 3's four (their post_attention_layernorm
-    is after attention); OLMo 2 and 3's and EXAONE 4's last two only."""
+    is after attention); GLM-4's four (its post_self_attn_layernorm after attention, post_mlp_layernorm
+    after the MLP); OLMo 2 and 3's and EXAONE 4's last two only."""
+    if hasattr(layer, "post_self_attn_layernorm"):  # GLM-4: its post_attention_layernorm is before the MLP
+        return (layer.input_layernorm, layer.post_attention_layernorm, layer.post_self_attn_layernorm,
+                layer.post_mlp_layernorm)
     if hasattr(layer, "post_feedforward_layernorm"):
         return (getattr(layer, "input_layernorm", None), getattr(layer, "pre_feedforward_layernorm", None),
                 layer.post_attention_layernorm, layer.post_feedforward_layernorm)
@@ -164,8 +170,6 @@ def unsupported(model) -> str | None:
     rope = getattr(inner.rotary_emb, "rope_type", "default")  # (Gemma 3: one per layer kind)
     if any(kind not in ROPE_TYPES for kind in (rope.values() if isinstance(rope, dict) else [rope])):
         return f"rope type {rope!r}"
-    if partial_rotary(cfg) != 1.0:  # (Phi-4-mini: 3/4 of each head turned)
-        return f"rotary embedding on {partial_rotary(cfg):g} of each head"
     if any(linear.bias is not None for linear in projections(layers[0])[4:]):  # (ERNIE 4.5's `use_bias`)
         return f"{type(model).__name__}'s MLP has biases"
     placement = getattr(model, "hf_device_map", None) or {}
@@ -175,14 +179,6 @@ def unsupported(model) -> str | None:
     if "disk" in placement.values() or any(d.type == "meta" for d in devices):
         return "a model whose weights accelerate offloads"
     return None
-
-
-def partial_rotary(cfg) -> float:
-    """The share of each head's dimensions the rotary embedding turns (1.0: all; in transformers 5.24
-    a rope parameter, before a config key)."""
-    parameters = getattr(cfg, "rope_parameters", None)
-    parameters = parameters if isinstance(parameters, dict) else {}
-    return float(parameters.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None) or 1.0))
 
 
 def sliding_window(cfg) -> bool:
@@ -213,15 +209,30 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: Style) -> torch.Tensor:
+    """x (heads, n, head_dim) turned by its rows' angles: by halves (Llama), or by adjacent pairs (cos
+    and sin: pair_angles; ERNIE in float32); only its first cos.shape[-1] dimensions where the rotation
+    takes part of each head (GLM-4's half), the others passed as they are."""
+    width = cos.shape[-1]
+    part = x[..., :width] if width < x.shape[-1] else x
+    if not style.pairs:
+        turned = part * cos + rotate_half(part) * sin
+    elif style.rotation_in_float:
+        turned = (part.float() * cos + rotate_pairs(part).float() * sin).to(x.dtype)
+    else:
+        turned = part * cos + rotate_pairs(part) * sin
+    return torch.cat([turned, x[..., width:]], dim=-1) if width < x.shape[-1] else turned
+
+
 def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
     """ERNIE 4.5's rotation: each pair of adjacent dimensions (x0, x1) turned to (-x1, x0)."""
     return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
 
 def pair_angles(table: torch.Tensor) -> torch.Tensor:
-    """A rotary table (positions, head_dim: each angle's cos or sin for the first half of the dimensions,
-    then again for the second) as rotate_pairs reads it: each angle twice in a row, in float32."""
-    return table[..., : table.shape[-1] // 2].float().repeat_interleave(2, dim=-1)
+    """A rotary table (positions, rotated dimensions: each angle's cos or sin for the first half of
+    them, then again for the second) as rotate_pairs reads it: each angle twice in a row."""
+    return table[..., : table.shape[-1] // 2].repeat_interleave(2, dim=-1)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small: tuple) -> torch.Tensor:
@@ -314,10 +325,7 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
         q, k = _rms_norm(q, q_norm, eps, in_float), _rms_norm(k, k_norm, eps, in_float)
     q, k = q.transpose(0, 1), k.transpose(0, 1)  # (H, n, hd), (KVH, n, hd)
     v = v.view(n, kv_heads, head_dim).transpose(0, 1)
-    if style.pairs:  # (cos and sin: each angle twice in a row, float32: pair_angles)
-        q, k = ((t.float() * cos + rotate_pairs(t).float() * sin).to(t.dtype) for t in (q, k))
-    else:
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    q, k = _rotated(q, cos, sin, style), _rotated(k, cos, sin, style)
     if by_head and style.norm_after_rotation:  # Hunyuan: after it
         q, k = _rms_norm(q, q_norm, eps, in_float), _rms_norm(k, k_norm, eps, in_float)
     if slots is None:
@@ -388,16 +396,22 @@ def _native_layer(layer, fused: tuple, fuse: bool):
 
 
 def projections(layer) -> tuple:
-    """A decoder layer's seven linears: q, k, v, o, gate, up, down (where q/k/v and gate/up are one
-    linear each, Phi-3's `qkv_proj` and `gate_up_proj`: linears over views of its rows, made once)."""
+    """A decoder layer's seven linears: q, k, v, o, gate, up, down (where q/k/v or gate/up are one
+    linear, Phi-3's `qkv_proj` and `gate_up_proj`, GLM-4's `gate_up_proj`: linears over views of its
+    rows, made once)."""
     a, m = layer.self_attn, layer.mlp
-    if not hasattr(a, "qkv_proj"):
+    fused = getattr(a, "qkv_proj", None) or getattr(m, "gate_up_proj", None)
+    if fused is None:
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
     views = getattr(layer, "_rsd_views", None)
-    if views is None or views[0].weight.data_ptr() != a.qkv_proj.weight.data_ptr():  # (none yet, or the model moved)
-        heads, kv_heads = a.config.num_attention_heads, a.num_key_value_heads
-        q, k, v = _row_views(a.qkv_proj, (heads * a.head_dim, kv_heads * a.head_dim, kv_heads * a.head_dim))
-        gate, up = _row_views(m.gate_up_proj, (m.gate_up_proj.out_features // 2,) * 2)  # (gate first)
+    if views is None or not any(view.weight.data_ptr() == fused.weight.data_ptr() for view in views):  # (or moved)
+        if hasattr(a, "qkv_proj"):
+            heads, kv_heads = a.config.num_attention_heads, a.num_key_value_heads
+            q, k, v = _row_views(a.qkv_proj, (heads * a.head_dim, kv_heads * a.head_dim, kv_heads * a.head_dim))
+        else:
+            q, k, v = a.q_proj, a.k_proj, a.v_proj
+        gate, up = _row_views(m.gate_up_proj, (m.gate_up_proj.out_features // 2,) * 2) \
+            if hasattr(m, "gate_up_proj") else (m.gate_proj, m.up_proj)  # (gate first)
         views = (q, k, v, a.o_proj, gate, up, m.down_proj)
         object.__setattr__(layer, "_rsd_views", views)  # (not a submodule: the model's parameters stay its own)
     return views
@@ -615,6 +629,7 @@ class CompiledModel:
         # layers in one call where every layer can, then the final norm and head in one more (Llama's
         # layers, on one rotary table and one mask)
         in_c = style == Style() and len(self.tables) == 1 and self.cos is not None and self.by_kind is None \
+            and self.cos.shape[-1] == self.dims[2] \
             and self.embedding_scale == self.logits_divisor == 1.0 and layer_norms(inner.layers[0])[2] is None
         native = [_native_layer(layer, fused, fuse) if in_c else None
                   for layer, (_, _, fused) in zip(inner.layers, self.layers)]

@@ -531,7 +531,8 @@ def skip_a_dynamic_hunyuan(model) -> None:
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "granite",
-                                  "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan"])
+                                  "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan",
+                                  "glm4"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
@@ -540,8 +541,10 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     scaled), OLMo 2 and 3 (norms after the blocks only, q and k normed whole; OLMo 3 windowed by
     layer kind), Seed-OSS (Qwen2's biases), Phi-3 (q, k and v one linear, gate and up one, a window on
     every layer), EXAONE 4 (OLMo 2's norms, q and k normed per head, full-attention layers without a
-    rotation beside windowed ones), ERNIE 4.5 (q and k turned by adjacent pairs of dimensions) and Hunyuan
-    (each head of q and k normed after the rotation, a rotary base scaled by a fixed NTK alpha): tree logits, pruning and growth as transformers' forward gives them on every
+    rotation beside windowed ones), ERNIE 4.5 (q and k turned by adjacent pairs of dimensions), Hunyuan
+    (each head of q and k normed after the rotation, a rotary base scaled by a fixed NTK alpha) and
+    GLM-4 (Qwen2's biases, gate and up one linear, Gemma 2's four norms, half of each head turned by
+    adjacent pairs): tree logits, pruning and growth as transformers' forward gives them on every
     backend, and each variant's greedy output is plain greedy."""
     target, draft = tiny_relative(kind, V, layers=2, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     skip_a_dynamic_hunyuan(target)
@@ -561,12 +564,13 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
             plain_greedy(target, 20), shape.describe()
 
 
-def test_phi3_s_fused_linears_run_as_views_of_their_rows_and_a_partial_rotation_or_mlp_biases_are_refused():
+def test_phi3_s_fused_linears_run_as_views_of_their_rows_and_mlp_biases_are_refused():
     """Phi-3's q/k/v and gate/up are one linear each: the runtime reads them as linears over views of
     the fused weight's rows (no copy, no parameter added to the model: its state dict and fingerprint
     stay as they are; made again where the model moved since), which on a GPU are already the stacks
-    it multiplies by. Phi-4-mini's rotation of 3/4 of each head is refused in a line (it runs on
-    transformers' forward), as is an MLP with biases (ERNIE 4.5's `use_bias`)."""
+    it multiplies by. A rotation of 3/4 of each head (Phi-4-mini's, whose `longrope` keeps it on
+    transformers' forward) gives transformers' logits; an MLP with biases (ERNIE 4.5's `use_bias`) is
+    refused in a line."""
     import copy
 
     from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, Phi3Config, Phi3ForCausalLM
@@ -588,8 +592,9 @@ def test_phi3_s_fused_linears_run_as_views_of_their_rows_and_a_partial_rotation_
     assert projections(moved.model.layers[0])[0].weight.dtype == torch.float64
     partial = Phi3ForCausalLM(Phi3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.75,
-                                         bos_token_id=1, eos_token_id=2, pad_token_id=0))
-    assert compiled.unsupported(partial) == "rotary embedding on 0.75 of each head"
+                                         bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.3))
+    assert compiled.unsupported(partial) is None
+    assert_same_tree_logits(StaticLM(CompiledModel(partial.eval(), False), V, capacity=12), CachedLM(partial, V))
     biased = Ernie4_5ForCausalLM(Ernie4_5Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                 num_attention_heads=4, num_key_value_heads=2, use_bias=True,
                                                 bos_token_id=1, eos_token_id=2, pad_token_id=0))
@@ -780,9 +785,9 @@ def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtim
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3", "phi3", "exaone4", "ernie4_5",
-                                  "hunyuan"])
+                                  "hunyuan", "glm4"])
 def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both_runtimes(tmp_path, kind):
-    """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3, Phi-3, EXAONE 4, ERNIE 4.5 or Hunyuan checkpoint folder, its first layer as the
+    """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3, Phi-3, EXAONE 4, ERNIE 4.5, Hunyuan or GLM-4 checkpoint folder, its first layer as the
     draft, on the static-cache runtime compiled and on transformers' forward: the same greedy tokens."""
     from tiny import tiny_tokenizer
 

@@ -51,8 +51,10 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     other layer windowed to 4 positions, attention scores soft-capped), "phi3" (q, k and v one
     linear, gate and up one linear, every layer windowed to 4 positions) or "exaone4" (OLMo 2's norms,
     q and k normed per head, the first layer windowed to 4 positions, the others without a rotation)
-    "ernie4_5" (q and k turned by adjacent pairs of dimensions) or "hunyuan" (Hunyuan's dense models:
-    each head of q and k normed after the rotation, its base scaled by a fixed NTK alpha); with
+    "ernie4_5" (q and k turned by adjacent pairs of dimensions), "hunyuan" (Hunyuan's dense models:
+    each head of q and k normed after the rotation, its base scaled by a fixed NTK alpha) or "glm4"
+    (biases on q, k and v, gate and up one linear, norms after attention and the MLP too, half of
+    each head turned by adjacent pairs); with
     sliding-window attention off
     (but Gemma 2 and 3's, Phi-3's and EXAONE 4's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
@@ -61,7 +63,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               SmolLM3Config, SmolLM3ForCausalLM, GraniteConfig, GraniteForCausalLM, Olmo2Config,
                               Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM,
                               SeedOssConfig, SeedOssForCausalLM, Exaone4Config, Exaone4ForCausalLM, Ernie4_5Config,
-                              Ernie4_5ForCausalLM, HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM)
+                              Ernie4_5ForCausalLM, HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM, Glm4Config,
+                              Glm4ForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -72,7 +75,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "seed_oss": (SeedOssConfig, SeedOssForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
                            "exaone4": (Exaone4Config, Exaone4ForCausalLM),
                            "ernie4_5": (Ernie4_5Config, Ernie4_5ForCausalLM),
-                           "hunyuan": (HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM)}[kind]
+                           "hunyuan": (HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM),
+                           "glm4": (Glm4Config, Glm4ForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "smollm3":
         settings = dict(no_rope_layers=[int(i % 2 == 0) for i in range(layers)])  # (1: rotated)
