@@ -225,7 +225,7 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: Style
 
 
 def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
-    """ERNIE 4.5's rotation: each pair of adjacent dimensions (x0, x1) turned to (-x1, x0)."""
+    """GLM-4's and ERNIE 4.5's rotation: each pair of adjacent dimensions (x0, x1) turned to (-x1, x0)."""
     return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
 
