@@ -74,7 +74,8 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # layer kind where some layers do (Gemma 2's every other, Gemma 3's five of six, OLMo 3's three of
 # four, Qwen2's past `max_window_layers`).
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
-                   "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4")
+                   "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
+                   "cohere", "cohere2")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "ntk_alpha")  # (ntk_alpha: Hunyuan's, a fixed base)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP's gate: SiLU (Llama), GELU tanh-approximated or exact
@@ -92,6 +93,8 @@ class Style(NamedTuple):
     pairs: bool = False  # q and k turned by adjacent pairs of dimensions (GLM-4, ERNIE 4.5), not by halves
     rotation_in_float: bool = False  # ... in float32, then cast (ERNIE 4.5)
     norm_after_rotation: bool = False  # each head of q and k normed after the rotation (Hunyuan), not before
+    centred: bool = False  # norms that subtract the mean too (Cohere's LayerNorm without a bias)
+    parallel: bool = False  # attention and the MLP both read the first norm's output; both join the residual (Cohere)
 
 
 def decoder_of(model) -> tuple:
@@ -108,11 +111,11 @@ def decoder_of(model) -> tuple:
 
 def style_of(model) -> Style:
     _, cfg = decoder_of(model)
-    gemma = cfg.model_type.startswith("gemma")
-    return Style(gemma or cfg.model_type.startswith("olmo"), gemma, activation_of(cfg),
+    gemma, cohere = cfg.model_type.startswith("gemma"), cfg.model_type in ("cohere", "cohere2")
+    return Style(gemma or cfg.model_type.startswith("olmo") or cohere, gemma, activation_of(cfg),
                  getattr(cfg, "attn_logit_softcapping", None) or None, float(getattr(cfg, "residual_multiplier", 1.0)),
-                 cfg.model_type in ("ernie4_5", "glm4"), cfg.model_type == "ernie4_5",
-                 cfg.model_type == "hunyuan_v1_dense")
+                 cfg.model_type in ("ernie4_5", "glm4", "cohere", "cohere2"), cfg.model_type in ("ernie4_5", "cohere"),
+                 cfg.model_type == "hunyuan_v1_dense", cohere, cohere)
 
 
 def layer_norms(layer) -> tuple:
@@ -121,6 +124,8 @@ def layer_norms(layer) -> tuple:
     one before the MLP, whatever its name says); Gemma 2 and 3's four (their post_attention_layernorm
     is after attention); GLM-4's four (its post_self_attn_layernorm after attention, post_mlp_layernorm
     after the MLP); OLMo 2 and 3's and EXAONE 4's last two only."""
+    if not hasattr(layer, "post_attention_layernorm"):  # Cohere: one norm, read by attention and the MLP alike
+        return layer.input_layernorm, None, None, None
     if hasattr(layer, "post_self_attn_layernorm"):  # GLM-4: its post_attention_layernorm is before the MLP
         return (layer.input_layernorm, layer.post_attention_layernorm, layer.post_self_attn_layernorm,
                 layer.post_mlp_layernorm)
@@ -135,6 +140,8 @@ def rotates(layer, kind: str, cfg) -> bool:
     (`use_rope` off), nor EXAONE 4's full-attention layers beside windowed ones (its "global NoPE")."""
     if cfg.model_type == "exaone4":
         return getattr(cfg, "sliding_window", None) is None or kind == "sliding_attention"
+    if cfg.model_type == "cohere2":  # (its full-attention layers: none)
+        return kind == "sliding_attention"
     return bool(getattr(layer.self_attn, "use_rope", True))
 
 
@@ -172,6 +179,8 @@ def unsupported(model) -> str | None:
         return f"rope type {rope!r}"
     if any(linear.bias is not None for linear in projections(layers[0])[4:]):  # (ERNIE 4.5's `use_bias`)
         return f"{type(model).__name__}'s MLP has biases"
+    if getattr(cfg, "use_qk_norm", False):  # (Command R+: a LayerNorm weight for each head)
+        return f"{type(model).__name__} norms q and k with a weight for each head"
     placement = getattr(model, "hf_device_map", None) or {}
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1 or len(set(placement.values())) > 1:
@@ -248,10 +257,14 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sm
     return F.linear(x, weight, bias)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, in_float: bool = False) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, in_float: bool = False,
+              centred: bool = False) -> torch.Tensor:
     """Llama's RMS norm (the weight times the normed x cast to x's dtype), or with `in_float` Gemma's
-    and OLMo's: the normed x times a float32 weight (norm_weight), then cast."""
+    and OLMo's: the normed x times a float32 weight (norm_weight), then cast; `centred`, Cohere's
+    LayerNorm without a bias: x less its mean, normed so."""
     dtype, x = x.dtype, x.float()
+    if centred:
+        x = x - x.mean(-1, keepdim=True)
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return (normed * weight).to(dtype) if in_float else weight * normed.to(dtype)
 
@@ -306,7 +319,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     # stacked blocks where the blocks kernel serves this many rows (prompts: where it measured faster)
     on_blocks = n <= MAX_ROWS or small[0][0][2] == "blocks"
     fused = fused if on_blocks and not torch.compiler.is_compiling() else (None, None)
-    h = x if ln1 is None else _rms_norm(x, ln1, eps, in_float)  # (OLMo: no norm before attention)
+    h = x if ln1 is None else _rms_norm(x, ln1, eps, in_float, style.centred)  # (OLMo: no norm before attention)
+    normed = h
     widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
     if wk is None:  # (stacked float weights)
         q, k, v = F.linear(h, wq).split(widths, -1)
@@ -359,7 +373,7 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     if style.residual_scale != 1.0:  # (Granite)
         attended = attended * style.residual_scale
     x = x + (attended if after_attention is None else _rms_norm(attended, after_attention, eps, in_float))
-    h = x if ln2 is None else _rms_norm(x, ln2, eps, in_float)
+    h = normed if style.parallel else x if ln2 is None else _rms_norm(x, ln2, eps, in_float)  # (Cohere: ln1's)
     if wu is None:  # (stacked float weights)
         gate, up = F.linear(h, wg).chunk(2, -1)
     elif fused[1] is not None:
@@ -536,11 +550,12 @@ def fused_blocks(linears, biased: bool = False, held: bool = False) -> torch.Ten
 
 
 def final_logits(x, norm, eps: float, head, small: tuple, in_float: bool = False,
-                 softcap: float | None = None, divisor: float = 1.0) -> torch.Tensor:
-    """(m, hidden) -> (m, rows of the head) logits: the final norm (a norm_weight) and the output head,
-    the logits then divided by `divisor` (Granite's `logits_scaling`) and soft-capped to (-softcap,
-    softcap) where the model says (Gemma 2 and 3's `final_logit_softcapping`)."""
-    logits = _linear(_rms_norm(x, norm, eps, in_float), head, None, small)
+                 softcap: float | None = None, divisor: float = 1.0, centred: bool = False) -> torch.Tensor:
+    """(m, hidden) -> (m, rows of the head) logits: the final norm (a norm_weight; `centred`: Cohere's)
+    and the output head, the logits then divided by `divisor` (Granite's `logits_scaling`, Cohere's
+    1 / `logit_scale`) and soft-capped to (-softcap, softcap) where the model says (Gemma 2 and 3's
+    `final_logit_softcapping`)."""
+    logits = _linear(_rms_norm(x, norm, eps, in_float, centred), head, None, small)
     logits = logits if divisor == 1.0 else logits / divisor
     return logits if not softcap else torch.tanh(logits / softcap) * softcap
 
@@ -598,7 +613,8 @@ class CompiledModel:
         self.final_norm = norm_weight(inner.norm.weight, style)
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.embedding_scale = float(getattr(cfg, "embedding_multiplier", 1.0))  # (Granite's, besides the module's)
-        self.logits_divisor = float(getattr(cfg, "logits_scaling", 1.0))  # (Granite's)
+        # (Granite's; Cohere's logits are multiplied by its logit_scale)
+        self.logits_divisor = float(getattr(cfg, "logits_scaling", 1.0)) / float(getattr(cfg, "logit_scale", None) or 1.0)
         self.device = inner.embed_tokens.weight.device
         self.dtype = inner.embed_tokens.weight.dtype
         self.context = getattr(cfg, "max_position_embeddings", 4096)
@@ -621,7 +637,7 @@ class CompiledModel:
             tables = {name: None if name is None else rotary(x, positions, name) if per_kind else rotary(x, positions)
                       for name in dict.fromkeys(names)}
         self.tables = [(None, None) if table is None else (table[0][0], table[1][0]) for table in tables.values()]
-        if style.pairs:
+        if style.pairs and not style.parallel:  # (Cohere's tables already give each angle twice in a row)
             self.tables = [(None, None) if cos is None else (pair_angles(cos), pair_angles(sin)) for cos, sin in self.tables]
         self.table_of = [list(tables).index(name) for name in names]  # [layer]
         self.cos, self.sin = self.tables[0]  # (the only table where the C library runs the layers)
@@ -832,7 +848,8 @@ class CompiledModel:
                 return native_head(y, rows, self.inner.norm.weight, self.norm_eps, head, threads=threads)
             with on_threads(threads) if threads else contextlib.nullcontext():
                 return final_logits(y[rows], self.final_norm, self.norm_eps, self.model.lm_head.weight,
-                                    self.head_small, self.style.norm_in_float, self.softcap, self.logits_divisor)
+                                    self.head_small, self.style.norm_in_float, self.softcap, self.logits_divisor,
+                                    self.style.centred)
 
         if in_c:
             def in_the_library(threads: int) -> torch.Tensor:

@@ -532,7 +532,7 @@ def skip_a_dynamic_hunyuan(model) -> None:
 
 @pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "granite",
                                   "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan",
-                                  "glm4"])
+                                  "glm4", "cohere2", "cohere"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
@@ -544,7 +544,9 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     rotation beside windowed ones), ERNIE 4.5 (q and k turned by adjacent pairs of dimensions), Hunyuan
     (each head of q and k normed after the rotation, a rotary base scaled by a fixed NTK alpha) and
     GLM-4 (Qwen2's biases, gate and up one linear, Gemma 2's four norms, half of each head turned by
-    adjacent pairs): tree logits, pruning and growth as transformers' forward gives them on every
+    adjacent pairs), Cohere 2 (LayerNorms without a bias, attention and MLP side by side, windowed
+    layers turned by adjacent pairs and the others not at all, scaled logits) and Cohere (Command R:
+    every layer turned, in float32): tree logits, pruning and growth as transformers' forward gives them on every
     backend, and each variant's greedy output is plain greedy."""
     target, draft = tiny_relative(kind, V, layers=2, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     skip_a_dynamic_hunyuan(target)
@@ -689,6 +691,10 @@ def test_unsupported_models_are_named_with_a_reason():
     assert compiled.unsupported(gelu) == "LlamaForCausalLM's layers differ from Llama's"
     wide = MistralForCausalLM(MistralConfig(**small, sliding_window=256))  # (the whole context: no window)
     assert compiled.unsupported(wide) is None and compiled.window_of(wide.config) is None
+    from transformers import CohereConfig, CohereForCausalLM
+
+    plus = CohereForCausalLM(CohereConfig(**small, use_qk_norm=True, bos_token_id=1, eos_token_id=2))  # (Command R+)
+    assert compiled.unsupported(plus) == "CohereForCausalLM norms q and k with a weight for each head"
     notices = []
     assert compiled.runtime_for(gpt2, "on", "target", notice=notices.append) is None
     assert notices == ["--compile on does not apply to the target (a gpt2 model (the static-cache runtime covers "
@@ -785,9 +791,9 @@ def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtim
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3", "phi3", "exaone4", "ernie4_5",
-                                  "hunyuan", "glm4"])
+                                  "hunyuan", "glm4", "cohere2"])
 def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both_runtimes(tmp_path, kind):
-    """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3, Phi-3, EXAONE 4, ERNIE 4.5, Hunyuan or GLM-4 checkpoint folder, its first layer as the
+    """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3, Phi-3, EXAONE 4, ERNIE 4.5, Hunyuan, GLM-4 or Cohere 2 checkpoint folder, its first layer as the
     draft, on the static-cache runtime compiled and on transformers' forward: the same greedy tokens."""
     from tiny import tiny_tokenizer
 

@@ -52,9 +52,11 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     linear, gate and up one linear, every layer windowed to 4 positions) or "exaone4" (OLMo 2's norms,
     q and k normed per head, the first layer windowed to 4 positions, the others without a rotation)
     "ernie4_5" (q and k turned by adjacent pairs of dimensions), "hunyuan" (Hunyuan's dense models:
-    each head of q and k normed after the rotation, its base scaled by a fixed NTK alpha) or "glm4"
+    each head of q and k normed after the rotation, its base scaled by a fixed NTK alpha), "glm4"
     (biases on q, k and v, gate and up one linear, norms after attention and the MLP too, half of
-    each head turned by adjacent pairs); with
+    each head turned by adjacent pairs), "cohere2" (LayerNorms without a bias, attention and the
+    MLP side by side on one norm's output, adjacent pairs turned on the windowed first layer only,
+    logits scaled) or "cohere" (Cohere 2's layers, every one turned, in float32, none windowed); with
     sliding-window attention off
     (but Gemma 2 and 3's, Phi-3's and EXAONE 4's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
@@ -64,7 +66,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM,
                               SeedOssConfig, SeedOssForCausalLM, Exaone4Config, Exaone4ForCausalLM, Ernie4_5Config,
                               Ernie4_5ForCausalLM, HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM, Glm4Config,
-                              Glm4ForCausalLM)
+                              Glm4ForCausalLM, Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -76,12 +78,18 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "exaone4": (Exaone4Config, Exaone4ForCausalLM),
                            "ernie4_5": (Ernie4_5Config, Ernie4_5ForCausalLM),
                            "hunyuan": (HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM),
-                           "glm4": (Glm4Config, Glm4ForCausalLM)}[kind]
+                           "glm4": (Glm4Config, Glm4ForCausalLM), "cohere2": (Cohere2Config, Cohere2ForCausalLM),
+                           "cohere": (CohereConfig, CohereForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "smollm3":
         settings = dict(no_rope_layers=[int(i % 2 == 0) for i in range(layers)])  # (1: rotated)
     elif kind == "olmo3":
         settings = dict(sliding_window=4, layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1))
+    elif kind == "cohere":  # (every layer turned, in float32; logits scaled)
+        settings = dict(logit_scale=0.5)
+    elif kind == "cohere2":  # (the first layer windowed and turned, the second neither; logits scaled)
+        settings = dict(sliding_window=4, layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1),
+                        logit_scale=0.5)
     elif kind == "hunyuan":  # (its checkpoints' rotary base: "dynamic" by name, a fixed NTK alpha)
         settings = dict(head_dim=8, rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10000.0,
                                                      "factor": 1.0})
