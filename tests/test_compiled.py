@@ -479,12 +479,13 @@ def test_a_logit_bias_in_step_maths_replayed_as_cuda_graphs_decides_as_launched_
 
 
 @CUDA
-@pytest.mark.parametrize("kind", ["mistral", "gemma3", "gemma2", "phi3", "exaone4"])
+@pytest.mark.parametrize("kind", ["mistral", "gemma3", "gemma2", "phi3", "exaone4", "cohere2"])
 def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
     """Mistral-like, every layer seeing the last 8 positions, Gemma 3-like, the first layer only (a
     mask for each layer kind), Gemma 2-like, every other layer seeing 4 (and rsd's own attention,
     its scores soft-capped), Phi-3-like, every layer seeing 4 (its fused linears the stacks a GPU
-    multiplies by), or EXAONE 4-like, the first layer seeing 4 and the next without a rotation, in
+    multiplies by), EXAONE 4-like, the first layer seeing 4 and the next without a rotation, or Cohere
+    2-like (EXAONE 4's layer kinds, attention and MLP side by side, adjacent pairs turned), in
     compiled CUDA graphs (masks over the whole capacity, windowed on the host): every variant's
     greedy tokens are the target's, 30 tokens past the window."""
     import copy
