@@ -18,10 +18,11 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh prompts   # a long prompt's causal attention against the mask: GPU, 16 cores
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh architectures  # 55 families on that machine's transformers
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh controls  # logit bias, --ignore-eos, windows in CUDA graphs
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh decoders  # a fresh decoder per answer: step graphs shared or not
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
-part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures or controls}
+part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls or decoders}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -38,9 +39,9 @@ peer=(-m rsd_cli bench --variants ar,auto --depths 1 --temperatures 0,1 --limit 
       --compile on --hf-static --json)
 case $part in
   tests)  # the GPU-only tests first (CUDA graphs), then everything; the log comes back either way
-    $py -m pytest -p no:warnings -q -rs tests/test_compiled.py -k "cuda or CUDA" 2>&1 | tee "$out/cuda-tests.txt"
+    $py -m pytest -p no:warnings -p no:logging -q -rs tests/test_compiled.py -k "cuda or CUDA" 2>&1 | tee "$out/cuda-tests.txt"
     workers=(); $py -c "import xdist" 2>/dev/null && workers=(-n 8)  # pytest-xdist where it is installed
-    $py -m pytest -p no:warnings -q -x "${workers[@]}" 2>&1 | tee "$out/suite.txt" ;;
+    $py -m pytest -p no:warnings -p no:logging -q -x "${workers[@]}" 2>&1 | tee "$out/suite.txt" ;;
   costs)
     $py benchmarks/runtime_cost.py --rows 1,4,16 --out "$out/runtime-cost.json" 2>&1 |
       tee "$out/runtime-cost.txt" ;;
@@ -82,7 +83,7 @@ case $part in
   stepgraphs)  # a device step's maths replayed as CUDA graphs (StepGraphs) against launched op by op: the
     # GPU tests of it (and of steps queued ahead: ar, auto, sd chains, rsd-c fans), then tokens/s per
     # shape both ways and of the "ahead" rows, interleaved, at T=1 and T=0; then the trace
-    $py -m pytest -p no:warnings -q -rs tests/test_compiled.py -k "step_maths or cuda_graphs or queued_ahead" 2>&1 |
+    $py -m pytest -p no:warnings -p no:logging -q -rs tests/test_compiled.py -k "step_maths or cuda_graphs or queued_ahead" 2>&1 |
       tee "$out/step-graphs-tests.txt"
     for t in 1 0; do
       $py benchmarks/step_graphs_ab.py --compile on --temperature $t --rounds 3 --limit 2 -n 96 \
@@ -92,7 +93,7 @@ case $part in
       --json "$out/trace-step-graphs.json" 2>&1 | grep -v "Warning\|USDT\|forward_call" | tee "$out/trace-step-graphs.txt" ;;
   together)  # samples decoded together (a forward of a row each) against one after the other: the GPU
     # (compiled graphs; rows padded to buckets up to 64), then the 16-core CPU (C layers)
-    $py -m pytest -p no:warnings -q tests/test_engine.py -k together 2>&1 | tail -3 | tee "$out/together-tests.txt"
+    $py -m pytest -p no:warnings -p no:logging -q tests/test_engine.py -k together 2>&1 | tail -3 | tee "$out/together-tests.txt"
     $py benchmarks/samples_together.py --compile on --samples 2,4,8,16,32 --json "$out/together-gpu.json" 2>&1 |
       grep -v Warning | tee "$out/together-gpu.txt"
     CUDA_VISIBLE_DEVICES= $py benchmarks/samples_together.py --samples 2,4,8,16 --json "$out/together-cpu16.json" 2>&1 |
@@ -121,7 +122,7 @@ case $part in
   controls)  # a logit bias in step maths captured as CUDA graphs, windowed models (Mistral's every layer, Gemma 3's
     # some) in CUDA graphs (the CUDA-only tests), the other families on the static-cache runtime, then the embedded pair with --ignore-eos, as a bias and as min_tokens (the same
     # processing: the fast steps' speed), and bench's rows and peers at the same length
-    $py -m pytest -p no:warnings -q -rs tests/test_compiled.py -k "logit_bias or windowed or other_llama_style" 2>&1 | tee "$out/controls-tests.txt"
+    $py -m pytest -p no:warnings -p no:logging -q -rs tests/test_compiled.py -k "logit_bias or windowed or other_llama_style" 2>&1 | tee "$out/controls-tests.txt"
     for extra in "" "--ignore-eos" "--logit-bias 2=-inf"; do
       for variant in ar sd rsd-c; do
         $py -m rsd_cli generate "Write a long story about a robot who learns to paint." -n 256 -t 1 --seed 3 \
@@ -131,6 +132,13 @@ print('$variant', '$extra', r['finish_reason'], len(r['token_ids']), round(r['st
     done 2>&1 | tee "$out/controls-generate.txt"
     $py -m rsd_cli bench --variants ar,sd,auto --depths 1 --temperatures 1 --limit 2 -n 128 --no-assisted \
       --ignore-eos --compile on --json > "$out/controls-bench.json" ;;
-  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures or controls" >&2
+  decoders)  # a decoder made afresh per answer (a chat's turns, bench's runs): the step maths' graphs captured by each
+    # at a site's first call (rsd before 2026-11-28) against shared by the model's decoders and captured at the third
+    # (H200, T=1: auto 0.70x -> 0.81x ar, rsd-c b=(3) 0.80x -> 0.91x)
+    for t in 1 0; do
+      $py benchmarks/fresh_decoders_ab.py --temperature $t --shapes "ar,auto,sd γ=1,rsd-c b=(3)" \
+        --json "$out/fresh-decoders-t$t.json" 2>&1 | grep -v Warning
+    done | tee "$out/fresh-decoders.txt" ;;
+  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls or decoders" >&2
      exit 2 ;;
 esac
