@@ -72,7 +72,8 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # 2's, a window and a rotary table per layer kind). A sliding window is in the masks (StaticLM.forward
 # hides the keys it has passed): one mask where every layer has it (Mistral 7B v0.1's 4096), one per
 # layer kind where some layers do (Gemma 2's every other, Gemma 3's five of six, OLMo 3's three of
-# four, Qwen2's past `max_window_layers`).
+# four, Qwen2's past `max_window_layers`). Phi-3 (q/k/v and gate/up fused: `projections` reads views of
+# them), EXAONE 4, ERNIE 4.5, Hunyuan, GLM-4 and Cohere 1/2 differ from Llama as `Style` and `rotates` say.
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2")
@@ -111,11 +112,14 @@ def decoder_of(model) -> tuple:
 
 def style_of(model) -> Style:
     _, cfg = decoder_of(model)
-    gemma, cohere = cfg.model_type.startswith("gemma"), cfg.model_type in ("cohere", "cohere2")
-    return Style(gemma or cfg.model_type.startswith("olmo") or cohere, gemma, activation_of(cfg),
-                 getattr(cfg, "attn_logit_softcapping", None) or None, float(getattr(cfg, "residual_multiplier", 1.0)),
-                 cfg.model_type in ("ernie4_5", "glm4", "cohere", "cohere2"), cfg.model_type in ("ernie4_5", "cohere"),
-                 cfg.model_type == "hunyuan_v1_dense", cohere, cohere)
+    family = cfg.model_type
+    gemma, cohere = family.startswith("gemma"), family in ("cohere", "cohere2")
+    return Style(norm_in_float=gemma or family.startswith("olmo") or cohere, norm_offset=gemma,
+                 activation=activation_of(cfg), softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
+                 residual_scale=float(getattr(cfg, "residual_multiplier", 1.0)),
+                 pairs=family in ("ernie4_5", "glm4", "cohere", "cohere2"),
+                 rotation_in_float=family in ("ernie4_5", "cohere"),
+                 norm_after_rotation=family == "hunyuan_v1_dense", centred=cohere, parallel=cohere)
 
 
 def layer_norms(layer) -> tuple:
@@ -239,8 +243,11 @@ def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
 
 
 def pair_angles(table: torch.Tensor) -> torch.Tensor:
-    """A rotary table (positions, rotated dimensions: each angle's cos or sin for the first half of
-    them, then again for the second) as rotate_pairs reads it: each angle twice in a row."""
+    """A rotary table (positions, rotated dimensions) as rotate_pairs reads it, each angle twice in a
+    row: laid out by halves (each angle's cos or sin for the first half of the dimensions, then again
+    for the second: GLM-4's, ERNIE's), re-laid; already in pairs (Cohere's), as it is."""
+    if torch.equal(table[..., 0::2], table[..., 1::2]):
+        return table
     return table[..., : table.shape[-1] // 2].repeat_interleave(2, dim=-1)
 
 
@@ -637,7 +644,7 @@ class CompiledModel:
             tables = {name: None if name is None else rotary(x, positions, name) if per_kind else rotary(x, positions)
                       for name in dict.fromkeys(names)}
         self.tables = [(None, None) if table is None else (table[0][0], table[1][0]) for table in tables.values()]
-        if style.pairs and not style.parallel:  # (Cohere's tables already give each angle twice in a row)
+        if style.pairs:
             self.tables = [(None, None) if cos is None else (pair_angles(cos), pair_angles(sin)) for cos, sin in self.tables]
         self.table_of = [list(tables).index(name) for name in names]  # [layer]
         self.cos, self.sin = self.tables[0]  # (the only table where the C library runs the layers)
