@@ -74,9 +74,11 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # layer kind where some layers do (Gemma 2's every other, Gemma 3's five of six, OLMo 3's three of
 # four, Qwen2's past `max_window_layers`). Phi-3 (q/k/v and gate/up fused: `projections` reads views of
 # them), EXAONE 4, ERNIE 4.5, Hunyuan, GLM-4 and Cohere 1/2 differ from Llama as `Style` and `rotates` say.
+# Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE: their MLPs mixtures of experts (mixture_of_experts).
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
-                   "cohere", "cohere2")
+                   "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # (MLPs of experts, top-k routed: `Style.experts`)
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "ntk_alpha")  # (ntk_alpha: Hunyuan's, a fixed base)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP's gate: SiLU (Llama), GELU tanh-approximated or exact
@@ -96,6 +98,9 @@ class Style(NamedTuple):
     norm_after_rotation: bool = False  # each head of q and k normed after the rotation (Hunyuan), not before
     centred: bool = False  # norms that subtract the mean too (Cohere's LayerNorm without a bias)
     parallel: bool = False  # attention and the MLP both read the first norm's output; both join the residual (Cohere)
+    experts: int = 0  # the experts each token is routed to, where MLPs are mixtures of experts (Mixtral, ...)
+    renormalise: bool = False  # ... their routing weights divided by their sum (Mixtral's; a config's norm_topk_prob)
+    routing_in_float: bool = False  # ... and kept in float32 (Mixtral's), not cast to the model's dtype
 
 
 def decoder_of(model) -> tuple:
@@ -114,12 +119,16 @@ def style_of(model) -> Style:
     _, cfg = decoder_of(model)
     family = cfg.model_type
     gemma, cohere = family.startswith("gemma"), family in ("cohere", "cohere2")
-    return Style(norm_in_float=gemma or family.startswith("olmo") or cohere, norm_offset=gemma,
+    mixture = family in MIXTURES
+    return Style(norm_in_float=gemma or family in ("olmo2", "olmo3") or cohere, norm_offset=gemma,
                  activation=activation_of(cfg), softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
                  residual_scale=float(getattr(cfg, "residual_multiplier", 1.0)),
                  pairs=family in ("ernie4_5", "glm4", "cohere", "cohere2"),
                  rotation_in_float=family in ("ernie4_5", "cohere"),
-                 norm_after_rotation=family == "hunyuan_v1_dense", centred=cohere, parallel=cohere)
+                 norm_after_rotation=family == "hunyuan_v1_dense", centred=cohere, parallel=cohere,
+                 experts=int(cfg.num_experts_per_tok) if mixture else 0,
+                 renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True)),  # (Mixtral's: no setting, always)
+                 routing_in_float=family == "mixtral")
 
 
 def layer_norms(layer) -> tuple:
@@ -181,8 +190,12 @@ def unsupported(model) -> str | None:
     rope = getattr(inner.rotary_emb, "rope_type", "default")  # (Gemma 3: one per layer kind)
     if any(kind not in ROPE_TYPES for kind in (rope.values() if isinstance(rope, dict) else [rope])):
         return f"rope type {rope!r}"
-    if any(linear.bias is not None for linear in projections(layers[0])[4:]):  # (ERNIE 4.5's `use_bias`)
+    if any(linear.bias is not None for linear in filter(None, projections(layers[0])[4:])):  # (ERNIE 4.5's `use_bias`)
         return f"{type(model).__name__}'s MLP has biases"
+    if not all(_plain_experts(layer) for layer in layers):
+        return f"{type(model).__name__}'s experts are laid out otherwise"
+    if getattr(cfg, "clip_qkv", None) is not None:  # (OLMoE's option)
+        return f"{type(model).__name__} clips q, k and v"
     if getattr(cfg, "use_qk_norm", False):  # (Command R+: a LayerNorm weight for each head)
         return f"{type(model).__name__} norms q and k with a weight for each head"
     placement = getattr(model, "hf_device_map", None) or {}
@@ -298,6 +311,49 @@ def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
     return F.gelu(x, approximate="tanh" if name == "gelu_pytorch_tanh" else "none")
 
 
+def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style, static: bool) -> torch.Tensor:
+    """A mixture-of-experts MLP on h (n, hidden): each token's `style.experts` likeliest experts by
+    the router's softmax (their weights renormalised to sum to 1 where the family does), each expert
+    a gated MLP, their outputs weighted and summed — and where the layer has one (Qwen2-MoE), a shared
+    expert's output scaled by a sigmoid gate added. experts = (router (E, hidden), gate_up (E, 2I,
+    hidden): each expert's gate rows then its up rows, down (E, hidden, I), the shared expert's
+    (gate, up, down, its gate (1, hidden)) or None).
+    Few tokens (n k <= E) take each (token, expert) pair's weights gathered, as transformers'
+    `batched_mm` experts do; more with `static` shapes (a compiled graph, a CUDA graph: no size may
+    depend on the routing) every expert on every token, weighted by zeros where not chosen; more
+    otherwise (a prompt) each chosen expert once on its tokens."""
+    router, gate_up, down, shared = experts
+    n, count, k = h.shape[0], gate_up.shape[0], style.experts
+    logits = F.linear(h, router)  # (n, E)
+    weights, chosen = torch.topk(torch.softmax(logits, -1, dtype=torch.float32), k, dim=-1)  # (n, k) each
+    if style.renormalise:
+        weights = weights / weights.sum(-1, keepdim=True)
+    weights = weights if style.routing_in_float else weights.to(logits.dtype)
+    if n * k <= count:
+        ids = chosen.reshape(-1)  # (n k,)
+        gate, up = torch.bmm(gate_up[ids], h.repeat_interleave(k, 0)[:, :, None])[..., 0].chunk(2, -1)
+        out = torch.bmm(down[ids], (_activation(gate, style.activation) * up)[:, :, None])[..., 0]  # (n k, hidden)
+        mixed = (out * weights.reshape(-1, 1)).view(n, k, -1).sum(1)
+    elif static:
+        gate, up = torch.matmul(h, gate_up.transpose(1, 2)).chunk(2, -1)  # (E, n, I) each
+        out = torch.matmul(_activation(gate, style.activation) * up, down.transpose(1, 2))  # (E, n, hidden)
+        routing = torch.zeros(n, count, dtype=weights.dtype, device=h.device).scatter(1, chosen, weights)
+        mixed = (out * routing.T[..., None]).sum(0)
+    else:
+        mixed = h.new_zeros(h.shape, dtype=torch.promote_types(h.dtype, weights.dtype))
+        for expert in chosen.unique().tolist():
+            token, slot = (chosen == expert).nonzero(as_tuple=True)
+            gate, up = F.linear(h[token], gate_up[expert]).chunk(2, -1)
+            out = F.linear(_activation(gate, style.activation) * up, down[expert])
+            mixed.index_add_(0, token, out * weights[token, slot, None])
+    mixed = mixed.to(h.dtype)
+    if shared is None:
+        return mixed
+    wg, wu, wd, shared_gate = shared
+    common = F.linear(_activation(F.linear(h, wg), style.activation) * F.linear(h, wu), wd)
+    return mixed + torch.sigmoid(F.linear(h, shared_gate)) * common
+
+
 def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple, dims: tuple,
                   slots: torch.Tensor | None = None, fused: tuple = (None, None),
                   sight: Sight | None = None, style: Style = Style()) -> torch.Tensor:
@@ -318,8 +374,10 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     are norm_weight's, each None where the family has no such norm (layer_norms): `ln1` before
     attention and `ln2` before the MLP (OLMo has neither), `after_attention` and `after_mlp` on each
     block's output before it joins the residual (Gemma 2 and 3, OLMo; not Llama). q_norm and k_norm
-    norm each head (Qwen3, Gemma 3) or, as wide as q and k, the whole of them (OLMo)."""
-    ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd, q_norm, k_norm, after_attention, after_mlp = weights
+    norm each head (Qwen3, Gemma 3) or, as wide as q and k, the whole of them (OLMo). `experts`: a
+    mixture of experts' weights (mixture_of_experts) where the MLP is one, its wg, wu and wd then None."""
+    (ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd, q_norm, k_norm, after_attention, after_mlp,
+     experts) = weights
     in_float = style.norm_in_float
     heads, kv_heads, head_dim, scaling, eps = dims
     n, kv_len = x.shape[0], mask.shape[1]
@@ -381,13 +439,16 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
         attended = attended * style.residual_scale
     x = x + (attended if after_attention is None else _rms_norm(attended, after_attention, eps, in_float))
     h = normed if style.parallel else x if ln2 is None else _rms_norm(x, ln2, eps, in_float)  # (Cohere: ln1's)
-    if wu is None:  # (stacked float weights)
-        gate, up = F.linear(h, wg).chunk(2, -1)
-    elif fused[1] is not None:
-        gate, up = blocks_linear(h, fused[1]).chunk(2, -1)
+    if experts is not None:
+        mlp = mixture_of_experts(h, experts, style, static=slots is not None or torch.compiler.is_compiling())
     else:
-        gate, up = _linear(h, wg, None, small[4]), _linear(h, wu, None, small[5])
-    mlp = _linear(_activation(gate, style.activation) * up, wd, None, small[6])
+        if wu is None:  # (stacked float weights)
+            gate, up = F.linear(h, wg).chunk(2, -1)
+        elif fused[1] is not None:
+            gate, up = blocks_linear(h, fused[1]).chunk(2, -1)
+        else:
+            gate, up = _linear(h, wg, None, small[4]), _linear(h, wu, None, small[5])
+        mlp = _linear(_activation(gate, style.activation) * up, wd, None, small[6])
     if style.residual_scale != 1.0:
         mlp = mlp * style.residual_scale
     return x + (mlp if after_mlp is None else _rms_norm(mlp, after_mlp, eps, in_float))
@@ -419,8 +480,10 @@ def _native_layer(layer, fused: tuple, fuse: bool):
 def projections(layer) -> tuple:
     """A decoder layer's seven linears: q, k, v, o, gate, up, down (where q/k/v or gate/up are one
     linear, Phi-3's `qkv_proj` and `gate_up_proj`, GLM-4's `gate_up_proj`: linears over views of its
-    rows, made once)."""
+    rows, made once; gate, up and down None where the MLP is a mixture of experts)."""
     a, m = layer.self_attn, layer.mlp
+    if hasattr(m, "experts"):  # (a mixture of experts: no MLP linears of its own, see experts_of)
+        return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, None, None
     fused = getattr(a, "qkv_proj", None) or getattr(m, "gate_up_proj", None)
     if fused is None:
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
@@ -453,6 +516,42 @@ def _row_views(fused: torch.nn.Linear, sizes: tuple) -> list[torch.nn.Linear]:
     return linears
 
 
+def experts_of(layer) -> tuple | None:
+    """A mixture-of-experts layer's weights as mixture_of_experts takes them, or None for an MLP."""
+    m = layer.mlp
+    if not hasattr(m, "experts"):
+        return None
+    shared = None
+    if getattr(m, "shared_expert", None) is not None:  # (Qwen2-MoE)
+        e = m.shared_expert
+        shared = tuple(w.detach() for w in (e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight,
+                                            m.shared_expert_gate.weight))
+    return m.gate.weight.detach(), m.experts.gate_up_proj.detach(), m.experts.down_proj.detach(), shared
+
+
+def _plain_experts(layer) -> bool:
+    """Whether a layer's MLP is an MLP, or a mixture of experts as mixture_of_experts computes it: a
+    router's weight, each expert's gate and up rows stacked (E, 2I, hidden) and its down (E, hidden,
+    I), without biases, their gate the model's activation (transformers' default), a shared expert
+    only as Qwen2-MoE's."""
+    m = layer.mlp
+    if not hasattr(m, "experts"):
+        return True
+    experts, router = m.experts, getattr(m, "gate", None)
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # (a transformers without it lays its experts out otherwise)
+        return False
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    return isinstance(gate_up, torch.nn.Parameter) and gate_up.dim() == 3 and isinstance(down, torch.nn.Parameter) \
+        and down.dim() == 3 and getattr(router, "weight", None) is not None and router.weight.dim() == 2 \
+        and getattr(experts, "has_gate", False) and not getattr(experts, "has_bias", True) \
+        and not getattr(experts, "is_transposed", True) and getattr(experts, "is_concatenated", False) \
+        and not getattr(experts, "has_post_expert_norm", False) \
+        and getattr(type(experts), "_apply_gate", None) is _default_apply_gate \
+        and set(name for name, _ in m.named_children()) <= {"gate", "experts", "shared_expert", "shared_expert_gate"}
+
+
 def _blocks_for_prompts(layers) -> bool:
     """Whether the C layers also read prompts (more than MAX_ROWS tokens): where rsd's kernel
     measured faster than torch's product for prompts (small_batch's verdict for that many rows) on
@@ -464,7 +563,7 @@ def _blocks_for_prompts(layers) -> bool:
     its blocks: small_batch.kernel_linear), the head on its blocks."""
     total = on_blocks = 0
     for layer in layers:
-        for linear in projections(layer):
+        for linear in filter(None, projections(layer)):
             total += linear.weight.numel()
             on_blocks += linear.weight.numel() if kernels_of(linear)[2] == "blocks" else 0
     return total > 0 and 2 * on_blocks >= total
@@ -479,6 +578,9 @@ def stack_projections(layer) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v, _, gate, up, _ = projections(layer)
     stacks = []
     for linears in ((q, k, v), (gate, up)):
+        if linears[0] is None:  # (a mixture of experts: no gate and up)
+            stacks.append(None)
+            continue
         stacked = getattr(linears[0], "_rsd_stack", None)
         if stacked is None or any(linear.weight.data_ptr() != stacked[start:].data_ptr()
                                   for linear, start in zip(linears, _starts(linears))):
@@ -526,7 +628,7 @@ def _room_to_fuse(layers) -> bool:
     """Stacked copies of q/k/v's and gate/up's blocks only while they take at most half the memory
     still available (as small_batch's packed copies)."""
     groups = [[blocks_of(linear) for linear in linears] for layer in layers
-              for linears in (projections(layer)[:3], projections(layer)[4:6])]
+              for linears in (projections(layer)[:3], projections(layer)[4:6]) if linears[0] is not None]
     needed = sum(b.numel() * b.element_size() for group in groups if None not in group and joined(group) is None
                  for b in group)  # (parts kept side by side need no copy)
     return needed == 0 or room_for(needed)
@@ -599,20 +701,21 @@ class CompiledModel:
             stacks = stack_projections(layer) if stack else None  # (before the views of weights below)
             linears = projections(layer)
             q, k, v, o, gate, up, down = linears
+            mlp = (None, None, None) if gate is None else (gate.weight, up.weight, down.weight)  # (experts: None)
             ln1, ln2, after_attention, after_mlp = (None if norm is None else norm_weight(norm.weight, style)
                                                     for norm in layer_norms(layer))
             head_norms = tuple(None if w is None else norm_weight(w, style) for w in _head_norms(layer.self_attn))
             weights = (ln1, q.weight, q.bias, k.weight, k.bias, v.weight, v.bias, o.weight, o.bias,
-                       ln2, gate.weight, up.weight, down.weight, *head_norms, after_attention, after_mlp)
+                       ln2, *mlp, *head_norms, after_attention, after_mlp)
             if stacks is not None:  # q's weight slot holds q/k/v's stack, gate's gate/up's; k, v and up: None
                 weights = (weights[0], stacks[0], weights[2], None, weights[4], None, *weights[6:10], stacks[1], None,
                            *weights[12:])
             # detached views (same storage): a trained adapter's tensors and the target's then pass
             # the same guards, and one graph serves both
-            self.layers.append((tuple(None if w is None else w.detach() for w in weights),
-                                tuple(self._kernels(linear) for linear in linears),
-                                (fused_blocks(linears[:3], biased=True), fused_blocks(linears[4:6])) if fuse
-                                else (None, None)))
+            self.layers.append((tuple(None if w is None else w.detach() for w in weights) + (experts_of(layer),),
+                                tuple(None if linear is None else self._kernels(linear) for linear in linears),
+                                (fused_blocks(linears[:3], biased=True),
+                                 None if gate is None else fused_blocks(linears[4:6])) if fuse else (None, None)))
         self.head_small = self._kernels(model.lm_head)
         self._table: tuple = (None, None)  # (native list, its native_table): every layer in one call
         self.intermediate = cfg.intermediate_size
@@ -672,9 +775,9 @@ class CompiledModel:
         if self.inductor and self.device.type == "cpu":  # compiled graphs find each weight's CPU kernels by its
             # address (one graph for all)
             for weights, small, _ in self.layers:
-                for weight, (kernels, prepared) in zip(weights[1:9:2] + weights[10:13], small):
-                    if weight is not None:  # (None: stacked with q's or gate's weight)
-                        enrol(weight, kernels, prepared)
+                for weight, kernels in zip(weights[1:9:2] + weights[10:13], small):
+                    if weight is not None:  # (None: stacked with q's or gate's weight, or experts instead of an MLP)
+                        enrol(weight, *kernels)
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # static shapes: shared KV buffers
         self._holder = None  # weak reference to the StaticLM using them
         self._captured: dict[tuple, tuple] = {}  # (token count, buffer address) -> (inputs, replay, logits)

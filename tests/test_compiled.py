@@ -479,13 +479,15 @@ def test_a_logit_bias_in_step_maths_replayed_as_cuda_graphs_decides_as_launched_
 
 
 @CUDA
-@pytest.mark.parametrize("kind", ["mistral", "gemma3", "gemma2", "phi3", "exaone4", "cohere2"])
+@pytest.mark.parametrize("kind", ["mistral", "gemma3", "gemma2", "phi3", "exaone4", "cohere2", "mixtral"])
 def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
     """Mistral-like, every layer seeing the last 8 positions, Gemma 3-like, the first layer only (a
     mask for each layer kind), Gemma 2-like, every other layer seeing 4 (and rsd's own attention,
     its scores soft-capped), Phi-3-like, every layer seeing 4 (its fused linears the stacks a GPU
     multiplies by), EXAONE 4-like, the first layer seeing 4 and the next without a rotation, or Cohere
-    2-like (EXAONE 4's layer kinds, attention and MLP side by side, adjacent pairs turned), in
+    2-like (EXAONE 4's layer kinds, attention and MLP side by side, adjacent pairs turned), or
+    Mixtral-like (every layer seeing 4, MLPs of experts: routed on the device, no size depending on
+    the routing), in
     compiled CUDA graphs (masks over the whole capacity, windowed on the host): every variant's
     greedy tokens are the target's, 30 tokens past the window."""
     import copy
@@ -503,7 +505,7 @@ def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
     models = tuple(copy.deepcopy(model).cuda() for model in (target, draft))
     runtimes = Runtimes(CompiledModel(models[0], True), CompiledModel(models[1], True), "on")
     assert runtimes.target.graphed and runtimes.target.window == (8 if kind in ("mistral", "gemma3") else 4)
-    assert (runtimes.target.by_kind is None) == (kind in ("mistral", "phi3"))
+    assert (runtimes.target.by_kind is None) == (kind in ("mistral", "phi3", "mixtral"))
     for shape in shapes() + [FAN]:
         decoder = Decoder(*models, V, shape, SamplingParams(temperature=0), set(), runtimes=runtimes)
         tokens = [t for event in decoder.generate(LONG_PROMPT, 30, seed=0) for t in event.emitted]
@@ -533,7 +535,7 @@ def skip_a_dynamic_hunyuan(model) -> None:
 
 @pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "granite",
                                   "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan",
-                                  "glm4", "cohere2", "cohere"])
+                                  "glm4", "cohere2", "cohere", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
@@ -547,7 +549,10 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     GLM-4 (Qwen2's biases, gate and up one linear, Gemma 2's four norms, half of each head turned by
     adjacent pairs), Cohere 2 (LayerNorms without a bias, attention and MLP side by side, windowed
     layers turned by adjacent pairs and the others not at all, scaled logits) and Cohere (Command R:
-    every layer turned, in float32): tree logits, pruning and growth as transformers' forward gives them on every
+    every layer turned, in float32), and mixtures of experts: Mixtral (Mistral's layers, windowed,
+    routing weights renormalised and kept in float32), Qwen2-MoE (a shared expert, a plain MLP in the
+    second layer), Qwen3-MoE (3 of 8 experts a token) and OLMoE: tree logits, pruning and growth as
+    transformers' forward gives them on every
     backend, and each variant's greedy output is plain greedy."""
     target, draft = tiny_relative(kind, V, layers=2, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     skip_a_dynamic_hunyuan(target)
@@ -792,9 +797,10 @@ def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtim
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3", "phi3", "exaone4", "ernie4_5",
-                                  "hunyuan", "glm4", "cohere2"])
+                                  "hunyuan", "glm4", "cohere2", "qwen2_moe", "mixtral"])
 def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both_runtimes(tmp_path, kind):
-    """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3, Phi-3, EXAONE 4, ERNIE 4.5, Hunyuan, GLM-4 or Cohere 2 checkpoint folder, its first layer as the
+    """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3, Phi-3, EXAONE 4, ERNIE 4.5, Hunyuan, GLM-4,
+    Cohere 2, Qwen2-MoE or Mixtral checkpoint folder, its first layer as the
     draft, on the static-cache runtime compiled and on transformers' forward: the same greedy tokens."""
     from tiny import tiny_tokenizer
 

@@ -56,9 +56,13 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     (biases on q, k and v, gate and up one linear, norms after attention and the MLP too, half of
     each head turned by adjacent pairs), "cohere2" (LayerNorms without a bias, attention and the
     MLP side by side on one norm's output, adjacent pairs turned on the windowed first layer only,
-    logits scaled) or "cohere" (Cohere 2's layers, every one turned, in float32, none windowed); with
-    sliding-window attention off
-    (but Gemma 2 and 3's, Phi-3's and EXAONE 4's). Every norm's weight is random."""
+    logits scaled) or "cohere" (Cohere 2's layers, every one turned, in float32, none windowed), or
+    a mixture of experts: "mixtral" (Mistral's layers, every one windowed to 4 positions, MLPs of 4
+    experts, 2 a token, routing weights renormalised, in float32), "qwen2_moe" (Qwen2's attention,
+    4 experts, 2 a token, weights as the router gave them, a shared expert behind a sigmoid gate;
+    the second layer a plain MLP), "qwen3_moe" (Qwen3's attention, 8 experts, 3 a token,
+    renormalised) or "olmoe" (q and k normed whole, 4 experts, 2 a token); with sliding-window
+    attention off (but Gemma 2 and 3's, Phi-3's, EXAONE 4's and Mixtral's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                               GemmaForCausalLM, MistralConfig,
                               MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
@@ -66,7 +70,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM, Phi3Config, Phi3ForCausalLM,
                               SeedOssConfig, SeedOssForCausalLM, Exaone4Config, Exaone4ForCausalLM, Ernie4_5Config,
                               Ernie4_5ForCausalLM, HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM, Glm4Config,
-                              Glm4ForCausalLM, Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM)
+                              Glm4ForCausalLM, Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM,
+                              MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM, OlmoeConfig, OlmoeForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -79,8 +85,19 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "ernie4_5": (Ernie4_5Config, Ernie4_5ForCausalLM),
                            "hunyuan": (HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM),
                            "glm4": (Glm4Config, Glm4ForCausalLM), "cohere2": (Cohere2Config, Cohere2ForCausalLM),
-                           "cohere": (CohereConfig, CohereForCausalLM)}[kind]
+                           "cohere": (CohereConfig, CohereForCausalLM), "mixtral": (MixtralConfig, MixtralForCausalLM),
+                           "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+                           "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "olmoe": (OlmoeConfig, OlmoeForCausalLM)}[kind]
     settings = dict(sliding_window=None)
+    if kind == "mixtral":
+        settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
+    elif kind == "qwen2_moe":
+        settings = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=24, mlp_only_layers=[1])
+    elif kind == "qwen3_moe":
+        settings = dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=True)
+    elif kind == "olmoe":
+        settings = dict(num_experts=4, num_experts_per_tok=2)
     if kind == "smollm3":
         settings = dict(no_rope_layers=[int(i % 2 == 0) for i in range(layers)])  # (1: rotated)
     elif kind == "olmo3":
