@@ -77,8 +77,9 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE: their MLPs mixtures of experts (mixture_of_experts).
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
-                   "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # (MLPs of experts, top-k routed: `Style.experts`)
+                   "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
+# (MLPs of experts, top-k routed: `Style.experts`)
+MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "ntk_alpha")  # (ntk_alpha: Hunyuan's, a fixed base)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP's gate: SiLU (Llama), GELU tanh-approximated or exact
@@ -101,6 +102,7 @@ class Style(NamedTuple):
     experts: int = 0  # the experts each token is routed to, where MLPs are mixtures of experts (Mixtral, ...)
     renormalise: bool = False  # ... their routing weights divided by their sum (Mixtral's; a config's norm_topk_prob)
     routing_in_float: bool = False  # ... and kept in float32 (Mixtral's), not cast to the model's dtype
+    top_first: bool = False  # ... a softmax of the k largest router logits (GraniteMoE), not the k largest of a softmax
 
 
 def decoder_of(model) -> tuple:
@@ -128,7 +130,7 @@ def style_of(model) -> Style:
                  norm_after_rotation=family == "hunyuan_v1_dense", centred=cohere, parallel=cohere,
                  experts=int(cfg.num_experts_per_tok) if mixture else 0,
                  renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True)),  # (Mixtral's: no setting, always)
-                 routing_in_float=family == "mixtral")
+                 routing_in_float=family == "mixtral", top_first=family.startswith("granitemoe"))
 
 
 def layer_norms(layer) -> tuple:
@@ -314,10 +316,11 @@ def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
 def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style, static: bool) -> torch.Tensor:
     """A mixture-of-experts MLP on h (n, hidden): each token's `style.experts` likeliest experts by
     the router's softmax (their weights renormalised to sum to 1 where the family does), each expert
-    a gated MLP, their outputs weighted and summed — and where the layer has one (Qwen2-MoE), a shared
-    expert's output scaled by a sigmoid gate added. experts = (router (E, hidden), gate_up (E, 2I,
-    hidden): each expert's gate rows then its up rows, down (E, hidden, I), the shared expert's
-    (gate, up, down, its gate (1, hidden)) or None).
+    a gated MLP, their outputs weighted and summed (GraniteMoE: weights a softmax of the k largest
+    router logits) — and where the layer has one, a shared expert's output added, scaled by a sigmoid
+    gate where it has one (Qwen2-MoE; GraniteMoE-shared's is not). experts = (router (E, hidden),
+    gate_up (E, 2I, hidden): each expert's gate rows then its up rows, down (E, hidden, I), the shared
+    expert's (gate, up, down, its gate (1, hidden) or None) or None).
     Few tokens (n k <= E) take each (token, expert) pair's weights gathered, as transformers'
     `batched_mm` experts do; more with `static` shapes (a compiled graph, a CUDA graph: no size may
     depend on the routing) every expert on every token, weighted by zeros where not chosen; more
@@ -325,10 +328,14 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style, static: bo
     router, gate_up, down, shared = experts
     n, count, k = h.shape[0], gate_up.shape[0], style.experts
     logits = F.linear(h, router)  # (n, E)
-    weights, chosen = torch.topk(torch.softmax(logits, -1, dtype=torch.float32), k, dim=-1)  # (n, k) each
-    if style.renormalise:
-        weights = weights / weights.sum(-1, keepdim=True)
-    weights = weights if style.routing_in_float else weights.to(logits.dtype)
+    if style.top_first:
+        top, chosen = logits.float().topk(k, dim=-1)  # (n, k) each
+        weights = torch.softmax(top, -1)
+    else:
+        weights, chosen = torch.topk(torch.softmax(logits, -1, dtype=torch.float32), k, dim=-1)
+        if style.renormalise:
+            weights = weights / weights.sum(-1, keepdim=True)
+    weights = weights if style.routing_in_float else weights.to(h.dtype)
     if n * k <= count:
         ids = chosen.reshape(-1)  # (n k,)
         gate, up = torch.bmm(gate_up[ids], h.repeat_interleave(k, 0)[:, :, None])[..., 0].chunk(2, -1)
@@ -351,7 +358,7 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style, static: bo
         return mixed
     wg, wu, wd, shared_gate = shared
     common = F.linear(_activation(F.linear(h, wg), style.activation) * F.linear(h, wu), wd)
-    return mixed + torch.sigmoid(F.linear(h, shared_gate)) * common
+    return mixed + (common if shared_gate is None else torch.sigmoid(F.linear(h, shared_gate)) * common)
 
 
 def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple, dims: tuple,
@@ -481,7 +488,7 @@ def projections(layer) -> tuple:
     """A decoder layer's seven linears: q, k, v, o, gate, up, down (where q/k/v or gate/up are one
     linear, Phi-3's `qkv_proj` and `gate_up_proj`, GLM-4's `gate_up_proj`: linears over views of its
     rows, made once; gate, up and down None where the MLP is a mixture of experts)."""
-    a, m = layer.self_attn, layer.mlp
+    a, m = layer.self_attn, mlp_of(layer)
     if hasattr(m, "experts"):  # (a mixture of experts: no MLP linears of its own, see experts_of)
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, None, None
     fused = getattr(a, "qkv_proj", None) or getattr(m, "gate_up_proj", None)
@@ -516,9 +523,15 @@ def _row_views(fused: torch.nn.Linear, sizes: tuple) -> list[torch.nn.Linear]:
     return linears
 
 
+def mlp_of(layer):
+    """A decoder layer's MLP, or mixture of experts (GraniteMoE's `block_sparse_moe`)."""
+    found = getattr(layer, "mlp", None)
+    return found if found is not None else layer.block_sparse_moe
+
+
 def experts_of(layer) -> tuple | None:
     """A mixture-of-experts layer's weights as mixture_of_experts takes them, or None for an MLP."""
-    m = layer.mlp
+    m = mlp_of(layer)
     if not hasattr(m, "experts"):
         return None
     shared = None
@@ -526,18 +539,23 @@ def experts_of(layer) -> tuple | None:
         e = m.shared_expert
         shared = tuple(w.detach() for w in (e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight,
                                             m.shared_expert_gate.weight))
-    return m.gate.weight.detach(), m.experts.gate_up_proj.detach(), m.experts.down_proj.detach(), shared
+    elif getattr(layer, "shared_mlp", None) is not None:  # (GraniteMoE-shared: gate and up one linear, no gate)
+        gate_up = layer.shared_mlp.input_linear.weight.detach()
+        gate, up = gate_up.chunk(2)
+        shared = (gate, up, layer.shared_mlp.output_linear.weight.detach(), None)
+    router = getattr(m, "gate", None) or m.router
+    return router.weight.detach(), m.experts.gate_up_proj.detach(), m.experts.down_proj.detach(), shared
 
 
 def _plain_experts(layer) -> bool:
     """Whether a layer's MLP is an MLP, or a mixture of experts as mixture_of_experts computes it: a
     router's weight, each expert's gate and up rows stacked (E, 2I, hidden) and its down (E, hidden,
     I), without biases, their gate the model's activation (transformers' default), a shared expert
-    only as Qwen2-MoE's."""
-    m = layer.mlp
+    only as Qwen2-MoE's and GraniteMoE-shared's."""
+    m, shared = mlp_of(layer), getattr(layer, "shared_mlp", None)
     if not hasattr(m, "experts"):
         return True
-    experts, router = m.experts, getattr(m, "gate", None)
+    experts, router = m.experts, getattr(m, "gate", None) or getattr(m, "router", None)
     try:
         from transformers.integrations.moe import _default_apply_gate
     except ImportError:  # (a transformers without it lays its experts out otherwise)
@@ -549,7 +567,9 @@ def _plain_experts(layer) -> bool:
         and not getattr(experts, "is_transposed", True) and getattr(experts, "is_concatenated", False) \
         and not getattr(experts, "has_post_expert_norm", False) \
         and getattr(type(experts), "_apply_gate", None) is _default_apply_gate \
-        and set(name for name, _ in m.named_children()) <= {"gate", "experts", "shared_expert", "shared_expert_gate"}
+        and {name for name, _ in m.named_children()} <= {"gate", "router", "experts", "shared_expert",
+                                                          "shared_expert_gate"} \
+        and (shared is None or all(getattr(module, "bias", None) is None for module in shared.modules()))
 
 
 def _blocks_for_prompts(layers) -> bool:

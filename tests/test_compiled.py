@@ -535,7 +535,8 @@ def skip_a_dynamic_hunyuan(model) -> None:
 
 @pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "granite",
                                   "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan",
-                                  "glm4", "cohere2", "cohere", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+                                  "glm4", "cohere2", "cohere", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+                                  "granitemoe", "granitemoeshared"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
@@ -551,7 +552,9 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     layers turned by adjacent pairs and the others not at all, scaled logits) and Cohere (Command R:
     every layer turned, in float32), and mixtures of experts: Mixtral (Mistral's layers, windowed,
     routing weights renormalised and kept in float32), Qwen2-MoE (a shared expert, a plain MLP in the
-    second layer), Qwen3-MoE (3 of 8 experts a token) and OLMoE: tree logits, pruning and growth as
+    second layer), Qwen3-MoE (3 of 8 experts a token), OLMoE and GraniteMoE (Granite's scalings, the
+    routing weights a softmax of the top router logits; with a shared expert without a gate too):
+    tree logits, pruning and growth as
     transformers' forward gives them on every
     backend, and each variant's greedy output is plain greedy."""
     target, draft = tiny_relative(kind, V, layers=2, seed=0), tiny_relative(kind, V, layers=1, seed=1)

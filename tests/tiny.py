@@ -61,7 +61,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     experts, 2 a token, routing weights renormalised, in float32), "qwen2_moe" (Qwen2's attention,
     4 experts, 2 a token, weights as the router gave them, a shared expert behind a sigmoid gate;
     the second layer a plain MLP), "qwen3_moe" (Qwen3's attention, 8 experts, 3 a token,
-    renormalised) or "olmoe" (q and k normed whole, 4 experts, 2 a token); with sliding-window
+    renormalised), "olmoe" (q and k normed whole, 4 experts, 2 a token), "granitemoe" (Granite's
+    scalings, 4 experts, 2 a token weighted by a softmax of their router logits) or
+    "granitemoeshared" (GraniteMoE's, a shared expert without a gate); with sliding-window
     attention off (but Gemma 2 and 3's, Phi-3's, EXAONE 4's and Mixtral's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                               GemmaForCausalLM, MistralConfig,
@@ -72,7 +74,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               Ernie4_5ForCausalLM, HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM, Glm4Config,
                               Glm4ForCausalLM, Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM,
                               MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM, OlmoeConfig, OlmoeForCausalLM)
+                              Qwen3MoeForCausalLM, OlmoeConfig, OlmoeForCausalLM, GraniteMoeConfig,
+                              GraniteMoeForCausalLM, GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -87,7 +90,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "glm4": (Glm4Config, Glm4ForCausalLM), "cohere2": (Cohere2Config, Cohere2ForCausalLM),
                            "cohere": (CohereConfig, CohereForCausalLM), "mixtral": (MixtralConfig, MixtralForCausalLM),
                            "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
-                           "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "olmoe": (OlmoeConfig, OlmoeForCausalLM)}[kind]
+                           "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "olmoe": (OlmoeConfig, OlmoeForCausalLM),
+                           "granitemoe": (GraniteMoeConfig, GraniteMoeForCausalLM),
+                           "granitemoeshared": (GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -98,6 +103,10 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         settings = dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=True)
     elif kind == "olmoe":
         settings = dict(num_experts=4, num_experts_per_tok=2)
+    elif kind.startswith("granitemoe"):
+        settings = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0,
+                        num_local_experts=4, num_experts_per_tok=2)
+        settings.update(shared_intermediate_size=24) if kind == "granitemoeshared" else None
     if kind == "smollm3":
         settings = dict(no_rope_layers=[int(i % 2 == 0) for i in range(layers)])  # (1: rotated)
     elif kind == "olmo3":
