@@ -1,4 +1,4 @@
-"""A sliding-window model on the static-cache runtime against transformers' eager forward: tokens
+"""A sliding-window model or a mixture of experts on the static-cache runtime against transformers' eager forward: tokens
 per second of `rsd generate` with `--compile auto` and `off`, alternating, and whether both give
 the same greedy tokens.
 
@@ -6,12 +6,17 @@ the same greedy tokens.
 embedded target's shape (SmolLM2-135M: 30 layers, hidden 576, 9 heads, 3 key-value heads).
 `--family gemma3`: Gemma 3 270M's shape (18 layers, hidden 640, 4 heads of 256, 1 key-value head,
 five windowed layers to one of full attention, norms after attention and the MLP), with the
-embedded model's 49152-token vocabulary instead of its 262144. Random float32 weights, a window of
+embedded model's 49152-token vocabulary instead of its 262144.
+`--family qwen3_moe`: a Qwen3-MoE of the embedded target's width (hidden 576, 9 heads of 64, 3
+key-value heads) and 12 layers, each an MLP of 16 experts of 256, 4 a token (no window).
+`--family mixtral`: a Mixtral as wide, 12 layers windowed, 8 experts of 768, 2 a token.
+Random float32 weights, a window of
 64 positions, the embedded model's tokenizer; the prompt and answer run well past the window.
 Random weights: the speeds say what the runtime costs, the tokens only that both runtimes agree.
 
     .venv/bin/python benchmarks/windowed_runtime.py --rounds 2 -n 96
     .venv/bin/python benchmarks/windowed_runtime.py --family gemma3 --rounds 2 -n 96
+    .venv/bin/python benchmarks/windowed_runtime.py --family qwen3_moe --rounds 2 -n 64
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ PROMPT = "Write a long story about a robot who learns to paint, with many detail
 
 def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM, MixtralConfig,
+                              MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     from rsd_cli.models import resolve_source
 
@@ -39,6 +45,16 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
             vocab_size=49152, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
             num_key_value_heads=1, head_dim=256, max_position_embeddings=8192, sliding_window=window,
             query_pre_attn_scalar=256, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    elif family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            vocab_size=49152, hidden_size=576, moe_intermediate_size=256, num_hidden_layers=12, num_attention_heads=9,
+            num_key_value_heads=3, head_dim=64, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+            max_position_embeddings=8192, tie_word_embeddings=True, rms_norm_eps=1e-5))
+    elif family == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(
+            vocab_size=49152, hidden_size=576, intermediate_size=768, num_hidden_layers=12, num_attention_heads=9,
+            num_key_value_heads=3, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=8192,
+            sliding_window=window, tie_word_embeddings=True, rms_norm_eps=1e-5))
     else:
         model = MistralForCausalLM(MistralConfig(
             vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -67,7 +83,7 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=96)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--variants", default="ar,sd")
-    parser.add_argument("--family", choices=("mistral", "gemma3"), default="mistral")
+    parser.add_argument("--family", choices=("mistral", "gemma3", "qwen3_moe", "mixtral"), default="mistral")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         profile = make_model(Path(tmp), args.window, args.family)
@@ -83,7 +99,8 @@ def main() -> None:
             ratio = sum(rates["auto"]) / sum(rates["off"])
             print(f"{variant}: off ({answers['off'][1]}) {', '.join(f'{r:.1f}' for r in rates['off'])} tok/s; "
                   f"auto ({answers['auto'][1]}) {', '.join(f'{r:.1f}' for r in rates['auto'])} tok/s; "
-                  f"{ratio:.2f}x; prompt {answers['auto'][2]} + {args.n} tokens past a window of {args.window}; "
+                  f"{ratio:.2f}x; prompt {answers['auto'][2]} + {args.n} tokens"
+                  f"{'' if args.family == 'qwen3_moe' else f' past a window of {args.window}'}; "
                   f"same tokens: {same}")
 
 

@@ -313,20 +313,22 @@ def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
     return F.gelu(x, approximate="tanh" if name == "gelu_pytorch_tanh" else "none")
 
 
-def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style, static: bool) -> torch.Tensor:
+def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style) -> torch.Tensor:
     """A mixture-of-experts MLP on h (n, hidden): each token's `style.experts` likeliest experts by
     the router's softmax (their weights renormalised to sum to 1 where the family does), each expert
     a gated MLP, their outputs weighted and summed (GraniteMoE: weights a softmax of the k largest
     router logits) — and where the layer has one, a shared expert's output added, scaled by a sigmoid
     gate where it has one (Qwen2-MoE; GraniteMoE-shared's is not). experts = (router (E, hidden),
     gate_up (E, 2I, hidden): each expert's gate rows then its up rows, down (E, hidden, I), the shared
-    expert's (gate, up, down, its gate (1, hidden) or None) or None).
-    Few tokens (n k <= E) take each (token, expert) pair's weights gathered, as transformers'
-    `batched_mm` experts do; more with `static` shapes (a compiled graph, a CUDA graph: no size may
-    depend on the routing) every expert on every token, weighted by zeros where not chosen; more
-    otherwise (a prompt) each chosen expert once on its tokens."""
+    expert's (gate, up, down, its gate (1, hidden) or None) or None). The routing is read on the
+    device; routed_experts runs the experts. In a compiled graph, up to 2 (token, expert) pairs an
+    expert multiply by each pair's expert's weights gathered — the compiled kernels read them in
+    place, no copy: on a 2-core Xeon a Qwen3-MoE of 12 layers of 16 experts, 4 a token, took 9.8 /
+    12.4 / 16.3 ms a forward of 1 / 4 / 8 tokens so, against 13.9 / 17.5 / 17.8 uncompiled
+    (`benchmarks/runtime_cost.py`) —, more as the operator rsd::experts (routed_experts: 18.9 ms
+    for 8 tokens)."""
     router, gate_up, down, shared = experts
-    n, count, k = h.shape[0], gate_up.shape[0], style.experts
+    k = style.experts
     logits = F.linear(h, router)  # (n, E)
     if style.top_first:
         top, chosen = logits.float().topk(k, dim=-1)  # (n, k) each
@@ -336,29 +338,127 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style, static: bo
         if style.renormalise:
             weights = weights / weights.sum(-1, keepdim=True)
     weights = weights if style.routing_in_float else weights.to(h.dtype)
-    if n * k <= count:
-        ids = chosen.reshape(-1)  # (n k,)
-        gate, up = torch.bmm(gate_up[ids], h.repeat_interleave(k, 0)[:, :, None])[..., 0].chunk(2, -1)
-        out = torch.bmm(down[ids], (_activation(gate, style.activation) * up)[:, :, None])[..., 0]  # (n k, hidden)
-        mixed = (out * weights.reshape(-1, 1)).view(n, k, -1).sum(1)
-    elif static:
-        gate, up = torch.matmul(h, gate_up.transpose(1, 2)).chunk(2, -1)  # (E, n, I) each
-        out = torch.matmul(_activation(gate, style.activation) * up, down.transpose(1, 2))  # (E, n, hidden)
-        routing = torch.zeros(n, count, dtype=weights.dtype, device=h.device).scatter(1, chosen, weights)
-        mixed = (out * routing.T[..., None]).sum(0)
+    if not torch.compiler.is_compiling():
+        mixed = routed_experts(h, chosen, weights, gate_up, down, style.activation)
+    elif chosen.numel() <= 2 * gate_up.shape[0]:  # (few tokens: the compiled kernels read the gathered weights in place)
+        mixed = _gathered_experts(h, chosen, weights, gate_up, down, style.activation)
+    elif _EXPERTS_OPERATOR:  # (registered before compiling; the graph calls it: no size there follows the routing)
+        mixed = torch.ops.rsd.experts(h, chosen, weights, gate_up, down, style.activation)
     else:
-        mixed = h.new_zeros(h.shape, dtype=torch.promote_types(h.dtype, weights.dtype))
-        for expert in chosen.unique().tolist():
-            token, slot = (chosen == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(h[token], gate_up[expert]).chunk(2, -1)
-            out = F.linear(_activation(gate, style.activation) * up, down[expert])
-            mixed.index_add_(0, token, out * weights[token, slot, None])
+        mixed = _every_expert(h, chosen, weights, gate_up, down, style.activation)
     mixed = mixed.to(h.dtype)
     if shared is None:
         return mixed
     wg, wu, wd, shared_gate = shared
     common = F.linear(_activation(F.linear(h, wg), style.activation) * F.linear(h, wu), wd)
     return mixed + (common if shared_gate is None else torch.sigmoid(F.linear(h, shared_gate)) * common)
+
+
+def routed_experts(h, chosen, weights, gate_up, down, activation: str) -> torch.Tensor:
+    """(n, hidden): the sum over each token's chosen experts (chosen, weights (n, k)) of the expert's
+    gated MLP on it times its weight (in h's and the weights' common dtype). torch's grouped product
+    where it runs for this device and dtype (the tokens sorted by expert, each expert's weights read
+    in place once: on a 2-core Xeon 1-16 tokens of 4 of 16 experts took 0.2-2.7 ms, as a loop over
+    the chosen experts, against 1-47 ms gathering each token's experts' weights); else each chosen
+    expert once on its tokens (their list read on the host) — or, while a CUDA graph is captured,
+    where nothing may be read, each token's experts' weights gathered (as transformers' `batched_mm`
+    experts) where that is fewer than all of them, or every expert on every token."""
+    capturing = h.is_cuda and torch.cuda.is_current_stream_capturing()
+    if _groups(h, capturing):
+        way = _grouped_experts
+    elif not capturing:
+        way = _each_chosen_expert
+    else:
+        way = _every_expert if chosen.numel() > gate_up.shape[0] else _gathered_experts
+    return way(h, chosen, weights, gate_up, down, activation)
+
+
+def _each_chosen_expert(h, chosen, weights, gate_up, down, activation: str) -> torch.Tensor:
+    """routed_experts by each chosen expert once on its tokens (which, read on the host)."""
+    mixed = h.new_zeros(h.shape, dtype=torch.promote_types(h.dtype, weights.dtype))
+    for expert in chosen.unique().tolist():
+        token, slot = (chosen == expert).nonzero(as_tuple=True)
+        gate, up = F.linear(h[token], gate_up[expert]).chunk(2, -1)
+        out = F.linear(_activation(gate, activation) * up, down[expert])
+        mixed.index_add_(0, token, out * weights[token, slot, None])
+    return mixed
+
+
+def _gathered_experts(h, chosen, weights, gate_up, down, activation: str) -> torch.Tensor:
+    """routed_experts by each (token, expert) pair's weights gathered (a copy of k experts' a token)."""
+    ids = chosen.reshape(-1)  # (n k,)
+    gate, up = torch.bmm(gate_up[ids], h.repeat_interleave(chosen.shape[1], 0)[:, :, None])[..., 0].chunk(2, -1)
+    out = torch.bmm(down[ids], (_activation(gate, activation) * up)[:, :, None])[..., 0]  # (n k, hidden)
+    return (out * weights.reshape(-1, 1)).view(*chosen.shape, -1).sum(1)
+
+
+def _grouped_experts(h, chosen, weights, gate_up, down, activation: str) -> torch.Tensor:
+    """routed_experts by torch._grouped_mm: (token, expert) pairs sorted by expert, each expert's
+    weights multiplying its run of rows; counted on the device (nothing read on the host)."""
+    n, k = chosen.shape
+    flat = chosen.reshape(-1)
+    order = flat.argsort(stable=True)  # (n k,) the pairs, expert by expert
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=h.device)
+    ends = counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
+    gate, up = torch._grouped_mm(h[order // k], gate_up.transpose(1, 2), offs=ends).chunk(2, -1)
+    out = torch._grouped_mm(_activation(gate, activation) * up, down.transpose(1, 2), offs=ends)
+    pairs = torch.empty_like(out).index_copy_(0, order, out)  # (n k, hidden), back in token order
+    return (pairs * weights.reshape(-1, 1)).view(n, k, -1).sum(1)
+
+
+def _every_expert(h, chosen, weights, gate_up, down, activation: str) -> torch.Tensor:
+    """routed_experts with no size depending on the routing: every expert on every token, the unchosen
+    weighted by 0."""
+    gate, up = torch.matmul(h, gate_up.transpose(1, 2)).chunk(2, -1)  # (E, n, I) each
+    out = torch.matmul(_activation(gate, activation) * up, down.transpose(1, 2))  # (E, n, hidden)
+    routing = torch.zeros(h.shape[0], gate_up.shape[0], dtype=weights.dtype, device=h.device).scatter(1, chosen, weights)
+    return (out * routing.T[..., None]).sum(0)
+
+
+_GROUPED: dict[tuple, bool] = {}  # (device type, dtype) -> whether torch._grouped_mm runs there
+
+
+def _groups(h: torch.Tensor, capturing: bool) -> bool:
+    """Whether torch's grouped product runs on h's device and dtype (this torch has it; a CUDA one
+    for bfloat16 on recent GPUs): tried once on a small product (never while a CUDA graph is
+    captured: until then, no)."""
+    key = (h.device.type, h.dtype)
+    if key not in _GROUPED:
+        if capturing or not hasattr(torch, "_grouped_mm"):
+            return False
+        try:
+            a, b = torch.ones(2, 16, dtype=h.dtype, device=h.device), torch.ones(2, 32, 16, dtype=h.dtype, device=h.device)
+            offsets = torch.tensor([1, 2], dtype=torch.int32, device=h.device)
+            _GROUPED[key] = bool((torch._grouped_mm(a, b.transpose(1, 2), offs=offsets) == 16).all())
+        except Exception:  # noqa: BLE001 - not for this device or dtype
+            _GROUPED[key] = False
+    return _GROUPED[key]
+
+
+_EXPERTS_OPERATOR: bool | None = None
+
+
+def register_experts_operator() -> bool:
+    """rsd::experts (routed_experts) for compiled graphs, registered once; False where this torch
+    cannot register it (graphs then run every expert on every token)."""
+    global _EXPERTS_OPERATOR
+    if _EXPERTS_OPERATOR is None:
+        _EXPERTS_OPERATOR = False
+        if hasattr(torch.library, "custom_op"):
+            try:
+                @torch.library.custom_op("rsd::experts", mutates_args=(), schema="(Tensor h, Tensor chosen, "
+                                         "Tensor weights, Tensor gate_up, Tensor down, str activation) -> Tensor")
+                def experts_operator(h, chosen, weights, gate_up, down, activation):
+                    return routed_experts(h, chosen, weights, gate_up, down, activation)
+
+                @experts_operator.register_fake
+                def _(h, chosen, weights, gate_up, down, activation):
+                    return h.new_empty(h.shape, dtype=torch.promote_types(h.dtype, weights.dtype))
+
+                _EXPERTS_OPERATOR = True
+            except Exception:  # noqa: BLE001 - an API that differs in this torch
+                pass
+    return _EXPERTS_OPERATOR
 
 
 def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple, dims: tuple,
@@ -447,7 +547,7 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     x = x + (attended if after_attention is None else _rms_norm(attended, after_attention, eps, in_float))
     h = normed if style.parallel else x if ln2 is None else _rms_norm(x, ln2, eps, in_float)  # (Cohere: ln1's)
     if experts is not None:
-        mlp = mixture_of_experts(h, experts, style, static=slots is not None or torch.compiler.is_compiling())
+        mlp = mixture_of_experts(h, experts, style)
     else:
         if wu is None:  # (stacked float weights)
             gate, up = F.linear(h, wg).chunk(2, -1)
@@ -1082,6 +1182,7 @@ def _compiled(fn):
             setattr(config, name, max(getattr(config, name), 64))
     config.automatic_dynamic_shapes = False
     register_operator()  # rsd::linear, what compiled graphs call for the measured kernels
+    register_experts_operator()  # rsd::experts, the experts of mixtures (routed_experts)
     _remember_isa_probes()
     return torch.compile(fn, fullgraph=True)
 

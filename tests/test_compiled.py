@@ -575,6 +575,41 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
             plain_greedy(target, 20), shape.describe()
 
 
+def test_each_way_of_running_routed_experts_gives_each_tokens_weighted_experts(monkeypatch):
+    """The four ways the runtime runs a mixture's experts — torch's grouped product, each chosen
+    expert once, each token's experts' weights gathered, every expert on every token weighted by 0
+    where not chosen — give each token the sum of its chosen experts' gated MLPs times their
+    weights, 1 to 16 tokens, float32 and float64 routing weights alike; routed_experts takes the
+    grouped product where it runs, else each chosen expert (not capturing a CUDA graph)."""
+    torch.manual_seed(0)
+    count, hidden, inner, k = 6, 16, 8, 2
+    gate_up, down = torch.randn(count, 2 * inner, hidden), torch.randn(count, hidden, inner)
+    ways = [compiled._each_chosen_expert, compiled._gathered_experts, compiled._every_expert]
+    if hasattr(torch, "_grouped_mm"):
+        ways.append(compiled._grouped_experts)
+    for n in (1, 3, 16):
+        h = torch.randn(n, hidden)
+        weights, chosen = torch.rand(n, count).topk(k, dim=-1)
+        expected = torch.zeros(n, hidden)
+        for token in range(n):
+            for slot in range(k):
+                expert = int(chosen[token, slot])
+                gate, up = (gate_up[expert] @ h[token]).chunk(2)
+                expected[token] += weights[token, slot] * (down[expert] @ (torch.nn.functional.silu(gate) * up))
+        for way in ways:
+            torch.testing.assert_close(way(h, chosen, weights, gate_up, down, "silu"), expected, rtol=1e-5, atol=1e-5)
+            doubles = way(h, chosen, weights.double(), gate_up, down, "silu")
+            assert doubles.dtype == torch.float64, way.__name__
+    used = []
+    for way in ("_grouped_experts", "_each_chosen_expert"):
+        monkeypatch.setattr(compiled, way, lambda *args, way=way: used.append(way) or torch.zeros(1))
+    monkeypatch.setitem(compiled._GROUPED, ("cpu", torch.float32), True)
+    compiled.routed_experts(h, chosen, weights, gate_up, down, "silu")
+    monkeypatch.setitem(compiled._GROUPED, ("cpu", torch.float32), False)
+    compiled.routed_experts(h, chosen, weights, gate_up, down, "silu")
+    assert used == ["_grouped_experts", "_each_chosen_expert"]
+
+
 def test_phi3_s_fused_linears_run_as_views_of_their_rows_and_mlp_biases_are_refused():
     """Phi-3's q/k/v and gate/up are one linear each: the runtime reads them as linears over views of
     the fused weight's rows (no copy, no parameter added to the model: its state dict and fingerprint
