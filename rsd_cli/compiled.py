@@ -77,12 +77,14 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE: their MLPs mixtures of experts (mixture_of_experts).
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
-                   "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
+                   "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
+                   "starcoder2", "stablelm", "nemotron", "arcee")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "ntk_alpha")  # (ntk_alpha: Hunyuan's, a fixed base)
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")  # the MLP's gate: SiLU (Llama), GELU tanh-approximated or exact
+# the MLP's gate (or without one, its activation): SiLU (Llama), GELU tanh-approximated or exact, ReLU squared
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu", "relu2")
 
 
 class Style(NamedTuple):
@@ -103,6 +105,8 @@ class Style(NamedTuple):
     renormalise: bool = False  # ... their routing weights divided by their sum (Mixtral's; a config's norm_topk_prob)
     routing_in_float: bool = False  # ... and kept in float32 (Mixtral's), not cast to the model's dtype
     top_first: bool = False  # ... a softmax of the k largest router logits (GraniteMoE), not the k largest of a softmax
+    layer_norm: bool = False  # norms are torch's LayerNorms, with a bias (StarCoder2, StableLM; Nemotron's by 1 + weight)
+    gated: bool = True  # the MLP's up product times its activated gate (Llama); else up, activated, then down
 
 
 def decoder_of(model) -> tuple:
@@ -122,7 +126,7 @@ def style_of(model) -> Style:
     family = cfg.model_type
     gemma, cohere = family.startswith("gemma"), family in ("cohere", "cohere2")
     mixture = family in MIXTURES
-    return Style(norm_in_float=gemma or family in ("olmo2", "olmo3") or cohere, norm_offset=gemma,
+    return Style(norm_in_float=gemma or family in ("olmo2", "olmo3") or cohere, norm_offset=gemma or family == "nemotron",
                  activation=activation_of(cfg), softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
                  residual_scale=float(getattr(cfg, "residual_multiplier", 1.0)),
                  pairs=family in ("ernie4_5", "glm4", "cohere", "cohere2"),
@@ -130,7 +134,9 @@ def style_of(model) -> Style:
                  norm_after_rotation=family == "hunyuan_v1_dense", centred=cohere, parallel=cohere,
                  experts=int(cfg.num_experts_per_tok) if mixture else 0,
                  renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True)),  # (Mixtral's: no setting, always)
-                 routing_in_float=family == "mixtral", top_first=family.startswith("granitemoe"))
+                 routing_in_float=family == "mixtral", top_first=family.startswith("granitemoe"),
+                 layer_norm=family in ("starcoder2", "stablelm", "nemotron"),
+                 gated=family not in ("starcoder2", "nemotron", "arcee"))
 
 
 def layer_norms(layer) -> tuple:
@@ -186,14 +192,17 @@ def unsupported(model) -> str | None:
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(model, "lm_head") or not hasattr(inner, "rotary_emb"):
         return f"{type(model).__name__} is not laid out as a Llama-style decoder"
-    if activation_of(cfg) not in ACTIVATIONS or getattr(cfg, "mlp_bias", False) \
+    if activation_of(cfg) not in ACTIVATIONS \
             or getattr(cfg, "use_bidirectional_attention", False):
         return f"{type(model).__name__}'s layers differ from Llama's"
     rope = getattr(inner.rotary_emb, "rope_type", "default")  # (Gemma 3: one per layer kind)
     if any(kind not in ROPE_TYPES for kind in (rope.values() if isinstance(rope, dict) else [rope])):
         return f"rope type {rope!r}"
-    if any(linear.bias is not None for linear in filter(None, projections(layers[0])[4:])):  # (ERNIE 4.5's `use_bias`)
+    gate, up, down = projections(layers[0])[4:]
+    if gate is not None and any(linear.bias is not None for linear in (gate, up, down)):  # (ERNIE 4.5's `use_bias`)
         return f"{type(model).__name__}'s MLP has biases"
+    if getattr(cfg, "qk_layernorm", False) or getattr(cfg, "use_parallel_residual", False):  # (StableLM's options)
+        return f"{type(model).__name__} norms q and k with a LayerNorm for each head, or runs attention beside the MLP"
     if not all(_plain_experts(layer) for layer in layers):
         return f"{type(model).__name__}'s experts are laid out otherwise"
     if getattr(cfg, "clip_qkv", None) is not None:  # (OLMoE's option)
@@ -284,6 +293,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, in_float: bool 
     """Llama's RMS norm (the weight times the normed x cast to x's dtype), or with `in_float` Gemma's
     and OLMo's: the normed x times a float32 weight (norm_weight), then cast; `centred`, Cohere's
     LayerNorm without a bias: x less its mean, normed so."""
+    if isinstance(weight, tuple):  # (a LayerNorm's weight and bias: norm_of)
+        return F.layer_norm(x, x.shape[-1:], *weight, eps)
     dtype, x = x.dtype, x.float()
     if centred:
         x = x - x.mean(-1, keepdim=True)
@@ -295,6 +306,16 @@ def _eps(norm) -> float:
     """An RMS norm module's epsilon (Llama's `variance_epsilon`, Gemma's `eps`)."""
     eps = getattr(norm, "variance_epsilon", None)
     return norm.eps if eps is None else eps
+
+
+def norm_of(norm, style: Style) -> torch.Tensor | tuple:
+    """What _rms_norm takes for a norm module: norm_weight of its weight, or for a LayerNorm
+    (`style.layer_norm`) its weight (Nemotron's 1 + it, in its dtype, as its LayerNorm1P computes
+    it) and bias."""
+    if not style.layer_norm:
+        return norm_weight(norm.weight, style)
+    weight, bias = norm.weight.detach(), None if norm.bias is None else norm.bias.detach()
+    return (weight + 1.0 if style.norm_offset else weight), bias
 
 
 def norm_weight(weight: torch.Tensor, style: Style) -> torch.Tensor:
@@ -310,6 +331,8 @@ def norm_weight(weight: torch.Tensor, style: Style) -> torch.Tensor:
 def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
     if name == "silu":
         return F.silu(x)
+    if name == "relu2":
+        return torch.square(F.relu(x))
     return F.gelu(x, approximate="tanh" if name == "gelu_pytorch_tanh" else "none")
 
 
@@ -482,9 +505,12 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     attention and `ln2` before the MLP (OLMo has neither), `after_attention` and `after_mlp` on each
     block's output before it joins the residual (Gemma 2 and 3, OLMo; not Llama). q_norm and k_norm
     norm each head (Qwen3, Gemma 3) or, as wide as q and k, the whole of them (OLMo). `experts`: a
-    mixture of experts' weights (mixture_of_experts) where the MLP is one, its wg, wu and wd then None."""
+    mixture of experts' weights (mixture_of_experts) where the MLP is one, its wg, wu and wd then None.
+    An MLP without a gate (`style.gated` off: StarCoder2, Nemotron, Arcee) has wg None, and bu and bd
+    its up and down products' biases where it has them (StarCoder2). A LayerNorm's weight is a
+    (weight, bias) pair (norm_of)."""
     (ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd, q_norm, k_norm, after_attention, after_mlp,
-     experts) = weights
+     experts, bu, bd) = weights
     in_float = style.norm_in_float
     heads, kv_heads, head_dim, scaling, eps = dims
     n, kv_len = x.shape[0], mask.shape[1]
@@ -549,13 +575,17 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     if experts is not None:
         mlp = mixture_of_experts(h, experts, style)
     else:
-        if wu is None:  # (stacked float weights)
-            gate, up = F.linear(h, wg).chunk(2, -1)
-        elif fused[1] is not None:
-            gate, up = blocks_linear(h, fused[1]).chunk(2, -1)
+        if not style.gated:
+            inner = _activation(_linear(h, wu, bu, small[5]), style.activation)
         else:
-            gate, up = _linear(h, wg, None, small[4]), _linear(h, wu, None, small[5])
-        mlp = _linear(_activation(gate, style.activation) * up, wd, None, small[6])
+            if wu is None:  # (stacked float weights)
+                gate, up = F.linear(h, wg).chunk(2, -1)
+            elif fused[1] is not None:
+                gate, up = blocks_linear(h, fused[1]).chunk(2, -1)
+            else:
+                gate, up = _linear(h, wg, None, small[4]), _linear(h, wu, None, small[5])
+            inner = _activation(gate, style.activation) * up
+        mlp = _linear(inner, wd, bd, small[6])
     if style.residual_scale != 1.0:
         mlp = mlp * style.residual_scale
     return x + (mlp if after_mlp is None else _rms_norm(mlp, after_mlp, eps, in_float))
@@ -587,10 +617,15 @@ def _native_layer(layer, fused: tuple, fuse: bool):
 def projections(layer) -> tuple:
     """A decoder layer's seven linears: q, k, v, o, gate, up, down (where q/k/v or gate/up are one
     linear, Phi-3's `qkv_proj` and `gate_up_proj`, GLM-4's `gate_up_proj`: linears over views of its
-    rows, made once; gate, up and down None where the MLP is a mixture of experts)."""
+    rows, made once; gate None where the MLP has none, gate, up and down None where it is a mixture of
+    experts)."""
     a, m = layer.self_attn, mlp_of(layer)
     if hasattr(m, "experts"):  # (a mixture of experts: no MLP linears of its own, see experts_of)
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, None, None
+    if hasattr(m, "c_fc"):  # (StarCoder2: no gate)
+        return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, m.c_fc, m.c_proj
+    if not hasattr(m, "gate_proj") and not hasattr(m, "gate_up_proj"):  # (Nemotron, Arcee: no gate)
+        return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, m.up_proj, m.down_proj
     fused = getattr(a, "qkv_proj", None) or getattr(m, "gate_up_proj", None)
     if fused is None:
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
@@ -698,7 +733,7 @@ def stack_projections(layer) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v, _, gate, up, _ = projections(layer)
     stacks = []
     for linears in ((q, k, v), (gate, up)):
-        if linears[0] is None:  # (a mixture of experts: no gate and up)
+        if linears[0] is None:  # (a mixture of experts or an MLP without a gate: nothing to stack)
             stacks.append(None)
             continue
         stacked = getattr(linears[0], "_rsd_stack", None)
@@ -821,18 +856,21 @@ class CompiledModel:
             stacks = stack_projections(layer) if stack else None  # (before the views of weights below)
             linears = projections(layer)
             q, k, v, o, gate, up, down = linears
-            mlp = (None, None, None) if gate is None else (gate.weight, up.weight, down.weight)  # (experts: None)
-            ln1, ln2, after_attention, after_mlp = (None if norm is None else norm_weight(norm.weight, style)
+            # (None where the MLP has no such linear: no gate, or experts instead)
+            mlp = tuple(None if linear is None else linear.weight for linear in (gate, up, down))
+            ln1, ln2, after_attention, after_mlp = (None if norm is None else norm_of(norm, style)
                                                     for norm in layer_norms(layer))
             head_norms = tuple(None if w is None else norm_weight(w, style) for w in _head_norms(layer.self_attn))
             weights = (ln1, q.weight, q.bias, k.weight, k.bias, v.weight, v.bias, o.weight, o.bias,
                        ln2, *mlp, *head_norms, after_attention, after_mlp)
             if stacks is not None:  # q's weight slot holds q/k/v's stack, gate's gate/up's; k, v and up: None
-                weights = (weights[0], stacks[0], weights[2], None, weights[4], None, *weights[6:10], stacks[1], None,
-                           *weights[12:])
+                weights = (weights[0], stacks[0], weights[2], None, weights[4], None, *weights[6:10],
+                           *((stacks[1], None) if stacks[1] is not None else weights[10:12]), *weights[12:])
+            biases = tuple(None if linear is None or linear.bias is None else linear.bias.detach() for linear in (up, down))
             # detached views (same storage): a trained adapter's tensors and the target's then pass
             # the same guards, and one graph serves both
-            self.layers.append((tuple(None if w is None else w.detach() for w in weights) + (experts_of(layer),),
+            self.layers.append((tuple(None if w is None else w if isinstance(w, tuple) else w.detach() for w in weights)
+                                + (experts_of(layer), *biases),
                                 tuple(None if linear is None else self._kernels(linear) for linear in linears),
                                 (fused_blocks(linears[:3], biased=True),
                                  None if gate is None else fused_blocks(linears[4:6])) if fuse else (None, None)))
@@ -840,7 +878,7 @@ class CompiledModel:
         self._table: tuple = (None, None)  # (native list, its native_table): every layer in one call
         self.intermediate = cfg.intermediate_size
         self.norm_eps = _eps(inner.norm)
-        self.final_norm = norm_weight(inner.norm.weight, style)
+        self.final_norm = norm_of(inner.norm, style)
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.embedding_scale = float(getattr(cfg, "embedding_multiplier", 1.0))  # (Granite's, besides the module's)
         # (Granite's; Cohere's logits are multiplied by its logit_scale)

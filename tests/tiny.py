@@ -63,7 +63,11 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     the second layer a plain MLP), "qwen3_moe" (Qwen3's attention, 8 experts, 3 a token,
     renormalised), "olmoe" (q and k normed whole, 4 experts, 2 a token), "granitemoe" (Granite's
     scalings, 4 experts, 2 a token weighted by a softmax of their router logits) or
-    "granitemoeshared" (GraniteMoE's, a shared expert without a gate); with sliding-window
+    "granitemoeshared" (GraniteMoE's, a shared expert without a gate); or with LayerNorms (a bias
+    each, random here) or MLPs without a gate: "starcoder2" (both, biases on every linear, a GELU,
+    every layer windowed to 4 positions), "stablelm" (LayerNorms, Llama's MLP, biases on q, k and v,
+    a quarter of each head turned), "nemotron" (LayerNorms by 1 + weight, an MLP without a gate of
+    squared ReLUs, half of each head turned) or "arcee" (Llama's layers, Nemotron's MLP); with sliding-window
     attention off (but Gemma 2 and 3's, Phi-3's, EXAONE 4's and Mixtral's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                               GemmaForCausalLM, MistralConfig,
@@ -75,7 +79,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               Glm4ForCausalLM, Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM,
                               MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM, OlmoeConfig, OlmoeForCausalLM, GraniteMoeConfig,
-                              GraniteMoeForCausalLM, GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM)
+                              GraniteMoeForCausalLM, GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM,
+                              Starcoder2Config, Starcoder2ForCausalLM, StableLmConfig, StableLmForCausalLM,
+                              NemotronConfig, NemotronForCausalLM, ArceeConfig, ArceeForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -92,7 +98,10 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
                            "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "olmoe": (OlmoeConfig, OlmoeForCausalLM),
                            "granitemoe": (GraniteMoeConfig, GraniteMoeForCausalLM),
-                           "granitemoeshared": (GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM)}[kind]
+                           "granitemoeshared": (GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM),
+                           "starcoder2": (Starcoder2Config, Starcoder2ForCausalLM),
+                           "stablelm": (StableLmConfig, StableLmForCausalLM),
+                           "nemotron": (NemotronConfig, NemotronForCausalLM), "arcee": (ArceeConfig, ArceeForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -103,6 +112,12 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         settings = dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=True)
     elif kind == "olmoe":
         settings = dict(num_experts=4, num_experts_per_tok=2)
+    elif kind == "starcoder2":
+        settings = dict(sliding_window=4, use_bias=True, hidden_act="gelu_pytorch_tanh")
+    elif kind == "stablelm":
+        settings = dict(use_qkv_bias=True, partial_rotary_factor=0.25)
+    elif kind == "nemotron":
+        settings = dict(partial_rotary_factor=0.5)
     elif kind.startswith("granitemoe"):
         settings = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0,
                         num_local_experts=4, num_experts_per_tok=2)
@@ -148,8 +163,11 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
             for linear in (getattr(layer.self_attn, name, None) for name in ("q_proj", "k_proj", "v_proj")):
                 if linear is not None and linear.bias is not None:
                     linear.bias.normal_(0.0, scale)
+            for linear in (getattr(getattr(layer, "mlp", None), name, None) for name in ("c_fc", "c_proj")):  # (StarCoder2's)
+                if linear is not None:
+                    linear.bias.normal_(0.0, scale)
         for name, weight in model.named_parameters():
-            if "norm" in name:  # (Gemma's start at 0, others' at 1)
+            if "norm" in name:  # (Gemma's start at 0, others' at 1; LayerNorms' biases at 0)
                 weight.normal_(float(weight.mean()), scale)
     return model.eval()
 
