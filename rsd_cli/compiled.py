@@ -74,7 +74,8 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # layer kind where some layers do (Gemma 2's every other, Gemma 3's five of six, OLMo 3's three of
 # four, Qwen2's past `max_window_layers`). Phi-3 (q/k/v and gate/up fused: `projections` reads views of
 # them), EXAONE 4, ERNIE 4.5, Hunyuan, GLM-4 and Cohere 1/2 differ from Llama as `Style` and `rotates` say.
-# Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE: their MLPs mixtures of experts (mixture_of_experts).
+# Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and GraniteMoE: their MLPs mixtures of experts (mixture_of_experts).
+# StarCoder2, StableLM, Nemotron and Arcee: LayerNorms with biases, or MLPs without a gate (`Style`).
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
