@@ -345,12 +345,13 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style) -> torch.T
     gate where it has one (Qwen2-MoE; GraniteMoE-shared's is not). experts = (router (E, hidden),
     gate_up (E, 2I, hidden): each expert's gate rows then its up rows, down (E, hidden, I), the shared
     expert's (gate, up, down, its gate (1, hidden) or None) or None). The routing is read on the
-    device; routed_experts runs the experts. In a compiled graph, up to 2 (token, expert) pairs an
-    expert multiply by each pair's expert's weights gathered — the compiled kernels read them in
-    place, no copy: on a 2-core Xeon a Qwen3-MoE of 12 layers of 16 experts, 4 a token, took 9.8 /
-    12.4 / 16.3 ms a forward of 1 / 4 / 8 tokens so, against 13.9 / 17.5 / 17.8 uncompiled
-    (`benchmarks/runtime_cost.py`) —, more as the operator rsd::experts (routed_experts: 18.9 ms
-    for 8 tokens)."""
+    device; routed_experts runs the experts. In a compiled graph, up to GATHERED_PAIRS (token,
+    expert) pairs an expert multiply by each pair's expert's weights gathered — the compiled
+    kernels read them in place, no copy —, more call the operator rsd::experts (routed_experts).
+    On a 2-core Xeon, a Qwen3-MoE of 12 layers of 16 experts, 4 a token: 7.6 / 13.8 / 17.4 / 25.7
+    ms a compiled forward of 1 / 4 / 8 / 16 tokens gathering up to 4 pairs an expert, 8.1 / 14.6 /
+    18.6 / 34.8 up to 2, 10.1 / 21.8 / 24.1 / 29.0 up to 0.5 (the operator from 2 tokens on);
+    uncompiled 13.9 / 17.5 / 17.8 / 23.5 (`benchmarks/results/intel-xeon-moe/`)."""
     router, gate_up, down, shared = experts
     k = style.experts
     logits = F.linear(h, router)  # (n, E)
@@ -364,7 +365,7 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style) -> torch.T
     weights = weights if style.routing_in_float else weights.to(h.dtype)
     if not torch.compiler.is_compiling():
         mixed = routed_experts(h, chosen, weights, gate_up, down, style.activation)
-    elif chosen.numel() <= 2 * gate_up.shape[0]:  # (few tokens: the compiled kernels read the gathered weights in place)
+    elif chosen.numel() <= GATHERED_PAIRS * gate_up.shape[0]:  # (few tokens: the compiled kernels read the weights in place)
         mixed = _gathered_experts(h, chosen, weights, gate_up, down, style.activation)
     elif _EXPERTS_OPERATOR:  # (registered before compiling; the graph calls it: no size there follows the routing)
         mixed = torch.ops.rsd.experts(h, chosen, weights, gate_up, down, style.activation)
@@ -439,6 +440,7 @@ def _every_expert(h, chosen, weights, gate_up, down, activation: str) -> torch.T
     return (out * routing.T[..., None]).sum(0)
 
 
+GATHERED_PAIRS = 4  # (token, expert) pairs an expert, at most, that a compiled graph multiplies by gathered weights
 _GROUPED: dict[tuple, bool] = {}  # (device type, dtype) -> whether torch._grouped_mm runs there
 
 
