@@ -79,13 +79,13 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
-                   "starcoder2", "stablelm", "nemotron", "arcee")
+                   "starcoder2", "stablelm", "nemotron", "arcee", "phi")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "ntk_alpha")  # (ntk_alpha: Hunyuan's, a fixed base)
 # the MLP's gate (or without one, its activation): SiLU (Llama), GELU tanh-approximated or exact, ReLU squared
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu", "relu2")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu", "relu2", "gelu_new")  # (gelu_new: Phi's tanh GELU, by formula)
 
 
 class Style(NamedTuple):
@@ -101,7 +101,7 @@ class Style(NamedTuple):
     rotation_in_float: bool = False  # ... in float32, then cast (ERNIE 4.5)
     norm_after_rotation: bool = False  # each head of q and k normed after the rotation (Hunyuan), not before
     centred: bool = False  # norms that subtract the mean too (Cohere's LayerNorm without a bias)
-    parallel: bool = False  # attention and the MLP both read the first norm's output; both join the residual (Cohere)
+    parallel: bool = False  # attention and the MLP both read the first norm's output; both join the residual (Cohere, Phi)
     experts: int = 0  # the experts each token is routed to, where MLPs are mixtures of experts (Mixtral, ...)
     renormalise: bool = False  # ... their routing weights divided by their sum (Mixtral's; a config's norm_topk_prob)
     routing_in_float: bool = False  # ... and kept in float32 (Mixtral's), not cast to the model's dtype
@@ -132,12 +132,12 @@ def style_of(model) -> Style:
                  residual_scale=float(getattr(cfg, "residual_multiplier", 1.0)),
                  pairs=family in ("ernie4_5", "glm4", "cohere", "cohere2"),
                  rotation_in_float=family in ("ernie4_5", "cohere"),
-                 norm_after_rotation=family == "hunyuan_v1_dense", centred=cohere, parallel=cohere,
+                 norm_after_rotation=family == "hunyuan_v1_dense", centred=cohere, parallel=cohere or family == "phi",
                  experts=int(cfg.num_experts_per_tok) if mixture else 0,
                  renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True)),  # (Mixtral's: no setting, always)
                  routing_in_float=family == "mixtral", top_first=family.startswith("granitemoe"),
-                 layer_norm=family in ("starcoder2", "stablelm", "nemotron"),
-                 gated=family not in ("starcoder2", "nemotron", "arcee"))
+                 layer_norm=family in ("starcoder2", "stablelm", "nemotron", "phi"),
+                 gated=family not in ("starcoder2", "nemotron", "arcee", "phi"))
 
 
 def layer_norms(layer) -> tuple:
@@ -334,6 +334,8 @@ def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
         return F.silu(x)
     if name == "relu2":
         return torch.square(F.relu(x))
+    if name == "gelu_new":  # (transformers' NewGELUActivation, as it computes it)
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
     return F.gelu(x, approximate="tanh" if name == "gelu_pytorch_tanh" else "none")
 
 
@@ -627,6 +629,8 @@ def projections(layer) -> tuple:
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, None, None
     if hasattr(m, "c_fc"):  # (StarCoder2: no gate)
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, m.c_fc, m.c_proj
+    if hasattr(m, "fc1"):  # (Phi: no gate, attention's output `dense`)
+        return a.q_proj, a.k_proj, a.v_proj, a.dense, None, m.fc1, m.fc2
     if not hasattr(m, "gate_proj") and not hasattr(m, "gate_up_proj"):  # (Nemotron, Arcee: no gate)
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, m.up_proj, m.down_proj
     fused = getattr(a, "qkv_proj", None) or getattr(m, "gate_up_proj", None)
@@ -659,6 +663,12 @@ def _row_views(fused: torch.nn.Linear, sizes: tuple) -> list[torch.nn.Linear]:
         start += size
     linears[0]._rsd_stack = fused.weight.detach()
     return linears
+
+
+def final_norm_of(inner):
+    """The decoder's final norm (Phi's `final_layernorm`)."""
+    found = getattr(inner, "norm", None)
+    return found if found is not None else inner.final_layernorm
 
 
 def mlp_of(layer):
@@ -817,12 +827,13 @@ def fused_blocks(linears, biased: bool = False, held: bool = False) -> torch.Ten
 
 
 def final_logits(x, norm, eps: float, head, small: tuple, in_float: bool = False,
-                 softcap: float | None = None, divisor: float = 1.0, centred: bool = False) -> torch.Tensor:
+                 softcap: float | None = None, divisor: float = 1.0, centred: bool = False,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """(m, hidden) -> (m, rows of the head) logits: the final norm (a norm_weight; `centred`: Cohere's)
-    and the output head, the logits then divided by `divisor` (Granite's `logits_scaling`, Cohere's
-    1 / `logit_scale`) and soft-capped to (-softcap, softcap) where the model says (Gemma 2 and 3's
-    `final_logit_softcapping`)."""
-    logits = _linear(_rms_norm(x, norm, eps, in_float, centred), head, None, small)
+    and the output head (its `bias`: Phi's), the logits then divided by `divisor` (Granite's
+    `logits_scaling`, Cohere's 1 / `logit_scale`) and soft-capped to (-softcap, softcap) where the
+    model says (Gemma 2 and 3's `final_logit_softcapping`)."""
+    logits = _linear(_rms_norm(x, norm, eps, in_float, centred), head, bias, small)
     logits = logits if divisor == 1.0 else logits / divisor
     return logits if not softcap else torch.tanh(logits / softcap) * softcap
 
@@ -880,8 +891,8 @@ class CompiledModel:
         self.head_small = self._kernels(model.lm_head)
         self._table: tuple = (None, None)  # (native list, its native_table): every layer in one call
         self.intermediate = cfg.intermediate_size
-        self.norm_eps = _eps(inner.norm)
-        self.final_norm = norm_of(inner.norm, style)
+        self.norm_eps = _eps(final_norm_of(inner))
+        self.final_norm = norm_of(final_norm_of(inner), style)
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.embedding_scale = float(getattr(cfg, "embedding_multiplier", 1.0))  # (Granite's, besides the module's)
         # (Granite's; Cohere's logits are multiplied by its logit_scale)
@@ -1120,7 +1131,7 @@ class CompiledModel:
             with on_threads(threads) if threads else contextlib.nullcontext():
                 return final_logits(y[rows], self.final_norm, self.norm_eps, self.model.lm_head.weight,
                                     self.head_small, self.style.norm_in_float, self.softcap, self.logits_divisor,
-                                    self.style.centred)
+                                    self.style.centred, self.model.lm_head.bias)
 
         if in_c:
             def in_the_library(threads: int) -> torch.Tensor:

@@ -537,7 +537,7 @@ def skip_a_dynamic_hunyuan(model) -> None:
 @pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "granite",
                                   "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan",
                                   "glm4", "cohere2", "cohere", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-                                  "granitemoe", "granitemoeshared", "starcoder2", "stablelm", "nemotron", "arcee"])
+                                  "granitemoe", "granitemoeshared", "starcoder2", "stablelm", "nemotron", "arcee", "phi"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
@@ -557,7 +557,8 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     routing weights a softmax of the top router logits; with a shared expert without a gate too), and
     LayerNorms with biases or MLPs without a gate: StarCoder2 (both, biases on every linear, a
     window), StableLM (LayerNorms, a quarter of each head turned), Nemotron (LayerNorms by 1 +
-    weight, squared ReLUs without a gate) and Arcee (Llama's layers, Nemotron's MLP):
+    weight, squared ReLUs without a gate), Arcee (Llama's layers, Nemotron's MLP) and Phi (attention
+    and an MLP without a gate side by side on one LayerNorm, biases on every linear and the head):
     tree logits, pruning and growth as
     transformers' forward gives them on every
     backend, and each variant's greedy output is plain greedy."""
@@ -845,10 +846,10 @@ def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtim
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3", "phi3", "exaone4", "ernie4_5",
-                                  "hunyuan", "glm4", "cohere2", "qwen2_moe", "mixtral", "starcoder2", "nemotron"])
+                                  "hunyuan", "glm4", "cohere2", "qwen2_moe", "mixtral", "starcoder2", "nemotron", "phi"])
 def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both_runtimes(tmp_path, kind):
     """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3, Phi-3, EXAONE 4, ERNIE 4.5, Hunyuan, GLM-4,
-    Cohere 2, Qwen2-MoE, Mixtral, StarCoder2 or Nemotron checkpoint folder, its first layer as the
+    Cohere 2, Qwen2-MoE, Mixtral, StarCoder2, Nemotron or Phi checkpoint folder, its first layer as the
     draft, on the static-cache runtime compiled and on transformers' forward: the same greedy tokens."""
     from tiny import tiny_tokenizer
 

@@ -692,3 +692,20 @@ def test_a_model_that_soft_caps_its_attention_scores_loads_on_transformers_eager
     load = lambda folder: models._transformers_model(str(folder), True, torch.device("cpu"), torch.float32, None)
     assert load(tmp_path / "capped").config._attn_implementation == "eager"
     assert load(tmp_path / "plain").config._attn_implementation == "sdpa"
+
+
+def test_a_phi_target_gives_an_early_exit_draft_and_an_own_norm_is_refused_for_layernorms():
+    """Phi keeps its final norm as `final_layernorm`: an early-exit draft shares it (and gives the
+    target's logits with all its layers); a draft's own final norm and head (`rsd distill
+    --train-head`) would lack a LayerNorm's bias, so it is refused in a line naming --shared-head."""
+    from tiny import tiny_relative
+
+    target = tiny_relative("phi", 40, layers=2)
+    draft = models.early_exit_draft(target, 1)
+    assert draft.model.final_layernorm is target.model.final_layernorm and len(draft.model.layers) == 1
+    tokens = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        whole = models.early_exit_draft(target, 1, adapter=models.new_adapter(target, 1))(tokens).logits
+        torch.testing.assert_close(whole, target(tokens).logits)
+    with pytest.raises(RsdError, match="--shared-head"):
+        models.new_adapter(target, 1, head_rows=8)

@@ -67,7 +67,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     each, random here) or MLPs without a gate: "starcoder2" (both, biases on every linear, a GELU,
     every layer windowed to 4 positions), "stablelm" (LayerNorms, Llama's MLP, biases on q, k and v,
     a quarter of each head turned), "nemotron" (LayerNorms by 1 + weight, an MLP without a gate of
-    squared ReLUs, half of each head turned) or "arcee" (Llama's layers, Nemotron's MLP); with sliding-window
+    squared ReLUs, half of each head turned), "arcee" (Llama's layers, Nemotron's MLP) or "phi" (one
+    LayerNorm read by attention and an MLP without a gate side by side, biases on every linear and
+    the head, a GELU by formula, half of each head turned); with sliding-window
     attention off (but Gemma 2 and 3's, Phi-3's, EXAONE 4's and Mixtral's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                               GemmaForCausalLM, MistralConfig,
@@ -81,7 +83,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               Qwen3MoeForCausalLM, OlmoeConfig, OlmoeForCausalLM, GraniteMoeConfig,
                               GraniteMoeForCausalLM, GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM,
                               Starcoder2Config, Starcoder2ForCausalLM, StableLmConfig, StableLmForCausalLM,
-                              NemotronConfig, NemotronForCausalLM, ArceeConfig, ArceeForCausalLM)
+                              NemotronConfig, NemotronForCausalLM, ArceeConfig, ArceeForCausalLM, PhiConfig,
+                              PhiForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -101,7 +104,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "granitemoeshared": (GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM),
                            "starcoder2": (Starcoder2Config, Starcoder2ForCausalLM),
                            "stablelm": (StableLmConfig, StableLmForCausalLM),
-                           "nemotron": (NemotronConfig, NemotronForCausalLM), "arcee": (ArceeConfig, ArceeForCausalLM)}[kind]
+                           "nemotron": (NemotronConfig, NemotronForCausalLM), "arcee": (ArceeConfig, ArceeForCausalLM),
+                           "phi": (PhiConfig, PhiForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -118,6 +122,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         settings = dict(use_qkv_bias=True, partial_rotary_factor=0.25)
     elif kind == "nemotron":
         settings = dict(partial_rotary_factor=0.5)
+    elif kind == "phi":
+        settings = dict(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0)
     elif kind.startswith("granitemoe"):
         settings = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0,
                         num_local_experts=4, num_experts_per_tok=2)
@@ -159,11 +165,13 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         bos_token_id=1, eos_token_id=2, pad_token_id=0, **settings))
     with torch.no_grad():
         model.lm_head.weight.mul_(3.0)
+        if model.lm_head.bias is not None:  # (Phi's)
+            model.lm_head.bias.normal_(0.0, scale)
         for layer in model.model.layers:
             for linear in (getattr(layer.self_attn, name, None) for name in ("q_proj", "k_proj", "v_proj")):
                 if linear is not None and linear.bias is not None:
                     linear.bias.normal_(0.0, scale)
-            for linear in (getattr(getattr(layer, "mlp", None), name, None) for name in ("c_fc", "c_proj")):  # (StarCoder2's)
+            for linear in (getattr(getattr(layer, "mlp", None), name, None) for name in ("c_fc", "c_proj", "fc1", "fc2")):
                 if linear is not None:
                     linear.bias.normal_(0.0, scale)
         for name, weight in model.named_parameters():
