@@ -49,6 +49,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import sys
 import statistics
 import time
 from collections import Counter, deque
@@ -123,9 +124,12 @@ class Governor:
         if most != self.most:
             self._reset(most)
         threads = self._choose()
+        compiled = compiles()
         start, cpu = self.clock(), self.cpu_clock()
         result = forward(threads)
         seconds = self.clock() - start
+        if compiles() != compiled:  # (a graph compiled or loaded inside: the compiler's time, mostly on one
+            return result  # thread, says nothing of the threads': neither a usual time, a trial's, nor starving)
         starved = seconds >= STARVED_AFTER and self.cpu_clock() - cpu < STARVED * threads * seconds
         self._record(key, threads, seconds, starved)
         return result
@@ -241,6 +245,14 @@ class Governor:
         self.baseline.clear()
         self.wait = {-1: FIRST_WAIT, 1: FIRST_WAIT}
         self.due = {-1: self.count + FIRST_WAIT, 1: self.count + FIRST_WAIT}
+
+
+def compiles() -> int:
+    """How many graphs torch.compile has made in this process (compiled, or read back from its
+    cache): a forward during which this grows spent its time compiling. 0 where torch's compiler
+    was never imported."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else utils.counters["stats"]["unique_graphs"]
 
 
 def system_load() -> tuple[int, int] | None:

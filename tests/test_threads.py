@@ -292,3 +292,32 @@ def test_the_system_counts_a_busy_process_beside_this_one_and_not_this_ones_thre
         busy.kill()
         busy.wait()
     assert beside[1] >= 1 and beside[0] == alone[0]
+
+
+def test_a_forward_that_compiles_says_nothing_of_its_threads(monkeypatch):
+    """A forward that compiles a graph (a token count's first, a compiled graph read back from the
+    cache) takes hundreds of milliseconds mostly on one thread: measured as a forward, its threads
+    would look starved and be halved (on a CPU, fewer threads than the graphs were compiled for run
+    the layers uncompiled). Such forwards are neither starving nor a usual time: the threads stay."""
+    graphs = {"count": 0}
+    monkeypatch.setattr(threads, "compiles", lambda: graphs["count"])
+
+    def compiling(cpu: SimulatedCPU):
+        def forward(threads_: int) -> int:
+            graphs["count"] += 1
+            cpu.now += 0.3  # (the compiler, on one thread of the two)
+            cpu.cpu += 0.3
+            return threads_
+        return forward
+
+    cpu = SimulatedCPU(IDLE)
+    governor = cpu.governor()
+    for _ in range(3):
+        governor.run(("target", 8), compiling(cpu), 2)
+        run(governor, cpu, 50)
+    assert governor.switches == [] and governor.threads == 2
+    monkeypatch.setattr(threads, "compiles", lambda: 0)  # (the same forward, its compiling not seen: starving)
+    cpu = SimulatedCPU(IDLE)
+    governor = cpu.governor()
+    governor.run(("target", 8), compiling(cpu), 2)
+    assert governor.switches == [(2, 1)]
