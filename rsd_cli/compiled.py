@@ -79,7 +79,7 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
-                   "starcoder2", "stablelm", "nemotron", "arcee", "phi")
+                   "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
@@ -101,20 +101,23 @@ class Style(NamedTuple):
     rotation_in_float: bool = False  # ... in float32, then cast (ERNIE 4.5)
     norm_after_rotation: bool = False  # each head of q and k normed after the rotation (Hunyuan), not before
     centred: bool = False  # norms that subtract the mean too (Cohere's LayerNorm without a bias)
-    parallel: bool = False  # attention and the MLP both read the first norm's output; both join the residual (Cohere, Phi)
+    # attention and the MLP side by side, both joining the residual: the MLP reads the first norm's
+    # output (Cohere, Phi) or, where the layer has a second norm, that norm of the layer's input (GPT-NeoX)
+    parallel: bool = False
     experts: int = 0  # the experts each token is routed to, where MLPs are mixtures of experts (Mixtral, ...)
     renormalise: bool = False  # ... their routing weights divided by their sum (Mixtral's; a config's norm_topk_prob)
     routing_in_float: bool = False  # ... and kept in float32 (Mixtral's), not cast to the model's dtype
     top_first: bool = False  # ... a softmax of the k largest router logits (GraniteMoE), not the k largest of a softmax
     layer_norm: bool = False  # norms are torch's LayerNorms, with a bias (StarCoder2, StableLM; Nemotron's by 1 + weight)
     gated: bool = True  # the MLP's up product times its activated gate (Llama); else up, activated, then down
+    interleaved: bool = False  # q, k and v one linear whose outputs go head by head: q, k, v of each (GPT-NeoX)
 
 
 def decoder_of(model) -> tuple:
     """(the module holding the text decoder's layers, embedding, final norm and rotary tables, its
     config): the model's own `model`, or a multimodal model's `language_model`, read for its text
     (Gemma 3 4B and up, whose output head is the model's `lm_head` as a text model's)."""
-    inner = getattr(model, "model", None)
+    inner = getattr(model, "model", None) or getattr(model, "gpt_neox", None)  # (GPT-NeoX's)
     language = getattr(inner, "language_model", None)
     get = getattr(model.config, "get_text_config", None)
     if language is not None and hasattr(language, "layers") and callable(get):
@@ -132,12 +135,14 @@ def style_of(model) -> Style:
                  residual_scale=float(getattr(cfg, "residual_multiplier", 1.0)),
                  pairs=family in ("ernie4_5", "glm4", "cohere", "cohere2"),
                  rotation_in_float=family in ("ernie4_5", "cohere"),
-                 norm_after_rotation=family == "hunyuan_v1_dense", centred=cohere, parallel=cohere or family == "phi",
+                 norm_after_rotation=family == "hunyuan_v1_dense", centred=cohere,
+                 parallel=cohere or family == "phi" or bool(getattr(cfg, "use_parallel_residual", False)),
                  experts=int(cfg.num_experts_per_tok) if mixture else 0,
                  renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True)),  # (Mixtral's: no setting, always)
                  routing_in_float=family == "mixtral", top_first=family.startswith("granitemoe"),
-                 layer_norm=family in ("starcoder2", "stablelm", "nemotron", "phi"),
-                 gated=family not in ("starcoder2", "nemotron", "arcee", "phi"))
+                 layer_norm=family in ("starcoder2", "stablelm", "nemotron", "phi", "gpt_neox"),
+                 gated=family not in ("starcoder2", "nemotron", "arcee", "phi", "gpt_neox"),
+                 interleaved=family == "gpt_neox")
 
 
 def layer_norms(layer) -> tuple:
@@ -164,7 +169,7 @@ def rotates(layer, kind: str, cfg) -> bool:
         return getattr(cfg, "sliding_window", None) is None or kind == "sliding_attention"
     if cfg.model_type == "cohere2":  # (its full-attention layers: none)
         return kind == "sliding_attention"
-    return bool(getattr(layer.self_attn, "use_rope", True))
+    return bool(getattr(attention_of(layer), "use_rope", True))
 
 
 def activation_of(cfg) -> str:
@@ -202,7 +207,8 @@ def unsupported(model) -> str | None:
     gate, up, down = projections(layers[0])[4:]
     if gate is not None and any(linear.bias is not None for linear in (gate, up, down)):  # (ERNIE 4.5's `use_bias`)
         return f"{type(model).__name__}'s MLP has biases"
-    if getattr(cfg, "qk_layernorm", False) or getattr(cfg, "use_parallel_residual", False):  # (StableLM's options)
+    if getattr(cfg, "qk_layernorm", False) or (getattr(cfg, "use_parallel_residual", False)
+                                               and cfg.model_type == "stablelm"):  # (StableLM's options)
         return f"{type(model).__name__} norms q and k with a LayerNorm for each head, or runs attention beside the MLP"
     if not all(_plain_experts(layer) for layer in layers):
         return f"{type(model).__name__}'s experts are laid out otherwise"
@@ -525,7 +531,10 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     h = x if ln1 is None else _rms_norm(x, ln1, eps, in_float, style.centred)  # (OLMo: no norm before attention)
     normed = h
     widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-    if wk is None:  # (stacked float weights)
+    if style.interleaved:  # (GPT-NeoX: each head's q, k and v side by side)
+        q, k, v = _linear(h, wq, bq, small[0]).view(n, heads, 3 * head_dim).chunk(3, -1)
+        q, k, v = q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)
+    elif wk is None:  # (stacked float weights)
         q, k, v = F.linear(h, wq).split(widths, -1)
         q, k, v = (t if b is None else t + b for t, b in ((q, bq), (k, bk), (v, bv)))  # (Qwen2's biases)
     elif fused[0] is not None:
@@ -575,8 +584,11 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     attended = _linear(out.transpose(0, 1).reshape(n, heads * head_dim), wo, bo, small[3])
     if style.residual_scale != 1.0:  # (Granite)
         attended = attended * style.residual_scale
-    x = x + (attended if after_attention is None else _rms_norm(attended, after_attention, eps, in_float))
-    h = normed if style.parallel else x if ln2 is None else _rms_norm(x, ln2, eps, in_float)  # (Cohere: ln1's)
+    residual, x = x, x + (attended if after_attention is None else _rms_norm(attended, after_attention, eps, in_float))
+    if style.parallel:  # (Cohere, Phi: ln1's output; GPT-NeoX: ln2 of the layer's input)
+        h = normed if ln2 is None else _rms_norm(residual, ln2, eps, in_float)
+    else:
+        h = x if ln2 is None else _rms_norm(x, ln2, eps, in_float)
     if experts is not None:
         mlp = mixture_of_experts(h, experts, style)
     else:
@@ -616,7 +628,7 @@ def _native_layer(layer, fused: tuple, fuse: bool):
     bias = None if all(p.bias is None for p in qkv) else \
         torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in qkv])
     return NativeLayer((layer.input_layernorm.weight, layer.post_attention_layernorm.weight), stacks[0],
-                       blocks_of(o), stacks[1], blocks_of(down), bias, _head_norms(layer.self_attn))
+                       blocks_of(o), stacks[1], blocks_of(down), bias, _head_norms(attention_of(layer)))
 
 
 def projections(layer) -> tuple:
@@ -624,7 +636,9 @@ def projections(layer) -> tuple:
     linear, Phi-3's `qkv_proj` and `gate_up_proj`, GLM-4's `gate_up_proj`: linears over views of its
     rows, made once; gate None where the MLP has none, gate, up and down None where it is a mixture of
     experts)."""
-    a, m = layer.self_attn, mlp_of(layer)
+    a, m = attention_of(layer), mlp_of(layer)
+    if hasattr(a, "query_key_value"):  # (GPT-NeoX: q, k and v one linear, head by head; no gate)
+        return a.query_key_value, None, None, a.dense, None, m.dense_h_to_4h, m.dense_4h_to_h
     if hasattr(m, "experts"):  # (a mixture of experts: no MLP linears of its own, see experts_of)
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, None, None
     if hasattr(m, "c_fc"):  # (StarCoder2: no gate)
@@ -666,9 +680,24 @@ def _row_views(fused: torch.nn.Linear, sizes: tuple) -> list[torch.nn.Linear]:
 
 
 def final_norm_of(inner):
-    """The decoder's final norm (Phi's `final_layernorm`)."""
-    found = getattr(inner, "norm", None)
-    return found if found is not None else inner.final_layernorm
+    """The decoder's final norm (Phi's `final_layernorm`, GPT-NeoX's `final_layer_norm`)."""
+    for name in ("norm", "final_layernorm", "final_layer_norm"):
+        found = getattr(inner, name, None)
+        if found is not None:
+            return found
+    raise AttributeError(f"{type(inner).__name__} has no final norm rsd knows")
+
+
+def embedding_of(inner):
+    """The decoder's token embedding (GPT-NeoX's `embed_in`)."""
+    found = getattr(inner, "embed_tokens", None)
+    return found if found is not None else inner.embed_in
+
+
+def attention_of(layer):
+    """A decoder layer's attention (GPT-NeoX's `attention`)."""
+    found = getattr(layer, "self_attn", None)
+    return found if found is not None else layer.attention
 
 
 def mlp_of(layer):
@@ -746,7 +775,7 @@ def stack_projections(layer) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v, _, gate, up, _ = projections(layer)
     stacks = []
     for linears in ((q, k, v), (gate, up)):
-        if linears[0] is None:  # (a mixture of experts or an MLP without a gate: nothing to stack)
+        if None in linears:  # (q, k and v one interleaved linear; a mixture of experts or an MLP without a gate)
             stacks.append(None)
             continue
         stacked = getattr(linears[0], "_rsd_stack", None)
@@ -796,7 +825,7 @@ def _room_to_fuse(layers) -> bool:
     """Stacked copies of q/k/v's and gate/up's blocks only while they take at most half the memory
     still available (as small_batch's packed copies)."""
     groups = [[blocks_of(linear) for linear in linears] for layer in layers
-              for linears in (projections(layer)[:3], projections(layer)[4:6]) if linears[0] is not None]
+              for linears in (projections(layer)[:3], projections(layer)[4:6]) if None not in linears]
     needed = sum(b.numel() * b.element_size() for group in groups if None not in group and joined(group) is None
                  for b in group)  # (parts kept side by side need no copy)
     return needed == 0 or room_for(needed)
@@ -858,14 +887,16 @@ class CompiledModel:
         self.notice = notice  # one line for the user (a CUDA graph that cannot be captured)
         inner, cfg = decoder_of(model)
         self.inner = inner  # (the text decoder: a multimodal model's language model)
-        attn = inner.layers[0].self_attn
-        self.dims = (cfg.num_attention_heads, cfg.num_key_value_heads, attn.head_dim, attn.scaling,
-                     _eps(next(norm for norm in layer_norms(inner.layers[0]) if norm is not None)))
+        attn = attention_of(inner.layers[0])
         self.style = style = style_of(model)
+        kv_heads = cfg.num_attention_heads if style.interleaved else cfg.num_key_value_heads  # (GPT-NeoX: every head's)
+        self.dims = (cfg.num_attention_heads, kv_heads,
+                     getattr(attn, "head_dim", None) or attn.head_size, attn.scaling,
+                     _eps(next(norm for norm in layer_norms(inner.layers[0]) if norm is not None)))
         self.layers = []
         fuse = _room_to_fuse(inner.layers)
         if stack is None:  # q/k/v's and gate/up's weights stacked (stack_projections): on a GPU
-            stack = inner.embed_tokens.weight.device.type == "cuda"
+            stack = embedding_of(inner).weight.device.type == "cuda"
         for layer in inner.layers:
             stacks = stack_projections(layer) if stack else None  # (before the views of weights below)
             linears = projections(layer)
@@ -874,11 +905,13 @@ class CompiledModel:
             mlp = tuple(None if linear is None else linear.weight for linear in (gate, up, down))
             ln1, ln2, after_attention, after_mlp = (None if norm is None else norm_of(norm, style)
                                                     for norm in layer_norms(layer))
-            head_norms = tuple(None if w is None else norm_weight(w, style) for w in _head_norms(layer.self_attn))
-            weights = (ln1, q.weight, q.bias, k.weight, k.bias, v.weight, v.bias, o.weight, o.bias,
-                       ln2, *mlp, *head_norms, after_attention, after_mlp)
+            head_norms = tuple(None if w is None else norm_weight(w, style) for w in _head_norms(attention_of(layer)))
+            attention = tuple(part for linear in (q, k, v)  # (k and v None where q holds all three: GPT-NeoX)
+                              for part in ((None, None) if linear is None else (linear.weight, linear.bias)))
+            weights = (ln1, *attention, o.weight, o.bias, ln2, *mlp, *head_norms, after_attention, after_mlp)
             if stacks is not None:  # q's weight slot holds q/k/v's stack, gate's gate/up's; k, v and up: None
-                weights = (weights[0], stacks[0], weights[2], None, weights[4], None, *weights[6:10],
+                weights = (weights[0], *((stacks[0], weights[2], None, weights[4], None) if stacks[0] is not None
+                                         else weights[1:6]), *weights[6:10],
                            *((stacks[1], None) if stacks[1] is not None else weights[10:12]), *weights[12:])
             biases = tuple(None if linear is None or linear.bias is None else linear.bias.detach() for linear in (up, down))
             # detached views (same storage): a trained adapter's tensors and the target's then pass
@@ -886,7 +919,7 @@ class CompiledModel:
             self.layers.append((tuple(None if w is None else w if isinstance(w, tuple) else w.detach() for w in weights)
                                 + (experts_of(layer), *biases),
                                 tuple(None if linear is None else self._kernels(linear) for linear in linears),
-                                (fused_blocks(linears[:3], biased=True),
+                                (None if k is None else fused_blocks(linears[:3], biased=True),
                                  None if gate is None else fused_blocks(linears[4:6])) if fuse else (None, None)))
         self.head_small = self._kernels(model.lm_head)
         self._table: tuple = (None, None)  # (native list, its native_table): every layer in one call
@@ -897,8 +930,9 @@ class CompiledModel:
         self.embedding_scale = float(getattr(cfg, "embedding_multiplier", 1.0))  # (Granite's, besides the module's)
         # (Granite's; Cohere's logits are multiplied by its logit_scale)
         self.logits_divisor = float(getattr(cfg, "logits_scaling", 1.0)) / float(getattr(cfg, "logit_scale", None) or 1.0)
-        self.device = inner.embed_tokens.weight.device
-        self.dtype = inner.embed_tokens.weight.dtype
+        self.embedding = embedding_of(inner)
+        self.device = self.embedding.weight.device
+        self.dtype = self.embedding.weight.dtype
         self.context = getattr(cfg, "max_position_embeddings", 4096)
         # the sliding window (StaticLM's masks), or None; `by_kind`: each layer's mask, 0 for the
         # full-attention layers' and 1 for the windowed ones' (a mask for each: (2, n, kv_len)), where
@@ -1102,7 +1136,7 @@ class CompiledModel:
         if compiled:
             for kind_mask in masks:
                 torch._dynamo.maybe_mark_dynamic(kind_mask, 1)
-        x = self.inner.embed_tokens(tokens)  # (n, hidden; Gemma's embedding scales it)
+        x = self.embedding(tokens)  # (n, hidden; Gemma's embedding scales it)
         if self.embedding_scale != 1.0:  # (Granite's model scales it)
             x = x * self.embedding_scale
         # (a tree's rows past the context's end read its last rotary angle: their tokens are never emitted)

@@ -529,7 +529,7 @@ def skip_a_dynamic_hunyuan(model) -> None:
     """Hunyuan's checkpoints call their rotary base `dynamic` though a fixed NTK alpha sets it: transformers
     5.24 names it `ntk_alpha` (angles by position alone: the runtime's), where 5.17 recomputed them
     past the model's context as `dynamic` scaling does (left to transformers' forward, as refused)."""
-    if getattr(model.model.rotary_emb, "rope_type", None) == "dynamic":
+    if getattr(compiled.decoder_of(model)[0].rotary_emb, "rope_type", None) == "dynamic":
         assert compiled.unsupported(model) == "rope type 'dynamic'"
         pytest.skip("this transformers scales Hunyuan's angles by the sequence's length")
 
@@ -537,7 +537,8 @@ def skip_a_dynamic_hunyuan(model) -> None:
 @pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3", "smollm3", "granite",
                                   "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan",
                                   "glm4", "cohere2", "cohere", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-                                  "granitemoe", "granitemoeshared", "starcoder2", "stablelm", "nemotron", "arcee", "phi"])
+                                  "granitemoe", "granitemoeshared", "starcoder2", "stablelm", "nemotron", "arcee", "phi",
+                                  "gpt_neox"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
@@ -558,7 +559,8 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     LayerNorms with biases or MLPs without a gate: StarCoder2 (both, biases on every linear, a
     window), StableLM (LayerNorms, a quarter of each head turned), Nemotron (LayerNorms by 1 +
     weight, squared ReLUs without a gate), Arcee (Llama's layers, Nemotron's MLP) and Phi (attention
-    and an MLP without a gate side by side on one LayerNorm, biases on every linear and the head):
+    and an MLP without a gate side by side on one LayerNorm, biases on every linear and the head),
+    GPT-NeoX (q, k and v one linear head by head, attention and the MLP side by side on two norms):
     tree logits, pruning and growth as
     transformers' forward gives them on every
     backend, and each variant's greedy output is plain greedy."""

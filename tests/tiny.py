@@ -69,7 +69,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     a quarter of each head turned), "nemotron" (LayerNorms by 1 + weight, an MLP without a gate of
     squared ReLUs, half of each head turned), "arcee" (Llama's layers, Nemotron's MLP) or "phi" (one
     LayerNorm read by attention and an MLP without a gate side by side, biases on every linear and
-    the head, a GELU by formula, half of each head turned); with sliding-window
+    the head, a GELU by formula, half of each head turned) or "gpt_neox" (GPT-NeoX, Pythia: q, k and v
+    one linear head by head, attention and an MLP without a gate side by side on two LayerNorms, a
+    quarter of each head turned, every head its own keys); with sliding-window
     attention off (but Gemma 2 and 3's, Phi-3's, EXAONE 4's and Mixtral's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                               GemmaForCausalLM, MistralConfig,
@@ -84,7 +86,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               GraniteMoeForCausalLM, GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM,
                               Starcoder2Config, Starcoder2ForCausalLM, StableLmConfig, StableLmForCausalLM,
                               NemotronConfig, NemotronForCausalLM, ArceeConfig, ArceeForCausalLM, PhiConfig,
-                              PhiForCausalLM)
+                              PhiForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -105,7 +107,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "starcoder2": (Starcoder2Config, Starcoder2ForCausalLM),
                            "stablelm": (StableLmConfig, StableLmForCausalLM),
                            "nemotron": (NemotronConfig, NemotronForCausalLM), "arcee": (ArceeConfig, ArceeForCausalLM),
-                           "phi": (PhiConfig, PhiForCausalLM)}[kind]
+                           "phi": (PhiConfig, PhiForCausalLM), "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -122,6 +124,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         settings = dict(use_qkv_bias=True, partial_rotary_factor=0.25)
     elif kind == "nemotron":
         settings = dict(partial_rotary_factor=0.5)
+    elif kind == "gpt_neox":  # (its own names; every head its keys)
+        settings = dict(partial_rotary_factor=0.25, attention_bias=True, use_parallel_residual=True)
     elif kind == "phi":
         settings = dict(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0)
     elif kind.startswith("granitemoe"):
@@ -159,19 +163,23 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
                                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     torch.manual_seed(seed)
-    model = model_class(config(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, initializer_range=scale, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, **settings))
+    shared = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=scale, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind == "gpt_neox":
+        del shared["num_key_value_heads"]
+    model = model_class(config(**shared, **settings))
     with torch.no_grad():
         model.lm_head.weight.mul_(3.0)
         if model.lm_head.bias is not None:  # (Phi's)
             model.lm_head.bias.normal_(0.0, scale)
-        for layer in model.model.layers:
-            for linear in (getattr(layer.self_attn, name, None) for name in ("q_proj", "k_proj", "v_proj")):
+        for layer in (getattr(model, "model", None) or model.gpt_neox).layers:
+            attention = getattr(layer, "self_attn", None) or layer.attention
+            for linear in (getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj", "query_key_value")):
                 if linear is not None and linear.bias is not None:
                     linear.bias.normal_(0.0, scale)
-            for linear in (getattr(getattr(layer, "mlp", None), name, None) for name in ("c_fc", "c_proj", "fc1", "fc2")):
+            for linear in (getattr(getattr(layer, "mlp", None), name, None)
+                           for name in ("c_fc", "c_proj", "fc1", "fc2", "dense_h_to_4h", "dense_4h_to_h")):
                 if linear is not None:
                     linear.bias.normal_(0.0, scale)
         for name, weight in model.named_parameters():
