@@ -398,8 +398,13 @@ def routed_experts(h, chosen, weights, gate_up, down, activation: str) -> torch.
     experts) where that is fewer than all of them, or every expert on every token."""
     capturing = h.is_cuda and torch.cuda.is_current_stream_capturing()
     if _groups(h, capturing):
-        way = _grouped_experts
-    elif not capturing:
+        if capturing:
+            return _grouped_experts(h, chosen, weights, gate_up, down, activation)
+        try:
+            return _grouped_experts(h, chosen, weights, gate_up, down, activation)
+        except RuntimeError:  # (shapes the probe's product passed and these do not: each chosen expert from now on)
+            _GROUPED[(h.device.type, h.dtype)] = False
+    if not capturing:
         way = _each_chosen_expert
     else:
         way = _every_expert if chosen.numel() > gate_up.shape[0] else _gathered_experts

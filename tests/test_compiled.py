@@ -588,7 +588,8 @@ def test_each_way_of_running_routed_experts_gives_each_tokens_weighted_experts(m
     expert once, each token's experts' weights gathered, every expert on every token weighted by 0
     where not chosen — give each token the sum of its chosen experts' gated MLPs times their
     weights, 1 to 16 tokens, float32 and float64 routing weights alike; routed_experts takes the
-    grouped product where it runs, else each chosen expert (not capturing a CUDA graph)."""
+    grouped product where it runs, else each chosen expert (not capturing a CUDA graph), and from
+    then on where the grouped product refuses shapes its probe passed."""
     torch.manual_seed(0)
     count, hidden, inner, k = 6, 16, 8, 2
     gate_up, down = torch.randn(count, 2 * inner, hidden), torch.randn(count, hidden, inner)
@@ -616,6 +617,17 @@ def test_each_way_of_running_routed_experts_gives_each_tokens_weighted_experts(m
     monkeypatch.setitem(compiled._GROUPED, ("cpu", torch.float32), False)
     compiled.routed_experts(h, chosen, weights, gate_up, down, "silu")
     assert used == ["_grouped_experts", "_each_chosen_expert"]
+
+    def refused(*args):  # (shapes torch's grouped product does not take, which its probe did)
+        used.append("refused")
+        raise RuntimeError("grouped_mm: unsupported strides")
+
+    monkeypatch.setattr(compiled, "_grouped_experts", refused)
+    monkeypatch.setitem(compiled._GROUPED, ("cpu", torch.float32), True)
+    compiled.routed_experts(h, chosen, weights, gate_up, down, "silu")
+    compiled.routed_experts(h, chosen, weights, gate_up, down, "silu")
+    assert used[2:] == ["refused", "_each_chosen_expert", "_each_chosen_expert"]
+    assert compiled._GROUPED[("cpu", torch.float32)] is False
 
 
 def test_phi3_s_fused_linears_run_as_views_of_their_rows_and_mlp_biases_are_refused():
