@@ -75,7 +75,8 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # four, Qwen2's past `max_window_layers`). Phi-3 (q/k/v and gate/up fused: `projections` reads views of
 # them), EXAONE 4, ERNIE 4.5, Hunyuan, GLM-4 and Cohere 1/2 differ from Llama as `Style` and `rotates` say.
 # Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and GraniteMoE: their MLPs mixtures of experts (mixture_of_experts).
-# StarCoder2, StableLM, Nemotron and Arcee: LayerNorms with biases, or MLPs without a gate (`Style`).
+# StarCoder2, StableLM, Nemotron, Arcee, Phi and GPT-NeoX: LayerNorms with biases, MLPs without a gate,
+# attention beside the MLP, q/k/v head by head (`Style`).
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
@@ -299,7 +300,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, in_float: bool 
               centred: bool = False) -> torch.Tensor:
     """Llama's RMS norm (the weight times the normed x cast to x's dtype), or with `in_float` Gemma's
     and OLMo's: the normed x times a float32 weight (norm_weight), then cast; `centred`, Cohere's
-    LayerNorm without a bias: x less its mean, normed so."""
+    LayerNorm without a bias: x less its mean, normed so. A (weight, bias) pair: torch's LayerNorm
+    (norm_of)."""
     if isinstance(weight, tuple):  # (a LayerNorm's weight and bias: norm_of)
         return F.layer_norm(x, x.shape[-1:], *weight, eps)
     dtype, x = x.dtype, x.float()
@@ -412,7 +414,7 @@ def routed_experts(h, chosen, weights, gate_up, down, activation: str) -> torch.
 
 
 def _each_chosen_expert(h, chosen, weights, gate_up, down, activation: str) -> torch.Tensor:
-    """routed_experts by each chosen expert once on its tokens (which, read on the host)."""
+    """routed_experts by each chosen expert once on its tokens (which experts: read on the host)."""
     mixed = h.new_zeros(h.shape, dtype=torch.promote_types(h.dtype, weights.dtype))
     for expert in chosen.unique().tolist():
         token, slot = (chosen == expert).nonzero(as_tuple=True)
@@ -522,9 +524,10 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     block's output before it joins the residual (Gemma 2 and 3, OLMo; not Llama). q_norm and k_norm
     norm each head (Qwen3, Gemma 3) or, as wide as q and k, the whole of them (OLMo). `experts`: a
     mixture of experts' weights (mixture_of_experts) where the MLP is one, its wg, wu and wd then None.
-    An MLP without a gate (`style.gated` off: StarCoder2, Nemotron, Arcee) has wg None, and bu and bd
-    its up and down products' biases where it has them (StarCoder2). A LayerNorm's weight is a
-    (weight, bias) pair (norm_of)."""
+    An MLP without a gate (`style.gated` off: StarCoder2, Nemotron, Arcee, Phi, GPT-NeoX) has wg None,
+    and bu and bd its up and down products' biases where it has them. With `style.interleaved`
+    (GPT-NeoX) wq is q, k and v's one linear, its outputs head by head, and wk, wv None. A
+    LayerNorm's weight is a (weight, bias) pair (norm_of)."""
     (ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd, q_norm, k_norm, after_attention, after_mlp,
      experts, bu, bd) = weights
     in_float = style.norm_in_float
@@ -598,7 +601,7 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
         mlp = mixture_of_experts(h, experts, style)
     else:
         if not style.gated:
-            inner = _activation(_linear(h, wu, bu, small[5]), style.activation)
+            hidden = _activation(_linear(h, wu, bu, small[5]), style.activation)
         else:
             if wu is None:  # (stacked float weights)
                 gate, up = F.linear(h, wg).chunk(2, -1)
@@ -606,8 +609,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
                 gate, up = blocks_linear(h, fused[1]).chunk(2, -1)
             else:
                 gate, up = _linear(h, wg, None, small[4]), _linear(h, wu, None, small[5])
-            inner = _activation(gate, style.activation) * up
-        mlp = _linear(inner, wd, bd, small[6])
+            hidden = _activation(gate, style.activation) * up
+        mlp = _linear(hidden, wd, bd, small[6])
     if style.residual_scale != 1.0:
         mlp = mlp * style.residual_scale
     return x + (mlp if after_mlp is None else _rms_norm(mlp, after_mlp, eps, in_float))
