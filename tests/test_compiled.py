@@ -885,6 +885,29 @@ def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both
     assert records["on"]["runtime"] == "static cache, compiled" and records["off"]["runtime"] == "transformers eager"
 
 
+def test_a_pythia_style_pair_runs_both_models_on_the_static_cache_runtime(tmp_path):
+    """As a user runs a Pythia pair: a GPT-NeoX target and a smaller GPT-NeoX draft (kind = "model"),
+    each a checkpoint folder, both on the static-cache runtime compiled: the greedy tokens of both
+    on transformers' forward, for a tree variant and for `sd`."""
+    from tiny import tiny_tokenizer
+
+    for name, layers, seed in (("target", 3, 0), ("draft", 1, 1)):
+        tiny_relative("gpt_neox", 40, layers=layers, seed=seed).save_pretrained(tmp_path / name)
+        tiny_tokenizer().save_pretrained(tmp_path / name)
+    for variant in ("rsd-c", "sd"):
+        profile = tmp_path / f"pythia-{variant}.toml"
+        profile.write_text(f'[target]\nsource = "{tmp_path / "target"}"\n[draft]\nkind = "model"\n'
+                           f'source = "{tmp_path / "draft"}"\n[decoding]\nvariant = "{variant}"\n')
+        records = {}
+        for setting in ("off", "on"):
+            result = CliRunner().invoke(app, ["generate", "hello", "-p", str(profile), "-t", "0", "-n", "12",
+                                              "--compile", setting, "--json"])
+            assert result.exit_code == 0, result.stderr
+            records[setting] = json.loads(result.stdout)
+        assert records["on"]["token_ids"] == records["off"]["token_ids"] and len(records["on"]["token_ids"]) > 2
+        assert records["on"]["runtime"] == "static cache, compiled" and records["off"]["runtime"] == "transformers eager"
+
+
 def test_bad_compile_settings_are_usage_errors(tiny_profile, tmp_path, monkeypatch):
     monkeypatch.delenv("RSD_RUNTIME_COMPILE")  # the profile's value, not the suite's
     result = CliRunner().invoke(app, ["generate", "hi", "-p", str(tiny_profile), "--compile", "maybe"])
