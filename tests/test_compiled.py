@@ -832,6 +832,19 @@ def test_generate_with_compile_on_off_and_auto_gives_the_same_greedy_text(tiny_p
     assert runtimes["auto"].startswith("static cache")  # compiled or not: this machine's verdict
 
 
+def assert_alike_on_both_runtimes(profile) -> None:
+    """`rsd generate` with this profile, greedy, on the static-cache runtime compiled and on
+    transformers' forward: the same tokens (more than two), each run on the runtime it names."""
+    records = {}
+    for setting in ("off", "on"):
+        result = CliRunner().invoke(app, ["generate", "hello", "-p", str(profile), "-t", "0", "-n", "12",
+                                          "--compile", setting, "--json"])
+        assert result.exit_code == 0, result.stderr
+        records[setting] = json.loads(result.stdout)
+    assert records["on"]["token_ids"] == records["off"]["token_ids"] and len(records["on"]["token_ids"]) > 2
+    assert records["on"]["runtime"] == "static cache, compiled" and records["off"]["runtime"] == "transformers eager"
+
+
 def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtime(tmp_path):
     """As a user runs it: a Qwen2 checkpoint folder, its first layer as the draft."""
     from tiny import tiny_tokenizer
@@ -842,7 +855,6 @@ def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtim
     profile = tmp_path / "qwen2.toml"
     profile.write_text(f'[target]\nsource = "{folder}"\n[draft]\nkind = "early-exit"\nlayers = 1\nadapter = ""\n'
                        '[decoding]\nvariant = "sd"\n')
-    records = {}
     small = tmp_path / "small"  # a model whose vocabulary the tokenizer's ids do not fit: a clear error
     tiny_relative("qwen2", V, layers=2, seed=0).save_pretrained(small)
     tiny_tokenizer().save_pretrained(small)
@@ -850,13 +862,7 @@ def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtim
     result = CliRunner().invoke(app, ["generate", "hello", "-p", str(profile.with_name("small.toml")), "-n", "2"])
     assert result.exit_code == 1 and "Traceback" not in result.stderr
     assert f"but the models' vocabulary has {V} tokens: the tokenizer does not fit them" in result.stderr
-    for setting in ("off", "on"):
-        result = CliRunner().invoke(app, ["generate", "hello", "-p", str(profile), "-t", "0", "-n", "12",
-                                          "--compile", setting, "--json"])
-        assert result.exit_code == 0, result.stderr
-        records[setting] = json.loads(result.stdout)
-    assert records["on"]["token_ids"] == records["off"]["token_ids"]
-    assert records["on"]["runtime"] == "static cache, compiled" and records["off"]["runtime"] == "transformers eager"
+    assert_alike_on_both_runtimes(profile)
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3", "phi3", "exaone4", "ernie4_5",
@@ -875,14 +881,7 @@ def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both
     profile = tmp_path / f"{kind}.toml"
     profile.write_text(f'[target]\nsource = "{folder}"\n[draft]\nkind = "early-exit"\nlayers = 1\nadapter = ""\n'
                        '[decoding]\nvariant = "rsd-c"\nbranching = [2, 1]\n')
-    records = {}
-    for setting in ("off", "on"):
-        result = CliRunner().invoke(app, ["generate", "hello", "-p", str(profile), "-t", "0", "-n", "12",
-                                          "--compile", setting, "--json"])
-        assert result.exit_code == 0, result.stderr
-        records[setting] = json.loads(result.stdout)
-    assert records["on"]["token_ids"] == records["off"]["token_ids"] and len(records["on"]["token_ids"]) > 2
-    assert records["on"]["runtime"] == "static cache, compiled" and records["off"]["runtime"] == "transformers eager"
+    assert_alike_on_both_runtimes(profile)
 
 
 def test_a_pythia_style_pair_runs_both_models_on_the_static_cache_runtime(tmp_path):
@@ -898,14 +897,7 @@ def test_a_pythia_style_pair_runs_both_models_on_the_static_cache_runtime(tmp_pa
         profile = tmp_path / f"pythia-{variant}.toml"
         profile.write_text(f'[target]\nsource = "{tmp_path / "target"}"\n[draft]\nkind = "model"\n'
                            f'source = "{tmp_path / "draft"}"\n[decoding]\nvariant = "{variant}"\n')
-        records = {}
-        for setting in ("off", "on"):
-            result = CliRunner().invoke(app, ["generate", "hello", "-p", str(profile), "-t", "0", "-n", "12",
-                                              "--compile", setting, "--json"])
-            assert result.exit_code == 0, result.stderr
-            records[setting] = json.loads(result.stdout)
-        assert records["on"]["token_ids"] == records["off"]["token_ids"] and len(records["on"]["token_ids"]) > 2
-        assert records["on"]["runtime"] == "static cache, compiled" and records["off"]["runtime"] == "transformers eager"
+        assert_alike_on_both_runtimes(profile)
 
 
 def test_bad_compile_settings_are_usage_errors(tiny_profile, tmp_path, monkeypatch):
