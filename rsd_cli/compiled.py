@@ -400,11 +400,11 @@ def routed_experts(h, chosen, weights, gate_up, down, activation: str) -> torch.
     experts) where that is fewer than all of them, or every expert on every token."""
     capturing = h.is_cuda and torch.cuda.is_current_stream_capturing()
     if _groups(h, capturing):
-        if capturing:
-            return _grouped_experts(h, chosen, weights, gate_up, down, activation)
         try:
             return _grouped_experts(h, chosen, weights, gate_up, down, activation)
         except RuntimeError:  # (shapes the probe's product passed and these do not: each chosen expert from now on)
+            if capturing:  # (a capture that failed: the runtime goes on without graphs, as for any)
+                raise
             _GROUPED[(h.device.type, h.dtype)] = False
     if not capturing:
         way = _each_chosen_expert
@@ -688,12 +688,10 @@ def _row_views(fused: torch.nn.Linear, sizes: tuple) -> list[torch.nn.Linear]:
 
 
 def final_norm_of(inner):
-    """The decoder's final norm (Phi's `final_layernorm`, GPT-NeoX's `final_layer_norm`)."""
-    for name in ("norm", "final_layernorm", "final_layer_norm"):
-        found = getattr(inner, name, None)
-        if found is not None:
-            return found
-    raise AttributeError(f"{type(inner).__name__} has no final norm rsd knows")
+    """The decoder's final norm (Phi's `final_layernorm`, GPT-NeoX's `final_layer_norm`: models.final_norm_name)."""
+    from .models import final_norm_name
+
+    return getattr(inner, final_norm_name(inner))
 
 
 def embedding_of(inner):
@@ -932,8 +930,9 @@ class CompiledModel:
         self.head_small = self._kernels(model.lm_head)
         self._table: tuple = (None, None)  # (native list, its native_table): every layer in one call
         self.intermediate = cfg.intermediate_size
-        self.norm_eps = _eps(final_norm_of(inner))
-        self.final_norm = norm_of(final_norm_of(inner), style)
+        final_norm = final_norm_of(inner)
+        self.norm_eps = _eps(final_norm)
+        self.final_norm = norm_of(final_norm, style)
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.embedding_scale = float(getattr(cfg, "embedding_multiplier", 1.0))  # (Granite's, besides the module's)
         # (Granite's; Cohere's logits are multiplied by its logit_scale)

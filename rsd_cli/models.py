@@ -786,14 +786,15 @@ def fits_target(meta: dict, model) -> bool:
         and same_weights(sample, model)
 
 
-def _final_norm_name(inner) -> str:
-    """The attribute holding a decoder's final norm: `norm`, Phi's `final_layernorm`."""
-    return "norm" if hasattr(inner, "norm") else "final_layernorm"
+def final_norm_name(inner) -> str:
+    """The attribute holding a decoder's final norm: `norm`, Phi's `final_layernorm`, GPT-NeoX's
+    `final_layer_norm` (`norm` where it has none of them)."""
+    return next((name for name in ("norm", "final_layernorm", "final_layer_norm") if hasattr(inner, name)), "norm")
 
 
 def _decoder_parts(target):
     inner = getattr(target, "model", None)
-    if inner is None or not all(hasattr(inner, a) for a in ("layers", "embed_tokens", _final_norm_name(inner))) \
+    if inner is None or not all(hasattr(inner, a) for a in ("layers", "embed_tokens", final_norm_name(inner))) \
             or not hasattr(target, "lm_head"):
         raise RsdError(f"an early-exit draft needs a Llama-style model; {type(target).__name__} is not one")
     return inner
@@ -813,7 +814,7 @@ def new_adapter(target, index: int, head_rows: int | None = None):
     adapter = _empty_adapter(target, index, rows)
     values = {f"layer.{name}": tensor_value(inner.layers[index], name) for name in adapter["layer"].state_dict()}
     if rows is not None:
-        values["norm.weight"] = tensor_value(getattr(inner, _final_norm_name(inner)), "weight")
+        values["norm.weight"] = tensor_value(getattr(inner, final_norm_name(inner)), "weight")
         values["head.weight"] = tensor_value(target.lm_head, "weight")[:rows]
     adapter.load_state_dict({name: value.detach().clone() for name, value in values.items()}, assign=True)
     return adapter.to(execution_device(inner.layers[index - 1]))
@@ -871,7 +872,7 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
     if adapter is not None:  # new_adapter gave it slot K (= layers) in the draft's KV cache
         kept.append(own["layer"])
     draft.model.layers = torch.nn.ModuleList(kept)
-    name = _final_norm_name(inner)
+    name = final_norm_name(inner)
     setattr(draft.model, name, own.get("norm", getattr(inner, name)))
     if hasattr(inner, "rotary_emb"):
         draft.model.rotary_emb = inner.rotary_emb
