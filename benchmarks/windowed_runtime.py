@@ -10,6 +10,10 @@ embedded model's 49152-token vocabulary instead of its 262144.
 `--family qwen3_moe`: a Qwen3-MoE of the embedded target's width (hidden 576, 9 heads of 64, 3
 key-value heads) and 12 layers, each an MLP of 16 experts of 256, 4 a token (no window).
 `--family mixtral`: a Mixtral as wide, 12 layers windowed, 8 experts of 768, 2 a token.
+`--family phi3_longrope`: a Phi-3 of the embedded target's shape turned by `longrope` factors,
+its long ones from position `--window` on (Phi-3.5's and Phi-4-mini's kind, whose long factors
+start at 4096; no window): the answer goes past that position, where rsd reads the sequence
+again by the long factors.
 Random float32 weights, a window of
 64 positions, the embedded model's tokenizer; the prompt and answer run well past the window.
 Random weights: the speeds say what the runtime costs, the tokens only that both runtimes agree.
@@ -17,6 +21,7 @@ Random weights: the speeds say what the runtime costs, the tokens only that both
     .venv/bin/python benchmarks/windowed_runtime.py --rounds 2 -n 96
     .venv/bin/python benchmarks/windowed_runtime.py --family gemma3 --rounds 2 -n 96
     .venv/bin/python benchmarks/windowed_runtime.py --family qwen3_moe --rounds 2 -n 64
+    .venv/bin/python benchmarks/windowed_runtime.py --family phi3_longrope --rounds 2 -n 64
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ PROMPT = "Write a long story about a robot who learns to paint, with many detail
 def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
     import torch
     from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM, MixtralConfig,
-                              MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                              MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     from rsd_cli.models import resolve_source
 
@@ -55,6 +60,15 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
             vocab_size=49152, hidden_size=576, intermediate_size=768, num_hidden_layers=12, num_attention_heads=9,
             num_key_value_heads=3, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=8192,
             sliding_window=window, tie_word_embeddings=True, rms_norm_eps=1e-5))
+    elif family == "phi3_longrope":  # (32 factors each: one per pair of a head's 64 dimensions)
+        rope = dict(rope_type="longrope", rope_theta=10000.0, factor=8192 / window,
+                    original_max_position_embeddings=window, short_factor=[1.0 + i / 16 for i in range(32)],
+                    long_factor=[1.0 + i for i in range(32)])
+        model = Phi3ForCausalLM(Phi3Config(
+            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+            num_key_value_heads=3, max_position_embeddings=8192, original_max_position_embeddings=window,
+            rope_parameters=rope, sliding_window=None, tie_word_embeddings=True, rms_norm_eps=1e-5,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0))
     else:
         model = MistralForCausalLM(MistralConfig(
             vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -83,8 +97,10 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=96)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--variants", default="ar,sd")
-    parser.add_argument("--family", choices=("mistral", "gemma3", "qwen3_moe", "mixtral"), default="mistral")
+    parser.add_argument("--family", choices=("mistral", "gemma3", "qwen3_moe", "mixtral", "phi3_longrope"),
+                        default="mistral")
     args = parser.parse_args()
+    past = {"qwen3_moe": "", "phi3_longrope": f" past position {args.window}, the long factors' start"}
     with tempfile.TemporaryDirectory() as tmp:
         profile = make_model(Path(tmp), args.window, args.family)
         for variant in args.variants.split(","):
@@ -100,7 +116,7 @@ def main() -> None:
             print(f"{variant}: off ({answers['off'][1]}) {', '.join(f'{r:.1f}' for r in rates['off'])} tok/s; "
                   f"auto ({answers['auto'][1]}) {', '.join(f'{r:.1f}' for r in rates['auto'])} tok/s; "
                   f"{ratio:.2f}x; prompt {answers['auto'][2]} + {args.n} tokens"
-                  f"{'' if args.family == 'qwen3_moe' else f' past a window of {args.window}'}; "
+                  f"{past.get(args.family, f' past a window of {args.window}')}; "
                   f"same tokens: {same}")
 
 

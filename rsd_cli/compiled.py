@@ -43,8 +43,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .engine import (ChainExtension, ForwardClock, full_vocabulary, lower_triangle, timed_chain, unchanged_prefix,
-                     within_window)
+from .engine import (ChainExtension, ForwardClock, astride, full_vocabulary, long_factors_from, lower_triangle,
+                     timed_chain, unchanged_prefix, within_window)
 from .sampling import to_device
 from .step_graphs import StepGraphs, cuda_capture
 from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, joined, native_head, native_table
@@ -84,7 +84,9 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gem
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "ntk_alpha")  # (ntk_alpha: Hunyuan's, a fixed base)
+# (ntk_alpha: Hunyuan's, a fixed base); `longrope` picks short or long factors for a whole forward by its last
+# position: the runtime turns each row by its own position's (CompiledModel.tables; engine.long_factors_from)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "ntk_alpha", "longrope")
 # the MLP's gate (or without one, its activation): SiLU (Llama), GELU tanh-approximated or exact, ReLU squared
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu", "relu2", "gelu_new")  # (gelu_new: Phi's tanh GELU, by formula)
 
@@ -203,7 +205,8 @@ def unsupported(model) -> str | None:
             or getattr(cfg, "use_bidirectional_attention", False):
         return f"{type(model).__name__}'s layers differ from Llama's"
     rope = getattr(inner.rotary_emb, "rope_type", "default")  # (Gemma 3: one per layer kind)
-    if any(kind not in ROPE_TYPES for kind in (rope.values() if isinstance(rope, dict) else [rope])):
+    kinds = list(rope.values()) if isinstance(rope, dict) else [rope]
+    if any(kind not in ROPE_TYPES for kind in kinds) or len(kinds) > 1 and "longrope" in kinds:  # (long_factors_from)
         return f"rope type {rope!r}"
     gate, up, down = projections(layers[0])[4:]
     if gate is not None and any(linear.bias is not None for linear in (gate, up, down)):  # (ERNIE 4.5's `use_bias`)
@@ -954,15 +957,31 @@ class CompiledModel:
         per_kind = bool(getattr(rotary, "layer_types", None))
         names = [(kind if per_kind else "rotary") if rotates(layer, kind, cfg) else None
                  for kind, layer in zip(kinds, inner.layers)]
-        with torch.inference_mode():
-            positions = torch.arange(self.context, device=self.device)[None]
-            x = torch.zeros(1, dtype=self.dtype, device=self.device)
-            tables = {name: None if name is None else rotary(x, positions, name) if per_kind else rotary(x, positions)
-                      for name in dict.fromkeys(names)}
-        self.tables = [(None, None) if table is None else (table[0][0], table[1][0]) for table in tables.values()]
-        if style.pairs:
-            self.tables = [(None, None) if cos is None else (pair_angles(cos), pair_angles(sin)) for cos, sin in self.tables]
-        self.table_of = [list(tables).index(name) for name in names]  # [layer]
+        x = torch.zeros(1, dtype=self.dtype, device=self.device)
+
+        def tables_to(end: int) -> list[tuple]:
+            """each table's (cos, sin) for positions 0 .. end - 1 as one forward of them turns them, each
+            (end, rotated dimensions)"""
+            with torch.inference_mode():
+                positions = torch.arange(end, device=self.device)[None]
+                found = [None if name is None else rotary(x, positions, name) if per_kind else rotary(x, positions)
+                         for name in dict.fromkeys(names)]
+            found = [(None, None) if table is None else (table[0][0], table[1][0]) for table in found]
+            return [(None, None) if cos is None else (pair_angles(cos), pair_angles(sin)) for cos, sin in found] \
+                if style.pairs else found
+
+        self.tables = tables_to(self.context)
+        # a `longrope` model (engine.long_factors_from): each position's own factors, its short ones before
+        # `long_from` and its long ones from it; `read_tables` the long ones for every position, for a
+        # sequence read in one forward reaching past `long_from` (forward's `long`)
+        self.long_from = long_factors_from(cfg)
+        self.read_tables = None
+        if self.long_from is not None and self.long_from < self.context:
+            self.read_tables, start = self.tables, self.long_from
+            self.tables = [(None, None) if cos is None else (torch.cat([short_cos, cos[start:]]),
+                                                             torch.cat([short_sin, sin[start:]]))
+                           for (cos, sin), (short_cos, short_sin) in zip(self.tables, tables_to(start))]
+        self.table_of = [list(dict.fromkeys(names)).index(name) for name in names]  # [layer]
         self.cos, self.sin = self.tables[0]  # (the only table where the C library runs the layers)
         # layers on quantised blocks run in the blocks library (uncompiled CPU path): all of a forward's
         # layers in one call where every layer can, then the final norm and head in one more (Llama's
@@ -1125,7 +1144,7 @@ class CompiledModel:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor | None = None,
-                sight: Callable[[], Sight | None] | None = None) -> torch.Tensor:
+                sight: Callable[[], Sight | None] | None = None, long: bool = False) -> torch.Tensor:
         """tokens, positions (n,); mask (n, kv_len) additive (or (2, n, kv_len): the full-attention
         layers' and the windowed ones', where only some layers have a window: by_kind), the new tokens
         at slots kv_len - n .. kv_len - 1 (or at `slots`, the mask then over the whole capacity); keys, values (layers,
@@ -1133,7 +1152,7 @@ class CompiledModel:
         (m, rows of the head) logits. Sizes in BUCKETS run the compiled graphs (the used length and
         the capacity are dynamic dimensions), others eager. sight: () -> what attention reads, where
         less than every key through the mask (a Sight, worked out only where torch runs the layers
-        uncompiled)."""
+        uncompiled). long: every row turned by a `longrope` model's long factors (read_tables)."""
         compiled = self.inductor and tokens.shape[0] in self.buckets
         # prompts (more than MAX_ROWS tokens) in C only where rsd's kernel measured faster for them
         prompt_on_torch = not compiled and slots is None and tokens.shape[0] > MAX_ROWS and not self.prompts_in_c
@@ -1151,7 +1170,7 @@ class CompiledModel:
         head_dim = self.dims[2]
         angles = [(cos[positions], sin[positions]) if cos is not None else  # each table's (n, head_dim)
                   (x.new_ones(x.shape[0], head_dim), x.new_zeros(x.shape[0], head_dim))  # (no rotation: angle 0)
-                  for cos, sin in self.tables]
+                  for cos, sin in (self.read_tables if long else self.tables)]
         cos, sin = angles[0]
         # every layer in one call of the C library where each can run there, else layer by layer
         in_c = native is not None and all(native) and keys.is_contiguous() and values.is_contiguous()
@@ -1348,6 +1367,10 @@ class StaticLM(ChainExtension):
         self.key_positions = torch.zeros(self.capacity if self.window else 0, dtype=torch.long)
         self.clock = ForwardClock(compiled.device)
         self.calls = 0
+        # a `longrope` model's long factors' start, and whether a key in the cache was turned by its short
+        # factors (engine.CachedLM's, Decoder._long_keys)
+        self.long_from = compiled.long_from
+        self.turned_short = False
 
     @property
     def model(self):
@@ -1362,13 +1385,20 @@ class StaticLM(ChainExtension):
         return self.clock.seconds
 
     def forward(self, tokens: list[int] | torch.Tensor, positions: list[int], visible: torch.Tensor,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, reading: bool = False) -> torch.Tensor:
         """Same contract as CachedLM.forward: visible is (n, length + n) bool over cache + new keys;
-        tokens a list, or an (n,) tensor on the model's device (drawn there: no value read)."""
+        tokens a list, or an (n,) tensor on the model's device (drawn there: no value read). Each row
+        is turned by its own position's angles, but a prompt's (`reading`) astride a `longrope` model's
+        long factors' start, all by the long ones, as one forward of transformers' turns them
+        (engine.long_factors_from)."""
         start = self.clock.start()
         n = len(tokens)
         sizes = self.compiled.buckets
-        static = self.static and bucket(n, sizes) is not None  # (a longer prompt: the other path, same buffers)
+        long = reading and astride(positions, self.long_from)
+        if self.long_from is not None:
+            self.turned_short = not long and min(positions) < self.long_from or self.turned_short and self.length > 0
+        # (a longer prompt, or one turned by the long factors: the other path, same buffers)
+        static = self.static and bucket(n, sizes) is not None and not long
         size = (bucket(n, sizes) or n) if self.compiled.compiled or static else n
         if self.length + size > self.capacity:
             self._grow(self.length + size)
@@ -1414,7 +1444,7 @@ class StaticLM(ChainExtension):
                     return Sight(*(t if t is None else t.to(device) for t in (found.keys, found.mask)))
 
                 logits = self.compiled.forward(token_ids, ids[1], mask.to(device), self.keys, self.values,
-                                               rows.to(device), sight=sight)
+                                               rows.to(device), sight=sight, long=long)
         self.length += n
         logits = full_vocabulary(logits[:, : self.vocab_size].float(), self.vocab_size)  # stays on the device
         self.clock.stop(start)

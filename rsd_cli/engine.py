@@ -198,15 +198,15 @@ class ForwardClock:
 class ChainExtension:
     """`extend` for a cache that has `length` and `forward` (CachedLM here, compiled.StaticLM)."""
 
-    def extend(self, tokens: list[int] | torch.Tensor, last_only: bool = True) -> torch.Tensor:
+    def extend(self, tokens: list[int] | torch.Tensor, last_only: bool = True, reading: bool = False) -> torch.Tensor:
         """Append a chain of tokens (a list, or an (n,) tensor on the model's device) after the
-        cache (causal attention)."""
+        cache (causal attention); `reading`: a prompt's tokens (forward)."""
         n, past = len(tokens), self.length
         visible = torch.ones(n, past + n, dtype=torch.bool)
         # (Tensor.tril runs its rows in parallel whatever their number: waking a many-core CPU's
         # threads took 0.1-0.3 ms a call on the H100 machine's 16 cores)
         visible[:, past:] = lower_triangle(n)
-        return self.forward(tokens, list(range(past, past + n)), visible, last_only)
+        return self.forward(tokens, list(range(past, past + n)), visible, last_only, reading=reading)
 
     def release(self) -> None:
         """Hand back what the cache borrowed from its runtime (a static-shape runtime's shared
@@ -276,6 +276,32 @@ def limit_of(config) -> Limit | None:
     if kind == "gpt_neo" and "local" in (getattr(config, "attention_layers", None) or ()):
         return Limit(CHAIN_VARIANTS, "local attention windowed by cache slots")
     return None
+
+
+def long_factors_from(config) -> int | None:
+    """The position from which a `longrope` model (Phi-3.5, Phi-4-mini, Phi-3's 128k models) turns
+    q and k by its long factors, its original context; None for other models. transformers (as
+    Microsoft's code) turns every row of a forward by the long factors where the forward reaches
+    that position, by the short ones before: so the model's next-token distribution after n tokens
+    is that of one forward of them, by the short factors up to n = that position and by the long
+    ones after — its `generate` reads the whole sequence again, once, when it first goes past it
+    (Phi3ForCausalLM.prepare_inputs_for_generation). rsd gives that distribution exactly: a prompt
+    is read as one forward (`reading`); a step whose root is before that position emits no token
+    past it (Decoder._emit), its rows turned each by its own position's factors (CachedLM.forward in
+    two, the static-cache runtime from a table of each position's angles: compiled.CompiledModel),
+    so those it emits from are turned by the short ones; and before the first step from it the
+    caches read the whole sequence again by the long ones (Decoder._long_keys)."""
+    parameters = getattr(text_config(config), "rope_parameters", None) or {}
+    if not isinstance(parameters, dict) or parameters.get("rope_type") != "longrope":
+        return None
+    start = parameters.get("original_max_position_embeddings") \
+        or getattr(text_config(config), "original_max_position_embeddings", None)
+    return None if start is None else int(start)
+
+
+def astride(positions: list[int], start: int | None) -> bool:
+    """Whether a forward's rows take positions on both sides of `start` (long_factors_from)."""
+    return start is not None and min(positions) < start <= max(positions)
 
 
 def pair_limit(target, draft) -> tuple[Limit, str] | None:
@@ -360,6 +386,10 @@ class CachedLM(ChainExtension):
         # to copy on the 2-core Xeon; where it is wrong, keep reads the tokens afresh)
         self.copies_states = True
         self.key_positions = torch.zeros(0, dtype=torch.long)  # [cache slot] (kept for a window only)
+        # a `longrope` model's long factors' start (forward splits forwards astride it), and whether a key
+        # in the cache was turned by its short factors (Decoder._long_keys reads them again from it)
+        self.long_from = long_factors_from(cfg)
+        self.turned_short = False
         # a prompt into an empty cache goes without a mask (forward): transformers makes its own, windows
         # included, from slot indices, which are then its positions (its sdpa masks take a byte a score, or
         # none where causal: a windowed 8000-token prompt's two float masks took 512 MB)
@@ -375,9 +405,11 @@ class CachedLM(ChainExtension):
         return self.cache.get_seq_length()
 
     def forward(self, tokens: list[int] | torch.Tensor, positions: list[int], visible: torch.Tensor,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, reading: bool = False) -> torch.Tensor:
         """Run `tokens` (a list, or an (n,) tensor on the model's device) at `positions`; visible is
-        (n, length + n) bool over cache + new keys.
+        (n, length + n) bool over cache + new keys; `reading`: a prompt's tokens, read as one forward
+        where a `longrope` model's other forwards astride its long factors' start are two
+        (long_factors_from).
 
         Returns (n, V) logits, or (1, V) with last_only. Transformers wants an additive float
         mask (0 where visible, dtype min elsewhere): a boolean 4D mask is not honoured everywhere.
@@ -387,6 +419,10 @@ class CachedLM(ChainExtension):
         computes without the hidden half of the scores (a 2000-token prompt on the 2-core Xeon 3.1
         -> 2.5 s, the same logits).
         """
+        if not reading and astride(positions, self.long_from):
+            return self._by_factors(tokens, positions, visible, last_only)
+        if self.long_from is not None:  # (transformers turns them all by the short factors, or all by the long)
+            self.turned_short = max(positions) < self.long_from or self.turned_short and self.length > 0
         start = self.clock.start()
         dtype = self.model.dtype
         device = self.device
@@ -435,6 +471,22 @@ class CachedLM(ChainExtension):
         self.clock.stop(start)
         self.calls += 1
         return logits
+
+    def _by_factors(self, tokens: list[int] | torch.Tensor, positions: list[int], visible: torch.Tensor,
+                    last_only: bool) -> torch.Tensor:
+        """forward of rows astride a `longrope` model's long factors' start: each run of rows on one side
+        of it in a forward of its own, in order (a row sees only earlier rows and itself), so that each
+        row is turned by its own position's factors (those before it by the short ones, as one forward
+        of their sequences turns them: long_factors_from)."""
+        past, n = self.length, len(positions)
+        long = [p >= self.long_from for p in positions]
+        ends = [i for i in range(1, n) if long[i] != long[i - 1]] + [n]
+        logits, begin = [], 0
+        for end in ends:
+            logits.append(self.forward(tokens[begin:end], positions[begin:end], visible[begin:end, : past + end],
+                                       last_only))
+            begin = end
+        return logits[-1] if last_only else torch.cat(logits)
 
     def _check_chain(self, positions: list[int], visible: torch.Tensor) -> None:
         """That the new tokens extend the cache as a chain at their positions, the one thing a model
@@ -811,6 +863,7 @@ class Decoder:
         self.sampling = sampling
         self.eos_ids = eos_ids
         self.context_length = context_length
+        self.long_from = long_factors_from(getattr(target, "config", None))  # (a `longrope` target's)
         self.policy = None  # auto.AutoShape for --variant auto: made at the first generate (it measures costs)
         self.keep_caches = False  # leave each generation's caches in `kept` instead of releasing them
         self.kept: KeptCaches | None = None  # caches a generation may start from (see the class docstring)
@@ -984,10 +1037,19 @@ class Decoder:
         return self._threads_for(self._for_answers(max_tokens, self._generate_together(prompts, max_tokens, seeds,
                                                                                        ended)), drafts=False)
 
+    def crosses_long_factors(self, prompt: list[int], max_tokens: int) -> bool:
+        """Whether an answer to `prompt` may go past a `longrope` target's long factors' start from a
+        step before it (long_factors_from): its caches are then read again (_long_keys), one step at
+        a time, and not with other completions (which share the keys of their prompts' beginning)."""
+        return self.long_from is not None and len(prompt) - 1 < self.long_from < len(prompt) + max_tokens - 1
+
     def _generate_together(self, prompts: list[list[int]], max_tokens: int, seeds: list[int],
                            ended: set[int]) -> Iterator[list[StepEvent | None]]:
         for prompt in prompts:
             self._check_prompt(prompt)
+            if self.crosses_long_factors(prompt, max_tokens):
+                raise RsdError(f"completions decoded together cannot go past position {self.long_from}, where the "
+                               "target's `longrope` factors change: decode them one after the other")
         if self.limit is not None:  # (each row sees its own prompt, at slots that are not its positions)
             raise RsdError(f"completions decoded together need attention by rsd's masks, not {self.limit[1]}")
         if self.kept is not None:  # (a generation's kept caches: this one reads the prompt afresh)
@@ -1013,8 +1075,11 @@ class Decoder:
             # each prompt but its last token, seeing that beginning and itself only
             common = min(min(shared_prefix(distinct[0], prompt) for prompt in distinct),
                          min(len(prompt) for prompt in distinct) - 1)
+            long_from = long_factors_from(self.target_model.config)
+            if long_from is not None and max(map(len, distinct)) - 2 >= long_from:
+                common = 0  # (a `longrope` prompt reaching its long factors turns that beginning by them: each alone)
             if common:
-                target.extend(list(distinct[0][:common]))
+                target.extend(list(distinct[0][:common]), reading=True)
             read = []  # [prompt]: the cache slots of its own tokens but the last
             for prompt in distinct:
                 past, n = target.length, len(prompt) - 1 - common
@@ -1022,7 +1087,8 @@ class Decoder:
                     visible = torch.zeros(n, past + n, dtype=torch.bool)
                     visible[:, :common] = True
                     visible[:, past:] = torch.arange(n)[:, None] >= torch.arange(n)
-                    target.forward(list(prompt[common:-1]), list(range(common, common + n)), visible, last_only=True)
+                    target.forward(list(prompt[common:-1]), list(range(common, common + n)), visible, last_only=True,
+                                   reading=True)
                 read.append(range(past, past + n))
             sight[:, :common] = True
             for j in range(count):
@@ -1107,10 +1173,12 @@ class Decoder:
         equal to the tokens the target's cache holds."""
         before = target.forward_seconds
         if len(seq) - 1 > target.length:  # (a kept cache may hold the prompt's beginning already)
-            target.extend(seq[target.length: -1])
+            target.extend(seq[target.length: -1], reading=True)
         held[:] = seq[:-1]
+        self._long_keys(seq, target, draft, held)
         prefill_seconds = target.forward_seconds - before  # reported with the first step's forwards
-        kind = self._ahead_kind(target, draft)
+        # (one step at a time where the caches are to be read again on the way: _long_keys)
+        kind = None if self.crosses_long_factors(seq, max_tokens) else self._ahead_kind(target, draft)
         if kind == "plain":
             yield from self._plain_steps_ahead(seq, max_tokens, target, draft, generator, held, prefill_seconds)
             return
@@ -1121,11 +1189,13 @@ class Decoder:
         step = 0
         while produced < max_tokens:
             step += 1
+            before = target.forward_seconds
+            self._long_keys(seq, target, draft, held)
+            read_again = target.forward_seconds - before
             lag = len(seq) - draft.length if draft is not None else 0
             event = self._step(step, self._next_shape(lag, max_tokens - produced, seq), seq, target, draft, generator)
             produced += self._settle(event, seq, held, max_tokens - produced)
-            if step == 1:
-                event.forward_seconds += prefill_seconds
+            event.forward_seconds += read_again + (prefill_seconds if step == 1 else 0.0)
             yield event
             if event.finished:
                 return
@@ -1140,9 +1210,12 @@ class Decoder:
         return self._emit(event, seq, remaining)
 
     def _emit(self, event: StepEvent, seq: list[int], remaining: int) -> int:
-        """_settle's tokens: event.emitted and event.finished set, the tokens appended to seq."""
+        """_settle's tokens: event.emitted and event.finished set, the tokens appended to seq. A step
+        before a `longrope` target's long factors' start emits none past it (_long_keys)."""
         room = self._room(remaining, seq)
         emitted = [event.tree.tokens[n] for n in event.path] + [event.extra_token]
+        if self.long_from is not None and len(seq) - 1 < self.long_from:
+            emitted = emitted[: self.long_from + 1 - len(seq)]
         if len(emitted) >= room:
             event.finished = "length" if room == remaining else "context"
             emitted = emitted[:room]
@@ -1153,6 +1226,24 @@ class Decoder:
         event.emitted = emitted
         seq.extend(emitted)
         return len(emitted)
+
+    def _long_keys(self, seq: list[int], target, draft, held: list[int]) -> None:
+        """Before a step whose root (seq's last token) is at or past a `longrope` target's long factors'
+        start while its cache holds keys turned by the short factors (long_factors_from): the target's
+        cache (and a `longrope` draft's) reads seq again in one forward, its root included and then
+        dropped — turned by the long factors, as transformers' generate reads it there; another draft
+        keeps the tokens of seq it holds (a step before that start may have emitted fewer than it
+        verified: _emit)."""
+        if self.long_from is None or len(seq) - 1 < self.long_from or not target.turned_short:
+            return
+        for cache in (target, draft):
+            if cache is None:
+                continue
+            if getattr(cache, "long_from", None) is not None:
+                cache.keep([])
+                cache.extend(seq, reading=True)
+            cache.keep(list(range(min(cache.length, len(seq) - 1))))
+        held[:] = seq[:-1]
 
     def _room(self, remaining: int, seq: list[int]) -> int:
         """How many tokens the answer may still take: `remaining`, or fewer where the context ends."""

@@ -334,7 +334,8 @@ def run_generate(pair, profile, text: str | list[str], *, system=None, raw=False
                 console.print(f"[dim]{shape} · {stats_line(completion.stats, shape)}[/dim]")
 
     max_tokens = profile["sampling"]["max_tokens"]
-    if len(asked) > 1 and decoder.shape.variant in TOGETHER and decoder.limit is None:
+    if len(asked) > 1 and decoder.shape.variant in TOGETHER and decoder.limit is None \
+            and not any(decoder.crosses_long_factors(prompt_ids[k], max_tokens) for k in asked):
         size = together_group(max_tokens)
         for first in range(0, len(asked), size):
             if first and not as_json:

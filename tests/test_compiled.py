@@ -22,7 +22,7 @@ from rsd_cli.tree import DraftTree
 from test_engine import (DEVICE_SHAPES, MC_SHAPES, N_SAMPLES, PROMPT, V, chi_square_pvalue, exact_joint,
                          plain_greedy, shapes)
 from test_threads import Alternating
-from tiny import tiny_model, tiny_relative
+from tiny import LONG_FACTORS_FROM, tiny_model, tiny_relative
 
 
 @pytest.fixture(scope="module")
@@ -634,8 +634,7 @@ def test_phi3_s_fused_linears_run_as_views_of_their_rows_and_mlp_biases_are_refu
     """Phi-3's q/k/v and gate/up are one linear each: the runtime reads them as linears over views of
     the fused weight's rows (no copy, no parameter added to the model: its state dict and fingerprint
     stay as they are; made again where the model moved since), which on a GPU are already the stacks
-    it multiplies by. A rotation of 3/4 of each head (Phi-4-mini's, whose `longrope` keeps it on
-    transformers' forward) gives transformers' logits; an MLP with biases (ERNIE 4.5's `use_bias`) is
+    it multiplies by. A rotation of 3/4 of each head (Phi-4-mini's) gives transformers' logits; an MLP with biases (ERNIE 4.5's `use_bias`) is
     refused in a line."""
     import copy
 
@@ -695,6 +694,91 @@ def test_a_yarn_scaled_model_runs_on_the_static_cache_runtime_with_transformers_
     dynamic = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
     assert compiled.unsupported(Qwen2ForCausalLM(Qwen2Config(**settings, rope_parameters=dynamic))) == \
         "rope type 'dynamic'"
+
+
+def path_to(tree: DraftTree, node: int) -> list[int]:
+    """The tokens from the tree's root to `node`, both included."""
+    path = []
+    while node >= 0:
+        path.append(tree.tokens[node])
+        node = tree.parents[node]
+    return path[::-1]
+
+
+def test_a_longrope_model_turns_each_row_before_its_long_factors_by_the_short_ones():
+    """`longrope` (Phi-3.5-mini, Phi-4-mini, Phi-3's 128k models): transformers turns every row of a
+    forward by the long factors where the forward reaches the original context (16 here), so the
+    target's distribution after a sequence is one forward of it, by the short factors while it is
+    within 16 tokens. A tree astride position 16 in one forward turns its rows before it by the
+    long ones (checked: off by more than 0.1); on transformers' forward (split in two there) and on
+    every backend of the runtime (a table of each position's own angles), those rows' logits are
+    one forward's of their paths, for trees before, astride and (after a prompt read past 16, as
+    transformers reads it in one forward, by the long factors) past position 16."""
+    target = tiny_relative("phi3-longrope", V, layers=2, seed=0)
+    assert compiled.unsupported(target) is None
+    backends = [CompiledModel(target, True), CompiledModel(target, False),
+                CompiledModel(target, False, static_shapes=True)]
+    tree = a_tree()
+    for length in (11, 13, 15, 16, 20):  # (the tree's rows at positions length - 1 .. length + 2)
+        prompt = [(3 * t + 1) % V for t in range(length)]
+        base, context = len(prompt) - 1, prompt[:-1]
+        tree.tokens[0] = prompt[-1]  # (the root: the prompt's last token, as a step reads it)
+        visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
+        positions = [base + depth for depth in tree.depths]
+        # (the rows whose tokens a step may emit: before position 16, or all past it)
+        rows = [n for n, p in enumerate(positions) if p < LONG_FACTORS_FROM or base >= LONG_FACTORS_FROM]
+        with torch.inference_mode():
+            expected = torch.stack([target(torch.tensor([context + path_to(tree, n)])).logits[0, -1] for n in rows])
+            read = target(torch.tensor([context])).logits[0]
+            if min(positions) < LONG_FACTORS_FROM <= max(positions):
+                whole = CachedLM(target, V)
+                whole.long_from = None  # (the tree in one forward of transformers')
+                whole.extend(context, reading=True)
+                assert not torch.allclose(whole.forward(tree.tokens, positions, visible)[rows], expected, atol=0.1)
+        for lm in [CachedLM(target, V)] + [StaticLM(backend, V, capacity=32) for backend in backends]:
+            with torch.inference_mode():
+                torch.testing.assert_close(lm.extend(context, last_only=False, reading=True), read,
+                                           atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(lm.forward(tree.tokens, positions, visible)[rows], expected,
+                                           atol=1e-5, rtol=1e-5)
+            lm.release()
+
+
+@pytest.mark.parametrize("runtime", ["transformers", "static cache"])
+def test_longrope_decoding_across_the_long_factors_start_is_transformers_decoding(runtime):
+    """Greedy: every variant's answer from a prompt of 12 tokens to 14 more, past position 16 where
+    the long factors start, is transformers' own generate (which reads the whole sequence again
+    there, by the long factors), on transformers' forward and on the runtime. Sampled: the first two
+    tokens after a prompt of 15 — emitted from one tree whose rows at 14 and 15 are turned by the
+    short factors and at 16 by the long ones — and after a prompt of 16 — the first from a tree
+    astride 16, the second after the caches read everything again — follow the distribution of one
+    forward of the sequence before each."""
+    target, draft = tiny_relative("phi3-longrope", V, layers=2, seed=1), tiny_relative("phi3-longrope", V, 1, seed=2)
+    runtimes = None if runtime == "transformers" else \
+        Runtimes(CompiledModel(target, False), CompiledModel(draft, False), "auto")
+    prompt = [1, 3, 4, 5, 2, 3, 0, 1, 4, 4, 5, 3]
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])  # (its token 0 is the pad token: the mask says it is read)
+        expected = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=14,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+    assert expected == plain_greedy(target, 14, prompt)
+    for shape in shapes():
+        decoder = Decoder(target, draft, V, shape, SamplingParams(temperature=0), set(), runtimes=runtimes)
+        assert [t for event in decoder.generate(prompt, 14, 0) for t in event.emitted] == expected, shape.describe()
+    sampling = SamplingParams(temperature=1.0)
+    for length, shape in LONGROPE_MC:
+        prompt = [(3 * t + 1) % V for t in range(length)]
+        counts = torch.zeros(V, V)
+        for seed in range(N_SAMPLES):
+            decoder = Decoder(target, draft, V, shape, sampling, set(), runtimes=runtimes)
+            tokens = [t for event in decoder.generate(prompt, 2, seed) for t in event.emitted]
+            counts[tokens[0], tokens[1]] += 1
+        assert chi_square_pvalue(counts, exact_joint(target, sampling, prompt) * N_SAMPLES) > 1e-3, \
+            (length, shape.describe())
+
+
+LONGROPE_MC = [(15, make_shape("rsd-c", branching=(2, 2))), (15, make_shape("sd", draft_len=2)),
+               (16, make_shape("rsd-s", beam_width=2, depth=2))]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -865,12 +949,14 @@ def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtim
     assert_alike_on_both_runtimes(profile)
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3", "phi3", "exaone4", "ernie4_5",
-                                  "hunyuan", "glm4", "cohere2", "qwen2_moe", "mixtral", "starcoder2", "nemotron", "phi"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3", "phi3", "phi3-longrope", "exaone4",
+                                  "ernie4_5", "hunyuan", "glm4", "cohere2", "qwen2_moe", "mixtral", "starcoder2",
+                                  "nemotron", "phi"])
 def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both_runtimes(tmp_path, kind):
-    """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3, Phi-3, EXAONE 4, ERNIE 4.5, Hunyuan, GLM-4,
-    Cohere 2, Qwen2-MoE, Mixtral, StarCoder2, Nemotron or Phi checkpoint folder, its first layer as the
-    draft, on the static-cache runtime compiled and on transformers' forward: the same greedy tokens."""
+    """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3, Phi-3 (with `longrope` too: its long
+    factors from position 16, which the answer passes), EXAONE 4, ERNIE 4.5, Hunyuan, GLM-4, Cohere 2,
+    Qwen2-MoE, Mixtral, StarCoder2, Nemotron or Phi checkpoint folder, its first layer as the draft, on
+    the static-cache runtime compiled and on transformers' forward: the same greedy tokens."""
     from tiny import tiny_tokenizer
 
     folder = tmp_path / kind

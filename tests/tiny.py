@@ -6,12 +6,15 @@ from pathlib import Path
 
 import torch
 
+from rsd_cli.compiled import attention_of, decoder_of
+
 CHARS = list("abcdefghijklmnopqrstuvwxyz .,!?'\n")
 SPECIALS = ["<unk>", "<s>", "</s>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}a:{% endif %}"
 )
+LONG_FACTORS_FROM = 16  # where tiny_relative("phi3-longrope") turns q and k by its long factors
 
 
 def tiny_config(vocab: int = 40, layers: int = 2, seed_scale: float = 0.02, **extra):
@@ -49,8 +52,10 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     a rotary table of its own), "seed_oss" (Llama's, biases on q, k and v), "granite" (Llama's, its embedding,
     blocks' outputs, attention scores and logits scaled by constants), "gemma2" (Gemma 3's norms, every
     other layer windowed to 4 positions, attention scores soft-capped), "phi3" (q, k and v one
-    linear, gate and up one linear, every layer windowed to 4 positions) or "exaone4" (OLMo 2's norms,
-    q and k normed per head, the first layer windowed to 4 positions, the others without a rotation)
+    linear, gate and up one linear, every layer windowed to 4 positions) or "phi3-longrope" (Phi-3's
+    without a window, 3/4 of each head turned by `longrope`, its long factors from position
+    LONG_FACTORS_FROM) or "exaone4" (OLMo 2's norms, q and k normed per head, the first layer
+    windowed to 4 positions, the others without a rotation)
     "ernie4_5" (q and k turned by adjacent pairs of dimensions), "hunyuan" (Hunyuan's dense models:
     each head of q and k normed after the rotation, its base scaled by a fixed NTK alpha), "glm4"
     (biases on q, k and v, gate and up one linear, norms after attention and the MLP too, half of
@@ -95,6 +100,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "granite": (GraniteConfig, GraniteForCausalLM), "olmo2": (Olmo2Config, Olmo2ForCausalLM),
                            "olmo3": (Olmo3Config, Olmo3ForCausalLM),
                            "seed_oss": (SeedOssConfig, SeedOssForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
+                           "phi3-longrope": (Phi3Config, Phi3ForCausalLM),
                            "exaone4": (Exaone4Config, Exaone4ForCausalLM),
                            "ernie4_5": (Ernie4_5Config, Ernie4_5ForCausalLM),
                            "hunyuan": (HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM),
@@ -131,8 +137,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     elif kind.startswith("granitemoe"):
         settings = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0,
                         num_local_experts=4, num_experts_per_tok=2)
-        settings.update(shared_intermediate_size=24) if kind == "granitemoeshared" else None
-    if kind == "smollm3":
+        if kind == "granitemoeshared":
+            settings.update(shared_intermediate_size=24)
+    elif kind == "smollm3":
         settings = dict(no_rope_layers=[int(i % 2 == 0) for i in range(layers)])  # (1: rotated)
     elif kind == "olmo3":
         settings = dict(sliding_window=4, layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1))
@@ -148,6 +155,12 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         settings = dict(sliding_window=4, layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1))
     elif kind == "phi3":  # (as Phi-3-mini-4k: a window on every layer, 2047 of its 4096 positions there)
         settings = dict(sliding_window=4)
+    elif kind == "phi3-longrope":  # (as Phi-3.5-mini and Phi-4-mini, 3/4 of each head turned as the latter's)
+        factors = dict(short_factor=[1.0, 1.5, 3.0], long_factor=[2.0, 5.0, 11.0])  # (one per turned pair)
+        rope = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                    factor=256 / LONG_FACTORS_FROM, original_max_position_embeddings=LONG_FACTORS_FROM, **factors)
+        settings = dict(partial_rotary_factor=0.75, original_max_position_embeddings=LONG_FACTORS_FROM,
+                        rope_parameters=rope)
     elif kind == "granite":
         settings = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0)
     elif kind == "gemma":
@@ -173,9 +186,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         model.lm_head.weight.mul_(3.0)
         if model.lm_head.bias is not None:  # (Phi's)
             model.lm_head.bias.normal_(0.0, scale)
-        for layer in (getattr(model, "model", None) or model.gpt_neox).layers:
-            attention = getattr(layer, "self_attn", None) or layer.attention
-            for linear in (getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj", "query_key_value")):
+        for layer in decoder_of(model)[0].layers:
+            for linear in (getattr(attention_of(layer), name, None)
+                           for name in ("q_proj", "k_proj", "v_proj", "query_key_value")):
                 if linear is not None and linear.bias is not None:
                     linear.bias.normal_(0.0, scale)
             for linear in (getattr(getattr(layer, "mlp", None), name, None)
