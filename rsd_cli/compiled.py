@@ -545,8 +545,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     if style.interleaved:  # (GPT-NeoX: each head's q, k and v side by side)
         q, k, v = _linear(h, wq, bq, small[0]).view(n, heads, 3 * head_dim).chunk(3, -1)
         q, k, v = q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)
-    elif wk is None:  # (stacked float weights)
-        q, k, v = F.linear(h, wq).split(widths, -1)
+    elif wk is None:  # (stacked float weights: on a GPU, or a fused linear's own)
+        q, k, v = _linear(h, wq, None, small[0]).split(widths, -1)
         q, k, v = (t if b is None else t + b for t, b in ((q, bq), (k, bk), (v, bv)))  # (Qwen2's biases)
     elif fused[0] is not None:
         q, k, v = blocks_linear(h, fused[0]).split(widths, -1)
@@ -607,7 +607,7 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
             hidden = _activation(_linear(h, wu, bu, small[5]), style.activation)
         else:
             if wu is None:  # (stacked float weights)
-                gate, up = F.linear(h, wg).chunk(2, -1)
+                gate, up = _linear(h, wg, None, small[4]).chunk(2, -1)
             elif fused[1] is not None:
                 gate, up = blocks_linear(h, fused[1]).chunk(2, -1)
             else:
@@ -673,6 +673,12 @@ def projections(layer) -> tuple:
         views = (q, k, v, a.o_proj, gate, up, m.down_proj)
         object.__setattr__(layer, "_rsd_views", views)  # (not a submodule: the model's parameters stay its own)
     return views
+
+
+def fused_linears(layer) -> tuple:
+    """A layer's own linears of q, k and v in one (Phi-3's qkv_proj) and of gate and up in one (Phi-3's
+    and GLM-4's gate_up_proj), or None each."""
+    return getattr(attention_of(layer), "qkv_proj", None), getattr(getattr(layer, "mlp", None), "gate_up_proj", None)
 
 
 def _row_views(fused: torch.nn.Linear, sizes: tuple) -> list[torch.nn.Linear]:
@@ -907,7 +913,13 @@ class CompiledModel:
         if stack is None:  # q/k/v's and gate/up's weights stacked (stack_projections): on a GPU
             stack = embedding_of(inner).weight.device.type == "cuda"
         for layer in inner.layers:
-            stacks = stack_projections(layer) if stack else None  # (before the views of weights below)
+            # stacks: on a GPU every layer's (stack_projections, before the views of weights below); elsewhere
+            # the model's own fused linears' weights, multiplied whole by the kernels rsd installed on them
+            # (the views of their rows that `projections` reads have none: each view on torch's product,
+            # Phi-3 of the embedded target's shape ran `ar` at 0.7x its speed on transformers' forward)
+            own = fused_linears(layer)
+            stacks = stack_projections(layer) if stack else \
+                None if own == (None, None) else tuple(None if f is None else f.weight for f in own)
             linears = projections(layer)
             q, k, v, o, gate, up, down = linears
             # (None where the MLP has no such linear: no gate, or experts instead)
@@ -925,9 +937,11 @@ class CompiledModel:
             biases = tuple(None if linear is None or linear.bias is None else linear.bias.detach() for linear in (up, down))
             # detached views (same storage): a trained adapter's tensors and the target's then pass
             # the same guards, and one graph serves both
+            # (the fused linears whole, where stacked as the model has them)
+            multiplied = (q if own[0] is None else own[0], k, v, o, gate if own[1] is None else own[1], up, down)
             self.layers.append((tuple(None if w is None else w if isinstance(w, tuple) else w.detach() for w in weights)
                                 + (experts_of(layer), *biases),
-                                tuple(None if linear is None else self._kernels(linear) for linear in linears),
+                                tuple(None if linear is None else self._kernels(linear) for linear in multiplied),
                                 (None if k is None else fused_blocks(linears[:3], biased=True),
                                  None if gate is None else fused_blocks(linears[4:6])) if fuse else (None, None)))
         self.head_small = self._kernels(model.lm_head)

@@ -1038,10 +1038,11 @@ class Decoder:
                                                                                        ended)), drafts=False)
 
     def crosses_long_factors(self, prompt: list[int], max_tokens: int) -> bool:
-        """Whether an answer to `prompt` may go past a `longrope` target's long factors' start from a
-        step before it (long_factors_from): its caches are then read again (_long_keys), one step at
-        a time, and not with other completions (which share the keys of their prompts' beginning)."""
-        return self.long_from is not None and len(prompt) - 1 < self.long_from < len(prompt) + max_tokens - 1
+        """Whether an answer to `prompt` may have a step at or past a `longrope` target's long factors'
+        start while the prompt's tokens but the last were read before it (long_factors_from): its
+        caches are then read again on the way (_long_keys), one step at a time, and not with other
+        completions (which share the keys of their prompts' beginning)."""
+        return self.long_from is not None and len(prompt) - 2 < self.long_from <= len(prompt) + max_tokens - 2
 
     def _generate_together(self, prompts: list[list[int]], max_tokens: int, seeds: list[int],
                            ended: set[int]) -> Iterator[list[StepEvent | None]]:
@@ -1075,9 +1076,8 @@ class Decoder:
             # each prompt but its last token, seeing that beginning and itself only
             common = min(min(shared_prefix(distinct[0], prompt) for prompt in distinct),
                          min(len(prompt) for prompt in distinct) - 1)
-            long_from = long_factors_from(self.target_model.config)
-            if long_from is not None and max(map(len, distinct)) - 2 >= long_from:
-                common = 0  # (a `longrope` prompt reaching its long factors turns that beginning by them: each alone)
+            if self.long_from is not None and max(map(len, distinct)) - 2 >= self.long_from:
+                common = 0  # (a `longrope` prompt read past its long factors' start turns that beginning by them)
             if common:
                 target.extend(list(distinct[0][:common]), reading=True)
             read = []  # [prompt]: the cache slots of its own tokens but the last

@@ -12,15 +12,16 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from rsd_cli import compiled, threads
+from rsd_cli import compiled, small_batch, threads
 from rsd_cli.cli import app
 from rsd_cli.compiled import CompiledModel, StaticLM
 from rsd_cli.drafting import make_shape
 from rsd_cli.engine import CachedLM, Decoder, Runtimes
+from rsd_cli.errors import RsdError
 from rsd_cli.sampling import SamplingParams
 from rsd_cli.tree import DraftTree
 from test_engine import (DEVICE_SHAPES, MC_SHAPES, N_SAMPLES, PROMPT, V, chi_square_pvalue, exact_joint,
-                         plain_greedy, shapes)
+                         plain_greedy, shapes, together)
 from test_threads import Alternating
 from tiny import LONG_FACTORS_FROM, tiny_model, tiny_relative
 
@@ -633,9 +634,10 @@ def test_each_way_of_running_routed_experts_gives_each_tokens_weighted_experts(m
 def test_phi3_s_fused_linears_run_as_views_of_their_rows_and_mlp_biases_are_refused():
     """Phi-3's q/k/v and gate/up are one linear each: the runtime reads them as linears over views of
     the fused weight's rows (no copy, no parameter added to the model: its state dict and fingerprint
-    stay as they are; made again where the model moved since), which on a GPU are already the stacks
-    it multiplies by. A rotation of 3/4 of each head (Phi-4-mini's) gives transformers' logits; an MLP with biases (ERNIE 4.5's `use_bias`) is
-    refused in a line."""
+    stay as they are; made again where the model moved since), whose fused weights are the stacks it
+    multiplies by — on a CPU by the kernels rsd installed on the fused linears. A rotation of 3/4 of
+    each head (Phi-4-mini's) gives transformers' logits; an MLP with biases (ERNIE 4.5's `use_bias`)
+    is refused in a line."""
     import copy
 
     from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, Phi3Config, Phi3ForCausalLM
@@ -653,6 +655,14 @@ def test_phi3_s_fused_linears_run_as_views_of_their_rows_and_mlp_biases_are_refu
         [fused.data_ptr(), layer.mlp.gate_up_proj.weight.data_ptr()]
     CompiledModel(model, False)
     assert list(model.state_dict()) == names and projections(layer)[0] is q
+    # on a CPU the fused weights are multiplied whole, by the kernels rsd installed on the fused linears
+    # (the views have none: each on torch's product, 0.7x transformers' speed)
+    packed = ("packed", "packed", "torch")  # (RSD_SMALL_BATCH_MATMUL=packed: conftest; 4 linears and the head)
+    assert small_batch.install(model) == 5 and small_batch.kernels_of(layer.self_attn.qkv_proj) == packed
+    weights, small, _ = CompiledModel(model, False).layers[0]
+    assert weights[1].data_ptr() == fused.data_ptr() and weights[1].shape == fused.shape and weights[3] is None
+    assert weights[10].shape == layer.mlp.gate_up_proj.weight.shape and weights[11] is None
+    assert small[0][0] == small[4][0] == packed and "packed" in small[0][1]
     moved = copy.deepcopy(model).double()  # (views made before a model moves are made again)
     assert projections(moved.model.layers[0])[0].weight.dtype == torch.float64
     partial = Phi3ForCausalLM(Phi3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -775,6 +785,28 @@ def test_longrope_decoding_across_the_long_factors_start_is_transformers_decodin
             counts[tokens[0], tokens[1]] += 1
         assert chi_square_pvalue(counts, exact_joint(target, sampling, prompt) * N_SAMPLES) > 1e-3, \
             (length, shape.describe())
+
+
+@pytest.mark.parametrize("runtime", ["transformers", "static cache"])
+def test_longrope_completions_decoded_together_stay_exact(runtime):
+    """Completions decoded together (`ar` and `auto` with --samples or --prompts) share their prompts'
+    beginning and take no step alone: where an answer would go past position 16 from a prompt read
+    before it, decoding them together is refused in a line (rsd generate decodes them one after the
+    other: the next test); prompts read past 16, whose beginning one forward of each turns by the
+    long factors, are read each alone, and every completion's greedy answer is transformers'
+    generate."""
+    target = tiny_relative("phi3-longrope", V, layers=2, seed=1)
+    runtimes = None if runtime == "transformers" else Runtimes(CompiledModel(target, False), None, "auto")
+    decoder = Decoder(target, None, V, make_shape("ar"), SamplingParams(temperature=0), set(), runtimes=runtimes)
+    short = [1, 3, 4, 5, 2, 3, 0, 1, 4, 4, 5, 3]
+    for prompt in (short, short + [2, 4, 1, 3, 5]):  # (the last token at position 16 is read in a step)
+        with pytest.raises(RsdError, match="cannot go past position 16, where the target's `longrope` factors"):
+            together(decoder, 14, [0, 1], prompt)
+    # (19 and 20 tokens with the first 12 in common)
+    prompts = [short + [2, 4, 1, 3, 5, 0, 2], short + [2, 4, 1, 3, 5, 1, 1, 3]]
+    tokens, _ = together(decoder, 8, [0, 1], prompts)
+    for prompt, answer in zip(prompts, tokens):
+        assert answer == plain_greedy(target, 8, prompt)
 
 
 LONGROPE_MC = [(15, make_shape("rsd-c", branching=(2, 2))), (15, make_shape("sd", draft_len=2)),
