@@ -1381,10 +1381,7 @@ class StaticLM(ChainExtension):
         self.key_positions = torch.zeros(self.capacity if self.window else 0, dtype=torch.long)
         self.clock = ForwardClock(compiled.device)
         self.calls = 0
-        # a `longrope` model's long factors' start, and whether a key in the cache was turned by its short
-        # factors (engine.CachedLM's, Decoder._long_keys)
-        self.long_from = compiled.long_from
-        self.turned_short = False
+        self.long_from = compiled.long_from  # (a `longrope` model's: engine.long_factors_from)
 
     @property
     def model(self):
@@ -1410,7 +1407,7 @@ class StaticLM(ChainExtension):
         sizes = self.compiled.buckets
         long = reading and astride(positions, self.long_from)
         if self.long_from is not None:
-            self.turned_short = not long and min(positions) < self.long_from or self.turned_short and self.length > 0
+            self._note_factors(not long and min(positions) < self.long_from, long)
         # (a longer prompt, or one turned by the long factors: the other path, same buffers)
         static = self.static and bucket(n, sizes) is not None and not long
         size = (bucket(n, sizes) or n) if self.compiled.compiled or static else n

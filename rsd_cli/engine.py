@@ -198,6 +198,17 @@ class ForwardClock:
 class ChainExtension:
     """`extend` for a cache that has `length` and `forward` (CachedLM here, compiled.StaticLM)."""
 
+    # a `longrope` model's cache (long_factors_from): whether some key before the long factors' start was
+    # turned by the short factors, by the long ones (Decoder._long_keys, Decoder._kept_prefix)
+    turned_short = turned_long = False
+
+    def _note_factors(self, short: bool, long: bool) -> None:
+        """Before a forward that turns some of its rows before the long factors' start by the short
+        factors, or by the long ones: what the cache then holds (an empty one, only that forward's)."""
+        held = self.length > 0
+        self.turned_short = short or self.turned_short and held
+        self.turned_long = long or self.turned_long and held
+
     def extend(self, tokens: list[int] | torch.Tensor, last_only: bool = True, reading: bool = False) -> torch.Tensor:
         """Append a chain of tokens (a list, or an (n,) tensor on the model's device) after the
         cache (causal attention); `reading`: a prompt's tokens (forward)."""
@@ -386,10 +397,7 @@ class CachedLM(ChainExtension):
         # to copy on the 2-core Xeon; where it is wrong, keep reads the tokens afresh)
         self.copies_states = True
         self.key_positions = torch.zeros(0, dtype=torch.long)  # [cache slot] (kept for a window only)
-        # a `longrope` model's long factors' start (forward splits forwards astride it), and whether a key
-        # in the cache was turned by its short factors (Decoder._long_keys reads them again from it)
-        self.long_from = long_factors_from(cfg)
-        self.turned_short = False
+        self.long_from = long_factors_from(cfg)  # (a `longrope` model's: forward splits forwards astride it)
         # a prompt into an empty cache goes without a mask (forward): transformers makes its own, windows
         # included, from slot indices, which are then its positions (its sdpa masks take a byte a score, or
         # none where causal: a windowed 8000-token prompt's two float masks took 512 MB)
@@ -422,7 +430,8 @@ class CachedLM(ChainExtension):
         if not reading and astride(positions, self.long_from):
             return self._by_factors(tokens, positions, visible, last_only)
         if self.long_from is not None:  # (transformers turns them all by the short factors, or all by the long)
-            self.turned_short = max(positions) < self.long_from or self.turned_short and self.length > 0
+            short = max(positions) < self.long_from
+            self._note_factors(short, not short and min(positions) < self.long_from)
         start = self.clock.start()
         dtype = self.model.dtype
         device = self.device
@@ -1146,6 +1155,8 @@ class Decoder:
         kept = self.kept
         if kept is None or kept.owner != (self.target_model, self.draft_model, self.runtimes):
             return None
+        if kept.target.turned_long and len(prompt) - 2 < self.long_from:
+            return None  # (keys a `longrope` target turned by its long factors, where this prompt's are short)
         return shared_prefix(kept.tokens, prompt[:-1])
 
     def _reused(self, prompt: list[int], drafts: bool) -> tuple:

@@ -803,10 +803,31 @@ def test_longrope_completions_decoded_together_stay_exact(runtime):
         with pytest.raises(RsdError, match="cannot go past position 16, where the target's `longrope` factors"):
             together(decoder, 14, [0, 1], prompt)
     # (19 and 20 tokens with the first 12 in common)
-    prompts = [short + [2, 4, 1, 3, 5, 0, 2], short + [2, 4, 1, 3, 5, 1, 1, 3]]
+    prompts = [short + [2, 4, 1, 3, 5, 0, 2], short + [5, 0, 2, 4, 1, 3, 3, 1]]
     tokens, _ = together(decoder, 8, [0, 1], prompts)
     for prompt, answer in zip(prompts, tokens):
         assert answer == plain_greedy(target, 8, prompt)
+
+
+@pytest.mark.parametrize("runtime", ["transformers", "static cache"])
+def test_longrope_chat_turns_reuse_only_caches_turned_as_their_prompts_need(runtime):
+    """A chat's caches, kept from answer to answer (`keep_caches`): a second turn whose answer goes
+    past position 16 on the first turn's keys (turned by the short factors: read again on the way),
+    a third that goes on from there (all long), then a shorter conversation sharing the first turn's
+    beginning (the kept keys turned by the long factors: read afresh) — every answer `sd`'s greedy,
+    which is one forward's of the sequence before each token."""
+    target, draft = tiny_relative("phi3-longrope", V, layers=2, seed=1), tiny_relative("phi3-longrope", V, 1, seed=2)
+    runtimes = None if runtime == "transformers" else \
+        Runtimes(CompiledModel(target, False), CompiledModel(draft, False), "auto")
+    decoder = Decoder(target, draft, V, make_shape("sd", draft_len=3), SamplingParams(temperature=0), set(),
+                      runtimes=runtimes)
+    decoder.keep_caches = True
+    conversation = [1, 3, 4, 5, 2, 3, 0, 1, 4, 4]
+    for turn, (message, count) in enumerate([([], 4), ([3, 1], 6), ([2, 5, 1], 5), (None, 8)]):
+        prompt = conversation[:10] if message is None else conversation + message
+        answer = [t for event in decoder.generate(prompt, count, 0) for t in event.emitted]
+        assert answer == plain_greedy(target, count, prompt), turn
+        conversation = prompt + answer
 
 
 LONGROPE_MC = [(15, make_shape("rsd-c", branching=(2, 2))), (15, make_shape("sd", draft_len=2)),
@@ -1000,6 +1021,31 @@ def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both
     profile.write_text(f'[target]\nsource = "{folder}"\n[draft]\nkind = "early-exit"\nlayers = 1\nadapter = ""\n'
                        '[decoding]\nvariant = "rsd-c"\nbranching = [2, 1]\n')
     assert_alike_on_both_runtimes(profile)
+
+
+def test_longrope_samples_past_the_long_factors_start_are_decoded_one_after_the_other(tmp_path):
+    """As a user runs it: `rsd generate --samples 2` with `ar` (whose samples are otherwise decoded
+    together) on a Phi-3 checkpoint whose long factors start at position 16, the answers going past
+    it: each sample decoded alone, on the runtime, its greedy tokens those of one forward of the
+    sequence before each."""
+    from rsd_cli.prompting import encode_prompt
+    from tiny import tiny_tokenizer
+
+    target, tokenizer = tiny_relative("phi3-longrope", 40, layers=3, seed=0), tiny_tokenizer()
+    target.save_pretrained(tmp_path / "phi")
+    tokenizer.save_pretrained(tmp_path / "phi")
+    profile = tmp_path / "phi.toml"
+    profile.write_text(f'[target]\nsource = "{tmp_path / "phi"}"\n[draft]\nkind = "early-exit"\nlayers = 1\n'
+                       'adapter = ""\n[decoding]\nvariant = "ar"\n')
+    result = CliRunner().invoke(app, ["generate", "hello", "-p", str(profile), "-t", "0", "-n", "12", "--samples", "2",
+                                      "--compile", "on", "--json"])
+    assert result.exit_code == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    prompt = encode_prompt(tokenizer, "hello")
+    assert len(prompt) < LONG_FACTORS_FROM < len(prompt) + 12
+    expected = plain_greedy(target, 12, prompt)
+    assert [(r["token_ids"], r["samples_together"], r["runtime"]) for r in records] == \
+        [(expected, 1, "static cache, compiled")] * 2
 
 
 def test_a_pythia_style_pair_runs_both_models_on_the_static_cache_runtime(tmp_path):
