@@ -757,8 +757,9 @@ def test_a_longrope_model_turns_each_row_before_its_long_factors_by_the_short_on
 @pytest.mark.parametrize("runtime", ["transformers", "static cache"])
 def test_longrope_decoding_across_the_long_factors_start_is_transformers_decoding(runtime):
     """Greedy: every variant's answer from a prompt of 12 tokens to 14 more, past position 16 where
-    the long factors start, is transformers' own generate (which reads the whole sequence again
-    there, by the long factors), on transformers' forward and on the runtime. Sampled: the first two
+    the long factors start, is one forward's of the sequence before each token — transformers'
+    own generate's too (which reads the whole sequence again there, by the long factors) —, on
+    transformers' forward and on the runtime. Sampled: the first two
     tokens after a prompt of 15 — emitted from one tree whose rows at 14 and 15 are turned by the
     short factors and at 16 by the long ones — and after a prompt of 16 — the first from a tree
     astride 16, the second after the caches read everything again — follow the distribution of one
@@ -767,11 +768,15 @@ def test_longrope_decoding_across_the_long_factors_start_is_transformers_decodin
     runtimes = None if runtime == "transformers" else \
         Runtimes(CompiledModel(target, False), CompiledModel(draft, False), "auto")
     prompt = [1, 3, 4, 5, 2, 3, 0, 1, 4, 4, 5, 3]
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])  # (its token 0 is the pad token: the mask says it is read)
-        expected = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=14,
-                                   pad_token_id=0)[0, len(prompt):].tolist()
-    assert expected == plain_greedy(target, 14, prompt)
+    expected = plain_greedy(target, 14, prompt)
+    import transformers
+
+    # (5.17's generate drops the cache there but then reads only the last token)
+    if tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (5, 24):
+        with torch.inference_mode():
+            ids = torch.tensor([prompt])  # (its token 0 is the pad token: the mask says it is read)
+            assert target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=14,
+                                   pad_token_id=0)[0, len(prompt):].tolist() == expected
     for shape in shapes():
         decoder = Decoder(target, draft, V, shape, SamplingParams(temperature=0), set(), runtimes=runtimes)
         assert [t for event in decoder.generate(prompt, 14, 0) for t in event.emitted] == expected, shape.describe()
