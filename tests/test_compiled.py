@@ -715,7 +715,8 @@ def path_to(tree: DraftTree, node: int) -> list[int]:
     return path[::-1]
 
 
-def test_a_longrope_model_turns_each_row_before_its_long_factors_by_the_short_ones():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_a_longrope_model_turns_each_row_before_its_long_factors_by_the_short_ones(device):
     """`longrope` (Phi-3.5-mini, Phi-4-mini, Phi-3's 128k models): transformers turns every row of a
     forward by the long factors where the forward reaches the original context (16 here), so the
     target's distribution after a sequence is one forward of it, by the short factors while it is
@@ -723,11 +724,16 @@ def test_a_longrope_model_turns_each_row_before_its_long_factors_by_the_short_on
     long ones (checked: off by more than 0.1); on transformers' forward (split in two there) and on
     every backend of the runtime (a table of each position's own angles), those rows' logits are
     one forward's of their paths, for trees before, astride and (after a prompt read past 16, as
-    transformers reads it in one forward, by the long factors) past position 16."""
-    target = tiny_relative("phi3-longrope", V, layers=2, seed=0)
+    transformers reads it in one forward, by the long factors) past position 16. On a GPU: in CUDA
+    graphs, with and without inductor."""
+    target = tiny_relative("phi3-longrope", V, layers=2, seed=0).to(device)
     assert compiled.unsupported(target) is None
-    backends = [CompiledModel(target, True), CompiledModel(target, False),
-                CompiledModel(target, False, static_shapes=True)]
+    if device == "cuda":
+        backends, tolerance = [CompiledModel(target, True), CompiledModel(target, True, inductor=False)], 1e-4
+        assert all(backend.graphed for backend in backends)
+    else:
+        backends, tolerance = [CompiledModel(target, True), CompiledModel(target, False),
+                               CompiledModel(target, False, static_shapes=True)], 1e-5
     tree = a_tree()
     for length in (11, 13, 15, 16, 20):  # (the tree's rows at positions length - 1 .. length + 2)
         prompt = [(3 * t + 1) % V for t in range(length)]
@@ -738,8 +744,9 @@ def test_a_longrope_model_turns_each_row_before_its_long_factors_by_the_short_on
         # (the rows whose tokens a step may emit: before position 16, or all past it)
         rows = [n for n, p in enumerate(positions) if p < LONG_FACTORS_FROM or base >= LONG_FACTORS_FROM]
         with torch.inference_mode():
-            expected = torch.stack([target(torch.tensor([context + path_to(tree, n)])).logits[0, -1] for n in rows])
-            read = target(torch.tensor([context])).logits[0]
+            expected = torch.stack([target(torch.tensor([context + path_to(tree, n)], device=device)).logits[0, -1]
+                                    for n in rows])
+            read = target(torch.tensor([context], device=device)).logits[0]
             if min(positions) < LONG_FACTORS_FROM <= max(positions):
                 whole = CachedLM(target, V)
                 whole.long_from = None  # (the tree in one forward of transformers')
@@ -748,9 +755,9 @@ def test_a_longrope_model_turns_each_row_before_its_long_factors_by_the_short_on
         for lm in [CachedLM(target, V)] + [StaticLM(backend, V, capacity=32) for backend in backends]:
             with torch.inference_mode():
                 torch.testing.assert_close(lm.extend(context, last_only=False, reading=True), read,
-                                           atol=1e-5, rtol=1e-5)
+                                           atol=tolerance, rtol=tolerance)
                 torch.testing.assert_close(lm.forward(tree.tokens, positions, visible)[rows], expected,
-                                           atol=1e-5, rtol=1e-5)
+                                           atol=tolerance, rtol=tolerance)
             lm.release()
 
 
