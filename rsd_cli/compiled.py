@@ -971,31 +971,20 @@ class CompiledModel:
         per_kind = bool(getattr(rotary, "layer_types", None))
         names = [(kind if per_kind else "rotary") if rotates(layer, kind, cfg) else None
                  for kind, layer in zip(kinds, inner.layers)]
-        x = torch.zeros(1, dtype=self.dtype, device=self.device)
-
-        def tables_to(end: int) -> list[tuple]:
-            """each table's (cos, sin) for positions 0 .. end - 1 as one forward of them turns them, each
-            (end, rotated dimensions)"""
-            with torch.inference_mode():
-                positions = torch.arange(end, device=self.device)[None]
-                found = [None if name is None else rotary(x, positions, name) if per_kind else rotary(x, positions)
-                         for name in dict.fromkeys(names)]
-            found = [(None, None) if table is None else (table[0][0], table[1][0]) for table in found]
-            return [(None, None) if cos is None else (pair_angles(cos), pair_angles(sin)) for cos, sin in found] \
-                if style.pairs else found
-
-        self.tables = tables_to(self.context)
+        self._rotary = (rotary, list(dict.fromkeys(names)), per_kind)  # (angles_at's)
+        self.tables = self.angles_at(torch.arange(self.context, device=self.device))
         # a `longrope` model (engine.long_factors_from): each position's own factors, its short ones before
-        # `long_from` and its long ones from it; `read_tables` the long ones for every position, for a
-        # sequence read in one forward reaching past `long_from` (forward's `long`)
+        # `long_from` and its long ones from it (a prompt read past it: angles_at, forward's `long`)
         self.long_from = long_factors_from(cfg)
-        self.read_tables = None
-        if self.long_from is not None and self.long_from < self.context:
-            self.read_tables, start = self.tables, self.long_from
+        if self.long_from is not None and self.long_from >= self.context:
+            self.long_from = None  # (never reached)
+        if self.long_from is not None:
+            start = self.long_from
             self.tables = [(None, None) if cos is None else (torch.cat([short_cos, cos[start:]]),
                                                              torch.cat([short_sin, sin[start:]]))
-                           for (cos, sin), (short_cos, short_sin) in zip(self.tables, tables_to(start))]
-        self.table_of = [list(dict.fromkeys(names)).index(name) for name in names]  # [layer]
+                           for (cos, sin), (short_cos, short_sin)
+                           in zip(self.tables, self.angles_at(torch.arange(start, device=self.device)))]
+        self.table_of = [self._rotary[1].index(name) for name in names]  # [layer]
         self.cos, self.sin = self.tables[0]  # (the only table where the C library runs the layers)
         # layers on quantised blocks run in the blocks library (uncompiled CPU path): all of a forward's
         # layers in one call where every layer can, then the final norm and head in one more (Llama's
@@ -1038,6 +1027,20 @@ class CompiledModel:
         library for all layers undercuts (the embedded target, 1 token on a 2-core AMD EPYC: 4.6 ms
         in C, 9.9 ms compiled), and measuring would compile for ~18 s on a first run."""
         return self.native is not None and all(self.native) and self.device.type == "cpu"
+
+    def angles_at(self, positions: torch.Tensor) -> list[tuple]:
+        """Each rotary table's (cos, sin) for these positions (n,) on the model's device, as one forward of
+        them turns them (a `longrope` model's: by the factors its last position picks), each (n, rotated
+        dimensions); (None, None) for layers without a rotation."""
+        rotary, names, per_kind = self._rotary
+        x = torch.zeros(1, dtype=self.dtype, device=self.device)
+        with torch.inference_mode():
+            positions = positions[None]
+            found = [None if name is None else rotary(x, positions, name) if per_kind else rotary(x, positions)
+                     for name in names]
+        found = [(None, None) if table is None else (table[0][0], table[1][0]) for table in found]
+        return [(None, None) if cos is None else (pair_angles(cos), pair_angles(sin)) for cos, sin in found] \
+            if self.style.pairs else found
 
     def _kernels(self, linear) -> tuple:
         """(the CPU kernels of this linear, the copies of its weight they run on — and its quantised
@@ -1166,7 +1169,7 @@ class CompiledModel:
         (m, rows of the head) logits. Sizes in BUCKETS run the compiled graphs (the used length and
         the capacity are dynamic dimensions), others eager. sight: () -> what attention reads, where
         less than every key through the mask (a Sight, worked out only where torch runs the layers
-        uncompiled). long: every row turned by a `longrope` model's long factors (read_tables)."""
+        uncompiled). long: every row turned by a `longrope` model's long factors (angles_at)."""
         compiled = self.inductor and tokens.shape[0] in self.buckets
         # prompts (more than MAX_ROWS tokens) in C only where rsd's kernel measured faster for them
         prompt_on_torch = not compiled and slots is None and tokens.shape[0] > MAX_ROWS and not self.prompts_in_c
@@ -1182,9 +1185,12 @@ class CompiledModel:
         # (a tree's rows past the context's end read its last rotary angle: their tokens are never emitted)
         positions = positions.clamp(max=self.context - 1)
         head_dim = self.dims[2]
-        angles = [(cos[positions], sin[positions]) if cos is not None else  # each table's (n, head_dim)
+        # (a prompt read astride a `longrope` model's long factors' start: all turned by the long ones)
+        tables = self.angles_at(positions) if long else [(cos[positions], sin[positions]) if cos is not None
+                                                         else (None, None) for cos, sin in self.tables]
+        angles = [(cos, sin) if cos is not None else  # each table's (n, head_dim)
                   (x.new_ones(x.shape[0], head_dim), x.new_zeros(x.shape[0], head_dim))  # (no rotation: angle 0)
-                  for cos, sin in (self.read_tables if long else self.tables)]
+                  for cos, sin in tables]
         cos, sin = angles[0]
         # every layer in one call of the C library where each can run there, else layer by layer
         in_c = native is not None and all(native) and keys.is_contiguous() and values.is_contiguous()
