@@ -706,15 +706,6 @@ def test_a_yarn_scaled_model_runs_on_the_static_cache_runtime_with_transformers_
         "rope type 'dynamic'"
 
 
-def path_to(tree: DraftTree, node: int) -> list[int]:
-    """The tokens from the tree's root to `node`, both included."""
-    path = []
-    while node >= 0:
-        path.append(tree.tokens[node])
-        node = tree.parents[node]
-    return path[::-1]
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 def test_a_longrope_model_turns_each_row_before_its_long_factors_by_the_short_ones(device):
     """`longrope` (Phi-3.5-mini, Phi-4-mini, Phi-3's 128k models): transformers turns every row of a
@@ -744,8 +735,9 @@ def test_a_longrope_model_turns_each_row_before_its_long_factors_by_the_short_on
         # (the rows whose tokens a step may emit: before position 16, or all past it)
         rows = [n for n, p in enumerate(positions) if p < LONG_FACTORS_FROM or base >= LONG_FACTORS_FROM]
         with torch.inference_mode():
-            expected = torch.stack([target(torch.tensor([context + path_to(tree, n)], device=device)).logits[0, -1]
-                                    for n in rows])
+            paths = [[tree.tokens[m] for m in tree.path_to(n)] for n in rows]  # (root to node, both included)
+            expected = torch.stack([target(torch.tensor([context + path], device=device)).logits[0, -1]
+                                    for path in paths])
             read = target(torch.tensor([context], device=device)).logits[0]
             if min(positions) < LONG_FACTORS_FROM <= max(positions):
                 whole = CachedLM(target, V)
