@@ -10,6 +10,8 @@ embedded model's 49152-token vocabulary instead of its 262144.
 `--family qwen3_moe`: a Qwen3-MoE of the embedded target's width (hidden 576, 9 heads of 64, 3
 key-value heads) and 12 layers, each an MLP of 16 experts of 256, 4 a token (no window).
 `--family mixtral`: a Mixtral as wide, 12 layers windowed, 8 experts of 768, 2 a token.
+`--family glm4`: a GLM-4 of the embedded target's shape (gate and up one linear, half of each head
+turned by adjacent pairs, four norms; no window).
 `--family phi3_longrope`: a Phi-3 of the embedded target's shape turned by `longrope` factors,
 its long ones from position `--window` on (Phi-3.5's and Phi-4-mini's kind, whose long factors
 start at 4096; no window): the answer goes past that position, where rsd reads the sequence
@@ -39,8 +41,9 @@ PROMPT = "Write a long story about a robot who learns to paint, with many detail
 
 def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
     import torch
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM, MixtralConfig,
-                              MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Glm4Config, Glm4ForCausalLM, MistralConfig,
+                              MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     from rsd_cli.models import resolve_source
 
@@ -60,6 +63,11 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
             vocab_size=49152, hidden_size=576, intermediate_size=768, num_hidden_layers=12, num_attention_heads=9,
             num_key_value_heads=3, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=8192,
             sliding_window=window, tie_word_embeddings=True, rms_norm_eps=1e-5))
+    elif family == "glm4":
+        model = Glm4ForCausalLM(Glm4Config(
+            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+            num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True,
+            rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     elif family == "phi3_longrope":  # (32 factors each: one per pair of a head's 64 dimensions)
         rope = dict(rope_type="longrope", rope_theta=10000.0, factor=8192 / window,
                     original_max_position_embeddings=window, short_factor=[1.0 + i / 16 for i in range(32)],
@@ -97,10 +105,10 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=96)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--variants", default="ar,sd")
-    parser.add_argument("--family", choices=("mistral", "gemma3", "qwen3_moe", "mixtral", "phi3_longrope"),
+    parser.add_argument("--family", choices=("mistral", "gemma3", "qwen3_moe", "mixtral", "glm4", "phi3_longrope"),
                         default="mistral")
     args = parser.parse_args()
-    past = {"qwen3_moe": "", "phi3_longrope": f" past position {args.window}, the long factors' start"}
+    past = {"qwen3_moe": "", "glm4": "", "phi3_longrope": f" past position {args.window}, the long factors' start"}
     with tempfile.TemporaryDirectory() as tmp:
         profile = make_model(Path(tmp), args.window, args.family)
         for variant in args.variants.split(","):
