@@ -791,6 +791,30 @@ def test_longrope_decoding_across_the_long_factors_start_is_transformers_decodin
             (length, shape.describe())
 
 
+def test_a_phi_moe_target_decodes_across_its_long_factors_start_as_one_forward():
+    """Phi-3.5-MoE (`phimoe`: `longrope` too, its experts off the static-cache runtime) on
+    transformers' forward: every variant's greedy answer from 12 tokens to 14 more, past position
+    16, is one forward's of the sequence before each token (its caches read again at 16)."""
+    from transformers import PhimoeConfig, PhimoeForCausalLM
+
+    torch.manual_seed(1)
+    rope = dict(rope_type="longrope", rope_theta=10000.0, factor=16.0, original_max_position_embeddings=16,
+                short_mscale=1.0, long_mscale=1.2, short_factor=[1.0, 1.5, 3.0, 1.2], long_factor=[2.0, 5.0, 11.0, 3.0])
+    target = PhimoeForCausalLM(PhimoeConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+        original_max_position_embeddings=16, rope_parameters=rope, sliding_window=None, initializer_range=0.3,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3.0)
+    assert compiled.unsupported(target).startswith("a phimoe model")
+    prompt = [1, 3, 4, 5, 2, 3, 0, 1, 4, 4, 5, 3]
+    expected = plain_greedy(target, 14, prompt)
+    for shape in shapes():  # (the target as its own draft)
+        decoder = Decoder(target, target, V, shape, SamplingParams(temperature=0), set())
+        assert [t for event in decoder.generate(prompt, 14, 0) for t in event.emitted] == expected, shape.describe()
+
+
 @pytest.mark.parametrize("runtime", ["transformers", "static cache"])
 def test_longrope_completions_decoded_together_stay_exact(runtime):
     """Completions decoded together (`ar` and `auto` with --samples or --prompts) share their prompts'
