@@ -1413,7 +1413,7 @@ class StaticLM(ChainExtension):
         sizes = self.compiled.buckets
         long = reading and astride(positions, self.long_from)
         if self.long_from is not None:
-            self._note_factors(not long and min(positions) < self.long_from, long)
+            self._note_factors(positions, long)
         # (a longer prompt, or one turned by the long factors: the other path, same buffers)
         static = self.static and bucket(n, sizes) is not None and not long
         size = (bucket(n, sizes) or n) if self.compiled.compiled or static else n

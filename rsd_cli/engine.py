@@ -202,12 +202,13 @@ class ChainExtension:
     # turned by the short factors, by the long ones (Decoder._long_keys, Decoder._kept_prefix)
     turned_short = turned_long = False
 
-    def _note_factors(self, short: bool, long: bool) -> None:
-        """Before a forward that turns some of its rows before the long factors' start by the short
-        factors, or by the long ones: what the cache then holds (an empty one, only that forward's)."""
-        held = self.length > 0
-        self.turned_short = short or self.turned_short and held
-        self.turned_long = long or self.turned_long and held
+    def _note_factors(self, positions: list[int], long: bool) -> None:
+        """Before a forward of rows at `positions` (a `longrope` model's; `long`: all turned by the long
+        factors, else each before the start by the short ones): what the cache then holds (an empty
+        one, only that forward's)."""
+        before, held = min(positions) < self.long_from, self.length > 0
+        self.turned_short = before and not long or self.turned_short and held
+        self.turned_long = before and long or self.turned_long and held
 
     def extend(self, tokens: list[int] | torch.Tensor, last_only: bool = True, reading: bool = False) -> torch.Tensor:
         """Append a chain of tokens (a list, or an (n,) tensor on the model's device) after the
@@ -430,8 +431,7 @@ class CachedLM(ChainExtension):
         if not reading and astride(positions, self.long_from):
             return self._by_factors(tokens, positions, visible, last_only)
         if self.long_from is not None:  # (transformers turns them all by the short factors, or all by the long)
-            short = max(positions) < self.long_from
-            self._note_factors(short, not short and min(positions) < self.long_from)
+            self._note_factors(positions, max(positions) >= self.long_from)
         start = self.clock.start()
         dtype = self.model.dtype
         device = self.device

@@ -21,7 +21,8 @@ from rsd_cli.errors import RsdError
 from rsd_cli.sampling import SamplingParams
 from rsd_cli.tree import DraftTree
 from test_engine import (DEVICE_SHAPES, MC_SHAPES, N_SAMPLES, PROMPT, V, chi_square_pvalue, exact_joint,
-                         plain_greedy, shapes, together)
+                         plain_greedy, sample_pairs, shapes, together)
+from test_engine import run as run_on
 from test_threads import Alternating
 from tiny import LONG_FACTORS_FROM, tiny_model, tiny_relative
 
@@ -160,10 +161,8 @@ def test_greedy_on_compiled_graphs_with_packed_kernels_equals_plain_greedy(pair,
     assert run(models, runtimes, shape, SamplingParams(temperature=0), 25, seed=0) == plain_greedy(pair[0], 25)
 
 
-def run(pair, runtimes, shape, sampling, max_tokens, seed, device_steps=None):
-    decoder = Decoder(pair[0], pair[1], V, shape, sampling, set(), runtimes=runtimes)
-    decoder.device_steps = device_steps
-    return [t for event in decoder.generate(PROMPT, max_tokens, seed) for t in event.emitted]
+def run(pair, runtimes, shape, sampling, max_tokens, seed, device_steps=None, prompt=PROMPT):
+    return run_on(pair, shape, sampling, max_tokens, seed, prompt=prompt, device_steps=device_steps, runtimes=runtimes)
 
 
 @pytest.mark.parametrize("shape", DEVICE_SHAPES, ids=lambda s: s.describe())
@@ -777,16 +776,12 @@ def test_longrope_decoding_across_the_long_factors_start_is_transformers_decodin
             assert target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=14,
                                    pad_token_id=0)[0, len(prompt):].tolist() == expected
     for shape in shapes():
-        decoder = Decoder(target, draft, V, shape, SamplingParams(temperature=0), set(), runtimes=runtimes)
-        assert [t for event in decoder.generate(prompt, 14, 0) for t in event.emitted] == expected, shape.describe()
+        assert run((target, draft), runtimes, shape, SamplingParams(temperature=0), 14, 0, prompt=prompt) == expected, \
+            shape.describe()
     sampling = SamplingParams(temperature=1.0)
     for length, shape in LONGROPE_MC:
         prompt = [(3 * t + 1) % V for t in range(length)]
-        counts = torch.zeros(V, V)
-        for seed in range(N_SAMPLES):
-            decoder = Decoder(target, draft, V, shape, sampling, set(), runtimes=runtimes)
-            tokens = [t for event in decoder.generate(prompt, 2, seed) for t in event.emitted]
-            counts[tokens[0], tokens[1]] += 1
+        counts = sample_pairs((target, draft), shape, sampling, N_SAMPLES, prompt=prompt, runtimes=runtimes)
         assert chi_square_pvalue(counts, exact_joint(target, sampling, prompt) * N_SAMPLES) > 1e-3, \
             (length, shape.describe())
 
@@ -811,8 +806,8 @@ def test_a_phi_moe_target_decodes_across_its_long_factors_start_as_one_forward()
     prompt = [1, 3, 4, 5, 2, 3, 0, 1, 4, 4, 5, 3]
     expected = plain_greedy(target, 14, prompt)
     for shape in shapes():  # (the target as its own draft)
-        decoder = Decoder(target, target, V, shape, SamplingParams(temperature=0), set())
-        assert [t for event in decoder.generate(prompt, 14, 0) for t in event.emitted] == expected, shape.describe()
+        assert run((target, target), None, shape, SamplingParams(temperature=0), 14, 0, prompt=prompt) == expected, \
+            shape.describe()
 
 
 @pytest.mark.parametrize("runtime", ["transformers", "static cache"])

@@ -116,9 +116,9 @@ FAN = make_shape("rsd-c", branching=(3,))
 DEVICE_SHAPES = [make_shape("sd", draft_len=3), FAN]
 
 
-def run(pair, shape, sampling, max_tokens, seed, eos=frozenset(), prompt=PROMPT, device_steps=None):
+def run(pair, shape, sampling, max_tokens, seed, eos=frozenset(), prompt=PROMPT, device_steps=None, runtimes=None):
     target, draft = pair
-    decoder = Decoder(target, draft, V, shape, sampling, set(eos))
+    decoder = Decoder(target, draft, V, shape, sampling, set(eos), runtimes=runtimes)
     decoder.device_steps = device_steps
     return [t for event in decoder.generate(prompt, max_tokens, seed) for t in event.emitted]
 
@@ -174,10 +174,11 @@ def chi_square_pvalue(counts: torch.Tensor, expected: torch.Tensor) -> float:
     return float(chisquare(obs[keep].numpy(), exp[keep].numpy()).pvalue)
 
 
-def sample_pairs(pair, shape, sampling, n: int, prompt=PROMPT, device_steps=None) -> torch.Tensor:
+def sample_pairs(pair, shape, sampling, n: int, prompt=PROMPT, device_steps=None, runtimes=None) -> torch.Tensor:
     counts = torch.zeros(V, V)
     for seed in range(n):
-        first, second = run(pair, shape, sampling, 2, seed, prompt=prompt, device_steps=device_steps)[:2]
+        first, second = run(pair, shape, sampling, 2, seed, prompt=prompt, device_steps=device_steps,
+                            runtimes=runtimes)[:2]
         counts[first, second] += 1
     return counts
 
