@@ -47,6 +47,10 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
 
     from rsd_cli.models import resolve_source
 
+    # the embedded target's shape (SmolLM2-135M), which the dense families here take
+    embedded = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                    tie_word_embeddings=True, rms_norm_eps=1e-5)
     torch.manual_seed(0)
     if family == "gemma3":
         model = Gemma3ForCausalLM(Gemma3TextConfig(
@@ -64,24 +68,15 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
             num_key_value_heads=3, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=8192,
             sliding_window=window, tie_word_embeddings=True, rms_norm_eps=1e-5))
     elif family == "glm4":
-        model = Glm4ForCausalLM(Glm4Config(
-            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-            num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True,
-            rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+        model = Glm4ForCausalLM(Glm4Config(**embedded, head_dim=64, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     elif family == "phi3_longrope":  # (32 factors each: one per pair of a head's 64 dimensions)
         rope = dict(rope_type="longrope", rope_theta=10000.0, factor=8192 / window,
                     original_max_position_embeddings=window, short_factor=[1.0 + i / 16 for i in range(32)],
                     long_factor=[1.0 + i for i in range(32)])
-        model = Phi3ForCausalLM(Phi3Config(
-            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-            num_key_value_heads=3, max_position_embeddings=8192, original_max_position_embeddings=window,
-            rope_parameters=rope, sliding_window=None, tie_word_embeddings=True, rms_norm_eps=1e-5,
-            bos_token_id=1, eos_token_id=2, pad_token_id=0))
+        model = Phi3ForCausalLM(Phi3Config(**embedded, original_max_position_embeddings=window, rope_parameters=rope,
+                                           sliding_window=None, bos_token_id=1, eos_token_id=2, pad_token_id=0))
     else:
-        model = MistralForCausalLM(MistralConfig(
-            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-            num_key_value_heads=3, max_position_embeddings=8192, sliding_window=window, tie_word_embeddings=True,
-            rms_norm_eps=1e-5))
+        model = MistralForCausalLM(MistralConfig(**embedded, sliding_window=window))
     model.save_pretrained(folder / "target")
     embedded = Path(resolve_source("embedded")[0])
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
