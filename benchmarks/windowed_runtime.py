@@ -10,6 +10,8 @@ embedded model's 49152-token vocabulary instead of its 262144.
 `--family qwen3_moe`: a Qwen3-MoE of the embedded target's width (hidden 576, 9 heads of 64, 3
 key-value heads) and 12 layers, each an MLP of 16 experts of 256, 4 a token (no window).
 `--family mixtral`: a Mixtral as wide, 12 layers windowed, 8 experts of 768, 2 a token.
+`--family gpt_oss`: a gpt-oss as wide and deep as the Qwen3-MoE, 16 experts of 256, 4 a token,
+every other layer windowed (gpt-oss's attention sinks, biases, clamped experts and YaRN angles).
 `--family glm4`: a GLM-4 of the embedded target's shape (gate and up one linear, half of each head
 turned by adjacent pairs, four norms; no window).
 `--family phi3_longrope`: a Phi-3 of the embedded target's shape turned by `longrope` factors,
@@ -24,6 +26,7 @@ Random weights: the speeds say what the runtime costs, the tokens only that both
     .venv/bin/python benchmarks/windowed_runtime.py --family gemma3 --rounds 2 -n 96
     .venv/bin/python benchmarks/windowed_runtime.py --family qwen3_moe --rounds 2 -n 64
     .venv/bin/python benchmarks/windowed_runtime.py --family phi3_longrope --rounds 2 -n 64
+    .venv/bin/python benchmarks/windowed_runtime.py --family gpt_oss --rounds 2 -n 64
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ PROMPT = "Write a long story about a robot who learns to paint, with many detail
 
 def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
     import torch
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Glm4Config, Glm4ForCausalLM, MistralConfig,
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Glm4Config, Glm4ForCausalLM, GptOssConfig,
+                              GptOssForCausalLM, MistralConfig,
                               MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM,
                               Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
@@ -67,6 +71,16 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
             vocab_size=49152, hidden_size=576, intermediate_size=768, num_hidden_layers=12, num_attention_heads=9,
             num_key_value_heads=3, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=8192,
             sliding_window=window, tie_word_embeddings=True, rms_norm_eps=1e-5))
+    elif family == "gpt_oss":  # (its sinks and biases random: transformers starts the biases at 0)
+        model = GptOssForCausalLM(GptOssConfig(
+            vocab_size=49152, hidden_size=576, intermediate_size=256, num_hidden_layers=12, num_attention_heads=9,
+            num_key_value_heads=3, head_dim=64, num_local_experts=16, num_experts_per_tok=4, sliding_window=window,
+            layer_types=["sliding_attention", "full_attention"] * 6, max_position_embeddings=8192,
+            tie_word_embeddings=True, rms_norm_eps=1e-5, attn_implementation="eager"))
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if name.endswith(("sinks", "bias")):
+                    weight.normal_(0.0, 0.02)
     elif family == "glm4":
         model = Glm4ForCausalLM(Glm4Config(**embedded, head_dim=64, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     elif family == "phi3_longrope":  # (32 factors each: one per pair of a head's 64 dimensions)
@@ -100,7 +114,8 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=96)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--variants", default="ar,sd")
-    parser.add_argument("--family", choices=("mistral", "gemma3", "qwen3_moe", "mixtral", "glm4", "phi3_longrope"),
+    parser.add_argument("--family", choices=("mistral", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "glm4",
+                                             "phi3_longrope"),
                         default="mistral")
     args = parser.parse_args()
     past = {"qwen3_moe": "", "glm4": "", "phi3_longrope": f" past position {args.window}, the long factors' start"}

@@ -80,9 +80,9 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
-                   "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox")
+                   "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss")
 # (MLPs of experts, top-k routed: `Style.experts`)
-MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
+MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 # (ntk_alpha: Hunyuan's, a fixed base); `longrope` picks short or long factors for a whole forward by its last
 # position: the runtime turns each row by its own position's (CompiledModel.tables; engine.long_factors_from)
@@ -114,6 +114,8 @@ class Style(NamedTuple):
     layer_norm: bool = False  # norms are torch's LayerNorms, with a bias (StarCoder2, StableLM; Nemotron's by 1 + weight)
     gated: bool = True  # the MLP's up product times its activated gate (Llama); else up, activated, then down
     interleaved: bool = False  # q, k and v one linear whose outputs go head by head: q, k, v of each (GPT-NeoX)
+    sinks: bool = False  # each head's softmax has a learned logit more, whose share goes to no value (gpt-oss)
+    angles_once: bool = False  # the rotary module gives each angle once, for both halves of a head (gpt-oss)
 
 
 def decoder_of(model) -> tuple:
@@ -132,9 +134,11 @@ def style_of(model) -> Style:
     _, cfg = decoder_of(model)
     family = cfg.model_type
     gemma, cohere = family.startswith("gemma"), family in ("cohere", "cohere2")
-    mixture = family in MIXTURES
-    return Style(norm_in_float=gemma or family in ("olmo2", "olmo3") or cohere, norm_offset=gemma or family == "nemotron",
-                 activation=activation_of(cfg), softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
+    mixture, oss = family in MIXTURES, family == "gpt_oss"
+    return Style(norm_in_float=gemma or family in ("olmo2", "olmo3") or cohere or oss,
+                 norm_offset=gemma or family == "nemotron",
+                 activation=clamped_swiglu(model) if oss else activation_of(cfg),
+                 softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
                  residual_scale=float(getattr(cfg, "residual_multiplier", 1.0)),
                  pairs=family in ("ernie4_5", "glm4", "cohere", "cohere2"),
                  rotation_in_float=family in ("ernie4_5", "cohere"),
@@ -142,10 +146,17 @@ def style_of(model) -> Style:
                  parallel=cohere or family == "phi" or bool(getattr(cfg, "use_parallel_residual", False)),
                  experts=int(cfg.num_experts_per_tok) if mixture else 0,
                  renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True)),  # (Mixtral's: no setting, always)
-                 routing_in_float=family == "mixtral", top_first=family.startswith("granitemoe"),
+                 routing_in_float=family == "mixtral", top_first=family.startswith("granitemoe") or oss,
                  layer_norm=family in ("starcoder2", "stablelm", "nemotron", "phi", "gpt_neox"),
                  gated=family not in ("starcoder2", "nemotron", "arcee", "phi", "gpt_neox"),
-                 interleaved=family == "gpt_neox")
+                 interleaved=family == "gpt_neox", sinks=oss, angles_once=oss)
+
+
+def clamped_swiglu(model) -> str:
+    """gpt-oss's experts' gate as the activation's name (ACTIVATIONS: `clamped_swiglu:alpha:limit`), from
+    its first mixture's experts (transformers 5.17 fixes them, later ones read them from the config)."""
+    experts = next(mlp_of(layer).experts for layer in decoder_of(model)[0].layers)
+    return f"clamped_swiglu:{experts.alpha!r}:{experts.limit!r}"
 
 
 def layer_norms(layer) -> tuple:
@@ -350,14 +361,28 @@ def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
     return F.gelu(x, approximate="tanh" if name == "gelu_pytorch_tanh" else "none")
 
 
+def _glu(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """(..., 2I) -> (..., I): a gated MLP's activated gate times its up, from their products side by
+    side — gate then up, or with gpt-oss's `clamped_swiglu:alpha:limit` interleaved (gate, up of each
+    unit), the gate clamped above at limit and its SiLU sharpened by alpha, the up clamped to
+    (-limit, limit) and offset by 1, in the order transformers' GptOssExperts computes them."""
+    if activation.startswith("clamped_swiglu:"):
+        alpha, limit = (float(value) for value in activation.split(":")[1:])
+        gate, up = gate_up[..., ::2].clamp(min=None, max=limit), gate_up[..., 1::2].clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    gate, up = gate_up.chunk(2, -1)
+    return _activation(gate, activation) * up
+
+
 def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style) -> torch.Tensor:
     """A mixture-of-experts MLP on h (n, hidden): each token's `style.experts` likeliest experts by
     the router's softmax (their weights renormalised to sum to 1 where the family does), each expert
-    a gated MLP, their outputs weighted and summed (GraniteMoE: weights a softmax of the k largest
-    router logits) — and where the layer has one, a shared expert's output added, scaled by a sigmoid
-    gate where it has one (Qwen2-MoE; GraniteMoE-shared's is not). experts = (router (E, hidden),
-    gate_up (E, 2I, hidden): each expert's gate rows then its up rows, down (E, hidden, I), the shared
-    expert's (gate, up, down, its gate (1, hidden) or None) or None). The routing is read on the
+    a gated MLP, their outputs weighted and summed (GraniteMoE, gpt-oss: weights a softmax of the k
+    largest router logits) — and where the layer has one, a shared expert's output added, scaled by a
+    sigmoid gate where it has one (Qwen2-MoE; GraniteMoE-shared's is not). experts = (router (E,
+    hidden), gate_up (E, 2I, hidden): each expert's gate rows then its up rows (gpt-oss's interleaved:
+    _glu), down (E, hidden, I), the shared expert's (gate, up, down, its gate (1, hidden) or None) or
+    None, gpt-oss's biases (the router's (E,), gate_up's (E, 2I), down's (E, hidden)) or None). The routing is read on the
     device; routed_experts runs the experts. In a compiled graph, up to GATHERED_PAIRS (token,
     expert) pairs an expert multiply by each pair's expert's weights gathered — the compiled
     kernels read them in place, no copy —, more call the operator rsd::experts (routed_experts).
@@ -365,9 +390,10 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style) -> torch.T
     ms a compiled forward of 1 / 4 / 8 / 16 tokens gathering up to 4 pairs an expert, 8.1 / 14.6 /
     18.6 / 34.8 up to 2, 10.1 / 21.8 / 24.1 / 29.0 up to 0.5 (the operator from 2 tokens on);
     uncompiled 13.9 / 17.5 / 17.8 / 23.5 (`benchmarks/results/intel-xeon-moe/`)."""
-    router, gate_up, down, shared = experts
+    router, gate_up, down, shared, biases = experts
+    router_bias, *biases = biases if biases is not None else (None, None, None)
     k = style.experts
-    logits = F.linear(h, router)  # (n, E)
+    logits = F.linear(h, router, router_bias)  # (n, E)
     if style.top_first:
         top, chosen = logits.float().topk(k, dim=-1)  # (n, k) each
         weights = torch.softmax(top, -1)
@@ -377,13 +403,13 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style) -> torch.T
             weights = weights / weights.sum(-1, keepdim=True)
     weights = weights if style.routing_in_float else weights.to(h.dtype)
     if not torch.compiler.is_compiling():
-        mixed = routed_experts(h, chosen, weights, gate_up, down, style.activation)
+        mixed = routed_experts(h, chosen, weights, gate_up, down, style.activation, *biases)
     elif chosen.numel() <= GATHERED_PAIRS * gate_up.shape[0]:  # (few tokens: the compiled kernels read the weights in place)
-        mixed = _gathered_experts(h, chosen, weights, gate_up, down, style.activation)
+        mixed = _gathered_experts(h, chosen, weights, gate_up, down, style.activation, *biases)
     elif _EXPERTS_OPERATOR:  # (registered before compiling; the graph calls it: no size there follows the routing)
-        mixed = torch.ops.rsd.experts(h, chosen, weights, gate_up, down, style.activation)
+        mixed = torch.ops.rsd.experts(h, chosen, weights, gate_up, down, style.activation, *biases)
     else:
-        mixed = _every_expert(h, chosen, weights, gate_up, down, style.activation)
+        mixed = _every_expert(h, chosen, weights, gate_up, down, style.activation, *biases)
     mixed = mixed.to(h.dtype)
     if shared is None:
         return mixed
@@ -392,9 +418,11 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style) -> torch.T
     return mixed + (common if shared_gate is None else torch.sigmoid(F.linear(h, shared_gate)) * common)
 
 
-def routed_experts(h, chosen, weights, gate_up, down, activation: str) -> torch.Tensor:
+def routed_experts(h, chosen, weights, gate_up, down, activation: str, gate_up_bias=None,
+                   down_bias=None) -> torch.Tensor:
     """(n, hidden): the sum over each token's chosen experts (chosen, weights (n, k)) of the expert's
-    gated MLP on it times its weight (in h's and the weights' common dtype). torch's grouped product
+    gated MLP on it (_glu; its products' biases (E, 2I) and (E, hidden) where it has them: gpt-oss's)
+    times its weight (in h's and the weights' common dtype). torch's grouped product
     where it runs for this device and dtype (the tokens sorted by expert, each expert's weights read
     in place once: on a 2-core Xeon 1-16 tokens of 4 of 16 experts took 0.2-2.7 ms, as a loop over
     the chosen experts, against 1-47 ms gathering each token's experts' weights); else each chosen
@@ -404,7 +432,7 @@ def routed_experts(h, chosen, weights, gate_up, down, activation: str) -> torch.
     capturing = h.is_cuda and torch.cuda.is_current_stream_capturing()
     if _groups(h, capturing):
         try:
-            return _grouped_experts(h, chosen, weights, gate_up, down, activation)
+            return _grouped_experts(h, chosen, weights, gate_up, down, activation, gate_up_bias, down_bias)
         except RuntimeError:  # (shapes the probe's product passed and these do not: each chosen expert from now on)
             if capturing:  # (a capture that failed: the runtime goes on without graphs, as for any)
                 raise
@@ -413,29 +441,34 @@ def routed_experts(h, chosen, weights, gate_up, down, activation: str) -> torch.
         way = _each_chosen_expert
     else:
         way = _every_expert if chosen.numel() > gate_up.shape[0] else _gathered_experts
-    return way(h, chosen, weights, gate_up, down, activation)
+    return way(h, chosen, weights, gate_up, down, activation, gate_up_bias, down_bias)
 
 
-def _each_chosen_expert(h, chosen, weights, gate_up, down, activation: str) -> torch.Tensor:
+def _each_chosen_expert(h, chosen, weights, gate_up, down, activation: str, gate_up_bias=None,
+                        down_bias=None) -> torch.Tensor:
     """routed_experts by each chosen expert once on its tokens (which experts: read on the host)."""
     mixed = h.new_zeros(h.shape, dtype=torch.promote_types(h.dtype, weights.dtype))
     for expert in chosen.unique().tolist():
         token, slot = (chosen == expert).nonzero(as_tuple=True)
-        gate, up = F.linear(h[token], gate_up[expert]).chunk(2, -1)
-        out = F.linear(_activation(gate, activation) * up, down[expert])
+        biases = (None, None) if gate_up_bias is None else (gate_up_bias[expert], down_bias[expert])
+        out = F.linear(_glu(F.linear(h[token], gate_up[expert], biases[0]), activation), down[expert], biases[1])
         mixed.index_add_(0, token, out * weights[token, slot, None])
     return mixed
 
 
-def _gathered_experts(h, chosen, weights, gate_up, down, activation: str) -> torch.Tensor:
+def _gathered_experts(h, chosen, weights, gate_up, down, activation: str, gate_up_bias=None,
+                      down_bias=None) -> torch.Tensor:
     """routed_experts by each (token, expert) pair's weights gathered (a copy of k experts' a token)."""
     ids = chosen.reshape(-1)  # (n k,)
-    gate, up = torch.bmm(gate_up[ids], h.repeat_interleave(chosen.shape[1], 0)[:, :, None])[..., 0].chunk(2, -1)
-    out = torch.bmm(down[ids], (_activation(gate, activation) * up)[:, :, None])[..., 0]  # (n k, hidden)
+    gate_up_out = torch.bmm(gate_up[ids], h.repeat_interleave(chosen.shape[1], 0)[:, :, None])[..., 0]  # (n k, 2I)
+    gate_up_out = gate_up_out if gate_up_bias is None else gate_up_out + gate_up_bias[ids]
+    out = torch.bmm(down[ids], _glu(gate_up_out, activation)[:, :, None])[..., 0]  # (n k, hidden)
+    out = out if down_bias is None else out + down_bias[ids]
     return (out * weights.reshape(-1, 1)).view(*chosen.shape, -1).sum(1)
 
 
-def _grouped_experts(h, chosen, weights, gate_up, down, activation: str) -> torch.Tensor:
+def _grouped_experts(h, chosen, weights, gate_up, down, activation: str, gate_up_bias=None,
+                     down_bias=None) -> torch.Tensor:
     """routed_experts by torch._grouped_mm: (token, expert) pairs sorted by expert, each expert's
     weights multiplying its run of rows; counted on the device (nothing read on the host)."""
     n, k = chosen.shape
@@ -443,17 +476,22 @@ def _grouped_experts(h, chosen, weights, gate_up, down, activation: str) -> torc
     order = flat.argsort(stable=True)  # (n k,) the pairs, expert by expert
     counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=h.device)
     ends = counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(0, dtype=torch.int32)
-    gate, up = torch._grouped_mm(h[order // k], gate_up.transpose(1, 2), offs=ends).chunk(2, -1)
-    out = torch._grouped_mm(_activation(gate, activation) * up, down.transpose(1, 2), offs=ends)
+    gate_up_out = torch._grouped_mm(h[order // k], gate_up.transpose(1, 2), offs=ends)  # (n k, 2I), by expert
+    gate_up_out = gate_up_out if gate_up_bias is None else gate_up_out + gate_up_bias[flat[order]]
+    out = torch._grouped_mm(_glu(gate_up_out, activation), down.transpose(1, 2), offs=ends)
+    out = out if down_bias is None else out + down_bias[flat[order]]
     pairs = torch.empty_like(out).index_copy_(0, order, out)  # (n k, hidden), back in token order
     return (pairs * weights.reshape(-1, 1)).view(n, k, -1).sum(1)
 
 
-def _every_expert(h, chosen, weights, gate_up, down, activation: str) -> torch.Tensor:
+def _every_expert(h, chosen, weights, gate_up, down, activation: str, gate_up_bias=None,
+                  down_bias=None) -> torch.Tensor:
     """routed_experts with no size depending on the routing: every expert on every token, the unchosen
     weighted by 0."""
-    gate, up = torch.matmul(h, gate_up.transpose(1, 2)).chunk(2, -1)  # (E, n, I) each
-    out = torch.matmul(_activation(gate, activation) * up, down.transpose(1, 2))  # (E, n, hidden)
+    gate_up_out = torch.matmul(h, gate_up.transpose(1, 2))  # (E, n, 2I)
+    gate_up_out = gate_up_out if gate_up_bias is None else gate_up_out + gate_up_bias[:, None]
+    out = torch.matmul(_glu(gate_up_out, activation), down.transpose(1, 2))  # (E, n, hidden)
+    out = out if down_bias is None else out + down_bias[:, None]
     routing = torch.zeros(h.shape[0], gate_up.shape[0], dtype=weights.dtype, device=h.device).scatter(1, chosen, weights)
     return (out * routing.T[..., None]).sum(0)
 
@@ -491,12 +529,13 @@ def register_experts_operator() -> bool:
         if hasattr(torch.library, "custom_op"):
             try:
                 @torch.library.custom_op("rsd::experts", mutates_args=(), schema="(Tensor h, Tensor chosen, "
-                                         "Tensor weights, Tensor gate_up, Tensor down, str activation) -> Tensor")
-                def experts_operator(h, chosen, weights, gate_up, down, activation):
-                    return routed_experts(h, chosen, weights, gate_up, down, activation)
+                                         "Tensor weights, Tensor gate_up, Tensor down, str activation, "
+                                         "Tensor? gate_up_bias=None, Tensor? down_bias=None) -> Tensor")
+                def experts_operator(h, chosen, weights, gate_up, down, activation, gate_up_bias=None, down_bias=None):
+                    return routed_experts(h, chosen, weights, gate_up, down, activation, gate_up_bias, down_bias)
 
                 @experts_operator.register_fake
-                def _(h, chosen, weights, gate_up, down, activation):
+                def _(h, chosen, weights, gate_up, down, activation, gate_up_bias=None, down_bias=None):
                     return h.new_empty(h.shape, dtype=torch.promote_types(h.dtype, weights.dtype))
 
                 _EXPERTS_OPERATOR = True
@@ -530,9 +569,10 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     An MLP without a gate (`style.gated` off: StarCoder2, Nemotron, Arcee, Phi, GPT-NeoX) has wg None,
     and bu and bd its up and down products' biases where it has them. With `style.interleaved`
     (GPT-NeoX) wq is q, k and v's one linear, its outputs head by head, and wk, wv None. A
-    LayerNorm's weight is a (weight, bias) pair (norm_of)."""
+    LayerNorm's weight is a (weight, bias) pair (norm_of). `sinks` (heads,): gpt-oss's attention sinks,
+    or None."""
     (ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd, q_norm, k_norm, after_attention, after_mlp,
-     experts, bu, bd) = weights
+     experts, bu, bd, sinks) = weights
     in_float = style.norm_in_float
     heads, kv_heads, head_dim, scaling, eps = dims
     n, kv_len = x.shape[0], mask.shape[1]
@@ -576,13 +616,19 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
         values.index_copy_(1, slots, v)
         k, v = keys, values
     grouped = {}
-    if heads != kv_heads and SDPA_GQA and not style.softcap:  # grouped-query attention without copying the cache
+    own_attention = style.softcap or sinks is not None  # (scores that torch's attention kernel cannot take)
+    if heads != kv_heads and SDPA_GQA and not own_attention:  # grouped-query attention without copying the cache
         grouped = {"enable_gqa": True}
     elif heads != kv_heads:
         k, v = k.repeat_interleave(heads // kv_heads, dim=0), v.repeat_interleave(heads // kv_heads, dim=0)
-    if style.softcap:  # Gemma 2: scores soft-capped before the mask, which torch's attention kernel cannot do
+    if style.softcap:  # Gemma 2: scores soft-capped before the mask
         scores = torch.tanh(q @ k.transpose(1, 2) * scaling / style.softcap) * style.softcap + mask.to(q.dtype)
         out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v  # (H, n, hd)
+    elif sinks is not None:  # gpt-oss: each head's sink logit beside every row's scores, its share dropped
+        scores = q @ k.transpose(1, 2) * scaling + mask.to(q.dtype)  # (H, n, kv_len)
+        scores = torch.cat([scores, sinks.to(scores.dtype)[:, None, None].expand(-1, n, 1)], dim=-1)
+        scores = scores - scores.max(dim=-1, keepdim=True).values
+        out = torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1].to(v.dtype) @ v
     elif sight is not None and sight.mask is None:  # causal, every key before the new tokens' own seen by all
         before = k.shape[1] - n  # (rows of zeros before the queries: torch's causal attention is top-left)
         q = torch.cat([q.new_zeros(heads, before, head_dim), q], dim=1) if before else q
@@ -736,16 +782,38 @@ def experts_of(layer) -> tuple | None:
         gate, up = gate_up.chunk(2)
         shared = (gate, up, layer.shared_mlp.output_linear.weight.detach(), None)
     router = getattr(m, "gate", None) or m.router
-    return router.weight.detach(), m.experts.gate_up_proj.detach(), m.experts.down_proj.detach(), shared
+    gate_up, down, biases = m.experts.gate_up_proj.detach(), m.experts.down_proj.detach(), None
+    if _oss_experts(m):  # (transposed: views as the others' are laid out, no copy; its products' biases)
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        biases = tuple(w.detach() for w in (router.bias, m.experts.gate_up_proj_bias, m.experts.down_proj_bias))
+    return router.weight.detach(), gate_up, down, shared, biases
+
+
+def _oss_experts(m) -> bool:
+    """Whether an MLP is gpt-oss's mixture of experts as transformers lays it out (unquantised: not
+    the MXFP4 kernels' experts): a router with a bias, each expert's products transposed — gate_up
+    (E, hidden, 2I), its gate and up columns interleaved, down (E, I, hidden) — with biases, its gate
+    clamped (_glu's `clamped_swiglu`)."""
+    experts, router = getattr(m, "experts", None), getattr(m, "router", None)
+    if type(experts).__name__ != "GptOssExperts" or type(router).__name__ != "GptOssTopKRouter":
+        return False
+    shapes = [getattr(getattr(experts, name, None), "shape", None) for name in
+              ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")]
+    if None in shapes or getattr(router, "bias", None) is None or {name for name, _ in m.named_children()} != \
+            {"router", "experts"} or not all(isinstance(getattr(experts, name, None), float) for name in ("alpha", "limit")):
+        return False
+    (count, hidden, doubled), (_, inner, _) = shapes[0], shapes[2]
+    return len(shapes[0]) == len(shapes[2]) == 3 and doubled == 2 * inner and shapes[1] == (count, doubled) \
+        and shapes[3] == (count, hidden) and shapes[2] == (count, inner, hidden)
 
 
 def _plain_experts(layer) -> bool:
     """Whether a layer's MLP is an MLP, or a mixture of experts as mixture_of_experts computes it: a
     router's weight, each expert's gate and up rows stacked (E, 2I, hidden) and its down (E, hidden,
     I), without biases, their gate the model's activation (transformers' default), a shared expert
-    only as Qwen2-MoE's and GraniteMoE-shared's."""
+    only as Qwen2-MoE's and GraniteMoE-shared's; or gpt-oss's (_oss_experts)."""
     m, shared = mlp_of(layer), getattr(layer, "shared_mlp", None)
-    if not hasattr(m, "experts"):
+    if not hasattr(m, "experts") or _oss_experts(m):
         return True
     experts, router = m.experts, getattr(m, "gate", None) or getattr(m, "router", None)
     try:
@@ -940,7 +1008,8 @@ class CompiledModel:
             # (the fused linears whole, where stacked as the model has them)
             multiplied = (q if own[0] is None else own[0], k, v, o, gate if own[1] is None else own[1], up, down)
             self.layers.append((tuple(None if w is None else w if isinstance(w, tuple) else w.detach() for w in weights)
-                                + (experts_of(layer), *biases),
+                                + (experts_of(layer), *biases,
+                                   attention_of(layer).sinks.detach() if style.sinks else None),
                                 tuple(None if linear is None else self._kernels(linear) for linear in multiplied),
                                 (None if k is None else fused_blocks(linears[:3], biased=True),
                                  None if gate is None else fused_blocks(linears[4:6])) if fuse else (None, None)))
@@ -1039,6 +1108,9 @@ class CompiledModel:
             found = [None if name is None else rotary(x, positions, name) if per_kind else rotary(x, positions)
                      for name in names]
         found = [(None, None) if table is None else (table[0][0], table[1][0]) for table in found]
+        if self.style.angles_once:  # (gpt-oss: each angle for both halves of a head, as rotate_half reads it)
+            found = [(None, None) if cos is None else (torch.cat([cos, cos], -1), torch.cat([sin, sin], -1))
+                     for cos, sin in found]
         return [(None, None) if cos is None else (pair_angles(cos), pair_angles(sin)) for cos, sin in found] \
             if self.style.pairs else found
 
@@ -1231,7 +1303,8 @@ class CompiledModel:
             y = x
             run = NativeForward(cos, sin, mask, dims) if native is not None else None
             # (a Gemma 2 layer's attention reads every key through the mask)
-            reads = sight() if sight is not None and not graphs and not self.style.softcap else None
+            reads = sight() if sight is not None and not graphs and not (self.style.softcap or self.style.sinks) \
+                else None
             for index, (weights, small, fused) in enumerate(self.layers):
                 if native is not None and native[index] is not None:
                     y = run.layer(native[index], y, keys[index], values[index])

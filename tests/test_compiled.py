@@ -479,7 +479,8 @@ def test_a_logit_bias_in_step_maths_replayed_as_cuda_graphs_decides_as_launched_
 
 
 @CUDA
-@pytest.mark.parametrize("kind", ["mistral", "gemma3", "gemma2", "phi3", "exaone4", "cohere2", "mixtral", "starcoder2"])
+@pytest.mark.parametrize("kind", ["mistral", "gemma3", "gemma2", "phi3", "exaone4", "cohere2", "mixtral", "starcoder2",
+                                  "gpt_oss"])
 def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
     """Mistral-like, every layer seeing the last 8 positions, Gemma 3-like, the first layer only (a
     mask for each layer kind), Gemma 2-like, every other layer seeing 4 (and rsd's own attention,
@@ -488,7 +489,7 @@ def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
     2-like (EXAONE 4's layer kinds, attention and MLP side by side, adjacent pairs turned), or
     Mixtral-like (every layer seeing 4, MLPs of experts: routed on the device, no size depending on
     the routing) or StarCoder2-like (every layer seeing 4, LayerNorms, an MLP without a gate, its
-    biases), in
+    biases) or gpt-oss-like (every other layer seeing 4, attention sinks, experts with biases), in
     compiled CUDA graphs (masks over the whole capacity, windowed on the host): every variant's
     greedy tokens are the target's, 30 tokens past the window."""
     import copy
@@ -538,7 +539,7 @@ def skip_a_dynamic_hunyuan(model) -> None:
                                   "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan",
                                   "glm4", "cohere2", "cohere", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
                                   "granitemoe", "granitemoeshared", "starcoder2", "stablelm", "nemotron", "arcee", "phi",
-                                  "gpt_neox"])
+                                  "gpt_neox", "gpt_oss"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
@@ -560,7 +561,10 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     window), StableLM (LayerNorms, a quarter of each head turned), Nemotron (LayerNorms by 1 +
     weight, squared ReLUs without a gate), Arcee (Llama's layers, Nemotron's MLP) and Phi (attention
     and an MLP without a gate side by side on one LayerNorm, biases on every linear and the head),
-    GPT-NeoX (q, k and v one linear head by head, attention and the MLP side by side on two norms):
+    GPT-NeoX (q, k and v one linear head by head, attention and the MLP side by side on two norms), and
+    gpt-oss (attention sinks, biases on every linear, a window on every other layer, YaRN angles each
+    given once for both halves of a head, experts transposed with their gate and up interleaved, biased
+    and clamped, routed by a softmax of the top router logits, the router biased too):
     tree logits, pruning and growth as
     transformers' forward gives them on every
     backend, and each variant's greedy output is plain greedy."""
@@ -587,7 +591,8 @@ def test_each_way_of_running_routed_experts_gives_each_tokens_weighted_experts(m
     """The four ways the runtime runs a mixture's experts — torch's grouped product, each chosen
     expert once, each token's experts' weights gathered, every expert on every token weighted by 0
     where not chosen — give each token the sum of its chosen experts' gated MLPs times their
-    weights, 1 to 16 tokens, float32 and float64 routing weights alike; routed_experts takes the
+    weights, 1 to 16 tokens, float32 and float64 routing weights alike, and gpt-oss's experts (biases,
+    gate and up interleaved and clamped) too; routed_experts takes the
     grouped product where it runs, else each chosen expert (not capturing a CUDA graph), and from
     then on where the grouped product refuses shapes its probe passed."""
     torch.manual_seed(0)
@@ -609,6 +614,19 @@ def test_each_way_of_running_routed_experts_gives_each_tokens_weighted_experts(m
             torch.testing.assert_close(way(h, chosen, weights, gate_up, down, "silu"), expected, rtol=1e-5, atol=1e-5)
             doubles = way(h, chosen, weights.double(), gate_up, down, "silu")
             assert doubles.dtype == torch.float64, way.__name__
+        # gpt-oss's experts: biased products, gate and up interleaved, both clamped, the up offset by 1
+        gate_up_bias, down_bias = torch.randn(count, 2 * inner), torch.randn(count, hidden)
+        expected = torch.zeros(n, hidden)
+        for token in range(n):
+            for slot in range(k):
+                expert = int(chosen[token, slot])
+                both = gate_up[expert] @ h[token] + gate_up_bias[expert]
+                gate, up = both[0::2].clamp(max=1.5), both[1::2].clamp(-1.5, 1.5)
+                glu = (up + 1) * gate * torch.sigmoid(gate * 1.702)
+                expected[token] += weights[token, slot] * (down[expert] @ glu + down_bias[expert])
+        for way in ways:
+            torch.testing.assert_close(way(h, chosen, weights, gate_up, down, "clamped_swiglu:1.702:1.5", gate_up_bias,
+                                           down_bias), expected, rtol=1e-5, atol=1e-5)
     used = []
     for way in ("_grouped_experts", "_each_chosen_expert"):
         monkeypatch.setattr(compiled, way, lambda *args, way=way: used.append(way) or torch.zeros(1))
@@ -1027,11 +1045,11 @@ def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtim
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3", "phi3", "phi3-longrope", "exaone4",
                                   "ernie4_5", "hunyuan", "glm4", "cohere2", "qwen2_moe", "mixtral", "starcoder2",
-                                  "nemotron", "phi"])
+                                  "nemotron", "phi", "gpt_oss"])
 def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both_runtimes(tmp_path, kind):
     """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3, Phi-3 (with `longrope` too: its long
     factors from position 16, which the answer passes), EXAONE 4, ERNIE 4.5, Hunyuan, GLM-4, Cohere 2,
-    Qwen2-MoE, Mixtral, StarCoder2, Nemotron or Phi checkpoint folder, its first layer as the draft, on
+    Qwen2-MoE, Mixtral, StarCoder2, Nemotron, Phi or gpt-oss checkpoint folder, its first layer as the draft, on
     the static-cache runtime compiled and on transformers' forward: the same greedy tokens."""
     from tiny import tiny_tokenizer
 

@@ -91,7 +91,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               GraniteMoeForCausalLM, GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM,
                               Starcoder2Config, Starcoder2ForCausalLM, StableLmConfig, StableLmForCausalLM,
                               NemotronConfig, NemotronForCausalLM, ArceeConfig, ArceeForCausalLM, PhiConfig,
-                              PhiForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM)
+                              PhiForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, GptOssConfig, GptOssForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -113,7 +113,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "starcoder2": (Starcoder2Config, Starcoder2ForCausalLM),
                            "stablelm": (StableLmConfig, StableLmForCausalLM),
                            "nemotron": (NemotronConfig, NemotronForCausalLM), "arcee": (ArceeConfig, ArceeForCausalLM),
-                           "phi": (PhiConfig, PhiForCausalLM), "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM)}[kind]
+                           "phi": (PhiConfig, PhiForCausalLM), "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM),
+                           "gpt_oss": (GptOssConfig, GptOssForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -134,6 +135,12 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         settings = dict(partial_rotary_factor=0.25, attention_bias=True, use_parallel_residual=True)
     elif kind == "phi":
         settings = dict(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0)
+    elif kind == "gpt_oss":  # (every other layer windowed, as gpt-oss's; YaRN angles past 16; its sinks, biases random)
+        settings = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                        + ["sliding_attention"] * (layers % 2), head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                        swiglu_limit=1.5, attn_implementation="eager",
+                        rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                             original_max_position_embeddings=64, rope_theta=10000.0))
     elif kind.startswith("granitemoe"):
         settings = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0,
                         num_local_experts=4, num_experts_per_tok=2)
@@ -198,6 +205,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         for name, weight in model.named_parameters():
             if "norm" in name:  # (Gemma's start at 0, others' at 1; LayerNorms' biases at 0)
                 weight.normal_(float(weight.mean()), scale)
+            elif name.endswith(("sinks", "bias")) and kind == "gpt_oss":  # (its sinks, router's and experts' biases)
+                weight.normal_(0.0, 1.0 if name.endswith("sinks") else scale)
     return model.eval()
 
 
