@@ -80,15 +80,16 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
-                   "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss")
+                   "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 # (ntk_alpha: Hunyuan's, a fixed base); `longrope` picks short or long factors for a whole forward by its last
 # position: the runtime turns each row by its own position's (CompiledModel.tables; engine.long_factors_from)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "ntk_alpha", "longrope")
-# the MLP's gate (or without one, its activation): SiLU (Llama), GELU tanh-approximated or exact, ReLU squared
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu", "relu2", "gelu_new")  # (gelu_new: Phi's tanh GELU, by formula)
+# the MLP's gate (or without one, its activation): SiLU (Llama), GELU tanh-approximated or exact, ReLU squared,
+# xIELU (Apertus: each layer's own learned constants, _xielu)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu", "relu2", "gelu_new", "xielu")  # (gelu_new: Phi's tanh GELU, by formula)
 
 
 class Style(NamedTuple):
@@ -148,7 +149,7 @@ def style_of(model) -> Style:
                  renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True)),  # (Mixtral's: no setting, always)
                  routing_in_float=family == "mixtral", top_first=family.startswith("granitemoe") or oss,
                  layer_norm=family in ("starcoder2", "stablelm", "nemotron", "phi", "gpt_neox"),
-                 gated=family not in ("starcoder2", "nemotron", "arcee", "phi", "gpt_neox"),
+                 gated=family not in ("starcoder2", "nemotron", "arcee", "phi", "gpt_neox", "apertus"),
                  interleaved=family == "gpt_neox", sinks=oss, angles_once=oss)
 
 
@@ -164,7 +165,9 @@ def layer_norms(layer) -> tuple:
     MLP), None where its family has none: Llama's input_layernorm and post_attention_layernorm (the
     one before the MLP, whatever its name says); Gemma 2 and 3's four (their post_attention_layernorm
     is after attention); GLM-4's four (its post_self_attn_layernorm after attention, post_mlp_layernorm
-    after the MLP); OLMo 2 and 3's and EXAONE 4's last two only."""
+    after the MLP); OLMo 2 and 3's and EXAONE 4's last two only; Apertus's two, named otherwise."""
+    if hasattr(layer, "feedforward_layernorm"):  # (Apertus)
+        return layer.attention_layernorm, layer.feedforward_layernorm, None, None
     if not hasattr(layer, "post_attention_layernorm"):  # Cohere: one norm, read by attention and the MLP alike
         return layer.input_layernorm, None, None, None
     if hasattr(layer, "post_self_attn_layernorm"):  # GLM-4: its post_attention_layernorm is before the MLP
@@ -351,7 +354,11 @@ def norm_weight(weight: torch.Tensor, style: Style) -> torch.Tensor:
     return weight.float() if style.norm_in_float else weight
 
 
-def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
+def _activation(x: torch.Tensor, name: str, constants: tuple | None = None) -> torch.Tensor:
+    """The named activation of x; xIELU's with its layer's `constants` (xielu_constants)."""
+    if name == "xielu":  # (transformers' XIELUActivation in Python, as it computes it)
+        alpha_p, alpha_n, beta, eps = constants
+        return torch.where(x > 0, alpha_p * x * x + beta * x, (torch.expm1(torch.min(x, eps)) - x) * alpha_n + beta * x)
     if name == "silu":
         return F.silu(x)
     if name == "relu2":
@@ -359,6 +366,16 @@ def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
     if name == "gelu_new":  # (transformers' NewGELUActivation, as it computes it)
         return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
     return F.gelu(x, approximate="tanh" if name == "gelu_pytorch_tanh" else "none")
+
+
+def xielu_constants(mlp) -> tuple | None:
+    """An MLP's xIELU activation's constants as _activation takes them (alpha_p and alpha_n through their
+    softplus, as transformers' XIELUActivation computes them at every call: the same values), or None."""
+    act = getattr(mlp, "act_fn", None)
+    if type(act).__name__ != "XIELUActivation":
+        return None
+    with torch.no_grad():
+        return (F.softplus(act.alpha_p.detach()), act.beta + F.softplus(act.alpha_n.detach()), act.beta, act.eps)
 
 
 def _glu(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -570,9 +587,9 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     and bu and bd its up and down products' biases where it has them. With `style.interleaved`
     (GPT-NeoX) wq is q, k and v's one linear, its outputs head by head, and wk, wv None. A
     LayerNorm's weight is a (weight, bias) pair (norm_of). `sinks` (heads,): gpt-oss's attention sinks,
-    or None."""
+    or None; `constants`: the activation's own (Apertus's xIELU: xielu_constants), or None."""
     (ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd, q_norm, k_norm, after_attention, after_mlp,
-     experts, bu, bd, sinks) = weights
+     experts, bu, bd, sinks, constants) = weights
     in_float = style.norm_in_float
     heads, kv_heads, head_dim, scaling, eps = dims
     n, kv_len = x.shape[0], mask.shape[1]
@@ -650,7 +667,7 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
         mlp = mixture_of_experts(h, experts, style)
     else:
         if not style.gated:
-            hidden = _activation(_linear(h, wu, bu, small[5]), style.activation)
+            hidden = _activation(_linear(h, wu, bu, small[5]), style.activation, constants)
         else:
             if wu is None:  # (stacked float weights)
                 gate, up = _linear(h, wg, None, small[4]).chunk(2, -1)
@@ -1009,7 +1026,8 @@ class CompiledModel:
             multiplied = (q if own[0] is None else own[0], k, v, o, gate if own[1] is None else own[1], up, down)
             self.layers.append((tuple(None if w is None else w if isinstance(w, tuple) else w.detach() for w in weights)
                                 + (experts_of(layer), *biases,
-                                   attention_of(layer).sinks.detach() if style.sinks else None),
+                                   attention_of(layer).sinks.detach() if style.sinks else None,
+                                   xielu_constants(mlp_of(layer))),
                                 tuple(None if linear is None else self._kernels(linear) for linear in multiplied),
                                 (None if k is None else fused_blocks(linears[:3], biased=True),
                                  None if gate is None else fused_blocks(linears[4:6])) if fuse else (None, None)))

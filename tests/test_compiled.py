@@ -539,7 +539,7 @@ def skip_a_dynamic_hunyuan(model) -> None:
                                   "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan",
                                   "glm4", "cohere2", "cohere", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
                                   "granitemoe", "granitemoeshared", "starcoder2", "stablelm", "nemotron", "arcee", "phi",
-                                  "gpt_neox", "gpt_oss"])
+                                  "gpt_neox", "gpt_oss", "apertus"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
@@ -564,7 +564,9 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     GPT-NeoX (q, k and v one linear head by head, attention and the MLP side by side on two norms), and
     gpt-oss (attention sinks, biases on every linear, a window on every other layer, YaRN angles each
     given once for both halves of a head, experts transposed with their gate and up interleaved, biased
-    and clamped, routed by a softmax of the top router logits, the router biased too):
+    and clamped, routed by a softmax of the top router logits, the router biased too), Apertus (its
+    norms named otherwise, q and k normed per head, an MLP without a gate of xIELUs, each layer's
+    constants its own):
     tree logits, pruning and growth as
     transformers' forward gives them on every
     backend, and each variant's greedy output is plain greedy."""
@@ -1045,11 +1047,11 @@ def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtim
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3", "phi3", "phi3-longrope", "exaone4",
                                   "ernie4_5", "hunyuan", "glm4", "cohere2", "qwen2_moe", "mixtral", "starcoder2",
-                                  "nemotron", "phi", "gpt_oss"])
+                                  "nemotron", "phi", "gpt_oss", "apertus"])
 def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both_runtimes(tmp_path, kind):
     """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3, Phi-3 (with `longrope` too: its long
     factors from position 16, which the answer passes), EXAONE 4, ERNIE 4.5, Hunyuan, GLM-4, Cohere 2,
-    Qwen2-MoE, Mixtral, StarCoder2, Nemotron, Phi or gpt-oss checkpoint folder, its first layer as the draft, on
+    Qwen2-MoE, Mixtral, StarCoder2, Nemotron, Phi, gpt-oss or Apertus checkpoint folder, its first layer as the draft, on
     the static-cache runtime compiled and on transformers' forward: the same greedy tokens."""
     from tiny import tiny_tokenizer
 

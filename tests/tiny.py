@@ -91,7 +91,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               GraniteMoeForCausalLM, GraniteMoeSharedConfig, GraniteMoeSharedForCausalLM,
                               Starcoder2Config, Starcoder2ForCausalLM, StableLmConfig, StableLmForCausalLM,
                               NemotronConfig, NemotronForCausalLM, ArceeConfig, ArceeForCausalLM, PhiConfig,
-                              PhiForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, GptOssConfig, GptOssForCausalLM)
+                              PhiForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, GptOssConfig, GptOssForCausalLM,
+                              ApertusConfig, ApertusForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -114,7 +115,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "stablelm": (StableLmConfig, StableLmForCausalLM),
                            "nemotron": (NemotronConfig, NemotronForCausalLM), "arcee": (ArceeConfig, ArceeForCausalLM),
                            "phi": (PhiConfig, PhiForCausalLM), "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM),
-                           "gpt_oss": (GptOssConfig, GptOssForCausalLM)}[kind]
+                           "gpt_oss": (GptOssConfig, GptOssForCausalLM), "apertus": (ApertusConfig, ApertusForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -135,6 +136,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         settings = dict(partial_rotary_factor=0.25, attention_bias=True, use_parallel_residual=True)
     elif kind == "phi":
         settings = dict(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0)
+    elif kind == "apertus":  # (Llama 3's angles, scaled from position 64; its xIELU's constants random)
+        settings = dict(rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=4.0, low_freq_factor=1.0,
+                                             high_freq_factor=4.0, original_max_position_embeddings=64))
     elif kind == "gpt_oss":  # (every other layer windowed, as gpt-oss's; YaRN angles past 16; its sinks, biases random)
         settings = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
                         + ["sliding_attention"] * (layers % 2), head_dim=8, num_local_experts=4, num_experts_per_tok=2,
@@ -207,6 +211,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                 weight.normal_(float(weight.mean()), scale)
             elif name.endswith(("sinks", "bias")) and kind == "gpt_oss":  # (its sinks, router's and experts' biases)
                 weight.normal_(0.0, 1.0 if name.endswith("sinks") else scale)
+            elif name.endswith(("alpha_p", "alpha_n")):  # (Apertus's xIELU, each layer's own)
+                weight.normal_(float(weight), 0.5)
     return model.eval()
 
 
