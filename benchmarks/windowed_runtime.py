@@ -12,6 +12,9 @@ key-value heads) and 12 layers, each an MLP of 16 experts of 256, 4 a token (no 
 `--family mixtral`: a Mixtral as wide, 12 layers windowed, 8 experts of 768, 2 a token.
 `--family gpt_oss`: a gpt-oss as wide and deep as the Qwen3-MoE, 16 experts of 256, 4 a token,
 every other layer windowed (gpt-oss's attention sinks, biases, clamped experts and YaRN angles).
+`--family opt`: OPT-125m's shape (12 layers, hidden 768, 12 heads, 3072-wide ReLU MLPs, learned
+positions, a 50272-token vocabulary; no window), the RSD paper's draft model, its draft a 2-layer
+OPT as wide (OPT has no early-exit draft).
 `--family glm4`: a GLM-4 of the embedded target's shape (gate and up one linear, half of each head
 turned by adjacent pairs, four norms; no window).
 `--family phi3_longrope`: a Phi-3 of the embedded target's shape turned by `longrope` factors,
@@ -27,6 +30,7 @@ Random weights: the speeds say what the runtime costs, the tokens only that both
     .venv/bin/python benchmarks/windowed_runtime.py --family qwen3_moe --rounds 2 -n 64
     .venv/bin/python benchmarks/windowed_runtime.py --family phi3_longrope --rounds 2 -n 64
     .venv/bin/python benchmarks/windowed_runtime.py --family gpt_oss --rounds 2 -n 64
+    .venv/bin/python benchmarks/windowed_runtime.py --family opt --rounds 2 -n 64
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ PROMPT = "Write a long story about a robot who learns to paint, with many detail
 def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
     import torch
     from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Glm4Config, Glm4ForCausalLM, GptOssConfig,
-                              GptOssForCausalLM, MistralConfig,
+                              GptOssForCausalLM, MistralConfig, OPTConfig, OPTForCausalLM,
                               MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM,
                               Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
@@ -81,6 +85,10 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
             for name, weight in model.named_parameters():
                 if name.endswith(("sinks", "bias")):
                     weight.normal_(0.0, 0.02)
+    elif family == "opt":
+        model = OPTForCausalLM(OPTConfig(vocab_size=50272, hidden_size=768, num_hidden_layers=12, ffn_dim=3072,
+                                         num_attention_heads=12, max_position_embeddings=2048, pad_token_id=1,
+                                         bos_token_id=2, eos_token_id=2))
     elif family == "glm4":
         model = Glm4ForCausalLM(Glm4Config(**embedded, head_dim=64, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     elif family == "phi3_longrope":  # (32 factors each: one per pair of a head's 64 dimensions)
@@ -91,13 +99,18 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
                                            sliding_window=None, bos_token_id=1, eos_token_id=2, pad_token_id=0))
     else:
         model = MistralForCausalLM(MistralConfig(**embedded, sliding_window=window))
-    model.save_pretrained(folder / "target")
+    models = {"target": model}
+    if family == "opt":
+        models["draft"] = OPTForCausalLM(OPTConfig(**{**model.config.to_dict(), "num_hidden_layers": 2}))
     embedded = Path(resolve_source("embedded")[0])
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (embedded / name).exists():
-            shutil.copy(embedded / name, folder / "target" / name)
+    for role, each in models.items():
+        each.save_pretrained(folder / role)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (embedded / name).exists():
+                shutil.copy(embedded / name, folder / role / name)
     profile = folder / "windowed.toml"
-    profile.write_text(f'[target]\nsource = "{folder / "target"}"\n[draft]\nlayers = 3\nadapter = ""\n')
+    draft = f'kind = "model"\nsource = "{folder / "draft"}"' if "draft" in models else 'layers = 3\nadapter = ""'
+    profile.write_text(f'[target]\nsource = "{folder / "target"}"\n[draft]\n{draft}\n')
     return profile
 
 
@@ -114,11 +127,11 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=96)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--variants", default="ar,sd")
-    parser.add_argument("--family", choices=("mistral", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "glm4",
+    parser.add_argument("--family", choices=("mistral", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "opt", "glm4",
                                              "phi3_longrope"),
                         default="mistral")
     args = parser.parse_args()
-    past = {"qwen3_moe": "", "glm4": "", "phi3_longrope": f" past position {args.window}, the long factors' start"}
+    past = {"qwen3_moe": "", "glm4": "", "opt": "", "phi3_longrope": f" past position {args.window}, the long factors' start"}
     with tempfile.TemporaryDirectory() as tmp:
         profile = make_model(Path(tmp), args.window, args.family)
         for variant in args.variants.split(","):

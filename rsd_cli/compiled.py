@@ -80,7 +80,7 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
-                   "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus")
+                   "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
@@ -88,8 +88,8 @@ MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granite
 # position: the runtime turns each row by its own position's (CompiledModel.tables; engine.long_factors_from)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "ntk_alpha", "longrope")
 # the MLP's gate (or without one, its activation): SiLU (Llama), GELU tanh-approximated or exact, ReLU squared,
-# xIELU (Apertus: each layer's own learned constants, _xielu)
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu", "relu2", "gelu_new", "xielu")  # (gelu_new: Phi's tanh GELU, by formula)
+# xIELU (Apertus: each layer's own learned constants, xielu_constants), ReLU (OPT)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu", "relu2", "gelu_new", "xielu", "relu")  # (gelu_new: Phi's tanh GELU, by formula)
 
 
 class Style(NamedTuple):
@@ -115,6 +115,7 @@ class Style(NamedTuple):
     layer_norm: bool = False  # norms are torch's LayerNorms, with a bias (StarCoder2, StableLM; Nemotron's by 1 + weight)
     gated: bool = True  # the MLP's up product times its activated gate (Llama); else up, activated, then down
     interleaved: bool = False  # q, k and v one linear whose outputs go head by head: q, k, v of each (GPT-NeoX)
+    query_scaled: bool = False  # q multiplied by the attention's scaling before its product with k (OPT)
     sinks: bool = False  # each head's softmax has a learned logit more, whose share goes to no value (gpt-oss)
     angles_once: bool = False  # the rotary module gives each angle once, for both halves of a head (gpt-oss)
 
@@ -122,8 +123,10 @@ class Style(NamedTuple):
 def decoder_of(model) -> tuple:
     """(the module holding the text decoder's layers, embedding, final norm and rotary tables, its
     config): the model's own `model`, or a multimodal model's `language_model`, read for its text
-    (Gemma 3 4B and up, whose output head is the model's `lm_head` as a text model's)."""
+    (Gemma 3 4B and up, whose output head is the model's `lm_head` as a text model's), or OPT's `decoder`."""
     inner = getattr(model, "model", None) or getattr(model, "gpt_neox", None)  # (GPT-NeoX's)
+    if hasattr(getattr(inner, "decoder", None), "layers"):  # (OPT's)
+        return inner.decoder, model.config
     language = getattr(inner, "language_model", None)
     get = getattr(model.config, "get_text_config", None)
     if language is not None and hasattr(language, "layers") and callable(get):
@@ -148,8 +151,9 @@ def style_of(model) -> Style:
                  experts=int(cfg.num_experts_per_tok) if mixture else 0,
                  renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True)),  # (Mixtral's: no setting, always)
                  routing_in_float=family == "mixtral", top_first=family.startswith("granitemoe") or oss,
-                 layer_norm=family in ("starcoder2", "stablelm", "nemotron", "phi", "gpt_neox"),
-                 gated=family not in ("starcoder2", "nemotron", "arcee", "phi", "gpt_neox", "apertus"),
+                 layer_norm=family in ("starcoder2", "stablelm", "nemotron", "phi", "gpt_neox", "opt"),
+                 gated=family not in ("starcoder2", "nemotron", "arcee", "phi", "gpt_neox", "apertus", "opt"),
+                 query_scaled=family == "opt",
                  interleaved=family == "gpt_neox", sinks=oss, angles_once=oss)
 
 
@@ -165,9 +169,11 @@ def layer_norms(layer) -> tuple:
     MLP), None where its family has none: Llama's input_layernorm and post_attention_layernorm (the
     one before the MLP, whatever its name says); Gemma 2 and 3's four (their post_attention_layernorm
     is after attention); GLM-4's four (its post_self_attn_layernorm after attention, post_mlp_layernorm
-    after the MLP); OLMo 2 and 3's and EXAONE 4's last two only; Apertus's two, named otherwise."""
+    after the MLP); OLMo 2 and 3's and EXAONE 4's last two only; Apertus's and OPT's two, named otherwise."""
     if hasattr(layer, "feedforward_layernorm"):  # (Apertus)
         return layer.attention_layernorm, layer.feedforward_layernorm, None, None
+    if hasattr(layer, "self_attn_layer_norm"):  # (OPT: its `final_layer_norm` is before the MLP)
+        return layer.self_attn_layer_norm, layer.final_layer_norm, None, None
     if not hasattr(layer, "post_attention_layernorm"):  # Cohere: one norm, read by attention and the MLP alike
         return layer.input_layernorm, None, None, None
     if hasattr(layer, "post_self_attn_layernorm"):  # GLM-4: its post_attention_layernorm is before the MLP
@@ -190,8 +196,10 @@ def rotates(layer, kind: str, cfg) -> bool:
 
 
 def activation_of(cfg) -> str:
-    """The MLP's activation as transformers' config names it (Gemma 3: `hidden_activation`)."""
-    return getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+    """The MLP's activation as transformers' config names it (Gemma 3: `hidden_activation`, OPT:
+    `activation_function`)."""
+    return getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) \
+        or getattr(cfg, "activation_function", "silu")
 
 
 def layer_kinds(cfg, count: int) -> list[str]:
@@ -213,12 +221,16 @@ def unsupported(model) -> str | None:
     if cfg.model_type not in SUPPORTED_TYPES:
         return f"a {cfg.model_type} model (the static-cache runtime covers {', '.join(SUPPORTED_TYPES)})"
     layers = getattr(inner, "layers", None)
-    if layers is None or not hasattr(model, "lm_head") or not hasattr(inner, "rotary_emb"):
+    if layers is None or not hasattr(model, "lm_head") or not (hasattr(inner, "rotary_emb") or positions_of(inner)):
         return f"{type(model).__name__} is not laid out as a Llama-style decoder"
+    if cfg.model_type == "opt" and (not cfg.do_layer_norm_before or getattr(inner, "project_in", None) is not None
+                                    or getattr(inner, "final_layer_norm", None) is None
+                                    or not cfg.layer_norm_elementwise_affine):
+        return "OPT-350m's layout (norms after the residual, embeddings projected in and out)"
     if activation_of(cfg) not in ACTIVATIONS \
             or getattr(cfg, "use_bidirectional_attention", False):
         return f"{type(model).__name__}'s layers differ from Llama's"
-    rope = getattr(inner.rotary_emb, "rope_type", "default")  # (Gemma 3: one per layer kind)
+    rope = getattr(getattr(inner, "rotary_emb", None), "rope_type", "default")  # (Gemma 3: one per layer kind)
     kinds = list(rope.values()) if isinstance(rope, dict) else [rope]
     if any(kind not in ROPE_TYPES for kind in kinds) or len(kinds) > 1 and "longrope" in kinds:  # (long_factors_from)
         return f"rope type {rope!r}"
@@ -241,6 +253,15 @@ def unsupported(model) -> str | None:
     if "disk" in placement.values() or any(d.type == "meta" for d in devices):
         return "a model whose weights accelerate offloads"
     return None
+
+
+def positions_of(inner) -> tuple | None:
+    """(the table of learned position embeddings, the row of position 0 in it) of a decoder that adds
+    them to its tokens' (OPT's, from row 2), or None (rotary angles instead)."""
+    table = getattr(inner, "embed_positions", None)
+    if type(table).__name__ != "OPTLearnedPositionalEmbedding":
+        return None
+    return table.weight.detach(), table.offset
 
 
 def sliding_window(cfg) -> bool:
@@ -363,6 +384,8 @@ def _activation(x: torch.Tensor, name: str, constants: tuple | None = None) -> t
         return F.silu(x)
     if name == "relu2":
         return torch.square(F.relu(x))
+    if name == "relu":
+        return F.relu(x)
     if name == "gelu_new":  # (transformers' NewGELUActivation, as it computes it)
         return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
     return F.gelu(x, approximate="tanh" if name == "gelu_pytorch_tanh" else "none")
@@ -620,6 +643,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     q, k = q.transpose(0, 1), k.transpose(0, 1)  # (H, n, hd), (KVH, n, hd)
     v = v.view(n, kv_heads, head_dim).transpose(0, 1)
     q, k = _rotated(q, cos, sin, style), _rotated(k, cos, sin, style)
+    if style.query_scaled:  # (OPT: q scaled before its product with k, as its attention computes it)
+        q, scaling = q * scaling, 1.0
     if by_head and style.norm_after_rotation:  # Hunyuan: after it
         q, k = _rms_norm(q, q_norm, eps, in_float), _rms_norm(k, k_norm, eps, in_float)
     if slots is None:
@@ -717,8 +742,8 @@ def projections(layer) -> tuple:
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, None, None
     if hasattr(m, "c_fc"):  # (StarCoder2: no gate)
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, m.c_fc, m.c_proj
-    if hasattr(m, "fc1"):  # (Phi: no gate, attention's output `dense`)
-        return a.q_proj, a.k_proj, a.v_proj, a.dense, None, m.fc1, m.fc2
+    if hasattr(m, "fc1"):  # (Phi: no gate, attention's output `dense`; OPT: `out_proj`)
+        return a.q_proj, a.k_proj, a.v_proj, getattr(a, "dense", None) or a.out_proj, None, m.fc1, m.fc2
     if not hasattr(m, "gate_proj") and not hasattr(m, "gate_up_proj"):  # (Nemotron, Arcee: no gate)
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, m.up_proj, m.down_proj
     fused = getattr(a, "qkv_proj", None) or getattr(m, "gate_up_proj", None)
@@ -779,9 +804,10 @@ def attention_of(layer):
 
 
 def mlp_of(layer):
-    """A decoder layer's MLP, or mixture of experts (GraniteMoE's `block_sparse_moe`)."""
+    """A decoder layer's MLP, or mixture of experts (GraniteMoE's `block_sparse_moe`; OPT's linears are
+    the layer's own)."""
     found = getattr(layer, "mlp", None)
-    return found if found is not None else layer.block_sparse_moe
+    return found if found is not None else getattr(layer, "block_sparse_moe", None) or layer
 
 
 def experts_of(layer) -> tuple | None:
@@ -989,7 +1015,8 @@ class CompiledModel:
         self.inner = inner  # (the text decoder: a multimodal model's language model)
         attn = attention_of(inner.layers[0])
         self.style = style = style_of(model)
-        kv_heads = cfg.num_attention_heads if style.interleaved else cfg.num_key_value_heads  # (GPT-NeoX: every head's)
+        # (GPT-NeoX, OPT: every head its own keys)
+        kv_heads = cfg.num_attention_heads if style.interleaved else getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
         self.dims = (cfg.num_attention_heads, kv_heads,
                      getattr(attn, "head_dim", None) or attn.head_size, attn.scaling,
                      _eps(next(norm for norm in layer_norms(inner.layers[0]) if norm is not None)))
@@ -1033,7 +1060,7 @@ class CompiledModel:
                                  None if gate is None else fused_blocks(linears[4:6])) if fuse else (None, None)))
         self.head_small = self._kernels(model.lm_head)
         self._table: tuple = (None, None)  # (native list, its native_table): every layer in one call
-        self.intermediate = cfg.intermediate_size
+        self.intermediate = getattr(cfg, "intermediate_size", None)  # (the C layers': Llama's)
         final_norm = final_norm_of(inner)
         self.norm_eps = _eps(final_norm)
         self.final_norm = norm_of(final_norm, style)
@@ -1054,9 +1081,11 @@ class CompiledModel:
             if self.window is not None and window_of(cfg) is None else None
         # rotary tables for every position, computed once: one, or one per layer kind (Gemma 3), and
         # None for layers without a rotation (SmolLM3's every fourth: forward rotates them by angle 0)
-        rotary = inner.rotary_emb
+        # (OPT: none, its learned position embeddings added to the tokens' instead: positions_of)
+        rotary = getattr(inner, "rotary_emb", None)
+        self.positions = positions_of(inner)
         per_kind = bool(getattr(rotary, "layer_types", None))
-        names = [(kind if per_kind else "rotary") if rotates(layer, kind, cfg) else None
+        names = [(kind if per_kind else "rotary") if rotary is not None and rotates(layer, kind, cfg) else None
                  for kind, layer in zip(kinds, inner.layers)]
         self._rotary = (rotary, list(dict.fromkeys(names)), per_kind)  # (angles_at's)
         self.tables = self.angles_at(torch.arange(self.context, device=self.device))
@@ -1274,6 +1303,9 @@ class CompiledModel:
             x = x * self.embedding_scale
         # (a tree's rows past the context's end read its last rotary angle: their tokens are never emitted)
         positions = positions.clamp(max=self.context - 1)
+        if self.positions is not None:  # (OPT: learned position embeddings added)
+            table, first = self.positions
+            x = x + table[positions + first]
         head_dim = self.dims[2]
         # (a prompt read astride a `longrope` model's long factors' start: all turned by the long ones)
         tables = self.angles_at(positions) if long else [(cos[positions], sin[positions]) if cos is not None

@@ -530,7 +530,7 @@ def skip_a_dynamic_hunyuan(model) -> None:
     """Hunyuan's checkpoints call their rotary base `dynamic` though a fixed NTK alpha sets it: transformers
     5.24 names it `ntk_alpha` (angles by position alone: the runtime's), where 5.17 recomputed them
     past the model's context as `dynamic` scaling does (left to transformers' forward, as refused)."""
-    if getattr(compiled.decoder_of(model)[0].rotary_emb, "rope_type", None) == "dynamic":
+    if getattr(getattr(compiled.decoder_of(model)[0], "rotary_emb", None), "rope_type", None) == "dynamic":
         assert compiled.unsupported(model) == "rope type 'dynamic'"
         pytest.skip("this transformers scales Hunyuan's angles by the sequence's length")
 
@@ -539,7 +539,7 @@ def skip_a_dynamic_hunyuan(model) -> None:
                                   "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan",
                                   "glm4", "cohere2", "cohere", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
                                   "granitemoe", "granitemoeshared", "starcoder2", "stablelm", "nemotron", "arcee", "phi",
-                                  "gpt_neox", "gpt_oss", "apertus"])
+                                  "gpt_neox", "gpt_oss", "apertus", "opt"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
@@ -566,7 +566,8 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     given once for both halves of a head, experts transposed with their gate and up interleaved, biased
     and clamped, routed by a softmax of the top router logits, the router biased too), Apertus (its
     norms named otherwise, q and k normed per head, an MLP without a gate of xIELUs, each layer's
-    constants its own):
+    constants its own) and OPT (learned position embeddings from row 2 instead of a rotation,
+    LayerNorms, biases on every linear, ReLUs without a gate, q scaled before its product):
     tree logits, pruning and growth as
     transformers' forward gives them on every
     backend, and each variant's greedy output is plain greedy."""
@@ -1091,14 +1092,16 @@ def test_longrope_samples_past_the_long_factors_start_are_decoded_one_after_the_
         [(expected, 1, "static cache, compiled")] * 2
 
 
-def test_a_pythia_style_pair_runs_both_models_on_the_static_cache_runtime(tmp_path):
-    """As a user runs a Pythia pair: a GPT-NeoX target and a smaller GPT-NeoX draft (kind = "model"),
-    each a checkpoint folder, both on the static-cache runtime compiled: the greedy tokens of both
-    on transformers' forward, for a tree variant and for `sd`."""
+@pytest.mark.parametrize("kind", ["gpt_neox", "opt"])
+def test_a_pythia_or_opt_style_pair_runs_both_models_on_the_static_cache_runtime(tmp_path, kind):
+    """As a user runs a Pythia pair, or an OPT one (the RSD paper's): a GPT-NeoX (or OPT) target and a
+    smaller one as the draft (kind = "model"), each a checkpoint folder, both on the static-cache
+    runtime compiled: the greedy tokens of both on transformers' forward, for a tree variant and for
+    `sd`."""
     from tiny import tiny_tokenizer
 
     for name, layers, seed in (("target", 3, 0), ("draft", 1, 1)):
-        tiny_relative("gpt_neox", 40, layers=layers, seed=seed).save_pretrained(tmp_path / name)
+        tiny_relative(kind, 40, layers=layers, seed=seed).save_pretrained(tmp_path / name)
         tiny_tokenizer().save_pretrained(tmp_path / name)
     for variant in ("rsd-c", "sd"):
         profile = tmp_path / f"pythia-{variant}.toml"

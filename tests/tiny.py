@@ -92,7 +92,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               Starcoder2Config, Starcoder2ForCausalLM, StableLmConfig, StableLmForCausalLM,
                               NemotronConfig, NemotronForCausalLM, ArceeConfig, ArceeForCausalLM, PhiConfig,
                               PhiForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, GptOssConfig, GptOssForCausalLM,
-                              ApertusConfig, ApertusForCausalLM)
+                              ApertusConfig, ApertusForCausalLM, OPTConfig, OPTForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -115,7 +115,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "stablelm": (StableLmConfig, StableLmForCausalLM),
                            "nemotron": (NemotronConfig, NemotronForCausalLM), "arcee": (ArceeConfig, ArceeForCausalLM),
                            "phi": (PhiConfig, PhiForCausalLM), "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM),
-                           "gpt_oss": (GptOssConfig, GptOssForCausalLM), "apertus": (ApertusConfig, ApertusForCausalLM)}[kind]
+                           "gpt_oss": (GptOssConfig, GptOssForCausalLM), "apertus": (ApertusConfig, ApertusForCausalLM),
+                           "opt": (OPTConfig, OPTForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -136,6 +137,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         settings = dict(partial_rotary_factor=0.25, attention_bias=True, use_parallel_residual=True)
     elif kind == "phi":
         settings = dict(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0)
+    elif kind == "opt":  # (learned positions, LayerNorms, biases on every linear, ReLUs without a gate)
+        settings = dict(ffn_dim=64, init_std=scale, do_layer_norm_before=True)
     elif kind == "apertus":  # (Llama 3's angles, scaled from position 64; its xIELU's constants random)
         settings = dict(rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=4.0, low_freq_factor=1.0,
                                              high_freq_factor=4.0, original_max_position_embeddings=64))
@@ -190,7 +193,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     shared = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, initializer_range=scale, tie_word_embeddings=False,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if kind == "gpt_neox":
+    if kind in ("gpt_neox", "opt"):
         del shared["num_key_value_heads"]
     model = model_class(config(**shared, **settings))
     with torch.no_grad():
@@ -211,6 +214,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                 weight.normal_(float(weight.mean()), scale)
             elif name.endswith(("sinks", "bias")) and kind == "gpt_oss":  # (its sinks, router's and experts' biases)
                 weight.normal_(0.0, 1.0 if name.endswith("sinks") else scale)
+            elif name.endswith("bias") and kind == "opt":  # (every linear's)
+                weight.normal_(0.0, scale)
             elif name.endswith(("alpha_p", "alpha_n")):  # (Apertus's xIELU, each layer's own)
                 weight.normal_(float(weight), 0.5)
     return model.eval()
