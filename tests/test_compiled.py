@@ -932,8 +932,8 @@ def test_unsupported_models_are_named_with_a_reason():
     assert compiled.CompiledModel(every, False).by_kind is None
     gemma2 = Gemma2ForCausalLM(Gemma2Config(**small, head_dim=8))  # (attention scores soft-capped: attention of its own)
     assert compiled.unsupported(gemma2) is None and compiled.style_of(gemma2).softcap == 50.0
-    gelu = LlamaForCausalLM(LlamaConfig(**small, hidden_act="relu"))
-    assert compiled.unsupported(gelu) == "LlamaForCausalLM's layers differ from Llama's"
+    other = LlamaForCausalLM(LlamaConfig(**small, hidden_act="quick_gelu"))  # (ReLU's now taken: OPT's, ReLU-Llamas')
+    assert compiled.unsupported(other) == "LlamaForCausalLM's layers differ from Llama's"
     wide = MistralForCausalLM(MistralConfig(**small, sliding_window=256))  # (the whole context: no window)
     assert compiled.unsupported(wide) is None and compiled.window_of(wide.config) is None
     from transformers import CohereConfig, CohereForCausalLM
@@ -945,6 +945,13 @@ def test_unsupported_models_are_named_with_a_reason():
     for option in ("qk_layernorm", "use_parallel_residual"):  # (StableLM 2 12B's)
         assert compiled.unsupported(StableLmForCausalLM(StableLmConfig(**small, **{option: True}))) == \
             "StableLmForCausalLM norms q and k with a LayerNorm for each head, or runs attention beside the MLP"
+    from transformers import OPTConfig, OPTForCausalLM
+
+    opt = dict(vocab_size=V, hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=4)
+    for option in (dict(do_layer_norm_before=False), dict(word_embed_proj_dim=16)):  # (OPT-350m's: both)
+        assert compiled.unsupported(OPTForCausalLM(OPTConfig(**opt, **option))) == \
+            "OPT-350m's layout (norms after the residual, embeddings projected in and out)"
+    assert compiled.unsupported(OPTForCausalLM(OPTConfig(**opt))) is None
     notices = []
     assert compiled.runtime_for(gpt2, "on", "target", notice=notices.append) is None
     assert notices == ["--compile on does not apply to the target (a gpt2 model (the static-cache runtime covers "
