@@ -15,6 +15,8 @@ every other layer windowed (gpt-oss's attention sinks, biases, clamped experts a
 `--family opt`: OPT-125m's shape (12 layers, hidden 768, 12 heads, 3072-wide ReLU MLPs, learned
 positions, a 50272-token vocabulary; no window), the RSD paper's draft model, its draft a 2-layer
 OPT as wide (OPT has no early-exit draft).
+`--family gpt2`: GPT-2's shape (12 layers, hidden 768, 12 heads, Conv1D linears, learned positions,
+a 50257-token vocabulary), its draft a 2-layer GPT-2 as wide (distilgpt2's width).
 `--family glm4`: a GLM-4 of the embedded target's shape (gate and up one linear, half of each head
 turned by adjacent pairs, four norms; no window).
 `--family phi3_longrope`: a Phi-3 of the embedded target's shape turned by `longrope` factors,
@@ -31,6 +33,7 @@ Random weights: the speeds say what the runtime costs, the tokens only that both
     .venv/bin/python benchmarks/windowed_runtime.py --family phi3_longrope --rounds 2 -n 64
     .venv/bin/python benchmarks/windowed_runtime.py --family gpt_oss --rounds 2 -n 64
     .venv/bin/python benchmarks/windowed_runtime.py --family opt --rounds 2 -n 64
+    .venv/bin/python benchmarks/windowed_runtime.py --family gpt2 --rounds 2 -n 64
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ PROMPT = "Write a long story about a robot who learns to paint, with many detail
 def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
     import torch
     from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Glm4Config, Glm4ForCausalLM, GptOssConfig,
-                              GptOssForCausalLM, MistralConfig, OPTConfig, OPTForCausalLM,
+                              GptOssForCausalLM, GPT2Config, GPT2LMHeadModel, MistralConfig, OPTConfig,
+                              OPTForCausalLM,
                               MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM,
                               Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
@@ -89,6 +93,8 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
         model = OPTForCausalLM(OPTConfig(vocab_size=50272, hidden_size=768, num_hidden_layers=12, ffn_dim=3072,
                                          num_attention_heads=12, max_position_embeddings=2048, pad_token_id=1,
                                          bos_token_id=2, eos_token_id=2))
+    elif family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config())  # (GPT-2 small's defaults)
     elif family == "glm4":
         model = Glm4ForCausalLM(Glm4Config(**embedded, head_dim=64, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     elif family == "phi3_longrope":  # (32 factors each: one per pair of a head's 64 dimensions)
@@ -100,8 +106,8 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
     else:
         model = MistralForCausalLM(MistralConfig(**embedded, sliding_window=window))
     models = {"target": model}
-    if family == "opt":
-        models["draft"] = OPTForCausalLM(OPTConfig(**{**model.config.to_dict(), "num_hidden_layers": 2}))
+    if family in ("opt", "gpt2"):  # (a separate draft: no early exit for them)
+        models["draft"] = type(model)(type(model.config)(**{**model.config.to_dict(), "num_hidden_layers": 2}))
     embedded = Path(resolve_source("embedded")[0])
     for role, each in models.items():
         each.save_pretrained(folder / role)
@@ -127,11 +133,11 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=96)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--variants", default="ar,sd")
-    parser.add_argument("--family", choices=("mistral", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "opt", "glm4",
+    parser.add_argument("--family", choices=("mistral", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "opt", "gpt2", "glm4",
                                              "phi3_longrope"),
                         default="mistral")
     args = parser.parse_args()
-    past = {"qwen3_moe": "", "glm4": "", "opt": "", "phi3_longrope": f" past position {args.window}, the long factors' start"}
+    past = {"qwen3_moe": "", "glm4": "", "opt": "", "gpt2": "", "phi3_longrope": f" past position {args.window}, the long factors' start"}
     with tempfile.TemporaryDirectory() as tmp:
         profile = make_model(Path(tmp), args.window, args.family)
         for variant in args.variants.split(","):

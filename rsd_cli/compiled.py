@@ -80,7 +80,8 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
-                   "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt")
+                   "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt", "gpt2",
+                   "gpt_bigcode")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
@@ -123,8 +124,9 @@ class Style(NamedTuple):
 def decoder_of(model) -> tuple:
     """(the module holding the text decoder's layers, embedding, final norm and rotary tables, its
     config): the model's own `model`, or a multimodal model's `language_model`, read for its text
-    (Gemma 3 4B and up, whose output head is the model's `lm_head` as a text model's), or OPT's `decoder`."""
-    inner = getattr(model, "model", None) or getattr(model, "gpt_neox", None)  # (GPT-NeoX's)
+    (Gemma 3 4B and up, whose output head is the model's `lm_head` as a text model's), or OPT's `decoder`
+    (GPT-NeoX's: `gpt_neox`; GPT-2's: `transformer`, its layers `h`: layers_of)."""
+    inner = getattr(model, "model", None) or getattr(model, "gpt_neox", None) or getattr(model, "transformer", None)
     if hasattr(getattr(inner, "decoder", None), "layers"):  # (OPT's)
         return inner.decoder, model.config
     language = getattr(inner, "language_model", None)
@@ -134,11 +136,18 @@ def decoder_of(model) -> tuple:
     return inner, model.config
 
 
+def layers_of(inner):
+    """A decoder's layers (GPT-2's `h`), or None."""
+    found = getattr(inner, "layers", None)
+    return found if found is not None else getattr(inner, "h", None)
+
+
 def style_of(model) -> Style:
     _, cfg = decoder_of(model)
     family = cfg.model_type
     gemma, cohere = family.startswith("gemma"), family in ("cohere", "cohere2")
     mixture, oss = family in MIXTURES, family == "gpt_oss"
+    bigcode = family == "gpt_bigcode"
     return Style(norm_in_float=gemma or family in ("olmo2", "olmo3") or cohere or oss,
                  norm_offset=gemma or family == "nemotron",
                  activation=clamped_swiglu(model) if oss else activation_of(cfg),
@@ -151,16 +160,17 @@ def style_of(model) -> Style:
                  experts=int(cfg.num_experts_per_tok) if mixture else 0,
                  renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True)),  # (Mixtral's: no setting, always)
                  routing_in_float=family == "mixtral", top_first=family.startswith("granitemoe") or oss,
-                 layer_norm=family in ("starcoder2", "stablelm", "nemotron", "phi", "gpt_neox", "opt"),
-                 gated=family not in ("starcoder2", "nemotron", "arcee", "phi", "gpt_neox", "apertus", "opt"),
+                 layer_norm=family in ("starcoder2", "stablelm", "nemotron", "phi", "gpt_neox", "opt", "gpt2") or bigcode,
+                 gated=family not in ("starcoder2", "nemotron", "arcee", "phi", "gpt_neox", "apertus", "opt", "gpt2")
+                 and not bigcode,
                  query_scaled=family == "opt",
-                 interleaved=family == "gpt_neox", sinks=oss, angles_once=oss)
+                 interleaved=family == "gpt_neox" or bigcode and not cfg.multi_query, sinks=oss, angles_once=oss)
 
 
 def clamped_swiglu(model) -> str:
     """gpt-oss's experts' gate as the activation's name (ACTIVATIONS: `clamped_swiglu:alpha:limit`), from
     its first mixture's experts (transformers 5.17 fixes them, later ones read them from the config)."""
-    experts = next(mlp_of(layer).experts for layer in decoder_of(model)[0].layers)
+    experts = next(mlp_of(layer).experts for layer in layers_of(decoder_of(model)[0]))
     return f"clamped_swiglu:{experts.alpha!r}:{experts.limit!r}"
 
 
@@ -169,11 +179,14 @@ def layer_norms(layer) -> tuple:
     MLP), None where its family has none: Llama's input_layernorm and post_attention_layernorm (the
     one before the MLP, whatever its name says); Gemma 2 and 3's four (their post_attention_layernorm
     is after attention); GLM-4's four (its post_self_attn_layernorm after attention, post_mlp_layernorm
-    after the MLP); OLMo 2 and 3's and EXAONE 4's last two only; Apertus's and OPT's two, named otherwise."""
+    after the MLP); OLMo 2 and 3's and EXAONE 4's last two only; Apertus's, OPT's and GPT-2's two, named
+    otherwise."""
     if hasattr(layer, "feedforward_layernorm"):  # (Apertus)
         return layer.attention_layernorm, layer.feedforward_layernorm, None, None
     if hasattr(layer, "self_attn_layer_norm"):  # (OPT: its `final_layer_norm` is before the MLP)
         return layer.self_attn_layer_norm, layer.final_layer_norm, None, None
+    if hasattr(layer, "ln_1"):  # (GPT-2)
+        return layer.ln_1, layer.ln_2, None, None
     if not hasattr(layer, "post_attention_layernorm"):  # Cohere: one norm, read by attention and the MLP alike
         return layer.input_layernorm, None, None, None
     if hasattr(layer, "post_self_attn_layernorm"):  # GLM-4: its post_attention_layernorm is before the MLP
@@ -220,13 +233,18 @@ def unsupported(model) -> str | None:
     inner, cfg = decoder_of(model)
     if cfg.model_type not in SUPPORTED_TYPES:
         return f"a {cfg.model_type} model (the static-cache runtime covers {', '.join(SUPPORTED_TYPES)})"
-    layers = getattr(inner, "layers", None)
+    layers = layers_of(inner)
     if layers is None or not hasattr(model, "lm_head") or not (hasattr(inner, "rotary_emb") or positions_of(inner)):
         return f"{type(model).__name__} is not laid out as a Llama-style decoder"
     if cfg.model_type == "opt" and (not cfg.do_layer_norm_before or getattr(inner, "project_in", None) is not None
                                     or getattr(inner, "final_layer_norm", None) is None
                                     or not cfg.layer_norm_elementwise_affine):
         return "OPT-350m's layout (norms after the residual, embeddings projected in and out)"
+    if cfg.model_type == "gpt2" and (cfg.scale_attn_by_inverse_layer_idx or cfg.reorder_and_upcast_attn
+                                     or cfg.add_cross_attention or not cfg.scale_attn_weights):
+        return "GPT-2's options (attention scaled by layer, upcast and reordered, or cross-attention)"
+    if cfg.model_type == "gpt_bigcode" and (cfg.add_cross_attention or not cfg.scale_attn_weights):
+        return "GPT-BigCode's options (cross-attention, or attention not scaled)"
     if activation_of(cfg) not in ACTIVATIONS \
             or getattr(cfg, "use_bidirectional_attention", False):
         return f"{type(model).__name__}'s layers differ from Llama's"
@@ -257,11 +275,12 @@ def unsupported(model) -> str | None:
 
 def positions_of(inner) -> tuple | None:
     """(the table of learned position embeddings, the row of position 0 in it) of a decoder that adds
-    them to its tokens' (OPT's, from row 2), or None (rotary angles instead)."""
+    them to its tokens' (OPT's, from row 2; GPT-2's `wpe`), or None (rotary angles instead)."""
     table = getattr(inner, "embed_positions", None)
-    if type(table).__name__ != "OPTLearnedPositionalEmbedding":
-        return None
-    return table.weight.detach(), table.offset
+    if type(table).__name__ == "OPTLearnedPositionalEmbedding":
+        return table.weight.detach(), table.offset
+    table = getattr(inner, "wpe", None)  # (GPT-2's)
+    return None if table is None else (table.weight.detach(), 0)
 
 
 def sliding_window(cfg) -> bool:
@@ -736,8 +755,23 @@ def projections(layer) -> tuple:
     rows, made once; gate None where the MLP has none, gate, up and down None where it is a mixture of
     experts)."""
     a, m = attention_of(layer), mlp_of(layer)
+    if type(a).__name__ == "GPT2Attention":  # (Conv1D modules, q, k and v one: linears over views, made once)
+        views = getattr(layer, "_rsd_views", None)
+        if views is None or views[0].weight.data_ptr() != a.c_attn.weight.data_ptr():
+            views = (*_column_views(a.c_attn, (a.embed_dim,) * 3), *_column_views(a.c_proj, (a.embed_dim,)), None,
+                     *_column_views(m.c_fc, (m.c_fc.nf,)), *_column_views(m.c_proj, (m.c_proj.nf,)))
+            object.__setattr__(layer, "_rsd_views", views)
+        return views
     if hasattr(a, "query_key_value"):  # (GPT-NeoX: q, k and v one linear, head by head; no gate)
         return a.query_key_value, None, None, a.dense, None, m.dense_h_to_4h, m.dense_4h_to_h
+    if type(a).__name__ == "GPTBigCodeAttention":  # (q, k and v one linear: head by head, or with one key
+        if not a.multi_query:  # head, StarCoder's and SantaCoder's, q's rows then k's then v's: views of them)
+            return a.c_attn, None, None, a.c_proj, None, m.c_fc, m.c_proj
+        views = getattr(layer, "_rsd_views", None)
+        if views is None or views[0].weight.data_ptr() != a.c_attn.weight.data_ptr():
+            views = (*_row_views(a.c_attn, (a.embed_dim, a.kv_dim, a.kv_dim)), a.c_proj, None, m.c_fc, m.c_proj)
+            object.__setattr__(layer, "_rsd_views", views)
+        return views
     if hasattr(m, "experts"):  # (a mixture of experts: no MLP linears of its own, see experts_of)
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, None, None
     if hasattr(m, "c_fc"):  # (StarCoder2: no gate)
@@ -784,6 +818,22 @@ def _row_views(fused: torch.nn.Linear, sizes: tuple) -> list[torch.nn.Linear]:
     return linears
 
 
+def _column_views(conv, sizes: tuple) -> list[torch.nn.Linear]:
+    """Linears over consecutive columns of a transformers Conv1D's weight (in, out) (and bias), as
+    (out, in) views of it (no copy: F.linear multiplies by the transpose in place); the first one's
+    `_rsd_stack` is all of them (stack_projections then stacks nothing)."""
+    weight = conv.weight.detach()
+    linears, start = [], 0
+    for size in sizes:
+        linear = torch.nn.Linear(weight.shape[0], size, device="meta")
+        linear.weight = torch.nn.Parameter(weight[:, start: start + size].T, requires_grad=False)
+        linear.bias = torch.nn.Parameter(conv.bias.detach()[start: start + size], requires_grad=False)
+        linears.append(linear)
+        start += size
+    linears[0]._rsd_stack = weight.T
+    return linears
+
+
 def final_norm_of(inner):
     """The decoder's final norm (Phi's `final_layernorm`, GPT-NeoX's `final_layer_norm`: models.final_norm_name)."""
     from .models import final_norm_name
@@ -792,15 +842,15 @@ def final_norm_of(inner):
 
 
 def embedding_of(inner):
-    """The decoder's token embedding (GPT-NeoX's `embed_in`)."""
+    """The decoder's token embedding (GPT-NeoX's `embed_in`, GPT-2's `wte`)."""
     found = getattr(inner, "embed_tokens", None)
-    return found if found is not None else inner.embed_in
+    return found if found is not None else getattr(inner, "embed_in", None) or inner.wte
 
 
 def attention_of(layer):
-    """A decoder layer's attention (GPT-NeoX's `attention`)."""
+    """A decoder layer's attention (GPT-NeoX's `attention`, GPT-2's `attn`)."""
     found = getattr(layer, "self_attn", None)
-    return found if found is not None else layer.attention
+    return found if found is not None else getattr(layer, "attention", None) or layer.attn
 
 
 def mlp_of(layer):
@@ -1013,18 +1063,20 @@ class CompiledModel:
         self.notice = notice  # one line for the user (a CUDA graph that cannot be captured)
         inner, cfg = decoder_of(model)
         self.inner = inner  # (the text decoder: a multimodal model's language model)
-        attn = attention_of(inner.layers[0])
+        layers = layers_of(inner)
+        attn = attention_of(layers[0])
         self.style = style = style_of(model)
-        # (GPT-NeoX, OPT: every head its own keys)
-        kv_heads = cfg.num_attention_heads if style.interleaved else getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+        # (GPT-NeoX, OPT: every head its own keys; GPT-BigCode's with one key head: its attention's `kv_heads`)
+        kv_heads = cfg.num_attention_heads if style.interleaved else \
+            getattr(cfg, "num_key_value_heads", None) or getattr(attn, "kv_heads", None) or cfg.num_attention_heads
         self.dims = (cfg.num_attention_heads, kv_heads,
                      getattr(attn, "head_dim", None) or attn.head_size, attn.scaling,
-                     _eps(next(norm for norm in layer_norms(inner.layers[0]) if norm is not None)))
+                     _eps(next(norm for norm in layer_norms(layers[0]) if norm is not None)))
         self.layers = []
-        fuse = _room_to_fuse(inner.layers)
+        fuse = _room_to_fuse(layers)
         if stack is None:  # q/k/v's and gate/up's weights stacked (stack_projections): on a GPU
             stack = embedding_of(inner).weight.device.type == "cuda"
-        for layer in inner.layers:
+        for layer in layers:
             # stacks: on a GPU every layer's (stack_projections, before the views of weights below); elsewhere
             # the model's own fused linears' weights, multiplied whole by the kernels rsd installed on them
             # (the views of their rows that `projections` reads have none: each view on torch's product,
@@ -1075,7 +1127,7 @@ class CompiledModel:
         # the sliding window (StaticLM's masks), or None; `by_kind`: each layer's mask, 0 for the
         # full-attention layers' and 1 for the windowed ones' (a mask for each: (2, n, kv_len)), where
         # only some layers have the window
-        kinds = layer_kinds(cfg, len(inner.layers))
+        kinds = layer_kinds(cfg, len(layers))
         self.window = cfg.sliding_window if sliding_window(cfg) else None
         self.by_kind = [int(kind == "sliding_attention") for kind in kinds] \
             if self.window is not None and window_of(cfg) is None else None
@@ -1086,7 +1138,7 @@ class CompiledModel:
         self.positions = positions_of(inner)
         per_kind = bool(getattr(rotary, "layer_types", None))
         names = [(kind if per_kind else "rotary") if rotary is not None and rotates(layer, kind, cfg) else None
-                 for kind, layer in zip(kinds, inner.layers)]
+                 for kind, layer in zip(kinds, layers)]
         self._rotary = (rotary, list(dict.fromkeys(names)), per_kind)  # (angles_at's)
         self.tables = self.angles_at(torch.arange(self.context, device=self.device))
         # a `longrope` model (engine.long_factors_from): each position's own factors, its short ones before
@@ -1107,11 +1159,11 @@ class CompiledModel:
         # layers, on one rotary table and one mask)
         in_c = style == Style() and len(self.tables) == 1 and self.cos is not None and self.by_kind is None \
             and self.cos.shape[-1] == self.dims[2] \
-            and self.embedding_scale == self.logits_divisor == 1.0 and layer_norms(inner.layers[0])[2] is None
+            and self.embedding_scale == self.logits_divisor == 1.0 and layer_norms(layers[0])[2] is None
         native = [_native_layer(layer, fused, fuse) if in_c else None
-                  for layer, (_, _, fused) in zip(inner.layers, self.layers)]
+                  for layer, (_, _, fused) in zip(layers, self.layers)]
         self.native = native if any(native) else None
-        self.prompts_in_c = _blocks_for_prompts(inner.layers)
+        self.prompts_in_c = _blocks_for_prompts(layers)
         self.graphs: set[int] = set()  # token counts compiled so far
         self.graphed = compile and self.device.type == "cuda"  # CUDA graphs of the whole forward
         self.static_shapes = self.graphed if static_shapes is None else static_shapes

@@ -9,10 +9,10 @@ import torch._dynamo
 torch.set_num_threads(1)
 # torch.compile keeps what it compiled of decoder_layer (every model family, size and token count) per code
 # object, up to its recompile limit: rsd sets 64, plenty for the one or two models of a run, but one test process
-# compiles it for dozens of tiny models
-for _name in ("recompile_limit", "cache_size_limit"):  # (renamed in torch 2.6)
-    if hasattr(torch._dynamo.config, _name):
-        setattr(torch._dynamo.config, _name, 1024)
+# compiles it for dozens of tiny models (past torch's limit of all code objects' compiles together too: 256)
+for _name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+    if hasattr(torch._dynamo.config, _name):  # (renamed in torch 2.6)
+        setattr(torch._dynamo.config, _name, 4096)
 
 sys.path.insert(0, str(Path(__file__).parent))
 

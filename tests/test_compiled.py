@@ -539,7 +539,7 @@ def skip_a_dynamic_hunyuan(model) -> None:
                                   "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan",
                                   "glm4", "cohere2", "cohere", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
                                   "granitemoe", "granitemoeshared", "starcoder2", "stablelm", "nemotron", "arcee", "phi",
-                                  "gpt_neox", "gpt_oss", "apertus", "opt"])
+                                  "gpt_neox", "gpt_oss", "apertus", "opt", "gpt2", "gpt_bigcode", "gpt_bigcode-mha"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
@@ -566,8 +566,11 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     given once for both halves of a head, experts transposed with their gate and up interleaved, biased
     and clamped, routed by a softmax of the top router logits, the router biased too), Apertus (its
     norms named otherwise, q and k normed per head, an MLP without a gate of xIELUs, each layer's
-    constants its own) and OPT (learned position embeddings from row 2 instead of a rotation,
-    LayerNorms, biases on every linear, ReLUs without a gate, q scaled before its product):
+    constants its own), OPT (learned position embeddings from row 2 instead of a rotation,
+    LayerNorms, biases on every linear, ReLUs without a gate, q scaled before its product), GPT-2
+    (Conv1D linears read as views, q, k and v one, learned positions, LayerNorms named `ln_*`) and
+    GPT-BigCode (StarCoder 1, SantaCoder: GPT-2's layout on linears, one key head, q's rows then k's
+    then v's; or without multi-query, q, k and v head by head):
     tree logits, pruning and growth as
     transformers' forward gives them on every
     backend, and each variant's greedy output is plain greedy."""
@@ -914,11 +917,11 @@ def test_stacked_projections_give_the_separate_products(kind, monkeypatch):
 
 
 def test_unsupported_models_are_named_with_a_reason():
-    from transformers import (Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, GPTJConfig, GPTJForCausalLM, LlamaConfig,
                               LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=64))
-    assert "gpt2" in compiled.unsupported(gpt2)
+    gptj = GPTJForCausalLM(GPTJConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=64, rotary_dim=4))
+    assert "gptj" in compiled.unsupported(gptj)
     assert compiled.unsupported(tiny_model(V, layers=1)) is None
     small = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=256)
@@ -952,12 +955,19 @@ def test_unsupported_models_are_named_with_a_reason():
         assert compiled.unsupported(OPTForCausalLM(OPTConfig(**opt, **option))) == \
             "OPT-350m's layout (norms after the residual, embeddings projected in and out)"
     assert compiled.unsupported(OPTForCausalLM(OPTConfig(**opt))) is None
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = dict(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=64)
+    for option in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        assert compiled.unsupported(GPT2LMHeadModel(GPT2Config(**gpt2, **{option: True}))) == \
+            "GPT-2's options (attention scaled by layer, upcast and reordered, or cross-attention)"
+    assert compiled.unsupported(GPT2LMHeadModel(GPT2Config(**gpt2))) is None
     notices = []
-    assert compiled.runtime_for(gpt2, "on", "target", notice=notices.append) is None
-    assert notices == ["--compile on does not apply to the target (a gpt2 model (the static-cache runtime covers "
+    assert compiled.runtime_for(gptj, "on", "target", notice=notices.append) is None
+    assert notices == ["--compile on does not apply to the target (a gptj model (the static-cache runtime covers "
                        f"{', '.join(compiled.SUPPORTED_TYPES)})): it runs on transformers' eager forward"]
     assert compiled.SUPPORTED_TYPES[:3] == ("llama", "qwen2", "mistral") and "glm4" in compiled.SUPPORTED_TYPES
-    assert compiled.runtime_for(gpt2, "auto", "target", notice=notices.append) is None and len(notices) == 1
+    assert compiled.runtime_for(gptj, "auto", "target", notice=notices.append) is None and len(notices) == 1
     assert compiled.runtime_for(tiny_model(V, layers=1), "off", "target") is None
 
 
@@ -1099,12 +1109,12 @@ def test_longrope_samples_past_the_long_factors_start_are_decoded_one_after_the_
         [(expected, 1, "static cache, compiled")] * 2
 
 
-@pytest.mark.parametrize("kind", ["gpt_neox", "opt"])
-def test_a_pythia_or_opt_style_pair_runs_both_models_on_the_static_cache_runtime(tmp_path, kind):
-    """As a user runs a Pythia pair, or an OPT one (the RSD paper's): a GPT-NeoX (or OPT) target and a
-    smaller one as the draft (kind = "model"), each a checkpoint folder, both on the static-cache
-    runtime compiled: the greedy tokens of both on transformers' forward, for a tree variant and for
-    `sd`."""
+@pytest.mark.parametrize("kind", ["gpt_neox", "opt", "gpt2", "gpt_bigcode"])
+def test_a_pythia_opt_gpt2_or_starcoder_style_pair_runs_both_models_on_the_static_cache_runtime(tmp_path, kind):
+    """As a user runs a Pythia pair, an OPT one (the RSD paper's), a GPT-2 one or a StarCoder 1 one: a
+    GPT-NeoX (OPT, GPT-2, GPT-BigCode) target and a smaller one as the draft (kind = "model"), each a
+    checkpoint folder, both on the static-cache runtime compiled: the greedy tokens of both on
+    transformers' forward, for a tree variant and for `sd`."""
     from tiny import tiny_tokenizer
 
     for name, layers, seed in (("target", 3, 0), ("draft", 1, 1)):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from rsd_cli.compiled import attention_of, decoder_of
+from rsd_cli.compiled import attention_of, decoder_of, layers_of
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz .,!?'\n")
 SPECIALS = ["<unk>", "<s>", "</s>"]
@@ -92,7 +92,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               Starcoder2Config, Starcoder2ForCausalLM, StableLmConfig, StableLmForCausalLM,
                               NemotronConfig, NemotronForCausalLM, ArceeConfig, ArceeForCausalLM, PhiConfig,
                               PhiForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, GptOssConfig, GptOssForCausalLM,
-                              ApertusConfig, ApertusForCausalLM, OPTConfig, OPTForCausalLM)
+                              ApertusConfig, ApertusForCausalLM, OPTConfig, OPTForCausalLM,
+                              GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -116,7 +117,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "nemotron": (NemotronConfig, NemotronForCausalLM), "arcee": (ArceeConfig, ArceeForCausalLM),
                            "phi": (PhiConfig, PhiForCausalLM), "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM),
                            "gpt_oss": (GptOssConfig, GptOssForCausalLM), "apertus": (ApertusConfig, ApertusForCausalLM),
-                           "opt": (OPTConfig, OPTForCausalLM)}[kind]
+                           "opt": (OPTConfig, OPTForCausalLM), "gpt2": (GPT2Config, GPT2LMHeadModel),
+                           "gpt_bigcode": (GPTBigCodeConfig, GPTBigCodeForCausalLM),
+                           "gpt_bigcode-mha": (GPTBigCodeConfig, GPTBigCodeForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -139,6 +142,11 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         settings = dict(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0)
     elif kind == "opt":  # (learned positions, LayerNorms, biases on every linear, ReLUs without a gate)
         settings = dict(ffn_dim=64, init_std=scale, do_layer_norm_before=True)
+    elif kind == "gpt2":  # (Conv1D linears, q, k and v one; learned positions; a tanh GELU by formula)
+        settings = dict(n_inner=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    elif kind.startswith("gpt_bigcode"):  # (StarCoder 1, SantaCoder: one key head; or q, k, v head by head)
+        settings = dict(n_inner=64, multi_query=kind == "gpt_bigcode", activation_function="gelu_pytorch_tanh",
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     elif kind == "apertus":  # (Llama 3's angles, scaled from position 64; its xIELU's constants random)
         settings = dict(rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=4.0, low_freq_factor=1.0,
                                              high_freq_factor=4.0, original_max_position_embeddings=64))
@@ -193,14 +201,14 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     shared = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, initializer_range=scale, tie_word_embeddings=False,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if kind in ("gpt_neox", "opt"):
+    if kind in ("gpt_neox", "opt", "gpt2") or kind.startswith("gpt_bigcode"):
         del shared["num_key_value_heads"]
     model = model_class(config(**shared, **settings))
     with torch.no_grad():
         model.lm_head.weight.mul_(3.0)
         if model.lm_head.bias is not None:  # (Phi's)
             model.lm_head.bias.normal_(0.0, scale)
-        for layer in decoder_of(model)[0].layers:
+        for layer in layers_of(decoder_of(model)[0]):
             for linear in (getattr(attention_of(layer), name, None)
                            for name in ("q_proj", "k_proj", "v_proj", "query_key_value")):
                 if linear is not None and linear.bias is not None:
@@ -210,11 +218,11 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                 if linear is not None:
                     linear.bias.normal_(0.0, scale)
         for name, weight in model.named_parameters():
-            if "norm" in name:  # (Gemma's start at 0, others' at 1; LayerNorms' biases at 0)
+            if "norm" in name or ".ln_" in name:  # (GPT-2: ln_*; Gemma's start at 0, others' at 1; biases at 0)
                 weight.normal_(float(weight.mean()), scale)
             elif name.endswith(("sinks", "bias")) and kind == "gpt_oss":  # (its sinks, router's and experts' biases)
                 weight.normal_(0.0, 1.0 if name.endswith("sinks") else scale)
-            elif name.endswith("bias") and kind == "opt":  # (every linear's)
+            elif name.endswith("bias") and kind in ("opt", "gpt2", "gpt_bigcode", "gpt_bigcode-mha"):  # (every linear's)
                 weight.normal_(0.0, scale)
             elif name.endswith(("alpha_p", "alpha_n")):  # (Apertus's xIELU, each layer's own)
                 weight.normal_(float(weight), 0.5)
