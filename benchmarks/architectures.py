@@ -62,6 +62,8 @@ ARCHITECTURES = {  # model_type -> tiny config (the sizes each config names its 
     "exaone4": dict(GQA, num_hidden_layers=4, sliding_window=8, sliding_window_pattern=2),
     "glm4": dict(GQA, head_dim=8, pad_token_id=0),
     "ernie4_5": dict(GQA, head_dim=8),
+    "ernie4_5_moe": dict(GQA, head_dim=8, moe_num_experts=4, moe_k=2, moe_intermediate_size=16, moe_num_shared_experts=1,
+                         moe_layer_start_index=1),
     "seed_oss": dict(GQA, head_dim=8),
     "hunyuan_v1_dense": dict(GQA, head_dim=8),
     "arcee": GQA,

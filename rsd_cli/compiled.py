@@ -81,9 +81,9 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gem
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
                    "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt", "gpt2",
-                   "gpt_bigcode")
+                   "gpt_bigcode", "ernie4_5_moe")
 # (MLPs of experts, top-k routed: `Style.experts`)
-MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss")
+MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 # (ntk_alpha: Hunyuan's, a fixed base); `longrope` picks short or long factors for a whole forward by its last
 # position: the runtime turns each row by its own position's (CompiledModel.tables; engine.long_factors_from)
@@ -113,6 +113,7 @@ class Style(NamedTuple):
     renormalise: bool = False  # ... their routing weights divided by their sum (Mixtral's; a config's norm_topk_prob)
     routing_in_float: bool = False  # ... and kept in float32 (Mixtral's), not cast to the model's dtype
     top_first: bool = False  # ... a softmax of the k largest router logits (GraniteMoE), not the k largest of a softmax
+    norm_min: float = 0.0  # ... renormalised by at least this sum (ERNIE 4.5's `moe_norm_min`), where it has one
     layer_norm: bool = False  # norms are torch's LayerNorms, with a bias (StarCoder2, StableLM; Nemotron's by 1 + weight)
     gated: bool = True  # the MLP's up product times its activated gate (Llama); else up, activated, then down
     interleaved: bool = False  # q, k and v one linear whose outputs go head by head: q, k, v of each (GPT-NeoX)
@@ -147,19 +148,20 @@ def style_of(model) -> Style:
     family = cfg.model_type
     gemma, cohere = family.startswith("gemma"), family in ("cohere", "cohere2")
     mixture, oss = family in MIXTURES, family == "gpt_oss"
-    bigcode = family == "gpt_bigcode"
+    bigcode, ernie = family == "gpt_bigcode", family in ("ernie4_5", "ernie4_5_moe")
     return Style(norm_in_float=gemma or family in ("olmo2", "olmo3") or cohere or oss,
                  norm_offset=gemma or family == "nemotron",
                  activation=clamped_swiglu(model) if oss else activation_of(cfg),
                  softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
                  residual_scale=float(getattr(cfg, "residual_multiplier", 1.0)),
-                 pairs=family in ("ernie4_5", "glm4", "cohere", "cohere2"),
-                 rotation_in_float=family in ("ernie4_5", "cohere"),
+                 pairs=ernie or family in ("glm4", "cohere", "cohere2"),
+                 rotation_in_float=ernie or family == "cohere",
                  norm_after_rotation=family == "hunyuan_v1_dense", centred=cohere,
                  parallel=cohere or family == "phi" or bool(getattr(cfg, "use_parallel_residual", False)),
                  experts=int(cfg.num_experts_per_tok) if mixture else 0,
                  renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True)),  # (Mixtral's: no setting, always)
                  routing_in_float=family == "mixtral", top_first=family.startswith("granitemoe") or oss,
+                 norm_min=float(getattr(cfg, "moe_norm_min", 0.0) or 0.0) if mixture else 0.0,
                  layer_norm=family in ("starcoder2", "stablelm", "nemotron", "phi", "gpt_neox", "opt", "gpt2") or bigcode,
                  gated=family not in ("starcoder2", "nemotron", "arcee", "phi", "gpt_neox", "apertus", "opt", "gpt2")
                  and not bigcode,
@@ -441,7 +443,8 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style) -> torch.T
     sigmoid gate where it has one (Qwen2-MoE; GraniteMoE-shared's is not). experts = (router (E,
     hidden), gate_up (E, 2I, hidden): each expert's gate rows then its up rows (gpt-oss's interleaved:
     _glu), down (E, hidden, I), the shared expert's (gate, up, down, its gate (1, hidden) or None) or
-    None, gpt-oss's biases (the router's (E,), gate_up's (E, 2I), down's (E, hidden)) or None). The routing is read on the
+    None, extras: (gpt-oss's biases: the router's (E,), gate_up's (E, 2I), down's (E, hidden); ERNIE
+    4.5's correction (E,): added to the softmax to choose experts, not to weight them) or None). The routing is read on the
     device; routed_experts runs the experts. In a compiled graph, up to GATHERED_PAIRS (token,
     expert) pairs an expert multiply by each pair's expert's weights gathered — the compiled
     kernels read them in place, no copy —, more call the operator rsd::experts (routed_experts).
@@ -449,15 +452,19 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style) -> torch.T
     ms a compiled forward of 1 / 4 / 8 / 16 tokens gathering up to 4 pairs an expert, 8.1 / 14.6 /
     18.6 / 34.8 up to 2, 10.1 / 21.8 / 24.1 / 29.0 up to 0.5 (the operator from 2 tokens on);
     uncompiled 13.9 / 17.5 / 17.8 / 23.5 (`benchmarks/results/intel-xeon-moe/`)."""
-    router, gate_up, down, shared, biases = experts
-    router_bias, *biases = biases if biases is not None else (None, None, None)
+    router, gate_up, down, shared, extras = experts
+    router_bias, *biases, correction = extras if extras is not None else (None, None, None, None)
     k = style.experts
-    logits = F.linear(h, router, router_bias)  # (n, E)
     if style.top_first:
-        top, chosen = logits.float().topk(k, dim=-1)  # (n, k) each
+        top, chosen = F.linear(h, router, router_bias).float().topk(k, dim=-1)  # (n, k) each
         weights = torch.softmax(top, -1)
+    elif correction is not None:  # (ERNIE 4.5: its router in float32)
+        probabilities = torch.softmax(F.linear(h.float(), router.float()), -1, dtype=torch.float32)  # (n, E)
+        chosen = torch.topk(probabilities + correction, k, dim=-1).indices
+        weights = probabilities.gather(-1, chosen)
+        weights = weights / weights.sum(-1, keepdim=True).clamp(min=style.norm_min)
     else:
-        weights, chosen = torch.topk(torch.softmax(logits, -1, dtype=torch.float32), k, dim=-1)
+        weights, chosen = torch.topk(torch.softmax(F.linear(h, router), -1, dtype=torch.float32), k, dim=-1)
         if style.renormalise:
             weights = weights / weights.sum(-1, keepdim=True)
     weights = weights if style.routing_in_float else weights.to(h.dtype)
@@ -870,16 +877,22 @@ def experts_of(layer) -> tuple | None:
         e = m.shared_expert
         shared = tuple(w.detach() for w in (e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight,
                                             m.shared_expert_gate.weight))
+    elif getattr(m, "shared_experts", None) is not None:  # (ERNIE 4.5: no gate)
+        e = m.shared_experts
+        shared = tuple(w.detach() for w in (e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight)) + (None,)
     elif getattr(layer, "shared_mlp", None) is not None:  # (GraniteMoE-shared: gate and up one linear, no gate)
         gate_up = layer.shared_mlp.input_linear.weight.detach()
         gate, up = gate_up.chunk(2)
         shared = (gate, up, layer.shared_mlp.output_linear.weight.detach(), None)
     router = getattr(m, "gate", None) or m.router
-    gate_up, down, biases = m.experts.gate_up_proj.detach(), m.experts.down_proj.detach(), None
+    gate_up, down, extras = m.experts.gate_up_proj.detach(), m.experts.down_proj.detach(), None
     if _oss_experts(m):  # (transposed: views as the others' are laid out, no copy; its products' biases)
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-        biases = tuple(w.detach() for w in (router.bias, m.experts.gate_up_proj_bias, m.experts.down_proj_bias))
-    return router.weight.detach(), gate_up, down, shared, biases
+        extras = (*(w.detach() for w in (router.bias, m.experts.gate_up_proj_bias, m.experts.down_proj_bias)), None)
+    statics = getattr(router, "moe_statics", None)  # (ERNIE 4.5's correction of its experts' scores)
+    if statics is not None:
+        extras = (None, None, None, statics.e_score_correction_bias.detach().reshape(-1))
+    return router.weight.detach(), gate_up, down, shared, extras
 
 
 def _oss_experts(m) -> bool:
@@ -921,8 +934,9 @@ def _plain_experts(layer) -> bool:
         and not getattr(experts, "has_post_expert_norm", False) \
         and getattr(type(experts), "_apply_gate", None) is _default_apply_gate \
         and {name for name, _ in m.named_children()} <= {"gate", "router", "experts", "shared_expert",
-                                                          "shared_expert_gate"} \
-        and (shared is None or all(getattr(module, "bias", None) is None for module in shared.modules()))
+                                                          "shared_expert_gate", "shared_experts"} \
+        and all(shared is None or all(getattr(module, "bias", None) is None for module in shared.modules())
+                for shared in (shared, getattr(m, "shared_experts", None)))
 
 
 def _blocks_for_prompts(layers) -> bool:

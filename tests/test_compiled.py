@@ -539,7 +539,8 @@ def skip_a_dynamic_hunyuan(model) -> None:
                                   "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan",
                                   "glm4", "cohere2", "cohere", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
                                   "granitemoe", "granitemoeshared", "starcoder2", "stablelm", "nemotron", "arcee", "phi",
-                                  "gpt_neox", "gpt_oss", "apertus", "opt", "gpt2", "gpt_bigcode", "gpt_bigcode-mha"])
+                                  "gpt_neox", "gpt_oss", "apertus", "opt", "gpt2", "gpt_bigcode", "gpt_bigcode-mha",
+                                  "ernie4_5_moe"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
@@ -1065,12 +1066,13 @@ def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtim
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3", "phi3", "phi3-longrope", "exaone4",
                                   "ernie4_5", "hunyuan", "glm4", "cohere2", "qwen2_moe", "mixtral", "starcoder2",
-                                  "nemotron", "phi", "gpt_oss", "apertus"])
+                                  "nemotron", "phi", "gpt_oss", "apertus", "ernie4_5_moe"])
 def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both_runtimes(tmp_path, kind):
     """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3, Phi-3 (with `longrope` too: its long
     factors from position 16, which the answer passes), EXAONE 4, ERNIE 4.5, Hunyuan, GLM-4, Cohere 2,
-    Qwen2-MoE, Mixtral, StarCoder2, Nemotron, Phi, gpt-oss or Apertus checkpoint folder, its first layer as the draft, on
-    the static-cache runtime compiled and on transformers' forward: the same greedy tokens."""
+    Qwen2-MoE, Mixtral, StarCoder2, Nemotron, Phi, gpt-oss, Apertus or ERNIE 4.5 MoE checkpoint folder,
+    its first layer as the draft, on the static-cache runtime compiled and on transformers' forward:
+    the same greedy tokens."""
     from tiny import tiny_tokenizer
 
     folder = tmp_path / kind

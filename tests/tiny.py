@@ -93,7 +93,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               NemotronConfig, NemotronForCausalLM, ArceeConfig, ArceeForCausalLM, PhiConfig,
                               PhiForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, GptOssConfig, GptOssForCausalLM,
                               ApertusConfig, ApertusForCausalLM, OPTConfig, OPTForCausalLM,
-                              GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM)
+                              GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM,
+                              Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -119,7 +120,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "gpt_oss": (GptOssConfig, GptOssForCausalLM), "apertus": (ApertusConfig, ApertusForCausalLM),
                            "opt": (OPTConfig, OPTForCausalLM), "gpt2": (GPT2Config, GPT2LMHeadModel),
                            "gpt_bigcode": (GPTBigCodeConfig, GPTBigCodeForCausalLM),
-                           "gpt_bigcode-mha": (GPTBigCodeConfig, GPTBigCodeForCausalLM)}[kind]
+                           "gpt_bigcode-mha": (GPTBigCodeConfig, GPTBigCodeForCausalLM),
+                           "ernie4_5_moe": (Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -128,6 +130,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                         shared_expert_intermediate_size=24, mlp_only_layers=[1])
     elif kind == "qwen3_moe":
         settings = dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=True)
+    elif kind == "ernie4_5_moe":  # (the first layer a plain MLP; 4 experts, 2 a token, chosen with a correction)
+        settings = dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=16, moe_num_shared_experts=1,
+                        moe_layer_start_index=1, moe_layer_interval=1)
     elif kind == "olmoe":
         settings = dict(num_experts=4, num_experts_per_tok=2)
     elif kind == "starcoder2":
@@ -224,6 +229,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                 weight.normal_(0.0, 1.0 if name.endswith("sinks") else scale)
             elif name.endswith("bias") and kind in ("opt", "gpt2", "gpt_bigcode", "gpt_bigcode-mha"):  # (every linear's)
                 weight.normal_(0.0, scale)
+            elif name.endswith("e_score_correction_bias"):  # (ERNIE 4.5's: as large as the router's scores)
+                weight.normal_(0.0, 0.2)
             elif name.endswith(("alpha_p", "alpha_n")):  # (Apertus's xIELU, each layer's own)
                 weight.normal_(float(weight), 0.5)
     return model.eval()
