@@ -133,11 +133,12 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=96)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--variants", default="ar,sd")
-    parser.add_argument("--family", choices=("mistral", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "opt", "gpt2", "glm4",
-                                             "phi3_longrope"),
+    parser.add_argument("--family", choices=("mistral", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "opt", "gpt2",
+                                             "glm4", "phi3_longrope"),
                         default="mistral")
     args = parser.parse_args()
-    past = {"qwen3_moe": "", "glm4": "", "opt": "", "gpt2": "", "phi3_longrope": f" past position {args.window}, the long factors' start"}
+    past = {"qwen3_moe": "", "glm4": "", "opt": "", "gpt2": "",
+            "phi3_longrope": f" past position {args.window}, the long factors' start"}
     with tempfile.TemporaryDirectory() as tmp:
         profile = make_model(Path(tmp), args.window, args.family)
         for variant in args.variants.split(","):

@@ -80,8 +80,8 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
-                   "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt", "gpt2",
-                   "gpt_bigcode", "ernie4_5_moe")
+                   "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt",
+                   "gpt2", "gpt_bigcode", "ernie4_5_moe")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
@@ -90,7 +90,8 @@ MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granite
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "ntk_alpha", "longrope")
 # the MLP's gate (or without one, its activation): SiLU (Llama), GELU tanh-approximated or exact, ReLU squared,
 # xIELU (Apertus: each layer's own learned constants, xielu_constants), ReLU (OPT)
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu", "relu2", "gelu_new", "xielu", "relu")  # (gelu_new: Phi's tanh GELU, by formula)
+# (gelu_new: Phi's tanh GELU, by formula)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu", "relu2", "gelu_new", "xielu", "relu")
 
 
 class Style(NamedTuple):
@@ -162,7 +163,8 @@ def style_of(model) -> Style:
                  renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True)),  # (Mixtral's: no setting, always)
                  routing_in_float=family == "mixtral", top_first=family.startswith("granitemoe") or oss,
                  norm_min=float(getattr(cfg, "moe_norm_min", 0.0) or 0.0) if mixture else 0.0,
-                 layer_norm=family in ("starcoder2", "stablelm", "nemotron", "phi", "gpt_neox", "opt", "gpt2") or bigcode,
+                 layer_norm=bigcode or family in ("starcoder2", "stablelm", "nemotron", "phi", "gpt_neox", "opt",
+                                                  "gpt2"),
                  gated=family not in ("starcoder2", "nemotron", "arcee", "phi", "gpt_neox", "apertus", "opt", "gpt2")
                  and not bigcode,
                  query_scaled=family == "opt",
@@ -444,10 +446,11 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style) -> torch.T
     hidden), gate_up (E, 2I, hidden): each expert's gate rows then its up rows (gpt-oss's interleaved:
     _glu), down (E, hidden, I), the shared expert's (gate, up, down, its gate (1, hidden) or None) or
     None, extras: (gpt-oss's biases: the router's (E,), gate_up's (E, 2I), down's (E, hidden); ERNIE
-    4.5's correction (E,): added to the softmax to choose experts, not to weight them) or None). The routing is read on the
-    device; routed_experts runs the experts. In a compiled graph, up to GATHERED_PAIRS (token,
-    expert) pairs an expert multiply by each pair's expert's weights gathered — the compiled
-    kernels read them in place, no copy —, more call the operator rsd::experts (routed_experts).
+    4.5's correction (E,): added to the softmax to choose experts, not to weight them) or None). The
+    routing is read on the device; routed_experts runs the experts. In a compiled graph, up to
+    GATHERED_PAIRS (token, expert) pairs an expert multiply by each pair's expert's weights gathered
+    — the compiled kernels read them in place, no copy —, more call the operator rsd::experts
+    (routed_experts).
     On a 2-core Xeon, a Qwen3-MoE of 12 layers of 16 experts, 4 a token: 7.6 / 13.8 / 17.4 / 25.7
     ms a compiled forward of 1 / 4 / 8 / 16 tokens gathering up to 4 pairs an expert, 8.1 / 14.6 /
     18.6 / 34.8 up to 2, 10.1 / 21.8 / 24.1 / 29.0 up to 0.5 (the operator from 2 tokens on);
@@ -905,8 +908,9 @@ def _oss_experts(m) -> bool:
         return False
     shapes = [getattr(getattr(experts, name, None), "shape", None) for name in
               ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")]
-    if None in shapes or getattr(router, "bias", None) is None or {name for name, _ in m.named_children()} != \
-            {"router", "experts"} or not all(isinstance(getattr(experts, name, None), float) for name in ("alpha", "limit")):
+    gate = all(isinstance(getattr(experts, name, None), float) for name in ("alpha", "limit"))
+    if None in shapes or getattr(router, "bias", None) is None or not gate \
+            or {name for name, _ in m.named_children()} != {"router", "experts"}:
         return False
     (count, hidden, doubled), (_, inner, _) = shapes[0], shapes[2]
     return len(shapes[0]) == len(shapes[2]) == 3 and doubled == 2 * inner and shapes[1] == (count, doubled) \

@@ -159,8 +159,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         settings = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
                         + ["sliding_attention"] * (layers % 2), head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                         swiglu_limit=1.5, attn_implementation="eager",
-                        rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
-                                             original_max_position_embeddings=64, rope_theta=10000.0))
+                        rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                             truncate=False, original_max_position_embeddings=64, rope_theta=10000.0))
     elif kind.startswith("granitemoe"):
         settings = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0,
                         num_local_experts=4, num_experts_per_tok=2)
@@ -227,7 +227,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                 weight.normal_(float(weight.mean()), scale)
             elif name.endswith(("sinks", "bias")) and kind == "gpt_oss":  # (its sinks, router's and experts' biases)
                 weight.normal_(0.0, 1.0 if name.endswith("sinks") else scale)
-            elif name.endswith("bias") and kind in ("opt", "gpt2", "gpt_bigcode", "gpt_bigcode-mha"):  # (every linear's)
+            elif name.endswith("bias") and (kind in ("opt", "gpt2") or kind.startswith("gpt_bigcode")):  # (every one)
                 weight.normal_(0.0, scale)
             elif name.endswith("e_score_correction_bias"):  # (ERNIE 4.5's: as large as the router's scores)
                 weight.normal_(0.0, 0.2)
