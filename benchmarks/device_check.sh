@@ -16,13 +16,14 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh together  # --samples decoded together vs one after the other
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh busy16    # the thread governor on 16 cores beside busy processes
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh prompts   # a long prompt's causal attention against the mask: GPU, 16 cores
-#   source .device-stage/env.sh && bash benchmarks/device_check.sh architectures  # 55 families on that machine's transformers
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh architectures  # 56 families on that machine's transformers
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh controls  # logit bias, --ignore-eos, windows in CUDA graphs
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh decoders  # a fresh decoder per answer: step graphs shared or not
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh families  # gpt-oss, OPT, GPT-2 in CUDA graphs against eager
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
-part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls or decoders}
+part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls, decoders or families}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -109,7 +110,7 @@ case $part in
       { time $py -m rsd_cli generate - -n 8 -t 0 -v ar < /tmp/long3.txt > /dev/null 2>&1; } 2>&1 |
         tee -a "$out/prompts-gpu.txt"
     done ;;
-  architectures)  # tiny models of 55 families, exact or refused (benchmarks/architectures.py) on that machine's
+  architectures)  # tiny models of 56 families, exact or refused (benchmarks/architectures.py) on that machine's
     # transformers (5.17 there, 5.24 here: caches, masks by layer kind and text configs may differ), on the CPU
     CUDA_VISIBLE_DEVICES= $py benchmarks/architectures.py 2>&1 | grep -v "falling back" | tee "$out/architectures.txt" ;;
   busy16)  # the 16-core CPU alone and beside 8 and 16 busy processes: the governor against torch's fixed
@@ -132,6 +133,12 @@ print('$variant', '$extra', r['finish_reason'], len(r['token_ids']), round(r['st
     done 2>&1 | tee "$out/controls-generate.txt"
     $py -m rsd_cli bench --variants ar,sd,auto --depths 1 --temperatures 1 --limit 2 -n 128 --no-assisted \
       --ignore-eos --compile on --json > "$out/controls-bench.json" ;;
+  families)  # the families new on the runtime (random weights, the embedded tokenizer): `rsd generate` on the
+    # runtime (`auto`: CUDA graphs there) against transformers' forward, the same tokens; ~1 min a row
+    for family in gpt_oss opt gpt2; do
+      $py benchmarks/windowed_runtime.py --family $family --rounds 1 -n 64 2>&1 | grep -v "Writing" |
+        sed "s/^/$family /" | tee -a "$out/families.txt"
+    done ;;
   decoders)  # a decoder made afresh per answer (a chat's turns, bench's runs): the step maths' graphs captured by each
     # at a site's first call (rsd before 2026-11-28) against shared by the model's decoders and captured at the third
     # (H200, T=1: auto 0.70x -> 0.81x ar, rsd-c b=(3) 0.80x -> 0.91x)
@@ -139,6 +146,6 @@ print('$variant', '$extra', r['finish_reason'], len(r['token_ids']), round(r['st
       $py benchmarks/fresh_decoders_ab.py --temperature $t --shapes "ar,auto,sd γ=1,rsd-c b=(3)" \
         --json "$out/fresh-decoders-t$t.json" 2>&1 | grep -v Warning
     done | tee "$out/fresh-decoders.txt" ;;
-  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls or decoders" >&2
+  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls, decoders or families" >&2
      exit 2 ;;
 esac
