@@ -67,8 +67,13 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     4 experts, 2 a token, weights as the router gave them, a shared expert behind a sigmoid gate;
     the second layer a plain MLP), "qwen3_moe" (Qwen3's attention, 8 experts, 3 a token,
     renormalised), "olmoe" (q and k normed whole, 4 experts, 2 a token), "granitemoe" (Granite's
-    scalings, 4 experts, 2 a token weighted by a softmax of their router logits) or
-    "granitemoeshared" (GraniteMoE's, a shared expert without a gate); or with LayerNorms (a bias
+    scalings, 4 experts, 2 a token weighted by a softmax of their router logits),
+    "granitemoeshared" (GraniteMoE's, a shared expert without a gate), "gpt_oss" (attention sinks,
+    biases on every linear, the router and the experts, every other layer windowed to 4 positions,
+    YaRN angles from position 64, 4 experts, 2 a token, their gate clamped at 1.5 so that the clamp
+    matters) or "ernie4_5_moe" (ERNIE 4.5's attention, 4 experts, 2 a token, chosen with a random
+    correction, a shared expert; the first layer a plain MLP); "apertus" (q and k normed per head,
+    an MLP without a gate of xIELUs, each layer's constants random); or with LayerNorms (a bias
     each, random here) or MLPs without a gate: "starcoder2" (both, biases on every linear, a GELU,
     every layer windowed to 4 positions), "stablelm" (LayerNorms, Llama's MLP, biases on q, k and v,
     a quarter of each head turned), "nemotron" (LayerNorms by 1 + weight, an MLP without a gate of
@@ -76,8 +81,11 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     LayerNorm read by attention and an MLP without a gate side by side, biases on every linear and
     the head, a GELU by formula, half of each head turned) or "gpt_neox" (GPT-NeoX, Pythia: q, k and v
     one linear head by head, attention and an MLP without a gate side by side on two LayerNorms, a
-    quarter of each head turned, every head its own keys); with sliding-window
-    attention off (but Gemma 2 and 3's, Phi-3's, EXAONE 4's and Mixtral's). Every norm's weight is random."""
+    quarter of each head turned, every head its own keys); or with learned positions instead of
+    rotary angles, LayerNorms and biases on every linear (random): "opt" (ReLUs, positions from row
+    2), "gpt2" (Conv1D linears, q, k and v one, a GELU by formula), "gpt_bigcode" (StarCoder 1: one
+    key head) or "gpt_bigcode-mha" (q, k and v head by head); with sliding-window attention off (but
+    Gemma 2 and 3's, Phi-3's, EXAONE 4's, Mixtral's and gpt-oss's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                               GemmaForCausalLM, MistralConfig,
                               MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
