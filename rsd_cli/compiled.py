@@ -635,8 +635,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     block's output before it joins the residual (Gemma 2 and 3, OLMo; not Llama). q_norm and k_norm
     norm each head (Qwen3, Gemma 3) or, as wide as q and k, the whole of them (OLMo). `experts`: a
     mixture of experts' weights (mixture_of_experts) where the MLP is one, its wg, wu and wd then None.
-    An MLP without a gate (`style.gated` off: StarCoder2, Nemotron, Arcee, Phi, GPT-NeoX) has wg None,
-    and bu and bd its up and down products' biases where it has them. With `style.interleaved`
+    An MLP without a gate (`style.gated` off: StarCoder2, Nemotron, Arcee, Phi, GPT-NeoX, Apertus, OPT,
+    GPT-2, GPT-BigCode) has wg None, and bu and bd its up and down products' biases where it has them. With `style.interleaved`
     (GPT-NeoX) wq is q, k and v's one linear, its outputs head by head, and wk, wv None. A
     LayerNorm's weight is a (weight, bias) pair (norm_of). `sinks` (heads,): gpt-oss's attention sinks,
     or None; `constants`: the activation's own (Apertus's xIELU: xielu_constants), or None."""
@@ -845,7 +845,8 @@ def _column_views(conv, sizes: tuple) -> list[torch.nn.Linear]:
 
 
 def final_norm_of(inner):
-    """The decoder's final norm (Phi's `final_layernorm`, GPT-NeoX's `final_layer_norm`: models.final_norm_name)."""
+    """The decoder's final norm (Phi's `final_layernorm`, GPT-NeoX's and OPT's `final_layer_norm`, GPT-2's
+    `ln_f`: models.final_norm_name)."""
     from .models import final_norm_name
 
     return getattr(inner, final_norm_name(inner))
@@ -912,9 +913,11 @@ def _oss_experts(m) -> bool:
     if None in shapes or getattr(router, "bias", None) is None or not gate \
             or {name for name, _ in m.named_children()} != {"router", "experts"}:
         return False
-    (count, hidden, doubled), (_, inner, _) = shapes[0], shapes[2]
-    return len(shapes[0]) == len(shapes[2]) == 3 and doubled == 2 * inner and shapes[1] == (count, doubled) \
-        and shapes[3] == (count, hidden) and shapes[2] == (count, inner, hidden)
+    if not len(shapes[0]) == len(shapes[2]) == 3:
+        return False
+    (count, hidden, doubled), inner = shapes[0], shapes[2][1]
+    return doubled == 2 * inner and shapes[1] == (count, doubled) and shapes[3] == (count, hidden) \
+        and shapes[2] == (count, inner, hidden)
 
 
 def _plain_experts(layer) -> bool:
@@ -1151,7 +1154,7 @@ class CompiledModel:
             if self.window is not None and window_of(cfg) is None else None
         # rotary tables for every position, computed once: one, or one per layer kind (Gemma 3), and
         # None for layers without a rotation (SmolLM3's every fourth: forward rotates them by angle 0)
-        # (OPT: none, its learned position embeddings added to the tokens' instead: positions_of)
+        # (OPT, GPT-2: none, their learned position embeddings added to the tokens' instead: positions_of)
         rotary = getattr(inner, "rotary_emb", None)
         self.positions = positions_of(inner)
         per_kind = bool(getattr(rotary, "layer_types", None))
@@ -1373,7 +1376,7 @@ class CompiledModel:
             x = x * self.embedding_scale
         # (a tree's rows past the context's end read its last rotary angle: their tokens are never emitted)
         positions = positions.clamp(max=self.context - 1)
-        if self.positions is not None:  # (OPT: learned position embeddings added)
+        if self.positions is not None:  # (OPT, GPT-2: learned position embeddings added)
             table, first = self.positions
             x = x + table[positions + first]
         head_dim = self.dims[2]
