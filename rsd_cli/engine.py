@@ -1049,8 +1049,9 @@ class Decoder:
     def crosses_long_factors(self, prompt: list[int], max_tokens: int) -> bool:
         """Whether an answer to `prompt` may have a step at or past a `longrope` target's long factors'
         start while the prompt's tokens but the last were read before it (long_factors_from): its
-        caches are then read again on the way (_long_keys), one step at a time, and not with other
-        completions (which share the keys of their prompts' beginning)."""
+        caches are then read again on the way (_long_keys), one step at a time up to there (queued
+        ahead after it, where steps are), and not with other completions (which share the keys of
+        their prompts' beginning)."""
         return self.long_from is not None and len(prompt) - 2 < self.long_from <= len(prompt) + max_tokens - 2
 
     def _generate_together(self, prompts: list[list[int]], max_tokens: int, seeds: list[int],
@@ -1188,13 +1189,11 @@ class Decoder:
         held[:] = seq[:-1]
         self._long_keys(seq, target, draft, held)
         prefill_seconds = target.forward_seconds - before  # reported with the first step's forwards
-        # (one step at a time where the caches are to be read again on the way: _long_keys)
-        kind = None if self.crosses_long_factors(seq, max_tokens) else self._ahead_kind(target, draft)
-        if kind == "plain":
-            yield from self._plain_steps_ahead(seq, max_tokens, target, draft, generator, held, prefill_seconds)
-            return
-        if kind is not None:
-            yield from self._tree_steps_ahead(kind, seq, max_tokens, target, draft, generator, held, prefill_seconds)
+        kind = self._ahead_kind(target, draft)
+        # (one step at a time where the caches are to be read again on the way, up to there: _long_keys)
+        crossing = self.crosses_long_factors(seq, max_tokens)
+        if kind is not None and not crossing:
+            yield from self._ahead(kind, seq, max_tokens, target, draft, generator, held, prefill_seconds)
             return
         produced = 0
         step = 0
@@ -1203,6 +1202,10 @@ class Decoder:
             before = target.forward_seconds
             self._long_keys(seq, target, draft, held)
             read_again = target.forward_seconds - before
+            if kind is not None and len(seq) - 1 >= self.long_from:  # (past the start, read again: queued ahead)
+                yield from self._ahead(kind, seq, max_tokens - produced, target, draft, generator, held,
+                                       read_again + (prefill_seconds if step == 1 else 0.0), first_step=step)
+                return
             lag = len(seq) - draft.length if draft is not None else 0
             event = self._step(step, self._next_shape(lag, max_tokens - produced, seq), seq, target, draft, generator)
             produced += self._settle(event, seq, held, max_tokens - produced)
@@ -1210,6 +1213,14 @@ class Decoder:
             yield event
             if event.finished:
                 return
+
+    def _ahead(self, kind: str, seq: list[int], max_tokens: int, target, draft, generator: torch.Generator,
+               held: list[int], prefill_seconds: float, first_step: int = 1) -> Iterator[StepEvent]:
+        """_steps queued ahead (_ahead_kind's kind), its steps counted from `first_step`."""
+        if kind == "plain":
+            return self._plain_steps_ahead(seq, max_tokens, target, draft, generator, held, prefill_seconds, first_step)
+        return self._tree_steps_ahead(kind, seq, max_tokens, target, draft, generator, held, prefill_seconds,
+                                      first_step)
 
     def _settle(self, event: StepEvent, seq: list[int], held: list[int], remaining: int) -> int:
         """What a step emits, at most `remaining` tokens and up to an end-of-sequence token: sets
@@ -1287,7 +1298,8 @@ class Decoder:
         return min(self.shape.branching[0], self.vocab_size) if kind == "fan" else self.shape.depth
 
     def _tree_steps_ahead(self, kind: str, seq: list[int], max_tokens: int, target, draft,
-                          generator: torch.Generator, held: list[int], prefill_seconds: float) -> Iterator[StepEvent]:
+                          generator: torch.Generator, held: list[int], prefill_seconds: float,
+                          first_step: int = 1) -> Iterator[StepEvent]:
         """_steps for an `sd` chain or an `rsd-c` fan of root children on a device that runs behind
         the host (a GPU), as _plain_steps_ahead runs `ar`: everything a step needs from the one
         before — its root, its position, what the draft reads first, a fan's accepted child's move in
@@ -1298,7 +1310,7 @@ class Decoder:
         The uniforms are drawn in the order of one step at a time; the draft reads one token or two
         in a forward of two rows (one step at a time: of one or two), so q may differ in its last
         bits, and the tokens with it where two candidates tie that closely. A step queued past the
-        end is dropped."""
+        end is dropped. Its steps are counted from `first_step` (after steps one at a time)."""
         shape, device = self.shape, target.device
         queue = self._queue_fan if kind == "fan" else self._queue_chain
         advance = 1 + shape.depth  # the most one step moves the root
@@ -1311,7 +1323,7 @@ class Decoder:
         self._fits_ahead(kind, len(seq) - 1, target, draft, grow=True)
         state = (to_device([seq[-1]], device), to_device([seq[-1], 0], device), to_device([1], device),
                  to_device([len(seq) - 1], device))
-        produced, step = 0, 0
+        produced, step = 0, first_step - 1
         queued = queue(shape, state, target, draft, generator)
         since = time.perf_counter()  # (a step's host time: from the generator's resumption, the consumer's left out)
         try:
@@ -1335,7 +1347,7 @@ class Decoder:
                 event.verify_seconds = max(time.perf_counter() - since - queued_seconds, 0.0)
                 draft_holds = len(seq) + min(len(event.path), shape.depth - 1)  # (it read the accepted drafts)
                 produced += self._settle(event, seq, held, max_tokens - produced)
-                if step == 1:
+                if step == first_step:
                     event.forward_seconds += prefill_seconds
                     event.draft_forward_seconds += draft_prefill
                 if event.finished:
@@ -1480,7 +1492,7 @@ class Decoder:
         return self._queued(after, partial(self._chain_event, p=p, q_rows=q_rows), read, target, draft, start, marks)
 
     def _plain_steps_ahead(self, seq: list[int], max_tokens: int, target, draft, generator: torch.Generator,
-                           held: list[int], prefill_seconds: float) -> Iterator[StepEvent]:
+                           held: list[int], prefill_seconds: float, first_step: int = 1) -> Iterator[StepEvent]:
         """_steps for `ar` and `auto` on a device that runs behind the host (a GPU): each plain step's
         forward and draw are queued from the token before it while that token is still on the
         device, before the host reads it. The host's work on a step (reading its token, its event,
@@ -1492,8 +1504,8 @@ class Decoder:
         once the token is known). A shape fixed from earlier steps alone keeps the output exactly the
         target's (see auto). Drafting steps run one at a time. A plain step queued past the end (after
         an end-of-sequence token, or for a consumer that stops) is dropped from the cache, which then
-        holds `held` again."""
-        produced, step, since = 0, 0, time.perf_counter()
+        holds `held` again. Its steps are counted from `first_step` (after steps one at a time)."""
+        produced, step, since = 0, first_step - 1, time.perf_counter()
         queued = None  # a plain step queued before the token of the one before was read
         chosen = None  # the next step's shape, where it was chosen before the last token was read
 
@@ -1518,7 +1530,7 @@ class Decoder:
                             queued = self._queue_plain(current.token, current.base + 1, target, generator)
                     event = self._plain_event(step, shape, seq, current, target, since)
                 produced += self._settle(event, seq, held, max_tokens - produced)
-                if step == 1:
+                if step == first_step:
                     event.forward_seconds += prefill_seconds
                 if event.finished and queued is not None:  # an end-of-sequence token
                     target.keep(list(range(len(held))))

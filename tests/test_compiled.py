@@ -811,6 +811,40 @@ def test_longrope_decoding_across_the_long_factors_start_is_transformers_decodin
             (length, shape.describe())
 
 
+def test_longrope_answers_are_queued_ahead_once_past_the_long_factors_start(monkeypatch):
+    """On a GPU (the static shapes its CUDA graphs replay, here on the CPU) an answer that crosses a
+    `longrope` target's long factors' start is decoded one step at a time up to there — the caches
+    are read again at it — and queued ahead after it (Decoder._plain_steps_ahead for `ar` and
+    `auto`, _tree_steps_ahead for `sd` chains and `rsd-c` fans): the greedy tokens of one forward per
+    token, its steps numbered on from the ones before; sampled, the tokens of one step at a time."""
+    from test_engine import tree_events
+
+    target, draft = tiny_relative("phi3-longrope", V, layers=2, seed=1), tiny_relative("phi3-longrope", V, 1, seed=2)
+    prompt = [1, 3, 4, 5, 2, 3, 0, 1, 4, 4, 5, 3]  # (12 tokens; the answer's 14 pass position 16)
+    expected = plain_greedy(target, 14, prompt)
+    runtimes = Runtimes(CompiledModel(target, False, static_shapes=True),
+                        CompiledModel(draft, False, static_shapes=True), "off")
+    queued, real = [], Decoder._ahead  # (the steps queued ahead: from which step on)
+    monkeypatch.setattr(Decoder, "_ahead", lambda self, *a, first_step=1: queued.append(first_step) or
+                        real(self, *a, first_step=first_step))
+    for shape in [make_shape("ar"), make_shape("auto"), make_shape("sd", draft_len=2),
+                  make_shape("rsd-c", branching=(3,))]:
+        queued.clear()
+        _, events = tree_events((target, draft), shape, SamplingParams(temperature=0), True, runtimes, n=14,
+                                prompt=prompt)
+        assert [t for e in events for t in e.emitted] == expected, shape.describe()
+        assert [e.step for e in events] == list(range(1, len(events) + 1))
+        # queued ahead from the first step whose root is at 16 (the prompt's root at 11: 5 tokens before it)
+        assert len(queued) == 1 and 1 < queued[0] < len(events), shape.describe()
+        before = [t for e in events[: queued[0] - 1] for t in e.emitted]
+        assert len(prompt) - 1 + len(before) == LONG_FACTORS_FROM, shape.describe()
+        # sampled: the tokens of one step at a time throughout (the uniforms drawn in the same order)
+        sampled = {ahead: [e.emitted for e in tree_events((target, draft), shape, SamplingParams(1.0), ahead,
+                                                          runtimes, n=14, prompt=prompt, seed=3)[1]]
+                   for ahead in (True, False)}
+        assert sampled[True] == sampled[False], shape.describe()
+
+
 def test_a_phi_moe_target_decodes_across_its_long_factors_start_as_one_forward():
     """Phi-3.5-MoE (`phimoe`: `longrope` too, its experts off the static-cache runtime) on
     transformers' forward: every variant's greedy answer from 12 tokens to 14 more, past position
