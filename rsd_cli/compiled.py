@@ -81,9 +81,10 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gem
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
                    "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt",
-                   "gpt2", "gpt_bigcode", "ernie4_5_moe")
+                   "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe")
 # (MLPs of experts, top-k routed: `Style.experts`)
-MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe")
+MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe",
+            "phimoe")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 # (ntk_alpha: Hunyuan's, a fixed base); `longrope` picks short or long factors for a whole forward by its last
 # position: the runtime turns each row by its own position's (CompiledModel.tables; engine.long_factors_from)
@@ -115,6 +116,7 @@ class Style(NamedTuple):
     routing_in_float: bool = False  # ... and kept in float32 (Mixtral's), not cast to the model's dtype
     top_first: bool = False  # ... a softmax of the k largest router logits (GraniteMoE), not the k largest of a softmax
     norm_min: float = 0.0  # ... renormalised by at least this sum (ERNIE 4.5's `moe_norm_min`), where it has one
+    sparse_mixer: float | None = None  # ... chosen as Phi-3.5-MoE's sparsemixer does at inference, this its jitter
     layer_norm: bool = False  # norms are torch's LayerNorms, with a bias (StarCoder2, StableLM; Nemotron's by 1 + weight)
     gated: bool = True  # the MLP's up product times its activated gate (Llama); else up, activated, then down
     interleaved: bool = False  # q, k and v one linear whose outputs go head by head: q, k, v of each (GPT-NeoX)
@@ -163,8 +165,9 @@ def style_of(model) -> Style:
                  renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True)),  # (Mixtral's: no setting, always)
                  routing_in_float=family == "mixtral", top_first=family.startswith("granitemoe") or oss,
                  norm_min=float(getattr(cfg, "moe_norm_min", 0.0) or 0.0) if mixture else 0.0,
+                 sparse_mixer=float(cfg.router_jitter_noise) if family == "phimoe" else None,
                  layer_norm=bigcode or family in ("starcoder2", "stablelm", "nemotron", "phi", "gpt_neox", "opt",
-                                                  "gpt2"),
+                                                  "gpt2", "phimoe"),
                  gated=family not in ("starcoder2", "nemotron", "arcee", "phi", "gpt_neox", "apertus", "opt", "gpt2")
                  and not bigcode,
                  query_scaled=family == "opt",
@@ -461,6 +464,8 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style) -> torch.T
     if style.top_first:
         top, chosen = F.linear(h, router, router_bias).float().topk(k, dim=-1)  # (n, k) each
         weights = torch.softmax(top, -1)
+    elif style.sparse_mixer is not None:  # (Phi-3.5-MoE)
+        weights, chosen = sparse_mixer(F.linear(h, router), style.sparse_mixer)
     elif correction is not None:  # (ERNIE 4.5: its router in float32)
         probabilities = torch.softmax(F.linear(h.float(), router.float()), -1, dtype=torch.float32)  # (n, E)
         chosen = torch.topk(probabilities + correction, k, dim=-1).indices
@@ -485,6 +490,21 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style) -> torch.T
     wg, wu, wd, shared_gate = shared
     common = F.linear(_activation(F.linear(h, wg), style.activation) * F.linear(h, wu), wd)
     return mixed + (common if shared_gate is None else torch.sigmoid(F.linear(h, shared_gate)) * common)
+
+
+def sparse_mixer(scores: torch.Tensor, jitter: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, chosen) (n, 2) of Phi-3.5-MoE's router logits `scores` (n, E) as transformers'
+    sparsemixer gives them at inference: the likeliest expert, weighted by its softmax among the
+    experts whose logits are within 2 jitter of it (relative to their size), then the likeliest other
+    one, weighted so among the rest."""
+    top, first = scores.max(dim=-1, keepdim=True)
+    masked = scores.masked_fill((top - scores) / scores.abs().clamp(min=top) > 2 * jitter, float("-inf"))
+    weight = torch.softmax(masked, dim=-1).gather(dim=-1, index=first)
+    others = torch.scatter(scores, -1, first, float("-inf"))
+    top, second = others.max(dim=-1, keepdim=True)
+    masked = others.masked_fill((top - scores) / scores.abs().clamp(min=top) > 2 * jitter, float("-inf"))
+    return (torch.cat((weight, torch.softmax(masked, dim=-1).gather(dim=-1, index=second)), dim=-1),
+            torch.cat((first, second), dim=-1))
 
 
 def routed_experts(h, chosen, weights, gate_up, down, activation: str, gate_up_bias=None,
@@ -636,10 +656,11 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     norm each head (Qwen3, Gemma 3) or, as wide as q and k, the whole of them (OLMo). `experts`: a
     mixture of experts' weights (mixture_of_experts) where the MLP is one, its wg, wu and wd then None.
     An MLP without a gate (`style.gated` off: StarCoder2, Nemotron, Arcee, Phi, GPT-NeoX, Apertus, OPT,
-    GPT-2, GPT-BigCode) has wg None, and bu and bd its up and down products' biases where it has them. With `style.interleaved`
-    (GPT-NeoX) wq is q, k and v's one linear, its outputs head by head, and wk, wv None. A
-    LayerNorm's weight is a (weight, bias) pair (norm_of). `sinks` (heads,): gpt-oss's attention sinks,
-    or None; `constants`: the activation's own (Apertus's xIELU: xielu_constants), or None."""
+    GPT-2, GPT-BigCode) has wg None, and bu and bd its up and down products' biases where it has
+    them. With `style.interleaved` (GPT-NeoX, GPT-BigCode without multi-query) wq is q, k and v's one
+    linear, its outputs head by head, and wk, wv None. A LayerNorm's weight is a (weight, bias) pair
+    (norm_of). `sinks` (heads,): gpt-oss's attention sinks, or None; `constants`: the activation's own
+    (Apertus's xIELU: xielu_constants), or None."""
     (ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd, q_norm, k_norm, after_attention, after_mlp,
      experts, bu, bd, sinks, constants) = weights
     in_float = style.norm_in_float
@@ -920,13 +941,27 @@ def _oss_experts(m) -> bool:
         and shapes[2] == (count, inner, hidden)
 
 
+def _phimoe_experts(m) -> bool:
+    """Whether an MLP is Phi-3.5-MoE's mixture of experts as transformers lays it out: its router a
+    linear without a bias choosing 2 experts (sparse_mixer), each expert's gate and up rows stacked
+    (E, 2I, hidden) and its down (E, hidden, I), their gate the model's activation."""
+    experts, router = getattr(m, "experts", None), getattr(m, "router", None)
+    if type(experts).__name__ != "PhimoeExperts" or type(router).__name__ != "PhimoeTopKRouter":
+        return False
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    return router.bias is None and router.top_k == 2 \
+        and {name for name, _ in m.named_children()} == {"router", "experts"} \
+        and getattr(gate_up, "dim", lambda: 0)() == 3 and getattr(down, "dim", lambda: 0)() == 3
+
+
 def _plain_experts(layer) -> bool:
     """Whether a layer's MLP is an MLP, or a mixture of experts as mixture_of_experts computes it: a
     router's weight, each expert's gate and up rows stacked (E, 2I, hidden) and its down (E, hidden,
     I), without biases, their gate the model's activation (transformers' default), a shared expert
-    only as Qwen2-MoE's and GraniteMoE-shared's; or gpt-oss's (_oss_experts)."""
+    only as Qwen2-MoE's and GraniteMoE-shared's; or gpt-oss's (_oss_experts) or Phi-3.5-MoE's
+    (_phimoe_experts)."""
     m, shared = mlp_of(layer), getattr(layer, "shared_mlp", None)
-    if not hasattr(m, "experts") or _oss_experts(m):
+    if not hasattr(m, "experts") or _oss_experts(m) or _phimoe_experts(m):
         return True
     experts, router = m.experts, getattr(m, "gate", None) or getattr(m, "router", None)
     try:

@@ -380,9 +380,11 @@ def blocks_available() -> bool:
 
 
 def _candidate(module) -> bool:
-    # not a layer accelerate placed: its hook wraps `forward`, which the kernel would replace
-    return (isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu"
-            and not hasattr(module, "_hf_hook") and module.weight.dtype == torch.float32)
+    # not a layer accelerate placed: its hook wraps `forward`, which the kernel would replace; nor a
+    # subclass with a forward of its own (Phi-3.5-MoE's router: a linear that returns its routing too)
+    return (isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
+            and module.weight.device.type == "cpu" and not hasattr(module, "_hf_hook")
+            and module.weight.dtype == torch.float32)
 
 
 def install(model, verdicts: Verdicts | None = None) -> int:

@@ -540,7 +540,7 @@ def skip_a_dynamic_hunyuan(model) -> None:
                                   "glm4", "cohere2", "cohere", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
                                   "granitemoe", "granitemoeshared", "starcoder2", "stablelm", "nemotron", "arcee", "phi",
                                   "gpt_neox", "gpt_oss", "apertus", "opt", "gpt2", "gpt_bigcode", "gpt_bigcode-mha",
-                                  "ernie4_5_moe"])
+                                  "ernie4_5_moe", "phimoe"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
@@ -845,10 +845,12 @@ def test_longrope_answers_are_queued_ahead_once_past_the_long_factors_start(monk
         assert sampled[True] == sampled[False], shape.describe()
 
 
-def test_a_phi_moe_target_decodes_across_its_long_factors_start_as_one_forward():
-    """Phi-3.5-MoE (`phimoe`: `longrope` too, its experts off the static-cache runtime) on
-    transformers' forward: every variant's greedy answer from 12 tokens to 14 more, past position
-    16, is one forward's of the sequence before each token (its caches read again at 16)."""
+@pytest.mark.parametrize("runtime", ["transformers", "static cache"])
+def test_a_phi_moe_target_decodes_across_its_long_factors_start_as_one_forward(runtime):
+    """Phi-3.5-MoE (`phimoe`: `longrope` too, its experts chosen by its sparse mixer) on transformers'
+    forward and on the static-cache runtime: every variant's greedy answer from 12 tokens to 14
+    more, past position 16, is one forward's of the sequence before each token (its caches read
+    again at 16)."""
     from transformers import PhimoeConfig, PhimoeForCausalLM
 
     torch.manual_seed(1)
@@ -861,12 +863,14 @@ def test_a_phi_moe_target_decodes_across_its_long_factors_start_as_one_forward()
         bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
     with torch.no_grad():
         target.lm_head.weight.mul_(3.0)
-    assert compiled.unsupported(target).startswith("a phimoe model")
+    assert compiled.unsupported(target) is None
+    runtimes = None if runtime == "transformers" else \
+        Runtimes(CompiledModel(target, False), CompiledModel(target, False), "auto")
     prompt = [1, 3, 4, 5, 2, 3, 0, 1, 4, 4, 5, 3]
     expected = plain_greedy(target, 14, prompt)
     for shape in shapes():  # (the target as its own draft)
-        assert run((target, target), None, shape, SamplingParams(temperature=0), 14, 0, prompt=prompt) == expected, \
-            shape.describe()
+        assert run((target, target), runtimes, shape, SamplingParams(temperature=0), 14, 0, prompt=prompt) == \
+            expected, shape.describe()
 
 
 @pytest.mark.parametrize("runtime", ["transformers", "static cache"])
@@ -1100,11 +1104,11 @@ def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtim
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3", "phi3", "phi3-longrope", "exaone4",
                                   "ernie4_5", "hunyuan", "glm4", "cohere2", "qwen2_moe", "mixtral", "starcoder2",
-                                  "nemotron", "phi", "gpt_oss", "apertus", "ernie4_5_moe"])
+                                  "nemotron", "phi", "gpt_oss", "apertus", "ernie4_5_moe", "phimoe"])
 def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both_runtimes(tmp_path, kind):
     """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3, Phi-3 (with `longrope` too: its long
     factors from position 16, which the answer passes), EXAONE 4, ERNIE 4.5, Hunyuan, GLM-4, Cohere 2,
-    Qwen2-MoE, Mixtral, StarCoder2, Nemotron, Phi, gpt-oss, Apertus or ERNIE 4.5 MoE checkpoint folder,
+    Qwen2-MoE, Mixtral, StarCoder2, Nemotron, Phi, gpt-oss, Apertus, ERNIE 4.5 MoE or PhiMoE checkpoint folder,
     its first layer as the draft, on the static-cache runtime compiled and on transformers' forward:
     the same greedy tokens."""
     from tiny import tiny_tokenizer

@@ -65,6 +65,20 @@ def test_every_fp32_cpu_layer_and_idempotent():
     assert patched == [True, True, True, False]
 
 
+def test_a_linear_with_a_forward_of_its_own_keeps_it():
+    """A subclass of torch's linear whose forward computes more (Phi-3.5-MoE's router returns its
+    routing too) keeps its forward: the model answers as before, its other linears on the kernels."""
+    from tiny import tiny_relative
+
+    model = tiny_relative("phimoe", 40, layers=1)
+    ids = torch.tensor([[1, 5, 7, 9]])
+    with torch.inference_mode():
+        expected = model(ids).logits
+        assert small_batch.install(model) == 5  # (q, k, v, o and the head; not the router)
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    assert "forward" not in model.model.layers[0].mlp.router.__dict__
+
+
 def test_switched_off_by_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "0")
     layer = torch.nn.Linear(8, 16)

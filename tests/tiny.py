@@ -72,7 +72,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     biases on every linear, the router and the experts, every other layer windowed to 4 positions,
     YaRN angles from position 64, 4 experts, 2 a token, their gate clamped at 1.5 so that the clamp
     matters) or "ernie4_5_moe" (ERNIE 4.5's attention, 4 experts, 2 a token, chosen with a random
-    correction, a shared expert; the first layer a plain MLP); "apertus" (q and k normed per head,
+    correction, a shared expert; the first layer a plain MLP) or "phimoe" (LayerNorms, biases on q, k,
+    v, o and the head, every layer windowed to 4 positions, 2 of 4 experts chosen by its sparse mixer,
+    its jitter 0.3); "apertus" (q and k normed per head,
     an MLP without a gate of xIELUs, each layer's constants random); or with LayerNorms (a bias
     each, random here) or MLPs without a gate: "starcoder2" (both, biases on every linear, a GELU,
     every layer windowed to 4 positions), "stablelm" (LayerNorms, Llama's MLP, biases on q, k and v,
@@ -102,7 +104,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               PhiForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, GptOssConfig, GptOssForCausalLM,
                               ApertusConfig, ApertusForCausalLM, OPTConfig, OPTForCausalLM,
                               GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM,
-                              Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM)
+                              Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, PhimoeConfig, PhimoeForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -129,7 +131,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "opt": (OPTConfig, OPTForCausalLM), "gpt2": (GPT2Config, GPT2LMHeadModel),
                            "gpt_bigcode": (GPTBigCodeConfig, GPTBigCodeForCausalLM),
                            "gpt_bigcode-mha": (GPTBigCodeConfig, GPTBigCodeForCausalLM),
-                           "ernie4_5_moe": (Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM)}[kind]
+                           "ernie4_5_moe": (Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM),
+                           "phimoe": (PhimoeConfig, PhimoeForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -141,6 +144,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     elif kind == "ernie4_5_moe":  # (the first layer a plain MLP; 4 experts, 2 a token, chosen with a correction)
         settings = dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=16, moe_num_shared_experts=1,
                         moe_layer_start_index=1, moe_layer_interval=1)
+    elif kind == "phimoe":  # (LayerNorms, biases on q, k, v and o, 4 experts chosen by its sparse mixer; a window)
+        settings = dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4, router_jitter_noise=0.3,
+                        attention_bias=True, lm_head_bias=True)
     elif kind == "olmoe":
         settings = dict(num_experts=4, num_experts_per_tok=2)
     elif kind == "starcoder2":
@@ -235,7 +241,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                 weight.normal_(float(weight.mean()), scale)
             elif name.endswith(("sinks", "bias")) and kind == "gpt_oss":  # (its sinks, router's and experts' biases)
                 weight.normal_(0.0, 1.0 if name.endswith("sinks") else scale)
-            elif name.endswith("bias") and (kind in ("opt", "gpt2") or kind.startswith("gpt_bigcode")):  # (every one)
+            elif name.endswith("bias") and (kind in ("opt", "gpt2", "phimoe") or kind.startswith("gpt_bigcode")):
                 weight.normal_(0.0, scale)
             elif name.endswith("e_score_correction_bias"):  # (ERNIE 4.5's: as large as the router's scores)
                 weight.normal_(0.0, 0.2)
