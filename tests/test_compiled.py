@@ -571,7 +571,9 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     LayerNorms, biases on every linear, ReLUs without a gate, q scaled before its product), GPT-2
     (Conv1D linears read as views, q, k and v one, learned positions, LayerNorms named `ln_*`) and
     GPT-BigCode (StarCoder 1, SantaCoder: GPT-2's layout on linears, one key head, q's rows then k's
-    then v's; or without multi-query, q, k and v head by head):
+    then v's; or without multi-query, q, k and v head by head), and the mixtures of ERNIE 4.5 (experts
+    chosen with a correction of their scores, weighted without it, a shared expert) and Phi-3.5-MoE
+    (LayerNorms, biases, its sparse mixer):
     tree logits, pruning and growth as
     transformers' forward gives them on every
     backend, and each variant's greedy output is plain greedy."""

@@ -74,8 +74,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     matters) or "ernie4_5_moe" (ERNIE 4.5's attention, 4 experts, 2 a token, chosen with a random
     correction, a shared expert; the first layer a plain MLP) or "phimoe" (LayerNorms, biases on q, k,
     v, o and the head, every layer windowed to 4 positions, 2 of 4 experts chosen by its sparse mixer,
-    its jitter 0.3); "apertus" (q and k normed per head,
-    an MLP without a gate of xIELUs, each layer's constants random); or with LayerNorms (a bias
+    its jitter 0.3); "apertus" (q and k normed per head, an MLP without a gate of xIELUs, each layer's
+    constants random); or with LayerNorms (a bias
     each, random here) or MLPs without a gate: "starcoder2" (both, biases on every linear, a GELU,
     every layer windowed to 4 positions), "stablelm" (LayerNorms, Llama's MLP, biases on q, k and v,
     a quarter of each head turned), "nemotron" (LayerNorms by 1 + weight, an MLP without a gate of
@@ -169,7 +169,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     elif kind == "apertus":  # (Llama 3's angles, scaled from position 64; its xIELU's constants random)
         settings = dict(rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=4.0, low_freq_factor=1.0,
                                              high_freq_factor=4.0, original_max_position_embeddings=64))
-    elif kind == "gpt_oss":  # (every other layer windowed, as gpt-oss's; YaRN angles past 16; its sinks, biases random)
+    elif kind == "gpt_oss":  # (every other layer windowed, as gpt-oss's; YaRN angles; its sinks and biases random)
         settings = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
                         + ["sliding_attention"] * (layers % 2), head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                         swiglu_limit=1.5, attn_implementation="eager",
