@@ -786,23 +786,20 @@ def projections(layer) -> tuple:
     rows, made once; gate None where the MLP has none, gate, up and down None where it is a mixture of
     experts)."""
     a, m = attention_of(layer), mlp_of(layer)
-    if type(a).__name__ == "GPT2Attention":  # (Conv1D modules, q, k and v one: linears over views, made once)
-        views = getattr(layer, "_rsd_views", None)
-        if views is None or views[0].weight.data_ptr() != a.c_attn.weight.data_ptr():
-            views = (*_column_views(a.c_attn, (a.embed_dim,) * 3), *_column_views(a.c_proj, (a.embed_dim,)), None,
-                     *_column_views(m.c_fc, (m.c_fc.nf,)), *_column_views(m.c_proj, (m.c_proj.nf,)))
-            object.__setattr__(layer, "_rsd_views", views)
-        return views
+    if type(a).__name__ == "GPT2Attention":  # (Conv1D modules, weights (in, out): views of their transposes)
+        return _kept_views(layer, a.c_attn.weight, lambda: (
+            *_row_views(a.c_attn.weight.T, a.c_attn.bias, (a.embed_dim,) * 3),
+            *_row_views(a.c_proj.weight.T, a.c_proj.bias, (a.embed_dim,)), None,
+            *_row_views(m.c_fc.weight.T, m.c_fc.bias, (m.c_fc.nf,)),
+            *_row_views(m.c_proj.weight.T, m.c_proj.bias, (m.c_proj.nf,))))
     if hasattr(a, "query_key_value"):  # (GPT-NeoX: q, k and v one linear, head by head; no gate)
         return a.query_key_value, None, None, a.dense, None, m.dense_h_to_4h, m.dense_4h_to_h
     if type(a).__name__ == "GPTBigCodeAttention":  # (q, k and v one linear: head by head, or with one key
         if not a.multi_query:  # head, StarCoder's and SantaCoder's, q's rows then k's then v's: views of them)
             return a.c_attn, None, None, a.c_proj, None, m.c_fc, m.c_proj
-        views = getattr(layer, "_rsd_views", None)
-        if views is None or views[0].weight.data_ptr() != a.c_attn.weight.data_ptr():
-            views = (*_row_views(a.c_attn, (a.embed_dim, a.kv_dim, a.kv_dim)), a.c_proj, None, m.c_fc, m.c_proj)
-            object.__setattr__(layer, "_rsd_views", views)
-        return views
+        return _kept_views(layer, a.c_attn.weight, lambda: (
+            *_row_views(a.c_attn.weight, a.c_attn.bias, (a.embed_dim, a.kv_dim, a.kv_dim)), a.c_proj, None, m.c_fc,
+            m.c_proj))
     if hasattr(m, "experts"):  # (a mixture of experts: no MLP linears of its own, see experts_of)
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, None, None
     if hasattr(m, "c_fc"):  # (StarCoder2: no gate)
@@ -814,17 +811,29 @@ def projections(layer) -> tuple:
     fused = getattr(a, "qkv_proj", None) or getattr(m, "gate_up_proj", None)
     if fused is None:
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
-    views = getattr(layer, "_rsd_views", None)
-    if views is None or not any(view.weight.data_ptr() == fused.weight.data_ptr() for view in views):  # (or moved)
+
+    def views() -> tuple:
         if hasattr(a, "qkv_proj"):
             heads, kv_heads = a.config.num_attention_heads, a.num_key_value_heads
-            q, k, v = _row_views(a.qkv_proj, (heads * a.head_dim, kv_heads * a.head_dim, kv_heads * a.head_dim))
+            q, k, v = _row_views(a.qkv_proj.weight, a.qkv_proj.bias,
+                                 (heads * a.head_dim, kv_heads * a.head_dim, kv_heads * a.head_dim))
         else:
             q, k, v = a.q_proj, a.k_proj, a.v_proj
-        gate, up = _row_views(m.gate_up_proj, (m.gate_up_proj.out_features // 2,) * 2) \
+        gate, up = _row_views(m.gate_up_proj.weight, m.gate_up_proj.bias, (m.gate_up_proj.out_features // 2,) * 2) \
             if hasattr(m, "gate_up_proj") else (m.gate_proj, m.up_proj)  # (gate first)
-        views = (q, k, v, a.o_proj, gate, up, m.down_proj)
-        object.__setattr__(layer, "_rsd_views", views)  # (not a submodule: the model's parameters stay its own)
+        return q, k, v, a.o_proj, gate, up, m.down_proj
+
+    return _kept_views(layer, fused.weight, views)
+
+
+def _kept_views(layer, source: torch.Tensor, make) -> tuple:
+    """projections' linears that `make()` builds over views of a fused weight, `source`: made once a
+    layer and kept on it (not as a submodule: the model's parameters stay its own), again where the
+    weight moved since."""
+    views = getattr(layer, "_rsd_views", None)
+    if views is None or not any(view is not None and view.weight.data_ptr() == source.data_ptr() for view in views):
+        views = make()
+        object.__setattr__(layer, "_rsd_views", views)
     return views
 
 
@@ -834,34 +843,19 @@ def fused_linears(layer) -> tuple:
     return getattr(attention_of(layer), "qkv_proj", None), getattr(getattr(layer, "mlp", None), "gate_up_proj", None)
 
 
-def _row_views(fused: torch.nn.Linear, sizes: tuple) -> list[torch.nn.Linear]:
-    """Linears over consecutive rows of `fused`'s weight (and bias), sharing its memory; the first
-    one's `_rsd_stack` is the fused weight itself (stack_projections then stacks nothing)."""
-    linears, start = [], 0
+def _row_views(weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple) -> list[torch.nn.Linear]:
+    """Linears over consecutive rows of a fused linear's (out, in) weight (and bias), sharing its memory
+    (GPT-2's Conv1D: the transpose of its (in, out) weight, a view F.linear multiplies in place); the
+    first one's `_rsd_stack` is the whole weight (stack_projections then stacks nothing)."""
+    weight, linears, start = weight.detach(), [], 0
     for size in sizes:
-        linear = torch.nn.Linear(fused.in_features, size, bias=fused.bias is not None, device="meta")
-        linear.weight = torch.nn.Parameter(fused.weight.detach()[start: start + size], requires_grad=False)
-        if fused.bias is not None:
-            linear.bias = torch.nn.Parameter(fused.bias.detach()[start: start + size], requires_grad=False)
+        linear = torch.nn.Linear(weight.shape[1], size, bias=bias is not None, device="meta")
+        linear.weight = torch.nn.Parameter(weight[start: start + size], requires_grad=False)
+        if bias is not None:
+            linear.bias = torch.nn.Parameter(bias.detach()[start: start + size], requires_grad=False)
         linears.append(linear)
         start += size
-    linears[0]._rsd_stack = fused.weight.detach()
-    return linears
-
-
-def _column_views(conv, sizes: tuple) -> list[torch.nn.Linear]:
-    """Linears over consecutive columns of a transformers Conv1D's weight (in, out) (and bias), as
-    (out, in) views of it (no copy: F.linear multiplies by the transpose in place); the first one's
-    `_rsd_stack` is all of them (stack_projections then stacks nothing)."""
-    weight = conv.weight.detach()
-    linears, start = [], 0
-    for size in sizes:
-        linear = torch.nn.Linear(weight.shape[0], size, device="meta")
-        linear.weight = torch.nn.Parameter(weight[:, start: start + size].T, requires_grad=False)
-        linear.bias = torch.nn.Parameter(conv.bias.detach()[start: start + size], requires_grad=False)
-        linears.append(linear)
-        start += size
-    linears[0]._rsd_stack = weight.T
+    linears[0]._rsd_stack = weight
     return linears
 
 
