@@ -1157,15 +1157,12 @@ def test_a_pythia_opt_gpt2_or_starcoder_style_pair_runs_both_models_on_the_stati
     GPT-NeoX (OPT, GPT-2, GPT-BigCode) target and a smaller one as the draft (kind = "model"), each a
     checkpoint folder, both on the static-cache runtime compiled: the greedy tokens of both on
     transformers' forward, for a tree variant and for `sd`."""
-    from tiny import tiny_tokenizer
+    from tiny import save_profiled_pair
 
-    for name, layers, seed in (("target", 3, 0), ("draft", 1, 1)):
-        tiny_relative(kind, 40, layers=layers, seed=seed).save_pretrained(tmp_path / name)
-        tiny_tokenizer().save_pretrained(tmp_path / name)
+    pair = save_profiled_pair(tmp_path, tiny_relative(kind, 40, layers=3, seed=0), tiny_relative(kind, 40, 1, seed=1))
     for variant in ("rsd-c", "sd"):
-        profile = tmp_path / f"pythia-{variant}.toml"
-        profile.write_text(f'[target]\nsource = "{tmp_path / "target"}"\n[draft]\nkind = "model"\n'
-                           f'source = "{tmp_path / "draft"}"\n[decoding]\nvariant = "{variant}"\n')
+        profile = tmp_path / f"pair-{variant}.toml"
+        profile.write_text(pair.read_text() + f'[decoding]\nvariant = "{variant}"\n')
         assert_alike_on_both_runtimes(profile)
 
 
