@@ -81,14 +81,15 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gem
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
                    "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt",
-                   "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe")
+                   "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe",
             "phimoe")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 # (ntk_alpha: Hunyuan's, a fixed base); `longrope` picks short or long factors for a whole forward by its last
 # position: the runtime turns each row by its own position's (CompiledModel.tables; engine.long_factors_from)
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "ntk_alpha", "longrope")
+# (proportional: Gemma 4's full-attention layers', a quarter of each head turned, the rest by angle 0)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "ntk_alpha", "longrope", "proportional")
 # the MLP's gate (or without one, its activation): SiLU (Llama), GELU tanh-approximated or exact, ReLU squared,
 # xIELU (Apertus: each layer's own learned constants, xielu_constants), ReLU (OPT)
 # (gelu_new: Phi's tanh GELU, by formula)
@@ -123,6 +124,7 @@ class Style(NamedTuple):
     query_scaled: bool = False  # q multiplied by the attention's scaling before its product with k (OPT)
     sinks: bool = False  # each head's softmax has a learned logit more, whose share goes to no value (gpt-oss)
     angles_once: bool = False  # the rotary module gives each angle once, for both halves of a head (gpt-oss)
+    value_norm: bool = False  # each head of v RMS-normed without a weight, in float32 (Gemma 4)
 
 
 def decoder_of(model) -> tuple:
@@ -150,10 +152,11 @@ def style_of(model) -> Style:
     _, cfg = decoder_of(model)
     family = cfg.model_type
     gemma, cohere = family.startswith("gemma"), family in ("cohere", "cohere2")
+    gemma4 = family == "gemma4_text"  # (its norms multiply by their weight, not by 1 + it)
     mixture, oss = family in MIXTURES, family == "gpt_oss"
     bigcode, ernie = family == "gpt_bigcode", family in ("ernie4_5", "ernie4_5_moe")
     return Style(norm_in_float=gemma or family in ("olmo2", "olmo3") or cohere or oss,
-                 norm_offset=gemma or family == "nemotron",
+                 norm_offset=gemma and not gemma4 or family == "nemotron",
                  activation=clamped_swiglu(model) if oss else activation_of(cfg),
                  softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
                  residual_scale=float(getattr(cfg, "residual_multiplier", 1.0)),
@@ -171,7 +174,8 @@ def style_of(model) -> Style:
                  gated=family not in ("starcoder2", "nemotron", "arcee", "phi", "gpt_neox", "apertus", "opt", "gpt2")
                  and not bigcode,
                  query_scaled=family == "opt",
-                 interleaved=family == "gpt_neox" or bigcode and not cfg.multi_query, sinks=oss, angles_once=oss)
+                 interleaved=family == "gpt_neox" or bigcode and not cfg.multi_query, sinks=oss, angles_once=oss,
+                 value_norm=gemma4)
 
 
 def clamped_swiglu(model) -> str:
@@ -230,6 +234,31 @@ def layer_kinds(cfg, count: int) -> list[str]:
     return ["sliding_attention" if sliding_window(cfg) else "full_attention"] * count
 
 
+class LayerCaches:
+    """The keys (or values) of a model whose layers' caches differ in shape (Gemma 4's full-attention
+    layers: wider heads, fewer of them): one (caches, kv_heads, capacity, head_dim) tensor for each
+    shape; `self[i]` is cache i's (kv_heads, capacity, head_dim)."""
+
+    def __init__(self, shapes: list[tuple[int, int]], capacity: int, dtype, device):
+        kinds = list(dict.fromkeys(shapes))  # (kv_heads, head_dim) of each tensor, in order of first use
+        counts = [0] * len(kinds)
+        self.where = []  # cache -> (its tensor, its index there)
+        for shape in shapes:
+            self.where.append((kinds.index(shape), counts[kinds.index(shape)]))
+            counts[kinds.index(shape)] += 1
+        self.tensors = tuple(torch.zeros((count, heads, capacity, width), dtype=dtype, device=device)
+                             for count, (heads, width) in zip(counts, kinds))
+
+    def __getitem__(self, cache: int) -> torch.Tensor:
+        tensor, index = self.where[cache]
+        return self.tensors[tensor][index]
+
+
+def stacks_of(buffers) -> tuple:
+    """The tensors holding a model's keys (or values): the one tensor, or a LayerCaches' each."""
+    return buffers.tensors if isinstance(buffers, LayerCaches) else (buffers,)
+
+
 def bucket(n: int, sizes: tuple[int, ...] = BUCKETS) -> int | None:
     """The padded token count for n tokens, or None when n is beyond the compiled sizes."""
     return next((b for b in sizes if b >= n), None)
@@ -252,9 +281,12 @@ def unsupported(model) -> str | None:
         return "GPT-2's options (attention scaled by layer, upcast and reordered, or cross-attention)"
     if cfg.model_type == "gpt_bigcode" and (cfg.add_cross_attention or not cfg.scale_attn_weights):
         return "GPT-BigCode's options (cross-attention, or attention not scaled)"
+    # (Gemma 4's "vision": images' tokens see each other, text's are causal — all rsd reads)
     if activation_of(cfg) not in ACTIVATIONS \
-            or getattr(cfg, "use_bidirectional_attention", False):
+            or getattr(cfg, "use_bidirectional_attention", False) not in (False, None, "vision"):
         return f"{type(model).__name__}'s layers differ from Llama's"
+    if getattr(cfg, "enable_moe_block", False):  # (Gemma 4 26B-A4B)
+        return "Gemma 4's mixture of experts beside its MLP"
     rope = getattr(getattr(inner, "rotary_emb", None), "rope_type", "default")  # (Gemma 3: one per layer kind)
     kinds = list(rope.values()) if isinstance(rope, dict) else [rope]
     if any(kind not in ROPE_TYPES for kind in kinds) or len(kinds) > 1 and "longrope" in kinds:  # (long_factors_from)
@@ -372,6 +404,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, in_float: bool 
     if centred:
         x = x - x.mean(-1, keepdim=True)
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:  # (Gemma 4's norm of v: no weight)
+        return normed.to(dtype)
     return (normed * weight).to(dtype) if in_float else weight * normed.to(dtype)
 
 
@@ -635,7 +669,7 @@ def register_experts_operator() -> bool:
 
 def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple, dims: tuple,
                   slots: torch.Tensor | None = None, fused: tuple = (None, None),
-                  sight: Sight | None = None, style: Style = Style()) -> torch.Tensor:
+                  sight: Sight | None = None, style: Style = Style(), side: torch.Tensor | None = None) -> torch.Tensor:
     """One Llama decoder layer on n new tokens (or one of a related family: `style`, and the norms
     `weights` hold).
     x (n, hidden); cos, sin (n, head_dim); mask (n, kv_len) additive, the new tokens at slots
@@ -660,9 +694,12 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     them. With `style.interleaved` (GPT-NeoX, GPT-BigCode without multi-query) wq is q, k and v's one
     linear, its outputs head by head, and wk, wv None. A LayerNorm's weight is a (weight, bias) pair
     (norm_of). `sinks` (heads,): gpt-oss's attention sinks, or None; `constants`: the activation's own
-    (Apertus's xIELU: xielu_constants), or None."""
+    (Apertus's xIELU: xielu_constants), or None. Gemma 4: wv None where v is k's product (before k's
+    norm), `shared` where the layer computes q only and reads keys and values an earlier layer wrote
+    (the buffers given are that layer's), `side_input` (side_weights) with `side` (n, width) this
+    layer's per-layer input, added after the MLP, and `scalar` what the layer's output is multiplied by."""
     (ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd, q_norm, k_norm, after_attention, after_mlp,
-     experts, bu, bd, sinks, constants) = weights
+     experts, bu, bd, sinks, constants, side_input, scalar, shared) = weights
     in_float = style.norm_in_float
     heads, kv_heads, head_dim, scaling, eps = dims
     n, kv_len = x.shape[0], mask.shape[1]
@@ -672,7 +709,9 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     h = x if ln1 is None else _rms_norm(x, ln1, eps, in_float, style.centred)  # (OLMo: no norm before attention)
     normed = h
     widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-    if style.interleaved:  # (GPT-NeoX: each head's q, k and v side by side)
+    if shared:  # (Gemma 4's last layers: the keys and values are an earlier layer's)
+        q, k, v = _linear(h, wq, bq, small[0]), None, None
+    elif style.interleaved:  # (GPT-NeoX: each head's q, k and v side by side)
         q, k, v = _linear(h, wq, bq, small[0]).view(n, heads, 3 * head_dim).chunk(3, -1)
         q, k, v = q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)
     elif wk is None:  # (stacked float weights: on a GPU, or a fused linear's own)
@@ -681,31 +720,41 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     elif fused[0] is not None:
         q, k, v = blocks_linear(h, fused[0]).split(widths, -1)
         q, k, v = (t if b is None else t + b for t, b in ((q, bq), (k, bk), (v, bv)))  # (Qwen2's biases)
-    else:
-        q, k, v = _linear(h, wq, bq, small[0]), _linear(h, wk, bk, small[1]), _linear(h, wv, bv, small[2])
+    else:  # (Gemma 4's full-attention layers: v is k's product, where the model says so)
+        q, k = _linear(h, wq, bq, small[0]), _linear(h, wk, bk, small[1])
+        v = k if wv is None else _linear(h, wv, bv, small[2])
     whole = q_norm is not None and q_norm.shape[0] != head_dim  # (OLMo 2 and 3: q and k normed as a whole)
     if whole:
         q, k = _rms_norm(q, q_norm, eps, in_float), _rms_norm(k, k_norm, eps, in_float)
-    q, k = q.view(n, heads, head_dim), k.view(n, kv_heads, head_dim)
+    q = q.view(n, heads, head_dim)
     by_head = q_norm is not None and not whole  # (each head of q and k RMS-normed)
     if by_head and not style.norm_after_rotation:  # Qwen3, Gemma 3: before the rotation
-        q, k = _rms_norm(q, q_norm, eps, in_float), _rms_norm(k, k_norm, eps, in_float)
-    q, k = q.transpose(0, 1), k.transpose(0, 1)  # (H, n, hd), (KVH, n, hd)
-    v = v.view(n, kv_heads, head_dim).transpose(0, 1)
-    q, k = _rotated(q, cos, sin, style), _rotated(k, cos, sin, style)
+        q = _rms_norm(q, q_norm, eps, in_float)
+    q = _rotated(q.transpose(0, 1), cos, sin, style)  # (H, n, hd)
+    if k is not None:
+        k = k.view(n, kv_heads, head_dim)
+        if by_head and not style.norm_after_rotation:
+            k = _rms_norm(k, k_norm, eps, in_float)
+        k = _rotated(k.transpose(0, 1), cos, sin, style)  # (KVH, n, hd)
+        v = v.view(n, kv_heads, head_dim)
+        if style.value_norm:  # (Gemma 4: each head of v normed, without a weight)
+            v = _rms_norm(v, None, eps, True)
+        v = v.transpose(0, 1)
     if style.query_scaled:  # (OPT: q scaled before its product with k, as its attention computes it)
         q, scaling = q * scaling, 1.0
     if by_head and style.norm_after_rotation:  # Hunyuan: after it
         q, k = _rms_norm(q, q_norm, eps, in_float), _rms_norm(k, k_norm, eps, in_float)
-    if slots is None:
+    if k is not None and slots is None:  # (k None: a layer reading what an earlier one wrote)
         keys[:, kv_len - n: kv_len] = k
         values[:, kv_len - n: kv_len] = v
+    elif k is not None:
+        keys.index_copy_(1, slots, k)
+        values.index_copy_(1, slots, v)
+    if slots is None:
         k, v = keys[:, :kv_len], values[:, :kv_len]
         if sight is not None and sight.keys is not None:
             k, v = k.index_select(1, sight.keys), v.index_select(1, sight.keys)
     else:
-        keys.index_copy_(1, slots, k)
-        values.index_copy_(1, slots, v)
         k, v = keys, values
     grouped = {}
     own_attention = style.softcap or sinks is not None  # (scores that torch's attention kernel cannot take)
@@ -754,7 +803,12 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
         mlp = _linear(hidden, wd, bd, small[6])
     if style.residual_scale != 1.0:
         mlp = mlp * style.residual_scale
-    return x + (mlp if after_mlp is None else _rms_norm(mlp, after_mlp, eps, in_float))
+    x = x + (mlp if after_mlp is None else _rms_norm(mlp, after_mlp, eps, in_float))
+    if side_input is not None:  # (Gemma 4: the layer's own input, gated by its output, projected, normed, added)
+        gate_weight, projection, side_norm = side_input
+        gated = _activation(_linear(x, gate_weight, None, small[7]), style.activation) * side
+        x = x + _rms_norm(_linear(gated, projection, None, small[8]), side_norm, eps, in_float)
+    return x if scalar is None else x * scalar
 
 
 def _native_layer(layer, fused: tuple, fuse: bool):
@@ -809,8 +863,10 @@ def projections(layer) -> tuple:
     if not hasattr(m, "gate_proj") and not hasattr(m, "gate_up_proj"):  # (Nemotron, Arcee: no gate)
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, m.up_proj, m.down_proj
     fused = getattr(a, "qkv_proj", None) or getattr(m, "gate_up_proj", None)
-    if fused is None:
-        return a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
+    if fused is None:  # (Gemma 4: no k and v of its own where a layer reads an earlier one's cache, v None
+        # where its values are its keys' product: `attention_k_eq_v`)
+        return a.q_proj, getattr(a, "k_proj", None), getattr(a, "v_proj", None), a.o_proj, m.gate_proj, m.up_proj, \
+            m.down_proj
 
     def views() -> tuple:
         if hasattr(a, "qkv_proj"):
@@ -835,6 +891,47 @@ def _kept_views(layer, source: torch.Tensor, make) -> tuple:
         views = make()
         object.__setattr__(layer, "_rsd_views", views)
     return views
+
+
+def layer_dims(layer, dims: tuple) -> tuple:
+    """A layer's (heads, kv_heads, head_dim, scaling, eps): the model's `dims`, but a Gemma 4 layer's
+    own (its full-attention layers' heads wider, with fewer key heads, as its per-layer config says)."""
+    a = attention_of(layer)
+    if type(a).__name__ != "Gemma4TextAttention":
+        return dims
+    heads, _, _, _, eps = dims
+    return heads, heads // a.num_key_value_groups, a.head_dim, a.scaling, eps
+
+
+def reads_earlier_cache(layer) -> bool:
+    """Whether a layer writes no keys and values of its own but reads an earlier layer's (Gemma 4's last
+    `num_kv_shared_layers`)."""
+    return bool(getattr(attention_of(layer), "is_kv_shared_layer", False))
+
+
+def cache_owners(layers, kinds: list[str]) -> list[int]:
+    """Each layer's KV cache, by the layer that writes it: its own, or for a layer reading an earlier
+    one's (reads_earlier_cache), the last layer of its kind that writes one, as transformers' Gemma 4
+    shares them (its config's `kv_sharing_modes`: "store" there, "reuse" here)."""
+    owners: list[int] = []
+    for index, (layer, kind) in enumerate(zip(layers, kinds)):
+        writers = [j for j in range(index) if owners[j] == j and kinds[j] == kind]
+        owners.append(writers[-1] if reads_earlier_cache(layer) and writers else index)
+    return owners
+
+
+def side_linears(layer) -> tuple:
+    """A Gemma 4 layer's per-layer input's gate and projection (or None, None)."""
+    return getattr(layer, "per_layer_input_gate", None), getattr(layer, "per_layer_projection", None)
+
+
+def side_weights(layer, style: Style) -> tuple | None:
+    """What decoder_layer adds a Gemma 4 layer's per-layer input by: (its gate's weight, its projection's,
+    their output's norm's), or None."""
+    gate, projection = side_linears(layer)
+    if gate is None:
+        return None
+    return gate.weight.detach(), projection.weight.detach(), norm_weight(layer.post_per_layer_input_norm.weight, style)
 
 
 def fused_linears(layer) -> tuple:
@@ -1117,7 +1214,9 @@ class CompiledModel:
         attn = attention_of(layers[0])
         self.style = style = style_of(model)
         # (GPT-NeoX, OPT: every head its own keys; GPT-BigCode's with one key head: its attention's `kv_heads`)
+        # (Gemma 4's differ by layer: its config refuses to name one, layer_dims)
         kv_heads = cfg.num_attention_heads if style.interleaved else \
+            cfg.num_attention_heads // attn.num_key_value_groups if type(attn).__name__ == "Gemma4TextAttention" else \
             getattr(cfg, "num_key_value_heads", None) or getattr(attn, "kv_heads", None) or cfg.num_attention_heads
         self.dims = (cfg.num_attention_heads, kv_heads,
                      getattr(attn, "head_dim", None) or attn.head_size, attn.scaling,
@@ -1152,13 +1251,17 @@ class CompiledModel:
             # detached views (same storage): a trained adapter's tensors and the target's then pass
             # the same guards, and one graph serves both
             # (the fused linears whole, where stacked as the model has them)
-            multiplied = (q if own[0] is None else own[0], k, v, o, gate if own[1] is None else own[1], up, down)
+            # (and a Gemma 4 layer's per-layer input's gate and projection)
+            multiplied = (q if own[0] is None else own[0], k, v, o, gate if own[1] is None else own[1], up, down,
+                          *side_linears(layer))
+            scalar = getattr(layer, "layer_scalar", None)  # (Gemma 4's)
             self.layers.append((tuple(None if w is None else w if isinstance(w, tuple) else w.detach() for w in weights)
                                 + (experts_of(layer), *biases,
                                    attention_of(layer).sinks.detach() if style.sinks else None,
-                                   xielu_constants(mlp_of(layer))),
+                                   xielu_constants(mlp_of(layer)), side_weights(layer, style),
+                                   None if scalar is None else scalar.detach(), reads_earlier_cache(layer)),
                                 tuple(None if linear is None else self._kernels(linear) for linear in multiplied),
-                                (None if k is None else fused_blocks(linears[:3], biased=True),
+                                (None if None in linears[:3] else fused_blocks(linears[:3], biased=True),
                                  None if gate is None else fused_blocks(linears[4:6])) if fuse else (None, None)))
         self.head_small = self._kernels(model.lm_head)
         self._table: tuple = (None, None)  # (native list, its native_table): every layer in one call
@@ -1178,6 +1281,15 @@ class CompiledModel:
         # full-attention layers' and 1 for the windowed ones' (a mask for each: (2, n, kv_len)), where
         # only some layers have the window
         kinds = layer_kinds(cfg, len(layers))
+        # each layer's (heads, kv_heads, head_dim, scaling, eps): the model's dims but Gemma 4's, and the KV
+        # cache it writes or reads (cache_owners: an index among the caches, each (kv_heads, head_dim) wide)
+        self.layer_dims = [layer_dims(layer, self.dims) for layer in layers]
+        owners = cache_owners(layers, kinds)
+        written = sorted(set(owners))
+        self.cache_of = [written.index(owner) for owner in owners]
+        self.cache_shapes = [self.layer_dims[owner][1:3] for owner in written]
+        # Gemma 4's per-layer inputs: each token's embedding for every layer, read beside its embedding
+        self.per_layer_inputs = getattr(inner, "embed_tokens_per_layer", None) is not None
         self.window = cfg.sliding_window if sliding_window(cfg) else None
         self.by_kind = [int(kind == "sliding_attention") for kind in kinds] \
             if self.window is not None and window_of(cfg) is None else None
@@ -1270,11 +1382,16 @@ class CompiledModel:
         blocks = blocks_of(linear)
         return kernels_of(linear), {**prepared_copies(linear), **({"blocks": blocks} if blocks is not None else {})}
 
-    def new_buffers(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        _, kv_heads, head_dim, _, _ = self.dims
-        shape = (len(self.layers), kv_heads, capacity, head_dim)
-        return (torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device))
+    def new_buffers(self, capacity: int) -> tuple:
+        """(keys, values) of every cache (cache_of), `capacity` slots each: a (caches, kv_heads, capacity,
+        head_dim) tensor each, or where caches differ in shape (Gemma 4's) a LayerCaches each."""
+        shapes = self.cache_shapes
+        if len(set(shapes)) == 1:
+            kv_heads, head_dim = shapes[0]
+            shape = (len(shapes), kv_heads, capacity, head_dim)
+            return (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.dtype, device=self.device))
+        return tuple(LayerCaches(shapes, capacity, self.dtype, self.device) for _ in range(2))
 
     def lease(self, lm, capacity: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Static shapes: the shared KV buffers, at least `capacity` long, for `lm` (a StaticLM);
@@ -1283,7 +1400,7 @@ class CompiledModel:
         holder = self._holder() if self._holder is not None else None
         if holder is not None and holder is not lm:
             return None
-        if self._buffers is None or self._buffers[0].shape[2] < capacity:
+        if self._buffers is None or stacks_of(self._buffers[0])[0].shape[2] < capacity:
             self._buffers = None
             self._drop_graphs()
             self._buffers = self.new_buffers(capacity)
@@ -1334,7 +1451,7 @@ class CompiledModel:
                 ids[0, : tokens.shape[0]] = tokens
             every = torch.arange(ids.shape[1], device=self.device)
             return self.forward(ids[0], ids[1], mask, keys, values, every, ids[2])[rows].float()
-        key = (ids.shape[1], keys.data_ptr())
+        key = (ids.shape[1], stacks_of(keys)[0].data_ptr())
         if key not in self._captured:
             try:
                 self._captured[key] = self._capture(ids, mask, keys, values)
@@ -1403,6 +1520,9 @@ class CompiledModel:
         x = self.embedding(tokens)  # (n, hidden; Gemma's embedding scales it)
         if self.embedding_scale != 1.0:  # (Granite's model scales it)
             x = x * self.embedding_scale
+        sides = None  # (Gemma 4: (n, layers, width) inputs of each layer, from the tokens and their embeddings)
+        if self.per_layer_inputs:
+            sides = self.inner.project_per_layer_inputs(x[None], self.inner.get_per_layer_inputs(tokens[None]))[0]
         # (a tree's rows past the context's end read its last rotary angle: their tokens are never emitted)
         positions = positions.clamp(max=self.context - 1)
         if self.positions is not None:  # (OPT, GPT-2: learned position embeddings added)
@@ -1417,7 +1537,8 @@ class CompiledModel:
                   for cos, sin in tables]
         cos, sin = angles[0]
         # every layer in one call of the C library where each can run there, else layer by layer
-        in_c = native is not None and all(native) and keys.is_contiguous() and values.is_contiguous()
+        in_c = native is not None and all(native) and isinstance(keys, torch.Tensor) and keys.is_contiguous() \
+            and values.is_contiguous()
         head = blocks_of(self.model.lm_head)
         # the norm and head: one more call, on the head's blocks (as the layers, whatever its product
         # measured alone: a calibration of one 113 MB weight read again and again is partly served
@@ -1461,17 +1582,19 @@ class CompiledModel:
                 if native is not None and native[index] is not None:
                     y = run.layer(native[index], y, keys[index], values[index])
                     continue
-                layer_keys, layer_values = keys[index], values[index]
+                cache = self.cache_of[index]
+                layer_keys, layer_values = keys[cache], values[cache]
                 layer_cos, layer_sin = angles[self.table_of[index]]
                 layer_mask = masks[0 if self.by_kind is None else self.by_kind[index]]
+                side = None if sides is None else sides[:, index]
                 if graphs:
                     torch._dynamo.maybe_mark_dynamic(layer_keys, 1)
                     torch._dynamo.maybe_mark_dynamic(layer_values, 1)
                     y = self._layer(y, layer_cos, layer_sin, layer_mask, layer_keys, layer_values, weights, small,
-                                    self.dims, slots, fused, None, self.style)
+                                    self.layer_dims[index], slots, fused, None, self.style, side)
                 else:
                     y = decoder_layer(y, layer_cos, layer_sin, layer_mask, layer_keys, layer_values, weights, small,
-                                      self.dims, slots, fused, reads, self.style)
+                                      self.layer_dims[index], slots, fused, reads, self.style, side)
             return logits(y)
 
         # on a CPU on the threads the governor chooses
@@ -1604,7 +1727,7 @@ class StaticLM(ChainExtension):
         buffers = compiled.lease(self, capacity) if compiled.static_shapes else None
         self.static = buffers is not None  # static shapes on the model's shared buffers (CUDA graphs)
         self.keys, self.values = buffers or compiled.new_buffers(capacity)
-        self.capacity = self.keys.shape[2]
+        self.capacity = stacks_of(self.keys)[0].shape[2]
         self.length = 0
         # a sliding window's keys are hidden by position (a slot's is not its index where completions
         # share the cache): each slot's position, kept for a window only
@@ -1712,15 +1835,15 @@ class StaticLM(ChainExtension):
         """Every layer's key and value at slot source (1,) copied to slot destination (1,), both on
         the device (an accepted tree node moved next to its parent without reading where it is)."""
         with torch.inference_mode():
-            self.keys.index_copy_(2, destination, self.keys.index_select(2, source))
-            self.values.index_copy_(2, destination, self.values.index_select(2, source))
+            for stack in (*stacks_of(self.keys), *stacks_of(self.values)):
+                stack.index_copy_(2, destination, stack.index_select(2, source))
 
     def _grow(self, needed: int) -> None:
         capacity = max(needed, 2 * self.capacity)
         buffers = self.compiled.lease(self, capacity) if self.static else None  # (graphs captured again)
         keys, values = buffers or self.compiled.new_buffers(capacity)
-        keys[:, :, : self.length] = self.keys[:, :, : self.length]
-        values[:, :, : self.length] = self.values[:, :, : self.length]
+        for new, old in zip((*stacks_of(keys), *stacks_of(values)), (*stacks_of(self.keys), *stacks_of(self.values))):
+            new[:, :, : self.length] = old[:, :, : self.length]
         self.keys, self.values, self.capacity = keys, values, capacity
         if self.window is not None:
             self.key_positions = torch.cat([self.key_positions, torch.zeros(capacity - len(self.key_positions),
@@ -1737,8 +1860,8 @@ class StaticLM(ChainExtension):
         if prefix < len(indices):
             tail = to_device(indices[prefix:], self.compiled.device)  # (on a GPU: without waiting)
             with torch.inference_mode():
-                self.keys[:, :, prefix: len(indices)] = self.keys.index_select(2, tail)
-                self.values[:, :, prefix: len(indices)] = self.values.index_select(2, tail)
+                for stack in (*stacks_of(self.keys), *stacks_of(self.values)):
+                    stack[:, :, prefix: len(indices)] = stack.index_select(2, tail)
             if self.window is not None:
                 self.key_positions[prefix: len(indices)] = self.key_positions[indices[prefix:]]
         self.length = len(indices)
@@ -1758,7 +1881,8 @@ def warm_up(runtime: CompiledModel, sizes=WARM_SIZES) -> None:
         for n in sizes:
             tokens = torch.zeros(n, dtype=torch.long, device=runtime.device)
             # static shapes (what CUDA graphs capture): the new keys at slots, the mask over the capacity
-            mask = torch.zeros(n, keys.shape[2] if runtime.static_shapes else past + n, device=runtime.device)
+            mask = torch.zeros(n, stacks_of(keys)[0].shape[2] if runtime.static_shapes else past + n,
+                               device=runtime.device)
             mask = mask if runtime.by_kind is None else mask.expand(2, -1, -1).clone()
             slots = torch.arange(past, past + n, device=runtime.device) if runtime.static_shapes else None
             runtime.forward(tokens, tokens, mask, keys, values, torch.arange(n, device=runtime.device), slots)
@@ -1805,7 +1929,10 @@ def verdict_key(model) -> str:
     p = next(model.parameters())
 
     def size(name: str):  # (what a config does not name, as GPT-2's or BLOOM's intermediate size: None)
-        return getattr(cfg, name, None)
+        try:
+            return getattr(cfg, name, None)
+        except RuntimeError:  # (one Gemma 4's config names for each layer, refusing to name one for all)
+            return "by layer"
 
     key = (f"{machine()} | {p.device.type} | {str(p.dtype).removeprefix('torch.')} | {cfg.model_type} "
            f"{size('hidden_size')}x{size('intermediate_size')} {size('num_attention_heads')}/"

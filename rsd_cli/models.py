@@ -854,6 +854,10 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
     from .llama import uninitialised
 
     inner = _decoder_parts(target)
+    if getattr(inner, "embed_tokens_per_layer", None) is not None or getattr(target.config, "num_kv_shared_layers", 0):
+        raise RsdError(f"an early-exit draft cannot be cut from {type(target).__name__}: its layers read inputs "
+                       f"made for all its layers, or caches of other layers; name a smaller model of its family as "
+                       f"the draft ([draft] kind = \"model\")")
     total = inner.config.num_hidden_layers if hasattr(inner, "config") else len(inner.layers)
     if layers >= total:
         raise RsdError(f"draft.layers = {layers} but the target has only {total} layers")

@@ -480,7 +480,7 @@ def test_a_logit_bias_in_step_maths_replayed_as_cuda_graphs_decides_as_launched_
 
 @CUDA
 @pytest.mark.parametrize("kind", ["mistral", "gemma3", "gemma2", "phi3", "exaone4", "cohere2", "mixtral", "starcoder2",
-                                  "gpt_oss"])
+                                  "gpt_oss", "gemma4"])
 def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
     """Mistral-like, every layer seeing the last 8 positions, Gemma 3-like, the first layer only (a
     mask for each layer kind), Gemma 2-like, every other layer seeing 4 (and rsd's own attention,
@@ -490,8 +490,9 @@ def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
     Mixtral-like (every layer seeing 4, MLPs of experts: routed on the device, no size depending on
     the routing) or StarCoder2-like (every layer seeing 4, LayerNorms, an MLP without a gate, its
     biases) or gpt-oss-like (every other layer seeing 4, attention sinks, experts with biases), in
-    compiled CUDA graphs (masks over the whole capacity, windowed on the host): every variant's
-    greedy tokens are the target's, 30 tokens past the window."""
+    compiled CUDA graphs (masks over the whole capacity, windowed on the host), or Gemma 4-like (every
+    other layer seeing 4, caches of two shapes, the last two layers reading the first two's): every
+    variant's greedy tokens are the target's, 30 tokens past the window."""
     import copy
 
     from test_engine import FAN, LONG_PROMPT, every_layer_windowed
@@ -502,7 +503,8 @@ def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
     elif kind == "gemma3":
         target, draft = tiny_windowed(kind, V), tiny_windowed(kind, V, layers=1, seed=1)
     else:
-        target, draft = tiny_relative(kind, V, layers=2), tiny_relative(kind, V, layers=1, seed=1)
+        target, draft = tiny_relative(kind, V, layers=4 if kind == "gemma4" else 2), \
+            tiny_relative(kind, V, layers=1, seed=1)
     expected = plain_greedy(target, 30, LONG_PROMPT)
     models = tuple(copy.deepcopy(model).cuda() for model in (target, draft))
     runtimes = Runtimes(CompiledModel(models[0], True), CompiledModel(models[1], True), "on")
@@ -579,21 +581,45 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     backend, and each variant's greedy output is plain greedy."""
     target, draft = tiny_relative(kind, V, layers=2, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     skip_a_dynamic_hunyuan(target)
+    # (Nemotron's logits reach ~30, where float32 sums in another order differ by ~1.5e-5)
+    assert_the_runtime_decodes_as_transformers(target, draft, 3e-5 if kind == "nemotron" else 1e-5)
+
+
+def assert_the_runtime_decodes_as_transformers(target, draft, tolerance: float = 1e-5) -> None:
+    """On every backend of the static-cache runtime (compiled, uncompiled, static shapes), a tree's
+    logits, the next ones after pruning it and a chain's as transformers' forward gives them, and each
+    variant's greedy output plain greedy."""
     assert compiled.unsupported(target) is None
     for backend in (CompiledModel(target, True), CompiledModel(target, False),
                     CompiledModel(target, False, static_shapes=True)):
         ours, reference = StaticLM(backend, V, capacity=12), CachedLM(target, V)
-        # (Nemotron's logits reach ~30, where float32 sums in another order differ by ~1.5e-5)
-        base = assert_same_tree_logits(ours, reference, tolerance=3e-5 if kind == "nemotron" else 1e-5)
+        base = assert_same_tree_logits(ours, reference, tolerance=tolerance)
         for lm in (ours, reference):
             lm.keep(list(range(base)) + [base + n for n in (0, 1, 3, 5)])
         for chain in ([2], [1, 3], [3, 2] * 10):  # (logits up to ~17: float32 sums in another order differ by ~1e-5)
-            torch.testing.assert_close(ours.extend(chain), reference.extend(chain), atol=3e-5, rtol=1e-5)
+            torch.testing.assert_close(ours.extend(chain), reference.extend(chain), atol=max(tolerance, 3e-5),
+                                       rtol=1e-5)
         ours.release()
     runtimes = Runtimes(CompiledModel(target, False), CompiledModel(draft, False), "auto")
     for shape in shapes():
         assert run((target, draft), runtimes, shape, SamplingParams(temperature=0), 20, seed=0) == \
             plain_greedy(target, 20), shape.describe()
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_gemma4_runs_on_the_static_cache_runtime(layers):
+    """Gemma 4: windowed and full-attention layers in turn, the full ones' heads twice as wide with one
+    key head (caches of two shapes: LayerCaches) whose values are their keys' product, v normed without
+    a weight, a quarter of each full head turned (`proportional`), each layer's per-layer input added
+    after its MLP and its output scaled; with 4 layers the last two computing no keys of their own but
+    reading the first two's caches, their MLPs twice as wide: tree logits, pruning and growth as
+    transformers' forward gives them on every backend, each variant's greedy output plain greedy."""
+    target, draft = tiny_relative("gemma4", V, layers=layers, seed=0), tiny_relative("gemma4", V, layers=1, seed=1)
+    runtime = CompiledModel(target, False)
+    assert runtime.cache_shapes == [(2, 8), (1, 16)] and runtime.cache_of == [0, 1, 0, 1][:layers]
+    assert [type(buffers).__name__ for buffers in runtime.new_buffers(4)] == ["LayerCaches"] * 2
+    # (each layer's float32 sums in another order than transformers' through 4 layers of norms: ~5e-5)
+    assert_the_runtime_decodes_as_transformers(target, draft, 1e-4)
 
 
 def test_each_way_of_running_routed_experts_gives_each_tokens_weighted_experts(monkeypatch):
@@ -1151,15 +1177,18 @@ def test_longrope_samples_past_the_long_factors_start_are_decoded_one_after_the_
         [(expected, 1, "static cache, compiled")] * 2
 
 
-@pytest.mark.parametrize("kind", ["gpt_neox", "opt", "gpt2", "gpt_bigcode"])
-def test_a_pythia_opt_gpt2_or_starcoder_style_pair_runs_both_models_on_the_static_cache_runtime(tmp_path, kind):
-    """As a user runs a Pythia pair, an OPT one (the RSD paper's), a GPT-2 one or a StarCoder 1 one: a
-    GPT-NeoX (OPT, GPT-2, GPT-BigCode) target and a smaller one as the draft (kind = "model"), each a
-    checkpoint folder, both on the static-cache runtime compiled: the greedy tokens of both on
-    transformers' forward, for a tree variant and for `sd`."""
+@pytest.mark.parametrize("kind", ["gpt_neox", "opt", "gpt2", "gpt_bigcode", "gemma4"])
+def test_a_pythia_opt_gpt2_starcoder_or_gemma4_pair_runs_both_models_on_the_static_cache_runtime(tmp_path, kind):
+    """As a user runs a Pythia pair, an OPT one (the RSD paper's), a GPT-2 one, a StarCoder 1 one or a
+    Gemma 4 one: a GPT-NeoX (OPT, GPT-2, GPT-BigCode, Gemma 4) target and a smaller one as the draft
+    (kind = "model"), each a checkpoint folder, both on the static-cache runtime compiled: the greedy
+    tokens of both on transformers' forward, for a tree variant and for `sd`. (Gemma 4's target of 4
+    layers, the last two reading the first two's caches.)"""
     from tiny import save_profiled_pair
 
-    pair = save_profiled_pair(tmp_path, tiny_relative(kind, 40, layers=3, seed=0), tiny_relative(kind, 40, 1, seed=1))
+    layers = 4 if kind == "gemma4" else 3
+    pair = save_profiled_pair(tmp_path, tiny_relative(kind, 40, layers=layers, seed=0),
+                              tiny_relative(kind, 40, 1, seed=1))
     for variant in ("rsd-c", "sd"):
         profile = tmp_path / f"pair-{variant}.toml"
         profile.write_text(pair.read_text() + f'[decoding]\nvariant = "{variant}"\n')

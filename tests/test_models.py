@@ -709,3 +709,32 @@ def test_a_phi_target_gives_an_early_exit_draft_and_an_own_norm_is_refused_for_l
         torch.testing.assert_close(whole, target(tokens).logits)
     with pytest.raises(RsdError, match="--shared-head"):
         models.new_adapter(target, 1, head_rows=8)
+
+
+def test_an_early_exit_draft_of_gemma4_is_refused_in_a_line_naming_a_separate_draft(tmp_path):
+    """Gemma 4's first layers read per-layer inputs made for all its layers (and its last layers read
+    earlier ones' caches): as a user runs it, `rsd generate` with an early-exit draft of one ends with
+    one line naming a separate draft, not transformers' error; without those (a Gemma 4 of plain
+    layers) the early exit is cut."""
+    from typer.testing import CliRunner
+
+    from rsd_cli.cli import app
+    from tiny import tiny_relative, tiny_tokenizer
+
+    target = tiny_relative("gemma4", 40, layers=4)
+    target.save_pretrained(tmp_path / "gemma4")
+    tiny_tokenizer().save_pretrained(tmp_path / "gemma4")
+    profile = tmp_path / "gemma4.toml"
+    profile.write_text(f'[target]\nsource = "{tmp_path / "gemma4"}"\n[draft]\nkind = "early-exit"\nlayers = 1\n'
+                       'adapter = ""\n')
+    result = CliRunner().invoke(app, ["generate", "hello", "-p", str(profile), "-n", "4"])
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        'rsd: error: an early-exit draft cannot be cut from Gemma4ForCausalLM: its layers read inputs made for all '
+        'its layers, or caches of other layers; name a smaller model of its family as the draft ([draft] kind = '
+        '"model")']
+    from transformers import Gemma4ForCausalLM
+
+    plain = Gemma4ForCausalLM(target.config.__class__(**{**target.config.to_dict(), "num_kv_shared_layers": 0,
+                                                         "hidden_size_per_layer_input": 0}))
+    assert len(models.early_exit_draft(plain.eval(), 1).model.layers) == 1

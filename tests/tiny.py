@@ -104,7 +104,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               PhiForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, GptOssConfig, GptOssForCausalLM,
                               ApertusConfig, ApertusForCausalLM, OPTConfig, OPTForCausalLM,
                               GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM,
-                              Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, PhimoeConfig, PhimoeForCausalLM)
+                              Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, PhimoeConfig, PhimoeForCausalLM,
+                              Gemma4TextConfig, Gemma4ForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -132,7 +133,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "gpt_bigcode": (GPTBigCodeConfig, GPTBigCodeForCausalLM),
                            "gpt_bigcode-mha": (GPTBigCodeConfig, GPTBigCodeForCausalLM),
                            "ernie4_5_moe": (Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM),
-                           "phimoe": (PhimoeConfig, PhimoeForCausalLM)}[kind]
+                           "phimoe": (PhimoeConfig, PhimoeForCausalLM),
+                           "gemma4": (Gemma4TextConfig, Gemma4ForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -211,6 +213,19 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         settings = dict(head_dim=8, sliding_window=4, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
                         query_pre_attn_scalar=16, attn_implementation="eager", layer_types=["sliding_attention", "full_attention"] * (layers // 2)
                         + ["sliding_attention"] * (layers % 2))
+    elif kind == "gemma4":  # (windowed and full-attention layers in turn, the last full; from the third on, each
+        # reads the cache of the last earlier layer of its kind; full attention's heads twice as wide, one key head
+        # whose values are its keys' product, a quarter of each head turned; per-layer inputs; MLPs of the layers
+        # reading others' caches twice as wide)
+        types = (["sliding_attention", "full_attention"] * layers)[:layers]
+        types[-1] = "full_attention"
+        settings = dict(head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
+                        sliding_window=4, layer_types=types, num_kv_shared_layers=max(0, layers - 2),
+                        use_double_wide_mlp=True, hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab,
+                        final_logit_softcapping=5.0,
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                            "rope_theta": 1e6}})
     elif kind == "gemma3":
         settings = dict(head_dim=8, sliding_window=4, final_logit_softcapping=5.0, query_pre_attn_scalar=16,
                         layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1),
@@ -247,6 +262,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                 weight.normal_(0.0, 0.2)
             elif name.endswith(("alpha_p", "alpha_n")):  # (Apertus's xIELU, each layer's own)
                 weight.normal_(float(weight), 0.5)
+        for layer in layers_of(decoder_of(model)[0]):
+            if getattr(layer, "layer_scalar", None) is not None:  # (Gemma 4's, a buffer: each layer's own)
+                layer.layer_scalar.uniform_(0.5, 1.5)
     return model.eval()
 
 
