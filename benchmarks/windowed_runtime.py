@@ -17,6 +17,10 @@ positions, a 50272-token vocabulary; no window), the RSD paper's draft model, it
 OPT as wide (OPT has no early-exit draft).
 `--family gpt2`: GPT-2's shape (12 layers, hidden 768, 12 heads, Conv1D linears, learned positions,
 a 50257-token vocabulary), its draft a 2-layer GPT-2 as wide (distilgpt2's width).
+`--family gemma4`: Gemma 3 270M's shape as Gemma 4 lays it out (18 layers, five windowed to one of
+full attention, whose heads are 512 wide, a quarter of them turned; the last 6 layers reading the
+caches of earlier ones, their MLPs twice as wide; per-layer inputs 32 wide), its draft a 4-layer
+Gemma 4 as wide (Gemma 4 has no early-exit draft).
 `--family glm4`: a GLM-4 of the embedded target's shape (gate and up one linear, half of each head
 turned by adjacent pairs, four norms; no window).
 `--family phi3_longrope`: a Phi-3 of the embedded target's shape turned by `longrope` factors,
@@ -34,6 +38,7 @@ Random weights: the speeds say what the runtime costs, the tokens only that both
     .venv/bin/python benchmarks/windowed_runtime.py --family gpt_oss --rounds 2 -n 64
     .venv/bin/python benchmarks/windowed_runtime.py --family opt --rounds 2 -n 64
     .venv/bin/python benchmarks/windowed_runtime.py --family gpt2 --rounds 2 -n 64
+    .venv/bin/python benchmarks/windowed_runtime.py --family gemma4 --rounds 2 -n 96
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ PROMPT = "Write a long story about a robot who learns to paint, with many detail
 
 def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
     import torch
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Glm4Config, Glm4ForCausalLM, GptOssConfig,
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Gemma4ForCausalLM, Gemma4TextConfig, Glm4Config,
+                              Glm4ForCausalLM, GptOssConfig,
                               GptOssForCausalLM, GPT2Config, GPT2LMHeadModel, MistralConfig, OPTConfig,
                               OPTForCausalLM,
                               MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM,
@@ -69,6 +75,13 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
             vocab_size=49152, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
             num_key_value_heads=1, head_dim=256, max_position_embeddings=8192, sliding_window=window,
             query_pre_attn_scalar=256, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    elif family == "gemma4":
+        model = Gemma4ForCausalLM(Gemma4TextConfig(
+            vocab_size=49152, hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=256, global_head_dim=512, max_position_embeddings=8192,
+            sliding_window=window, num_kv_shared_layers=6, use_double_wide_mlp=True, hidden_size_per_layer_input=32,
+            vocab_size_per_layer_input=49152, final_logit_softcapping=30.0, tie_word_embeddings=True,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0))
     elif family == "qwen3_moe":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
             vocab_size=49152, hidden_size=576, moe_intermediate_size=256, num_hidden_layers=12, num_attention_heads=9,
@@ -108,6 +121,11 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
     models = {"target": model}
     if family in ("opt", "gpt2"):  # (a separate draft: no early exit for them)
         models["draft"] = type(model)(type(model.config)(**{**model.config.to_dict(), "num_hidden_layers": 2}))
+    elif family == "gemma4":  # (its windowed and full-attention layers in turn, the last full; none reading others')
+        settings = {**model.config.to_dict(), "num_hidden_layers": 4, "num_kv_shared_layers": 0,
+                    "layer_types": ["sliding_attention", "full_attention"] * 2}
+        settings.pop("per_layer_config", None)
+        models["draft"] = type(model)(type(model.config)(**settings, global_head_dim=512))
     embedded = Path(resolve_source("embedded")[0])
     for role, each in models.items():
         each.save_pretrained(folder / role)
@@ -133,8 +151,8 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=96)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--variants", default="ar,sd")
-    parser.add_argument("--family", choices=("mistral", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "opt", "gpt2",
-                                             "glm4", "phi3_longrope"),
+    parser.add_argument("--family", choices=("mistral", "gemma3", "gemma4", "qwen3_moe", "mixtral", "gpt_oss", "opt",
+                                             "gpt2", "glm4", "phi3_longrope"),
                         default="mistral")
     args = parser.parse_args()
     past = {"qwen3_moe": "", "glm4": "", "opt": "", "gpt2": "",

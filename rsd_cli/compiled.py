@@ -1522,7 +1522,8 @@ class CompiledModel:
             x = x * self.embedding_scale
         sides = None  # (Gemma 4: (n, layers, width) inputs of each layer, from the tokens and their embeddings)
         if self.per_layer_inputs:
-            sides = self.inner.project_per_layer_inputs(x[None], self.inner.get_per_layer_inputs(tokens[None]))[0]
+            by_token = self.inner.get_per_layer_inputs(tokens[None], x[None])
+            sides = self.inner.project_per_layer_inputs(x[None], by_token)[0]
         # (a tree's rows past the context's end read its last rotary angle: their tokens are never emitted)
         positions = positions.clamp(max=self.context - 1)
         if self.positions is not None:  # (OPT, GPT-2: learned position embeddings added)
