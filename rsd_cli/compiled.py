@@ -164,7 +164,8 @@ def style_of(model) -> Style:
                  rotation_in_float=ernie or family == "cohere",
                  norm_after_rotation=family == "hunyuan_v1_dense", centred=cohere,
                  parallel=cohere or family == "phi" or bool(getattr(cfg, "use_parallel_residual", False)),
-                 experts=int(cfg.num_experts_per_tok) if mixture else 0,
+                 experts=int(cfg.num_experts_per_tok) if mixture else  # (Gemma 4's beside its MLP: its own name)
+                 int(cfg.top_k_experts) if gemma4 and getattr(cfg, "enable_moe_block", False) else 0,
                  renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True)),  # (Mixtral's: no setting, always)
                  routing_in_float=family == "mixtral", top_first=family.startswith("granitemoe") or oss,
                  norm_min=float(getattr(cfg, "moe_norm_min", 0.0) or 0.0) if mixture else 0.0,
@@ -285,8 +286,8 @@ def unsupported(model) -> str | None:
     if activation_of(cfg) not in ACTIVATIONS \
             or getattr(cfg, "use_bidirectional_attention", False) not in (False, None, "vision"):
         return f"{type(model).__name__}'s layers differ from Llama's"
-    if getattr(cfg, "enable_moe_block", False):  # (Gemma 4 26B-A4B)
-        return "Gemma 4's mixture of experts beside its MLP"
+    if getattr(cfg, "enable_moe_block", False) and not all(gemma4_experts_plain(layer) for layer in layers_of(inner)):
+        return "Gemma 4's experts are laid out otherwise"
     rope = getattr(getattr(inner, "rotary_emb", None), "rope_type", "default")  # (Gemma 3: one per layer kind)
     kinds = list(rope.values()) if isinstance(rope, dict) else [rope]
     if any(kind not in ROPE_TYPES for kind in kinds) or len(kinds) > 1 and "longrope" in kinds:  # (long_factors_from)
@@ -510,20 +511,41 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style) -> torch.T
         if style.renormalise:
             weights = weights / weights.sum(-1, keepdim=True)
     weights = weights if style.routing_in_float else weights.to(h.dtype)
-    if not torch.compiler.is_compiling():
-        mixed = routed_experts(h, chosen, weights, gate_up, down, style.activation, *biases)
-    elif chosen.numel() <= GATHERED_PAIRS * gate_up.shape[0]:  # (few tokens: the compiled kernels read the weights in place)
-        mixed = _gathered_experts(h, chosen, weights, gate_up, down, style.activation, *biases)
-    elif _EXPERTS_OPERATOR:  # (registered before compiling; the graph calls it: no size there follows the routing)
-        mixed = torch.ops.rsd.experts(h, chosen, weights, gate_up, down, style.activation, *biases)
-    else:
-        mixed = _every_expert(h, chosen, weights, gate_up, down, style.activation, *biases)
-    mixed = mixed.to(h.dtype)
+    mixed = run_experts(h, chosen, weights, gate_up, down, style.activation, *biases).to(h.dtype)
     if shared is None:
         return mixed
     wg, wu, wd, shared_gate = shared
     common = F.linear(_activation(F.linear(h, wg), style.activation) * F.linear(h, wu), wd)
     return mixed + (common if shared_gate is None else torch.sigmoid(F.linear(h, shared_gate)) * common)
+
+
+def run_experts(h, chosen, weights, gate_up, down, activation: str, *biases) -> torch.Tensor:
+    """The chosen experts of each token of h (n, hidden), weighted (chosen, weights (n, k)): by
+    routed_experts, or in a compiled graph, up to GATHERED_PAIRS (token, expert) pairs an expert by
+    each pair's expert's weights gathered — the compiled kernels read them in place, no copy —, more
+    by the operator rsd::experts (routed_experts)."""
+    if not torch.compiler.is_compiling():
+        return routed_experts(h, chosen, weights, gate_up, down, activation, *biases)
+    if chosen.numel() <= GATHERED_PAIRS * gate_up.shape[0]:  # (few tokens: the compiled kernels read the weights in place)
+        return _gathered_experts(h, chosen, weights, gate_up, down, activation, *biases)
+    if _EXPERTS_OPERATOR:  # (registered before compiling; the graph calls it: no size there follows the routing)
+        return torch.ops.rsd.experts(h, chosen, weights, gate_up, down, activation, *biases)
+    return _every_expert(h, chosen, weights, gate_up, down, activation, *biases)
+
+
+def experts_beside(x: torch.Tensor, beside: tuple, k: int, activation: str, eps: float) -> torch.Tensor:
+    """Gemma 4's mixture of experts beside its MLP (26B-A4B), on x (n, hidden), what the MLP's block
+    reads before its norm: each token's k likeliest experts by a softmax of the router's logits (x
+    normed without a weight, scaled by the router's `scale` and 1 / sqrt(hidden)), their weights
+    renormalised and scaled by each expert's `per_expert_scale`, the experts reading x through a norm
+    of their own and their sum normed again, as transformers' Gemma4TextDecoderLayer computes it.
+    beside: gemma4_experts'."""
+    router, scale, root, expert_scale, gate_up, down, before, after = beside
+    scores = F.linear(_rms_norm(x, None, eps, True) * scale * root, router)
+    weights, chosen = torch.topk(torch.softmax(scores, -1, dtype=torch.float32), k, dim=-1)  # (n, k) each
+    weights = weights / weights.sum(-1, keepdim=True) * expert_scale[chosen]
+    mixed = run_experts(_rms_norm(x, before, eps, True), chosen, weights, gate_up, down, activation)
+    return _rms_norm(mixed.to(x.dtype), after, eps, True)
 
 
 def sparse_mixer(scores: torch.Tensor, jitter: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -697,9 +719,10 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     (Apertus's xIELU: xielu_constants), or None. Gemma 4: wv None where v is k's product (before k's
     norm), `shared` where the layer computes q only and reads keys and values an earlier layer wrote
     (the buffers given are that layer's), `side_input` (side_weights) with `side` (n, width) this
-    layer's per-layer input, added after the MLP, and `scalar` what the layer's output is multiplied by."""
+    layer's per-layer input, added after the MLP, and `scalar` what the layer's output is multiplied by;
+    `beside` (the MLP's own norm after it, gemma4_experts') a mixture of experts beside the MLP."""
     (ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd, q_norm, k_norm, after_attention, after_mlp,
-     experts, bu, bd, sinks, constants, side_input, scalar, shared) = weights
+     experts, bu, bd, sinks, constants, side_input, scalar, shared, beside) = weights
     in_float = style.norm_in_float
     heads, kv_heads, head_dim, scaling, eps = dims
     n, kv_len = x.shape[0], mask.shape[1]
@@ -801,6 +824,9 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
                 gate, up = _linear(h, wg, None, small[4]), _linear(h, wu, None, small[5])
             hidden = _activation(gate, style.activation) * up
         mlp = _linear(hidden, wd, bd, small[6])
+    if beside is not None:  # (Gemma 4 26B-A4B: the MLP's output normed, experts' beside it on the block's input)
+        mlp_after, routed = beside
+        mlp = _rms_norm(mlp, mlp_after, eps, in_float) + experts_beside(x, routed, style.experts, style.activation, eps)
     if style.residual_scale != 1.0:
         mlp = mlp * style.residual_scale
     x = x + (mlp if after_mlp is None else _rms_norm(mlp, after_mlp, eps, in_float))
@@ -918,6 +944,41 @@ def cache_owners(layers, kinds: list[str]) -> list[int]:
         writers = [j for j in range(index) if owners[j] == j and kinds[j] == kind]
         owners.append(writers[-1] if reads_earlier_cache(layer) and writers else index)
     return owners
+
+
+def gemma4_experts(layer, style: Style) -> tuple | None:
+    """A Gemma 4 layer's mixture of experts beside its MLP (26B-A4B) as decoder_layer takes it: (the
+    MLP's own norm after it, (the router's weight, its scale, 1 / sqrt(hidden), each expert's scale,
+    the experts' gate_up (E, 2I, hidden): gate rows then up rows, their down (E, hidden, I), the
+    experts' norm before them, after them)) — or None: no such block, or one laid out otherwise
+    (gemma4_experts_plain)."""
+    if not gemma4_experts_plain(layer):
+        return None
+    router, experts = layer.router, layer.experts
+    weight = lambda norm: norm_weight(norm.weight, style)  # noqa: E731
+    return weight(layer.post_feedforward_layernorm_1), (
+        router.proj.weight.detach(), router.scale.detach(), router.scalar_root_size, router.per_expert_scale.detach(),
+        experts.gate_up_proj.detach(), experts.down_proj.detach(), weight(layer.pre_feedforward_layernorm_2),
+        weight(layer.post_feedforward_layernorm_2))
+
+
+def gemma4_experts_plain(layer) -> bool:
+    """Whether a layer has Gemma 4's experts beside its MLP as transformers lays them out: a router
+    without a bias over a norm without a weight, each expert's gate and up rows stacked (E, 2I,
+    hidden) and its down (E, hidden, I), without biases, their gate the model's activation."""
+    router, experts = getattr(layer, "router", None), getattr(layer, "experts", None)
+    if type(router).__name__ != "Gemma4TextRouter" or type(experts).__name__ != "Gemma4TextExperts":
+        return False
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # (a transformers without it lays its experts out otherwise)
+        return False
+    return router.proj.bias is None and getattr(router.norm, "weight", None) is None \
+        and experts.gate_up_proj.dim() == 3 and experts.down_proj.dim() == 3 \
+        and getattr(experts, "has_gate", True) and not getattr(experts, "has_bias", False) \
+        and not getattr(experts, "is_transposed", False) and getattr(experts, "is_concatenated", True) \
+        and not getattr(experts, "has_post_expert_norm", False) \
+        and getattr(type(experts), "_apply_gate", _default_apply_gate) is _default_apply_gate
 
 
 def side_linears(layer) -> tuple:
@@ -1259,7 +1320,8 @@ class CompiledModel:
                                 + (experts_of(layer), *biases,
                                    attention_of(layer).sinks.detach() if style.sinks else None,
                                    xielu_constants(mlp_of(layer)), side_weights(layer, style),
-                                   None if scalar is None else scalar.detach(), reads_earlier_cache(layer)),
+                                   None if scalar is None else scalar.detach(), reads_earlier_cache(layer),
+                                   gemma4_experts(layer, style)),
                                 tuple(None if linear is None else self._kernels(linear) for linear in multiplied),
                                 (None if None in linears[:3] else fused_blocks(linears[:3], biased=True),
                                  None if gate is None else fused_blocks(linears[4:6])) if fuse else (None, None)))

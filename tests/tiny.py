@@ -134,7 +134,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "gpt_bigcode-mha": (GPTBigCodeConfig, GPTBigCodeForCausalLM),
                            "ernie4_5_moe": (Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM),
                            "phimoe": (PhimoeConfig, PhimoeForCausalLM),
-                           "gemma4": (Gemma4TextConfig, Gemma4ForCausalLM)}[kind]
+                           "gemma4": (Gemma4TextConfig, Gemma4ForCausalLM),
+                           "gemma4-moe": (Gemma4TextConfig, Gemma4ForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -226,6 +227,12 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                          "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                                             "rope_theta": 1e6}})
+    elif kind == "gemma4-moe":  # (26B-A4B's kind: 4 experts, 2 a token, beside each MLP; no per-layer inputs)
+        types = (["sliding_attention", "full_attention"] * layers)[:layers]
+        types[-1] = "full_attention"
+        settings = dict(head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
+                        sliding_window=4, layer_types=types, hidden_size_per_layer_input=0, enable_moe_block=True,
+                        num_experts=4, top_k_experts=2, moe_intermediate_size=16, final_logit_softcapping=5.0)
     elif kind == "gemma3":
         settings = dict(head_dim=8, sliding_window=4, final_logit_softcapping=5.0, query_pre_attn_scalar=16,
                         layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1),
@@ -262,6 +269,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                 weight.normal_(0.0, 0.2)
             elif name.endswith(("alpha_p", "alpha_n")):  # (Apertus's xIELU, each layer's own)
                 weight.normal_(float(weight), 0.5)
+            elif name.endswith(("router.scale", "per_expert_scale")):  # (Gemma 4's router's, from 1)
+                weight.normal_(1.0, scale)
         for layer in layers_of(decoder_of(model)[0]):
             if getattr(layer, "layer_scalar", None) is not None:  # (Gemma 4's, a buffer: each layer's own)
                 layer.layer_scalar.uniform_(0.5, 1.5)
