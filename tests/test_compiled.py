@@ -480,7 +480,7 @@ def test_a_logit_bias_in_step_maths_replayed_as_cuda_graphs_decides_as_launched_
 
 @CUDA
 @pytest.mark.parametrize("kind", ["mistral", "gemma3", "gemma2", "phi3", "exaone4", "cohere2", "mixtral", "starcoder2",
-                                  "gpt_oss", "gemma4"])
+                                  "gpt_oss", "gemma4", "gemma4-moe"])
 def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
     """Mistral-like, every layer seeing the last 8 positions, Gemma 3-like, the first layer only (a
     mask for each layer kind), Gemma 2-like, every other layer seeing 4 (and rsd's own attention,
@@ -491,7 +491,8 @@ def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
     the routing) or StarCoder2-like (every layer seeing 4, LayerNorms, an MLP without a gate, its
     biases) or gpt-oss-like (every other layer seeing 4, attention sinks, experts with biases), in
     compiled CUDA graphs (masks over the whole capacity, windowed on the host), or Gemma 4-like (every
-    other layer seeing 4, caches of two shapes, the last two layers reading the first two's): every
+    other layer seeing 4, caches of two shapes, the last two layers reading the first two's; or experts
+    beside each MLP): every
     variant's greedy tokens are the target's, 30 tokens past the window."""
     import copy
 
@@ -503,7 +504,7 @@ def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
     elif kind == "gemma3":
         target, draft = tiny_windowed(kind, V), tiny_windowed(kind, V, layers=1, seed=1)
     else:
-        target, draft = tiny_relative(kind, V, layers=4 if kind == "gemma4" else 2), \
+        target, draft = tiny_relative(kind, V, layers={"gemma4": 4, "gemma4-moe": 3}.get(kind, 2)), \
             tiny_relative(kind, V, layers=1, seed=1)
     expected = plain_greedy(target, 30, LONG_PROMPT)
     models = tuple(copy.deepcopy(model).cuda() for model in (target, draft))
@@ -606,17 +607,19 @@ def assert_the_runtime_decodes_as_transformers(target, draft, tolerance: float =
             plain_greedy(target, 20), shape.describe()
 
 
-@pytest.mark.parametrize("layers", [2, 4])
-def test_gemma4_runs_on_the_static_cache_runtime(layers):
+@pytest.mark.parametrize("kind, layers, caches", [("gemma4", 2, [0, 1]), ("gemma4", 4, [0, 1, 0, 1]),
+                                                   ("gemma4-moe", 3, [0, 1, 2])])
+def test_gemma4_runs_on_the_static_cache_runtime(kind, layers, caches):
     """Gemma 4: windowed and full-attention layers in turn, the full ones' heads twice as wide with one
     key head (caches of two shapes: LayerCaches) whose values are their keys' product, v normed without
     a weight, a quarter of each full head turned (`proportional`), each layer's per-layer input added
     after its MLP and its output scaled; with 4 layers the last two computing no keys of their own but
-    reading the first two's caches, their MLPs twice as wide: tree logits, pruning and growth as
+    reading the first two's caches, their MLPs twice as wide; and 26B-A4B's kind, a mixture of experts
+    beside each MLP (its router's and each expert's scales random): tree logits, pruning and growth as
     transformers' forward gives them on every backend, each variant's greedy output plain greedy."""
-    target, draft = tiny_relative("gemma4", V, layers=layers, seed=0), tiny_relative("gemma4", V, layers=1, seed=1)
+    target, draft = tiny_relative(kind, V, layers=layers, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     runtime = CompiledModel(target, False)
-    assert runtime.cache_shapes == [(2, 8), (1, 16)] and runtime.cache_of == [0, 1, 0, 1][:layers]
+    assert runtime.cache_shapes == [(2, 8), (1, 16), (1, 16)][:len(set(caches))] and runtime.cache_of == caches
     assert [type(buffers).__name__ for buffers in runtime.new_buffers(4)] == ["LayerCaches"] * 2
     # (each layer's float32 sums in another order than transformers' through 4 layers of norms: ~5e-5)
     assert_the_runtime_decodes_as_transformers(target, draft, 1e-4)
@@ -1132,11 +1135,12 @@ def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtim
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3", "phi3", "phi3-longrope", "exaone4",
                                   "ernie4_5", "hunyuan", "glm4", "cohere2", "qwen2_moe", "mixtral", "starcoder2",
-                                  "nemotron", "phi", "gpt_oss", "apertus", "ernie4_5_moe", "phimoe"])
+                                  "nemotron", "phi", "gpt_oss", "apertus", "ernie4_5_moe", "phimoe", "gemma4-moe"])
 def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both_runtimes(tmp_path, kind):
     """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3, Phi-3 (with `longrope` too: its long
     factors from position 16, which the answer passes), EXAONE 4, ERNIE 4.5, Hunyuan, GLM-4, Cohere 2,
-    Qwen2-MoE, Mixtral, StarCoder2, Nemotron, Phi, gpt-oss, Apertus, ERNIE 4.5 MoE or PhiMoE checkpoint folder,
+    Qwen2-MoE, Mixtral, StarCoder2, Nemotron, Phi, gpt-oss, Apertus, ERNIE 4.5 MoE, PhiMoE or Gemma 4
+    MoE (no per-layer inputs, no shared caches: its first layer cuts) checkpoint folder,
     its first layer as the draft, on the static-cache runtime compiled and on transformers' forward:
     the same greedy tokens."""
     from tiny import tiny_tokenizer
