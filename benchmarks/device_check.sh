@@ -135,7 +135,7 @@ print('$variant', '$extra', r['finish_reason'], len(r['token_ids']), round(r['st
       --ignore-eos --compile on --json > "$out/controls-bench.json" ;;
   families)  # the families new on the runtime (random weights, the embedded tokenizer): `rsd generate` on the
     # runtime (`auto`: CUDA graphs there) against transformers' forward, the same tokens; ~1 min a row
-    for family in gpt_oss opt gpt2 gemma4; do
+    for family in gpt_oss opt gpt2 gemma4 gemma4_moe; do
       $py benchmarks/windowed_runtime.py --family $family --rounds 1 -n 64 2>&1 | grep -v "Writing" |
         sed "s/^/$family /" | tee -a "$out/families.txt"
     done ;;

@@ -21,6 +21,9 @@ a 50257-token vocabulary), its draft a 2-layer GPT-2 as wide (distilgpt2's width
 full attention, whose heads are 512 wide, a quarter of them turned; the last 6 layers reading the
 caches of earlier ones, their MLPs twice as wide; per-layer inputs 32 wide), its draft a 4-layer
 Gemma 4 as wide (Gemma 4 has no early-exit draft).
+`--family gemma4_moe`: 26B-A4B's kind at Gemma 3 270M's width, 12 layers, five windowed to one of
+full attention, 16 experts of 256, 4 a token, beside each MLP (no per-layer inputs), its draft its
+first 3 layers.
 `--family glm4`: a GLM-4 of the embedded target's shape (gate and up one linear, half of each head
 turned by adjacent pairs, four norms; no window).
 `--family phi3_longrope`: a Phi-3 of the embedded target's shape turned by `longrope` factors,
@@ -39,6 +42,7 @@ Random weights: the speeds say what the runtime costs, the tokens only that both
     .venv/bin/python benchmarks/windowed_runtime.py --family opt --rounds 2 -n 64
     .venv/bin/python benchmarks/windowed_runtime.py --family gpt2 --rounds 2 -n 64
     .venv/bin/python benchmarks/windowed_runtime.py --family gemma4 --rounds 2 -n 96
+    .venv/bin/python benchmarks/windowed_runtime.py --family gemma4_moe --rounds 2 -n 64
 """
 
 from __future__ import annotations
@@ -81,6 +85,13 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
             num_key_value_heads=1, head_dim=256, global_head_dim=512, max_position_embeddings=8192,
             sliding_window=window, num_kv_shared_layers=6, use_double_wide_mlp=True, hidden_size_per_layer_input=32,
             vocab_size_per_layer_input=49152, final_logit_softcapping=30.0, tie_word_embeddings=True,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    elif family == "gemma4_moe":
+        model = Gemma4ForCausalLM(Gemma4TextConfig(
+            vocab_size=49152, hidden_size=640, intermediate_size=1024, num_hidden_layers=12, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=256, global_head_dim=512, max_position_embeddings=8192,
+            sliding_window=window, hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=16,
+            top_k_experts=4, moe_intermediate_size=256, final_logit_softcapping=30.0, tie_word_embeddings=True,
             bos_token_id=1, eos_token_id=2, pad_token_id=0))
     elif family == "qwen3_moe":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
@@ -151,8 +162,8 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=96)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--variants", default="ar,sd")
-    parser.add_argument("--family", choices=("mistral", "gemma3", "gemma4", "qwen3_moe", "mixtral", "gpt_oss", "opt",
-                                             "gpt2", "glm4", "phi3_longrope"),
+    parser.add_argument("--family", choices=("mistral", "gemma3", "gemma4", "gemma4_moe", "qwen3_moe", "mixtral",
+                                             "gpt_oss", "opt", "gpt2", "glm4", "phi3_longrope"),
                         default="mistral")
     args = parser.parse_args()
     past = {"qwen3_moe": "", "glm4": "", "opt": "", "gpt2": "",
