@@ -625,6 +625,17 @@ def test_gemma4_runs_on_the_static_cache_runtime(kind, layers, caches):
     assert_the_runtime_decodes_as_transformers(target, draft, 1e-4)
 
 
+def test_gemma4s_multimodal_model_runs_its_text_decoder_on_the_static_cache_runtime():
+    """A Gemma 4 as published (its multimodal model; images' tokens seeing each other, text's causal),
+    read for its text on every backend as transformers' forward gives it, every variant's greedy
+    output plain greedy."""
+    from tiny import tiny_gemma4_multimodal
+
+    target = tiny_gemma4_multimodal(V)
+    assert type(compiled.decoder_of(target)[0]).__name__ == "Gemma4TextModel"
+    assert_the_runtime_decodes_as_transformers(target, tiny_relative("gemma4", V, layers=1, seed=1), 1e-4)
+
+
 def test_each_way_of_running_routed_experts_gives_each_tokens_weighted_experts(monkeypatch):
     """The four ways the runtime runs a mixture's experts — torch's grouped product, each chosen
     expert once, each token's experts' weights gathered, every expert on every token weighted by 0

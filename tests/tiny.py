@@ -277,6 +277,28 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     return model.eval()
 
 
+def tiny_gemma4_multimodal(vocab: int = 40, seed: int = 0):
+    """Gemma 4's multimodal model (as E2B and up are published) without its vision and audio towers,
+    read for its text: tiny_relative("gemma4", layers=4)'s decoder (the last two layers reading the
+    first two's caches), images' tokens seeing each other (`use_bidirectional_attention = "vision"`:
+    text's causal)."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = tiny_relative("gemma4", vocab, layers=4, seed=seed).config.to_dict()
+    text.pop("per_layer_config", None)  # (made again from these)
+    text.update(global_head_dim=16, num_global_key_value_heads=1, use_bidirectional_attention="vision")
+    special = dict(boi_token_id=vocab, eoi_token_id=vocab + 1, image_token_id=vocab + 2, boa_token_id=vocab + 3,
+                   eoa_token_index=vocab + 4, audio_token_id=vocab + 5, video_token_id=vocab + 6)  # (past the tests')
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=None, audio_config=None,
+                                                        tie_word_embeddings=False, **special))
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "norm" in name:
+                weight.normal_(float(weight.mean()), 0.3)
+    return model.eval()
+
+
 def tiny_windowed(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, window: int = 8,
                   scale: float = 0.3):
     """A random model whose attention (or some layers' of it) sees a sliding window of the last
