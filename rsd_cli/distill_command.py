@@ -8,8 +8,8 @@ from pathlib import Path
 
 from .distill import Recipe, sample_answers, teacher_labels, train
 from .errors import RsdError, UsageError
-from .models import (cache_dir, describe_layers, exact_fingerprint, layers_per_device, load_model, save_adapter,
-                     target_placement)
+from .models import (cache_dir, check_early_exit, describe_layers, exact_fingerprint, layers_per_device, load_model,
+                     save_adapter, target_placement)
 from .prompting import builtin_prompts, read_prompt_file
 
 
@@ -51,6 +51,7 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
                                    placement=placement, remote_code=profile["target"]["trust_remote_code"])
     if placement is not None:
         console.print(f"the target's layers: {describe_layers(layers_per_device(target))}")
+    check_early_exit(target)  # (before sampling: what an adapter needs, said at once)
     total_layers = target.config.num_hidden_layers
     if layers >= total_layers:
         raise RsdError(f"--layers {layers}: the target has only {total_layers} layers")

@@ -801,6 +801,18 @@ def _decoder_parts(target):
     return inner
 
 
+def check_early_exit(target):
+    """The target's decoder, where an early-exit draft can be cut from its first layers; else an
+    RsdError saying why (not Llama-style; Gemma 3n's and 4's first layers reading per-layer inputs
+    made for all its layers, or its last layers other layers' caches)."""
+    inner = _decoder_parts(target)
+    if getattr(inner, "embed_tokens_per_layer", None) is not None or getattr(target.config, "num_kv_shared_layers", 0):
+        raise RsdError(f"an early-exit draft cannot be cut from {type(target).__name__}: its layers read inputs "
+                       f"made for all its layers, or caches of other layers; name a smaller model of its family as "
+                       f"the draft ([draft] kind = \"model\")")
+    return inner
+
+
 def new_adapter(target, index: int, head_rows: int | None = None):
     """What `rsd distill` trains to make the target's first K layers a draft, initialised from
     the target: a torch ModuleDict with "layer", a copy of its layer `index` that follows the K
@@ -853,11 +865,7 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
 
     from .llama import uninitialised
 
-    inner = _decoder_parts(target)
-    if getattr(inner, "embed_tokens_per_layer", None) is not None or getattr(target.config, "num_kv_shared_layers", 0):
-        raise RsdError(f"an early-exit draft cannot be cut from {type(target).__name__}: its layers read inputs "
-                       f"made for all its layers, or caches of other layers; name a smaller model of its family as "
-                       f"the draft ([draft] kind = \"model\")")
+    inner = check_early_exit(target)
     total = inner.config.num_hidden_layers if hasattr(inner, "config") else len(inner.layers)
     if layers >= total:
         raise RsdError(f"draft.layers = {layers} but the target has only {total} layers")

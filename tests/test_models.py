@@ -714,8 +714,9 @@ def test_a_phi_target_gives_an_early_exit_draft_and_an_own_norm_is_refused_for_l
 def test_an_early_exit_draft_of_gemma4_is_refused_in_a_line_naming_a_separate_draft(tmp_path):
     """Gemma 4's first layers read per-layer inputs made for all its layers (and its last layers read
     earlier ones' caches): as a user runs it, `rsd generate` with an early-exit draft of one ends with
-    one line naming a separate draft, not transformers' error; without those (a Gemma 4 of plain
-    layers) the early exit is cut."""
+    one line naming a separate draft, not transformers' error, and `rsd distill` (an adapter for such
+    a draft) says so before sampling any answer; without those (a Gemma 4 of plain layers) the early
+    exit is cut."""
     from typer.testing import CliRunner
 
     from rsd_cli.cli import app
@@ -733,6 +734,11 @@ def test_an_early_exit_draft_of_gemma4_is_refused_in_a_line_naming_a_separate_dr
         'rsd: error: an early-exit draft cannot be cut from Gemma4ForCausalLM: its layers read inputs made for all '
         'its layers, or caches of other layers; name a smaller model of its family as the draft ([draft] kind = '
         '"model")']
+    result = CliRunner().invoke(app, ["distill", "-p", str(profile), "--out", str(tmp_path / "adapter.safetensors"),
+                                      "--tokens", "40", "--epochs", "1"])
+    assert result.exit_code == 1 and result.stderr.strip().splitlines()[-1].startswith(
+        "rsd: error: an early-exit draft cannot be cut from Gemma4ForCausalLM")
+    assert "teacher labels" not in result.output and "sampling" not in result.output
     from transformers import Gemma4ForCausalLM
 
     plain = Gemma4ForCausalLM(target.config.__class__(**{**target.config.to_dict(), "num_kv_shared_layers": 0,
