@@ -81,7 +81,7 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gem
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
                    "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt",
-                   "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text")
+                   "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text", "minicpm3", "youtu")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe",
             "phimoe")
@@ -125,6 +125,7 @@ class Style(NamedTuple):
     sinks: bool = False  # each head's softmax has a learned logit more, whose share goes to no value (gpt-oss)
     angles_once: bool = False  # the rotary module gives each angle once, for both halves of a head (gpt-oss)
     value_norm: bool = False  # each head of v RMS-normed without a weight, in float32 (Gemma 4)
+    latent_pairs: bool = False  # latent attention's rotated part turned by adjacent pairs (DeepSeek's rope_interleave)
 
 
 def decoder_of(model) -> tuple:
@@ -159,7 +160,8 @@ def style_of(model) -> Style:
                  norm_offset=gemma and not gemma4 or family == "nemotron",
                  activation=clamped_swiglu(model) if oss else activation_of(cfg),
                  softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
-                 residual_scale=float(getattr(cfg, "residual_multiplier", 1.0)),
+                 residual_scale=float(getattr(cfg, "residual_multiplier", 1.0)) if family != "minicpm3"
+                 else cfg.scale_depth / math.sqrt(cfg.num_hidden_layers),
                  pairs=ernie or family in ("glm4", "cohere", "cohere2"),
                  rotation_in_float=ernie or family == "cohere",
                  norm_after_rotation=family == "hunyuan_v1_dense", centred=cohere,
@@ -176,7 +178,7 @@ def style_of(model) -> Style:
                  and not bigcode,
                  query_scaled=family == "opt",
                  interleaved=family == "gpt_neox" or bigcode and not cfg.multi_query, sinks=oss, angles_once=oss,
-                 value_norm=gemma4)
+                 value_norm=gemma4, latent_pairs=bool(getattr(cfg, "rope_interleave", False)))
 
 
 def clamped_swiglu(model) -> str:
@@ -722,7 +724,7 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     layer's per-layer input, added after the MLP, and `scalar` what the layer's output is multiplied by;
     `beside` (the MLP's own norm after it, gemma4_experts') a mixture of experts beside the MLP."""
     (ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd, q_norm, k_norm, after_attention, after_mlp,
-     experts, bu, bd, sinks, constants, side_input, scalar, shared, beside) = weights
+     experts, bu, bd, sinks, constants, side_input, scalar, shared, beside, latent) = weights
     in_float = style.norm_in_float
     heads, kv_heads, head_dim, scaling, eps = dims
     n, kv_len = x.shape[0], mask.shape[1]
@@ -731,6 +733,54 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     fused = fused if on_blocks and not torch.compiler.is_compiling() else (None, None)
     h = x if ln1 is None else _rms_norm(x, ln1, eps, in_float, style.centred)  # (OLMo: no norm before attention)
     normed = h
+    if latent is not None:  # (multi-head latent attention: DeepSeek's, MiniCPM3's, Youtu's)
+        out = _latent_attention(h, wq, latent, small, dims, cos, sin, mask, keys, values, slots, sight, style)
+    else:
+        out = _attention(h, weights, small, dims, cos, sin, mask, keys, values, slots, fused, sight, style)
+    attended = _linear(out.transpose(0, 1).reshape(n, -1), wo, bo, small[3])
+    if style.residual_scale != 1.0:  # (Granite)
+        attended = attended * style.residual_scale
+    residual, x = x, x + (attended if after_attention is None else _rms_norm(attended, after_attention, eps, in_float))
+    if style.parallel:  # (Cohere, Phi: ln1's output; GPT-NeoX: ln2 of the layer's input)
+        h = normed if ln2 is None else _rms_norm(residual, ln2, eps, in_float)
+    else:
+        h = x if ln2 is None else _rms_norm(x, ln2, eps, in_float)
+    if experts is not None:
+        mlp = mixture_of_experts(h, experts, style)
+    else:
+        if not style.gated:
+            hidden = _activation(_linear(h, wu, bu, small[5]), style.activation, constants)
+        else:
+            if wu is None:  # (stacked float weights)
+                gate, up = _linear(h, wg, None, small[4]).chunk(2, -1)
+            elif fused[1] is not None:
+                gate, up = blocks_linear(h, fused[1]).chunk(2, -1)
+            else:
+                gate, up = _linear(h, wg, None, small[4]), _linear(h, wu, None, small[5])
+            hidden = _activation(gate, style.activation) * up
+        mlp = _linear(hidden, wd, bd, small[6])
+    if beside is not None:  # (Gemma 4 26B-A4B: the MLP's output normed, experts' beside it on the block's input)
+        mlp_after, routed = beside
+        mlp = _rms_norm(mlp, mlp_after, eps, in_float) + experts_beside(x, routed, style.experts, style.activation, eps)
+    if style.residual_scale != 1.0:
+        mlp = mlp * style.residual_scale
+    x = x + (mlp if after_mlp is None else _rms_norm(mlp, after_mlp, eps, in_float))
+    if side_input is not None:  # (Gemma 4: the layer's own input, gated by its output, projected, normed, added)
+        gate_weight, projection, side_norm = side_input
+        gated = _activation(_linear(x, gate_weight, None, small[7]), style.activation) * side
+        x = x + _rms_norm(_linear(gated, projection, None, small[8]), side_norm, eps, in_float)
+    return x if scalar is None else x * scalar
+
+
+def _attention(h, weights: tuple, small: tuple, dims: tuple, cos, sin, mask, keys, values, slots, fused,
+               sight, style: Style) -> torch.Tensor:
+    """decoder_layer's attention on its normed input h (n, hidden): (heads, n, head_dim), before the
+    output's product."""
+    (_, wq, bq, wk, bk, wv, bv, _, _, _, _, _, _, q_norm, k_norm, _, _, _, _, _, sinks, _, _, _, shared, _,
+     _) = weights
+    in_float = style.norm_in_float
+    heads, kv_heads, head_dim, scaling, eps = dims
+    n, kv_len = h.shape[0], mask.shape[1]
     widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
     if shared:  # (Gemma 4's last layers: the keys and values are an earlier layer's)
         q, k, v = _linear(h, wq, bq, small[0]), None, None
@@ -802,39 +852,89 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
         mask = mask if sight is None else sight.mask
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None].to(q.dtype),
                                              scale=scaling, **grouped)[0]
-    attended = _linear(out.transpose(0, 1).reshape(n, heads * head_dim), wo, bo, small[3])
-    if style.residual_scale != 1.0:  # (Granite)
-        attended = attended * style.residual_scale
-    residual, x = x, x + (attended if after_attention is None else _rms_norm(attended, after_attention, eps, in_float))
-    if style.parallel:  # (Cohere, Phi: ln1's output; GPT-NeoX: ln2 of the layer's input)
-        h = normed if ln2 is None else _rms_norm(residual, ln2, eps, in_float)
+    return out
+
+
+def _latent_attention(h, wq, latent: tuple, small: tuple, dims: tuple, cos, sin, mask, keys, values, slots,
+                      sight, style: Style) -> torch.Tensor:
+    """Multi-head latent attention (MLA: DeepSeek V2/V3's, MiniCPM3's, Youtu's) on the normed input h
+    (n, hidden) as transformers computes it: (heads, n, v_dim), before the output's product. Each
+    token's keys and values are one latent (kv_lora_rank wide, normed) and one rotated key part shared
+    by every head (qk_rope_head_dim): `keys` (1, capacity, lora) holds the latents and `values` (1,
+    capacity, rope) the rotated parts, and every forward expands the cache's latents into each head's
+    key and value by kv_b. q from h by wq (q_proj), or by wq (q_b_proj) after q_a and its norm.
+    latent: latent_weights'. With `style.latent_pairs` the rotated parts turn by adjacent pairs, their
+    halves' outputs side by side (DeepSeek's `rope_interleave`)."""
+    q_a, q_a_bias, q_a_norm, q_eps, kv_a, kv_a_bias, kv_a_norm, kv_eps, kv_b, (lora, rope, nope, v_dim) = latent
+    heads, _, _, scaling, _ = dims
+    n, kv_len = h.shape[0], mask.shape[1]
+    in_float = style.norm_in_float
+    if q_a is not None:
+        h_q = _rms_norm(_linear(h, q_a, q_a_bias, small[9]), q_a_norm, q_eps, in_float)
+    q = _linear(h if q_a is None else h_q, wq, None, small[0]).view(n, heads, nope + rope).transpose(0, 1)
+    q_pass, q_rot = q.split([nope, rope], -1)  # (H, n, nope), (H, n, rope)
+    latent_and_rot = _linear(h, kv_a, kv_a_bias, small[10])
+    compressed, k_rot = latent_and_rot.split([lora, rope], -1)
+    compressed = _rms_norm(compressed, kv_a_norm, kv_eps, in_float)  # (n, lora)
+    q_rot, k_rot = (_latent_rotated(t, cos, sin, style) for t in (q_rot, k_rot[None]))  # (H, n, rope), (1, n, rope)
+    if slots is None:
+        keys[:, kv_len - n: kv_len] = compressed[None]
+        values[:, kv_len - n: kv_len] = k_rot
+        every, rotated = keys[0, :kv_len], values[0, :kv_len]
+        if sight is not None and sight.keys is not None:
+            every, rotated = every.index_select(0, sight.keys), rotated.index_select(0, sight.keys)
     else:
-        h = x if ln2 is None else _rms_norm(x, ln2, eps, in_float)
-    if experts is not None:
-        mlp = mixture_of_experts(h, experts, style)
-    else:
-        if not style.gated:
-            hidden = _activation(_linear(h, wu, bu, small[5]), style.activation, constants)
-        else:
-            if wu is None:  # (stacked float weights)
-                gate, up = _linear(h, wg, None, small[4]).chunk(2, -1)
-            elif fused[1] is not None:
-                gate, up = blocks_linear(h, fused[1]).chunk(2, -1)
-            else:
-                gate, up = _linear(h, wg, None, small[4]), _linear(h, wu, None, small[5])
-            hidden = _activation(gate, style.activation) * up
-        mlp = _linear(hidden, wd, bd, small[6])
-    if beside is not None:  # (Gemma 4 26B-A4B: the MLP's output normed, experts' beside it on the block's input)
-        mlp_after, routed = beside
-        mlp = _rms_norm(mlp, mlp_after, eps, in_float) + experts_beside(x, routed, style.experts, style.activation, eps)
-    if style.residual_scale != 1.0:
-        mlp = mlp * style.residual_scale
-    x = x + (mlp if after_mlp is None else _rms_norm(mlp, after_mlp, eps, in_float))
-    if side_input is not None:  # (Gemma 4: the layer's own input, gated by its output, projected, normed, added)
-        gate_weight, projection, side_norm = side_input
-        gated = _activation(_linear(x, gate_weight, None, small[7]), style.activation) * side
-        x = x + _rms_norm(_linear(gated, projection, None, small[8]), side_norm, eps, in_float)
-    return x if scalar is None else x * scalar
+        keys.index_copy_(1, slots, compressed[None])
+        values.index_copy_(1, slots, k_rot)
+        every, rotated = keys[0], values[0]
+    expanded = _linear(every, kv_b, None, small[11]).view(-1, heads, nope + v_dim).transpose(0, 1)
+    k_pass, v = expanded.split([nope, v_dim], -1)  # (H, kv, nope), (H, kv, v_dim)
+    k = torch.cat([k_pass, rotated[None].expand(heads, -1, -1)], -1)
+    q = torch.cat([q_pass, q_rot], -1)
+    mask = mask if sight is None or sight.mask is None else sight.mask
+    if sight is not None and sight.mask is None:  # causal, every key before the new tokens' own seen by all
+        before = k.shape[1] - n  # (rows of zeros before the queries: torch's causal attention is top-left)
+        q = torch.cat([q.new_zeros(heads, before, nope + rope), q], dim=1) if before else q
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scaling, is_causal=True)[0, :, before:]
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None].to(q.dtype),
+                                          scale=scaling)[0]
+
+
+def _latent_rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: Style) -> torch.Tensor:
+    """MLA's rotated part x (heads, n, rope) turned by its rows' angles: by halves, or with
+    `style.latent_pairs` by adjacent pairs, each pair's two outputs in the two halves (transformers'
+    apply_rotary_pos_emb_interleave: the same values in the same places)."""
+    if not style.latent_pairs:
+        return x * cos + rotate_half(x) * sin
+    half = cos.shape[-1] // 2
+    cos, sin, even, odd = cos[..., :half], sin[..., :half], x[..., 0::2], x[..., 1::2]
+    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+
+
+def latent_weights(layer, style: Style) -> tuple | None:
+    """A layer's multi-head latent attention as _latent_attention takes it: (q_a's weight, its bias,
+    its norm's weight, that norm's eps — None each where q is one product —, kv_a's weight, its bias,
+    its norm's weight and eps, kv_b's weight, (kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim,
+    v_head_dim)); None where the attention is not latent."""
+    a = attention_of(layer)
+    if getattr(a, "kv_a_proj_with_mqa", None) is None:
+        return None
+    detached = lambda t: None if t is None else t.detach()  # noqa: E731
+    q_a, q_norm = getattr(a, "q_a_proj", None), getattr(a, "q_a_layernorm", None)
+    return (detached(getattr(q_a, "weight", None)), detached(getattr(q_a, "bias", None)),
+            None if q_norm is None else norm_weight(q_norm.weight, style), None if q_norm is None else _eps(q_norm),
+            a.kv_a_proj_with_mqa.weight.detach(), detached(a.kv_a_proj_with_mqa.bias),
+            norm_weight(a.kv_a_layernorm.weight, style), _eps(a.kv_a_layernorm), a.kv_b_proj.weight.detach(),
+            (a.kv_lora_rank, a.qk_rope_head_dim, a.qk_nope_head_dim, a.v_head_dim))
+
+
+def latent_linears(layer) -> tuple:
+    """A latent attention's q_a, kv_a and kv_b (None each where the attention is not latent; q_a None
+    where q is one product)."""
+    a = attention_of(layer)
+    if getattr(a, "kv_a_proj_with_mqa", None) is None:
+        return None, None, None
+    return getattr(a, "q_a_proj", None), a.kv_a_proj_with_mqa, a.kv_b_proj
 
 
 def _native_layer(layer, fused: tuple, fuse: bool):
@@ -866,6 +966,10 @@ def projections(layer) -> tuple:
     rows, made once; gate None where the MLP has none, gate, up and down None where it is a mixture of
     experts)."""
     a, m = attention_of(layer), mlp_of(layer)
+    if getattr(a, "kv_a_proj_with_mqa", None) is not None:  # (latent attention: q's product alone, see latent_linears)
+        q = a.q_proj if getattr(a, "q_proj", None) is not None else a.q_b_proj
+        return (q, None, None, a.o_proj, None, None, None) if hasattr(m, "experts") else \
+            (q, None, None, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
     if type(a).__name__ == "GPT2Attention":  # (Conv1D modules, weights (in, out): views of their transposes)
         return _kept_views(layer, a.c_attn.weight, lambda: (
             *_row_views(a.c_attn.weight.T, a.c_attn.bias, (a.embed_dim,) * 3),
@@ -921,12 +1025,25 @@ def _kept_views(layer, source: torch.Tensor, make) -> tuple:
 
 def layer_dims(layer, dims: tuple) -> tuple:
     """A layer's (heads, kv_heads, head_dim, scaling, eps): the model's `dims`, but a Gemma 4 layer's
-    own (its full-attention layers' heads wider, with fewer key heads, as its per-layer config says)."""
+    own (its full-attention layers' heads wider, with fewer key heads, as its per-layer config says),
+    and a latent attention's (one latent a token; q and k's heads nope + rope wide)."""
     a = attention_of(layer)
+    heads, _, _, _, eps = dims
+    if getattr(a, "kv_a_proj_with_mqa", None) is not None:
+        return heads, 1, a.qk_nope_head_dim + a.qk_rope_head_dim, a.scaling, eps
     if type(a).__name__ != "Gemma4TextAttention":
         return dims
-    heads, _, _, _, eps = dims
     return heads, heads // a.num_key_value_groups, a.head_dim, a.scaling, eps
+
+
+def cache_shape(layer, dims: tuple) -> tuple[int, int, int]:
+    """(kv_heads, keys' width, values' width) of the cache a layer writes (its layer_dims'), a latent
+    attention's (1, kv_lora_rank, qk_rope_head_dim): its latents and its keys' rotated parts."""
+    a = attention_of(layer)
+    if getattr(a, "kv_a_proj_with_mqa", None) is not None:
+        return 1, a.kv_lora_rank, a.qk_rope_head_dim
+    _, kv_heads, head_dim, _, _ = dims
+    return kv_heads, head_dim, head_dim
 
 
 def reads_earlier_cache(layer) -> bool:
@@ -1280,7 +1397,7 @@ class CompiledModel:
             cfg.num_attention_heads // attn.num_key_value_groups if type(attn).__name__ == "Gemma4TextAttention" else \
             getattr(cfg, "num_key_value_heads", None) or getattr(attn, "kv_heads", None) or cfg.num_attention_heads
         self.dims = (cfg.num_attention_heads, kv_heads,
-                     getattr(attn, "head_dim", None) or attn.head_size, attn.scaling,
+                     getattr(attn, "head_dim", None) or getattr(attn, "qk_head_dim", None) or attn.head_size, attn.scaling,
                      _eps(next(norm for norm in layer_norms(layers[0]) if norm is not None)))
         self.layers = []
         fuse = _room_to_fuse(layers)
@@ -1314,14 +1431,14 @@ class CompiledModel:
             # (the fused linears whole, where stacked as the model has them)
             # (and a Gemma 4 layer's per-layer input's gate and projection)
             multiplied = (q if own[0] is None else own[0], k, v, o, gate if own[1] is None else own[1], up, down,
-                          *side_linears(layer))
+                          *side_linears(layer), *latent_linears(layer))
             scalar = getattr(layer, "layer_scalar", None)  # (Gemma 4's)
             self.layers.append((tuple(None if w is None else w if isinstance(w, tuple) else w.detach() for w in weights)
                                 + (experts_of(layer), *biases,
                                    attention_of(layer).sinks.detach() if style.sinks else None,
                                    xielu_constants(mlp_of(layer)), side_weights(layer, style),
                                    None if scalar is None else scalar.detach(), reads_earlier_cache(layer),
-                                   gemma4_experts(layer, style)),
+                                   gemma4_experts(layer, style), latent_weights(layer, style)),
                                 tuple(None if linear is None else self._kernels(linear) for linear in multiplied),
                                 (None if None in linears[:3] else fused_blocks(linears[:3], biased=True),
                                  None if gate is None else fused_blocks(linears[4:6])) if fuse else (None, None)))
@@ -1349,7 +1466,7 @@ class CompiledModel:
         owners = cache_owners(layers, kinds)
         written = sorted(set(owners))
         self.cache_of = [written.index(owner) for owner in owners]
-        self.cache_shapes = [self.layer_dims[owner][1:3] for owner in written]
+        self.cache_shapes = [cache_shape(layers[owner], self.layer_dims[owner]) for owner in written]
         # Gemma 4's per-layer inputs: each token's embedding for every layer, read beside its embedding
         self.per_layer_inputs = getattr(inner, "embed_tokens_per_layer", None) is not None
         self.window = cfg.sliding_window if sliding_window(cfg) else None
@@ -1382,6 +1499,7 @@ class CompiledModel:
         # layers in one call where every layer can, then the final norm and head in one more (Llama's
         # layers, on one rotary table and one mask)
         in_c = style == Style() and len(self.tables) == 1 and self.cos is not None and self.by_kind is None \
+            and not any(latent_linears(layer)[1] is not None for layer in layers) \
             and self.cos.shape[-1] == self.dims[2] \
             and self.embedding_scale == self.logits_divisor == 1.0 and layer_norms(layers[0])[2] is None
         native = [_native_layer(layer, fused, fuse) if in_c else None
@@ -1447,13 +1565,15 @@ class CompiledModel:
     def new_buffers(self, capacity: int) -> tuple:
         """(keys, values) of every cache (cache_of), `capacity` slots each: a (caches, kv_heads, capacity,
         head_dim) tensor each, or where caches differ in shape (Gemma 4's) a LayerCaches each."""
-        shapes = self.cache_shapes
-        if len(set(shapes)) == 1:
-            kv_heads, head_dim = shapes[0]
-            shape = (len(shapes), kv_heads, capacity, head_dim)
-            return (torch.zeros(shape, dtype=self.dtype, device=self.device),
-                    torch.zeros(shape, dtype=self.dtype, device=self.device))
-        return tuple(LayerCaches(shapes, capacity, self.dtype, self.device) for _ in range(2))
+        made = []
+        for shapes in ([(heads, width) for heads, width, _ in self.cache_shapes],  # (keys', then values')
+                       [(heads, width) for heads, _, width in self.cache_shapes]):
+            if len(set(shapes)) == 1:
+                made.append(torch.zeros((len(shapes), shapes[0][0], capacity, shapes[0][1]), dtype=self.dtype,
+                                        device=self.device))
+            else:
+                made.append(LayerCaches(shapes, capacity, self.dtype, self.device))
+        return made[0], made[1]
 
     def lease(self, lm, capacity: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Static shapes: the shared KV buffers, at least `capacity` long, for `lm` (a StaticLM);

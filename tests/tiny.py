@@ -105,7 +105,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               ApertusConfig, ApertusForCausalLM, OPTConfig, OPTForCausalLM,
                               GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM,
                               Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, PhimoeConfig, PhimoeForCausalLM,
-                              Gemma4TextConfig, Gemma4ForCausalLM)
+                              Gemma4TextConfig, Gemma4ForCausalLM, MiniCPM3Config, MiniCPM3ForCausalLM, YoutuConfig,
+                              YoutuForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -135,7 +136,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "ernie4_5_moe": (Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM),
                            "phimoe": (PhimoeConfig, PhimoeForCausalLM),
                            "gemma4": (Gemma4TextConfig, Gemma4ForCausalLM),
-                           "gemma4-moe": (Gemma4TextConfig, Gemma4ForCausalLM)}[kind]
+                           "gemma4-moe": (Gemma4TextConfig, Gemma4ForCausalLM),
+                           "minicpm3": (MiniCPM3Config, MiniCPM3ForCausalLM), "youtu": (YoutuConfig, YoutuForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -233,6 +235,13 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         settings = dict(head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
                         sliding_window=4, layer_types=types, hidden_size_per_layer_input=0, enable_moe_block=True,
                         num_experts=4, top_k_experts=2, moe_intermediate_size=16, final_logit_softcapping=5.0)
+    elif kind == "minicpm3":  # (latent attention: q through a rank of 16, keys and values through a latent of 16,
+        # 4 of each head's 12 dimensions turned; the embedding, each block's output and the logits scaled)
+        settings = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                        scale_emb=2.0, scale_depth=1.4, dim_model_base=16)
+    elif kind == "youtu":  # (latent attention, q one product, the rotated part turned by adjacent pairs)
+        settings = dict(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                        rope_interleave=True)
     elif kind == "gemma3":
         settings = dict(head_dim=8, sliding_window=4, final_logit_softcapping=5.0, query_pre_attn_scalar=16,
                         layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1),
@@ -244,6 +253,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if kind in ("gpt_neox", "opt", "gpt2") or kind.startswith("gpt_bigcode"):
         del shared["num_key_value_heads"]
+    elif kind in ("minicpm3", "youtu"):  # (latent attention: every head its own keys, from the latent)
+        shared["num_key_value_heads"] = shared["num_attention_heads"]
     model = model_class(config(**shared, **settings))
     with torch.no_grad():
         model.lm_head.weight.mul_(3.0)
