@@ -81,10 +81,11 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gem
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
                    "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt",
-                   "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text", "minicpm3", "youtu")
+                   "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text", "minicpm3", "youtu", "deepseek_v3",
+                   "glm4_moe_lite")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe",
-            "phimoe")
+            "phimoe", "deepseek_v3", "glm4_moe_lite")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 # (ntk_alpha: Hunyuan's, a fixed base); `longrope` picks short or long factors for a whole forward by its last
 # position: the runtime turns each row by its own position's (CompiledModel.tables; engine.long_factors_from)
@@ -118,6 +119,9 @@ class Style(NamedTuple):
     top_first: bool = False  # ... a softmax of the k largest router logits (GraniteMoE), not the k largest of a softmax
     norm_min: float = 0.0  # ... renormalised by at least this sum (ERNIE 4.5's `moe_norm_min`), where it has one
     sparse_mixer: float | None = None  # ... chosen as Phi-3.5-MoE's sparsemixer does at inference, this its jitter
+    # ... chosen by sigmoid scores with a correction within the best groups of experts, weighted by the scores
+    # times a factor (DeepSeek V3's, GLM-4.7-Flash's): (groups, groups kept, the routed scaling factor)
+    grouped: tuple | None = None
     layer_norm: bool = False  # norms are torch's LayerNorms, with a bias (StarCoder2, StableLM; Nemotron's by 1 + weight)
     gated: bool = True  # the MLP's up product times its activated gate (Llama); else up, activated, then down
     interleaved: bool = False  # q, k and v one linear whose outputs go head by head: q, k, v of each (GPT-NeoX)
@@ -169,7 +173,10 @@ def style_of(model) -> Style:
                  experts=int(cfg.num_experts_per_tok) if mixture else  # (Gemma 4's beside its MLP: its own name)
                  int(cfg.top_k_experts) if gemma4 and getattr(cfg, "enable_moe_block", False) else 0,
                  renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True)),  # (Mixtral's: no setting, always)
-                 routing_in_float=family == "mixtral", top_first=family.startswith("granitemoe") or oss,
+                 routing_in_float=family in ("mixtral", "deepseek_v3", "glm4_moe_lite"),
+                 top_first=family.startswith("granitemoe") or oss,
+                 grouped=(int(cfg.n_group), int(cfg.topk_group), float(cfg.routed_scaling_factor))
+                 if family in ("deepseek_v3", "glm4_moe_lite") else None,
                  norm_min=float(getattr(cfg, "moe_norm_min", 0.0) or 0.0) if mixture else 0.0,
                  sparse_mixer=float(cfg.router_jitter_noise) if family == "phimoe" else None,
                  layer_norm=bigcode or family in ("starcoder2", "stablelm", "nemotron", "phi", "gpt_neox", "opt",
@@ -503,6 +510,9 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style) -> torch.T
         weights = torch.softmax(top, -1)
     elif style.sparse_mixer is not None:  # (Phi-3.5-MoE)
         weights, chosen = sparse_mixer(F.linear(h, router), style.sparse_mixer)
+    elif style.grouped is not None:  # (DeepSeek V3: sigmoid scores in float32, chosen within the best groups)
+        weights, chosen = grouped_choice(F.linear(h.float(), router.float()), correction, k, *style.grouped,
+                                         style.renormalise)
     elif correction is not None:  # (ERNIE 4.5: its router in float32)
         probabilities = torch.softmax(F.linear(h.float(), router.float()), -1, dtype=torch.float32)  # (n, E)
         chosen = torch.topk(probabilities + correction, k, dim=-1).indices
@@ -548,6 +558,25 @@ def experts_beside(x: torch.Tensor, beside: tuple, k: int, activation: str, eps:
     weights = weights / weights.sum(-1, keepdim=True) * expert_scale[chosen]
     mixed = run_experts(_rms_norm(x, before, eps, True), chosen, weights, gate_up, down, activation)
     return _rms_norm(mixed.to(x.dtype), after, eps, True)
+
+
+def grouped_choice(logits: torch.Tensor, correction: torch.Tensor, k: int, groups: int, kept: int, factor: float,
+                   renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, chosen) (n, k) of router logits (n, E) as DeepSeek V3's router gives them: sigmoid
+    scores plus a learned `correction` (E,) choose, among the experts of the `kept` groups whose two
+    best corrected scores sum highest, the k best; each weighted by its score alone, renormalised
+    (where the model says) and times `factor`."""
+    scores = torch.sigmoid(logits)
+    choice = scores + correction
+    n, count = choice.shape
+    best_groups = choice.view(n, groups, count // groups).topk(2, dim=-1).values.sum(-1).topk(kept, dim=-1).indices
+    allowed = torch.zeros(n, groups, dtype=torch.bool, device=choice.device).scatter_(1, best_groups, True)
+    choice = choice.masked_fill(~allowed.repeat_interleave(count // groups, dim=1), -math.inf)
+    chosen = choice.topk(k, dim=-1).indices
+    weights = scores.gather(1, chosen)
+    if renormalise:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * factor, chosen
 
 
 def sparse_mixer(scores: torch.Tensor, jitter: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1186,6 +1215,8 @@ def experts_of(layer) -> tuple | None:
     statics = getattr(router, "moe_statics", None)  # (ERNIE 4.5's correction of its experts' scores)
     if statics is not None:
         extras = (None, None, None, statics.e_score_correction_bias.detach().reshape(-1))
+    elif getattr(router, "e_score_correction_bias", None) is not None:  # (DeepSeek V3's)
+        extras = (None, None, None, router.e_score_correction_bias.detach())
     return router.weight.detach(), gate_up, down, shared, extras
 
 

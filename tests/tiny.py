@@ -106,7 +106,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM,
                               Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, PhimoeConfig, PhimoeForCausalLM,
                               Gemma4TextConfig, Gemma4ForCausalLM, MiniCPM3Config, MiniCPM3ForCausalLM, YoutuConfig,
-                              YoutuForCausalLM)
+                              YoutuForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeLiteConfig,
+                              Glm4MoeLiteForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -137,7 +138,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "phimoe": (PhimoeConfig, PhimoeForCausalLM),
                            "gemma4": (Gemma4TextConfig, Gemma4ForCausalLM),
                            "gemma4-moe": (Gemma4TextConfig, Gemma4ForCausalLM),
-                           "minicpm3": (MiniCPM3Config, MiniCPM3ForCausalLM), "youtu": (YoutuConfig, YoutuForCausalLM)}[kind]
+                           "minicpm3": (MiniCPM3Config, MiniCPM3ForCausalLM), "youtu": (YoutuConfig, YoutuForCausalLM),
+                           "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
+                           "glm4_moe_lite": (Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -242,6 +245,13 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     elif kind == "youtu":  # (latent attention, q one product, the rotated part turned by adjacent pairs)
         settings = dict(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
                         rope_interleave=True)
+    elif kind in ("deepseek_v3", "glm4_moe_lite"):  # (Youtu's latent attention; from the second layer on, 8
+        # experts in 4 groups, 2 of them a token within the best 2 groups by sigmoid scores plus a random correction,
+        # weighted by the scores renormalised and times 2.5, beside a shared expert)
+        settings = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                        rope_interleave=True, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                        n_shared_experts=1, moe_intermediate_size=16, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        **({"first_k_dense_replace": 1} if kind == "deepseek_v3" else {}))
     elif kind == "gemma3":
         settings = dict(head_dim=8, sliding_window=4, final_logit_softcapping=5.0, query_pre_attn_scalar=16,
                         layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1),
@@ -253,7 +263,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if kind in ("gpt_neox", "opt", "gpt2") or kind.startswith("gpt_bigcode"):
         del shared["num_key_value_heads"]
-    elif kind in ("minicpm3", "youtu"):  # (latent attention: every head its own keys, from the latent)
+    elif kind in ("minicpm3", "youtu", "deepseek_v3", "glm4_moe_lite"):  # (latent attention: every head its own
+        # keys, from the latent)
         shared["num_key_value_heads"] = shared["num_attention_heads"]
     model = model_class(config(**shared, **settings))
     with torch.no_grad():
@@ -285,6 +296,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         for layer in layers_of(decoder_of(model)[0]):
             if getattr(layer, "layer_scalar", None) is not None:  # (Gemma 4's, a buffer: each layer's own)
                 layer.layer_scalar.uniform_(0.5, 1.5)
+            correction = getattr(getattr(getattr(layer, "mlp", None), "gate", None), "e_score_correction_bias", None)
+            if correction is not None:  # (DeepSeek V3's, a buffer: as large as the sigmoid scores' spread)
+                correction.normal_(0.0, 0.2)
     return model.eval()
 
 
