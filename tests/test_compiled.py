@@ -543,7 +543,7 @@ def skip_a_dynamic_hunyuan(model) -> None:
                                   "glm4", "cohere2", "cohere", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
                                   "granitemoe", "granitemoeshared", "starcoder2", "stablelm", "nemotron", "arcee", "phi",
                                   "gpt_neox", "gpt_oss", "apertus", "opt", "gpt2", "gpt_bigcode", "gpt_bigcode-mha",
-                                  "ernie4_5_moe", "phimoe", "minicpm3", "youtu"])
+                                  "ernie4_5_moe", "phimoe", "minicpm3", "youtu", "deepseek_v3", "glm4_moe_lite"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
@@ -577,15 +577,18 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     then v's; or without multi-query, q, k and v head by head), and the mixtures of ERNIE 4.5 (experts
     chosen with a correction of their scores, weighted without it, a shared expert) and Phi-3.5-MoE
     (LayerNorms, biases, its sparse mixer), and multi-head latent attention: MiniCPM3 (q through a
-    rank of its own, normed; the embedding, blocks' outputs and logits scaled) and Youtu (q one
-    product, the rotated part turned by adjacent pairs):
+    rank of its own, normed; the embedding, blocks' outputs and logits scaled), Youtu (q one
+    product, the rotated part turned by adjacent pairs), and DeepSeek V3 and GLM-4.7-Flash (latent
+    attention; a plain MLP in the first layer, then experts chosen by sigmoid scores plus a random
+    correction within the best groups, weighted by the scores times a factor, a shared expert):
     tree logits, pruning and growth as
     transformers' forward gives them on every
     backend, and each variant's greedy output is plain greedy."""
     target, draft = tiny_relative(kind, V, layers=2, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     skip_a_dynamic_hunyuan(target)
-    # (Nemotron's logits reach ~30, where float32 sums in another order differ by ~1.5e-5)
-    assert_the_runtime_decodes_as_transformers(target, draft, 3e-5 if kind == "nemotron" else 1e-5)
+    # (Nemotron's logits reach ~30, where float32 sums in another order differ by ~1.5e-5; GLM-4.7-Flash's
+    # latents, expanded and routed, by as much)
+    assert_the_runtime_decodes_as_transformers(target, draft, 3e-5 if kind in ("nemotron", "glm4_moe_lite") else 1e-5)
 
 
 def assert_the_runtime_decodes_as_transformers(target, draft, tolerance: float = 1e-5) -> None:
@@ -1150,12 +1153,13 @@ def test_a_qwen2_target_with_an_early_exit_draft_generates_alike_on_every_runtim
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3", "smollm3", "granite", "olmo3", "phi3", "phi3-longrope", "exaone4",
                                   "ernie4_5", "hunyuan", "glm4", "cohere2", "qwen2_moe", "mixtral", "starcoder2",
                                   "nemotron", "phi", "gpt_oss", "apertus", "ernie4_5_moe", "phimoe", "gemma4-moe",
-                                  "minicpm3", "youtu"])
+                                  "minicpm3", "youtu", "deepseek_v3"])
 def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both_runtimes(tmp_path, kind):
     """As a user runs it: a Gemma 2 or 3, SmolLM3, Granite, OLMo 3, Phi-3 (with `longrope` too: its long
     factors from position 16, which the answer passes), EXAONE 4, ERNIE 4.5, Hunyuan, GLM-4, Cohere 2,
     Qwen2-MoE, Mixtral, StarCoder2, Nemotron, Phi, gpt-oss, Apertus, ERNIE 4.5 MoE, PhiMoE, Gemma 4
-    MoE (no per-layer inputs, no shared caches: its first layer cuts), MiniCPM3 or Youtu checkpoint folder,
+    MoE (no per-layer inputs, no shared caches: its first layer cuts), MiniCPM3, Youtu or DeepSeek V3
+    checkpoint folder,
     its first layer as the draft, on the static-cache runtime compiled and on transformers' forward:
     the same greedy tokens."""
     from tiny import tiny_tokenizer
