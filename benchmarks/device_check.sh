@@ -16,7 +16,7 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh together  # --samples decoded together vs one after the other
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh busy16    # the thread governor on 16 cores beside busy processes
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh prompts   # a long prompt's causal attention against the mask: GPU, 16 cores
-#   source .device-stage/env.sh && bash benchmarks/device_check.sh architectures  # 56 families on that machine's transformers
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh architectures  # 59 families on that machine's transformers
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh controls  # logit bias, --ignore-eos, windows in CUDA graphs
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh decoders  # a fresh decoder per answer: step graphs shared or not
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh families  # gpt-oss, OPT, GPT-2, Gemma 4 in CUDA graphs against eager
@@ -110,7 +110,7 @@ case $part in
       { time $py -m rsd_cli generate - -n 8 -t 0 -v ar < /tmp/long3.txt > /dev/null 2>&1; } 2>&1 |
         tee -a "$out/prompts-gpu.txt"
     done ;;
-  architectures)  # tiny models of 56 families, exact or refused (benchmarks/architectures.py) on that machine's
+  architectures)  # tiny models of 59 families, exact or refused (benchmarks/architectures.py) on that machine's
     # transformers (5.17 there, 5.24 here: caches, masks by layer kind and text configs may differ), on the CPU
     CUDA_VISIBLE_DEVICES= $py benchmarks/architectures.py 2>&1 | grep -v "falling back" | tee "$out/architectures.txt" ;;
   busy16)  # the 16-core CPU alone and beside 8 and 16 busy processes: the governor against torch's fixed
