@@ -19,7 +19,7 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh architectures  # 59 families on that machine's transformers
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh controls  # logit bias, --ignore-eos, windows in CUDA graphs
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh decoders  # a fresh decoder per answer: step graphs shared or not
-#   source .device-stage/env.sh && bash benchmarks/device_check.sh families  # gpt-oss, OPT, GPT-2, Gemma 4 in CUDA graphs against eager
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh families  # gpt-oss, OPT, GPT-2, Gemma 4, DeepSeek V3 in CUDA graphs against eager
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
@@ -135,7 +135,7 @@ print('$variant', '$extra', r['finish_reason'], len(r['token_ids']), round(r['st
       --ignore-eos --compile on --json > "$out/controls-bench.json" ;;
   families)  # the families new on the runtime (random weights, the embedded tokenizer): `rsd generate` on the
     # runtime (`auto`: CUDA graphs there) against transformers' forward, the same tokens; ~1 min a row
-    for family in gpt_oss opt gpt2 gemma4 gemma4_moe; do
+    for family in gpt_oss opt gpt2 gemma4 gemma4_moe deepseek_v3; do
       $py benchmarks/windowed_runtime.py --family $family --rounds 1 -n 64 2>&1 | grep -v "Writing" |
         sed "s/^/$family /" | tee -a "$out/families.txt"
     done ;;

@@ -24,6 +24,11 @@ Gemma 4 as wide (Gemma 4 has no early-exit draft).
 `--family gemma4_moe`: 26B-A4B's kind at Gemma 3 270M's width, 12 layers, five windowed to one of
 full attention, 16 experts of 256, 4 a token, beside each MLP (no per-layer inputs), its draft its
 first 3 layers.
+`--family deepseek_v3`: DeepSeek V3's kind at the embedded target's width (hidden 576, 9 heads),
+12 layers of multi-head latent attention (q through a rank of 192, keys and values through a latent
+of 128, 32 of each head's 96 dimensions turned by pairs), the first a plain MLP, then 16 experts of
+256, 4 a token, chosen within the best 2 of 4 groups, beside a shared expert (no window); its draft
+its first 3 layers.
 `--family glm4`: a GLM-4 of the embedded target's shape (gate and up one linear, half of each head
 turned by adjacent pairs, four norms; no window).
 `--family phi3_longrope`: a Phi-3 of the embedded target's shape turned by `longrope` factors,
@@ -43,6 +48,7 @@ Random weights: the speeds say what the runtime costs, the tokens only that both
     .venv/bin/python benchmarks/windowed_runtime.py --family gpt2 --rounds 2 -n 64
     .venv/bin/python benchmarks/windowed_runtime.py --family gemma4 --rounds 2 -n 96
     .venv/bin/python benchmarks/windowed_runtime.py --family gemma4_moe --rounds 2 -n 64
+    .venv/bin/python benchmarks/windowed_runtime.py --family deepseek_v3 --rounds 2 -n 64
 """
 
 from __future__ import annotations
@@ -60,7 +66,8 @@ PROMPT = "Write a long story about a robot who learns to paint, with many detail
 
 def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
     import torch
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, Gemma4ForCausalLM, Gemma4TextConfig, Glm4Config,
+    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
+                              Gemma4ForCausalLM, Gemma4TextConfig, Glm4Config,
                               Glm4ForCausalLM, GptOssConfig,
                               GptOssForCausalLM, GPT2Config, GPT2LMHeadModel, MistralConfig, OPTConfig,
                               OPTForCausalLM,
@@ -93,6 +100,13 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
             sliding_window=window, hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=16,
             top_k_experts=4, moe_intermediate_size=256, final_logit_softcapping=30.0, tie_word_embeddings=True,
             bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    elif family == "deepseek_v3":
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(
+            vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=9,
+            num_key_value_heads=9, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
+            v_head_dim=64, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
+            moe_intermediate_size=256, first_k_dense_replace=1, max_position_embeddings=8192,
+            tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0))
     elif family == "qwen3_moe":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
             vocab_size=49152, hidden_size=576, moe_intermediate_size=256, num_hidden_layers=12, num_attention_heads=9,
@@ -162,11 +176,11 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=96)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--variants", default="ar,sd")
-    parser.add_argument("--family", choices=("mistral", "gemma3", "gemma4", "gemma4_moe", "qwen3_moe", "mixtral",
-                                             "gpt_oss", "opt", "gpt2", "glm4", "phi3_longrope"),
+    parser.add_argument("--family", choices=("mistral", "gemma3", "gemma4", "gemma4_moe", "deepseek_v3", "qwen3_moe",
+                                             "mixtral", "gpt_oss", "opt", "gpt2", "glm4", "phi3_longrope"),
                         default="mistral")
     args = parser.parse_args()
-    past = {"qwen3_moe": "", "glm4": "", "opt": "", "gpt2": "",
+    past = {"qwen3_moe": "", "glm4": "", "deepseek_v3": "", "opt": "", "gpt2": "",
             "phi3_longrope": f" past position {args.window}, the long factors' start"}
     with tempfile.TemporaryDirectory() as tmp:
         profile = make_model(Path(tmp), args.window, args.family)
