@@ -81,11 +81,11 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gem
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
                    "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt",
-                   "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text", "minicpm3", "youtu", "deepseek_v3",
-                   "glm4_moe_lite")
+                   "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text", "minicpm3", "youtu", "deepseek_v2",
+                   "deepseek_v3", "glm4_moe_lite")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe",
-            "phimoe", "deepseek_v3", "glm4_moe_lite")
+            "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 # (ntk_alpha: Hunyuan's, a fixed base); `longrope` picks short or long factors for a whole forward by its last
 # position: the runtime turns each row by its own position's (CompiledModel.tables; engine.long_factors_from)
@@ -119,8 +119,9 @@ class Style(NamedTuple):
     top_first: bool = False  # ... a softmax of the k largest router logits (GraniteMoE), not the k largest of a softmax
     norm_min: float = 0.0  # ... renormalised by at least this sum (ERNIE 4.5's `moe_norm_min`), where it has one
     sparse_mixer: float | None = None  # ... chosen as Phi-3.5-MoE's sparsemixer does at inference, this its jitter
-    # ... chosen by sigmoid scores with a correction within the best groups of experts, weighted by the scores
-    # times a factor (DeepSeek V3's, GLM-4.7-Flash's): (groups, groups kept, the routed scaling factor)
+    # ... chosen within the best groups of experts, weighted by their scores times a factor: (the scores,
+    # "sigmoid" with a correction (DeepSeek V3's, GLM-4.7-Flash's) or "softmax" (DeepSeek V2's), groups,
+    # groups kept, the routed scaling factor)
     grouped: tuple | None = None
     layer_norm: bool = False  # norms are torch's LayerNorms, with a bias (StarCoder2, StableLM; Nemotron's by 1 + weight)
     gated: bool = True  # the MLP's up product times its activated gate (Llama); else up, activated, then down
@@ -130,6 +131,7 @@ class Style(NamedTuple):
     angles_once: bool = False  # the rotary module gives each angle once, for both halves of a head (gpt-oss)
     value_norm: bool = False  # each head of v RMS-normed without a weight, in float32 (Gemma 4)
     latent_pairs: bool = False  # latent attention's rotated part turned by adjacent pairs (DeepSeek's rope_interleave)
+    latent_complex: bool = False  # ... by adjacent pairs as complex numbers in float32, in place (DeepSeek V2's)
 
 
 def decoder_of(model) -> tuple:
@@ -172,11 +174,11 @@ def style_of(model) -> Style:
                  parallel=cohere or family == "phi" or bool(getattr(cfg, "use_parallel_residual", False)),
                  experts=int(cfg.num_experts_per_tok) if mixture else  # (Gemma 4's beside its MLP: its own name)
                  int(cfg.top_k_experts) if gemma4 and getattr(cfg, "enable_moe_block", False) else 0,
-                 renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True)),  # (Mixtral's: no setting, always)
+                 # (Mixtral's: no setting, always; DeepSeek V2's router never does, whatever its config says)
+                 renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True)) and family != "deepseek_v2",
                  routing_in_float=family in ("mixtral", "deepseek_v3", "glm4_moe_lite"),
                  top_first=family.startswith("granitemoe") or oss,
-                 grouped=(int(cfg.n_group), int(cfg.topk_group), float(cfg.routed_scaling_factor))
-                 if family in ("deepseek_v3", "glm4_moe_lite") else None,
+                 grouped=grouped_routing(cfg),
                  norm_min=float(getattr(cfg, "moe_norm_min", 0.0) or 0.0) if mixture else 0.0,
                  sparse_mixer=float(cfg.router_jitter_noise) if family == "phimoe" else None,
                  layer_norm=bigcode or family in ("starcoder2", "stablelm", "nemotron", "phi", "gpt_neox", "opt",
@@ -185,7 +187,20 @@ def style_of(model) -> Style:
                  and not bigcode,
                  query_scaled=family == "opt",
                  interleaved=family == "gpt_neox" or bigcode and not cfg.multi_query, sinks=oss, angles_once=oss,
-                 value_norm=gemma4, latent_pairs=bool(getattr(cfg, "rope_interleave", False)))
+                 value_norm=gemma4, latent_pairs=bool(getattr(cfg, "rope_interleave", False)),
+                 latent_complex=family == "deepseek_v2")
+
+
+def grouped_routing(cfg) -> tuple | None:
+    """Style.grouped of a config: DeepSeek V3's and GLM-4.7-Flash's sigmoid scores, DeepSeek V2's softmax
+    (its `greedy` top-k: one group), else None."""
+    if cfg.model_type in ("deepseek_v3", "glm4_moe_lite"):
+        return "sigmoid", int(cfg.n_group), int(cfg.topk_group), float(cfg.routed_scaling_factor)
+    if cfg.model_type == "deepseek_v2":
+        limited = cfg.topk_method == "group_limited_greedy"
+        return ("softmax", int(cfg.n_group) if limited else 1, int(cfg.topk_group) if limited else 1,
+                float(cfg.routed_scaling_factor))
+    return None
 
 
 def clamped_swiglu(model) -> str:
@@ -510,7 +525,7 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style) -> torch.T
         weights = torch.softmax(top, -1)
     elif style.sparse_mixer is not None:  # (Phi-3.5-MoE)
         weights, chosen = sparse_mixer(F.linear(h, router), style.sparse_mixer)
-    elif style.grouped is not None:  # (DeepSeek V3: sigmoid scores in float32, chosen within the best groups)
+    elif style.grouped is not None:  # (DeepSeek: scores in float32, chosen within the best groups)
         weights, chosen = grouped_choice(F.linear(h.float(), router.float()), correction, k, *style.grouped,
                                          style.renormalise)
     elif correction is not None:  # (ERNIE 4.5: its router in float32)
@@ -560,18 +575,22 @@ def experts_beside(x: torch.Tensor, beside: tuple, k: int, activation: str, eps:
     return _rms_norm(mixed.to(x.dtype), after, eps, True)
 
 
-def grouped_choice(logits: torch.Tensor, correction: torch.Tensor, k: int, groups: int, kept: int, factor: float,
-                   renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, chosen) (n, k) of router logits (n, E) as DeepSeek V3's router gives them: sigmoid
+def grouped_choice(logits: torch.Tensor, correction: torch.Tensor | None, k: int, kind: str, groups: int, kept: int,
+                   factor: float, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, chosen) (n, k) of router logits (n, E) as DeepSeek's routers give them: V3's sigmoid
     scores plus a learned `correction` (E,) choose, among the experts of the `kept` groups whose two
-    best corrected scores sum highest, the k best; each weighted by its score alone, renormalised
-    (where the model says) and times `factor`."""
-    scores = torch.sigmoid(logits)
-    choice = scores + correction
+    best corrected scores sum highest, the k best; V2's softmax scores among the experts of the
+    groups with the highest best score. Each weighted by its score alone, renormalised (where the
+    model says) and times `factor`."""
+    sigmoid = kind == "sigmoid"
+    scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, -1, dtype=torch.float32)
+    choice = scores + correction if sigmoid else scores
     n, count = choice.shape
-    best_groups = choice.view(n, groups, count // groups).topk(2, dim=-1).values.sum(-1).topk(kept, dim=-1).indices
+    by_group = choice.view(n, groups, count // groups)
+    group_scores = by_group.topk(2, dim=-1).values.sum(-1) if sigmoid else by_group.max(-1).values
+    best_groups = group_scores.topk(kept, dim=-1).indices
     allowed = torch.zeros(n, groups, dtype=torch.bool, device=choice.device).scatter_(1, best_groups, True)
-    choice = choice.masked_fill(~allowed.repeat_interleave(count // groups, dim=1), -math.inf)
+    choice = choice.masked_fill(~allowed.repeat_interleave(count // groups, dim=1), -math.inf if sigmoid else 0.0)
     chosen = choice.topk(k, dim=-1).indices
     weights = scores.gather(1, chosen)
     if renormalise:
@@ -933,6 +952,8 @@ def _latent_rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style
     """MLA's rotated part x (heads, n, rope) turned by its rows' angles: by halves, or with
     `style.latent_pairs` by adjacent pairs, each pair's two outputs in the two halves (transformers'
     apply_rotary_pos_emb_interleave: the same values in the same places)."""
+    if style.latent_complex:  # (cos and sin: each angle twice in a row, angles_at)
+        return (x.float() * cos + rotate_pairs(x).float() * sin).to(x.dtype)
     if not style.latent_pairs:
         return x * cos + rotate_half(x) * sin
     half = cos.shape[-1] // 2
@@ -1579,7 +1600,10 @@ class CompiledModel:
             positions = positions[None]
             found = [None if name is None else rotary(x, positions, name) if per_kind else rotary(x, positions)
                      for name in names]
-        found = [(None, None) if table is None else (table[0][0], table[1][0]) for table in found]
+        # (DeepSeek V2's: complex numbers, each for a pair of dimensions: their cos and sin, each twice in a row)
+        found = [(None, None) if table is None else
+                 (table.real[0].repeat_interleave(2, -1), table.imag[0].repeat_interleave(2, -1))
+                 if torch.is_tensor(table) and table.is_complex() else (table[0][0], table[1][0]) for table in found]
         if self.style.angles_once:  # (gpt-oss: each angle for both halves of a head, as rotate_half reads it)
             found = [(None, None) if cos is None else (torch.cat([cos, cos], -1), torch.cat([sin, sin], -1))
                      for cos, sin in found]

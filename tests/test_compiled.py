@@ -543,7 +543,8 @@ def skip_a_dynamic_hunyuan(model) -> None:
                                   "glm4", "cohere2", "cohere", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
                                   "granitemoe", "granitemoeshared", "starcoder2", "stablelm", "nemotron", "arcee", "phi",
                                   "gpt_neox", "gpt_oss", "apertus", "opt", "gpt2", "gpt_bigcode", "gpt_bigcode-mha",
-                                  "ernie4_5_moe", "phimoe", "minicpm3", "youtu", "deepseek_v3", "glm4_moe_lite"])
+                                  "ernie4_5_moe", "phimoe", "minicpm3", "youtu", "deepseek_v2", "deepseek_v3",
+                                  "glm4_moe_lite"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
@@ -580,7 +581,9 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     rank of its own, normed; the embedding, blocks' outputs and logits scaled), Youtu (q one
     product, the rotated part turned by adjacent pairs), and DeepSeek V3 and GLM-4.7-Flash (latent
     attention; a plain MLP in the first layer, then experts chosen by sigmoid scores plus a random
-    correction within the best groups, weighted by the scores times a factor, a shared expert):
+    correction within the best groups, weighted by the scores times a factor, a shared expert) and
+    DeepSeek V2 (its rotated parts turned as complex numbers; experts by softmax scores within the
+    group of the best one, times a factor):
     tree logits, pruning and growth as
     transformers' forward gives them on every
     backend, and each variant's greedy output is plain greedy."""

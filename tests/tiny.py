@@ -106,7 +106,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               GPT2Config, GPT2LMHeadModel, GPTBigCodeConfig, GPTBigCodeForCausalLM,
                               Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, PhimoeConfig, PhimoeForCausalLM,
                               Gemma4TextConfig, Gemma4ForCausalLM, MiniCPM3Config, MiniCPM3ForCausalLM, YoutuConfig,
-                              YoutuForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeLiteConfig,
+                              YoutuForCausalLM, DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
+                              DeepseekV3ForCausalLM, Glm4MoeLiteConfig,
                               Glm4MoeLiteForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
@@ -140,6 +141,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "gemma4-moe": (Gemma4TextConfig, Gemma4ForCausalLM),
                            "minicpm3": (MiniCPM3Config, MiniCPM3ForCausalLM), "youtu": (YoutuConfig, YoutuForCausalLM),
                            "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
+                           "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
                            "glm4_moe_lite": (Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
@@ -252,6 +254,13 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                         rope_interleave=True, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
                         n_shared_experts=1, moe_intermediate_size=16, routed_scaling_factor=2.5, norm_topk_prob=True,
                         **({"first_k_dense_replace": 1} if kind == "deepseek_v3" else {}))
+    elif kind == "deepseek_v2":  # (latent attention turned as complex numbers; from the second layer on, 8 experts
+        # in 4 groups, 2 of them a token by softmax scores within the group of the best one (with 2 groups the
+        # best 2 would always lie there), times 2.5)
+        settings = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=1,
+                        topk_method="group_limited_greedy", n_shared_experts=1, moe_intermediate_size=16,
+                        routed_scaling_factor=2.5, first_k_dense_replace=1)
     elif kind == "gemma3":
         settings = dict(head_dim=8, sliding_window=4, final_logit_softcapping=5.0, query_pre_attn_scalar=16,
                         layer_types=["sliding_attention"] + ["full_attention"] * (layers - 1),
@@ -263,8 +272,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if kind in ("gpt_neox", "opt", "gpt2") or kind.startswith("gpt_bigcode"):
         del shared["num_key_value_heads"]
-    elif kind in ("minicpm3", "youtu", "deepseek_v3", "glm4_moe_lite"):  # (latent attention: every head its own
-        # keys, from the latent)
+    elif kind in ("minicpm3", "youtu", "deepseek_v2", "deepseek_v3", "glm4_moe_lite"):  # (latent attention: every
+        # head its own keys, from the latent)
         shared["num_key_value_heads"] = shared["num_attention_heads"]
     model = model_class(config(**shared, **settings))
     with torch.no_grad():
