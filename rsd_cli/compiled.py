@@ -741,7 +741,8 @@ def register_experts_operator() -> bool:
 
 def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple, dims: tuple,
                   slots: torch.Tensor | None = None, fused: tuple = (None, None),
-                  sight: Sight | None = None, style: Style = Style(), side: torch.Tensor | None = None) -> torch.Tensor:
+                  sight: Sight | None = None, style: Style = Style(),
+                  side: torch.Tensor | None = None) -> torch.Tensor:
     """One Llama decoder layer on n new tokens (or one of a related family: `style`, and the norms
     `weights` hold).
     x (n, hidden); cos, sin (n, head_dim); mask (n, kv_len) additive, the new tokens at slots
@@ -770,12 +771,15 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     norm), `shared` where the layer computes q only and reads keys and values an earlier layer wrote
     (the buffers given are that layer's), `side_input` (side_weights) with `side` (n, width) this
     layer's per-layer input, added after the MLP, and `scalar` what the layer's output is multiplied by;
-    `beside` (the MLP's own norm after it, gemma4_experts') a mixture of experts beside the MLP."""
+    `beside` (the MLP's own norm after it, gemma4_experts') a mixture of experts beside the MLP. `latent`
+    (latent_weights') where attention is latent (DeepSeek's, MiniCPM3's): wq then makes each head's
+    q, of q_proj or q_b_proj, and keys, values hold the latents and the keys' rotated parts.
+    Attention itself: _attention, _latent_attention."""
     (ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd, q_norm, k_norm, after_attention, after_mlp,
      experts, bu, bd, sinks, constants, side_input, scalar, shared, beside, latent) = weights
     in_float = style.norm_in_float
-    heads, kv_heads, head_dim, scaling, eps = dims
-    n, kv_len = x.shape[0], mask.shape[1]
+    eps = dims[4]
+    n = x.shape[0]
     # stacked blocks where the blocks kernel serves this many rows (prompts: where it measured faster)
     on_blocks = n <= MAX_ROWS or small[0][0][2] == "blocks"
     fused = fused if on_blocks and not torch.compiler.is_compiling() else (None, None)
