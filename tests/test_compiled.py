@@ -517,6 +517,28 @@ def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
         assert tokens == expected, shape.describe()
 
 
+@CUDA
+@pytest.mark.parametrize("kind", ["minicpm3", "youtu", "deepseek_v2", "deepseek_v3", "glm4_moe_lite"])
+def test_latent_attention_runs_in_cuda_graphs(kind):
+    """MiniCPM3-, Youtu-, DeepSeek V2- and V3- and GLM-4.7-Flash-like models (latent attention: the
+    latents and rotated key parts cached, expanded on the device every forward; the mixtures' experts
+    chosen within groups on the device) in compiled CUDA graphs: every variant's greedy tokens are
+    the target's."""
+    import copy
+
+    from test_engine import FAN, LONG_PROMPT
+
+    target, draft = tiny_relative(kind, V, layers=2), tiny_relative(kind, V, layers=1, seed=1)
+    expected = plain_greedy(target, 30, LONG_PROMPT)
+    models = tuple(copy.deepcopy(model).cuda() for model in (target, draft))
+    runtimes = Runtimes(CompiledModel(models[0], True), CompiledModel(models[1], True), "on")
+    assert runtimes.target.graphed and runtimes.target.cache_shapes[0] == (1, 16, 4)
+    for shape in shapes() + [FAN]:
+        decoder = Decoder(*models, V, shape, SamplingParams(temperature=0), set(), runtimes=runtimes)
+        tokens = [t for event in decoder.generate(LONG_PROMPT, 30, seed=0) for t in event.emitted]
+        assert tokens == expected, shape.describe()
+
+
 def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
     """The backends differ only in the order of float additions: sampled runs agree token for token
     on this pair (the test would catch a runtime that draws random numbers differently)."""
