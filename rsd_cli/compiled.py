@@ -916,7 +916,8 @@ def _latent_attention(h, wq, latent: tuple, small: tuple, dims: tuple, cos, sin,
     capacity, rope) the rotated parts, and every forward expands the cache's latents into each head's
     key and value by kv_b. q from h by wq (q_proj), or by wq (q_b_proj) after q_a and its norm.
     latent: latent_weights'. With `style.latent_pairs` the rotated parts turn by adjacent pairs, their
-    halves' outputs side by side (DeepSeek's `rope_interleave`)."""
+    halves' outputs side by side (DeepSeek V3's `rope_interleave`), with `style.latent_complex` by
+    adjacent pairs in place (DeepSeek V2's complex numbers): _latent_rotated."""
     q_a, q_a_bias, q_a_norm, q_eps, kv_a, kv_a_bias, kv_a_norm, kv_eps, kv_b, (lora, rope, nope, v_dim) = latent
     heads, _, _, scaling, _ = dims
     n, kv_len = h.shape[0], mask.shape[1]
@@ -1452,8 +1453,8 @@ class CompiledModel:
         kv_heads = cfg.num_attention_heads if style.interleaved else \
             cfg.num_attention_heads // attn.num_key_value_groups if type(attn).__name__ == "Gemma4TextAttention" else \
             getattr(cfg, "num_key_value_heads", None) or getattr(attn, "kv_heads", None) or cfg.num_attention_heads
-        self.dims = (cfg.num_attention_heads, kv_heads,
-                     getattr(attn, "head_dim", None) or getattr(attn, "qk_head_dim", None) or attn.head_size, attn.scaling,
+        head_dim = getattr(attn, "head_dim", None) or getattr(attn, "qk_head_dim", None) or attn.head_size  # (MLA's)
+        self.dims = (cfg.num_attention_heads, kv_heads, head_dim, attn.scaling,
                      _eps(next(norm for norm in layer_norms(layers[0]) if norm is not None)))
         self.layers = []
         fuse = _room_to_fuse(layers)
@@ -1516,8 +1517,9 @@ class CompiledModel:
         # full-attention layers' and 1 for the windowed ones' (a mask for each: (2, n, kv_len)), where
         # only some layers have the window
         kinds = layer_kinds(cfg, len(layers))
-        # each layer's (heads, kv_heads, head_dim, scaling, eps): the model's dims but Gemma 4's, and the KV
-        # cache it writes or reads (cache_owners: an index among the caches, each (kv_heads, head_dim) wide)
+        # each layer's (heads, kv_heads, head_dim, scaling, eps): the model's dims but Gemma 4's and latent
+        # attention's, and the KV cache it writes or reads (cache_owners: an index among the caches, each
+        # cache_shape's (kv_heads, keys' width, values' width))
         self.layer_dims = [layer_dims(layer, self.dims) for layer in layers]
         owners = cache_owners(layers, kinds)
         written = sorted(set(owners))
@@ -1623,7 +1625,8 @@ class CompiledModel:
 
     def new_buffers(self, capacity: int) -> tuple:
         """(keys, values) of every cache (cache_of), `capacity` slots each: a (caches, kv_heads, capacity,
-        head_dim) tensor each, or where caches differ in shape (Gemma 4's) a LayerCaches each."""
+        width) tensor each (a latent attention's keys: its latents, its values: its keys' rotated parts),
+        or where caches differ in shape (Gemma 4's) a LayerCaches."""
         made = []
         for shapes in ([(heads, width) for heads, width, _ in self.cache_shapes],  # (keys', then values')
                        [(heads, width) for heads, _, width in self.cache_shapes]):
@@ -1634,7 +1637,7 @@ class CompiledModel:
                 made.append(LayerCaches(shapes, capacity, self.dtype, self.device))
         return made[0], made[1]
 
-    def lease(self, lm, capacity: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def lease(self, lm, capacity: int) -> tuple | None:
         """Static shapes: the shared KV buffers, at least `capacity` long, for `lm` (a StaticLM);
         None while another live one holds them (it then runs on buffers of its own, without
         graphs). Longer buffers replace the old ones, and their graphs are captured again."""
