@@ -86,8 +86,13 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     quarter of each head turned, every head its own keys); or with learned positions instead of
     rotary angles, LayerNorms and biases on every linear (random): "opt" (ReLUs, positions from row
     2), "gpt2" (Conv1D linears, q, k and v one, a GELU by formula), "gpt_bigcode" (StarCoder 1: one
-    key head) or "gpt_bigcode-mha" (q, k and v head by head); with sliding-window attention off (but
-    Gemma 2 and 3's, Phi-3's, EXAONE 4's, Mixtral's and gpt-oss's). Every norm's weight is random."""
+    key head) or "gpt_bigcode-mha" (q, k and v head by head); "gemma4" (windowed and full-attention
+    layers in turn, the full ones' heads wider with one key head, the last layers reading earlier
+    ones' caches, per-layer inputs, random layer scalars) or "gemma4-moe" (26B-A4B's kind: experts
+    beside each MLP, the router's and each expert's scales random); or with multi-head latent
+    attention: "minicpm3", "youtu", "deepseek_v3" and "glm4_moe_lite" (experts chosen within the best
+    groups, a random correction) or "deepseek_v2"; with sliding-window attention off (but Gemma 2, 3
+    and 4's, Phi-3's, EXAONE 4's, Mixtral's and gpt-oss's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                               GemmaForCausalLM, MistralConfig,
                               MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
@@ -107,8 +112,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM, PhimoeConfig, PhimoeForCausalLM,
                               Gemma4TextConfig, Gemma4ForCausalLM, MiniCPM3Config, MiniCPM3ForCausalLM, YoutuConfig,
                               YoutuForCausalLM, DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
-                              DeepseekV3ForCausalLM, Glm4MoeLiteConfig,
-                              Glm4MoeLiteForCausalLM)
+                              DeepseekV3ForCausalLM, Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
