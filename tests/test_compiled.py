@@ -649,7 +649,8 @@ def test_gemma4_runs_on_the_static_cache_runtime(kind, layers, caches):
     transformers' forward gives them on every backend, each variant's greedy output plain greedy."""
     target, draft = tiny_relative(kind, V, layers=layers, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     runtime = CompiledModel(target, False)
-    assert runtime.cache_shapes == [(2, 8, 8), (1, 16, 16), (1, 16, 16)][:len(set(caches))] and runtime.cache_of == caches
+    assert runtime.cache_of == caches  # ((kv_heads, keys' width, values' width): windowed layers', then full ones')
+    assert runtime.cache_shapes == [(2, 8, 8), (1, 16, 16), (1, 16, 16)][:len(set(caches))]
     assert [type(buffers).__name__ for buffers in runtime.new_buffers(4)] == ["LayerCaches"] * 2
     # (each layer's float32 sums in another order than transformers' through 4 layers of norms: ~5e-5)
     assert_the_runtime_decodes_as_transformers(target, draft, 1e-4)

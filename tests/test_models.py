@@ -743,4 +743,7 @@ def test_an_early_exit_draft_of_gemma4_is_refused_in_a_line_naming_a_separate_dr
 
     plain = Gemma4ForCausalLM(target.config.__class__(**{**target.config.to_dict(), "num_kv_shared_layers": 0,
                                                          "hidden_size_per_layer_input": 0}))
-    assert len(models.early_exit_draft(plain.eval(), 1).model.layers) == 1
+    draft = models.early_exit_draft(plain.eval(), 1)
+    with torch.no_grad():
+        logits = draft(torch.tensor([[3, 1, 4]])).logits
+    assert len(draft.model.layers) == 1 and logits.shape == (1, 3, 40) and bool(torch.isfinite(logits).all())
