@@ -269,8 +269,9 @@ class LayerCaches:
         counts = [0] * len(kinds)
         self.where = []  # cache -> (its tensor, its index there)
         for shape in shapes:
-            self.where.append((kinds.index(shape), counts[kinds.index(shape)]))
-            counts[kinds.index(shape)] += 1
+            kind = kinds.index(shape)
+            self.where.append((kind, counts[kind]))
+            counts[kind] += 1
         self.tensors = tuple(torch.zeros((count, heads, capacity, width), dtype=dtype, device=device)
                              for count, (heads, width) in zip(counts, kinds))
 
@@ -966,13 +967,18 @@ def _latent_rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style
     return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
 
 
+def is_latent(attention) -> bool:
+    """Whether an attention is multi-head latent attention (its keys and values through one latent)."""
+    return getattr(attention, "kv_a_proj_with_mqa", None) is not None
+
+
 def latent_weights(layer, style: Style) -> tuple | None:
     """A layer's multi-head latent attention as _latent_attention takes it: (q_a's weight, its bias,
     its norm's weight, that norm's eps — None each where q is one product —, kv_a's weight, its bias,
     its norm's weight and eps, kv_b's weight, (kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim,
     v_head_dim)); None where the attention is not latent."""
     a = attention_of(layer)
-    if getattr(a, "kv_a_proj_with_mqa", None) is None:
+    if not is_latent(a):
         return None
     detached = lambda t: None if t is None else t.detach()  # noqa: E731
     q_a, q_norm = getattr(a, "q_a_proj", None), getattr(a, "q_a_layernorm", None)
@@ -987,7 +993,7 @@ def latent_linears(layer) -> tuple:
     """A latent attention's q_a, kv_a and kv_b (None each where the attention is not latent; q_a None
     where q is one product)."""
     a = attention_of(layer)
-    if getattr(a, "kv_a_proj_with_mqa", None) is None:
+    if not is_latent(a):
         return None, None, None
     return getattr(a, "q_a_proj", None), a.kv_a_proj_with_mqa, a.kv_b_proj
 
@@ -1021,7 +1027,7 @@ def projections(layer) -> tuple:
     rows, made once; gate None where the MLP has none, gate, up and down None where it is a mixture of
     experts)."""
     a, m = attention_of(layer), mlp_of(layer)
-    if getattr(a, "kv_a_proj_with_mqa", None) is not None:  # (latent attention: q's product alone, see latent_linears)
+    if is_latent(a):  # (latent attention: q's product alone, see latent_linears)
         q = a.q_proj if getattr(a, "q_proj", None) is not None else a.q_b_proj
         return (q, None, None, a.o_proj, None, None, None) if hasattr(m, "experts") else \
             (q, None, None, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
@@ -1084,7 +1090,7 @@ def layer_dims(layer, dims: tuple) -> tuple:
     and a latent attention's (one latent a token; q and k's heads nope + rope wide)."""
     a = attention_of(layer)
     heads, _, _, _, eps = dims
-    if getattr(a, "kv_a_proj_with_mqa", None) is not None:
+    if is_latent(a):
         return heads, 1, a.qk_nope_head_dim + a.qk_rope_head_dim, a.scaling, eps
     if type(a).__name__ != "Gemma4TextAttention":
         return dims
@@ -1095,7 +1101,7 @@ def cache_shape(layer, dims: tuple) -> tuple[int, int, int]:
     """(kv_heads, keys' width, values' width) of the cache a layer writes (its layer_dims'), a latent
     attention's (1, kv_lora_rank, qk_rope_head_dim): its latents and its keys' rotated parts."""
     a = attention_of(layer)
-    if getattr(a, "kv_a_proj_with_mqa", None) is not None:
+    if is_latent(a):
         return 1, a.kv_lora_rank, a.qk_rope_head_dim
     _, kv_heads, head_dim, _, _ = dims
     return kv_heads, head_dim, head_dim
@@ -1136,21 +1142,11 @@ def gemma4_experts(layer, style: Style) -> tuple | None:
 
 def gemma4_experts_plain(layer) -> bool:
     """Whether a layer has Gemma 4's experts beside its MLP as transformers lays them out: a router
-    without a bias over a norm without a weight, each expert's gate and up rows stacked (E, 2I,
-    hidden) and its down (E, hidden, I), without biases, their gate the model's activation."""
+    without a bias over a norm without a weight, its experts stacked (_stacked_experts)."""
     router, experts = getattr(layer, "router", None), getattr(layer, "experts", None)
     if type(router).__name__ != "Gemma4TextRouter" or type(experts).__name__ != "Gemma4TextExperts":
         return False
-    try:
-        from transformers.integrations.moe import _default_apply_gate
-    except ImportError:  # (a transformers without it lays its experts out otherwise)
-        return False
-    return router.proj.bias is None and getattr(router.norm, "weight", None) is None \
-        and experts.gate_up_proj.dim() == 3 and experts.down_proj.dim() == 3 \
-        and getattr(experts, "has_gate", True) and not getattr(experts, "has_bias", False) \
-        and not getattr(experts, "is_transposed", False) and getattr(experts, "is_concatenated", True) \
-        and not getattr(experts, "has_post_expert_norm", False) \
-        and getattr(type(experts), "_apply_gate", _default_apply_gate) is _default_apply_gate
+    return router.proj.bias is None and getattr(router.norm, "weight", None) is None and _stacked_experts(experts)
 
 
 def side_linears(layer) -> tuple:
@@ -1238,11 +1234,10 @@ def experts_of(layer) -> tuple | None:
     if _oss_experts(m):  # (transposed: views as the others' are laid out, no copy; its products' biases)
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
         extras = (*(w.detach() for w in (router.bias, m.experts.gate_up_proj_bias, m.experts.down_proj_bias)), None)
-    statics = getattr(router, "moe_statics", None)  # (ERNIE 4.5's correction of its experts' scores)
-    if statics is not None:
-        extras = (None, None, None, statics.e_score_correction_bias.detach().reshape(-1))
-    elif getattr(router, "e_score_correction_bias", None) is not None:  # (DeepSeek V3's)
-        extras = (None, None, None, router.e_score_correction_bias.detach())
+    # (a learned correction of the experts' scores: ERNIE 4.5's in its router's `moe_statics`, DeepSeek V3's its own)
+    correction = getattr(getattr(router, "moe_statics", router), "e_score_correction_bias", None)
+    if correction is not None:
+        extras = (None, None, None, correction.detach().reshape(-1))
     return router.weight.detach(), gate_up, down, shared, extras
 
 
@@ -1289,22 +1284,28 @@ def _plain_experts(layer) -> bool:
     m, shared = mlp_of(layer), getattr(layer, "shared_mlp", None)
     if not hasattr(m, "experts") or _oss_experts(m) or _phimoe_experts(m):
         return True
-    experts, router = m.experts, getattr(m, "gate", None) or getattr(m, "router", None)
+    router = getattr(m, "gate", None) or getattr(m, "router", None)
+    return _stacked_experts(m.experts) and getattr(router, "weight", None) is not None and router.weight.dim() == 2 \
+        and {name for name, _ in m.named_children()} <= {"gate", "router", "experts", "shared_expert",
+                                                          "shared_expert_gate", "shared_experts"} \
+        and all(shared is None or all(getattr(module, "bias", None) is None for module in shared.modules())
+                for shared in (shared, getattr(m, "shared_experts", None)))
+
+
+def _stacked_experts(experts) -> bool:
+    """Whether experts are laid out as routed_experts multiplies them: each expert's gate and up rows
+    stacked (E, 2I, hidden) and its down (E, hidden, I), without biases, their gate the model's
+    activation (transformers' default)."""
     try:
         from transformers.integrations.moe import _default_apply_gate
     except ImportError:  # (a transformers without it lays its experts out otherwise)
         return False
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     return isinstance(gate_up, torch.nn.Parameter) and gate_up.dim() == 3 and isinstance(down, torch.nn.Parameter) \
-        and down.dim() == 3 and getattr(router, "weight", None) is not None and router.weight.dim() == 2 \
-        and getattr(experts, "has_gate", False) and not getattr(experts, "has_bias", True) \
+        and down.dim() == 3 and getattr(experts, "has_gate", False) and not getattr(experts, "has_bias", True) \
         and not getattr(experts, "is_transposed", True) and getattr(experts, "is_concatenated", False) \
         and not getattr(experts, "has_post_expert_norm", False) \
-        and getattr(type(experts), "_apply_gate", None) is _default_apply_gate \
-        and {name for name, _ in m.named_children()} <= {"gate", "router", "experts", "shared_expert",
-                                                          "shared_expert_gate", "shared_experts"} \
-        and all(shared is None or all(getattr(module, "bias", None) is None for module in shared.modules())
-                for shared in (shared, getattr(m, "shared_experts", None)))
+        and getattr(type(experts), "_apply_gate", None) is _default_apply_gate
 
 
 def _blocks_for_prompts(layers) -> bool:
@@ -1557,7 +1558,7 @@ class CompiledModel:
         # layers in one call where every layer can, then the final norm and head in one more (Llama's
         # layers, on one rotary table and one mask)
         in_c = style == Style() and len(self.tables) == 1 and self.cos is not None and self.by_kind is None \
-            and not any(latent_linears(layer)[1] is not None for layer in layers) \
+            and not any(is_latent(attention_of(layer)) for layer in layers) \
             and self.cos.shape[-1] == self.dims[2] \
             and self.embedding_scale == self.logits_divisor == 1.0 and layer_norms(layers[0])[2] is None
         native = [_native_layer(layer, fused, fuse) if in_c else None
