@@ -38,7 +38,7 @@ import contextlib
 import dataclasses
 import math
 import weakref
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -740,7 +740,58 @@ def register_experts_operator() -> bool:
     return _EXPERTS_OPERATOR
 
 
-def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple, dims: tuple,
+class LayerWeights(NamedTuple):
+    """A decoder layer's tensors as decoder_layer takes them, each None where the layer has no such
+    part (see decoder_layer for what each family holds)."""
+
+    ln1: Any  # the norm before attention: a weight, or a LayerNorm's (weight, bias) (norm_of)
+    wq: Any  # q's weight; on a GPU q, k and v's stacked; GPT-NeoX's q, k and v head by head
+    bq: Any
+    wk: Any
+    bk: Any
+    wv: Any  # (Gemma 4: None where v is k's product)
+    bv: Any
+    wo: Any
+    bo: Any
+    ln2: Any  # the norm before the MLP
+    wg: Any  # the MLP's gate; on a GPU gate and up stacked
+    wu: Any
+    wd: Any
+    q_norm: Any  # norms of each head of q and k, or of all of them (OLMo)
+    k_norm: Any
+    after_attention: Any  # norms of each block's output before it joins the residual (Gemma 2 and 3, OLMo)
+    after_mlp: Any
+    experts: Any = None  # a mixture of experts instead of the MLP (experts_of)
+    bu: Any = None  # the up and down products' biases of an MLP without a gate
+    bd: Any = None
+    sinks: Any = None  # gpt-oss's attention sinks (heads,)
+    constants: Any = None  # the activation's own (Apertus's xIELU: xielu_constants)
+    side_input: Any = None  # Gemma 4's per-layer input's weights (side_weights)
+    scalar: Any = None  # Gemma 4's layer scalar
+    shared: bool = False  # Gemma 4: q only, the keys and values an earlier layer's (reads_earlier_cache)
+    beside: Any = None  # Gemma 4 26B-A4B's experts beside the MLP (gemma4_experts)
+    latent: Any = None  # multi-head latent attention's weights (latent_weights)
+
+
+class LayerKernels(NamedTuple):
+    """The CPU kernels (small_batch.kernels_of, each a tuple) of a decoder layer's linears, or None
+    where it has no such linear: _linear's `small`."""
+
+    q: Any
+    k: Any
+    v: Any
+    o: Any
+    gate: Any
+    up: Any
+    down: Any
+    side_gate: Any = None  # (Gemma 4's per-layer input's gate and projection: side_linears)
+    side_projection: Any = None
+    q_a: Any = None  # (latent attention's: latent_linears)
+    kv_a: Any = None
+    kv_b: Any = None
+
+
+def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernels: LayerKernels, dims: tuple,
                   slots: torch.Tensor | None = None, fused: tuple = (None, None),
                   sight: Sight | None = None, style: Style = Style(),
                   side: torch.Tensor | None = None) -> torch.Tensor:
@@ -750,7 +801,7 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     kv_len - n .. kv_len - 1 of keys, values (kv_heads, capacity, head_dim), written in place. With
     `slots` (n,) (static shapes, what a CUDA graph replays) the new tokens go to those slots and the
     mask covers the whole capacity: no size depends on the cache's length. `weights` are the layer's
-    tensors, `small` the CPU kernels of its linears (small_batch.kernels_of), dims = (heads, kv_heads,
+    tensors (LayerWeights), `kernels` the CPU kernels of its linears (LayerKernels), dims = (heads, kv_heads,
     head_dim, scaling, eps). Every layer of a model (and of its early-exit draft, adapter included)
     has the same shapes: one compiled graph serves them all.
     `fused` = (q, k and v's quantised blocks in one, gate and up's in one) or None each (fused_blocks):
@@ -776,79 +827,84 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: tuple, small: tuple,
     (latent_weights') where attention is latent (DeepSeek's, MiniCPM3's): wq then makes each head's
     q, of q_proj or q_b_proj, and keys, values hold the latents and the keys' rotated parts.
     Attention itself: _attention, _latent_attention."""
-    (ln1, wq, bq, wk, bk, wv, bv, wo, bo, ln2, wg, wu, wd, q_norm, k_norm, after_attention, after_mlp,
-     experts, bu, bd, sinks, constants, side_input, scalar, shared, beside, latent) = weights
     in_float = style.norm_in_float
     eps = dims[4]
     n = x.shape[0]
     # stacked blocks where the blocks kernel serves this many rows (prompts: where it measured faster)
-    on_blocks = n <= MAX_ROWS or small[0][0][2] == "blocks"
+    on_blocks = n <= MAX_ROWS or kernels.q[0][2] == "blocks"
     fused = fused if on_blocks and not torch.compiler.is_compiling() else (None, None)
-    h = x if ln1 is None else _rms_norm(x, ln1, eps, in_float, style.centred)  # (OLMo: no norm before attention)
+    # (OLMo: no norm before attention)
+    h = x if weights.ln1 is None else _rms_norm(x, weights.ln1, eps, in_float, style.centred)
     normed = h
-    if latent is not None:  # (multi-head latent attention: DeepSeek's, MiniCPM3's, Youtu's)
-        out = _latent_attention(h, wq, latent, small, dims, cos, sin, mask, keys, values, slots, sight, style)
+    if weights.latent is not None:  # (multi-head latent attention: DeepSeek's, MiniCPM3's, Youtu's)
+        out = _latent_attention(h, weights.wq, weights.latent, kernels, dims, cos, sin, mask, keys, values, slots,
+                                sight, style)
     else:
-        out = _attention(h, weights, small, dims, cos, sin, mask, keys, values, slots, fused, sight, style)
-    attended = _linear(out.transpose(0, 1).reshape(n, -1), wo, bo, small[3])
+        out = _attention(h, weights, kernels, dims, cos, sin, mask, keys, values, slots, fused, sight, style)
+    attended = _linear(out.transpose(0, 1).reshape(n, -1), weights.wo, weights.bo, kernels.o)
     if style.residual_scale != 1.0:  # (Granite)
         attended = attended * style.residual_scale
-    residual, x = x, x + (attended if after_attention is None else _rms_norm(attended, after_attention, eps, in_float))
+    residual = x
+    if weights.after_attention is not None:
+        attended = _rms_norm(attended, weights.after_attention, eps, in_float)
+    x = x + attended
     if style.parallel:  # (Cohere, Phi: ln1's output; GPT-NeoX: ln2 of the layer's input)
-        h = normed if ln2 is None else _rms_norm(residual, ln2, eps, in_float)
+        h = normed if weights.ln2 is None else _rms_norm(residual, weights.ln2, eps, in_float)
     else:
-        h = x if ln2 is None else _rms_norm(x, ln2, eps, in_float)
-    if experts is not None:
-        mlp = mixture_of_experts(h, experts, style)
+        h = x if weights.ln2 is None else _rms_norm(x, weights.ln2, eps, in_float)
+    if weights.experts is not None:
+        mlp = mixture_of_experts(h, weights.experts, style)
     else:
         if not style.gated:
-            hidden = _activation(_linear(h, wu, bu, small[5]), style.activation, constants)
+            hidden = _activation(_linear(h, weights.wu, weights.bu, kernels.up), style.activation, weights.constants)
         else:
-            if wu is None:  # (stacked float weights)
-                gate, up = _linear(h, wg, None, small[4]).chunk(2, -1)
+            if weights.wu is None:  # (stacked float weights)
+                gate, up = _linear(h, weights.wg, None, kernels.gate).chunk(2, -1)
             elif fused[1] is not None:
                 gate, up = blocks_linear(h, fused[1]).chunk(2, -1)
             else:
-                gate, up = _linear(h, wg, None, small[4]), _linear(h, wu, None, small[5])
+                gate, up = _linear(h, weights.wg, None, kernels.gate), _linear(h, weights.wu, None, kernels.up)
             hidden = _activation(gate, style.activation) * up
-        mlp = _linear(hidden, wd, bd, small[6])
-    if beside is not None:  # (Gemma 4 26B-A4B: the MLP's output normed, experts' beside it on the block's input)
-        mlp_after, routed = beside
+        mlp = _linear(hidden, weights.wd, weights.bd, kernels.down)
+    # (Gemma 4 26B-A4B: the MLP's output normed, experts' beside it on the block's input)
+    if weights.beside is not None:
+        mlp_after, routed = weights.beside
         mlp = _rms_norm(mlp, mlp_after, eps, in_float) + experts_beside(x, routed, style.experts, style.activation, eps)
     if style.residual_scale != 1.0:
         mlp = mlp * style.residual_scale
-    x = x + (mlp if after_mlp is None else _rms_norm(mlp, after_mlp, eps, in_float))
-    if side_input is not None:  # (Gemma 4: the layer's own input, gated by its output, projected, normed, added)
-        gate_weight, projection, side_norm = side_input
-        gated = _activation(_linear(x, gate_weight, None, small[7]), style.activation) * side
-        x = x + _rms_norm(_linear(gated, projection, None, small[8]), side_norm, eps, in_float)
-    return x if scalar is None else x * scalar
+    x = x + (mlp if weights.after_mlp is None else _rms_norm(mlp, weights.after_mlp, eps, in_float))
+    # (Gemma 4: the layer's own input, gated by its output, projected, normed, added)
+    if weights.side_input is not None:
+        gate_weight, projection, side_norm = weights.side_input
+        gated = _activation(_linear(x, gate_weight, None, kernels.side_gate), style.activation) * side
+        x = x + _rms_norm(_linear(gated, projection, None, kernels.side_projection), side_norm, eps, in_float)
+    return x if weights.scalar is None else x * weights.scalar
 
 
-def _attention(h, weights: tuple, small: tuple, dims: tuple, cos, sin, mask, keys, values, slots, fused,
+def _attention(h, weights: LayerWeights, kernels: LayerKernels, dims: tuple, cos, sin, mask, keys, values, slots, fused,
                sight, style: Style) -> torch.Tensor:
     """decoder_layer's attention on its normed input h (n, hidden): (heads, n, head_dim), before the
     output's product."""
-    (_, wq, bq, wk, bk, wv, bv, _, _, _, _, _, _, q_norm, k_norm, _, _, _, _, _, sinks, _, _, _, shared, _,
-     _) = weights
+    wq, bq, wk, bk, wv, bv = weights.wq, weights.bq, weights.wk, weights.bk, weights.wv, weights.bv
+    q_norm, k_norm, sinks, shared = weights.q_norm, weights.k_norm, weights.sinks, weights.shared
     in_float = style.norm_in_float
     heads, kv_heads, head_dim, scaling, eps = dims
     n, kv_len = h.shape[0], mask.shape[1]
     widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
     if shared:  # (Gemma 4's last layers: the keys and values are an earlier layer's)
-        q, k, v = _linear(h, wq, bq, small[0]), None, None
+        q, k, v = _linear(h, wq, bq, kernels.q), None, None
     elif style.interleaved:  # (GPT-NeoX: each head's q, k and v side by side)
-        q, k, v = _linear(h, wq, bq, small[0]).view(n, heads, 3 * head_dim).chunk(3, -1)
+        q, k, v = _linear(h, wq, bq, kernels.q).view(n, heads, 3 * head_dim).chunk(3, -1)
         q, k, v = q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)
     elif wk is None:  # (stacked float weights: on a GPU, or a fused linear's own)
-        q, k, v = _linear(h, wq, None, small[0]).split(widths, -1)
+        q, k, v = _linear(h, wq, None, kernels.q).split(widths, -1)
         q, k, v = (t if b is None else t + b for t, b in ((q, bq), (k, bk), (v, bv)))  # (Qwen2's biases)
     elif fused[0] is not None:
         q, k, v = blocks_linear(h, fused[0]).split(widths, -1)
         q, k, v = (t if b is None else t + b for t, b in ((q, bq), (k, bk), (v, bv)))  # (Qwen2's biases)
     else:  # (Gemma 4's full-attention layers: v is k's product, where the model says so)
-        q, k = _linear(h, wq, bq, small[0]), _linear(h, wk, bk, small[1])
-        v = k if wv is None else _linear(h, wv, bv, small[2])
+        q, k = _linear(h, wq, bq, kernels.q), _linear(h, wk, bk, kernels.k)
+        v = k if wv is None else _linear(h, wv, bv, kernels.v)
     whole = q_norm is not None and q_norm.shape[0] != head_dim  # (OLMo 2 and 3: q and k normed as a whole)
     if whole:
         q, k = _rms_norm(q, q_norm, eps, in_float), _rms_norm(k, k_norm, eps, in_float)
@@ -908,7 +964,7 @@ def _attention(h, weights: tuple, small: tuple, dims: tuple, cos, sin, mask, key
     return out
 
 
-def _latent_attention(h, wq, latent: tuple, small: tuple, dims: tuple, cos, sin, mask, keys, values, slots,
+def _latent_attention(h, wq, latent: tuple, kernels: LayerKernels, dims: tuple, cos, sin, mask, keys, values, slots,
                       sight, style: Style) -> torch.Tensor:
     """Multi-head latent attention (MLA: DeepSeek V2/V3's, MiniCPM3's, Youtu's) on the normed input h
     (n, hidden) as transformers computes it: (heads, n, v_dim), before the output's product. Each
@@ -924,10 +980,10 @@ def _latent_attention(h, wq, latent: tuple, small: tuple, dims: tuple, cos, sin,
     n, kv_len = h.shape[0], mask.shape[1]
     in_float = style.norm_in_float
     if q_a is not None:
-        h_q = _rms_norm(_linear(h, q_a, q_a_bias, small[9]), q_a_norm, q_eps, in_float)
-    q = _linear(h if q_a is None else h_q, wq, None, small[0]).view(n, heads, nope + rope).transpose(0, 1)
+        h_q = _rms_norm(_linear(h, q_a, q_a_bias, kernels.q_a), q_a_norm, q_eps, in_float)
+    q = _linear(h if q_a is None else h_q, wq, None, kernels.q).view(n, heads, nope + rope).transpose(0, 1)
     q_pass, q_rot = q.split([nope, rope], -1)  # (H, n, nope), (H, n, rope)
-    latent_and_rot = _linear(h, kv_a, kv_a_bias, small[10])
+    latent_and_rot = _linear(h, kv_a, kv_a_bias, kernels.kv_a)
     compressed, k_rot = latent_and_rot.split([lora, rope], -1)
     compressed = _rms_norm(compressed, kv_a_norm, kv_eps, in_float)  # (n, lora)
     q_rot, k_rot = (_latent_rotated(t, cos, sin, style) for t in (q_rot, k_rot[None]))  # (H, n, rope), (1, n, rope)
@@ -941,7 +997,7 @@ def _latent_attention(h, wq, latent: tuple, small: tuple, dims: tuple, cos, sin,
         keys.index_copy_(1, slots, compressed[None])
         values.index_copy_(1, slots, k_rot)
         every, rotated = keys[0], values[0]
-    expanded = _linear(every, kv_b, None, small[11]).view(-1, heads, nope + v_dim).transpose(0, 1)
+    expanded = _linear(every, kv_b, None, kernels.kv_b).view(-1, heads, nope + v_dim).transpose(0, 1)
     k_pass, v = expanded.split([nope, v_dim], -1)  # (H, kv, nope), (H, kv, v_dim)
     k = torch.cat([k_pass, rotated[None].expand(heads, -1, -1)], -1)
     q = torch.cat([q_pass, q_rot], -1)
@@ -1183,6 +1239,13 @@ def _row_views(weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple) ->
         start += size
     linears[0]._rsd_stack = weight
     return linears
+
+
+def _detached(linear, name: str) -> torch.Tensor | None:
+    """A linear's weight or bias detached (a view of the same storage), or None where the linear or
+    that tensor is missing (no gate, experts instead of an MLP; no bias)."""
+    tensor = None if linear is None else getattr(linear, name)
+    return None if tensor is None else tensor.detach()
 
 
 def final_norm_of(inner):
@@ -1471,33 +1534,32 @@ class CompiledModel:
                 None if own == (None, None) else tuple(None if f is None else f.weight for f in own)
             linears = projections(layer)
             q, k, v, o, gate, up, down = linears
-            # (None where the MLP has no such linear: no gate, or experts instead)
-            mlp = tuple(None if linear is None else linear.weight for linear in (gate, up, down))
             ln1, ln2, after_attention, after_mlp = (None if norm is None else norm_of(norm, style)
                                                     for norm in layer_norms(layer))
-            head_norms = tuple(None if w is None else norm_weight(w, style) for w in _head_norms(attention_of(layer)))
-            attention = tuple(part for linear in (q, k, v)  # (k and v None where q holds all three: GPT-NeoX)
-                              for part in ((None, None) if linear is None else (linear.weight, linear.bias)))
-            weights = (ln1, *attention, o.weight, o.bias, ln2, *mlp, *head_norms, after_attention, after_mlp)
-            if stacks is not None:  # q's weight slot holds q/k/v's stack, gate's gate/up's; k, v and up: None
-                weights = (weights[0], *((stacks[0], weights[2], None, weights[4], None) if stacks[0] is not None
-                                         else weights[1:6]), *weights[6:10],
-                           *((stacks[1], None) if stacks[1] is not None else weights[10:12]), *weights[12:])
-            biases = tuple(None if linear is None or linear.bias is None else linear.bias.detach() for linear in (up, down))
+            q_norm, k_norm = (None if w is None else norm_weight(w, style) for w in _head_norms(attention_of(layer)))
             # detached views (same storage): a trained adapter's tensors and the target's then pass
             # the same guards, and one graph serves both
+            scalar = getattr(layer, "layer_scalar", None)  # (Gemma 4's)
+            weights = LayerWeights(
+                ln1=ln1, wq=_detached(q, "weight"), bq=_detached(q, "bias"), wk=_detached(k, "weight"),
+                bk=_detached(k, "bias"), wv=_detached(v, "weight"), bv=_detached(v, "bias"), wo=_detached(o, "weight"),
+                bo=_detached(o, "bias"), ln2=ln2, wg=_detached(gate, "weight"), wu=_detached(up, "weight"),
+                wd=_detached(down, "weight"), q_norm=q_norm, k_norm=k_norm, after_attention=after_attention,
+                after_mlp=after_mlp, experts=experts_of(layer), bu=_detached(up, "bias"), bd=_detached(down, "bias"),
+                sinks=attention_of(layer).sinks.detach() if style.sinks else None,
+                constants=xielu_constants(mlp_of(layer)), side_input=side_weights(layer, style),
+                scalar=None if scalar is None else scalar.detach(), shared=reads_earlier_cache(layer),
+                beside=gemma4_experts(layer, style), latent=latent_weights(layer, style))
+            if stacks is not None and stacks[0] is not None:  # q's weight then holds q/k/v's stack; k and v: None
+                weights = weights._replace(wq=stacks[0].detach(), wk=None, wv=None)
+            if stacks is not None and stacks[1] is not None:  # ... gate's gate/up's; up: None
+                weights = weights._replace(wg=stacks[1].detach(), wu=None)
             # (the fused linears whole, where stacked as the model has them)
             # (and a Gemma 4 layer's per-layer input's gate and projection)
             multiplied = (q if own[0] is None else own[0], k, v, o, gate if own[1] is None else own[1], up, down,
                           *side_linears(layer), *latent_linears(layer))
-            scalar = getattr(layer, "layer_scalar", None)  # (Gemma 4's)
-            self.layers.append((tuple(None if w is None else w if isinstance(w, tuple) else w.detach() for w in weights)
-                                + (experts_of(layer), *biases,
-                                   attention_of(layer).sinks.detach() if style.sinks else None,
-                                   xielu_constants(mlp_of(layer)), side_weights(layer, style),
-                                   None if scalar is None else scalar.detach(), reads_earlier_cache(layer),
-                                   gemma4_experts(layer, style), latent_weights(layer, style)),
-                                tuple(None if linear is None else self._kernels(linear) for linear in multiplied),
+            self.layers.append((weights,
+                                LayerKernels(*(None if linear is None else self._kernels(linear) for linear in multiplied)),
                                 (None if None in linears[:3] else fused_blocks(linears[:3], biased=True),
                                  None if gate is None else fused_blocks(linears[4:6])) if fuse else (None, None)))
         self.head_small = self._kernels(model.lm_head)
@@ -1578,8 +1640,9 @@ class CompiledModel:
         self._layer = _compiled(decoder_layer) if self.inductor else decoder_layer
         if self.inductor and self.device.type == "cpu":  # compiled graphs find each weight's CPU kernels by its
             # address (one graph for all)
-            for weights, small, _ in self.layers:
-                for weight, kernels in zip(weights[1:9:2] + weights[10:13], small):
+            for weights, kernels_of_layer, _ in self.layers:
+                for weight, kernels in zip((weights.wq, weights.wk, weights.wv, weights.wo, weights.wg, weights.wu,
+                                            weights.wd), kernels_of_layer):
                     if weight is not None:  # (None: stacked with q's or gate's weight, or experts instead of an MLP)
                         enrol(weight, *kernels)
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # static shapes: shared KV buffers
@@ -1824,7 +1887,7 @@ class CompiledModel:
             # (a Gemma 2 layer's attention reads every key through the mask)
             reads = sight() if sight is not None and not graphs and not (self.style.softcap or self.style.sinks) \
                 else None
-            for index, (weights, small, fused) in enumerate(self.layers):
+            for index, (weights, kernels, fused) in enumerate(self.layers):
                 if native is not None and native[index] is not None:
                     y = run.layer(native[index], y, keys[index], values[index])
                     continue
@@ -1836,10 +1899,10 @@ class CompiledModel:
                 if graphs:
                     torch._dynamo.maybe_mark_dynamic(layer_keys, 1)
                     torch._dynamo.maybe_mark_dynamic(layer_values, 1)
-                    y = self._layer(y, layer_cos, layer_sin, layer_mask, layer_keys, layer_values, weights, small,
+                    y = self._layer(y, layer_cos, layer_sin, layer_mask, layer_keys, layer_values, weights, kernels,
                                     self.layer_dims[index], slots, fused, None, self.style, side)
                 else:
-                    y = decoder_layer(y, layer_cos, layer_sin, layer_mask, layer_keys, layer_values, weights, small,
+                    y = decoder_layer(y, layer_cos, layer_sin, layer_mask, layer_keys, layer_values, weights, kernels,
                                       self.layer_dims[index], slots, fused, reads, self.style, side)
             return logits(y)
 

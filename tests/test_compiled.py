@@ -757,9 +757,9 @@ def test_phi3_s_fused_linears_run_as_views_of_their_rows_and_mlp_biases_are_refu
     packed = ("packed", "packed", "torch")  # (RSD_SMALL_BATCH_MATMUL=packed: conftest; 4 linears and the head)
     assert small_batch.install(model) == 5 and small_batch.kernels_of(layer.self_attn.qkv_proj) == packed
     weights, small, _ = CompiledModel(model, False).layers[0]
-    assert weights[1].data_ptr() == fused.data_ptr() and weights[1].shape == fused.shape and weights[3] is None
-    assert weights[10].shape == layer.mlp.gate_up_proj.weight.shape and weights[11] is None
-    assert small[0][0] == small[4][0] == packed and "packed" in small[0][1]
+    assert weights.wq.data_ptr() == fused.data_ptr() and weights.wq.shape == fused.shape and weights.wk is None
+    assert weights.wg.shape == layer.mlp.gate_up_proj.weight.shape and weights.wu is None
+    assert small.q[0] == small.gate[0] == packed and "packed" in small.q[1]
     moved = copy.deepcopy(model).double()  # (views made before a model moves are made again)
     assert projections(moved.model.layers[0])[0].weight.dtype == torch.float64
     partial = Phi3ForCausalLM(Phi3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -1013,7 +1013,7 @@ def test_stacked_projections_give_the_separate_products(kind, monkeypatch):
     again = compiled.stack_projections(layer)
     assert again[0] is stacks[0][0] and again[1] is stacks[0][1]
     runtime = CompiledModel(stacked_model, False, stack=True)  # (what a GPU gets)
-    assert [weights[1].data_ptr() for weights, _, _ in runtime.layers] == [qkv.data_ptr() for qkv, _ in stacks]
+    assert [weights.wq.data_ptr() for weights, _, _ in runtime.layers] == [qkv.data_ptr() for qkv, _ in stacks]
     products, linear = [], torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda *args: products.append(1) or linear(*args))
     torch.testing.assert_close(StaticLM(runtime, V, 8).forward(tokens, list(range(5)), visible), separate,
