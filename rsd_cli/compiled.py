@@ -76,13 +76,14 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # them), EXAONE 4, ERNIE 4.5, Hunyuan, GLM-4 and Cohere 1/2 differ from Llama as `Style` and `rotates` say.
 # Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and GraniteMoE: their MLPs mixtures of experts (mixture_of_experts).
 # StarCoder2, StableLM, Nemotron, Arcee, Phi and GPT-NeoX: LayerNorms with biases, MLPs without a gate,
-# attention beside the MLP, q/k/v head by head (`Style`).
+# attention beside the MLP, q/k/v head by head (`Style`). GPT-J: Phi's layers (one LayerNorm, attention
+# beside an MLP without a gate), each head's first `rotary_dim` dimensions turned by adjacent pairs.
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
                    "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt",
                    "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text", "minicpm3", "youtu", "deepseek_v2",
-                   "deepseek_v3", "glm4_moe_lite")
+                   "deepseek_v3", "glm4_moe_lite", "gptj")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe",
             "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
@@ -168,10 +169,10 @@ def style_of(model) -> Style:
                  softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
                  residual_scale=float(getattr(cfg, "residual_multiplier", 1.0)) if family != "minicpm3"
                  else cfg.scale_depth / math.sqrt(cfg.num_hidden_layers),
-                 pairs=ernie or family in ("glm4", "cohere", "cohere2"),
+                 pairs=ernie or family in ("glm4", "cohere", "cohere2", "gptj"),
                  rotation_in_float=ernie or family == "cohere",
                  norm_after_rotation=family == "hunyuan_v1_dense", centred=cohere,
-                 parallel=cohere or family == "phi" or bool(getattr(cfg, "use_parallel_residual", False)),
+                 parallel=cohere or family in ("phi", "gptj") or bool(getattr(cfg, "use_parallel_residual", False)),
                  experts=int(cfg.num_experts_per_tok) if mixture else  # (Gemma 4's beside its MLP: its own name)
                  int(cfg.top_k_experts) if gemma4 and getattr(cfg, "enable_moe_block", False) else 0,
                  # (Mixtral's: no setting, always; DeepSeek V2's router never does, whatever its config says)
@@ -182,8 +183,9 @@ def style_of(model) -> Style:
                  norm_min=float(getattr(cfg, "moe_norm_min", 0.0) or 0.0) if mixture else 0.0,
                  sparse_mixer=float(cfg.router_jitter_noise) if family == "phimoe" else None,
                  layer_norm=bigcode or family in ("starcoder2", "stablelm", "nemotron", "phi", "gpt_neox", "opt",
-                                                  "gpt2", "phimoe"),
-                 gated=family not in ("starcoder2", "nemotron", "arcee", "phi", "gpt_neox", "apertus", "opt", "gpt2")
+                                                  "gpt2", "phimoe", "gptj"),
+                 gated=family not in ("starcoder2", "nemotron", "arcee", "phi", "gpt_neox", "apertus", "opt", "gpt2",
+                                      "gptj")
                  and not bigcode,
                  query_scaled=family == "opt",
                  interleaved=family == "gpt_neox" or bigcode and not cfg.multi_query, sinks=oss, angles_once=oss,
@@ -221,8 +223,8 @@ def layer_norms(layer) -> tuple:
         return layer.attention_layernorm, layer.feedforward_layernorm, None, None
     if hasattr(layer, "self_attn_layer_norm"):  # (OPT: its `final_layer_norm` is before the MLP)
         return layer.self_attn_layer_norm, layer.final_layer_norm, None, None
-    if hasattr(layer, "ln_1"):  # (GPT-2)
-        return layer.ln_1, layer.ln_2, None, None
+    if hasattr(layer, "ln_1"):  # (GPT-2; GPT-J: one, read by attention and the MLP alike)
+        return layer.ln_1, getattr(layer, "ln_2", None), None, None
     if not hasattr(layer, "post_attention_layernorm"):  # Cohere: one norm, read by attention and the MLP alike
         return layer.input_layernorm, None, None, None
     if hasattr(layer, "post_self_attn_layernorm"):  # GLM-4: its post_attention_layernorm is before the MLP
@@ -1105,6 +1107,8 @@ def projections(layer) -> tuple:
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, None, None
     if hasattr(m, "c_fc"):  # (StarCoder2: no gate)
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, m.c_fc, m.c_proj
+    if hasattr(m, "fc_in"):  # (GPT-J: no gate)
+        return a.q_proj, a.k_proj, a.v_proj, a.out_proj, None, m.fc_in, m.fc_out
     if hasattr(m, "fc1"):  # (Phi: no gate, attention's output `dense`; OPT: `out_proj`)
         return a.q_proj, a.k_proj, a.v_proj, getattr(a, "dense", None) or a.out_proj, None, m.fc1, m.fc2
     if not hasattr(m, "gate_proj") and not hasattr(m, "gate_up_proj"):  # (Nemotron, Arcee: no gate)
@@ -1558,8 +1562,8 @@ class CompiledModel:
             # (and a Gemma 4 layer's per-layer input's gate and projection)
             multiplied = (q if own[0] is None else own[0], k, v, o, gate if own[1] is None else own[1], up, down,
                           *side_linears(layer), *latent_linears(layer))
-            self.layers.append((weights,
-                                LayerKernels(*(None if linear is None else self._kernels(linear) for linear in multiplied)),
+            kernels = LayerKernels(*(None if linear is None else self._kernels(linear) for linear in multiplied))
+            self.layers.append((weights, kernels,
                                 (None if None in linears[:3] else fused_blocks(linears[:3], biased=True),
                                  None if gate is None else fused_blocks(linears[4:6])) if fuse else (None, None)))
         self.head_small = self._kernels(model.lm_head)
@@ -1674,6 +1678,9 @@ class CompiledModel:
         found = [(None, None) if table is None else
                  (table.real[0].repeat_interleave(2, -1), table.imag[0].repeat_interleave(2, -1))
                  if torch.is_tensor(table) and table.is_complex() else (table[0][0], table[1][0]) for table in found]
+        if type(rotary).__name__ == "GPTJRotaryEmbedding":  # (its sin first, then cos, each angle once for a pair)
+            found = [(None, None) if sin is None else (cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1))
+                     for sin, cos in found]
         if self.style.angles_once:  # (gpt-oss: each angle for both halves of a head, as rotate_half reads it)
             found = [(None, None) if cos is None else (torch.cat([cos, cos], -1), torch.cat([sin, sin], -1))
                      for cos, sin in found]

@@ -566,7 +566,7 @@ def skip_a_dynamic_hunyuan(model) -> None:
                                   "granitemoe", "granitemoeshared", "starcoder2", "stablelm", "nemotron", "arcee", "phi",
                                   "gpt_neox", "gpt_oss", "apertus", "opt", "gpt2", "gpt_bigcode", "gpt_bigcode-mha",
                                   "ernie4_5_moe", "phimoe", "minicpm3", "youtu", "deepseek_v2", "deepseek_v3",
-                                  "glm4_moe_lite"])
+                                  "glm4_moe_lite", "gptj"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
@@ -605,7 +605,8 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     attention; a plain MLP in the first layer, then experts chosen by sigmoid scores plus a random
     correction within the best groups, weighted by the scores times a factor, a shared expert) and
     DeepSeek V2 (its rotated parts turned as complex numbers; experts by softmax scores within the
-    group of the best one, times a factor):
+    group of the best one, times a factor), and GPT-J (Phi's layers, each head's first dimensions
+    turned by adjacent pairs, its angles given sin first and once a pair):
     tree logits, pruning and growth as
     transformers' forward gives them on every
     backend, and each variant's greedy output is plain greedy."""
@@ -1029,11 +1030,14 @@ def test_stacked_projections_give_the_separate_products(kind, monkeypatch):
 
 
 def test_unsupported_models_are_named_with_a_reason():
-    from transformers import (Gemma2Config, Gemma2ForCausalLM, GPTJConfig, GPTJForCausalLM, LlamaConfig,
-                              LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (BloomConfig, BloomForCausalLM, Gemma2Config, Gemma2ForCausalLM, GPTJConfig,
+                              GPTJForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM)
 
+    bloom = BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=16, n_head=2, vocab_size=40))
+    assert "bloom" in compiled.unsupported(bloom)
     gptj = GPTJForCausalLM(GPTJConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=64, rotary_dim=4))
-    assert "gptj" in compiled.unsupported(gptj)
+    assert compiled.unsupported(gptj) is None
     assert compiled.unsupported(tiny_model(V, layers=1)) is None
     small = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=256)
@@ -1075,11 +1079,11 @@ def test_unsupported_models_are_named_with_a_reason():
             "GPT-2's options (attention scaled by layer, upcast and reordered, or cross-attention)"
     assert compiled.unsupported(GPT2LMHeadModel(GPT2Config(**gpt2))) is None
     notices = []
-    assert compiled.runtime_for(gptj, "on", "target", notice=notices.append) is None
-    assert notices == ["--compile on does not apply to the target (a gptj model (the static-cache runtime covers "
+    assert compiled.runtime_for(bloom, "on", "target", notice=notices.append) is None
+    assert notices == ["--compile on does not apply to the target (a bloom model (the static-cache runtime covers "
                        f"{', '.join(compiled.SUPPORTED_TYPES)})): it runs on transformers' eager forward"]
     assert compiled.SUPPORTED_TYPES[:3] == ("llama", "qwen2", "mistral") and "glm4" in compiled.SUPPORTED_TYPES
-    assert compiled.runtime_for(gptj, "auto", "target", notice=notices.append) is None and len(notices) == 1
+    assert compiled.runtime_for(bloom, "auto", "target", notice=notices.append) is None and len(notices) == 1
     assert compiled.runtime_for(tiny_model(V, layers=1), "off", "target") is None
 
 
@@ -1226,13 +1230,14 @@ def test_longrope_samples_past_the_long_factors_start_are_decoded_one_after_the_
         [(expected, 1, "static cache, compiled")] * 2
 
 
-@pytest.mark.parametrize("kind", ["gpt_neox", "opt", "gpt2", "gpt_bigcode", "gemma4"])
-def test_a_pythia_opt_gpt2_starcoder_or_gemma4_pair_runs_both_models_on_the_static_cache_runtime(tmp_path, kind):
-    """As a user runs a Pythia pair, an OPT one (the RSD paper's), a GPT-2 one, a StarCoder 1 one or a
-    Gemma 4 one: a GPT-NeoX (OPT, GPT-2, GPT-BigCode, Gemma 4) target and a smaller one as the draft
-    (kind = "model"), each a checkpoint folder, both on the static-cache runtime compiled: the greedy
-    tokens of both on transformers' forward, for a tree variant and for `sd`. (Gemma 4's target of 4
-    layers, the last two reading the first two's caches.)"""
+@pytest.mark.parametrize("kind", ["gpt_neox", "opt", "gpt2", "gpt_bigcode", "gemma4", "gptj"])
+def test_a_pythia_opt_gpt2_starcoder_gemma4_or_gptj_pair_runs_both_models_on_the_static_cache_runtime(tmp_path,
+                                                                                                      kind):
+    """As a user runs a Pythia pair, an OPT one (the RSD paper's), a GPT-2 one, a StarCoder 1 one, a
+    Gemma 4 one or a GPT-J one: a GPT-NeoX (OPT, GPT-2, GPT-BigCode, Gemma 4, GPT-J) target and a
+    smaller one as the draft (kind = "model"), each a checkpoint folder, both on the static-cache
+    runtime compiled: the greedy tokens of both on transformers' forward, for a tree variant and for
+    `sd`. (Gemma 4's target of 4 layers, the last two reading the first two's caches.)"""
     from tiny import save_profiled_pair
 
     layers = 4 if kind == "gemma4" else 3
