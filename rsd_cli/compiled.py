@@ -78,12 +78,14 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # StarCoder2, StableLM, Nemotron, Arcee, Phi and GPT-NeoX: LayerNorms with biases, MLPs without a gate,
 # attention beside the MLP, q/k/v head by head (`Style`). GPT-J: Phi's layers (one LayerNorm, attention
 # beside an MLP without a gate), each head's first `rotary_dim` dimensions turned by adjacent pairs.
+# Falcon (7B, 40B, 180B, Falcon 2): GPT-NeoX's layers, q, k and v one linear by groups of heads, each
+# group's q heads then its key and its value (one group: multi-query; a group a head: Falcon-RW's).
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
                    "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt",
                    "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text", "minicpm3", "youtu", "deepseek_v2",
-                   "deepseek_v3", "glm4_moe_lite", "gptj")
+                   "deepseek_v3", "glm4_moe_lite", "gptj", "falcon")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe",
             "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
@@ -126,7 +128,9 @@ class Style(NamedTuple):
     grouped: tuple | None = None
     layer_norm: bool = False  # norms are torch's LayerNorms, with a bias (StarCoder2, StableLM; Nemotron's by 1 + weight)
     gated: bool = True  # the MLP's up product times its activated gate (Llama); else up, activated, then down
-    interleaved: bool = False  # q, k and v one linear whose outputs go head by head: q, k, v of each (GPT-NeoX)
+    # q, k and v one linear whose outputs go by groups of heads, each group's q heads then its k and v (GPT-NeoX:
+    # a group a head; Falcon's by its key heads)
+    interleaved: bool = False
     query_scaled: bool = False  # q multiplied by the attention's scaling before its product with k (OPT)
     sinks: bool = False  # each head's softmax has a learned logit more, whose share goes to no value (gpt-oss)
     angles_once: bool = False  # the rotary module gives each angle once, for both halves of a head (gpt-oss)
@@ -172,7 +176,8 @@ def style_of(model) -> Style:
                  pairs=ernie or family in ("glm4", "cohere", "cohere2", "gptj"),
                  rotation_in_float=ernie or family == "cohere",
                  norm_after_rotation=family == "hunyuan_v1_dense", centred=cohere,
-                 parallel=cohere or family in ("phi", "gptj") or bool(getattr(cfg, "use_parallel_residual", False)),
+                 parallel=cohere or family in ("phi", "gptj") or bool(getattr(cfg, "use_parallel_residual", False))
+                 or family == "falcon" and bool(cfg.new_decoder_architecture or cfg.parallel_attn),
                  experts=int(cfg.num_experts_per_tok) if mixture else  # (Gemma 4's beside its MLP: its own name)
                  int(cfg.top_k_experts) if gemma4 and getattr(cfg, "enable_moe_block", False) else 0,
                  # (Mixtral's: no setting, always; DeepSeek V2's router never does, whatever its config says)
@@ -183,12 +188,13 @@ def style_of(model) -> Style:
                  norm_min=float(getattr(cfg, "moe_norm_min", 0.0) or 0.0) if mixture else 0.0,
                  sparse_mixer=float(cfg.router_jitter_noise) if family == "phimoe" else None,
                  layer_norm=bigcode or family in ("starcoder2", "stablelm", "nemotron", "phi", "gpt_neox", "opt",
-                                                  "gpt2", "phimoe", "gptj"),
+                                                  "gpt2", "phimoe", "gptj", "falcon"),
                  gated=family not in ("starcoder2", "nemotron", "arcee", "phi", "gpt_neox", "apertus", "opt", "gpt2",
-                                      "gptj")
+                                      "gptj", "falcon")
                  and not bigcode,
                  query_scaled=family == "opt",
-                 interleaved=family == "gpt_neox" or bigcode and not cfg.multi_query, sinks=oss, angles_once=oss,
+                 interleaved=family in ("gpt_neox", "falcon") or bigcode and not cfg.multi_query, sinks=oss,
+                 angles_once=oss,
                  value_norm=gemma4, latent_pairs=bool(getattr(cfg, "rope_interleave", False)),
                  latent_complex=family == "deepseek_v2")
 
@@ -223,6 +229,8 @@ def layer_norms(layer) -> tuple:
         return layer.attention_layernorm, layer.feedforward_layernorm, None, None
     if hasattr(layer, "self_attn_layer_norm"):  # (OPT: its `final_layer_norm` is before the MLP)
         return layer.self_attn_layer_norm, layer.final_layer_norm, None, None
+    if hasattr(layer, "ln_attn"):  # (Falcon 40B and 180B: one before attention, one before the MLP, side by side)
+        return layer.ln_attn, layer.ln_mlp, None, None
     if hasattr(layer, "ln_1"):  # (GPT-2; GPT-J: one, read by attention and the MLP alike)
         return layer.ln_1, getattr(layer, "ln_2", None), None, None
     if not hasattr(layer, "post_attention_layernorm"):  # Cohere: one norm, read by attention and the MLP alike
@@ -248,7 +256,9 @@ def rotates(layer, kind: str, cfg) -> bool:
 
 def activation_of(cfg) -> str:
     """The MLP's activation as transformers' config names it (Gemma 3: `hidden_activation`, OPT:
-    `activation_function`)."""
+    `activation_function`, Falcon: `activation`)."""
+    if cfg.model_type == "falcon":
+        return cfg.activation
     return getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) \
         or getattr(cfg, "activation_function", "silu")
 
@@ -327,6 +337,8 @@ def unsupported(model) -> str | None:
         return f"{type(model).__name__} norms q and k with a LayerNorm for each head, or runs attention beside the MLP"
     if not all(_plain_experts(layer) for layer in layers):
         return f"{type(model).__name__}'s experts are laid out otherwise"
+    if cfg.model_type == "falcon" and (cfg.alibi or cfg.new_decoder_architecture and not cfg.parallel_attn):
+        return "Falcon's ALiBi position biases (Falcon-RW), or its new layout without parallel attention"
     if getattr(cfg, "clip_qkv", None) is not None:  # (OLMoE's option)
         return f"{type(model).__name__} clips q, k and v"
     if getattr(cfg, "use_qk_norm", False):  # (Command R+: a LayerNorm weight for each head)
@@ -895,8 +907,8 @@ def _attention(h, weights: LayerWeights, kernels: LayerKernels, dims: tuple, cos
     widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
     if shared:  # (Gemma 4's last layers: the keys and values are an earlier layer's)
         q, k, v = _linear(h, wq, bq, kernels.q), None, None
-    elif style.interleaved:  # (GPT-NeoX: each head's q, k and v side by side)
-        q, k, v = _linear(h, wq, bq, kernels.q).view(n, heads, 3 * head_dim).chunk(3, -1)
+    elif style.interleaved:  # (GPT-NeoX: each head's q, k and v side by side; Falcon: each key head's group's)
+        q, k, v = _linear(h, wq, bq, kernels.q).view(n, kv_heads, -1, head_dim).split([heads // kv_heads, 1, 1], 2)
         q, k, v = q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)
     elif wk is None:  # (stacked float weights: on a GPU, or a fused linear's own)
         q, k, v = _linear(h, wq, None, kernels.q).split(widths, -1)
@@ -1261,15 +1273,17 @@ def final_norm_of(inner):
 
 
 def embedding_of(inner):
-    """The decoder's token embedding (GPT-NeoX's `embed_in`, GPT-2's `wte`)."""
+    """The decoder's token embedding (GPT-NeoX's `embed_in`, GPT-2's `wte`, Falcon's `word_embeddings`)."""
     found = getattr(inner, "embed_tokens", None)
-    return found if found is not None else getattr(inner, "embed_in", None) or inner.wte
+    return found if found is not None else \
+        getattr(inner, "embed_in", None) or getattr(inner, "word_embeddings", None) or inner.wte
 
 
 def attention_of(layer):
-    """A decoder layer's attention (GPT-NeoX's `attention`, GPT-2's `attn`)."""
+    """A decoder layer's attention (GPT-NeoX's `attention`, GPT-2's `attn`, Falcon's `self_attention`)."""
     found = getattr(layer, "self_attn", None)
-    return found if found is not None else getattr(layer, "attention", None) or layer.attn
+    return found if found is not None else \
+        getattr(layer, "attention", None) or getattr(layer, "self_attention", None) or layer.attn
 
 
 def mlp_of(layer):
@@ -1518,11 +1532,13 @@ class CompiledModel:
         self.style = style = style_of(model)
         # (GPT-NeoX, OPT: every head its own keys; GPT-BigCode's with one key head: its attention's `kv_heads`)
         # (Gemma 4's differ by layer: its config refuses to name one, layer_dims)
-        kv_heads = cfg.num_attention_heads if style.interleaved else \
+        kv_heads = attn.num_kv_heads if type(attn).__name__ == "FalconAttention" else \
+            cfg.num_attention_heads if style.interleaved else \
             cfg.num_attention_heads // attn.num_key_value_groups if type(attn).__name__ == "Gemma4TextAttention" else \
             getattr(cfg, "num_key_value_heads", None) or getattr(attn, "kv_heads", None) or cfg.num_attention_heads
         head_dim = getattr(attn, "head_dim", None) or getattr(attn, "qk_head_dim", None) or attn.head_size  # (MLA's)
-        self.dims = (cfg.num_attention_heads, kv_heads, head_dim, attn.scaling,
+        scaling = getattr(attn, "scaling", None) or attn.inv_norm_factor  # (Falcon's)
+        self.dims = (cfg.num_attention_heads, kv_heads, head_dim, scaling,
                      _eps(next(norm for norm in layer_norms(layers[0]) if norm is not None)))
         self.layers = []
         fuse = _room_to_fuse(layers)

@@ -566,7 +566,7 @@ def skip_a_dynamic_hunyuan(model) -> None:
                                   "granitemoe", "granitemoeshared", "starcoder2", "stablelm", "nemotron", "arcee", "phi",
                                   "gpt_neox", "gpt_oss", "apertus", "opt", "gpt2", "gpt_bigcode", "gpt_bigcode-mha",
                                   "ernie4_5_moe", "phimoe", "minicpm3", "youtu", "deepseek_v2", "deepseek_v3",
-                                  "glm4_moe_lite", "gptj"])
+                                  "glm4_moe_lite", "gptj", "falcon", "falcon-7b", "falcon-sequential"])
 def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     """Qwen2 (q, k and v with biases), Mistral, Qwen3 (q and k normed per head), Gemma (norms by 1 +
     weight, GELU), Gemma 2 (norms after attention and MLP, soft-capped attention scores and logits,
@@ -606,7 +606,9 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     correction within the best groups, weighted by the scores times a factor, a shared expert) and
     DeepSeek V2 (its rotated parts turned as complex numbers; experts by softmax scores within the
     group of the best one, times a factor), and GPT-J (Phi's layers, each head's first dimensions
-    turned by adjacent pairs, its angles given sin first and once a pair):
+    turned by adjacent pairs, its angles given sin first and once a pair) and Falcon (q, k and v one
+    linear by groups of heads: 40B's layout, 7B's multi-query one, Falcon-RW's head by head; two norms
+    side by side, one, or attention then the MLP):
     tree logits, pruning and growth as
     transformers' forward gives them on every
     backend, and each variant's greedy output is plain greedy."""
@@ -1030,14 +1032,18 @@ def test_stacked_projections_give_the_separate_products(kind, monkeypatch):
 
 
 def test_unsupported_models_are_named_with_a_reason():
-    from transformers import (BloomConfig, BloomForCausalLM, Gemma2Config, Gemma2ForCausalLM, GPTJConfig,
-                              GPTJForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM, Gemma2Config,
+                              Gemma2ForCausalLM, GPTJConfig, GPTJForCausalLM, LlamaConfig, LlamaForCausalLM,
+                              MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
     bloom = BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=16, n_head=2, vocab_size=40))
     assert "bloom" in compiled.unsupported(bloom)
     gptj = GPTJForCausalLM(GPTJConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=64, rotary_dim=4))
     assert compiled.unsupported(gptj) is None
+    falcon_rw = FalconForCausalLM(FalconConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=40,
+                                               alibi=True, multi_query=False, parallel_attn=False))
+    assert compiled.unsupported(falcon_rw) == \
+        "Falcon's ALiBi position biases (Falcon-RW), or its new layout without parallel attention"
     assert compiled.unsupported(tiny_model(V, layers=1)) is None
     small = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=256)
@@ -1230,12 +1236,11 @@ def test_longrope_samples_past_the_long_factors_start_are_decoded_one_after_the_
         [(expected, 1, "static cache, compiled")] * 2
 
 
-@pytest.mark.parametrize("kind", ["gpt_neox", "opt", "gpt2", "gpt_bigcode", "gemma4", "gptj"])
-def test_a_pythia_opt_gpt2_starcoder_gemma4_or_gptj_pair_runs_both_models_on_the_static_cache_runtime(tmp_path,
-                                                                                                      kind):
+@pytest.mark.parametrize("kind", ["gpt_neox", "opt", "gpt2", "gpt_bigcode", "gemma4", "gptj", "falcon"])
+def test_a_pair_of_a_family_without_early_exit_drafts_runs_both_models_on_the_static_cache_runtime(tmp_path, kind):
     """As a user runs a Pythia pair, an OPT one (the RSD paper's), a GPT-2 one, a StarCoder 1 one, a
-    Gemma 4 one or a GPT-J one: a GPT-NeoX (OPT, GPT-2, GPT-BigCode, Gemma 4, GPT-J) target and a
-    smaller one as the draft (kind = "model"), each a checkpoint folder, both on the static-cache
+    Gemma 4 one, a GPT-J one or a Falcon one: a GPT-NeoX (OPT, GPT-2, GPT-BigCode, Gemma 4, GPT-J,
+    Falcon) target and a smaller one as the draft (kind = "model"), each a checkpoint folder, both on the static-cache
     runtime compiled: the greedy tokens of both on transformers' forward, for a tree variant and for
     `sd`. (Gemma 4's target of 4 layers, the last two reading the first two's caches.)"""
     from tiny import save_profiled_pair

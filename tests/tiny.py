@@ -84,7 +84,10 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     the head, a GELU by formula, half of each head turned) or "gptj" (GPT-J: Phi's layers without
     biases on attention, half of each head turned by adjacent pairs, every head its own keys) or
     "gpt_neox" (GPT-NeoX, Pythia: q, k and v one linear head by head, attention and an MLP without a
-    gate side by side on two LayerNorms, a quarter of each head turned, every head its own keys); or with learned positions instead of
+    gate side by side on two LayerNorms, a quarter of each head turned, every head its own keys) or
+    "falcon" (40B's layout: q, k and v one linear by groups of 2 heads, GPT-NeoX's layers, biases),
+    "falcon-7b" (one key head, one LayerNorm read by attention and the MLP) or "falcon-sequential"
+    (Falcon-RW's layout without its ALiBi: head by head, attention then the MLP, biases); or with learned positions instead of
     rotary angles, LayerNorms and biases on every linear (random): "opt" (ReLUs, positions from row
     2), "gpt2" (Conv1D linears, q, k and v one, a GELU by formula), "gpt_bigcode" (StarCoder 1: one
     key head) or "gpt_bigcode-mha" (q, k and v head by head); "gemma4" (windowed and full-attention
@@ -114,7 +117,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               Gemma4TextConfig, Gemma4ForCausalLM, MiniCPM3Config, MiniCPM3ForCausalLM, YoutuConfig,
                               YoutuForCausalLM, DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
                               DeepseekV3ForCausalLM, Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, GPTJConfig,
-                              GPTJForCausalLM)
+                              GPTJForCausalLM, FalconConfig, FalconForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -149,7 +152,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
                            "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
                            "glm4_moe_lite": (Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM),
-                           "gptj": (GPTJConfig, GPTJForCausalLM)}[kind]
+                           "gptj": (GPTJConfig, GPTJForCausalLM), "falcon": (FalconConfig, FalconForCausalLM),
+                           "falcon-7b": (FalconConfig, FalconForCausalLM),
+                           "falcon-sequential": (FalconConfig, FalconForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -178,6 +183,13 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         settings = dict(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0)
     elif kind == "gptj":  # (Phi's layers, half of each head turned by adjacent pairs; every head its keys)
         settings = dict(rotary_dim=4, n_inner=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    elif kind == "falcon":  # (40B's and 180B's layout: 2 key heads, attention and the MLP side by side on two norms)
+        settings = dict(new_decoder_architecture=True, num_kv_heads=2, ffn_hidden_size=64, bias=True)
+    elif kind == "falcon-7b":  # (one key head, attention and the MLP side by side on one norm)
+        settings = dict(multi_query=True, parallel_attn=True, ffn_hidden_size=64)
+    elif kind == "falcon-sequential":  # (Falcon-RW's layout without its ALiBi: every head its keys, one block after
+        # the other, biases)
+        settings = dict(multi_query=False, parallel_attn=False, ffn_hidden_size=64, bias=True)
     elif kind == "opt":  # (learned positions, LayerNorms, biases on every linear, ReLUs without a gate)
         settings = dict(ffn_dim=64, init_std=scale, do_layer_norm_before=True)
     elif kind == "gpt2":  # (Conv1D linears, q, k and v one; learned positions; a tanh GELU by formula)
@@ -279,7 +291,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     shared = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, initializer_range=scale, tie_word_embeddings=False,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if kind in ("gpt_neox", "opt", "gpt2", "gptj") or kind.startswith("gpt_bigcode"):
+    if kind in ("gpt_neox", "opt", "gpt2", "gptj") or kind.startswith(("gpt_bigcode", "falcon")):
         del shared["num_key_value_heads"]
     elif kind in ("minicpm3", "youtu", "deepseek_v2", "deepseek_v3", "glm4_moe_lite"):  # (latent attention: every
         # head its own keys, from the latent)
@@ -291,13 +303,14 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
             model.lm_head.bias.normal_(0.0, scale)
         for layer in layers_of(decoder_of(model)[0]):
             for linear in (getattr(attention_of(layer), name, None)
-                           for name in ("q_proj", "k_proj", "v_proj", "query_key_value")):
+                           for name in ("q_proj", "k_proj", "v_proj", "query_key_value")
+                           + (("dense",) if kind.startswith("falcon") else ())):
                 if linear is not None and linear.bias is not None:
                     linear.bias.normal_(0.0, scale)
             for linear in (getattr(getattr(layer, "mlp", None), name, None)
                            for name in ("c_fc", "c_proj", "fc1", "fc2", "fc_in", "fc_out", "dense_h_to_4h",
                                         "dense_4h_to_h")):
-                if linear is not None:
+                if linear is not None and linear.bias is not None:
                     linear.bias.normal_(0.0, scale)
         for name, weight in model.named_parameters():
             if "norm" in name or ".ln_" in name:  # (GPT-2: ln_*; Gemma's start at 0, others' at 1; biases at 0)
