@@ -574,17 +574,19 @@ def bench(
     loader = Loader()
     runtime_mb = runtime_rss_mb(loader.target_location(prof))  # before any weights load
     pair = loader.load(prof, light=False)  # the peers and --compile off run transformers' forward
-    from .engine import pair_limit
-
-    limit = pair_limit(pair.target, pair.draft)
-    if limit is not None and variants == BENCH_VARIANTS:  # (variants asked for are refused: Decoder)
-        names = [v for v in names if v in limit[0].variants + ("auto",)]
-        notice(f"{limit[1]} take no tree: measuring {', '.join(names)}")
     from .runtime import runtimes_of
 
     compiles = compiles or [prof["runtime"]["compile"]]
     runtimes = {c: pair.runtimes if c == prof["runtime"]["compile"] else runtimes_of(pair, c, notice=notice)
                 for c in compiles}
+    from .engine import pair_limit
+
+    # (the tightest of the runtimes': a model of ALiBi takes trees on the static-cache runtime only)
+    limits = [found for found in (pair_limit(pair.target, pair.draft, r) for r in runtimes.values()) if found]
+    limit = min(limits, key=lambda found: len(found[0].variants), default=None)
+    if limit is not None and variants == BENCH_VARIANTS:  # (variants asked for are refused: Decoder)
+        names = [v for v in names if v in limit[0].variants + ("auto",)]
+        notice(f"{limit[1]} take no tree: measuring {', '.join(names)}")
     from rich.progress import Progress
 
     console = _stderr_console()

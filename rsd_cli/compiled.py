@@ -80,12 +80,17 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # beside an MLP without a gate), each head's first `rotary_dim` dimensions turned by adjacent pairs.
 # Falcon (7B, 40B, 180B, Falcon 2): GPT-NeoX's layers, q, k and v one linear by groups of heads, each
 # group's q heads then its key and its value (one group: multi-query; a group a head: Falcon-RW's).
+# ALiBi (BLOOM, MPT, Falcon-RW): no rotation, each head's scores biased by its slope times the key's
+# position (`alibi_of`, StaticLM's masks: by each slot's position, so trees too, which transformers'
+# forward, biasing by slot, cannot take); BLOOM's embedding normed, MPT's layers named otherwise.
+# GPT-Neo: GPT-2's layers on linears, attention unscaled, its local layers windowed by position (trees
+# too; transformers' forward windows by slot).
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
                    "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt",
                    "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text", "minicpm3", "youtu", "deepseek_v2",
-                   "deepseek_v3", "glm4_moe_lite", "gptj", "falcon")
+                   "deepseek_v3", "glm4_moe_lite", "gptj", "falcon", "bloom", "mpt", "gpt_neo")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe",
             "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
@@ -96,8 +101,8 @@ MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granite
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "ntk_alpha", "longrope", "proportional")
 # the MLP's gate (or without one, its activation): SiLU (Llama), GELU tanh-approximated or exact, ReLU squared,
 # xIELU (Apertus: each layer's own learned constants, xielu_constants), ReLU (OPT)
-# (gelu_new: Phi's tanh GELU, by formula)
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu", "relu2", "gelu_new", "xielu", "relu")
+# (gelu_new: Phi's tanh GELU, by formula; bloom_gelu: BLOOM's, by its own formula)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu", "relu2", "gelu_new", "xielu", "relu", "bloom_gelu")
 
 
 class Style(NamedTuple):
@@ -155,9 +160,9 @@ def decoder_of(model) -> tuple:
 
 
 def layers_of(inner):
-    """A decoder's layers (GPT-2's `h`), or None."""
+    """A decoder's layers (GPT-2's `h`, MPT's `blocks`), or None."""
     found = getattr(inner, "layers", None)
-    return found if found is not None else getattr(inner, "h", None)
+    return found if found is not None else getattr(inner, "h", None) or getattr(inner, "blocks", None)
 
 
 def style_of(model) -> Style:
@@ -188,12 +193,12 @@ def style_of(model) -> Style:
                  norm_min=float(getattr(cfg, "moe_norm_min", 0.0) or 0.0) if mixture else 0.0,
                  sparse_mixer=float(cfg.router_jitter_noise) if family == "phimoe" else None,
                  layer_norm=bigcode or family in ("starcoder2", "stablelm", "nemotron", "phi", "gpt_neox", "opt",
-                                                  "gpt2", "phimoe", "gptj", "falcon"),
+                                                  "gpt2", "phimoe", "gptj", "falcon", "bloom", "mpt", "gpt_neo"),
                  gated=family not in ("starcoder2", "nemotron", "arcee", "phi", "gpt_neox", "apertus", "opt", "gpt2",
-                                      "gptj", "falcon")
+                                      "gptj", "falcon", "bloom", "mpt", "gpt_neo")
                  and not bigcode,
                  query_scaled=family == "opt",
-                 interleaved=family in ("gpt_neox", "falcon") or bigcode and not cfg.multi_query, sinks=oss,
+                 interleaved=family in ("gpt_neox", "falcon", "bloom") or bigcode and not cfg.multi_query, sinks=oss,
                  angles_once=oss,
                  value_norm=gemma4, latent_pairs=bool(getattr(cfg, "rope_interleave", False)),
                  latent_complex=family == "deepseek_v2")
@@ -229,6 +234,8 @@ def layer_norms(layer) -> tuple:
         return layer.attention_layernorm, layer.feedforward_layernorm, None, None
     if hasattr(layer, "self_attn_layer_norm"):  # (OPT: its `final_layer_norm` is before the MLP)
         return layer.self_attn_layer_norm, layer.final_layer_norm, None, None
+    if hasattr(layer, "norm_1"):  # (MPT)
+        return layer.norm_1, layer.norm_2, None, None
     if hasattr(layer, "ln_attn"):  # (Falcon 40B and 180B: one before attention, one before the MLP, side by side)
         return layer.ln_attn, layer.ln_mlp, None, None
     if hasattr(layer, "ln_1"):  # (GPT-2; GPT-J: one, read by attention and the MLP alike)
@@ -251,6 +258,8 @@ def rotates(layer, kind: str, cfg) -> bool:
         return getattr(cfg, "sliding_window", None) is None or kind == "sliding_attention"
     if cfg.model_type == "cohere2":  # (its full-attention layers: none)
         return kind == "sliding_attention"
+    if alibi_of(cfg) is not None:  # (Falcon-RW's: its position biases instead)
+        return False
     return bool(getattr(attention_of(layer), "use_rope", True))
 
 
@@ -259,12 +268,16 @@ def activation_of(cfg) -> str:
     `activation_function`, Falcon: `activation`)."""
     if cfg.model_type == "falcon":
         return cfg.activation
+    if cfg.model_type in ("bloom", "mpt"):  # (BLOOM's own tanh GELU; MPT's exact one)
+        return "bloom_gelu" if cfg.model_type == "bloom" else "gelu"
     return getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) \
         or getattr(cfg, "activation_function", "silu")
 
 
 def layer_kinds(cfg, count: int) -> list[str]:
     """Each of the first `count` layers' attention kind ("full_attention", "sliding_attention")."""
+    if cfg.model_type == "gpt_neo":  # (its "local" layers: windowed)
+        return ["sliding_attention" if kind == "local" else "full_attention" for kind in cfg.attention_layers[:count]]
     types = getattr(cfg, "layer_types", None)
     if types:
         return list(types[:count])
@@ -308,8 +321,15 @@ def unsupported(model) -> str | None:
     if cfg.model_type not in SUPPORTED_TYPES:
         return f"a {cfg.model_type} model (the static-cache runtime covers {', '.join(SUPPORTED_TYPES)})"
     layers = layers_of(inner)
-    if layers is None or not hasattr(model, "lm_head") or not (hasattr(inner, "rotary_emb") or positions_of(inner)):
+    if layers is None or not hasattr(model, "lm_head") \
+            or not (hasattr(inner, "rotary_emb") or positions_of(inner) or alibi_of(cfg)):
         return f"{type(model).__name__} is not laid out as a Llama-style decoder"
+    if cfg.model_type == "bloom" and (cfg.apply_residual_connection_post_layernorm
+                                      or cfg.pretraining_tp > 1 and cfg.slow_but_exact):
+        return "BLOOM's options (the residual after the norm, or products split as in its pretraining)"
+    if cfg.model_type == "mpt" and (cfg.attn_config.clip_qkv or cfg.attn_config.qk_ln
+                                    or any(m.bias is not None for m in (layers[0].attn.Wqkv, layers[0].ffn.up_proj))):
+        return "MPT's options (q, k and v clipped or normed, biases)"
     if cfg.model_type == "opt" and (not cfg.do_layer_norm_before or getattr(inner, "project_in", None) is not None
                                     or getattr(inner, "final_layer_norm", None) is None
                                     or not cfg.layer_norm_elementwise_affine):
@@ -337,8 +357,8 @@ def unsupported(model) -> str | None:
         return f"{type(model).__name__} norms q and k with a LayerNorm for each head, or runs attention beside the MLP"
     if not all(_plain_experts(layer) for layer in layers):
         return f"{type(model).__name__}'s experts are laid out otherwise"
-    if cfg.model_type == "falcon" and (cfg.alibi or cfg.new_decoder_architecture and not cfg.parallel_attn):
-        return "Falcon's ALiBi position biases (Falcon-RW), or its new layout without parallel attention"
+    if cfg.model_type == "falcon" and cfg.new_decoder_architecture and not cfg.parallel_attn:
+        return "Falcon's new layout without parallel attention"
     if getattr(cfg, "clip_qkv", None) is not None:  # (OLMoE's option)
         return f"{type(model).__name__} clips q, k and v"
     if getattr(cfg, "use_qk_norm", False):  # (Command R+: a LayerNorm weight for each head)
@@ -350,6 +370,32 @@ def unsupported(model) -> str | None:
     if "disk" in placement.values() or any(d.type == "meta" for d in devices):
         return "a model whose weights accelerate offloads"
     return None
+
+
+def alibi_of(cfg) -> str | None:
+    """How a model biases attention scores by position instead of turning q and k (ALiBi): "bloom"
+    (BLOOM's, Falcon-RW's: each head's bias of a key a function of its position alone, as the model's
+    build_alibi_tensor computes it), "mpt" (MPT's: its slopes times the key's position less the last
+    one's), or None."""
+    if cfg.model_type == "bloom" or cfg.model_type == "falcon" and cfg.alibi:
+        return "bloom"
+    return "mpt" if cfg.model_type == "mpt" else None
+
+
+def alibi_biases(model, heads: int, context: int, dtype: torch.dtype) -> torch.Tensor:
+    """(heads, context) float32: ALiBi's bias of each head's score of a key at each position, BLOOM's or
+    Falcon-RW's, as the model's own build_alibi_tensor computes it for a sequence (transformers 5.24
+    multiplies BLOOM's slopes in float32 and Falcon's in bfloat16), in its dtype — Falcon's then over
+    sqrt(head_dim), as its attention adds them; MPT's slopes (heads,) in float32."""
+    import importlib
+
+    module = importlib.import_module(type(model).__module__)  # (the model's modeling module)
+    if alibi_of(model.config) == "mpt":  # (its slope times -1, at the second of two positions)
+        return -module.build_mpt_alibi_tensor(heads, 2, model.config.attn_config.alibi_bias_max)[:, 0, 0]
+    table = module.build_alibi_tensor(torch.ones(1, context, dtype=torch.long), heads, dtype)[:, 0]
+    if model.config.model_type == "falcon":
+        table = table / math.sqrt(model.config.hidden_size // heads)
+    return table.float()
 
 
 def positions_of(inner) -> tuple | None:
@@ -486,6 +532,8 @@ def _activation(x: torch.Tensor, name: str, constants: tuple | None = None) -> t
         return torch.square(F.relu(x))
     if name == "relu":
         return F.relu(x)
+    if name == "bloom_gelu":  # (transformers' bloom_gelu_forward, as it computes it)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
     if name == "gelu_new":  # (transformers' NewGELUActivation, as it computes it)
         return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
     return F.gelu(x, approximate="tanh" if name == "gelu_pytorch_tanh" else "none")
@@ -903,7 +951,7 @@ def _attention(h, weights: LayerWeights, kernels: LayerKernels, dims: tuple, cos
     q_norm, k_norm, sinks, shared = weights.q_norm, weights.k_norm, weights.sinks, weights.shared
     in_float = style.norm_in_float
     heads, kv_heads, head_dim, scaling, eps = dims
-    n, kv_len = h.shape[0], mask.shape[1]
+    n, kv_len = h.shape[0], mask.shape[-1]
     widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
     if shared:  # (Gemma 4's last layers: the keys and values are an earlier layer's)
         q, k, v = _linear(h, wq, bq, kernels.q), None, None
@@ -973,8 +1021,9 @@ def _attention(h, weights: LayerWeights, kernels: LayerKernels, dims: tuple, cos
                                              **grouped)[0, :, before:]  # (H, n, hd)
     else:
         mask = mask if sight is None else sight.mask
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None].to(q.dtype),
-                                             scale=scaling, **grouped)[0]
+        mask = mask[None] if mask.dim() == 3 else mask[None, None]  # (ALiBi's: a mask for each head)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask.to(q.dtype), scale=scaling,
+                                             **grouped)[0]
     return out
 
 
@@ -991,7 +1040,7 @@ def _latent_attention(h, wq, latent: tuple, kernels: LayerKernels, dims: tuple, 
     adjacent pairs in place (DeepSeek V2's complex numbers): _latent_rotated."""
     q_a, q_a_bias, q_a_norm, q_eps, kv_a, kv_a_bias, kv_a_norm, kv_eps, kv_b, (lora, rope, nope, v_dim) = latent
     heads, _, _, scaling, _ = dims
-    n, kv_len = h.shape[0], mask.shape[1]
+    n, kv_len = h.shape[0], mask.shape[-1]
     in_float = style.norm_in_float
     if q_a is not None:
         h_q = _rms_norm(_linear(h, q_a, q_a_bias, kernels.q_a), q_a_norm, q_eps, in_float)
@@ -1117,8 +1166,12 @@ def projections(layer) -> tuple:
             m.c_proj))
     if hasattr(m, "experts"):  # (a mixture of experts: no MLP linears of its own, see experts_of)
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, None, None
-    if hasattr(m, "c_fc"):  # (StarCoder2: no gate)
-        return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, m.c_fc, m.c_proj
+    if hasattr(m, "c_fc"):  # (StarCoder2: no gate; GPT-Neo: its output `out_proj`)
+        return a.q_proj, a.k_proj, a.v_proj, getattr(a, "o_proj", None) or a.out_proj, None, m.c_fc, m.c_proj
+    if hasattr(a, "Wqkv"):  # (MPT: q's rows, then k's, then v's; no gate)
+        return _kept_views(layer, a.Wqkv.weight, lambda: (
+            *_row_views(a.Wqkv.weight, a.Wqkv.bias, (a.hidden_size,) * 3), a.out_proj, None, m.up_proj,
+            m.down_proj))
     if hasattr(m, "fc_in"):  # (GPT-J: no gate)
         return a.q_proj, a.k_proj, a.v_proj, a.out_proj, None, m.fc_in, m.fc_out
     if hasattr(m, "fc1"):  # (Phi: no gate, attention's output `dense`; OPT: `out_proj`)
@@ -1280,17 +1333,20 @@ def embedding_of(inner):
 
 
 def attention_of(layer):
-    """A decoder layer's attention (GPT-NeoX's `attention`, GPT-2's `attn`, Falcon's `self_attention`)."""
+    """A decoder layer's attention (GPT-NeoX's `attention`, GPT-2's `attn`, Falcon's `self_attention`,
+    GPT-Neo's its `attn`'s `attention`)."""
     found = getattr(layer, "self_attn", None)
-    return found if found is not None else \
-        getattr(layer, "attention", None) or getattr(layer, "self_attention", None) or layer.attn
+    if found is None:
+        found = getattr(layer, "attention", None) or getattr(layer, "self_attention", None) or layer.attn
+    return found.attention if type(found).__name__ == "GPTNeoAttention" else found  # (GPT-Neo's: within)
 
 
 def mlp_of(layer):
-    """A decoder layer's MLP, or mixture of experts (GraniteMoE's `block_sparse_moe`; OPT's linears are
-    the layer's own)."""
+    """A decoder layer's MLP, or mixture of experts (GraniteMoE's `block_sparse_moe`, MPT's `ffn`; OPT's
+    linears are the layer's own)."""
     found = getattr(layer, "mlp", None)
-    return found if found is not None else getattr(layer, "block_sparse_moe", None) or layer
+    return found if found is not None else \
+        getattr(layer, "block_sparse_moe", None) or getattr(layer, "ffn", None) or layer
 
 
 def experts_of(layer) -> tuple | None:
@@ -1537,7 +1593,9 @@ class CompiledModel:
             cfg.num_attention_heads // attn.num_key_value_groups if type(attn).__name__ == "Gemma4TextAttention" else \
             getattr(cfg, "num_key_value_heads", None) or getattr(attn, "kv_heads", None) or cfg.num_attention_heads
         head_dim = getattr(attn, "head_dim", None) or getattr(attn, "qk_head_dim", None) or attn.head_size  # (MLA's)
-        scaling = getattr(attn, "scaling", None) or attn.inv_norm_factor  # (Falcon's)
+        # (MPT's `softmax_scale`, Falcon's and BLOOM's `inv_norm_factor`; GPT-Neo's scores: unscaled)
+        scaling = 1.0 if cfg.model_type == "gpt_neo" else \
+            getattr(attn, "scaling", None) or getattr(attn, "softmax_scale", None) or attn.inv_norm_factor
         self.dims = (cfg.num_attention_heads, kv_heads, head_dim, scaling,
                      _eps(next(norm for norm in layer_norms(layers[0]) if norm is not None)))
         self.layers = []
@@ -1593,9 +1651,16 @@ class CompiledModel:
         # (Granite's; Cohere's logits are multiplied by its logit_scale)
         self.logits_divisor = float(getattr(cfg, "logits_scaling", 1.0)) / float(getattr(cfg, "logit_scale", None) or 1.0)
         self.embedding = embedding_of(inner)
+        norm = getattr(inner, "word_embeddings_layernorm", None)  # (BLOOM's, on the embedding)
+        self.embedding_norm = None if norm is None else (norm_of(norm, style), norm.eps)
         self.device = self.embedding.weight.device
         self.dtype = self.embedding.weight.dtype
-        self.context = getattr(cfg, "max_position_embeddings", 4096)
+        self.context = getattr(cfg, "max_position_embeddings", 4096)  # (BLOOM's: its biases' table)
+        # ALiBi (alibi_of): its kind and biases (alibi_biases); StaticLM's masks then carry each head's
+        # (position_bias)
+        self.alibi = alibi_of(cfg)
+        self.biases = None if self.alibi is None else \
+            alibi_biases(model, cfg.num_attention_heads, self.context, self.dtype)
         # the sliding window (StaticLM's masks), or None; `by_kind`: each layer's mask, 0 for the
         # full-attention layers' and 1 for the windowed ones' (a mask for each: (2, n, kv_len)), where
         # only some layers have the window
@@ -1611,6 +1676,8 @@ class CompiledModel:
         # Gemma 4's per-layer inputs: each token's embedding for every layer, read beside its embedding
         self.per_layer_inputs = getattr(inner, "embed_tokens_per_layer", None) is not None
         self.window = cfg.sliding_window if sliding_window(cfg) else None
+        if cfg.model_type == "gpt_neo":  # (its local layers' window: of positions here, of slots in transformers')
+            self.window = cfg.window_size if "sliding_attention" in kinds else None
         self.by_kind = [int(kind == "sliding_attention") for kind in kinds] \
             if self.window is not None and window_of(cfg) is None else None
         # rotary tables for every position, computed once: one, or one per layer kind (Gemma 3), and
@@ -1670,6 +1737,16 @@ class CompiledModel:
         self._captured: dict[tuple, tuple] = {}  # (token count, buffer address) -> (inputs, replay, logits)
         self._pool = None  # one CUDA memory pool for all this model's graphs (they run one at a time)
         self._step_graphs: StepGraphs | None = None  # the maths graphs of the steps on those buffers
+
+    def position_bias(self, key_positions: torch.Tensor, last: int) -> torch.Tensor:
+        """(heads, keys) float32 on the host: what ALiBi adds to each head's scores of keys at these
+        positions — BLOOM's and Falcon-RW's from their table (alibi_biases; a position past the context
+        reads its last); MPT's its slope times the position less `last`, the newest row's
+        (transformers' less the last key's slot: a constant a row, which softmax does not see), as
+        exactly as it computes it (int32 times float32)."""
+        if self.alibi == "mpt":
+            return (key_positions - last).to(torch.int32)[None, :] * self.biases[:, None]
+        return self.biases[:, key_positions.clamp(max=self.context - 1)]
 
     @property
     def all_in_c(self) -> bool:
@@ -1846,9 +1923,11 @@ class CompiledModel:
         # each layer's mask: the one mask, or its kind's of the two (full attention's, the window's)
         masks = [mask] if self.by_kind is None else list(mask)
         if compiled:
-            for kind_mask in masks:
-                torch._dynamo.maybe_mark_dynamic(kind_mask, 1)
+            for kind_mask in masks:  # (its keys: the last dimension, after ALiBi's heads where it has them)
+                torch._dynamo.maybe_mark_dynamic(kind_mask, kind_mask.dim() - 1)
         x = self.embedding(tokens)  # (n, hidden; Gemma's embedding scales it)
+        if self.embedding_norm is not None:  # (BLOOM's)
+            x = _rms_norm(x, *self.embedding_norm)
         if self.embedding_scale != 1.0:  # (Granite's model scales it)
             x = x * self.embedding_scale
         sides = None  # (Gemma 4: (n, layers, width) inputs of each layer, from the tokens and their embeddings)
@@ -2062,9 +2141,10 @@ class StaticLM(ChainExtension):
         self.capacity = stacks_of(self.keys)[0].shape[2]
         self.length = 0
         # a sliding window's keys are hidden by position (a slot's is not its index where completions
-        # share the cache): each slot's position, kept for a window only
+        # share the cache), ALiBi's biased by it: each slot's position, kept for those only
         self.window = compiled.window
-        self.key_positions = torch.zeros(self.capacity if self.window else 0, dtype=torch.long)
+        self.alibi = compiled.alibi
+        self.key_positions = torch.zeros(self.capacity if self.by_position else 0, dtype=torch.long)
         self.clock = ForwardClock(compiled.device)
         self.calls = 0
         self.long_from = compiled.long_from  # (a `longrope` model's: engine.long_factors_from)
@@ -2076,6 +2156,12 @@ class StaticLM(ChainExtension):
     @property
     def device(self) -> torch.device:
         return self.compiled.device
+
+    @property
+    def by_position(self) -> bool:
+        """Whether the masks depend on each slot's position (a window, ALiBi): made on the host, never
+        by forward_placed's callers."""
+        return self.window is not None or self.alibi is not None
 
     @property
     def forward_seconds(self) -> float:
@@ -2107,9 +2193,10 @@ class StaticLM(ChainExtension):
         pinned = static and self.compiled.graphed and device.type == "cuda"
         by_kind = self.compiled.by_kind is not None  # (a mask for full attention's layers, one for the window's)
         seen = [visible]  # what each mask lets the new tokens see
-        if self.window is not None:  # (the keys within the window of each row's position)
+        if self.by_position:
             new = torch.tensor(positions)
             self.key_positions[self.length: self.length + n] = new
+        if self.window is not None:  # (the keys within the window of each row's position)
             seen.append(visible & within_window(new, self.key_positions[: self.length + n], self.window))
             seen = seen if by_kind else seen[1:]
             visible = seen[-1]
@@ -2121,6 +2208,9 @@ class StaticLM(ChainExtension):
                 mask[:, n:, self.length + n: self.length + size] = torch.where(torch.eye(pad, dtype=torch.bool), 0.0,
                                                                                -math.inf)
             mask = mask if by_kind else mask[0]  # (n, kv_len), or (2, n, kv_len) by layer kind
+            if self.alibi is not None:  # (heads, n, kv_len): each head's bias by the keys' positions
+                mask = mask + self.compiled.position_bias(self.key_positions[:kv_len], max(positions))[:, None, :]
+                mask = mask.pin_memory() if pinned else mask
             on_device = isinstance(tokens, torch.Tensor)
             ids = [[0] * size if on_device else tokens + [0] * pad, positions + [positions[-1]] * pad]
             if static:  # (tokens, positions, slots): one host tensor, device tokens beside it
@@ -2135,7 +2225,8 @@ class StaticLM(ChainExtension):
 
                 def sight() -> Sight | None:
                     """what torch's attention reads, where less than every key through the mask (a prompt's)"""
-                    found = sight_of(visible, mask) if n > 1 and not pad and not by_kind else None
+                    found = sight_of(visible, mask) if n > 1 and not pad and not by_kind and self.alibi is None \
+                        else None
                     if found is None:
                         return None
                     return Sight(*(t if t is None else t.to(device) for t in (found.keys, found.mask)))
@@ -2153,8 +2244,8 @@ class StaticLM(ChainExtension):
         ids (3, size) — tokens, positions and the slots their keys go to — and mask (size, capacity)
         additive, size a bucket. The host's `length` does not move: the caller, which knows what
         the caches hold only once it reads a step's outcome, sets it (Decoder._tree_steps_ahead).
-        Not for a windowed model, whose masks need each slot's position (Decoder._ahead_kind)."""
-        assert self.window is None, "a windowed model's masks are made on the host"
+        Not for a windowed or ALiBi model, whose masks need each slot's position (Decoder._ahead_kind)."""
+        assert not self.by_position, "a windowed or ALiBi model's masks are made on the host"
         start = self.clock.start()
         with torch.inference_mode():
             logits = self.compiled.replay(ids, mask, self.keys, self.values, rows)
@@ -2177,7 +2268,7 @@ class StaticLM(ChainExtension):
         for new, old in zip((*stacks_of(keys), *stacks_of(values)), (*stacks_of(self.keys), *stacks_of(self.values))):
             new[:, :, : self.length] = old[:, :, : self.length]
         self.keys, self.values, self.capacity = keys, values, capacity
-        if self.window is not None:
+        if self.by_position:
             self.key_positions = torch.cat([self.key_positions, torch.zeros(capacity - len(self.key_positions),
                                                                             dtype=torch.long)])
 
@@ -2194,7 +2285,7 @@ class StaticLM(ChainExtension):
             with torch.inference_mode():
                 for stack in (*stacks_of(self.keys), *stacks_of(self.values)):
                     stack[:, :, prefix: len(indices)] = stack.index_select(2, tail)
-            if self.window is not None:
+            if self.by_position:
                 self.key_positions[prefix: len(indices)] = self.key_positions[indices[prefix:]]
         self.length = len(indices)
 
@@ -2216,6 +2307,7 @@ def warm_up(runtime: CompiledModel, sizes=WARM_SIZES) -> None:
             mask = torch.zeros(n, stacks_of(keys)[0].shape[2] if runtime.static_shapes else past + n,
                                device=runtime.device)
             mask = mask if runtime.by_kind is None else mask.expand(2, -1, -1).clone()
+            mask = mask if runtime.alibi is None else mask.expand(runtime.dims[0], -1, -1).clone()  # (by head)
             slots = torch.arange(past, past + n, device=runtime.device) if runtime.static_shapes else None
             runtime.forward(tokens, tokens, mask, keys, values, torch.arange(n, device=runtime.device), slots)
 

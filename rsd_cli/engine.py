@@ -254,6 +254,9 @@ class Limit:
     variants: tuple[str, ...]  # (`auto` then chooses among these)
     reason: str  # "ALiBi position biases"
     recurrent: bool = False  # layers with a state (CachedLM reads chains into it and takes drafts back itself)
+    # position biases that transformers' forward works out of cache slots: none on the static-cache runtime,
+    # whose masks go by each slot's position (compiled.StaticLM), so a model there takes trees
+    by_slot: bool = False
 
     def refusal(self, variant: str, whose: str, how: str = "--variant") -> str:
         """The one line that refuses `variant` for this model ("the target's ALiBi position biases
@@ -282,11 +285,11 @@ def limit_of(config) -> Limit | None:
         return Limit(CHAIN_VARIANTS if kind in CHAIN_RECURRENT else ("ar",), "recurrent layers", recurrent=True)
     attention = getattr(config, "attn_config", None)
     if kind in ("bloom", "mpt") or getattr(config, "alibi", False) or getattr(attention, "alibi", False):
-        return Limit(CHAIN_VARIANTS, "ALiBi position biases")
+        return Limit(CHAIN_VARIANTS, "ALiBi position biases", by_slot=True)
     if kind.startswith("llama4") or getattr(config, "attention_chunk_size", None):
         return Limit(CHAIN_VARIANTS, "chunked attention scaled by the cache's length")
     if kind == "gpt_neo" and "local" in (getattr(config, "attention_layers", None) or ()):
-        return Limit(CHAIN_VARIANTS, "local attention windowed by cache slots")
+        return Limit(CHAIN_VARIANTS, "local attention windowed by cache slots", by_slot=True)
     return None
 
 
@@ -316,12 +319,15 @@ def astride(positions: list[int], start: int | None) -> bool:
     return start is not None and min(positions) < start <= max(positions)
 
 
-def pair_limit(target, draft) -> tuple[Limit, str] | None:
+def pair_limit(target, draft, runtimes: Runtimes | None = None) -> tuple[Limit, str] | None:
     """The tighter limit of a target and draft (limit_of) and whose it is ("the target's ALiBi
-    position biases (bloom)"), or None where both take trees."""
+    position biases (bloom)"), or None where both take trees: a model on the static-cache runtime
+    (runtimes') has none of the limits that come of transformers' biasing by slot (Limit.by_slot)."""
+    runtimes = runtimes or Runtimes()
     limits = [(limit, f"the {role}'s {limit.reason} ({model.config.model_type})")
-              for role, model in (("target", target), ("draft", draft))
-              if (limit := limit_of(getattr(model, "config", None))) is not None]
+              for role, model, runtime in (("target", target, runtimes.target), ("draft", draft, runtimes.draft))
+              if (limit := limit_of(getattr(model, "config", None))) is not None
+              and not (limit.by_slot and runtime is not None)]
     return min(limits, key=lambda found: len(found[0].variants), default=None)
 
 
@@ -892,7 +898,7 @@ class Decoder:
         self.answer_from = 0  # where the sequence's answer begins (_seen), set by each generation
         # what the models take where not every tree (pair_limit), and whether every step is then plain (a
         # model with a state: `auto`'s steps too)
-        self.limit: tuple[Limit, str] | None = pair_limit(target, draft)
+        self.limit: tuple[Limit, str] | None = pair_limit(target, draft, self.runtimes)
         self.plain_only = self.limit is not None and self.limit[0].variants == ("ar",)
 
     def _next_shape(self, lag: int = 0, remaining: int | None = None, seq: list[int] = (), unread: int = 0) -> Shape:
@@ -1288,7 +1294,7 @@ class Decoder:
         from .compiled import StaticLM, bucket
 
         fits = (isinstance(target, StaticLM) and isinstance(draft, StaticLM) and target.static and draft.static
-                and target.window is None and draft.window is None  # (a window's masks need the slots' positions)
+                and not target.by_position and not draft.by_position  # (masks by the slots' positions: on the host)
                 and bucket(self._drafted(kind) + 1, target.compiled.buckets) is not None
                 and {1, 2} <= set(draft.compiled.buckets))
         return kind if fits else None

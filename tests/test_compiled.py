@@ -619,6 +619,79 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     assert_the_runtime_decodes_as_transformers(target, draft, 3e-5 if kind in ("nemotron", "glm4_moe_lite") else 1e-5)
 
 
+@pytest.mark.parametrize("kind", ["bloom", "mpt", "falcon-rw", "gpt_neo"])
+def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_static_cache_runtime(kind):
+    """BLOOM, MPT and Falcon-RW bias attention by position (ALiBi), GPT-Neo windows its local layers,
+    each of which transformers' forward works out of cache slots: there rsd gives them chains only.
+    The runtime biases and windows by each slot's position, so a tree's rows are what transformers'
+    forward gives each row's path read as a chain, on every backend (BLOOM's and MPT's 12 heads:
+    slopes not all powers of 2; GPT-Neo's window of 4: the tree's deepest rows see none of the
+    prompt); pruned to one path,
+    chains after it too; and every variant's greedy output is plain greedy."""
+    target, draft = tiny_relative(kind, V, layers=2, seed=0), tiny_relative(kind, V, layers=1, seed=1)
+    assert compiled.unsupported(target) is None
+    assert (compiled.alibi_of(target.config) is None) == (kind == "gpt_neo")
+    tree = a_tree()
+    base = len(PROMPT)
+    visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
+    paths = [[token for token, seen in zip(tree.tokens, row) if seen] for row in tree.ancestry().tolist()]
+    expected = torch.cat([CachedLM(target, V).extend(PROMPT + path) for path in paths])
+    kept = [0, 1, 3, 5]  # (a path of the tree: its root, a, c and e)
+    for backend in (CompiledModel(target, True), CompiledModel(target, False),
+                    CompiledModel(target, False, static_shapes=True)):
+        ours = StaticLM(backend, V, capacity=12)
+        ours.extend(PROMPT)
+        logits = ours.forward(tree.tokens, [base + d for d in tree.depths], visible)
+        # (GPT-Neo's scores unscaled, ~3x larger: float32 sums in another order differ by ~3e-5 after its softmax)
+        tolerance = 1e-4 if kind == "gpt_neo" else 1e-5
+        torch.testing.assert_close(logits, expected, atol=tolerance, rtol=tolerance)
+        ours.keep(list(range(base)) + [base + n for n in kept])
+        reference = CachedLM(target, V)
+        reference.extend(PROMPT + [tree.tokens[n] for n in kept])
+        for chain in ([2], [1, 3], [3, 2] * 10):
+            torch.testing.assert_close(ours.extend(chain), reference.extend(chain), atol=max(tolerance, 3e-5),
+                                       rtol=tolerance)
+        ours.release()
+    with pytest.raises(RsdError, match="take chains only"):  # (transformers' forward)
+        CachedLM(target, V).forward(tree.tokens, [base + d for d in tree.depths],
+                                    torch.ones(len(tree), len(tree), dtype=torch.bool).tril())
+    runtimes = Runtimes(CompiledModel(target, False), CompiledModel(draft, False), "auto")
+    for shape in shapes():
+        assert run((target, draft), runtimes, shape, SamplingParams(temperature=0), 20, seed=0) == \
+            plain_greedy(target, 20), shape.describe()
+
+
+@pytest.mark.parametrize("kind, reason", [("bloom", "ALiBi position biases"),
+                                          ("gpt_neo", "local attention windowed by cache slots")])
+def test_a_pair_biased_or_windowed_by_slot_takes_trees_on_the_runtime_and_chains_on_transformers_forward(
+        tmp_path, kind, reason):
+    """As a user runs a BLOOM or GPT-Neo pair: `rsd-c` and `rsd-s` on the static-cache runtime answer
+    with `ar`'s greedy tokens on transformers' forward, and `rsd bench` measures a tree there; on
+    transformers' forward (`--compile off`) a tree is refused in one line, and `auto` chooses among
+    chains."""
+    from tiny import save_profiled_pair
+
+    pair = save_profiled_pair(tmp_path, tiny_relative(kind, 40, layers=3, seed=0), tiny_relative(kind, 40, 1, seed=1))
+    answers = {}
+    for variant, setting in (("ar", "off"), ("rsd-c", "on"), ("rsd-s", "auto"), ("auto", "off")):
+        result = CliRunner().invoke(app, ["generate", "hello", "-p", str(pair), "-t", "0", "-n", "12", "--ignore-eos",
+                                          "--variant", variant, "--compile", setting, "--json"])
+        assert result.exit_code == 0, result.stderr
+        answers[variant] = json.loads(result.stdout)
+    assert answers["rsd-c"]["runtime"] == "static cache, compiled"
+    assert all(answer["token_ids"] == answers["ar"]["token_ids"] for answer in answers.values())
+    assert len(answers["ar"]["token_ids"]) == 12
+    result = CliRunner().invoke(app, ["generate", "hello", "-p", str(pair), "--variant", "rsd-c", "--compile", "off"])
+    assert result.exit_code == 1 and "Traceback" not in result.stderr
+    assert f"rsd-c verifies a tree, which the target's {reason} ({kind}) cannot take" in result.stderr
+    bench = CliRunner().invoke(app, ["bench", "-p", str(pair), "--variants", "ar,rsd-c", "--compile", "auto",
+                                     "--limit", "1", "-n", "4", "--no-assisted", "--no-hf-static", "--json"])
+    assert bench.exit_code == 0, bench.stderr
+    rows = json.loads(bench.stdout)["results"]
+    assert [row["variant"] for row in rows] == ["ar", "rsd-c"]
+    assert all(row["tokens_per_second"] > 0 and not row.get("error") for row in rows)
+
+
 def assert_the_runtime_decodes_as_transformers(target, draft, tolerance: float = 1e-5) -> None:
     """On every backend of the static-cache runtime (compiled, uncompiled, static shapes), a tree's
     logits, the next ones after pruning it and a chain's as transformers' forward gives them, and each
@@ -1032,18 +1105,23 @@ def test_stacked_projections_give_the_separate_products(kind, monkeypatch):
 
 
 def test_unsupported_models_are_named_with_a_reason():
-    from transformers import (BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM, Gemma2Config,
-                              Gemma2ForCausalLM, GPTJConfig, GPTJForCausalLM, LlamaConfig, LlamaForCausalLM,
-                              MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (BloomConfig, BloomForCausalLM, Gemma2Config, Gemma2ForCausalLM, GPTJConfig,
+                              GPTJForCausalLM, LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM,
+                              MistralConfig, MistralForCausalLM, MptConfig, MptForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
-    bloom = BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=16, n_head=2, vocab_size=40))
-    assert "bloom" in compiled.unsupported(bloom)
+    mamba = MambaForCausalLM(MambaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, state_size=4))
+    assert "mamba" in compiled.unsupported(mamba)
     gptj = GPTJForCausalLM(GPTJConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=64, rotary_dim=4))
     assert compiled.unsupported(gptj) is None
-    falcon_rw = FalconForCausalLM(FalconConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=40,
-                                               alibi=True, multi_query=False, parallel_attn=False))
-    assert compiled.unsupported(falcon_rw) == \
-        "Falcon's ALiBi position biases (Falcon-RW), or its new layout without parallel attention"
+    bloom = dict(n_layer=1, hidden_size=16, n_head=2, vocab_size=40)
+    assert compiled.unsupported(BloomForCausalLM(BloomConfig(**bloom, apply_residual_connection_post_layernorm=True))) \
+        == "BLOOM's options (the residual after the norm, or products split as in its pretraining)"
+    assert compiled.unsupported(BloomForCausalLM(BloomConfig(**bloom))) is None
+    mpt = dict(n_layers=1, d_model=16, n_heads=2, vocab_size=40)
+    assert compiled.unsupported(MptForCausalLM(MptConfig(**mpt, attn_config={"clip_qkv": 8.0}))) == \
+        "MPT's options (q, k and v clipped or normed, biases)"
+    assert compiled.unsupported(MptForCausalLM(MptConfig(**mpt))) is None
     assert compiled.unsupported(tiny_model(V, layers=1)) is None
     small = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=256)
@@ -1085,11 +1163,11 @@ def test_unsupported_models_are_named_with_a_reason():
             "GPT-2's options (attention scaled by layer, upcast and reordered, or cross-attention)"
     assert compiled.unsupported(GPT2LMHeadModel(GPT2Config(**gpt2))) is None
     notices = []
-    assert compiled.runtime_for(bloom, "on", "target", notice=notices.append) is None
-    assert notices == ["--compile on does not apply to the target (a bloom model (the static-cache runtime covers "
+    assert compiled.runtime_for(mamba, "on", "target", notice=notices.append) is None
+    assert notices == ["--compile on does not apply to the target (a mamba model (the static-cache runtime covers "
                        f"{', '.join(compiled.SUPPORTED_TYPES)})): it runs on transformers' eager forward"]
     assert compiled.SUPPORTED_TYPES[:3] == ("llama", "qwen2", "mistral") and "glm4" in compiled.SUPPORTED_TYPES
-    assert compiled.runtime_for(bloom, "auto", "target", notice=notices.append) is None and len(notices) == 1
+    assert compiled.runtime_for(mamba, "auto", "target", notice=notices.append) is None and len(notices) == 1
     assert compiled.runtime_for(tiny_model(V, layers=1), "off", "target") is None
 
 

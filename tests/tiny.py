@@ -87,10 +87,13 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     gate side by side on two LayerNorms, a quarter of each head turned, every head its own keys) or
     "falcon" (40B's layout: q, k and v one linear by groups of 2 heads, GPT-NeoX's layers, biases),
     "falcon-7b" (one key head, one LayerNorm read by attention and the MLP) or "falcon-sequential"
-    (Falcon-RW's layout without its ALiBi: head by head, attention then the MLP, biases); or with learned positions instead of
-    rotary angles, LayerNorms and biases on every linear (random): "opt" (ReLUs, positions from row
+    (Falcon-RW's layout without its ALiBi: head by head, attention then the MLP, biases) or "falcon-rw"
+    (with it); or with ALiBi position biases of 12 heads: "bloom" (its embedding normed, q, k and v
+    head by head, biases) or "mpt" (q's rows, k's, v's; no biases); or with learned positions instead
+    of rotary angles, LayerNorms and biases on every linear (random): "opt" (ReLUs, positions from row
     2), "gpt2" (Conv1D linears, q, k and v one, a GELU by formula), "gpt_bigcode" (StarCoder 1: one
-    key head) or "gpt_bigcode-mha" (q, k and v head by head); "gemma4" (windowed and full-attention
+    key head) or "gpt_bigcode-mha" (q, k and v head by head), "gpt_neo" (GPT-2's layers on linears,
+    attention unscaled, local layers windowed to 4 positions beside global ones); "gemma4" (windowed and full-attention
     layers in turn, the full ones' heads wider with one key head, the last layers reading earlier
     ones' caches, per-layer inputs, random layer scalars) or "gemma4-moe" (26B-A4B's kind: experts
     beside each MLP, the router's and each expert's scales random); or with multi-head latent
@@ -117,7 +120,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               Gemma4TextConfig, Gemma4ForCausalLM, MiniCPM3Config, MiniCPM3ForCausalLM, YoutuConfig,
                               YoutuForCausalLM, DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
                               DeepseekV3ForCausalLM, Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, GPTJConfig,
-                              GPTJForCausalLM, FalconConfig, FalconForCausalLM)
+                              GPTJForCausalLM, FalconConfig, FalconForCausalLM, BloomConfig, BloomForCausalLM,
+                              MptConfig, MptForCausalLM, GPTNeoConfig, GPTNeoForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -154,7 +158,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "glm4_moe_lite": (Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM),
                            "gptj": (GPTJConfig, GPTJForCausalLM), "falcon": (FalconConfig, FalconForCausalLM),
                            "falcon-7b": (FalconConfig, FalconForCausalLM),
-                           "falcon-sequential": (FalconConfig, FalconForCausalLM)}[kind]
+                           "falcon-sequential": (FalconConfig, FalconForCausalLM),
+                           "falcon-rw": (FalconConfig, FalconForCausalLM), "bloom": (BloomConfig, BloomForCausalLM),
+                           "mpt": (MptConfig, MptForCausalLM), "gpt_neo": (GPTNeoConfig, GPTNeoForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -190,6 +196,15 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     elif kind == "falcon-sequential":  # (Falcon-RW's layout without its ALiBi: every head its keys, one block after
         # the other, biases)
         settings = dict(multi_query=False, parallel_attn=False, ffn_hidden_size=64, bias=True)
+    elif kind == "falcon-rw":  # (Falcon-RW: that layout with ALiBi)
+        settings = dict(multi_query=False, parallel_attn=False, ffn_hidden_size=64, bias=True, alibi=True)
+    elif kind == "bloom":  # (12 heads: slopes of two bases, not all powers of 2, rounded to bfloat16 as BLOOM's are)
+        settings = dict(hidden_dropout=0.0, attention_dropout=0.0)
+    elif kind == "gpt_neo":  # (local and global layers in turn, the local ones windowed to 4 positions)
+        settings = dict(attention_types=[[["local", "global"], layers // 2]] + [[["local"], 1]] * (layers % 2),
+                        window_size=4, resid_dropout=0.0, embed_dropout=0.0, attention_dropout=0.0)
+    elif kind == "mpt":  # (12 heads: slopes of a base's powers re-ordered, as MPT's are for a count not a power of 2)
+        settings = dict(expansion_ratio=2, attn_config={"alibi_bias_max": 8})
     elif kind == "opt":  # (learned positions, LayerNorms, biases on every linear, ReLUs without a gate)
         settings = dict(ffn_dim=64, init_std=scale, do_layer_norm_before=True)
     elif kind == "gpt2":  # (Conv1D linears, q, k and v one; learned positions; a tanh GELU by formula)
@@ -291,8 +306,11 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     shared = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, initializer_range=scale, tie_word_embeddings=False,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if kind in ("gpt_neox", "opt", "gpt2", "gptj") or kind.startswith(("gpt_bigcode", "falcon")):
+    if kind in ("gpt_neox", "opt", "gpt2", "gptj", "bloom", "mpt", "gpt_neo") \
+            or kind.startswith(("gpt_bigcode", "falcon")):
         del shared["num_key_value_heads"]
+    if kind in ("bloom", "mpt"):  # (12 heads of 4)
+        shared.update(hidden_size=48, num_attention_heads=12)
     elif kind in ("minicpm3", "youtu", "deepseek_v2", "deepseek_v3", "glm4_moe_lite"):  # (latent attention: every
         # head its own keys, from the latent)
         shared["num_key_value_heads"] = shared["num_attention_heads"]
@@ -304,7 +322,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         for layer in layers_of(decoder_of(model)[0]):
             for linear in (getattr(attention_of(layer), name, None)
                            for name in ("q_proj", "k_proj", "v_proj", "query_key_value")
-                           + (("dense",) if kind.startswith("falcon") else ())):
+                           + (("dense",) if kind.startswith("falcon") or kind == "bloom" else ())):
                 if linear is not None and linear.bias is not None:
                     linear.bias.normal_(0.0, scale)
             for linear in (getattr(getattr(layer, "mlp", None), name, None)
