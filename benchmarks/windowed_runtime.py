@@ -31,6 +31,17 @@ of 128, 32 of each head's 96 dimensions turned by pairs), the first a plain MLP,
 its first 3 layers.
 `--family glm4`: a GLM-4 of the embedded target's shape (gate and up one linear, half of each head
 turned by adjacent pairs, four norms; no window).
+`--family gptj`: a GPT-J of GPT-2 small's shape (12 layers, hidden 768, 12 heads, 64 of each head's
+dimensions turned by adjacent pairs, attention beside the MLP, a 50400-token vocabulary), its draft
+a 2-layer GPT-J as wide.
+`--family falcon`: Falcon-7B's layout (one key head, attention beside the MLP on one LayerNorm) at
+that shape, its draft a 2-layer Falcon as wide.
+`--family bloom`: BLOOM's layout (ALiBi position biases, 12 heads: slopes not all powers of 2, the
+embedding normed) at that shape with the embedded model's vocabulary, its draft a 2-layer BLOOM as
+wide. transformers' forward takes chains only from a BLOOM: a tree variant asked of `off` is
+refused, and its `auto` rate is then compared with `ar`'s on `off` (`--variants ar,sd,rsd-c`).
+`--family gpt_neo`: GPT-Neo 125M's shape (12 layers, hidden 768, local layers windowed to
+`--window` positions beside global ones), its draft a 2-layer GPT-Neo as wide; trees as BLOOM's.
 `--family phi3_longrope`: a Phi-3 of the embedded target's shape turned by `longrope` factors,
 its long ones from position `--window` on (Phi-3.5's and Phi-4-mini's kind, whose long factors
 start at 4096; no window): the answer goes past that position, where rsd reads the sequence
@@ -49,6 +60,10 @@ Random weights: the speeds say what the runtime costs, the tokens only that both
     .venv/bin/python benchmarks/windowed_runtime.py --family gemma4 --rounds 2 -n 96
     .venv/bin/python benchmarks/windowed_runtime.py --family gemma4_moe --rounds 2 -n 64
     .venv/bin/python benchmarks/windowed_runtime.py --family deepseek_v3 --rounds 2 -n 64
+    .venv/bin/python benchmarks/windowed_runtime.py --family gptj --rounds 2 -n 64
+    .venv/bin/python benchmarks/windowed_runtime.py --family falcon --rounds 2 -n 64
+    .venv/bin/python benchmarks/windowed_runtime.py --family bloom --rounds 2 -n 64 --variants ar,sd,rsd-c
+    .venv/bin/python benchmarks/windowed_runtime.py --family gpt_neo --rounds 2 -n 96 --variants ar,sd,rsd-c
 """
 
 from __future__ import annotations
@@ -66,7 +81,9 @@ PROMPT = "Write a long story about a robot who learns to paint, with many detail
 
 def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
     import torch
-    from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
+    from transformers import (BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM, GPTJConfig,
+                              GPTJForCausalLM, GPTNeoConfig, GPTNeoForCausalLM,
+                              DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
                               Gemma4ForCausalLM, Gemma4TextConfig, Glm4Config,
                               Glm4ForCausalLM, GptOssConfig,
                               GptOssForCausalLM, GPT2Config, GPT2LMHeadModel, MistralConfig, OPTConfig,
@@ -133,6 +150,20 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
                                          bos_token_id=2, eos_token_id=2))
     elif family == "gpt2":
         model = GPT2LMHeadModel(GPT2Config())  # (GPT-2 small's defaults)
+    elif family == "gptj":
+        model = GPTJForCausalLM(GPTJConfig(vocab_size=50400, n_embd=768, n_layer=12, n_head=12, rotary_dim=64,
+                                           n_positions=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    elif family == "falcon":
+        model = FalconForCausalLM(FalconConfig(vocab_size=65024, hidden_size=768, num_hidden_layers=12,
+                                               num_attention_heads=12, multi_query=True, parallel_attn=True,
+                                               bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    elif family == "bloom":
+        model = BloomForCausalLM(BloomConfig(vocab_size=49152, hidden_size=768, n_layer=12, n_head=12,
+                                             bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    elif family == "gpt_neo":
+        model = GPTNeoForCausalLM(GPTNeoConfig(vocab_size=50257, hidden_size=768, num_layers=12, num_heads=12,
+                                               attention_types=[[["global", "local"], 6]], window_size=window,
+                                               max_position_embeddings=2048, bos_token_id=1, eos_token_id=2))
     elif family == "glm4":
         model = Glm4ForCausalLM(Glm4Config(**embedded, head_dim=64, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     elif family == "phi3_longrope":  # (32 factors each: one per pair of a head's 64 dimensions)
@@ -144,8 +175,11 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
     else:
         model = MistralForCausalLM(MistralConfig(**embedded, sliding_window=window))
     models = {"target": model}
-    if family in ("opt", "gpt2"):  # (a separate draft: no early exit for them)
+    if family in ("opt", "gpt2", "gptj", "falcon", "bloom"):  # (a separate draft: no early exit for them)
         models["draft"] = type(model)(type(model.config)(**{**model.config.to_dict(), "num_hidden_layers": 2}))
+    elif family == "gpt_neo":
+        models["draft"] = type(model)(type(model.config)(**{**model.config.to_dict(), "num_layers": 2,
+                                                            "attention_types": [[["global", "local"], 1]]}))
     elif family == "gemma4":  # (its windowed and full-attention layers in turn, the last full; none reading others')
         settings = {**model.config.to_dict(), "num_hidden_layers": 4, "num_kv_shared_layers": 0,
                     "layer_types": ["sliding_attention", "full_attention"] * 2}
@@ -163,10 +197,15 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
     return profile
 
 
-def run(profile: Path, compile: str, variant: str, tokens: int) -> dict:
+def run(profile: Path, compile: str, variant: str, tokens: int) -> dict | None:
+    """`rsd generate`'s record, or None where the variant is refused (a tree asked of transformers'
+    forward for a BLOOM)."""
     result = subprocess.run([sys.executable, "-m", "rsd_cli", "generate", PROMPT, "-p", str(profile), "-n", str(tokens),
                              "-t", "0", "--ignore-eos", "-v", variant, "--compile", compile, "--json"],
-                            capture_output=True, text=True, stdin=subprocess.DEVNULL, check=True)
+                            capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if result.returncode == 1 and "verifies a tree" in result.stderr:
+        return None
+    result.check_returncode()
     return json.loads(result.stdout)
 
 
@@ -177,21 +216,31 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--variants", default="ar,sd")
     parser.add_argument("--family", choices=("mistral", "gemma3", "gemma4", "gemma4_moe", "deepseek_v3", "qwen3_moe",
-                                             "mixtral", "gpt_oss", "opt", "gpt2", "glm4", "phi3_longrope"),
+                                             "mixtral", "gpt_oss", "opt", "gpt2", "glm4", "phi3_longrope", "gptj",
+                                             "falcon", "bloom", "gpt_neo"),
                         default="mistral")
     args = parser.parse_args()
-    past = {"qwen3_moe": "", "glm4": "", "deepseek_v3": "", "opt": "", "gpt2": "",
+    past = {"qwen3_moe": "", "glm4": "", "deepseek_v3": "", "opt": "", "gpt2": "", "gptj": "", "falcon": "",
+            "bloom": "",
             "phi3_longrope": f" past position {args.window}, the long factors' start"}
     with tempfile.TemporaryDirectory() as tmp:
         profile = make_model(Path(tmp), args.window, args.family)
+        plain_off: tuple | None = None  # (`ar`'s rates and answer on `off`: what a refused variant is compared with)
         for variant in args.variants.split(","):
             rates: dict[str, list[float]] = {"off": [], "auto": []}
             answers = {}
             for _ in range(args.rounds):
                 for compile in ("off", "auto"):  # (alternating: this machine's pace drifts)
                     record = run(profile, compile, variant, args.n)
+                    if record is None:  # (refused on transformers' forward: `ar` there instead)
+                        continue
                     rates[compile].append(record["stats"]["tokens_per_second"])
                     answers[compile] = (record["token_ids"], record["runtime"], record["prompt_tokens"])
+            if variant == "ar":
+                plain_off = rates["off"], answers["off"]
+            if not rates["off"] and plain_off is not None:
+                rates["off"], answers["off"] = plain_off[0], (plain_off[1][0], "refused: ar's there",
+                                                              plain_off[1][2])
             same = answers["off"][0] == answers["auto"][0]
             ratio = sum(rates["auto"]) / sum(rates["off"])
             print(f"{variant}: off ({answers['off'][1]}) {', '.join(f'{r:.1f}' for r in rates['off'])} tok/s; "

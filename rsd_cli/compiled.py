@@ -1289,9 +1289,11 @@ def side_weights(layer, style: Style) -> tuple | None:
 
 
 def fused_linears(layer) -> tuple:
-    """A layer's own linears of q, k and v in one (Phi-3's qkv_proj) and of gate and up in one (Phi-3's
-    and GLM-4's gate_up_proj), or None each."""
-    return getattr(attention_of(layer), "qkv_proj", None), getattr(getattr(layer, "mlp", None), "gate_up_proj", None)
+    """A layer's own linears of q, k and v in one (Phi-3's qkv_proj, MPT's Wqkv) and of gate and up in
+    one (Phi-3's and GLM-4's gate_up_proj), or None each."""
+    attention = attention_of(layer)
+    return getattr(attention, "qkv_proj", None) or getattr(attention, "Wqkv", None), \
+        getattr(getattr(layer, "mlp", None), "gate_up_proj", None)
 
 
 def _row_views(weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple) -> list[torch.nn.Linear]:

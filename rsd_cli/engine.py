@@ -277,7 +277,8 @@ def limit_of(config) -> Limit | None:
     the positions and mask it is given, takes chains (each token at the slot of its position) on
     its own causal mask: ALiBi (BLOOM, MPT, Falcon with `alibi`), Llama 4 (attention scaled by
     the cache's length on its NoPE layers, chunked attention) and GPT-Neo's local layers (a window
-    of slots, not positions)."""
+    of slots, not positions). On the static-cache runtime, which biases and windows by each slot's
+    position, ALiBi's and GPT-Neo's take trees (Limit.by_slot, pair_limit)."""
     config = text_config(config)
     kind = getattr(config, "model_type", "") or ""
     if kind in RECURRENT_MODELS or RECURRENT_LAYERS & set(getattr(config, "layer_types", None) or ()):
