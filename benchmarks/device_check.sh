@@ -20,10 +20,11 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh controls  # logit bias, --ignore-eos, windows in CUDA graphs
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh decoders  # a fresh decoder per answer: step graphs shared or not
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh families  # gpt-oss, OPT, GPT-2, Gemma 4, DeepSeek V3 in CUDA graphs against eager
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh families2  # GPT-J, Falcon, and BLOOM's and GPT-Neo's trees, likewise
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
-part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls, decoders or families}
+part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls, decoders, families or families2}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -138,6 +139,13 @@ print('$variant', '$extra', r['finish_reason'], len(r['token_ids']), round(r['st
     for family in gpt_oss opt gpt2 gemma4 gemma4_moe deepseek_v3; do
       $py benchmarks/windowed_runtime.py --family $family --rounds 1 -n 64 2>&1 | grep -v "Writing" |
         sed "s/^/$family /" | tee -a "$out/families.txt"
+    done ;;
+  families2)  # as `families`, GPT-J, Falcon, and BLOOM and GPT-Neo with a tree (ALiBi, windows by position: refused
+    # on transformers' forward, so compared with `ar` there)
+    for family in gptj falcon bloom gpt_neo; do
+      variants=ar,sd; case $family in bloom|gpt_neo) variants=ar,rsd-c ;; esac
+      $py benchmarks/windowed_runtime.py --family $family --rounds 1 -n 64 --variants $variants 2>&1 |
+        grep -v "Writing" | sed "s/^/$family /" | tee -a "$out/families2.txt"
     done ;;
   decoders)  # a decoder made afresh per answer (a chat's turns, bench's runs): the step maths' graphs captured by each
     # at a site's first call (rsd before 2026-11-28) against shared by the model's decoders and captured at the third

@@ -179,7 +179,8 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
         models["draft"] = type(model)(type(model.config)(**{**model.config.to_dict(), "num_hidden_layers": 2}))
     elif family == "gpt_neo":
         models["draft"] = type(model)(type(model.config)(**{**model.config.to_dict(), "num_layers": 2,
-                                                            "attention_types": [[["global", "local"], 1]]}))
+                                                            "attention_types": [[["global", "local"], 1]],
+                                                            "attention_layers": ["global", "local"]}))
     elif family == "gemma4":  # (its windowed and full-attention layers in turn, the last full; none reading others')
         settings = {**model.config.to_dict(), "num_hidden_layers": 4, "num_kv_shared_layers": 0,
                     "layer_types": ["sliding_attention", "full_attention"] * 2}
