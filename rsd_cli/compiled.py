@@ -322,7 +322,7 @@ def unsupported(model) -> str | None:
         return f"a {cfg.model_type} model (the static-cache runtime covers {', '.join(SUPPORTED_TYPES)})"
     layers = layers_of(inner)
     if layers is None or not hasattr(model, "lm_head") \
-            or not (hasattr(inner, "rotary_emb") or positions_of(inner) or alibi_of(cfg)):
+            or not (rotary_of(inner) is not None or positions_of(inner) or alibi_of(cfg)):
         return f"{type(model).__name__} is not laid out as a Llama-style decoder"
     if cfg.model_type == "bloom" and (cfg.apply_residual_connection_post_layernorm
                                       or cfg.pretraining_tp > 1 and cfg.slow_but_exact):
@@ -396,6 +396,30 @@ def alibi_biases(model, heads: int, context: int, dtype: torch.dtype) -> torch.T
     if model.config.model_type == "falcon":
         table = table / math.sqrt(model.config.hidden_size // heads)
     return table.float()
+
+
+class SinusoidalTable:
+    """GPT-J's rotary angles where transformers before 5.24 keeps them in each attention's
+    `embed_positions` (sin, then cos, of each position), read as its GPTJRotaryEmbedding reads them
+    since: (sin, cos) of these positions, in x's dtype."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        sincos = self.table.to(position_ids.device)[position_ids].to(x.dtype)
+        return sincos.split(sincos.shape[-1] // 2, dim=-1)
+
+
+def rotary_of(inner):
+    """A decoder's rotary module (`rotary_emb`), GPT-J's angles in its first attention (SinusoidalTable:
+    transformers before 5.24), or None."""
+    found = getattr(inner, "rotary_emb", None)
+    if found is not None:
+        return found
+    layers = layers_of(inner)
+    table = getattr(getattr(layers[0], "attn", None), "embed_positions", None) if layers else None
+    return SinusoidalTable(table) if isinstance(table, torch.Tensor) else None
 
 
 def positions_of(inner) -> tuple | None:
@@ -1595,9 +1619,11 @@ class CompiledModel:
             cfg.num_attention_heads // attn.num_key_value_groups if type(attn).__name__ == "Gemma4TextAttention" else \
             getattr(cfg, "num_key_value_heads", None) or getattr(attn, "kv_heads", None) or cfg.num_attention_heads
         head_dim = getattr(attn, "head_dim", None) or getattr(attn, "qk_head_dim", None) or attn.head_size  # (MLA's)
-        # (MPT's `softmax_scale`, Falcon's and BLOOM's `inv_norm_factor`; GPT-Neo's scores: unscaled)
+        # (MPT's `softmax_scale`, Falcon's and BLOOM's `inv_norm_factor`, GPT-J's before transformers 5.24 one over
+        # its `scale_attn`; GPT-Neo's scores: unscaled)
         scaling = 1.0 if cfg.model_type == "gpt_neo" else \
-            getattr(attn, "scaling", None) or getattr(attn, "softmax_scale", None) or attn.inv_norm_factor
+            getattr(attn, "scaling", None) or getattr(attn, "softmax_scale", None) \
+            or getattr(attn, "inv_norm_factor", None) or 1.0 / attn.scale_attn
         self.dims = (cfg.num_attention_heads, kv_heads, head_dim, scaling,
                      _eps(next(norm for norm in layer_norms(layers[0]) if norm is not None)))
         self.layers = []
@@ -1685,7 +1711,7 @@ class CompiledModel:
         # rotary tables for every position, computed once: one, or one per layer kind (Gemma 3), and
         # None for layers without a rotation (SmolLM3's every fourth: forward rotates them by angle 0)
         # (OPT, GPT-2: none, their learned position embeddings added to the tokens' instead: positions_of)
-        rotary = getattr(inner, "rotary_emb", None)
+        rotary = rotary_of(inner)
         self.positions = positions_of(inner)
         per_kind = bool(getattr(rotary, "layer_types", None))
         names = [(kind if per_kind else "rotary") if rotary is not None and rotates(layer, kind, cfg) else None
@@ -1773,7 +1799,8 @@ class CompiledModel:
         found = [(None, None) if table is None else
                  (table.real[0].repeat_interleave(2, -1), table.imag[0].repeat_interleave(2, -1))
                  if torch.is_tensor(table) and table.is_complex() else (table[0][0], table[1][0]) for table in found]
-        if type(rotary).__name__ == "GPTJRotaryEmbedding":  # (its sin first, then cos, each angle once for a pair)
+        if type(rotary).__name__ in ("GPTJRotaryEmbedding", "SinusoidalTable"):  # (GPT-J's: its sin first, then
+            # cos, each angle once for a pair)
             found = [(None, None) if sin is None else (cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1))
                      for sin, cos in found]
         if self.style.angles_once:  # (gpt-oss: each angle for both halves of a head, as rotate_half reads it)
