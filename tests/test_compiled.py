@@ -539,6 +539,28 @@ def test_latent_attention_runs_in_cuda_graphs(kind):
         assert tokens == expected, shape.describe()
 
 
+@CUDA
+@pytest.mark.parametrize("kind", ["gptj", "falcon", "falcon-7b", "bloom", "mpt", "falcon-rw", "gpt_neo"])
+def test_gptj_falcon_alibi_and_gpt_neo_run_in_cuda_graphs(kind):
+    """GPT-J-, Falcon- (40B's and 7B's layouts), and with trees BLOOM-, MPT-, Falcon-RW- (ALiBi: a mask
+    for each head, its biases by the slots' positions made on the host) and GPT-Neo-like models (local
+    layers windowed to 4 positions) in compiled CUDA graphs: every variant's greedy tokens are the
+    target's, 30 tokens past GPT-Neo's window."""
+    import copy
+
+    from test_engine import FAN, LONG_PROMPT
+
+    target, draft = tiny_relative(kind, V, layers=2), tiny_relative(kind, V, layers=1, seed=1)
+    expected = plain_greedy(target, 30, LONG_PROMPT)
+    models = tuple(copy.deepcopy(model).cuda() for model in (target, draft))
+    runtimes = Runtimes(CompiledModel(models[0], True), CompiledModel(models[1], True), "on")
+    assert runtimes.target.graphed
+    for shape in shapes() + [FAN]:
+        decoder = Decoder(*models, V, shape, SamplingParams(temperature=0), set(), runtimes=runtimes)
+        tokens = [t for event in decoder.generate(LONG_PROMPT, 30, seed=0) for t in event.emitted]
+        assert tokens == expected, shape.describe()
+
+
 def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
     """The backends differ only in the order of float additions: sampled runs agree token for token
     on this pair (the test would catch a runtime that draws random numbers differently)."""
