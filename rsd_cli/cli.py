@@ -581,7 +581,7 @@ def bench(
                 for c in compiles}
     from .engine import pair_limit
 
-    # (the tightest of the runtimes': a model of ALiBi takes trees on the static-cache runtime only)
+    # (the tightest of the runtimes': an ALiBi or GPT-Neo model takes trees on the static-cache runtime only)
     limits = [found for found in (pair_limit(pair.target, pair.draft, r) for r in runtimes.values()) if found]
     limit = min(limits, key=lambda found: len(found[0].variants), default=None)
     if limit is not None and variants == BENCH_VARIANTS:  # (variants asked for are refused: Decoder)

@@ -421,8 +421,8 @@ def tiny_windowed(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, wi
 
 
 def tiny_alibi(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, scale: float = 0.3):
-    """A random model with ALiBi position biases, whose attention takes chains only
-    (engine.limit_of): "bloom" or "mpt"."""
+    """A random model with ALiBi position biases, whose attention takes chains only on transformers'
+    forward (engine.limit_of; trees on the static-cache runtime): "bloom" or "mpt"."""
     from transformers import BloomConfig, BloomForCausalLM, MptConfig, MptForCausalLM
 
     torch.manual_seed(seed)
