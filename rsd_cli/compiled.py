@@ -883,7 +883,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
                   side: torch.Tensor | None = None) -> torch.Tensor:
     """One Llama decoder layer on n new tokens (or one of a related family: `style`, and the norms
     `weights` hold).
-    x (n, hidden); cos, sin (n, head_dim); mask (n, kv_len) additive, the new tokens at slots
+    x (n, hidden); cos, sin (n, head_dim); mask (n, kv_len) additive (ALiBi's (heads, n, kv_len), each
+    head's biases in it), the new tokens at slots
     kv_len - n .. kv_len - 1 of keys, values (kv_heads, capacity, head_dim), written in place. With
     `slots` (n,) (static shapes, what a CUDA graph replays) the new tokens go to those slots and the
     mask covers the whole capacity: no size depends on the cache's length. `weights` are the layer's
@@ -1876,7 +1877,7 @@ class CompiledModel:
                rows: slice = slice(None), tokens: torch.Tensor | None = None) -> torch.Tensor:
         """A static-shape forward: float32 logits of these rows, a tensor of their own. ids (3, n):
         the tokens, their positions and the slots their keys go to; mask (n, capacity) (by_kind: (2,
-        n, capacity)); both on the host or the device (page-locked host memory is copied in without
+        n, capacity); ALiBi: (heads, n, capacity)); both on the host or the device (page-locked host memory is copied in without
         waiting); tokens (k,), k <= n, on the device: the first k tokens instead of ids' first row
         (drawn there: no value read).
         Graphed: the CUDA graph captured for this token count and these buffers (at its first use),
@@ -1938,7 +1939,8 @@ class CompiledModel:
                 values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor | None = None,
                 sight: Callable[[], Sight | None] | None = None, long: bool = False) -> torch.Tensor:
         """tokens, positions (n,); mask (n, kv_len) additive (or (2, n, kv_len): the full-attention
-        layers' and the windowed ones', where only some layers have a window: by_kind), the new tokens
+        layers' and the windowed ones', where only some layers have a window: by_kind; ALiBi's
+        (heads, n, kv_len): position_bias), the new tokens
         at slots kv_len - n .. kv_len - 1 (or at `slots`, the mask then over the whole capacity); keys, values (layers,
         kv_heads, capacity, head_dim), written in place; rows (m,) which outputs to return. Returns
         (m, rows of the head) logits. Sizes in BUCKETS run the compiled graphs (the used length and
