@@ -648,8 +648,8 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
     The runtime biases and windows by each slot's position, so a tree's rows are what transformers'
     forward gives each row's path read as a chain, on every backend (BLOOM's and MPT's 12 heads:
     slopes not all powers of 2; GPT-Neo's window of 4: the tree's deepest rows see none of the
-    prompt); pruned to one path,
-    chains after it too; and every variant's greedy output is plain greedy."""
+    prompt); pruned to one path, chains after it too; and every variant's greedy output is plain
+    greedy."""
     target, draft = tiny_relative(kind, V, layers=2, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     assert compiled.unsupported(target) is None
     assert (compiled.alibi_of(target.config) is None) == (kind == "gpt_neo")
