@@ -2239,8 +2239,13 @@ class StaticLM(ChainExtension):
                 mask[:, n:, self.length + n: self.length + size] = torch.where(torch.eye(pad, dtype=torch.bool), 0.0,
                                                                                -math.inf)
             mask = mask if by_kind else mask[0]  # (n, kv_len), or (2, n, kv_len) by layer kind
-            if self.alibi is not None:  # (heads, n, kv_len): each head's bias by the keys' positions
-                mask = mask + self.compiled.position_bias(self.key_positions[:kv_len], max(positions))[:, None, :]
+            # ALiBi: each head's bias by the keys' positions (heads, kv_len), in a mask for each head — made
+            # on the host for a graph's mask buffer (a few rows), else on the device only (a prompt's: heads x
+            # P x P, as large as transformers' scores)
+            bias = None if self.alibi is None else \
+                self.compiled.position_bias(self.key_positions[:kv_len], max(positions))
+            if bias is not None and static:
+                mask = mask + bias[:, None, :]
                 mask = mask.pin_memory() if pinned else mask
             on_device = isinstance(tokens, torch.Tensor)
             ids = [[0] * size if on_device else tokens + [0] * pad, positions + [positions[-1]] * pad]
@@ -2262,7 +2267,10 @@ class StaticLM(ChainExtension):
                         return None
                     return Sight(*(t if t is None else t.to(device) for t in (found.keys, found.mask)))
 
-                logits = self.compiled.forward(token_ids, ids[1], mask.to(device), self.keys, self.values,
+                placed = mask.to(device)
+                if bias is not None:  # (heads, n, kv_len)
+                    placed = placed + bias.to(device)[:, None, :]
+                logits = self.compiled.forward(token_ids, ids[1], placed, self.keys, self.values,
                                                rows.to(device), sight=sight, long=long)
         self.length += n
         logits = full_vocabulary(logits[:, : self.vocab_size].float(), self.vocab_size)  # stays on the device
