@@ -93,9 +93,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     of rotary angles, LayerNorms and biases on every linear (random): "opt" (ReLUs, positions from row
     2), "gpt2" (Conv1D linears, q, k and v one, a GELU by formula), "gpt_bigcode" (StarCoder 1: one
     key head) or "gpt_bigcode-mha" (q, k and v head by head), "gpt_neo" (GPT-2's layers on linears,
-    attention unscaled, local layers windowed to 4 positions beside global ones); "gemma4" (windowed and full-attention
-    layers in turn, the full ones' heads wider with one key head, the last layers reading earlier
-    ones' caches, per-layer inputs, random layer scalars) or "gemma4-moe" (26B-A4B's kind: experts
+    attention unscaled, local layers windowed to 4 positions beside global ones); "gemma4" (windowed
+    and full-attention layers in turn, the full ones' heads wider with one key head, the last layers
+    reading earlier ones' caches, per-layer inputs, random layer scalars) or "gemma4-moe" (26B-A4B's kind: experts
     beside each MLP, the router's and each expert's scales random); or with multi-head latent
     attention: "minicpm3", "youtu", "deepseek_v3" and "glm4_moe_lite" (experts chosen within the best
     groups, a random correction) or "deepseek_v2"; with sliding-window attention off (but Gemma 2, 3
@@ -198,7 +198,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         settings = dict(multi_query=False, parallel_attn=False, ffn_hidden_size=64, bias=True)
     elif kind == "falcon-rw":  # (Falcon-RW: that layout with ALiBi)
         settings = dict(multi_query=False, parallel_attn=False, ffn_hidden_size=64, bias=True, alibi=True)
-    elif kind == "bloom":  # (12 heads: slopes of two bases, not all powers of 2, rounded to bfloat16 as BLOOM's are)
+    elif kind == "bloom":  # (12 heads: slopes of two bases, not all powers of 2)
         settings = dict(hidden_dropout=0.0, attention_dropout=0.0)
     elif kind == "gpt_neo":  # (local and global layers in turn, the local ones windowed to 4 positions)
         settings = dict(attention_types=[[["local", "global"], layers // 2]] + [[["local"], 1]] * (layers % 2),
