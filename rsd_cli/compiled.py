@@ -1684,7 +1684,7 @@ class CompiledModel:
         self.embedding_norm = None if norm is None else (norm_of(norm, style), norm.eps)
         self.device = self.embedding.weight.device
         self.dtype = self.embedding.weight.dtype
-        self.context = getattr(cfg, "max_position_embeddings", 4096)  # (BLOOM's: its biases' table)
+        self.context = getattr(cfg, "max_position_embeddings", 4096)  # (BLOOM's: its biases' first table)
         # ALiBi (alibi_of): its kind and biases (alibi_biases); StaticLM's masks then carry each head's
         # (position_bias)
         self.alibi = alibi_of(cfg)
@@ -1769,13 +1769,17 @@ class CompiledModel:
 
     def position_bias(self, key_positions: torch.Tensor, last: int) -> torch.Tensor:
         """(heads, keys) float32 on the host: what ALiBi adds to each head's scores of keys at these
-        positions — BLOOM's and Falcon-RW's from their table (alibi_biases; a position past the context
-        reads its last); MPT's its slope times the position less `last`, the newest row's
-        (transformers' less the last key's slot: a constant a row, which softmax does not see), as
-        exactly as it computes it (int32 times float32)."""
+        positions — BLOOM's and Falcon-RW's from their table (alibi_biases; made again twice as long
+        for a position past it: ALiBi has no context of its own, and BLOOM's config names none); MPT's
+        its slope times the position less `last`, the newest row's (transformers' less the last key's
+        slot: a constant a row, which softmax does not see), as exactly as it computes it (int32 times
+        float32)."""
         if self.alibi == "mpt":
             return (key_positions - last).to(torch.int32)[None, :] * self.biases[:, None]
-        return self.biases[:, key_positions.clamp(max=self.context - 1)]
+        beyond = int(key_positions.max()) + 1 if len(key_positions) else 0
+        if beyond > self.biases.shape[1]:
+            self.biases = alibi_biases(self.model, self.dims[0], max(beyond, 2 * self.biases.shape[1]), self.dtype)
+        return self.biases[:, key_positions]
 
     @property
     def all_in_c(self) -> bool:

@@ -661,6 +661,8 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
     kept = [0, 1, 3, 5]  # (a path of the tree: its root, a, c and e)
     for backend in (CompiledModel(target, True), CompiledModel(target, False),
                     CompiledModel(target, False, static_shapes=True)):
+        if backend.alibi == "bloom" and not backend.compiled:  # (a table of BLOOM's biases shorter than the
+            backend.biases = backend.biases[:, :4]  # positions read: made again, longer, as past its context)
         ours = StaticLM(backend, V, capacity=12)
         ours.extend(PROMPT)
         logits = ours.forward(tree.tokens, [base + d for d in tree.depths], visible)
