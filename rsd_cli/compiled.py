@@ -1804,7 +1804,7 @@ class CompiledModel:
         found = [(None, None) if table is None else
                  (table.real[0].repeat_interleave(2, -1), table.imag[0].repeat_interleave(2, -1))
                  if torch.is_tensor(table) and table.is_complex() else (table[0][0], table[1][0]) for table in found]
-        if type(rotary).__name__ in ("GPTJRotaryEmbedding", "SinusoidalTable"):  # (GPT-J's: its sin first, then
+        if self.model.config.model_type == "gptj":  # (its rotary module's, or SinusoidalTable's: sin first, then
             # cos, each angle once for a pair)
             found = [(None, None) if sin is None else (cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1))
                      for sin, cos in found]

@@ -524,19 +524,26 @@ def test_latent_attention_runs_in_cuda_graphs(kind):
     latents and rotated key parts cached, expanded on the device every forward; the mixtures' experts
     chosen within groups on the device) in compiled CUDA graphs: every variant's greedy tokens are
     the target's."""
+    runtimes = assert_greedy_in_cuda_graphs(tiny_relative(kind, V, layers=2), tiny_relative(kind, V, layers=1, seed=1))
+    assert runtimes.target.cache_shapes[0] == (1, 16, 4)
+
+
+def assert_greedy_in_cuda_graphs(target, draft) -> Runtimes:
+    """Both models on a CUDA device in compiled CUDA graphs: every variant's greedy tokens (and a fan's)
+    are the target's, 30 tokens after LONG_PROMPT. Returns the runtimes."""
     import copy
 
     from test_engine import FAN, LONG_PROMPT
 
-    target, draft = tiny_relative(kind, V, layers=2), tiny_relative(kind, V, layers=1, seed=1)
     expected = plain_greedy(target, 30, LONG_PROMPT)
     models = tuple(copy.deepcopy(model).cuda() for model in (target, draft))
     runtimes = Runtimes(CompiledModel(models[0], True), CompiledModel(models[1], True), "on")
-    assert runtimes.target.graphed and runtimes.target.cache_shapes[0] == (1, 16, 4)
+    assert runtimes.target.graphed
     for shape in shapes() + [FAN]:
         decoder = Decoder(*models, V, shape, SamplingParams(temperature=0), set(), runtimes=runtimes)
         tokens = [t for event in decoder.generate(LONG_PROMPT, 30, seed=0) for t in event.emitted]
         assert tokens == expected, shape.describe()
+    return runtimes
 
 
 @CUDA
@@ -546,19 +553,7 @@ def test_gptj_falcon_alibi_and_gpt_neo_run_in_cuda_graphs(kind):
     for each head, its biases by the slots' positions made on the host) and GPT-Neo-like models (local
     layers windowed to 4 positions) in compiled CUDA graphs: every variant's greedy tokens are the
     target's, 30 tokens past GPT-Neo's window."""
-    import copy
-
-    from test_engine import FAN, LONG_PROMPT
-
-    target, draft = tiny_relative(kind, V, layers=2), tiny_relative(kind, V, layers=1, seed=1)
-    expected = plain_greedy(target, 30, LONG_PROMPT)
-    models = tuple(copy.deepcopy(model).cuda() for model in (target, draft))
-    runtimes = Runtimes(CompiledModel(models[0], True), CompiledModel(models[1], True), "on")
-    assert runtimes.target.graphed
-    for shape in shapes() + [FAN]:
-        decoder = Decoder(*models, V, shape, SamplingParams(temperature=0), set(), runtimes=runtimes)
-        tokens = [t for event in decoder.generate(LONG_PROMPT, 30, seed=0) for t in event.emitted]
-        assert tokens == expected, shape.describe()
+    assert_greedy_in_cuda_graphs(tiny_relative(kind, V, layers=2), tiny_relative(kind, V, layers=1, seed=1))
 
 
 def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
