@@ -90,7 +90,7 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gem
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
                    "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt",
                    "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text", "minicpm3", "youtu", "deepseek_v2",
-                   "deepseek_v3", "glm4_moe_lite", "gptj", "falcon", "bloom", "mpt", "gpt_neo")
+                   "deepseek_v3", "glm4_moe_lite", "gptj", "falcon", "bloom", "mpt", "gpt_neo", "gemma3n_text")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe",
             "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
@@ -139,7 +139,7 @@ class Style(NamedTuple):
     query_scaled: bool = False  # q multiplied by the attention's scaling before its product with k (OPT)
     sinks: bool = False  # each head's softmax has a learned logit more, whose share goes to no value (gpt-oss)
     angles_once: bool = False  # the rotary module gives each angle once, for both halves of a head (gpt-oss)
-    value_norm: bool = False  # each head of v RMS-normed without a weight, in float32 (Gemma 4)
+    value_norm: bool = False  # each head of v RMS-normed without a weight, in float32 (Gemma 3n, 4)
     latent_pairs: bool = False  # latent attention's rotated part turned by adjacent pairs (DeepSeek's rope_interleave)
     latent_complex: bool = False  # ... by adjacent pairs as complex numbers in float32, in place (DeepSeek V2's)
 
@@ -169,11 +169,12 @@ def style_of(model) -> Style:
     _, cfg = decoder_of(model)
     family = cfg.model_type
     gemma, cohere = family.startswith("gemma"), family in ("cohere", "cohere2")
-    gemma4 = family == "gemma4_text"  # (its norms multiply by their weight, not by 1 + it)
+    # (Gemma 3n's and 4's norms multiply by their weight, not by 1 + it; each head of their v is normed)
+    newer_gemma = family in ("gemma3n_text", "gemma4_text")
     mixture, oss = family in MIXTURES, family == "gpt_oss"
     bigcode, ernie = family == "gpt_bigcode", family in ("ernie4_5", "ernie4_5_moe")
     return Style(norm_in_float=gemma or family in ("olmo2", "olmo3") or cohere or oss,
-                 norm_offset=gemma and not gemma4 or family == "nemotron",
+                 norm_offset=gemma and not newer_gemma or family == "nemotron",
                  activation=clamped_swiglu(model) if oss else activation_of(cfg),
                  softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
                  residual_scale=float(getattr(cfg, "residual_multiplier", 1.0)) if family != "minicpm3"
@@ -184,7 +185,7 @@ def style_of(model) -> Style:
                  parallel=cohere or family in ("phi", "gptj") or bool(getattr(cfg, "use_parallel_residual", False))
                  or family == "falcon" and bool(cfg.new_decoder_architecture or cfg.parallel_attn),
                  experts=int(cfg.num_experts_per_tok) if mixture else  # (Gemma 4's beside its MLP: its own name)
-                 int(cfg.top_k_experts) if gemma4 and getattr(cfg, "enable_moe_block", False) else 0,
+                 int(cfg.top_k_experts) if family == "gemma4_text" and getattr(cfg, "enable_moe_block", False) else 0,
                  # (Mixtral's: no setting, always; DeepSeek V2's router never does, whatever its config says)
                  renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True)) and family != "deepseek_v2",
                  routing_in_float=family in ("mixtral", "deepseek_v3", "glm4_moe_lite"),
@@ -200,7 +201,7 @@ def style_of(model) -> Style:
                  query_scaled=family == "opt",
                  interleaved=family in ("gpt_neox", "falcon", "bloom") or bigcode and not cfg.multi_query, sinks=oss,
                  angles_once=oss,
-                 value_norm=gemma4, latent_pairs=bool(getattr(cfg, "rope_interleave", False)),
+                 value_norm=newer_gemma, latent_pairs=bool(getattr(cfg, "rope_interleave", False)),
                  latent_complex=family == "deepseek_v2")
 
 
@@ -857,6 +858,9 @@ class LayerWeights(NamedTuple):
     shared: bool = False  # Gemma 4: q only, the keys and values an earlier layer's (reads_earlier_cache)
     beside: Any = None  # Gemma 4 26B-A4B's experts beside the MLP (gemma4_experts)
     latent: Any = None  # multi-head latent attention's weights (latent_weights)
+    laurel: Any = None  # Gemma 3n's learned residual beside attention (laurel_weights)
+    sparsity: Any = None  # Gemma 3n: the MLP gate's cut-off, in standard deviations above its mean (gate_cutoff)
+    altup: Any = None  # Gemma 3n's alternating updates of its streams around the layer (altup_weights)
 
 
 class LayerKernels(NamedTuple):
@@ -875,6 +879,8 @@ class LayerKernels(NamedTuple):
     q_a: Any = None  # (latent attention's: latent_linears)
     kv_a: Any = None
     kv_b: Any = None
+    laurel_left: Any = None  # (Gemma 3n's learned residual's two products: laurel_linears)
+    laurel_right: Any = None
 
 
 def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernels: LayerKernels, dims: tuple,
@@ -913,7 +919,13 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
     `beside` (the MLP's own norm after it, gemma4_experts') a mixture of experts beside the MLP. `latent`
     (latent_weights') where attention is latent (DeepSeek's, MiniCPM3's): wq then makes each head's
     q, of q_proj or q_b_proj, and keys, values hold the latents and the keys' rotated parts.
+    Gemma 3n: `altup` (altup_weights) where x is its streams (streams, n, hidden), run around the
+    layer by _altup_layer, which gives this body the active stream; `laurel` (laurel_weights) its
+    learned residual beside attention; `sparsity` (gate_cutoff) where the MLP's gate keeps only its
+    largest values.
     Attention itself: _attention, _latent_attention."""
+    if weights.altup is not None:  # (Gemma 3n: the streams around the layer)
+        return _altup_layer(x, cos, sin, mask, keys, values, weights, kernels, dims, slots, fused, sight, style, side)
     in_float = style.norm_in_float
     eps = dims[4]
     n = x.shape[0]
@@ -935,6 +947,10 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
     if weights.after_attention is not None:
         attended = _rms_norm(attended, weights.after_attention, eps, in_float)
     x = x + attended
+    if weights.laurel is not None:  # (Gemma 3n: a low-rank residual of the normed input, averaged in)
+        left, right, laurel_norm = weights.laurel
+        low = _linear(_linear(normed, left, None, kernels.laurel_left), right, None, kernels.laurel_right)
+        x = (x + (normed + _rms_norm(low, laurel_norm, eps, in_float))) / math.sqrt(2)
     if style.parallel:  # (Cohere, Phi: ln1's output; GPT-NeoX: ln2 of the layer's input)
         h = normed if weights.ln2 is None else _rms_norm(residual, weights.ln2, eps, in_float)
     else:
@@ -951,6 +967,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
                 gate, up = blocks_linear(h, fused[1]).chunk(2, -1)
             else:
                 gate, up = _linear(h, weights.wg, None, kernels.gate), _linear(h, weights.wu, None, kernels.up)
+            if weights.sparsity is not None:  # (Gemma 3n's first layers)
+                gate = _gate_kept(gate, weights.sparsity)
             hidden = _activation(gate, style.activation) * up
         mlp = _linear(hidden, weights.wd, weights.bd, kernels.down)
     # (Gemma 4 26B-A4B: the MLP's output normed, experts' beside it on the block's input)
@@ -966,6 +984,44 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
         gated = _activation(_linear(x, gate_weight, None, kernels.side_gate), style.activation) * side
         x = x + _rms_norm(_linear(gated, projection, None, kernels.side_projection), side_norm, eps, in_float)
     return x if weights.scalar is None else x * weights.scalar
+
+
+def _gate_kept(gate: torch.Tensor, cutoff: torch.Tensor) -> torch.Tensor:
+    """Gemma 3n's activation sparsity: each row of the MLP's gate less its mean plus `cutoff` (a float32
+    number, gate_cutoff) standard deviations, negatives 0 — as its _gaussian_topk computes it."""
+    mean = torch.mean(gate, dim=-1, keepdim=True)
+    std = torch.std(gate, dim=-1, keepdim=True, unbiased=False)
+    return F.relu(gate - (mean + std * cutoff.to(gate.dtype)))
+
+
+def _altup_layer(streams, cos, sin, mask, keys, values, weights: LayerWeights, kernels: LayerKernels, dims: tuple,
+                 slots, fused, sight, style: Style, side) -> torch.Tensor:
+    """A Gemma 3n decoder layer on its streams (streams, n, hidden) (AltUp, as transformers'
+    Gemma3nTextAltUp computes it): each stream predicted from all of them by coefficients a router
+    reads off the active one; the layer (decoder_layer's body) on the active prediction; every
+    prediction corrected by what the layer changed; and this layer's per-layer input `side` (n,
+    width), gated by the corrected active stream (scaled), added to the other streams."""
+    router_norm, input_scale, router, predict, correct, scale, active = weights.altup
+    eps, count, n = dims[4], streams.shape[0], streams.shape[1]
+
+    def modalities(x: torch.Tensor) -> torch.Tensor:  # (n, streams)
+        routed = F.linear(_rms_norm(x, router_norm, eps, True) * input_scale, router)
+        return torch.tanh(routed.float()).type_as(x)
+
+    coefficients = F.linear(modalities(streams[active]), predict).reshape(n, count, count).permute(0, 2, 1)
+    predictions = (torch.matmul(streams.permute(1, 2, 0), coefficients).permute(2, 0, 1) + streams).type_as(streams)
+    out = decoder_layer(predictions[active], cos, sin, mask, keys, values,
+                        weights._replace(altup=None, side_input=None), kernels, dims, slots, fused, sight, style)
+    innovation = (out - predictions[active]).repeat(count, 1, 1)  # (streams, n, hidden)
+    by_stream = (F.linear(modalities(out), correct) + 1.0).permute(1, 0).unsqueeze(-1)  # (streams, n, 1)
+    corrected = (innovation * by_stream + predictions).type_as(out)
+    first = corrected[active]
+    if scale is not None:  # (its `altup_correct_scale`)
+        first = (first.type_as(scale) * scale).type_as(first)
+    gate_weight, projection, side_norm = weights.side_input
+    gated = _activation(_linear(first, gate_weight, None, kernels.side_gate), style.activation) * side
+    added = _rms_norm(_linear(gated, projection, None, kernels.side_projection), side_norm, eps, True)
+    return torch.cat([corrected[:1], corrected[1:] + added])
 
 
 def _attention(h, weights: LayerWeights, kernels: LayerKernels, dims: tuple, cos, sin, mask, keys, values, slots, fused,
@@ -1313,6 +1369,66 @@ def side_weights(layer, style: Style) -> tuple | None:
     return gate.weight.detach(), projection.weight.detach(), norm_weight(layer.post_per_layer_input_norm.weight, style)
 
 
+def laurel_linears(layer) -> tuple:
+    """A Gemma 3n layer's learned residual's two products (or None, None)."""
+    laurel = getattr(layer, "laurel", None)
+    return (None, None) if laurel is None else (laurel.linear_left, laurel.linear_right)
+
+
+def laurel_weights(layer, style: Style) -> tuple | None:
+    """What decoder_layer adds a Gemma 3n layer's learned residual by: (its left product's weight, its
+    right one's, their output's norm's), or None."""
+    left, right = laurel_linears(layer)
+    if left is None:
+        return None
+    return left.weight.detach(), right.weight.detach(), norm_weight(layer.laurel.post_laurel_norm.weight, style)
+
+
+def gate_cutoff(layer) -> torch.Tensor | None:
+    """Where a Gemma 3n layer's MLP keeps only its gate's largest values (`activation_sparsity`): the
+    cut-off in standard deviations above the mean, float32 (the normal distribution's quantile of the
+    share dropped, as its _gaussian_topk computes it), else None."""
+    share = float(getattr(mlp_of(layer), "activation_sparsity", 0.0) or 0.0)
+    if share <= 0.0:
+        return None
+    return torch.distributions.normal.Normal(0, 1).icdf(torch.tensor(share, dtype=torch.float32))
+
+
+def altup_weights(layer, style: Style) -> tuple | None:
+    """What _altup_layer runs a Gemma 3n layer's streams by: (its router's norm's weight, the router's
+    input scale, the router's weight, the prediction coefficients', the correction coefficients', the
+    scale of the corrected active stream or None, the active stream's index), or None."""
+    altup = getattr(layer, "altup", None)
+    if altup is None:
+        return None
+    cfg = altup.config
+    return (norm_weight(altup.router_norm.weight, style), altup.router_input_scale.detach(),
+            altup.modality_router.weight.detach(), altup.prediction_coefs.weight.detach(),
+            altup.correction_coefs.weight.detach(),
+            altup.correct_output_scale.detach() if cfg.altup_correct_scale else None, int(cfg.altup_active_idx))
+
+
+def altup_streams(x: torch.Tensor, projections: list) -> torch.Tensor:
+    """Gemma 3n's streams (streams, n, hidden) from its embedded tokens x (n, hidden): x, and each of
+    its projections scaled to x's root mean square (as transformers' Gemma3nTextModel makes them)."""
+    target = torch.mean(x ** 2, dim=-1, keepdim=True) ** 0.5
+    return torch.stack([x] + [_magnitude_as(F.linear(x, weight), target) for weight in projections])
+
+
+def altup_merged(streams: torch.Tensor, projections: list) -> torch.Tensor:
+    """Gemma 3n's last layer's streams (streams, n, hidden) made one (n, hidden): the first, and each
+    other's projection scaled to its root mean square, averaged."""
+    target = torch.mean(streams[0] ** 2, dim=-1, keepdim=True) ** 0.5
+    merged = [streams[0]] + [_magnitude_as(F.linear(stream, weight), target)
+                             for stream, weight in zip(streams[1:], projections)]
+    return torch.mean(torch.stack(merged), dim=0)
+
+
+def _magnitude_as(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """y scaled row by row to the root mean square `target` (its own at least sqrt(1e-5))."""
+    return y * target / torch.sqrt(torch.mean(y ** 2, dim=-1, keepdim=True).clamp(min=1e-5))
+
+
 def fused_linears(layer) -> tuple:
     """A layer's own linears of q, k and v in one (Phi-3's qkv_proj, MPT's Wqkv) and of gate and up in
     one (Phi-3's and GLM-4's gate_up_proj), or None each."""
@@ -1656,7 +1772,8 @@ class CompiledModel:
                 sinks=attention_of(layer).sinks.detach() if style.sinks else None,
                 constants=xielu_constants(mlp_of(layer)), side_input=side_weights(layer, style),
                 scalar=None if scalar is None else scalar.detach(), shared=reads_earlier_cache(layer),
-                beside=gemma4_experts(layer, style), latent=latent_weights(layer, style))
+                beside=gemma4_experts(layer, style), latent=latent_weights(layer, style),
+                laurel=laurel_weights(layer, style), sparsity=gate_cutoff(layer), altup=altup_weights(layer, style))
             if stacks is not None and stacks[0] is not None:  # q's weight then holds q/k/v's stack; k and v: None
                 weights = weights._replace(wq=stacks[0].detach(), wk=None, wv=None)
             if stacks is not None and stacks[1] is not None:  # ... gate's gate/up's; up: None
@@ -1664,7 +1781,7 @@ class CompiledModel:
             # (the fused linears whole, where stacked as the model has them)
             # (and a Gemma 4 layer's per-layer input's gate and projection)
             multiplied = (q if own[0] is None else own[0], k, v, o, gate if own[1] is None else own[1], up, down,
-                          *side_linears(layer), *latent_linears(layer))
+                          *side_linears(layer), *latent_linears(layer), *laurel_linears(layer))
             kernels = LayerKernels(*(None if linear is None else self._kernels(linear) for linear in multiplied))
             self.layers.append((weights, kernels,
                                 (None if None in linears[:3] else fused_blocks(linears[:3], biased=True),
@@ -1704,6 +1821,11 @@ class CompiledModel:
         self.cache_shapes = [cache_shape(layers[owner], self.layer_dims[owner]) for owner in written]
         # Gemma 4's per-layer inputs: each token's embedding for every layer, read beside its embedding
         self.per_layer_inputs = getattr(inner, "embed_tokens_per_layer", None) is not None
+        # Gemma 3n's streams (AltUp): the projections making them of the embedded tokens, and making one of
+        # them after the last layer (altup_streams, altup_merged), or None
+        made, merged = getattr(inner, "altup_projections", None), getattr(inner, "altup_unembed_projections", None)
+        self.altup = None if made is None else ([linear.weight.detach() for linear in made],
+                                                [linear.weight.detach() for linear in merged])
         self.window = cfg.sliding_window if sliding_window(cfg) else None
         if cfg.model_type == "gpt_neo":  # (its local layers' window: of positions here, of slots in transformers')
             self.window = cfg.window_size if "sliding_attention" in kinds else None
@@ -1966,8 +2088,9 @@ class CompiledModel:
         if self.embedding_scale != 1.0:  # (Granite's model scales it)
             x = x * self.embedding_scale
         sides = None  # (Gemma 4: (n, layers, width) inputs of each layer, from the tokens and their embeddings)
-        if self.per_layer_inputs:
-            by_token = self.inner.get_per_layer_inputs(tokens[None], x[None])
+        if self.per_layer_inputs:  # (Gemma 3n's from the tokens alone)
+            by_token = self.inner.get_per_layer_inputs(tokens[None]) if self.altup is not None else \
+                self.inner.get_per_layer_inputs(tokens[None], x[None])
             sides = self.inner.project_per_layer_inputs(x[None], by_token)[0]
         # (a tree's rows past the context's end read its last rotary angle: their tokens are never emitted)
         positions = positions.clamp(max=self.context - 1)
@@ -2019,7 +2142,7 @@ class CompiledModel:
             graphs = compiled and torch.get_num_threads() == cpu_threads()
             if graphs:
                 self.graphs.add(tokens.shape[0])
-            y = x
+            y = x if self.altup is None else altup_streams(x, self.altup[0])  # (Gemma 3n: its streams)
             run = NativeForward(cos, sin, mask, dims) if native is not None else None
             # (a Gemma 2 layer's attention reads every key through the mask)
             reads = sight() if sight is not None and not graphs and not (self.style.softcap or self.style.sinks) \
@@ -2041,7 +2164,7 @@ class CompiledModel:
                 else:
                     y = decoder_layer(y, layer_cos, layer_sin, layer_mask, layer_keys, layer_values, weights, kernels,
                                       self.layer_dims[index], slots, fused, reads, self.style, side)
-            return logits(y)
+            return logits(y if self.altup is None else altup_merged(y, self.altup[1]))
 
         # on a CPU on the threads the governor chooses
         return run_on_torch((id(self), tokens.shape[0], "torch"), on_torch, on_cpu=self.device.type == "cpu")
@@ -2397,9 +2520,12 @@ def verdict_key(model) -> str:
 
     def size(name: str):  # (what a config does not name, as GPT-2's or BLOOM's intermediate size: None)
         try:
-            return getattr(cfg, name, None)
+            found = getattr(cfg, name, None)
         except RuntimeError:  # (one Gemma 4's config names for each layer, refusing to name one for all)
             return "by layer"
+        if isinstance(found, (list, tuple)):  # (Gemma 3n's: one for each layer)
+            return found[0] if len(set(found)) == 1 else "by layer"
+        return found
 
     key = (f"{machine()} | {p.device.type} | {str(p.dtype).removeprefix('torch.')} | {cfg.model_type} "
            f"{size('hidden_size')}x{size('intermediate_size')} {size('num_attention_heads')}/"

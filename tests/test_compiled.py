@@ -480,7 +480,7 @@ def test_a_logit_bias_in_step_maths_replayed_as_cuda_graphs_decides_as_launched_
 
 @CUDA
 @pytest.mark.parametrize("kind", ["mistral", "gemma3", "gemma2", "phi3", "exaone4", "cohere2", "mixtral", "starcoder2",
-                                  "gpt_oss", "gemma4", "gemma4-moe"])
+                                  "gpt_oss", "gemma4", "gemma4-moe", "gemma3n"])
 def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
     """Mistral-like, every layer seeing the last 8 positions, Gemma 3-like, the first layer only (a
     mask for each layer kind), Gemma 2-like, every other layer seeing 4 (and rsd's own attention,
@@ -492,8 +492,9 @@ def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
     biases) or gpt-oss-like (every other layer seeing 4, attention sinks, experts with biases), in
     compiled CUDA graphs (masks over the whole capacity, windowed on the host), or Gemma 4-like (every
     other layer seeing 4, caches of two shapes, the last two layers reading the first two's; or experts
-    beside each MLP): every
-    variant's greedy tokens are the target's, 30 tokens past the window."""
+    beside each MLP), or Gemma 3n-like (Gemma 4's caches of one shape, four streams, a learned residual,
+    the first layer's gate cut off): every variant's greedy tokens are the target's, 30 tokens past the
+    window."""
     import copy
 
     from test_engine import FAN, LONG_PROMPT, every_layer_windowed
@@ -504,7 +505,7 @@ def test_a_windowed_model_runs_in_cuda_graphs_past_its_window(kind):
     elif kind == "gemma3":
         target, draft = tiny_windowed(kind, V), tiny_windowed(kind, V, layers=1, seed=1)
     else:
-        target, draft = tiny_relative(kind, V, layers={"gemma4": 4, "gemma4-moe": 3}.get(kind, 2)), \
+        target, draft = tiny_relative(kind, V, layers={"gemma4": 4, "gemma4-moe": 3, "gemma3n": 4}.get(kind, 2)), \
             tiny_relative(kind, V, layers=1, seed=1)
     expected = plain_greedy(target, 30, LONG_PROMPT)
     models = tuple(copy.deepcopy(model).cuda() for model in (target, draft))
@@ -748,6 +749,37 @@ def test_gemma4_runs_on_the_static_cache_runtime(kind, layers, caches):
     assert runtime.cache_shapes == [(2, 8, 8), (1, 16, 16), (1, 16, 16)][:len(set(caches))]
     assert [type(buffers).__name__ for buffers in runtime.new_buffers(4)] == ["LayerCaches"] * 2
     # (each layer's float32 sums in another order than transformers' through 4 layers of norms: ~5e-5)
+    assert_the_runtime_decodes_as_transformers(target, draft, 1e-4)
+
+
+@pytest.mark.parametrize("layers, caches", [(1, [0]), (4, [0, 1, 0, 1])])
+def test_gemma3n_runs_on_the_static_cache_runtime(layers, caches):
+    """Gemma 3n (E2B, E4B): four streams through the layers (AltUp: each predicted from all by
+    coefficients routed off the active one, the layer run on the active prediction, every stream
+    corrected by what it changed, the per-layer input added to the other three), made of the embedded
+    tokens' projections and merged after the last layer; a learned residual of rank 4 beside
+    attention; the first layer's MLP gate keeping its largest 5% only; v normed without a weight;
+    windowed and full-attention layers in turn, the last two of 4 reading the first two's caches: tree
+    logits, pruning and growth as transformers' forward gives them on every backend, each variant's
+    greedy output plain greedy. Each part matters: the logits of a forward without the corrected
+    scale, the learned residual or the gate's cut-off are off by far more than the tolerance."""
+    target, draft = tiny_relative("gemma3n", V, layers=layers, seed=0), tiny_relative("gemma3n", V, layers=1, seed=1)
+    runtime = CompiledModel(target, False)
+    assert runtime.cache_of == caches and len(runtime.altup[0]) == 3
+    tokens = torch.tensor([1, 5, 2, 3, 4, 2])
+    with torch.no_grad():
+        expected = target(tokens[None]).logits[0]
+
+    def logits(weights) -> torch.Tensor:
+        runtime.layers[0] = (weights, *runtime.layers[0][1:])
+        return StaticLM(runtime, V, capacity=12).forward(tokens.tolist(), list(range(6)),
+                                                         torch.ones(6, 6, dtype=torch.bool).tril())
+
+    whole = runtime.layers[0][0]
+    torch.testing.assert_close(logits(whole), expected, atol=1e-5, rtol=1e-5)
+    altup = whole.altup
+    for part in (dict(laurel=None), dict(sparsity=None), dict(altup=(*altup[:5], None, altup[6]))):
+        assert (logits(whole._replace(**part)) - expected).abs().max() > 0.01, part
     assert_the_runtime_decodes_as_transformers(target, draft, 1e-4)
 
 
@@ -1333,16 +1365,16 @@ def test_longrope_samples_past_the_long_factors_start_are_decoded_one_after_the_
         [(expected, 1, "static cache, compiled")] * 2
 
 
-@pytest.mark.parametrize("kind", ["gpt_neox", "opt", "gpt2", "gpt_bigcode", "gemma4", "gptj", "falcon"])
+@pytest.mark.parametrize("kind", ["gpt_neox", "opt", "gpt2", "gpt_bigcode", "gemma4", "gptj", "falcon", "gemma3n"])
 def test_a_pair_of_a_family_without_early_exit_drafts_runs_both_models_on_the_static_cache_runtime(tmp_path, kind):
     """As a user runs a Pythia pair, an OPT one (the RSD paper's), a GPT-2 one, a StarCoder 1 one, a
-    Gemma 4 one, a GPT-J one or a Falcon one: a GPT-NeoX (OPT, GPT-2, GPT-BigCode, Gemma 4, GPT-J,
-    Falcon) target and a smaller one as the draft (kind = "model"), each a checkpoint folder, both on the static-cache
-    runtime compiled: the greedy tokens of both on transformers' forward, for a tree variant and for
-    `sd`. (Gemma 4's target of 4 layers, the last two reading the first two's caches.)"""
+    Gemma 4 one, a GPT-J one, a Falcon one or a Gemma 3n one: a GPT-NeoX (OPT, GPT-2, GPT-BigCode, Gemma 4,
+    GPT-J, Falcon, Gemma 3n) target and a smaller one as the draft (kind = "model"), each a checkpoint folder, both
+    on the static-cache runtime compiled: the greedy tokens of both on transformers' forward, for a tree variant
+    and for `sd`. (Gemma 4's and 3n's targets of 4 layers, the last two reading the first two's caches.)"""
     from tiny import save_profiled_pair
 
-    layers = 4 if kind == "gemma4" else 3
+    layers = 4 if kind in ("gemma4", "gemma3n") else 3
     pair = save_profiled_pair(tmp_path, tiny_relative(kind, 40, layers=layers, seed=0),
                               tiny_relative(kind, 40, 1, seed=1))
     for variant in ("rsd-c", "sd"):

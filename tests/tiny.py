@@ -121,7 +121,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               YoutuForCausalLM, DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
                               DeepseekV3ForCausalLM, Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, GPTJConfig,
                               GPTJForCausalLM, FalconConfig, FalconForCausalLM, BloomConfig, BloomForCausalLM,
-                              MptConfig, MptForCausalLM, GPTNeoConfig, GPTNeoForCausalLM)
+                              MptConfig, MptForCausalLM, GPTNeoConfig, GPTNeoForCausalLM, Gemma3nTextConfig,
+                              Gemma3nForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -152,6 +153,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "phimoe": (PhimoeConfig, PhimoeForCausalLM),
                            "gemma4": (Gemma4TextConfig, Gemma4ForCausalLM),
                            "gemma4-moe": (Gemma4TextConfig, Gemma4ForCausalLM),
+                           "gemma3n": (Gemma3nTextConfig, Gemma3nForCausalLM),
                            "minicpm3": (MiniCPM3Config, MiniCPM3ForCausalLM), "youtu": (YoutuConfig, YoutuForCausalLM),
                            "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
                            "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
@@ -276,6 +278,14 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         settings = dict(head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
                         sliding_window=4, layer_types=types, hidden_size_per_layer_input=0, enable_moe_block=True,
                         num_experts=4, top_k_experts=2, moe_intermediate_size=16, final_logit_softcapping=5.0)
+    elif kind == "gemma3n":  # (Gemma 4's layer kinds and shared caches, heads of 8 alike; 4 streams (AltUp), a
+        # learned residual of rank 4, the first layer's MLP gate keeping its largest 5%)
+        types = (["sliding_attention", "full_attention"] * layers)[:layers]
+        types[-1] = "full_attention"
+        settings = dict(head_dim=8, sliding_window=4, layer_types=types, num_kv_shared_layers=max(0, layers - 2),
+                        hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab, laurel_rank=4,
+                        altup_num_inputs=4, activation_sparsity_pattern=[0.95] + [0.0] * (layers - 1),
+                        final_logit_softcapping=5.0)
     elif kind == "minicpm3":  # (latent attention: q through a rank of 16, keys and values through a latent of 16,
         # 4 of each head's 12 dimensions turned; the embedding, each block's output and the logits scaled)
         settings = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
@@ -341,7 +351,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                 weight.normal_(0.0, 0.2)
             elif name.endswith(("alpha_p", "alpha_n")):  # (Apertus's xIELU, each layer's own)
                 weight.normal_(float(weight), 0.5)
-            elif name.endswith(("router.scale", "per_expert_scale")):  # (Gemma 4's router's, from 1)
+            elif name.endswith(("router.scale", "per_expert_scale", "correct_output_scale")):  # (Gemma 4's router's,
+                # from 1; Gemma 3n's corrected stream's scale, from 0)
                 weight.normal_(1.0, scale)
         for layer in layers_of(decoder_of(model)[0]):
             if getattr(layer, "layer_scalar", None) is not None:  # (Gemma 4's, a buffer: each layer's own)
