@@ -21,6 +21,10 @@ a 50257-token vocabulary), its draft a 2-layer GPT-2 as wide (distilgpt2's width
 full attention, whose heads are 512 wide, a quarter of them turned; the last 6 layers reading the
 caches of earlier ones, their MLPs twice as wide; per-layer inputs 32 wide), its draft a 4-layer
 Gemma 4 as wide (Gemma 4 has no early-exit draft).
+`--family gemma3n`: Gemma 3n E2B's layout at Gemma 3 270M's width (12 layers, four windowed to one of
+full attention, the last 4 reading the caches of earlier ones; four streams (AltUp), a learned residual
+of rank 64, the first 4 layers' MLP gates cut off at their largest 5%, per-layer inputs 32 wide), its
+draft a 4-layer Gemma 3n as wide (Gemma 3n has no early-exit draft).
 `--family gemma4_moe`: 26B-A4B's kind at Gemma 3 270M's width, 12 layers, five windowed to one of
 full attention, 16 experts of 256, 4 a token, beside each MLP (no per-layer inputs), its draft its
 first 3 layers.
@@ -58,6 +62,7 @@ Random weights: the speeds say what the runtime costs, the tokens only that both
     .venv/bin/python benchmarks/windowed_runtime.py --family opt --rounds 2 -n 64
     .venv/bin/python benchmarks/windowed_runtime.py --family gpt2 --rounds 2 -n 64
     .venv/bin/python benchmarks/windowed_runtime.py --family gemma4 --rounds 2 -n 96
+    .venv/bin/python benchmarks/windowed_runtime.py --family gemma3n --rounds 2 -n 96
     .venv/bin/python benchmarks/windowed_runtime.py --family gemma4_moe --rounds 2 -n 64
     .venv/bin/python benchmarks/windowed_runtime.py --family deepseek_v3 --rounds 2 -n 64
     .venv/bin/python benchmarks/windowed_runtime.py --family gptj --rounds 2 -n 64
@@ -84,7 +89,8 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
     from transformers import (BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM, GPTJConfig,
                               GPTJForCausalLM, GPTNeoConfig, GPTNeoForCausalLM,
                               DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
-                              Gemma4ForCausalLM, Gemma4TextConfig, Glm4Config,
+                              Gemma3nForCausalLM, Gemma3nTextConfig, Gemma4ForCausalLM, Gemma4TextConfig,
+                              Glm4Config,
                               Glm4ForCausalLM, GptOssConfig,
                               GptOssForCausalLM, GPT2Config, GPT2LMHeadModel, MistralConfig, OPTConfig,
                               OPTForCausalLM,
@@ -110,6 +116,17 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
             sliding_window=window, num_kv_shared_layers=6, use_double_wide_mlp=True, hidden_size_per_layer_input=32,
             vocab_size_per_layer_input=49152, final_logit_softcapping=30.0, tie_word_embeddings=True,
             bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    elif family == "gemma3n":
+        types = (["sliding_attention"] * 4 + ["full_attention"]) * 2 + ["sliding_attention", "full_attention"]
+        model = Gemma3nForCausalLM(Gemma3nTextConfig(
+            vocab_size=49152, hidden_size=640, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=256, max_position_embeddings=8192, sliding_window=window,
+            layer_types=types, num_kv_shared_layers=4, hidden_size_per_layer_input=32,
+            vocab_size_per_layer_input=49152, laurel_rank=64, activation_sparsity_pattern=[0.95] * 4 + [0.0] * 8,
+            tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+        with torch.no_grad():  # (each layer's corrected stream scaled: transformers starts the scale at 0)
+            for layer in model.model.layers:
+                layer.altup.correct_output_scale.fill_(1.0)
     elif family == "gemma4_moe":
         model = Gemma4ForCausalLM(Gemma4TextConfig(
             vocab_size=49152, hidden_size=640, intermediate_size=1024, num_hidden_layers=12, num_attention_heads=4,
@@ -186,6 +203,13 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
                     "layer_types": ["sliding_attention", "full_attention"] * 2}
         settings.pop("per_layer_config", None)
         models["draft"] = type(model)(type(model.config)(**settings, global_head_dim=512))
+    elif family == "gemma3n":  # (four windowed layers, then one of full attention; none reading others')
+        settings = {**model.config.to_dict(), "num_hidden_layers": 4, "num_kv_shared_layers": 0,
+                    "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+                    "activation_sparsity_pattern": [0.95] * 4}
+        settings.pop("kv_sharing_modes", None)
+        settings.pop("intermediate_size", None)
+        models["draft"] = type(model)(type(model.config)(**settings, intermediate_size=2048))
     embedded = Path(resolve_source("embedded")[0])
     for role, each in models.items():
         each.save_pretrained(folder / role)
@@ -218,7 +242,7 @@ def main() -> None:
     parser.add_argument("--variants", default="ar,sd")
     parser.add_argument("--family", choices=("mistral", "gemma3", "gemma4", "gemma4_moe", "deepseek_v3", "qwen3_moe",
                                              "mixtral", "gpt_oss", "opt", "gpt2", "glm4", "phi3_longrope", "gptj",
-                                             "falcon", "bloom", "gpt_neo"),
+                                             "falcon", "bloom", "gpt_neo", "gemma3n"),
                         default="mistral")
     args = parser.parse_args()
     past = {"qwen3_moe": "", "glm4": "", "deepseek_v3": "", "opt": "", "gpt2": "", "gptj": "", "falcon": "",
