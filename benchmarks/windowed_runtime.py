@@ -46,6 +46,12 @@ wide. transformers' forward takes chains only from a BLOOM: a tree variant asked
 refused, and its `auto` rate is then compared with `ar`'s on `off` (`--variants ar,sd,rsd-c`).
 `--family gpt_neo`: GPT-Neo 125M's shape (12 layers, hidden 768, local layers windowed to
 `--window` positions beside global ones), its draft a 2-layer GPT-Neo as wide; trees as BLOOM's.
+`--family llama4`: Llama 4 Scout's layout at the embedded target's width (hidden 576, 9 heads of 64, 3
+key-value heads), 12 layers, every fourth without a rotation, its q scaled by position, the others in
+chunks of `--window` positions, q and k normed without a weight; 16 experts of 256, 1 a token, reading
+the token times its weight, beside a shared expert, on every layer; its draft its first 3 layers.
+transformers' forward takes chains only from a Llama 4 (its chunks and scale go by cache slots): a
+tree variant asked of `off` is refused, as BLOOM's.
 `--family phi3_longrope`: a Phi-3 of the embedded target's shape turned by `longrope` factors,
 its long ones from position `--window` on (Phi-3.5's and Phi-4-mini's kind, whose long factors
 start at 4096; no window): the answer goes past that position, where rsd reads the sequence
@@ -69,6 +75,7 @@ Random weights: the speeds say what the runtime costs, the tokens only that both
     .venv/bin/python benchmarks/windowed_runtime.py --family falcon --rounds 2 -n 64
     .venv/bin/python benchmarks/windowed_runtime.py --family bloom --rounds 2 -n 64 --variants ar,sd,rsd-c
     .venv/bin/python benchmarks/windowed_runtime.py --family gpt_neo --rounds 2 -n 96 --variants ar,sd,rsd-c
+    .venv/bin/python benchmarks/windowed_runtime.py --family llama4 --rounds 2 -n 96 --variants ar,sd,rsd-c
 """
 
 from __future__ import annotations
@@ -90,7 +97,7 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
                               GPTJForCausalLM, GPTNeoConfig, GPTNeoForCausalLM,
                               DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
                               Gemma3nForCausalLM, Gemma3nTextConfig, Gemma4ForCausalLM, Gemma4TextConfig,
-                              Glm4Config,
+                              Glm4Config, Llama4ForCausalLM, Llama4TextConfig,
                               Glm4ForCausalLM, GptOssConfig,
                               GptOssForCausalLM, GPT2Config, GPT2LMHeadModel, MistralConfig, OPTConfig,
                               OPTForCausalLM,
@@ -181,6 +188,11 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
         model = GPTNeoForCausalLM(GPTNeoConfig(vocab_size=50257, hidden_size=768, num_layers=12, num_heads=12,
                                                attention_types=[[["global", "local"], 6]], window_size=window,
                                                max_position_embeddings=2048, bos_token_id=1, eos_token_id=2))
+    elif family == "llama4":  # (floor_scale as the chunks: the scale changes within the answer)
+        model = Llama4ForCausalLM(Llama4TextConfig(
+            **{**embedded, "intermediate_size": 256, "num_hidden_layers": 12}, intermediate_size_mlp=1536, head_dim=64,
+            num_local_experts=16, num_experts_per_tok=1, attention_chunk_size=window, floor_scale=window,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2))
     elif family == "glm4":
         model = Glm4ForCausalLM(Glm4Config(**embedded, head_dim=64, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     elif family == "phi3_longrope":  # (32 factors each: one per pair of a head's 64 dimensions)
@@ -242,11 +254,11 @@ def main() -> None:
     parser.add_argument("--variants", default="ar,sd")
     parser.add_argument("--family", choices=("mistral", "gemma3", "gemma4", "gemma4_moe", "deepseek_v3", "qwen3_moe",
                                              "mixtral", "gpt_oss", "opt", "gpt2", "glm4", "phi3_longrope", "gptj",
-                                             "falcon", "bloom", "gpt_neo", "gemma3n"),
+                                             "falcon", "bloom", "gpt_neo", "gemma3n", "llama4"),
                         default="mistral")
     args = parser.parse_args()
     past = {"qwen3_moe": "", "glm4": "", "deepseek_v3": "", "opt": "", "gpt2": "", "gptj": "", "falcon": "",
-            "bloom": "",
+            "bloom": "", "llama4": f" across chunks of {args.window}",
             "phi3_longrope": f" past position {args.window}, the long factors' start"}
     with tempfile.TemporaryDirectory() as tmp:
         profile = make_model(Path(tmp), args.window, args.family)

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from .engine import (ChainExtension, ForwardClock, astride, full_vocabulary, long_factors_from, lower_triangle,
-                     timed_chain, unchanged_prefix, within_window)
+                     timed_chain, unchanged_prefix, within_chunk, within_window)
 from .sampling import to_device
 from .step_graphs import StepGraphs, cuda_capture
 from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, joined, native_head, native_table
@@ -90,10 +90,11 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gem
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
                    "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt",
                    "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text", "minicpm3", "youtu", "deepseek_v2",
-                   "deepseek_v3", "glm4_moe_lite", "gptj", "falcon", "bloom", "mpt", "gpt_neo", "gemma3n_text")
+                   "deepseek_v3", "glm4_moe_lite", "gptj", "falcon", "bloom", "mpt", "gpt_neo", "gemma3n_text",
+                   "llama4_text")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe",
-            "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+            "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "llama4_text")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 # (ntk_alpha: Hunyuan's, a fixed base); `longrope` picks short or long factors for a whole forward by its last
 # position: the runtime turns each row by its own position's (CompiledModel.tables; engine.long_factors_from)
@@ -142,6 +143,9 @@ class Style(NamedTuple):
     value_norm: bool = False  # each head of v RMS-normed without a weight, in float32 (Gemma 3n, 4)
     latent_pairs: bool = False  # latent attention's rotated part turned by adjacent pairs (DeepSeek's rope_interleave)
     latent_complex: bool = False  # ... by adjacent pairs as complex numbers in float32, in place (DeepSeek V2's)
+    # experts chosen by their router logits, each reading the token times its logit's sigmoid instead of weighting
+    # its output (Llama 4)
+    input_weighted: bool = False
 
 
 def decoder_of(model) -> tuple:
@@ -172,22 +176,23 @@ def style_of(model) -> Style:
     # (Gemma 3n's and 4's norms multiply by their weight, not by 1 + it; each head of their v is normed)
     newer_gemma = family in ("gemma3n_text", "gemma4_text")
     mixture, oss = family in MIXTURES, family == "gpt_oss"
-    bigcode, ernie = family == "gpt_bigcode", family in ("ernie4_5", "ernie4_5_moe")
+    bigcode, ernie, llama4 = family == "gpt_bigcode", family in ("ernie4_5", "ernie4_5_moe"), family == "llama4_text"
     return Style(norm_in_float=gemma or family in ("olmo2", "olmo3") or cohere or oss,
                  norm_offset=gemma and not newer_gemma or family == "nemotron",
                  activation=clamped_swiglu(model) if oss else activation_of(cfg),
                  softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
                  residual_scale=float(getattr(cfg, "residual_multiplier", 1.0)) if family != "minicpm3"
                  else cfg.scale_depth / math.sqrt(cfg.num_hidden_layers),
-                 pairs=ernie or family in ("glm4", "cohere", "cohere2", "gptj"),
-                 rotation_in_float=ernie or family == "cohere",
-                 norm_after_rotation=family == "hunyuan_v1_dense", centred=cohere,
+                 pairs=ernie or llama4 or family in ("glm4", "cohere", "cohere2", "gptj"),
+                 rotation_in_float=ernie or llama4 or family == "cohere",
+                 norm_after_rotation=llama4 or family == "hunyuan_v1_dense", centred=cohere,
                  parallel=cohere or family in ("phi", "gptj") or bool(getattr(cfg, "use_parallel_residual", False))
                  or family == "falcon" and bool(cfg.new_decoder_architecture or cfg.parallel_attn),
                  experts=int(cfg.num_experts_per_tok) if mixture else  # (Gemma 4's beside its MLP: its own name)
                  int(cfg.top_k_experts) if family == "gemma4_text" and getattr(cfg, "enable_moe_block", False) else 0,
                  # (Mixtral's: no setting, always; DeepSeek V2's router never does, whatever its config says)
-                 renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True)) and family != "deepseek_v2",
+                 renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True))
+                 and family not in ("deepseek_v2", "llama4_text"),
                  routing_in_float=family in ("mixtral", "deepseek_v3", "glm4_moe_lite"),
                  top_first=family.startswith("granitemoe") or oss,
                  grouped=grouped_routing(cfg),
@@ -202,7 +207,7 @@ def style_of(model) -> Style:
                  interleaved=family in ("gpt_neox", "falcon", "bloom") or bigcode and not cfg.multi_query, sinks=oss,
                  angles_once=oss,
                  value_norm=newer_gemma, latent_pairs=bool(getattr(cfg, "rope_interleave", False)),
-                 latent_complex=family == "deepseek_v2")
+                 latent_complex=family == "deepseek_v2", input_weighted=llama4)
 
 
 def grouped_routing(cfg) -> tuple | None:
@@ -362,7 +367,8 @@ def unsupported(model) -> str | None:
         return "Falcon's new layout without parallel attention"
     if getattr(cfg, "clip_qkv", None) is not None:  # (OLMoE's option)
         return f"{type(model).__name__} clips q, k and v"
-    if getattr(cfg, "use_qk_norm", False):  # (Command R+: a LayerNorm weight for each head)
+    if getattr(cfg, "use_qk_norm", False) and cfg.model_type != "llama4_text":  # (Command R+: a LayerNorm weight
+        # for each head; Llama 4's, without a weight, are its _head_norms')
         return f"{type(model).__name__} norms q and k with a weight for each head"
     placement = getattr(model, "hf_device_map", None) or {}
     devices = {p.device for p in model.parameters()}
@@ -453,6 +459,13 @@ def window_of(cfg) -> int | None:
 
 
 PLACEMENT_REASONS = ("a model placed over several devices", "a model whose weights accelerate offloads")
+
+
+def attention_temperatures(positions: torch.Tensor, floor_scale: float, scale: float) -> torch.Tensor:
+    """(n,) float32: what Llama 4's layers without a rotation multiply each token's q by
+    (`attn_temperature_tuning`), as its attention computes it of the token's position — there the
+    cache's length plus its row, the same in a chain; here its own position, so a tree's nodes too."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * scale + 1.0
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -616,6 +629,9 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style) -> torch.T
     elif style.grouped is not None:  # (DeepSeek: scores in float32, chosen within the best groups)
         weights, chosen = grouped_choice(F.linear(h.float(), router.float()), correction, k, *style.grouped,
                                          style.renormalise)
+    elif style.input_weighted:  # (Llama 4: the k largest router logits, weighted by their sigmoid)
+        top, chosen = F.linear(h, router).topk(k, dim=-1)  # (n, k) each
+        weights = torch.sigmoid(top.float())
     elif correction is not None:  # (ERNIE 4.5: its router in float32)
         probabilities = torch.softmax(F.linear(h.float(), router.float()), -1, dtype=torch.float32)  # (n, E)
         chosen = torch.topk(probabilities + correction, k, dim=-1).indices
@@ -626,7 +642,13 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style) -> torch.T
         if style.renormalise:
             weights = weights / weights.sum(-1, keepdim=True)
     weights = weights if style.routing_in_float else weights.to(h.dtype)
-    mixed = run_experts(h, chosen, weights, gate_up, down, style.activation, *biases).to(h.dtype)
+    if style.input_weighted:  # (Llama 4: each (token, expert) pair's input the token times its weight; summed)
+        n = h.shape[0]
+        pairs = (h[:, None, :] * weights[..., None]).reshape(n * k, -1)  # (n k, hidden)
+        mixed = run_experts(pairs, chosen.reshape(-1, 1), pairs.new_ones(n * k, 1), gate_up, down,
+                            style.activation).view(n, k, -1).sum(1).to(h.dtype)
+    else:
+        mixed = run_experts(h, chosen, weights, gate_up, down, style.activation, *biases).to(h.dtype)
     if shared is None:
         return mixed
     wg, wu, wd, shared_gate = shared
@@ -886,7 +908,7 @@ class LayerKernels(NamedTuple):
 def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernels: LayerKernels, dims: tuple,
                   slots: torch.Tensor | None = None, fused: tuple = (None, None),
                   sight: Sight | None = None, style: Style = Style(),
-                  side: torch.Tensor | None = None) -> torch.Tensor:
+                  side: torch.Tensor | None = None, temperature: torch.Tensor | None = None) -> torch.Tensor:
     """One Llama decoder layer on n new tokens (or one of a related family: `style`, and the norms
     `weights` hold).
     x (n, hidden); cos, sin (n, head_dim); mask (n, kv_len) additive (ALiBi's (heads, n, kv_len), each
@@ -922,7 +944,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
     Gemma 3n: `altup` (altup_weights) where x is its streams (streams, n, hidden), run around the
     layer by _altup_layer, which gives this body the active stream; `laurel` (laurel_weights) its
     learned residual beside attention; `sparsity` (gate_cutoff) where the MLP's gate keeps only its
-    largest values.
+    largest values. `temperature` (n,) float32: what each new token's q is multiplied by (Llama 4's layers
+    without a rotation: attention_temperatures), or None.
     Attention itself: _attention, _latent_attention."""
     if weights.altup is not None:  # (Gemma 3n: the streams around the layer)
         return _altup_layer(x, cos, sin, mask, keys, values, weights, kernels, dims, slots, fused, sight, style, side)
@@ -939,7 +962,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
         out = _latent_attention(h, weights.wq, weights.latent, kernels, dims, cos, sin, mask, keys, values, slots,
                                 sight, style)
     else:
-        out = _attention(h, weights, kernels, dims, cos, sin, mask, keys, values, slots, fused, sight, style)
+        out = _attention(h, weights, kernels, dims, cos, sin, mask, keys, values, slots, fused, sight, style,
+                         temperature)
     attended = _linear(out.transpose(0, 1).reshape(n, -1), weights.wo, weights.bo, kernels.o)
     if style.residual_scale != 1.0:  # (Granite)
         attended = attended * style.residual_scale
@@ -1025,7 +1049,7 @@ def _altup_layer(streams, cos, sin, mask, keys, values, weights: LayerWeights, k
 
 
 def _attention(h, weights: LayerWeights, kernels: LayerKernels, dims: tuple, cos, sin, mask, keys, values, slots, fused,
-               sight, style: Style) -> torch.Tensor:
+               sight, style: Style, temperature: torch.Tensor | None = None) -> torch.Tensor:
     """decoder_layer's attention on its normed input h (n, hidden): (heads, n, head_dim), before the
     output's product."""
     wq, bq, wk, bk, wv, bv = weights.wq, weights.bq, weights.wk, weights.bk, weights.wv, weights.bv
@@ -1067,8 +1091,10 @@ def _attention(h, weights: LayerWeights, kernels: LayerKernels, dims: tuple, cos
         v = v.transpose(0, 1)
     if style.query_scaled:  # (OPT: q scaled before its product with k, as its attention computes it)
         q, scaling = q * scaling, 1.0
-    if by_head and style.norm_after_rotation:  # Hunyuan: after it
+    if by_head and style.norm_after_rotation:  # Hunyuan, Llama 4: after it
         q, k = _rms_norm(q, q_norm, eps, in_float), _rms_norm(k, k_norm, eps, in_float)
+    if temperature is not None:  # (Llama 4's layers without a rotation: q scaled by each token's position)
+        q = (q * temperature[None, :, None]).to(q.dtype)
     if k is not None and slots is None:  # (k None: a layer reading what an earlier one wrote)
         keys[:, kv_len - n: kv_len] = k
         values[:, kv_len - n: kv_len] = v
@@ -1488,8 +1514,8 @@ def mlp_of(layer):
     """A decoder layer's MLP, or mixture of experts (GraniteMoE's `block_sparse_moe`, MPT's `ffn`; OPT's
     linears are the layer's own)."""
     found = getattr(layer, "mlp", None)
-    return found if found is not None else \
-        getattr(layer, "block_sparse_moe", None) or getattr(layer, "ffn", None) or layer
+    return found if found is not None else getattr(layer, "block_sparse_moe", None) or getattr(layer, "ffn", None) \
+        or getattr(layer, "feed_forward", None) or layer
 
 
 def experts_of(layer) -> tuple | None:
@@ -1498,10 +1524,10 @@ def experts_of(layer) -> tuple | None:
     if not hasattr(m, "experts"):
         return None
     shared = None
-    if getattr(m, "shared_expert", None) is not None:  # (Qwen2-MoE)
-        e = m.shared_expert
-        shared = tuple(w.detach() for w in (e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight,
-                                            m.shared_expert_gate.weight))
+    if getattr(m, "shared_expert", None) is not None:  # (Qwen2-MoE; Llama 4's without a gate)
+        e, gate = m.shared_expert, getattr(m, "shared_expert_gate", None)
+        shared = tuple(w.detach() for w in (e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight)) \
+            + (None if gate is None else gate.weight.detach(),)
     elif getattr(m, "shared_experts", None) is not None:  # (ERNIE 4.5: no gate)
         e = m.shared_experts
         shared = tuple(w.detach() for w in (e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight)) + (None,)
@@ -1511,8 +1537,9 @@ def experts_of(layer) -> tuple | None:
         shared = (gate, up, layer.shared_mlp.output_linear.weight.detach(), None)
     router = getattr(m, "gate", None) or m.router
     gate_up, down, extras = m.experts.gate_up_proj.detach(), m.experts.down_proj.detach(), None
-    if _oss_experts(m):  # (transposed: views as the others' are laid out, no copy; its products' biases)
+    if _oss_experts(m) or _llama4_experts(m):  # (transposed: views as the others' are laid out, no copy)
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    if _oss_experts(m):  # (its products' biases)
         extras = (*(w.detach() for w in (router.bias, m.experts.gate_up_proj_bias, m.experts.down_proj_bias)), None)
     # (a learned correction of the experts' scores: ERNIE 4.5's in its router's `moe_statics`, DeepSeek V3's its own)
     correction = getattr(getattr(router, "moe_statics", router), "e_score_correction_bias", None)
@@ -1555,6 +1582,21 @@ def _phimoe_experts(m) -> bool:
         and getattr(gate_up, "dim", lambda: 0)() == 3 and getattr(down, "dim", lambda: 0)() == 3
 
 
+def _llama4_experts(m) -> bool:
+    """Whether an MLP is Llama 4's mixture of experts as transformers lays it out: a router without a
+    bias, each expert's products transposed — gate_up (E, hidden, 2I), gate columns then up's, down (E,
+    I, hidden) — without biases, and a shared expert, an MLP without biases."""
+    experts, router = getattr(m, "experts", None), getattr(m, "router", None)
+    if type(experts).__name__ != "Llama4TextExperts" or type(router).__name__ != "Llama4Router":
+        return False
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    shared = getattr(m, "shared_expert", None)
+    return router.bias is None and {name for name, _ in m.named_children()} == {"router", "experts", "shared_expert"} \
+        and getattr(gate_up, "dim", lambda: 0)() == 3 and getattr(down, "dim", lambda: 0)() == 3 \
+        and gate_up.shape[2] == 2 * down.shape[1] \
+        and all(getattr(module, "bias", None) is None for module in shared.modules())
+
+
 def _plain_experts(layer) -> bool:
     """Whether a layer's MLP is an MLP, or a mixture of experts as mixture_of_experts computes it: a
     router's weight, each expert's gate and up rows stacked (E, 2I, hidden) and its down (E, hidden,
@@ -1562,7 +1604,7 @@ def _plain_experts(layer) -> bool:
     only as Qwen2-MoE's and GraniteMoE-shared's; or gpt-oss's (_oss_experts) or Phi-3.5-MoE's
     (_phimoe_experts)."""
     m, shared = mlp_of(layer), getattr(layer, "shared_mlp", None)
-    if not hasattr(m, "experts") or _oss_experts(m) or _phimoe_experts(m):
+    if not hasattr(m, "experts") or _oss_experts(m) or _phimoe_experts(m) or _llama4_experts(m):
         return True
     router = getattr(m, "gate", None) or getattr(m, "router", None)
     return _stacked_experts(m.experts) and getattr(router, "weight", None) is not None and router.weight.dim() == 2 \
@@ -1654,8 +1696,12 @@ def _parts(linears, biased: bool, held: bool = False) -> list | None:
 
 
 def _head_norms(attention) -> tuple:
-    """The weights of the RMS norms of q and of k (Qwen3's of each head, Hunyuan's named otherwise), or
-    (None, None)."""
+    """The weights of the RMS norms of q and of k (Qwen3's of each head, Hunyuan's named otherwise; Llama
+    4's, without one, ones in the model's dtype: the same values), or (None, None)."""
+    norm = getattr(attention, "qk_norm", None)
+    if type(norm).__name__ == "Llama4TextL2Norm":
+        ones = torch.ones(attention.head_dim, dtype=attention.q_proj.weight.dtype, device=attention.q_proj.weight.device)
+        return ones, ones
     names = ("query_layernorm", "key_layernorm") if hasattr(attention, "query_layernorm") else ("q_norm", "k_norm")
     return tuple(getattr(getattr(attention, name, None), "weight", None) for name in names)
 
@@ -1829,8 +1875,19 @@ class CompiledModel:
         self.window = cfg.sliding_window if sliding_window(cfg) else None
         if cfg.model_type == "gpt_neo":  # (its local layers' window: of positions here, of slots in transformers')
             self.window = cfg.window_size if "sliding_attention" in kinds else None
-        self.by_kind = [int(kind == "sliding_attention") for kind in kinds] \
-            if self.window is not None and window_of(cfg) is None else None
+        # Llama 4's chunked attention: its layers with a rotation see the keys of their position's chunk only
+        # (StaticLM's masks: by position), the others every key
+        self.chunk = int(cfg.attention_chunk_size) if "chunked_attention" in kinds else None
+        some_limited = self.window is not None and window_of(cfg) is None \
+            or self.chunk is not None and any(kind != "chunked_attention" for kind in kinds)
+        self.by_kind = [int(kind in ("sliding_attention", "chunked_attention")) for kind in kinds] \
+            if some_limited else None
+        # Llama 4's attention temperature (attention_temperatures): (floor_scale, attn_scale), or None; and
+        # which layers it scales (those without a rotation)
+        self.temperature = (float(cfg.floor_scale), float(cfg.attn_scale)) \
+            if cfg.model_type == "llama4_text" and cfg.attn_temperature_tuning else None
+        self.tempered = [self.temperature is not None and not rotates(layer, kind, cfg)
+                         for layer, kind in zip(layers, kinds)]
         # rotary tables for every position, computed once: one, or one per layer kind (Gemma 3), and
         # None for layers without a rotation (SmolLM3's every fourth: forward rotates them by angle 0)
         # (OPT, GPT-2: none, their learned position embeddings added to the tokens' instead: positions_of)
@@ -2094,6 +2151,7 @@ class CompiledModel:
             sides = self.inner.project_per_layer_inputs(x[None], by_token)[0]
         # (a tree's rows past the context's end read its last rotary angle: their tokens are never emitted)
         positions = positions.clamp(max=self.context - 1)
+        temperature = None if self.temperature is None else attention_temperatures(positions, *self.temperature)
         if self.positions is not None:  # (OPT, GPT-2: learned position embeddings added)
             table, first = self.positions
             x = x + table[positions + first]
@@ -2156,14 +2214,15 @@ class CompiledModel:
                 layer_cos, layer_sin = angles[self.table_of[index]]
                 layer_mask = masks[0 if self.by_kind is None else self.by_kind[index]]
                 side = None if sides is None else sides[:, index]
+                tempered = temperature if self.tempered[index] else None
                 if graphs:
                     torch._dynamo.maybe_mark_dynamic(layer_keys, 1)
                     torch._dynamo.maybe_mark_dynamic(layer_values, 1)
                     y = self._layer(y, layer_cos, layer_sin, layer_mask, layer_keys, layer_values, weights, kernels,
-                                    self.layer_dims[index], slots, fused, None, self.style, side)
+                                    self.layer_dims[index], slots, fused, None, self.style, side, tempered)
                 else:
                     y = decoder_layer(y, layer_cos, layer_sin, layer_mask, layer_keys, layer_values, weights, kernels,
-                                      self.layer_dims[index], slots, fused, reads, self.style, side)
+                                      self.layer_dims[index], slots, fused, reads, self.style, side, tempered)
             return logits(y if self.altup is None else altup_merged(y, self.altup[1]))
 
         # on a CPU on the threads the governor chooses
@@ -2301,6 +2360,7 @@ class StaticLM(ChainExtension):
         # a sliding window's keys are hidden by position (a slot's is not its index where completions
         # share the cache), ALiBi's biased by it: each slot's position, kept for those only
         self.window = compiled.window
+        self.chunk = compiled.chunk  # (Llama 4's chunked attention: its layers' keys of their row's chunk only)
         self.alibi = compiled.alibi
         self.key_positions = torch.zeros(self.capacity if self.by_position else 0, dtype=torch.long)
         self.clock = ForwardClock(compiled.device)
@@ -2317,9 +2377,9 @@ class StaticLM(ChainExtension):
 
     @property
     def by_position(self) -> bool:
-        """Whether the masks depend on each slot's position (a window, ALiBi): made on the host, never
-        by forward_placed's callers."""
-        return self.window is not None or self.alibi is not None
+        """Whether the masks depend on each slot's position (a window, chunks, ALiBi): made on the host,
+        never by forward_placed's callers."""
+        return self.window is not None or self.chunk is not None or self.alibi is not None
 
     @property
     def forward_seconds(self) -> float:
@@ -2354,8 +2414,11 @@ class StaticLM(ChainExtension):
         if self.by_position:
             new = torch.tensor(positions)
             self.key_positions[self.length: self.length + n] = new
-        if self.window is not None:  # (the keys within the window of each row's position)
-            seen.append(visible & within_window(new, self.key_positions[: self.length + n], self.window))
+        if self.window is not None or self.chunk is not None:  # (the keys within the window or chunk of each row's
+            # position)
+            keys_at = self.key_positions[: self.length + n]
+            seen.append(visible & (within_window(new, keys_at, self.window) if self.window is not None
+                                   else within_chunk(new, keys_at, self.chunk)))
             seen = seen if by_kind else seen[1:]
             visible = seen[-1]
         with torch.inference_mode():  # inputs made here as in warm_up: the compiled graphs' guards match

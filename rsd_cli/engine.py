@@ -49,6 +49,12 @@ def within_window(positions: torch.Tensor, key_positions: torch.Tensor, window: 
     return positions[:, None] - key_positions[None, :] < window
 
 
+def within_chunk(positions: torch.Tensor, key_positions: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(n, keys) bool: which keys chunked attention lets each row see (Llama 4's, as transformers' chunked
+    masks): those whose position is in the row's chunk of `chunk` positions."""
+    return positions[:, None] // chunk == key_positions[None, :] // chunk
+
+
 def placed_mask(columns: torch.Tensor, limit: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """A static-shape forward's additive mask (n, capacity) made on the device: row r sees the
     cache's slots up to limit[r] and its own slot, slots[r]. columns: arange(capacity)."""
@@ -277,8 +283,8 @@ def limit_of(config) -> Limit | None:
     the positions and mask it is given, takes chains (each token at the slot of its position) on
     its own causal mask: ALiBi (BLOOM, MPT, Falcon with `alibi`), Llama 4 (attention scaled by
     the cache's length on its NoPE layers, chunked attention) and GPT-Neo's local layers (a window
-    of slots, not positions). On the static-cache runtime, which biases and windows by each slot's
-    position, ALiBi's and GPT-Neo's take trees (Limit.by_slot, pair_limit)."""
+    of slots, not positions). On the static-cache runtime, which biases, scales, chunks and windows
+    by each slot's position, they take trees (Limit.by_slot, pair_limit)."""
     config = text_config(config)
     kind = getattr(config, "model_type", "") or ""
     if kind in RECURRENT_MODELS or RECURRENT_LAYERS & set(getattr(config, "layer_types", None) or ()):
@@ -288,7 +294,7 @@ def limit_of(config) -> Limit | None:
     if kind in ("bloom", "mpt") or getattr(config, "alibi", False) or getattr(attention, "alibi", False):
         return Limit(CHAIN_VARIANTS, "ALiBi position biases", by_slot=True)
     if kind.startswith("llama4") or getattr(config, "attention_chunk_size", None):
-        return Limit(CHAIN_VARIANTS, "chunked attention scaled by the cache's length")
+        return Limit(CHAIN_VARIANTS, "chunked attention scaled by the cache's length", by_slot=True)
     if kind == "gpt_neo" and "local" in (getattr(config, "attention_layers", None) or ()):
         return Limit(CHAIN_VARIANTS, "local attention windowed by cache slots", by_slot=True)
     return None

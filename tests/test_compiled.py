@@ -548,12 +548,13 @@ def assert_greedy_in_cuda_graphs(target, draft) -> Runtimes:
 
 
 @CUDA
-@pytest.mark.parametrize("kind", ["gptj", "falcon", "falcon-7b", "bloom", "mpt", "falcon-rw", "gpt_neo"])
-def test_gptj_falcon_alibi_and_gpt_neo_run_in_cuda_graphs(kind):
+@pytest.mark.parametrize("kind", ["gptj", "falcon", "falcon-7b", "bloom", "mpt", "falcon-rw", "gpt_neo", "llama4"])
+def test_gptj_falcon_and_models_biased_by_slot_run_in_cuda_graphs(kind):
     """GPT-J-, Falcon- (40B's and 7B's layouts), and with trees BLOOM-, MPT-, Falcon-RW- (ALiBi: a mask
-    for each head, its biases by the slots' positions made on the host) and GPT-Neo-like models (local
-    layers windowed to 4 positions) in compiled CUDA graphs: every variant's greedy tokens are the
-    target's, 30 tokens past GPT-Neo's window."""
+    for each head, its biases by the slots' positions made on the host), GPT-Neo- (local layers
+    windowed to 4 positions) and Llama 4-like models (chunks of 4, q scaled by position, experts
+    reading the token times their weight) in compiled CUDA graphs: every variant's greedy tokens are
+    the target's, 30 tokens past GPT-Neo's window and Llama 4's first chunks."""
     assert_greedy_in_cuda_graphs(tiny_relative(kind, V, layers=2), tiny_relative(kind, V, layers=1, seed=1))
 
 
@@ -637,18 +638,20 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     assert_the_runtime_decodes_as_transformers(target, draft, 3e-5 if kind in ("nemotron", "glm4_moe_lite") else 1e-5)
 
 
-@pytest.mark.parametrize("kind", ["bloom", "mpt", "falcon-rw", "gpt_neo"])
+@pytest.mark.parametrize("kind", ["bloom", "mpt", "falcon-rw", "gpt_neo", "llama4"])
 def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_static_cache_runtime(kind):
     """BLOOM, MPT and Falcon-RW bias attention by position (ALiBi), GPT-Neo windows its local layers,
-    each of which transformers' forward works out of cache slots: there rsd gives them chains only.
-    The runtime biases and windows by each slot's position, so a tree's rows are what transformers'
-    forward gives each row's path read as a chain, on every backend (BLOOM's and MPT's 12 heads:
-    slopes not all powers of 2; GPT-Neo's window of 4: the tree's deepest rows see none of the
-    prompt); pruned to one path, chains after it too; and every variant's greedy output is plain
+    Llama 4 chunks attention and scales q by position on its layers without a rotation, each of which
+    transformers' forward works out of cache slots (Llama 4's scale: of the cache's length): there rsd
+    gives them chains only. The runtime biases, windows, chunks and scales by each slot's position, so
+    a tree's rows are what transformers' forward gives each row's path read as a chain, on every
+    backend (BLOOM's and MPT's 12 heads: slopes not all powers of 2; GPT-Neo's window of 4: the tree's
+    deepest rows see none of the prompt; Llama 4's chunks of 4 and its scale changing every 4
+    positions); pruned to one path, chains after it too; and every variant's greedy output is plain
     greedy."""
     target, draft = tiny_relative(kind, V, layers=2, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     assert compiled.unsupported(target) is None
-    assert (compiled.alibi_of(target.config) is None) == (kind == "gpt_neo")
+    assert (compiled.alibi_of(target.config) is None) == (kind in ("gpt_neo", "llama4"))
     tree = a_tree()
     base = len(PROMPT)
     visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
@@ -682,10 +685,11 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
 
 
 @pytest.mark.parametrize("kind, reason", [("bloom", "ALiBi position biases"),
-                                          ("gpt_neo", "local attention windowed by cache slots")])
+                                          ("gpt_neo", "local attention windowed by cache slots"),
+                                          ("llama4", "chunked attention scaled by the cache's length")])
 def test_a_pair_biased_or_windowed_by_slot_takes_trees_on_the_runtime_and_chains_on_transformers_forward(
         tmp_path, kind, reason):
-    """As a user runs a BLOOM or GPT-Neo pair: `rsd-c` and `rsd-s` on the static-cache runtime answer
+    """As a user runs a BLOOM, GPT-Neo or Llama 4 pair: `rsd-c` and `rsd-s` on the static-cache runtime answer
     with `ar`'s greedy tokens on transformers' forward, and `rsd bench` measures a tree there; on
     transformers' forward (`--compile off`) a tree is refused in one line, and `auto` chooses among
     chains."""
@@ -703,7 +707,8 @@ def test_a_pair_biased_or_windowed_by_slot_takes_trees_on_the_runtime_and_chains
     assert len(answers["ar"]["token_ids"]) == 12
     result = CliRunner().invoke(app, ["generate", "hello", "-p", str(pair), "--variant", "rsd-c", "--compile", "off"])
     assert result.exit_code == 1 and "Traceback" not in result.stderr
-    assert f"rsd-c verifies a tree, which the target's {reason} ({kind}) cannot take" in result.stderr
+    model_type = {"llama4": "llama4_text"}.get(kind, kind)
+    assert f"rsd-c verifies a tree, which the target's {reason} ({model_type}) cannot take" in result.stderr
     bench = CliRunner().invoke(app, ["bench", "-p", str(pair), "--variants", "ar,rsd-c", "--compile", "auto",
                                      "--limit", "1", "-n", "4", "--no-assisted", "--no-hf-static", "--json"])
     assert bench.exit_code == 0, bench.stderr

@@ -1446,6 +1446,8 @@ def test_models_whose_layers_take_no_tree_are_told_by_their_config():
     assert limit("falcon") is None  # (rotary by default)
     assert limit("llama4_text") == (CHAIN_VARIANTS, "chunked attention scaled by the cache's length")
     assert limit("gpt_neo") == (CHAIN_VARIANTS, "local attention windowed by cache slots")
+    # (what the static-cache runtime works out by position: trees there, pair_limit)
+    assert all(limit_of(AutoConfig.for_model(kind)).by_slot for kind in ("bloom", "mpt", "llama4_text", "gpt_neo"))
     for kind in ("lfm2", "qwen3_next", "granitemoehybrid", "falcon_h1"):  # (chains read after a state exactly)
         assert limit(kind) == (CHAIN_VARIANTS, "recurrent layers"), kind
     for kind in ("mamba", "falcon_mamba", "jamba", "bamba"):  # (by name or layer kinds)

@@ -122,7 +122,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               DeepseekV3ForCausalLM, Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, GPTJConfig,
                               GPTJForCausalLM, FalconConfig, FalconForCausalLM, BloomConfig, BloomForCausalLM,
                               MptConfig, MptForCausalLM, GPTNeoConfig, GPTNeoForCausalLM, Gemma3nTextConfig,
-                              Gemma3nForCausalLM)
+                              Gemma3nForCausalLM, Llama4TextConfig, Llama4ForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -154,6 +154,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "gemma4": (Gemma4TextConfig, Gemma4ForCausalLM),
                            "gemma4-moe": (Gemma4TextConfig, Gemma4ForCausalLM),
                            "gemma3n": (Gemma3nTextConfig, Gemma3nForCausalLM),
+                           "llama4": (Llama4TextConfig, Llama4ForCausalLM),
                            "minicpm3": (MiniCPM3Config, MiniCPM3ForCausalLM), "youtu": (YoutuConfig, YoutuForCausalLM),
                            "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
                            "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
@@ -286,6 +287,14 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                         hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab, laurel_rank=4,
                         altup_num_inputs=4, activation_sparsity_pattern=[0.95] + [0.0] * (layers - 1),
                         final_logit_softcapping=5.0)
+    elif kind == "llama4":  # (every other layer without a rotation, its q scaled by position from position 3 on
+        # (floor_scale 4); the others turned by adjacent pairs, q and k normed without a weight after it, chunks of 4;
+        # every other MLP (the first, third...) 4 experts, 2 a token, reading the token times their weight, beside a
+        # shared expert)
+        settings = dict(head_dim=8, intermediate_size=16, intermediate_size_mlp=64, num_local_experts=4,
+                        num_experts_per_tok=2, moe_layers=list(range(0, layers, 2)),
+                        no_rope_layers=[int(i % 2 == 0) for i in range(layers)], attention_chunk_size=4,
+                        floor_scale=4, attn_scale=0.5)
     elif kind == "minicpm3":  # (latent attention: q through a rank of 16, keys and values through a latent of 16,
         # 4 of each head's 12 dimensions turned; the embedding, each block's output and the logits scaled)
         settings = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
@@ -324,7 +333,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     elif kind in ("minicpm3", "youtu", "deepseek_v2", "deepseek_v3", "glm4_moe_lite"):  # (latent attention: every
         # head its own keys, from the latent)
         shared["num_key_value_heads"] = shared["num_attention_heads"]
-    model = model_class(config(**shared, **settings))
+    shared.update(settings)  # (Llama 4's experts' intermediate size: its own)
+    model = model_class(config(**shared))
     with torch.no_grad():
         model.lm_head.weight.mul_(3.0)
         if model.lm_head.bias is not None:  # (Phi's)
