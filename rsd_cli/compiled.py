@@ -84,7 +84,11 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # position (`alibi_of`, StaticLM's masks: by each slot's position, so trees too, which transformers'
 # forward, biasing by slot, cannot take); BLOOM's embedding normed, MPT's layers named otherwise.
 # GPT-Neo: GPT-2's layers on linears, attention unscaled, its local layers windowed by position (trees
-# too; transformers' forward windows by slot).
+# too; transformers' forward windows by slot). Gemma 3n: Gemma 4's layers (caches shared, per-layer inputs)
+# run on each of four streams (AltUp: _altup_layer), a learned residual beside attention, MLP gates cut off.
+# Llama 4: q and k turned by adjacent pairs and normed without a weight, its layers without a rotation
+# scaling q by position, the others chunked by position (trees too; transformers' forward goes by slots
+# there), experts reading the token times their weight beside a shared expert.
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
                    "olmo2", "olmo3", "seed_oss", "phi3", "exaone4", "ernie4_5", "hunyuan_v1_dense", "glm4",
                    "cohere", "cohere2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared",
@@ -605,7 +609,9 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style) -> torch.T
     the router's softmax (their weights renormalised to sum to 1 where the family does), each expert
     a gated MLP, their outputs weighted and summed (GraniteMoE, gpt-oss: weights a softmax of the k
     largest router logits) — and where the layer has one, a shared expert's output added, scaled by a
-    sigmoid gate where it has one (Qwen2-MoE; GraniteMoE-shared's is not). experts = (router (E,
+    sigmoid gate where it has one (Qwen2-MoE; GraniteMoE-shared's and Llama 4's are not); Llama 4's
+    experts (`style.input_weighted`) chosen by their router logits, each reading the token times its
+    logit's sigmoid instead of weighting its output. experts = (router (E,
     hidden), gate_up (E, 2I, hidden): each expert's gate rows then its up rows (gpt-oss's interleaved:
     _glu), down (E, hidden, I), the shared expert's (gate, up, down, its gate (1, hidden) or None) or
     None, extras: (gpt-oss's biases: the router's (E,), gate_up's (E, 2I), down's (E, hidden); ERNIE
@@ -1511,8 +1517,8 @@ def attention_of(layer):
 
 
 def mlp_of(layer):
-    """A decoder layer's MLP, or mixture of experts (GraniteMoE's `block_sparse_moe`, MPT's `ffn`; OPT's
-    linears are the layer's own)."""
+    """A decoder layer's MLP, or mixture of experts (GraniteMoE's `block_sparse_moe`, MPT's `ffn`, Llama
+    4's `feed_forward`; OPT's linears are the layer's own)."""
     found = getattr(layer, "mlp", None)
     return found if found is not None else getattr(layer, "block_sparse_moe", None) or getattr(layer, "ffn", None) \
         or getattr(layer, "feed_forward", None) or layer
