@@ -127,16 +127,29 @@ def plan_jobs(profile, variants: list[str], temperatures: list[float], budgets: 
 def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], budgets: list[int],
               depths: list[int], prompts: list[str], repeats: int, max_tokens: int, seed: int,
               assisted: bool, progress=None, compiles: list[str] | None = None, hf_static: bool = False,
-              runtimes: dict | None = None) -> list[dict]:
+              runtimes: dict | None = None, refused_rows: bool = True) -> list[dict]:
     """Every job (variant x setting) under every --compile setting in `compiles` (runtimes: setting
-    -> engine.Runtimes), interleaved prompt by prompt, plus the peers asked for."""
-    from .engine import Decoder, Runtimes
+    -> engine.Runtimes), interleaved prompt by prompt, plus the peers asked for. A job the pair takes
+    on one runtime and not on another (a tree of an ALiBi model on transformers' forward:
+    engine.pair_limit) runs where it is taken; where not, it has a row with the refusal as its error
+    (`refused_rows`), or none."""
+    from .engine import Decoder, Runtimes, pair_limit
     from .models import input_device
     from .runtime import ends_of, sampling_of
 
     compiles = compiles or [pair.runtimes.setting if pair.runtimes else "off"]
     runtimes = runtimes or {compiles[0]: pair.runtimes or Runtimes()}
     jobs = [(c, *job) for c in compiles for job in plan_jobs(profile, variants, temperatures, budgets, depths)]
+    limits = {c: pair_limit(pair.target, pair.draft, runtimes[c]) for c in compiles}
+
+    def refusal(compile: str, variant: str) -> str | None:
+        found = limits[compile]
+        if found is None or variant == "auto" or variant in found[0].variants:  # (auto: among what it takes)
+            return None
+        return found[0].refusal(variant, found[1], "--variants")
+
+    refused = [(job, refusal(*job[:2])) for job in jobs if refusal(*job[:2])]
+    jobs = [job for job in jobs if refusal(*job[:2]) is None]
     peers = [name for name, wanted in (("hf-assisted", assisted), ("hf-static", hf_static)) if wanted]
     totals: dict[tuple, Stats] = {}  # (compile, variant, setting, shape) -> totals over prompts and repeats
     peer_totals: dict[tuple[str, float], list[float]] = {(p, t): [0, 0.0] for p in peers for t in temperatures}
@@ -253,6 +266,12 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
             "wall_seconds": d["wall_seconds"], "new_tokens": d["new_tokens"], "steps": d["steps"],
             "forward_threads": d["forward_threads"], "cpu_threads": d["cpu_threads"],
         })
+    for (compile, variant, setting, shape), error in refused if refused_rows else ():
+        rows.append({
+            "variant": variant, "compile": compile, "runtime": runtimes[compile].describe(), "budget": setting.budget,
+            "depth": setting.depth, "shape": shape.describe(), "shapes_used": None, "max_nodes": shape.max_nodes,
+            "temperature": setting.temperature, **dict.fromkeys(REFUSED_EMPTY), "error": error,
+        })
     for (name, t), (n, seconds) in peer_totals.items():
         error = peer_errors.get(name)
         rate = n / seconds if seconds and error is None else None
@@ -269,6 +288,14 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
             "new_tokens": n, "steps": None, "error": error,
         })
     return rows
+
+
+# (a refused row's numbers: none)
+REFUSED_EMPTY = ("block_efficiency", "acceptance_rate", "acceptance_per_depth", "mbsu", "tokens_per_second",
+                 "first_token_seconds", "tokens_per_second_after_first", "speedup_vs_ar", "speedup_vs_ar_range",
+                 "speedup_vs_ar_off", "target_tokens_per_step", "draft_calls_per_step", "draft_seconds",
+                 "verify_seconds", "forward_seconds", "overhead_seconds", "wall_seconds", "new_tokens", "steps",
+                 "forward_threads", "cpu_threads")
 
 
 def shared_cpu(rows: list[dict]) -> str | None:

@@ -581,12 +581,20 @@ def bench(
                 for c in compiles}
     from .engine import pair_limit
 
-    # (the tightest of the runtimes': an ALiBi or GPT-Neo model takes trees on the static-cache runtime only)
-    limits = [found for found in (pair_limit(pair.target, pair.draft, r) for r in runtimes.values()) if found]
-    limit = min(limits, key=lambda found: len(found[0].variants), default=None)
-    if limit is not None and variants == BENCH_VARIANTS:  # (variants asked for are refused: Decoder)
+    # (an ALiBi, GPT-Neo or Llama 4 model takes trees on the static-cache runtime only: where every runtime asked
+    # for has a limit, the default variants are the tightest one's; where some have, those runtimes measure theirs)
+    limits = {c: pair_limit(pair.target, pair.draft, r) for c, r in runtimes.items()}
+    found = [limit for limit in limits.values() if limit is not None]
+    default = variants == BENCH_VARIANTS
+    if found and default and len(found) == len(limits):
+        limit = min(found, key=lambda each: len(each[0].variants))
         names = [v for v in names if v in limit[0].variants + ("auto",)]
         notice(f"{limit[1]} take no tree: measuring {', '.join(names)}")
+    elif found and default:
+        for c, limit in limits.items():
+            if limit is not None:
+                taken = [v for v in names if v in limit[0].variants + ("auto",)]
+                notice(f"{limit[1]} take no tree on --compile {c}: measuring {', '.join(taken)} there")
     from rich.progress import Progress
 
     console = _stderr_console()
@@ -595,10 +603,11 @@ def bench(
         rows = run_bench(pair, prof, variants=names, temperatures=temps, budgets=budget_list, depths=depth_list,
                          prompts=prompt_list, repeats=repeats, max_tokens=max_tokens, seed=seed, assisted=assisted,
                          progress=lambda done, total: bars.update(task, completed=done, total=total),
-                         compiles=compiles, hf_static=hf_static, runtimes=runtimes)
+                         compiles=compiles, hf_static=hf_static, runtimes=runtimes, refused_rows=not default)
     for row in rows:
         if row.get("error"):
-            console.print(f"rsd: warning: {row['variant']} failed and has no numbers: {row['error']}",
+            where = f" on --compile {row['compile']}" if row.get("compile") and len(compiles) > 1 else ""
+            console.print(f"rsd: warning: {row['variant']}{where} failed and has no numbers: {row['error']}",
                           markup=False, highlight=False)
     from .bench import memory_summary, shared_cpu
 

@@ -13,7 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from rsd_cli import compiled, small_batch, threads
-from rsd_cli.cli import app
+from rsd_cli.cli import BENCH_VARIANTS, app
 from rsd_cli.compiled import CompiledModel, StaticLM
 from rsd_cli.drafting import make_shape
 from rsd_cli.engine import CachedLM, Decoder, Runtimes
@@ -709,12 +709,24 @@ def test_a_pair_biased_or_windowed_by_slot_takes_trees_on_the_runtime_and_chains
     assert result.exit_code == 1 and "Traceback" not in result.stderr
     model_type = {"llama4": "llama4_text"}.get(kind, kind)
     assert f"rsd-c verifies a tree, which the target's {reason} ({model_type}) cannot take" in result.stderr
-    bench = CliRunner().invoke(app, ["bench", "-p", str(pair), "--variants", "ar,rsd-c", "--compile", "auto",
+    bench = CliRunner().invoke(app, ["bench", "-p", str(pair), "--variants", "ar,rsd-c", "--compile", "off,auto",
                                      "--limit", "1", "-n", "4", "--no-assisted", "--no-hf-static", "--json"])
-    assert bench.exit_code == 0, bench.stderr
-    rows = json.loads(bench.stdout)["results"]
-    assert [row["variant"] for row in rows] == ["ar", "rsd-c"]
-    assert all(row["tokens_per_second"] > 0 and not row.get("error") for row in rows)
+    assert bench.exit_code == 0, bench.stderr  # (the tree measured where it is taken, refused in its row elsewhere)
+    rows = {(row["variant"], row["compile"]): row for row in json.loads(bench.stdout)["results"]}
+    assert set(rows) == {("ar", "off"), ("ar", "auto"), ("rsd-c", "auto"), ("rsd-c", "off")}
+    assert all(rows[key]["tokens_per_second"] > 0 and not rows[key].get("error")
+               for key in (("ar", "off"), ("ar", "auto"), ("rsd-c", "auto")))
+    assert rows[("rsd-c", "off")]["tokens_per_second"] is None
+    assert rows[("rsd-c", "off")]["error"].startswith("rsd-c verifies a tree, which the target's")
+    assert "warning: rsd-c on --compile off failed and has no numbers: rsd-c verifies a tree" in bench.stderr
+    if kind == "llama4":  # (its default variants: all where trees are taken, chains where not)
+        bench = CliRunner().invoke(app, ["bench", "-p", str(pair), "--compile", "off,auto", "--limit", "1", "-n", "4",
+                                         "--no-assisted", "--no-hf-static", "--json"])
+        assert bench.exit_code == 0, bench.stderr
+        measured = [(row["variant"], row["compile"]) for row in json.loads(bench.stdout)["results"]]
+        assert sorted(v for v, c in measured if c == "off") == ["ar", "auto", "lookup", "sd"]
+        assert sorted(v for v, c in measured if c == "auto") == sorted(BENCH_VARIANTS.split(","))
+        assert f"({model_type}) take no tree on --compile off: measuring ar, sd, lookup, auto there" in bench.stderr
 
 
 def assert_the_runtime_decodes_as_transformers(target, draft, tolerance: float = 1e-5) -> None:
