@@ -507,6 +507,8 @@ def _from_pretrained(loader, source: str, local: bool, **kwargs):
             raise RsdError(f"cannot load model files from {source}: {_first_line(e)}") from None
     try:
         return loader.from_pretrained(source, local_files_only=True, **kwargs)
+    except ImportError:  # (cached, but a library its classes need is missing: the caller's to say)
+        raise
     except Exception as e:
         if _asks_for_remote_code(e):  # (cached, but its code not trusted)
             raise RsdError(f"cannot load {source!r}: {REMOTE_CODE}") from None
@@ -515,6 +517,8 @@ def _from_pretrained(loader, source: str, local: bool, **kwargs):
                        "and the hub cannot be reached (offline?)")
     try:
         return loader.from_pretrained(source, **kwargs)
+    except ImportError:
+        raise
     except Exception as e:
         raise RsdError(f"cannot load {source!r} from the Hugging Face hub: {_first_line(e)}") from None
 
@@ -527,7 +531,8 @@ def _first_line(error: Exception) -> str:
     """What an error says, in a line (REMOTE_CODE where transformers asks for trust_remote_code)."""
     if _asks_for_remote_code(error):
         return REMOTE_CODE
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
+    lines = [line for line in str(error).splitlines() if line.strip()]  # (transformers' ImportErrors start blank)
+    return lines[0].strip() if lines else type(error).__name__
 
 
 def _remote(trusted: bool) -> dict:
@@ -656,19 +661,52 @@ def _transformers_model(location: str, local: bool, device, dtype, placement: Pl
     with _warnings_off("accelerate"):  # ("Some parameters are on the meta device..." when it offloads;
         # stderr itself is left as it is, where rsd's spinner goes on turning)
         try:
-            model = _from_pretrained(AutoModelForCausalLM, location, local, dtype=dtype, attn_implementation="sdpa",
-                                     **kwargs)
-        except RsdError as e:  # an architecture without torch's attention (BLOOM, MPT): transformers' own
-            if "scaled_dot_product_attention" not in str(e):
-                raise
-            model = _from_pretrained(AutoModelForCausalLM, location, local, dtype=dtype, attn_implementation="eager",
-                                     **kwargs)
+            model = _with_attention(AutoModelForCausalLM, location, local, dtype=dtype, **kwargs)
+        except ImportError as e:  # (a multimodal model whose image or audio towers need a library not installed)
+            model = _text_decoder_alone(location, local, e, dtype=dtype, **kwargs)
     model = with_soft_capped_attention(model)
     if placement is None:
         model = model.to(device)
     elif not getattr(model, "hf_device_map", None):  # it fitted on one device: accelerate left no map
         model.hf_device_map = {"": str(next(model.parameters()).device)}
     return model.eval()
+
+
+def _with_attention(loader, location: str, local: bool, **kwargs):
+    """loader's model on torch's attention, or where its architecture has none (BLOOM, MPT) transformers'
+    eager one."""
+    try:
+        return _from_pretrained(loader, location, local, attn_implementation="sdpa", **kwargs)
+    except RsdError as e:
+        if "scaled_dot_product_attention" not in str(e):
+            raise
+        return _from_pretrained(loader, location, local, attn_implementation="eager", **kwargs)
+
+
+def _text_decoder_alone(location: str, local: bool, error: ImportError, **kwargs):
+    """A multimodal model's text decoder and output head alone, all rsd reads, as its text model's causal
+    LM class (Gemma 3n's Gemma3nForCausalLM: transformers reads its weights out of the checkpoint's
+    `model.language_model`), where the whole model needs a library not installed (Gemma 3n's vision
+    tower: timm and PIL) — or `error` in a line, where there is no such class or some weight of it is
+    not in the checkpoint."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    refusal = RsdError(f"cannot load the model at {location}: {_first_line(error)}")
+    config = _from_pretrained(AutoConfig, location, local, **{k: v for k, v in kwargs.items()
+                                                             if k == "trust_remote_code"})
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if text is config or type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise refusal from None
+    loader = MODEL_FOR_CAUSAL_LM_MAPPING[type(text)]
+    try:
+        model, info = _with_attention(loader, location, local, config=text, output_loading_info=True, **kwargs)
+    except ImportError:
+        raise refusal from None
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    if [key for key in info.get("missing_keys", ()) if key not in tied]:  # (random weights: another model)
+        raise refusal from None
+    return model
 
 
 def with_soft_capped_attention(model):

@@ -1,3 +1,4 @@
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -747,3 +748,41 @@ def test_an_early_exit_draft_of_gemma4_is_refused_in_a_line_naming_a_separate_dr
     with torch.no_grad():
         logits = draft(torch.tensor([[3, 1, 4]])).logits
     assert len(draft.model.layers) == 1 and logits.shape == (1, 3, 40) and bool(torch.isfinite(logits).all())
+
+
+def test_a_published_gemma3n_loads_its_text_decoder_alone_where_its_towers_need_libraries_not_installed(tmp_path):
+    """A Gemma 3n as published (Gemma3nForConditionalGeneration: its image tower is timm's, and neither
+    timm nor PIL is installed here) loads as its text model's Gemma3nForCausalLM, its decoder's weights
+    read out of the checkpoint — the logits of the text model it was saved from — and runs both
+    runtimes through `rsd generate` with that model's greedy tokens; with a weight of the decoder
+    missing from the checkpoint, one line saying what the whole model needs instead of random weights."""
+    from typer.testing import CliRunner
+
+    from rsd_cli.cli import app
+    from tiny import save_gemma3n_multimodal, save_profiled_pair, tiny_relative, tiny_tokenizer
+
+    if importlib.util.find_spec("timm") is not None and importlib.util.find_spec("PIL") is not None:
+        pytest.skip("timm and PIL installed: the whole multimodal model loads")
+    vocab = len(tiny_tokenizer())
+    text = tiny_relative("gemma3n", vocab, layers=4, seed=0)
+    folder = save_gemma3n_multimodal(tmp_path / "gemma3n", text)
+    model, _ = models.load_model(str(folder), torch.device("cpu"), torch.float32)
+    assert type(model).__name__ == "Gemma3nForCausalLM"
+    ids = torch.tensor([[1, 5, 7, 9, 11]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, text(ids).logits, atol=1e-5, rtol=1e-5)  # (sdpa, eager)
+    pair = save_profiled_pair(tmp_path / "pair", text, tiny_relative("gemma3n", vocab, 1, seed=1))
+    profile = tmp_path / "published.toml"
+    profile.write_text(pair.read_text().replace(str(tmp_path / "pair" / "target"), str(folder)))
+    assert str(folder) in profile.read_text()
+    answers = {}
+    for setting in ("off", "auto"):
+        result = CliRunner().invoke(app, ["generate", "hello", "-p", str(profile), "-t", "0", "-n", "8",
+                                          "--ignore-eos", "-v", "rsd-c", "--compile", setting, "--json"])
+        assert result.exit_code == 0, result.stderr
+        answers[setting] = json.loads(result.stdout)
+    assert answers["auto"]["runtime"].startswith("static cache")
+    assert answers["off"]["token_ids"] == answers["auto"]["token_ids"]
+    broken = save_gemma3n_multimodal(tmp_path / "broken", text, drop="model.layers.0.laurel.linear_left.weight")
+    with pytest.raises(RsdError, match="requires the"):
+        models.load_model(str(broken), torch.device("cpu"), torch.float32)

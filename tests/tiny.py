@@ -486,6 +486,27 @@ def tiny_recurrent(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, s
     return model.eval()
 
 
+def save_gemma3n_multimodal(folder: Path, text_model, drop: str | None = None) -> Path:
+    """A Gemma 3n checkpoint folder laid out as published (Gemma3nForConditionalGeneration's: its
+    config's `text_config` the text model's, its decoder's weights under `model.language_model.`, the
+    image and audio towers' beside them — one made-up tensor each here: building those towers needs
+    timm and PIL), with tiny_tokenizer's files; `drop`: a weight of the decoder left out."""
+    from safetensors.torch import save_file
+    from transformers import Gemma3nConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = Gemma3nConfig(text_config=text_model.config.to_dict())
+    config.architectures = ["Gemma3nForConditionalGeneration"]
+    config.save_pretrained(folder)
+    tensors = {("model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name):
+               tensor.detach().contiguous() for name, tensor in text_model.state_dict().items() if name != drop}
+    tensors["model.vision_tower.timm_model.conv_stem.conv.weight"] = torch.zeros(4, 3, 3, 3)
+    tensors["model.audio_tower.subsample_conv_projection.conv_0.conv.weight"] = torch.zeros(4, 1, 3, 3)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
 def tiny_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
