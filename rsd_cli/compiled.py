@@ -62,6 +62,11 @@ BUCKETS = (1, 2, 4, 8, 16)
 # (what `auto` drafts) replay too, where one forward costs about the same for 1 or 64 tokens
 STATIC_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # scaled_dot_product_attention(enable_gqa=)
+# a prompt's forward on the runtime masks at most about this many scores (rows x keys: 128 MB of float32 on
+# the host, as much again on a GPU, a head's worth more for ALiBi), a longer one read in pieces of rows
+# (StaticLM.extend): a 32k-token prompt's one forward built a 4 GB mask; a piece has at least PIECE_ROWS
+PROMPT_MASK_SCORES = 2 ** 25
+PIECE_ROWS = 256
 # Llama-style decoders the tests cover: Llama itself; Qwen2 and Seed-OSS (biases on q, k and v: the
 # layer takes them); Mistral (Llama's layer); Qwen3 (an RMS norm on each head of q and k); SmolLM3
 # (Llama's layers, every fourth without a rotation); Granite 3.x (Llama's, the embedding, each block's
@@ -2472,6 +2477,19 @@ class StaticLM(ChainExtension):
         logits = full_vocabulary(logits[:, : self.vocab_size].float(), self.vocab_size)  # stays on the device
         self.clock.stop(start)
         self.calls += 1
+        return logits
+
+    def extend(self, tokens: list[int] | torch.Tensor, last_only: bool = True, reading: bool = False) -> torch.Tensor:
+        """ChainExtension.extend, but a prompt (`reading`, its last row's logits only) whose one forward
+        would mask more than PROMPT_MASK_SCORES scores is read in pieces, one forward each, every piece's
+        rows seeing the cache and themselves causally: the same keys and values, the same last row (to
+        float sums in another order), with masks of a piece's rows only. Not a `longrope` model's
+        prompt, which transformers turns by one set of factors as one forward (long_factors_from)."""
+        rows = max(PIECE_ROWS, PROMPT_MASK_SCORES // (self.length + len(tokens)))
+        if not reading or not last_only or len(tokens) <= rows or self.long_from is not None:
+            return super().extend(tokens, last_only, reading)
+        for start in range(0, len(tokens), rows):
+            logits = super().extend(tokens[start: start + rows], True, reading=True)
         return logits
 
     def forward_placed(self, ids: torch.Tensor, mask: torch.Tensor, rows: slice) -> torch.Tensor:

@@ -558,6 +558,40 @@ def test_gptj_falcon_and_models_biased_by_slot_run_in_cuda_graphs(kind):
     assert_greedy_in_cuda_graphs(tiny_relative(kind, V, layers=2), tiny_relative(kind, V, layers=1, seed=1))
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "bloom"])
+def test_a_long_prompt_is_read_in_pieces_with_the_keys_and_logits_of_one_forward(monkeypatch, kind):
+    """A prompt whose one forward would mask more than PROMPT_MASK_SCORES scores is read in pieces of
+    rows (here 4, made small), each a forward seeing the cache and itself causally: the last row's logits
+    and every chain after it are one forward's (to float sums in another order) on every backend — a
+    Llama, a Gemma 3 (a window of 4 on its first layer: masks by layer kind and position) and a BLOOM
+    (ALiBi: each head's biases by position) alike; with pieces of 1 row off, the test that they are
+    pieces. A chain that is no prompt (a step) is one forward whatever its length."""
+    from test_engine import LONG_PROMPT
+    from tiny import tiny_windowed
+
+    target = tiny_model(V, layers=2, scale=0.3) if kind == "llama" else \
+        tiny_windowed("gemma3", V) if kind == "gemma3" else tiny_relative(kind, V, layers=2)
+    prompt = LONG_PROMPT * 2  # (24 tokens: 6 pieces of 4)
+    for backend in (CompiledModel(target, True), CompiledModel(target, False),
+                    CompiledModel(target, False, static_shapes=True)):
+        whole = StaticLM(backend, V, capacity=40)
+        monkeypatch.setattr(compiled, "PROMPT_MASK_SCORES", 10 ** 9)
+        expected = whole.extend(prompt, reading=True)
+        assert whole.calls == 1
+        monkeypatch.setattr(compiled, "PROMPT_MASK_SCORES", 4 * len(prompt))
+        monkeypatch.setattr(compiled, "PIECE_ROWS", 1)
+        pieces = StaticLM(backend, V, capacity=40)
+        torch.testing.assert_close(pieces.extend(prompt, reading=True), expected, atol=1e-5, rtol=1e-5)
+        assert pieces.calls == 6 and pieces.length == len(prompt)
+        for chain in ([2], [1, 3], [3, 2] * 4):
+            torch.testing.assert_close(pieces.extend(chain), whole.extend(chain), atol=3e-5, rtol=1e-5)
+        calls = pieces.calls
+        pieces.extend(prompt)  # (not a prompt: one forward)
+        assert pieces.calls == calls + 1
+        whole.release()
+        pieces.release()
+
+
 def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
     """The backends differ only in the order of float additions: sampled runs agree token for token
     on this pair (the test would catch a runtime that draws random numbers differently)."""
