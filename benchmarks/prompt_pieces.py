@@ -2,9 +2,11 @@
 compiled.PROMPT_MASK_SCORES): the process's peak resident memory, the time to read it, and how far the
 last row's logits of the two differ. Each (mode, length) runs in a process of its own (peak memory is a
 process's), the embedded target alone on the CPU, uncompiled (`--compile auto`'s choice there); its
-context is 8192 tokens.
+context is 8192 tokens. `--long`: instead a random Llama of 32768 tokens' context (4 layers, hidden
+256, 4 heads, 2 key heads, float32), for prompts longer than the embedded model takes.
 
     .venv/bin/python benchmarks/prompt_pieces.py [--lengths 2000,4000,8000]
+    .venv/bin/python benchmarks/prompt_pieces.py --long --lengths 8000,16000,32000
 """
 
 from __future__ import annotations
@@ -17,7 +19,26 @@ import tempfile
 from pathlib import Path
 
 
-def child(mode: str, length: int, out: Path) -> None:
+def long_llama(folder: Path) -> Path:
+    """A random Llama of 32768 tokens' context saved in folder (with the embedded model's tokenizer)."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rsd_cli.models import resolve_source
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
+                                 tie_word_embeddings=True)).save_pretrained(folder)
+    embedded = Path(resolve_source("embedded")[0])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(embedded / name, folder / name)
+    return folder
+
+
+def child(mode: str, length: int, out: Path, source: str) -> None:
     import resource
     import time
 
@@ -30,7 +51,7 @@ def child(mode: str, length: int, out: Path) -> None:
 
     if mode == "whole":
         compiled.PROMPT_MASK_SCORES = 10 ** 12
-    model, tokenizer = load_model("embedded", torch.device("cpu"), torch.float32)
+    model, tokenizer = load_model(source, torch.device("cpu"), torch.float32)
     ids = tokenizer(" ".join(builtin_prompts("eval")))["input_ids"]
     ids = (ids * (length // len(ids) + 1))[:length]
     runtime = CompiledModel(model, compile=False)
@@ -50,19 +71,21 @@ def child(mode: str, length: int, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lengths", default="2000,4000,8000")
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--long", action="store_true")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        mode, length, out = args.child
-        child(mode, int(length), Path(out))
+        mode, length, out, source = args.child
+        child(mode, int(length), Path(out), source)
         return
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
+        source = str(long_llama(Path(tmp) / "long")) if args.long else "embedded"
         for length in (int(n) for n in args.lengths.split(",")):
             records = {}
             for mode in ("whole", "pieces"):
-                result = subprocess.run([sys.executable, __file__, "--child", mode, str(length), tmp],
+                result = subprocess.run([sys.executable, __file__, "--child", mode, str(length), tmp, source],
                                         capture_output=True, text=True, check=True)
                 records[mode] = json.loads(result.stdout.strip().splitlines()[-1])
             difference = (torch.load(Path(tmp) / f"whole-{length}.pt")
