@@ -1980,10 +1980,14 @@ class CompiledModel:
         in C, 9.9 ms compiled), and measuring would compile for ~18 s on a first run."""
         return self.native is not None and all(self.native) and self.device.type == "cpu"
 
-    def angles_at(self, positions: torch.Tensor) -> list[tuple]:
+    def angles_at(self, positions: torch.Tensor, long: bool = False) -> list[tuple]:
         """Each rotary table's (cos, sin) for these positions (n,) on the model's device, as one forward of
-        them turns them (a `longrope` model's: by the factors its last position picks), each (n, rotated
+        them turns them (a `longrope` model's: by the factors its last position picks; `long`: by its long
+        ones, where they are before their start too — a piece of a prompt astride it), each (n, rotated
         dimensions); (None, None) for layers without a rotation."""
+        if long and self.long_from is not None and int(positions.max()) < self.long_from:
+            beyond = torch.cat([positions, positions.new_tensor([self.long_from])])  # (a row from the start on)
+            return [(None, None) if cos is None else (cos[:-1], sin[:-1]) for cos, sin in self.angles_at(beyond)]
         rotary, names, per_kind = self._rotary
         x = torch.zeros(1, dtype=self.dtype, device=self.device)
         with torch.inference_mode():
@@ -2168,7 +2172,7 @@ class CompiledModel:
             x = x + table[positions + first]
         head_dim = self.dims[2]
         # (a prompt read astride a `longrope` model's long factors' start: all turned by the long ones)
-        tables = self.angles_at(positions) if long else [(cos[positions], sin[positions]) if cos is not None
+        tables = self.angles_at(positions, long=True) if long else [(cos[positions], sin[positions]) if cos is not None
                                                          else (None, None) for cos, sin in self.tables]
         angles = [(cos, sin) if cos is not None else  # each table's (n, head_dim)
                   (x.new_ones(x.shape[0], head_dim), x.new_zeros(x.shape[0], head_dim))  # (no rotation: angle 0)
@@ -2377,6 +2381,7 @@ class StaticLM(ChainExtension):
         self.clock = ForwardClock(compiled.device)
         self.calls = 0
         self.long_from = compiled.long_from  # (a `longrope` model's: engine.long_factors_from)
+        self.prompt_long: bool | None = None  # (while a prompt is read in pieces: whether it is astride that start)
 
     @property
     def model(self):
@@ -2406,7 +2411,7 @@ class StaticLM(ChainExtension):
         start = self.clock.start()
         n = len(tokens)
         sizes = self.compiled.buckets
-        long = reading and astride(positions, self.long_from)
+        long = reading and (astride(positions, self.long_from) if self.prompt_long is None else self.prompt_long)
         if self.long_from is not None:
             self._note_factors(positions, long)
         # (a longer prompt, or one turned by the long factors: the other path, same buffers)
@@ -2483,13 +2488,19 @@ class StaticLM(ChainExtension):
         """ChainExtension.extend, but a prompt (`reading`, its last row's logits only) whose one forward
         would mask more than PROMPT_MASK_SCORES scores is read in pieces, one forward each, every piece's
         rows seeing the cache and themselves causally: the same keys and values, the same last row (to
-        float sums in another order), with masks of a piece's rows only. Not a `longrope` model's
-        prompt, which transformers turns by one set of factors as one forward (long_factors_from)."""
-        rows = max(PIECE_ROWS, PROMPT_MASK_SCORES // (self.length + len(tokens)))
-        if not reading or not last_only or len(tokens) <= rows or self.long_from is not None:
+        float sums in another order), with masks of a piece's rows only. A `longrope` model's prompt
+        astride its long factors' start, which transformers turns by the long ones as one forward, has
+        every piece turned by them (long_factors_from)."""
+        n, past = len(tokens), self.length
+        rows = max(PIECE_ROWS, PROMPT_MASK_SCORES // (past + n))
+        if not reading or not last_only or n <= rows:
             return super().extend(tokens, last_only, reading)
-        for start in range(0, len(tokens), rows):
-            logits = super().extend(tokens[start: start + rows], True, reading=True)
+        self.prompt_long = astride(list(range(past, past + n)), self.long_from)
+        try:
+            for start in range(0, n, rows):
+                logits = super().extend(tokens[start: start + rows], True, reading=True)
+        finally:
+            self.prompt_long = None
         return logits
 
     def forward_placed(self, ids: torch.Tensor, mask: torch.Tensor, rows: slice) -> torch.Tensor:

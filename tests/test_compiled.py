@@ -558,20 +558,22 @@ def test_gptj_falcon_and_models_biased_by_slot_run_in_cuda_graphs(kind):
     assert_greedy_in_cuda_graphs(tiny_relative(kind, V, layers=2), tiny_relative(kind, V, layers=1, seed=1))
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3", "bloom"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "bloom", "phi3-longrope"])
 def test_a_long_prompt_is_read_in_pieces_with_the_keys_and_logits_of_one_forward(monkeypatch, kind):
     """A prompt whose one forward would mask more than PROMPT_MASK_SCORES scores is read in pieces of
     rows (here 4, made small), each a forward seeing the cache and itself causally: the last row's logits
     and every chain after it are one forward's (to float sums in another order) on every backend — a
-    Llama, a Gemma 3 (a window of 4 on its first layer: masks by layer kind and position) and a BLOOM
-    (ALiBi: each head's biases by position) alike; with pieces of 1 row off, the test that they are
-    pieces. A chain that is no prompt (a step) is one forward whatever its length."""
+    Llama, a Gemma 3 (a window of 4 on its first layer: masks by layer kind and position), a BLOOM
+    (ALiBi: each head's biases by position) and a Phi-3 turned by `longrope` factors (the prompt astride
+    their start at 16: every piece turned by the long ones, as one forward turns it) alike. A chain that
+    is no prompt (a step) is one forward whatever its length."""
     from test_engine import LONG_PROMPT
     from tiny import tiny_windowed
 
     target = tiny_model(V, layers=2, scale=0.3) if kind == "llama" else \
         tiny_windowed("gemma3", V) if kind == "gemma3" else tiny_relative(kind, V, layers=2)
     prompt = LONG_PROMPT * 2  # (24 tokens: 6 pieces of 4)
+    assert len(prompt) > LONG_FACTORS_FROM > 4
     for backend in (CompiledModel(target, True), CompiledModel(target, False),
                     CompiledModel(target, False, static_shapes=True)):
         whole = StaticLM(backend, V, capacity=40)
