@@ -660,10 +660,15 @@ def _transformers_model(location: str, local: bool, device, dtype, placement: Pl
     kwargs = {**(placement.kwargs() if placement is not None else {}), **_remote(remote_code)}
     with _warnings_off("accelerate"):  # ("Some parameters are on the meta device..." when it offloads;
         # stderr itself is left as it is, where rsd's spinner goes on turning)
-        try:
-            model = _with_attention(AutoModelForCausalLM, location, local, dtype=dtype, **kwargs)
-        except ImportError as e:  # (a multimodal model whose image or audio towers need a library not installed)
-            model = _text_decoder_alone(location, local, e, dtype=dtype, **kwargs)
+        # (a multimodal Gemma: its text decoder and output head alone, where they load so; not where a device map
+        # names the whole model's modules)
+        mapped = placement is not None and isinstance(placement.kwargs().get("device_map"), dict)
+        model = None if mapped else _text_decoder_alone(location, local, dtype=dtype, **kwargs)
+        if model is None:
+            try:
+                model = _with_attention(AutoModelForCausalLM, location, local, dtype=dtype, **kwargs)
+            except ImportError as e:  # (towers needing a library not installed: Gemma 3n's timm and PIL)
+                raise RsdError(f"cannot load the model at {location}: {_first_line(e)}") from None
     model = with_soft_capped_attention(model)
     if placement is None:
         model = model.to(device)
@@ -683,29 +688,44 @@ def _with_attention(loader, location: str, local: bool, **kwargs):
         return _from_pretrained(loader, location, local, attn_implementation="eager", **kwargs)
 
 
-def _text_decoder_alone(location: str, local: bool, error: ImportError, **kwargs):
-    """A multimodal model's text decoder and output head alone, all rsd reads, as its text model's causal
-    LM class (Gemma 3n's Gemma3nForCausalLM: transformers reads its weights out of the checkpoint's
-    `model.language_model`), where the whole model needs a library not installed (Gemma 3n's vision
-    tower: timm and PIL) — or `error` in a line, where there is no such class or some weight of it is
-    not in the checkpoint."""
+# multimodal models whose text decoder rsd loads alone (tested on tiny checkpoints of each: their text logits), and
+# where its weights lie in their checkpoints (Gemma 3's `language_model.model.` and `language_model.lm_head`, Gemma 3n's
+# and 4's `model.language_model.`), as the text model names them
+TEXT_ALONE = ("gemma3", "gemma3n", "gemma4")
+TEXT_KEYS = {r"^language_model\.lm_head\.": "lm_head.", r"^(?:model\.)?language_model\.(?:model\.)?": "model."}
+
+
+def _text_decoder_alone(location: str, local: bool, **kwargs):
+    """A multimodal Gemma's (TEXT_ALONE) text decoder and output head alone, all rsd reads, as its text
+    model's causal LM class (Gemma3ForCausalLM, Gemma3nForCausalLM, Gemma4ForCausalLM): without its image
+    and audio towers — their memory, their load, and the libraries they need (Gemma 3n's image tower:
+    timm and PIL, which rsd does not install). None for another model, or where some of those weights
+    are not in the checkpoint under the names TEXT_KEYS reads (never random weights: the whole model
+    then)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    refusal = RsdError(f"cannot load the model at {location}: {_first_line(error)}")
-    config = _from_pretrained(AutoConfig, location, local, **{k: v for k, v in kwargs.items()
-                                                             if k == "trust_remote_code"})
+    try:
+        config = _from_pretrained(AutoConfig, location, local, **{k: v for k, v in kwargs.items()
+                                                                 if k == "trust_remote_code"})
+    except Exception:  # noqa: BLE001 - what the whole model's load then says
+        return None
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    if text is config or type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise refusal from None
+    if config.model_type not in TEXT_ALONE or text is config or type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return None
+    text = copy.deepcopy(text)
+    # (the whole model ties its head to the text embedding as its own config says, not as its text config does)
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
     loader = MODEL_FOR_CAUSAL_LM_MAPPING[type(text)]
     try:
-        model, info = _with_attention(loader, location, local, config=text, output_loading_info=True, **kwargs)
-    except ImportError:
-        raise refusal from None
-    tied = set(getattr(model, "_tied_weights_keys", None) or ())
-    if [key for key in info.get("missing_keys", ()) if key not in tied]:  # (random weights: another model)
-        raise refusal from None
+        model, info = _with_attention(loader, location, local, config=text, key_mapping=TEXT_KEYS,
+                                      output_loading_info=True, **kwargs)
+    except (ImportError, RsdError):
+        return None
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = {"lm_head.weight"} if head is not None and head.weight is embedding.weight else set()
+    if set(info.get("missing_keys", ())) - tied:  # (random weights: another model)
+        return None
     return model
 
 

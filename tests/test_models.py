@@ -750,19 +750,18 @@ def test_an_early_exit_draft_of_gemma4_is_refused_in_a_line_naming_a_separate_dr
     assert len(draft.model.layers) == 1 and logits.shape == (1, 3, 40) and bool(torch.isfinite(logits).all())
 
 
-def test_a_published_gemma3n_loads_its_text_decoder_alone_where_its_towers_need_libraries_not_installed(tmp_path):
-    """A Gemma 3n as published (Gemma3nForConditionalGeneration: its image tower is timm's, and neither
-    timm nor PIL is installed here) loads as its text model's Gemma3nForCausalLM, its decoder's weights
-    read out of the checkpoint — the logits of the text model it was saved from — and runs both
-    runtimes through `rsd generate` with that model's greedy tokens; with a weight of the decoder
-    missing from the checkpoint, one line saying what the whole model needs instead of random weights."""
+def test_a_published_gemma3n_loads_its_text_decoder_alone(tmp_path):
+    """A Gemma 3n as published (Gemma3nForConditionalGeneration: its image tower is timm's, which with
+    PIL the whole model needs, neither installed with rsd) loads as its text model's Gemma3nForCausalLM,
+    its decoder's weights read out of the checkpoint — the logits of the text model it was saved from —
+    and runs both runtimes through `rsd generate` alike; with a weight of the decoder missing from the
+    checkpoint, the whole model's load is tried, and (here, without timm) one line says what it needs
+    instead of running random weights."""
     from typer.testing import CliRunner
 
     from rsd_cli.cli import app
     from tiny import save_gemma3n_multimodal, save_profiled_pair, tiny_relative, tiny_tokenizer
 
-    if importlib.util.find_spec("timm") is not None and importlib.util.find_spec("PIL") is not None:
-        pytest.skip("timm and PIL installed: the whole multimodal model loads")
     vocab = len(tiny_tokenizer())
     text = tiny_relative("gemma3n", vocab, layers=4, seed=0)
     folder = save_gemma3n_multimodal(tmp_path / "gemma3n", text)
@@ -784,5 +783,35 @@ def test_a_published_gemma3n_loads_its_text_decoder_alone_where_its_towers_need_
     assert answers["auto"]["runtime"].startswith("static cache")
     assert answers["off"]["token_ids"] == answers["auto"]["token_ids"]
     broken = save_gemma3n_multimodal(tmp_path / "broken", text, drop="model.layers.0.laurel.linear_left.weight")
-    with pytest.raises(RsdError, match="requires the"):
-        models.load_model(str(broken), torch.device("cpu"), torch.float32)
+    if importlib.util.find_spec("timm") is None or importlib.util.find_spec("PIL") is None:
+        with pytest.raises(RsdError, match="requires the"):
+            models.load_model(str(broken), torch.device("cpu"), torch.float32)
+
+
+def test_a_multimodal_gemma_loads_its_text_decoder_and_head_alone(tmp_path):
+    """Gemma 3 (4B and up: an image tower beside its decoder, its head tied to the text embedding by the
+    whole model's config, not its text config) and Gemma 4 saved as their multimodal models load as
+    their text models (Gemma3ForCausalLM, Gemma4ForCausalLM) with the whole model's logits and without
+    the image tower's weights; a Gemma 3 checkpoint missing a decoder weight loads whole instead, as
+    before (the text model alone would have run that weight random)."""
+    from tiny import tiny_gemma4_multimodal, tiny_tokenizer, tiny_windowed
+
+    ids = torch.tensor([[1, 5, 7, 9, 11]])
+    for name, whole in (("gemma3", tiny_windowed("gemma3-vision", 36, 3, 0)), ("gemma4", tiny_gemma4_multimodal(36))):
+        whole.save_pretrained(tmp_path / name)
+        tiny_tokenizer().save_pretrained(tmp_path / name)
+        model, _ = models.load_model(str(tmp_path / name), torch.device("cpu"), torch.float32)
+        assert type(model).__name__ == {"gemma3": "Gemma3ForCausalLM", "gemma4": "Gemma4ForCausalLM"}[name]
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, whole(ids).logits, atol=1e-5, rtol=1e-5)
+        if name == "gemma3":  # (no tower: fewer weights than the whole's)
+            assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in whole.parameters())
+            assert not any("vision" in n for n, _ in model.named_parameters())
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tmp_path / "gemma3" / "model.safetensors")
+    dropped = next(name for name in tensors if name.endswith("layers.0.mlp.up_proj.weight"))
+    save_file({k: v for k, v in tensors.items() if k != dropped}, tmp_path / "gemma3" / "model.safetensors",
+              metadata={"format": "pt"})
+    model, _ = models.load_model(str(tmp_path / "gemma3"), torch.device("cpu"), torch.float32)
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration"
