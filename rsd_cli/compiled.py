@@ -1425,10 +1425,12 @@ def gate_cutoff(layer) -> torch.Tensor | None:
     """Where a Gemma 3n layer's MLP keeps only its gate's largest values (`activation_sparsity`): the
     cut-off in standard deviations above the mean, float32 (the normal distribution's quantile of the
     share dropped, as its _gaussian_topk computes it), else None."""
-    share = float(getattr(mlp_of(layer), "activation_sparsity", 0.0) or 0.0)
+    mlp = mlp_of(layer)
+    share = float(getattr(mlp, "activation_sparsity", 0.0) or 0.0)
     if share <= 0.0:
         return None
-    return torch.distributions.normal.Normal(0, 1).icdf(torch.tensor(share, dtype=torch.float32))
+    cutoff = torch.distributions.normal.Normal(0, 1).icdf(torch.tensor(share, dtype=torch.float32))
+    return cutoff.to(mlp.gate_proj.weight.device)  # (beside the weights: what a CUDA graph reads)
 
 
 def altup_weights(layer, style: Style) -> tuple | None:
