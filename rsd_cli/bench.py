@@ -148,8 +148,9 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
             return None
         return found[0].refusal(variant, found[1], "--variants")
 
-    refused = [(job, refusal(*job[:2])) for job in jobs if refusal(*job[:2])]
-    jobs = [job for job in jobs if refusal(*job[:2]) is None]
+    decided = [(job, refusal(*job[:2])) for job in jobs]
+    refused = [(job, reason) for job, reason in decided if reason is not None]
+    jobs = [job for job, reason in decided if reason is None]
     peers = [name for name, wanted in (("hf-assisted", assisted), ("hf-static", hf_static)) if wanted]
     totals: dict[tuple, Stats] = {}  # (compile, variant, setting, shape) -> totals over prompts and repeats
     peer_totals: dict[tuple[str, float], list[float]] = {(p, t): [0, 0.0] for p in peers for t in temperatures}
