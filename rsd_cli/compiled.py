@@ -100,7 +100,7 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gem
                    "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt",
                    "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text", "minicpm3", "youtu", "deepseek_v2",
                    "deepseek_v3", "glm4_moe_lite", "gptj", "falcon", "bloom", "mpt", "gpt_neo", "gemma3n_text",
-                   "llama4_text")
+                   "llama4_text", "lfm2")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe",
             "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "llama4_text")
@@ -245,6 +245,8 @@ def layer_norms(layer) -> tuple:
     is after attention); GLM-4's four (its post_self_attn_layernorm after attention, post_mlp_layernorm
     after the MLP); OLMo 2 and 3's and EXAONE 4's last two only; Apertus's, OPT's and GPT-2's two, named
     otherwise."""
+    if hasattr(layer, "operator_norm"):  # (LFM2: before attention or its short convolution, before the MLP)
+        return layer.operator_norm, layer.ffn_norm, None, None
     if hasattr(layer, "feedforward_layernorm"):  # (Apertus)
         return layer.attention_layernorm, layer.feedforward_layernorm, None, None
     if hasattr(layer, "self_attn_layer_norm"):  # (OPT: its `final_layer_norm` is before the MLP)
@@ -894,6 +896,7 @@ class LayerWeights(NamedTuple):
     laurel: Any = None  # Gemma 3n's learned residual beside attention (laurel_weights)
     sparsity: Any = None  # Gemma 3n: the MLP gate's cut-off, in standard deviations above its mean (gate_cutoff)
     altup: Any = None  # Gemma 3n's alternating updates of its streams around the layer (altup_weights)
+    conv: Any = None  # LFM2's short convolution in attention's place (conv_weights), its products wq's and wo's
 
 
 class LayerKernels(NamedTuple):
@@ -956,7 +959,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
     layer by _altup_layer, which gives this body the active stream; `laurel` (laurel_weights) its
     learned residual beside attention; `sparsity` (gate_cutoff) where the MLP's gate keeps only its
     largest values. `temperature` (n,) float32: what each new token's q is multiplied by (Llama 4's layers
-    without a rotation: attention_temperatures), or None.
+    without a rotation: attention_temperatures), or None. LFM2: `conv` (conv_weights) where a short
+    convolution is in attention's place (_short_conv), keys then each token's input to it.
     Attention itself: _attention, _latent_attention."""
     if weights.altup is not None:  # (Gemma 3n: the streams around the layer)
         return _altup_layer(x, cos, sin, mask, keys, values, weights, kernels, dims, slots, fused, sight, style, side)
@@ -969,7 +973,9 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
     # (OLMo: no norm before attention)
     h = x if weights.ln1 is None else _rms_norm(x, weights.ln1, eps, in_float, style.centred)
     normed = h
-    if weights.latent is not None:  # (multi-head latent attention: DeepSeek's, MiniCPM3's, Youtu's)
+    if weights.conv is not None:  # (LFM2's short convolution)
+        out = _short_conv(h, weights, kernels, mask, keys, slots)
+    elif weights.latent is not None:  # (multi-head latent attention: DeepSeek's, MiniCPM3's, Youtu's)
         out = _latent_attention(h, weights.wq, weights.latent, kernels, dims, cos, sin, mask, keys, values, slots,
                                 sight, style)
     else:
@@ -1019,6 +1025,39 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
         gated = _activation(_linear(x, gate_weight, None, kernels.side_gate), style.activation) * side
         x = x + _rms_norm(_linear(gated, projection, None, kernels.side_projection), side_norm, eps, in_float)
     return x if weights.scalar is None else x * weights.scalar
+
+
+def _short_conv(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, slots) -> torch.Tensor:
+    """LFM2's short convolution on the normed input h (n, hidden), in attention's place, as its
+    Lfm2ShortConv computes it: B, C and x of one product (wq's), B * x of each new token written at
+    its slot of `keys` (1, capacity, hidden) as attention writes its keys, the convolution over the
+    latest K of those each row sees (latest_seen: itself and its last ancestors, along a tree's path
+    too, where a state carried from token to token would have read its siblings), times C.
+    (1, n, hidden): one head as wide as the layer, before the output's product."""
+    taps, bias = weights.conv
+    n, kv_len = h.shape[0], mask.shape[-1]
+    b, c, x = _linear(h, weights.wq, weights.bq, kernels.q).chunk(3, -1)
+    inputs = b * x
+    if slots is None:
+        keys[0, kv_len - n: kv_len] = inputs
+        stored = keys[0, :kv_len]
+    else:
+        keys[0].index_copy_(0, slots, inputs)
+        stored = keys[0]
+    latest = latest_seen(mask, taps.shape[0])  # (n, K)
+    read = stored[latest.clamp(min=0)] * (latest >= 0)[..., None].to(stored.dtype)  # (n, K, hidden)
+    out = (read.float() * taps.float()).sum(1)  # (in float32, as torch's convolution sums)
+    if bias is not None:
+        out = out + bias.float()
+    return (c * out.to(c.dtype))[None]
+
+
+def latest_seen(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """(n, count): the slots of the latest `count` keys each row of an additive mask (n, kv_len) sees,
+    latest first, -1 past the first one it sees."""
+    n, kv_len = mask.shape
+    seen = torch.where(mask > -math.inf, torch.arange(kv_len, device=mask.device), -1)
+    return torch.cat([seen, seen.new_full((n, count), -1)], 1).topk(count, -1).values
 
 
 def _gate_kept(gate: torch.Tensor, cutoff: torch.Tensor) -> torch.Tensor:
@@ -1282,6 +1321,11 @@ def projections(layer) -> tuple:
         return _kept_views(layer, a.c_attn.weight, lambda: (
             *_row_views(a.c_attn.weight, a.c_attn.bias, (a.embed_dim, a.kv_dim, a.kv_dim)), a.c_proj, None, m.c_fc,
             m.c_proj))
+    if hasattr(m, "w1") and hasattr(m, "w3"):  # (LFM2: its MLP's names; a short convolution's input product
+        # as q — B, C and x in one —, its output's as o)
+        if short_conv_of(layer) is not None:
+            return a.in_proj, None, None, a.out_proj, m.w1, m.w3, m.w2
+        return a.q_proj, a.k_proj, a.v_proj, a.out_proj, m.w1, m.w3, m.w2
     if hasattr(m, "experts"):  # (a mixture of experts: no MLP linears of its own, see experts_of)
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, None, None
     if hasattr(m, "c_fc"):  # (StarCoder2: no gate; GPT-Neo: its output `out_proj`)
@@ -1342,10 +1386,13 @@ def layer_dims(layer, dims: tuple) -> tuple:
 
 def cache_shape(layer, dims: tuple) -> tuple[int, int, int]:
     """(kv_heads, keys' width, values' width) of the cache a layer writes (its layer_dims'), a latent
-    attention's (1, kv_lora_rank, qk_rope_head_dim): its latents and its keys' rotated parts."""
+    attention's (1, kv_lora_rank, qk_rope_head_dim): its latents and its keys' rotated parts; an LFM2
+    short convolution's (1, hidden, 0): each token's input to it (_short_conv)."""
     a = attention_of(layer)
     if is_latent(a):
         return 1, a.kv_lora_rank, a.qk_rope_head_dim
+    if short_conv_of(layer) is not None:  # (a short convolution's input of each token as its keys, no values)
+        return 1, a.out_proj.in_features, 0
     _, kv_heads, head_dim, _, _ = dims
     return kv_heads, head_dim, head_dim
 
@@ -1516,11 +1563,28 @@ def embedding_of(inner):
 
 def attention_of(layer):
     """A decoder layer's attention (GPT-NeoX's `attention`, GPT-2's `attn`, Falcon's `self_attention`,
-    GPT-Neo's its `attn`'s `attention`)."""
+    GPT-Neo's its `attn`'s `attention`), or what an LFM2 layer has in its place (short_conv_of)."""
     found = getattr(layer, "self_attn", None)
     if found is None:
-        found = getattr(layer, "attention", None) or getattr(layer, "self_attention", None) or layer.attn
+        found = getattr(layer, "attention", None) or getattr(layer, "self_attention", None) \
+            or short_conv_of(layer) or layer.attn
     return found.attention if type(found).__name__ == "GPTNeoAttention" else found  # (GPT-Neo's: within)
+
+
+def short_conv_of(layer):
+    """An LFM2 layer's short convolution, in attention's place (its layers of kind "conv"), or None."""
+    found = getattr(layer, "conv", None)
+    return found if type(found).__name__.endswith("ShortConv") else None
+
+
+def conv_weights(layer) -> tuple | None:
+    """What decoder_layer runs a short convolution by (_short_conv): (its taps (K, hidden), the
+    weight of each row's latest input first, then the one before..., its bias or None), or None."""
+    conv = short_conv_of(layer)
+    if conv is None:
+        return None
+    weight = conv.conv.weight.detach()  # (hidden, 1, K): the last tap the latest input's
+    return weight[:, 0].flip(-1).T.contiguous(), _detached(conv.conv, "bias")
 
 
 def mlp_of(layer):
@@ -1715,7 +1779,8 @@ def _head_norms(attention) -> tuple:
     if type(norm).__name__ == "Llama4TextL2Norm":
         ones = torch.ones(attention.head_dim, dtype=attention.q_proj.weight.dtype, device=attention.q_proj.weight.device)
         return ones, ones
-    names = ("query_layernorm", "key_layernorm") if hasattr(attention, "query_layernorm") else ("q_norm", "k_norm")
+    names = ("query_layernorm", "key_layernorm") if hasattr(attention, "query_layernorm") else \
+        ("q_layernorm", "k_layernorm") if hasattr(attention, "q_layernorm") else ("q_norm", "k_norm")  # (LFM2's)
     return tuple(getattr(getattr(attention, name, None), "weight", None) for name in names)
 
 
@@ -1786,20 +1851,27 @@ class CompiledModel:
         inner, cfg = decoder_of(model)
         self.inner = inner  # (the text decoder: a multimodal model's language model)
         layers = layers_of(inner)
-        attn = attention_of(layers[0])
+        # (LFM2's: the first layer with attention, not a short convolution; an LFM2 draft of its first
+        # layer alone has none, its dims of no use then)
+        attn = next((attention_of(layer) for layer in layers if short_conv_of(layer) is None), None)
         self.style = style = style_of(model)
-        # (GPT-NeoX, OPT: every head its own keys; GPT-BigCode's with one key head: its attention's `kv_heads`)
-        # (Gemma 4's differ by layer: its config refuses to name one, layer_dims)
-        kv_heads = attn.num_kv_heads if type(attn).__name__ == "FalconAttention" else \
-            cfg.num_attention_heads if style.interleaved else \
-            cfg.num_attention_heads // attn.num_key_value_groups if type(attn).__name__ == "Gemma4TextAttention" else \
-            getattr(cfg, "num_key_value_heads", None) or getattr(attn, "kv_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(attn, "head_dim", None) or getattr(attn, "qk_head_dim", None) or attn.head_size  # (MLA's)
-        # (MPT's `softmax_scale`, Falcon's and BLOOM's `inv_norm_factor`, GPT-J's before transformers 5.24 one over
-        # its `scale_attn`; GPT-Neo's scores: unscaled)
-        scaling = 1.0 if cfg.model_type == "gpt_neo" else \
-            getattr(attn, "scaling", None) or getattr(attn, "softmax_scale", None) \
-            or getattr(attn, "inv_norm_factor", None) or 1.0 / attn.scale_attn
+        if attn is None:
+            kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+            scaling = head_dim ** -0.5
+        else:
+            # (GPT-NeoX, OPT: every head its own keys; GPT-BigCode's with one key head: its attention's `kv_heads`)
+            # (Gemma 4's differ by layer: its config refuses to name one, layer_dims)
+            kv_heads = attn.num_kv_heads if type(attn).__name__ == "FalconAttention" else \
+                cfg.num_attention_heads if style.interleaved else \
+                cfg.num_attention_heads // attn.num_key_value_groups if type(attn).__name__ == "Gemma4TextAttention" \
+                else getattr(cfg, "num_key_value_heads", None) or getattr(attn, "kv_heads", None) \
+                or cfg.num_attention_heads
+            head_dim = getattr(attn, "head_dim", None) or getattr(attn, "qk_head_dim", None) or attn.head_size  # (MLA's)
+            # (MPT's `softmax_scale`, Falcon's and BLOOM's `inv_norm_factor`, GPT-J's before transformers 5.24 one over
+            # its `scale_attn`; GPT-Neo's scores: unscaled)
+            scaling = 1.0 if cfg.model_type == "gpt_neo" else \
+                getattr(attn, "scaling", None) or getattr(attn, "softmax_scale", None) \
+                or getattr(attn, "inv_norm_factor", None) or 1.0 / attn.scale_attn
         self.dims = (cfg.num_attention_heads, kv_heads, head_dim, scaling,
                      _eps(next(norm for norm in layer_norms(layers[0]) if norm is not None)))
         self.layers = []
@@ -1832,7 +1904,8 @@ class CompiledModel:
                 constants=xielu_constants(mlp_of(layer)), side_input=side_weights(layer, style),
                 scalar=None if scalar is None else scalar.detach(), shared=reads_earlier_cache(layer),
                 beside=gemma4_experts(layer, style), latent=latent_weights(layer, style),
-                laurel=laurel_weights(layer, style), sparsity=gate_cutoff(layer), altup=altup_weights(layer, style))
+                laurel=laurel_weights(layer, style), sparsity=gate_cutoff(layer), altup=altup_weights(layer, style),
+                conv=conv_weights(layer))
             if stacks is not None and stacks[0] is not None:  # q's weight then holds q/k/v's stack; k and v: None
                 weights = weights._replace(wq=stacks[0].detach(), wk=None, wv=None)
             if stacks is not None and stacks[1] is not None:  # ... gate's gate/up's; up: None
@@ -1928,7 +2001,7 @@ class CompiledModel:
         # layers in one call where every layer can, then the final norm and head in one more (Llama's
         # layers, on one rotary table and one mask)
         in_c = style == Style() and len(self.tables) == 1 and self.cos is not None and self.by_kind is None \
-            and not any(is_latent(attention_of(layer)) for layer in layers) \
+            and not any(is_latent(attention_of(layer)) or short_conv_of(layer) is not None for layer in layers) \
             and self.cos.shape[-1] == self.dims[2] \
             and self.embedding_scale == self.logits_divisor == 1.0 and layer_norms(layers[0])[2] is None
         native = [_native_layer(layer, fused, fuse) if in_c else None

@@ -243,6 +243,9 @@ RECURRENT_LAYERS = frozenset({"linear_attention", "conv", "hybrid", "hybrid_slid
 # 5e-3), and Bamba's differ already one at a time: plain decoding for those and the rest
 CHAIN_RECURRENT = frozenset({"lfm2", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "mamba2",
                              "granitemoehybrid", "falcon_h1"})
+# ... of those, the ones whose only state is short convolutions' inputs (LFM2): the static-cache runtime keeps
+# those by slot, like keys, and takes trees of them (Limit.transformers_only)
+CONVOLVED_BY_PATH = frozenset({"lfm2"})
 SNAPSHOTS = 8  # the most states a recurrent cache keeps to roll back to (CachedLM.keep)
 # what a layer's state is (transformers' LinearAttentionCacheLayerMixin): copied before a forward, put back
 STATE_FIELDS = ("conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",
@@ -260,9 +263,11 @@ class Limit:
     variants: tuple[str, ...]  # (`auto` then chooses among these)
     reason: str  # "ALiBi position biases"
     recurrent: bool = False  # layers with a state (CachedLM reads chains into it and takes drafts back itself)
-    # position biases that transformers' forward works out of cache slots: none on the static-cache runtime,
-    # whose masks go by each slot's position (compiled.StaticLM), so a model there takes trees
-    by_slot: bool = False
+    # a limit of transformers' forward alone, none on the static-cache runtime, where a model takes trees:
+    # position biases that transformers works out of cache slots (the runtime's masks go by each slot's
+    # position: compiled.StaticLM), LFM2's short convolutions (the runtime keeps each token's input to them
+    # by slot and convolves each row's path: compiled._short_conv)
+    transformers_only: bool = False
 
     def refusal(self, variant: str, whose: str, how: str = "--variant") -> str:
         """The one line that refuses `variant` for this model ("the target's ALiBi position biases
@@ -284,19 +289,21 @@ def limit_of(config) -> Limit | None:
     its own causal mask: ALiBi (BLOOM, MPT, Falcon with `alibi`), Llama 4 (attention scaled by
     the cache's length on its NoPE layers, chunked attention) and GPT-Neo's local layers (a window
     of slots, not positions). On the static-cache runtime, which biases, scales, chunks and windows
-    by each slot's position, they take trees (Limit.by_slot, pair_limit)."""
+    by each slot's position, they take trees (Limit.transformers_only, pair_limit), as LFM2 does, whose
+    short convolutions read each row's path there instead of a state."""
     config = text_config(config)
     kind = getattr(config, "model_type", "") or ""
     if kind in RECURRENT_MODELS or RECURRENT_LAYERS & set(getattr(config, "layer_types", None) or ()):
         # (a chain read again after a state copied: CachedLM._roll_back)
-        return Limit(CHAIN_VARIANTS if kind in CHAIN_RECURRENT else ("ar",), "recurrent layers", recurrent=True)
+        return Limit(CHAIN_VARIANTS if kind in CHAIN_RECURRENT else ("ar",), "recurrent layers", recurrent=True,
+                     transformers_only=kind in CONVOLVED_BY_PATH)
     attention = getattr(config, "attn_config", None)
     if kind in ("bloom", "mpt") or getattr(config, "alibi", False) or getattr(attention, "alibi", False):
-        return Limit(CHAIN_VARIANTS, "ALiBi position biases", by_slot=True)
+        return Limit(CHAIN_VARIANTS, "ALiBi position biases", transformers_only=True)
     if kind.startswith("llama4") or getattr(config, "attention_chunk_size", None):
-        return Limit(CHAIN_VARIANTS, "chunked attention scaled by the cache's length", by_slot=True)
+        return Limit(CHAIN_VARIANTS, "chunked attention scaled by the cache's length", transformers_only=True)
     if kind == "gpt_neo" and "local" in (getattr(config, "attention_layers", None) or ()):
-        return Limit(CHAIN_VARIANTS, "local attention windowed by cache slots", by_slot=True)
+        return Limit(CHAIN_VARIANTS, "local attention windowed by cache slots", transformers_only=True)
     return None
 
 
@@ -329,12 +336,12 @@ def astride(positions: list[int], start: int | None) -> bool:
 def pair_limit(target, draft, runtimes: Runtimes | None = None) -> tuple[Limit, str] | None:
     """The tighter limit of a target and draft (limit_of) and whose it is ("the target's ALiBi
     position biases (bloom)"), or None where both take trees: a model on the static-cache runtime
-    (runtimes') has none of the limits that come of transformers' biasing by slot (Limit.by_slot)."""
+    (runtimes') has none of the limits of transformers' forward alone (Limit.transformers_only)."""
     runtimes = runtimes or Runtimes()
     limits = [(limit, f"the {role}'s {limit.reason} ({model.config.model_type})")
               for role, model, runtime in (("target", target, runtimes.target), ("draft", draft, runtimes.draft))
               if (limit := limit_of(getattr(model, "config", None))) is not None
-              and not (limit.by_slot and runtime is not None)]
+              and not (limit.transformers_only and runtime is not None)]
     return min(limits, key=lambda found: len(found[0].variants), default=None)
 
 

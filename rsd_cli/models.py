@@ -846,8 +846,9 @@ def fits_target(meta: dict, model) -> bool:
 
 def final_norm_name(inner) -> str:
     """The attribute holding a decoder's final norm: `norm`, Phi's `final_layernorm`, GPT-NeoX's (and
-    OPT's) `final_layer_norm`, GPT-2's `ln_f`, MPT's `norm_f` (`norm` where it has none of them)."""
-    return next((name for name in ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f")
+    OPT's) `final_layer_norm`, GPT-2's `ln_f`, MPT's `norm_f`, LFM2's `embedding_norm` (after its last
+    layer, whatever its name says) (`norm` where it has none of them)."""
+    return next((name for name in ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f", "embedding_norm")
                  if hasattr(inner, name)),
                 "norm")
 

@@ -548,13 +548,16 @@ def assert_greedy_in_cuda_graphs(target, draft) -> Runtimes:
 
 
 @CUDA
-@pytest.mark.parametrize("kind", ["gptj", "falcon", "falcon-7b", "bloom", "mpt", "falcon-rw", "gpt_neo", "llama4"])
+@pytest.mark.parametrize("kind", ["gptj", "falcon", "falcon-7b", "bloom", "mpt", "falcon-rw", "gpt_neo", "llama4",
+                                  "lfm2"])
 def test_gptj_falcon_and_models_biased_by_slot_run_in_cuda_graphs(kind):
     """GPT-J-, Falcon- (40B's and 7B's layouts), and with trees BLOOM-, MPT-, Falcon-RW- (ALiBi: a mask
     for each head, its biases by the slots' positions made on the host), GPT-Neo- (local layers
-    windowed to 4 positions) and Llama 4-like models (chunks of 4, q scaled by position, experts
-    reading the token times their weight) in compiled CUDA graphs: every variant's greedy tokens are
-    the target's, 30 tokens past GPT-Neo's window and Llama 4's first chunks."""
+    windowed to 4 positions), Llama 4-like models (chunks of 4, q scaled by position, experts
+    reading the token times their weight) and LFM2-like ones (short convolutions, each row's taps
+    found in its mask on the device: what steps queued ahead need) in compiled CUDA graphs: every
+    variant's greedy tokens are the target's, 30 tokens past GPT-Neo's window and Llama 4's first
+    chunks."""
     assert_greedy_in_cuda_graphs(tiny_relative(kind, V, layers=2), tiny_relative(kind, V, layers=1, seed=1))
 
 
@@ -674,20 +677,23 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     assert_the_runtime_decodes_as_transformers(target, draft, 3e-5 if kind in ("nemotron", "glm4_moe_lite") else 1e-5)
 
 
-@pytest.mark.parametrize("kind", ["bloom", "mpt", "falcon-rw", "gpt_neo", "llama4"])
+@pytest.mark.parametrize("kind", ["bloom", "mpt", "falcon-rw", "gpt_neo", "llama4", "lfm2"])
 def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_static_cache_runtime(kind):
     """BLOOM, MPT and Falcon-RW bias attention by position (ALiBi), GPT-Neo windows its local layers,
     Llama 4 chunks attention and scales q by position on its layers without a rotation, each of which
-    transformers' forward works out of cache slots (Llama 4's scale: of the cache's length): there rsd
-    gives them chains only. The runtime biases, windows, chunks and scales by each slot's position, so
-    a tree's rows are what transformers' forward gives each row's path read as a chain, on every
-    backend (BLOOM's and MPT's 12 heads: slopes not all powers of 2; GPT-Neo's window of 4: the tree's
-    deepest rows see none of the prompt; Llama 4's chunks of 4 and its scale changing every 4
-    positions); pruned to one path, chains after it too; and every variant's greedy output is plain
-    greedy."""
-    target, draft = tiny_relative(kind, V, layers=2, seed=0), tiny_relative(kind, V, layers=1, seed=1)
+    transformers' forward works out of cache slots (Llama 4's scale: of the cache's length), and LFM2's
+    short convolutions carry a state from token to token (a tree's siblings would all be read into it):
+    there rsd gives them chains only. The runtime biases, windows, chunks and scales by each slot's
+    position, and convolves each row's inputs along its own path (kept by slot), so a tree's rows are
+    what transformers' forward gives each row's path read as a chain, on every backend (BLOOM's and
+    MPT's 12 heads: slopes not all powers of 2; GPT-Neo's window of 4: the tree's deepest rows see
+    none of the prompt; Llama 4's chunks of 4 and its scale changing every 4 positions; LFM2's 3 taps:
+    the deepest rows' reach only their ancestors); pruned to one path, chains after it too; and every
+    variant's greedy output is plain greedy."""
+    layers = 3 if kind == "lfm2" else 2  # (LFM2's: convolution, attention, convolution)
+    target, draft = tiny_relative(kind, V, layers=layers, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     assert compiled.unsupported(target) is None
-    assert (compiled.alibi_of(target.config) is None) == (kind in ("gpt_neo", "llama4"))
+    assert (compiled.alibi_of(target.config) is None) == (kind in ("gpt_neo", "llama4", "lfm2"))
     tree = a_tree()
     base = len(PROMPT)
     visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
@@ -720,18 +726,42 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
             plain_greedy(target, 20), shape.describe()
 
 
+@pytest.mark.parametrize("shape", [MC_SHAPES[4], MC_SHAPES[5]], ids=lambda s: s.describe())
+def test_lfm2_trees_on_the_runtime_follow_the_target_distribution_and_decode_together(shape):
+    """An LFM2 pair (short convolutions, whose state transformers carries from token to token) on the
+    static-cache runtime: `rsd-c` and `rsd-s` trees give the first two tokens the target's joint
+    distribution (rejected siblings leave nothing behind in the convolutions' inputs), and sampled
+    completions decoded together (each row's convolution along its own prompt and answer) are the
+    ones decoded alone."""
+    target, draft = tiny_relative("lfm2", V, layers=3, seed=0), tiny_relative("lfm2", V, layers=2, seed=1)
+    runtimes = Runtimes(CompiledModel(target, False), CompiledModel(draft, False), "auto")
+    sampling = SamplingParams(temperature=1.0)
+    counts = sample_pairs((target, draft), shape, sampling, N_SAMPLES, runtimes=runtimes)
+    assert chi_square_pvalue(counts, exact_joint(target, sampling) * N_SAMPLES) > 1e-3
+    spread = SamplingParams(temperature=3.0)  # (this target's answers at T=1: mostly one of two)
+    alone = [run((target, draft), runtimes, make_shape("ar"), spread, 8, seed) for seed in (1, 2, 3)]
+    assert len({tuple(tokens) for tokens in alone}) == 3
+    decoder = Decoder(target, draft, V, make_shape("ar"), spread, set(), runtimes=runtimes)
+    assert together(decoder, 8, [1, 2, 3])[0] == alone
+
+
 @pytest.mark.parametrize("kind, reason", [("bloom", "ALiBi position biases"),
                                           ("gpt_neo", "local attention windowed by cache slots"),
-                                          ("llama4", "chunked attention scaled by the cache's length")])
+                                          ("llama4", "chunked attention scaled by the cache's length"),
+                                          ("lfm2", "recurrent layers")])
 def test_a_pair_biased_or_windowed_by_slot_takes_trees_on_the_runtime_and_chains_on_transformers_forward(
         tmp_path, kind, reason):
-    """As a user runs a BLOOM, GPT-Neo or Llama 4 pair: `rsd-c` and `rsd-s` on the static-cache runtime answer
+    """As a user runs a BLOOM, GPT-Neo, Llama 4 or LFM2 pair: `rsd-c` and `rsd-s` on the static-cache runtime answer
     with `ar`'s greedy tokens on transformers' forward, and `rsd bench` measures a tree there; on
     transformers' forward (`--compile off`) a tree is refused in one line, and `auto` chooses among
     chains."""
     from tiny import save_profiled_pair
 
-    pair = save_profiled_pair(tmp_path, tiny_relative(kind, 40, layers=3, seed=0), tiny_relative(kind, 40, 1, seed=1))
+    # (an LFM2 draft of its first layer alone, a short convolution, fails in transformers' forward: a model without
+    # attention layers has no cache length there)
+    draft_layers = 2 if kind == "lfm2" else 1
+    pair = save_profiled_pair(tmp_path, tiny_relative(kind, 40, layers=3, seed=0),
+                              tiny_relative(kind, 40, draft_layers, seed=1))
     answers = {}
     for variant, setting in (("ar", "off"), ("rsd-c", "on"), ("rsd-s", "auto"), ("auto", "off")):
         result = CliRunner().invoke(app, ["generate", "hello", "-p", str(pair), "-t", "0", "-n", "12", "--ignore-eos",

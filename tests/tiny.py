@@ -98,7 +98,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     reading earlier ones' caches, per-layer inputs, random layer scalars) or "gemma4-moe" (26B-A4B's kind: experts
     beside each MLP, the router's and each expert's scales random); or with multi-head latent
     attention: "minicpm3", "youtu", "deepseek_v3" and "glm4_moe_lite" (experts chosen within the best
-    groups, a random correction) or "deepseek_v2"; with sliding-window attention off (but Gemma 2, 3
+    groups, a random correction) or "deepseek_v2"; or "lfm2" (short convolutions with biases in attention's
+    place on every other layer, attention between them); with sliding-window attention off (but Gemma 2, 3
     and 4's, Phi-3's, EXAONE 4's, Mixtral's and gpt-oss's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                               GemmaForCausalLM, MistralConfig,
@@ -122,7 +123,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               DeepseekV3ForCausalLM, Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, GPTJConfig,
                               GPTJForCausalLM, FalconConfig, FalconForCausalLM, BloomConfig, BloomForCausalLM,
                               MptConfig, MptForCausalLM, GPTNeoConfig, GPTNeoForCausalLM, Gemma3nTextConfig,
-                              Gemma3nForCausalLM, Llama4TextConfig, Llama4ForCausalLM)
+                              Gemma3nForCausalLM, Llama4TextConfig, Llama4ForCausalLM, Lfm2Config, Lfm2ForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -163,7 +164,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "falcon-7b": (FalconConfig, FalconForCausalLM),
                            "falcon-sequential": (FalconConfig, FalconForCausalLM),
                            "falcon-rw": (FalconConfig, FalconForCausalLM), "bloom": (BloomConfig, BloomForCausalLM),
-                           "mpt": (MptConfig, MptForCausalLM), "gpt_neo": (GPTNeoConfig, GPTNeoForCausalLM)}[kind]
+                           "mpt": (MptConfig, MptForCausalLM), "gpt_neo": (GPTNeoConfig, GPTNeoForCausalLM),
+                           "lfm2": (Lfm2Config, Lfm2ForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -295,6 +297,10 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                         num_experts_per_tok=2, moe_layers=list(range(0, layers, 2)),
                         no_rope_layers=[int(i % 2 == 0) for i in range(layers)], attention_chunk_size=4,
                         floor_scale=4, attn_scale=0.5)
+    elif kind == "lfm2":  # (short convolutions of 3 taps on the first layer and every other one after it, attention
+        # between them, q and k normed per head; biases on the convolutions and their products, random here)
+        settings = dict(layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(layers)], conv_bias=True,
+                        block_auto_adjust_ff_dim=False)
     elif kind == "minicpm3":  # (latent attention: q through a rank of 16, keys and values through a latent of 16,
         # 4 of each head's 12 dimensions turned; the embedding, each block's output and the logits scaled)
         settings = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
@@ -343,6 +349,10 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
             for linear in (getattr(attention_of(layer), name, None)
                            for name in ("q_proj", "k_proj", "v_proj", "query_key_value")
                            + (("dense",) if kind.startswith("falcon") or kind == "bloom" else ())):
+                if linear is not None and linear.bias is not None:
+                    linear.bias.normal_(0.0, scale)
+            conv = getattr(layer, "conv", None)  # (LFM2's short convolution and its products)
+            for linear in (getattr(conv, name, None) for name in ("conv", "in_proj", "out_proj")):
                 if linear is not None and linear.bias is not None:
                     linear.bias.normal_(0.0, scale)
             for linear in (getattr(getattr(layer, "mlp", None), name, None)
