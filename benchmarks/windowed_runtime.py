@@ -52,6 +52,11 @@ chunks of `--window` positions, q and k normed without a weight; 16 experts of 2
 the token times its weight, beside a shared expert, on every layer; its draft its first 3 layers.
 transformers' forward takes chains only from a Llama 4 (its chunks and scale go by cache slots): a
 tree variant asked of `off` is refused, as BLOOM's.
+`--family lfm2`: LFM2-350M's layout (16 layers, hidden 1024, short convolutions of 3 taps in
+attention's place on 10 of them, attention on the others, 16 heads of 64, 8 key-value heads, MLPs
+of 4608) with the embedded model's vocabulary, its draft its first 3 layers. transformers' forward
+takes chains only from an LFM2 (its convolutions carry a state): a tree variant asked of `off` is
+refused, as BLOOM's.
 `--family phi3_longrope`: a Phi-3 of the embedded target's shape turned by `longrope` factors,
 its long ones from position `--window` on (Phi-3.5's and Phi-4-mini's kind, whose long factors
 start at 4096; no window): the answer goes past that position, where rsd reads the sequence
@@ -76,6 +81,7 @@ Random weights: the speeds say what the runtime costs, the tokens only that both
     .venv/bin/python benchmarks/windowed_runtime.py --family bloom --rounds 2 -n 64 --variants ar,sd,rsd-c
     .venv/bin/python benchmarks/windowed_runtime.py --family gpt_neo --rounds 2 -n 96 --variants ar,sd,rsd-c
     .venv/bin/python benchmarks/windowed_runtime.py --family llama4 --rounds 2 -n 96 --variants ar,sd,rsd-c
+    .venv/bin/python benchmarks/windowed_runtime.py --family lfm2 --rounds 2 -n 64 --variants ar,sd,rsd-c
 """
 
 from __future__ import annotations
@@ -97,7 +103,7 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
                               GPTJForCausalLM, GPTNeoConfig, GPTNeoForCausalLM,
                               DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
                               Gemma3nForCausalLM, Gemma3nTextConfig, Gemma4ForCausalLM, Gemma4TextConfig,
-                              Glm4Config, Llama4ForCausalLM, Llama4TextConfig,
+                              Glm4Config, Lfm2Config, Lfm2ForCausalLM, Llama4ForCausalLM, Llama4TextConfig,
                               Glm4ForCausalLM, GptOssConfig,
                               GptOssForCausalLM, GPT2Config, GPT2LMHeadModel, MistralConfig, OPTConfig,
                               OPTForCausalLM,
@@ -193,6 +199,12 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
             **{**embedded, "intermediate_size": 256, "num_hidden_layers": 12}, intermediate_size_mlp=1536, head_dim=64,
             num_local_experts=16, num_experts_per_tok=1, attention_chunk_size=window, floor_scale=window,
             pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    elif family == "lfm2":  # (LFM2-350M's layer kinds; its MLP's 6656 adjusted to 2/3, a multiple of 256: 4608)
+        kinds = ["conv", "conv", "full_attention"] * 3 + ["conv", "full_attention"] * 3 + ["conv"]
+        model = Lfm2ForCausalLM(Lfm2Config(
+            vocab_size=49152, hidden_size=1024, intermediate_size=6656, num_hidden_layers=16, num_attention_heads=16,
+            num_key_value_heads=8, layer_types=kinds, max_position_embeddings=8192, tie_word_embeddings=True,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0))
     elif family == "glm4":
         model = Glm4ForCausalLM(Glm4Config(**embedded, head_dim=64, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     elif family == "phi3_longrope":  # (32 factors each: one per pair of a head's 64 dimensions)
@@ -254,11 +266,11 @@ def main() -> None:
     parser.add_argument("--variants", default="ar,sd")
     parser.add_argument("--family", choices=("mistral", "gemma3", "gemma4", "gemma4_moe", "deepseek_v3", "qwen3_moe",
                                              "mixtral", "gpt_oss", "opt", "gpt2", "glm4", "phi3_longrope", "gptj",
-                                             "falcon", "bloom", "gpt_neo", "gemma3n", "llama4"),
+                                             "falcon", "bloom", "gpt_neo", "gemma3n", "llama4", "lfm2"),
                         default="mistral")
     args = parser.parse_args()
     past = {"qwen3_moe": "", "glm4": "", "deepseek_v3": "", "opt": "", "gpt2": "", "gptj": "", "falcon": "",
-            "bloom": "", "llama4": f" across chunks of {args.window}",
+            "bloom": "", "lfm2": "", "llama4": f" across chunks of {args.window}",
             "phi3_longrope": f" past position {args.window}, the long factors' start"}
     with tempfile.TemporaryDirectory() as tmp:
         profile = make_model(Path(tmp), args.window, args.family)

@@ -414,6 +414,12 @@ class CachedLM(ChainExtension):
         self.snapshots: list[tuple[int, dict]] = []  # (length, {layer index: its state then}) before each forward
         # (taken where a chain read after a state is what its tokens one at a time give: CHAIN_RECURRENT)
         self.rolls_back = self.recurrent and self.limit.variants != ("ar",)
+        # a model whose layers all carry a state (an LFM2 draft of its first layers, all short convolutions): no
+        # mask of each kind to make, which transformers' LFM2 would make from the cache's length, which such a
+        # cache does not have ("`get_seq_length` can only be called on Attention layers")
+        kinds = set(getattr(cfg, "layer_types", None) or ())
+        self.no_masks = {kind: None for kind in kinds} if self.recurrent and kinds and kinds <= RECURRENT_LAYERS \
+            else None
         # (off for a plain step's forward, which nothing takes back: a Qwen3.5-0.8B-sized state takes 7-9 ms
         # to copy on the 2-core Xeon; where it is wrong, keep reads the tokens afresh)
         self.copies_states = True
@@ -462,7 +468,7 @@ class CachedLM(ChainExtension):
             self._check_chain(positions, visible)
             # a 2D mask of the keys, which the model makes its own causal mask and biases from; none for layers
             # with a state (Mamba masks its new tokens' states with a 2D mask: of the new tokens alone)
-            mask = None if self.recurrent else torch.ones(1, self.length + n, dtype=torch.long, device=device)
+            mask = self.no_masks if self.recurrent else torch.ones(1, self.length + n, dtype=torch.long, device=device)
         elif (self.length == 0 and n > 1 and positions[0] == 0 and positions[-1] == n - 1
               and torch.equal(visible, lower_triangle(n))):
             mask = None  # (a prompt at positions 0.. : ChainExtension.extend's, or prompts read together's first)

@@ -757,11 +757,7 @@ def test_a_pair_biased_or_windowed_by_slot_takes_trees_on_the_runtime_and_chains
     chains."""
     from tiny import save_profiled_pair
 
-    # (an LFM2 draft of its first layer alone, a short convolution, fails in transformers' forward: a model without
-    # attention layers has no cache length there)
-    draft_layers = 2 if kind == "lfm2" else 1
-    pair = save_profiled_pair(tmp_path, tiny_relative(kind, 40, layers=3, seed=0),
-                              tiny_relative(kind, 40, draft_layers, seed=1))
+    pair = save_profiled_pair(tmp_path, tiny_relative(kind, 40, layers=3, seed=0), tiny_relative(kind, 40, 1, seed=1))
     answers = {}
     for variant, setting in (("ar", "off"), ("rsd-c", "on"), ("rsd-s", "auto"), ("auto", "off")):
         result = CliRunner().invoke(app, ["generate", "hello", "-p", str(pair), "-t", "0", "-n", "12", "--ignore-eos",
@@ -1429,6 +1425,30 @@ def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both
     profile.write_text(f'[target]\nsource = "{folder}"\n[draft]\nkind = "early-exit"\nlayers = 1\nadapter = ""\n'
                        '[decoding]\nvariant = "rsd-c"\nbranching = [2, 1]\n')
     assert_alike_on_both_runtimes(profile)
+
+
+def test_an_lfm2_target_with_its_first_layer_as_the_draft_generates_alike_on_both_runtimes(tmp_path):
+    """As a user runs it: an LFM2 checkpoint folder (its final norm named `embedding_norm`), its first
+    layer — a short convolution, no attention at all, which transformers' LFM2 cannot read into a
+    cache without masks given — as an early-exit draft: `sd` on the static-cache runtime and on
+    transformers' forward give the same greedy tokens, and so does `rsd-c` on the runtime."""
+    from tiny import tiny_tokenizer
+
+    folder = tmp_path / "lfm2"
+    tiny_relative("lfm2", 40, layers=3, seed=0).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    profile = tmp_path / "lfm2.toml"
+    profile.write_text(f'[target]\nsource = "{folder}"\n[draft]\nkind = "early-exit"\nlayers = 1\nadapter = ""\n'
+                       '[decoding]\nvariant = "sd"\ndraft_len = 3\n')
+    assert_alike_on_both_runtimes(profile)
+    records = {}
+    for variant, setting in (("sd", "off"), ("rsd-c", "on")):
+        result = CliRunner().invoke(app, ["generate", "hello", "-p", str(profile), "-t", "0", "-n", "12", "--ignore-eos",
+                                          "-v", variant, "--compile", setting, "--json"])
+        assert result.exit_code == 0, result.stderr
+        records[variant] = json.loads(result.stdout)
+    assert records["rsd-c"]["token_ids"] == records["sd"]["token_ids"]
+    assert records["rsd-c"]["variant"] == "rsd-c"
 
 
 def test_longrope_samples_past_the_long_factors_start_are_decoded_one_after_the_other(tmp_path):
