@@ -414,12 +414,12 @@ class CachedLM(ChainExtension):
         self.snapshots: list[tuple[int, dict]] = []  # (length, {layer index: its state then}) before each forward
         # (taken where a chain read after a state is what its tokens one at a time give: CHAIN_RECURRENT)
         self.rolls_back = self.recurrent and self.limit.variants != ("ar",)
-        # a model whose layers all carry a state (an LFM2 draft of its first layers, all short convolutions): no
-        # mask of each kind to make, which transformers' LFM2 would make from the cache's length, which such a
-        # cache does not have ("`get_seq_length` can only be called on Attention layers")
+        # an LFM2 whose layers are all short convolutions (a draft of its first layers): no mask of each kind, which
+        # transformers' LFM2 would make from the cache's length, which such a cache does not have ("`get_seq_length`
+        # can only be called on Attention layers"); it takes a mapping of them instead (other families a 2D mask)
         kinds = set(getattr(cfg, "layer_types", None) or ())
-        self.no_masks = {kind: None for kind in kinds} if self.recurrent and kinds and kinds <= RECURRENT_LAYERS \
-            else None
+        self.no_masks = {kind: None for kind in kinds} \
+            if cfg.model_type.startswith("lfm2") and kinds and kinds <= RECURRENT_LAYERS else None
         # (off for a plain step's forward, which nothing takes back: a Qwen3.5-0.8B-sized state takes 7-9 ms
         # to copy on the 2-core Xeon; where it is wrong, keep reads the tokens afresh)
         self.copies_states = True
