@@ -94,6 +94,8 @@ ARCHITECTURES = {  # model_type -> tiny config (the sizes each config names its 
     "mpt": dict(d_model=32, n_layers=2, n_heads=4),
     "llama4_text": dict(GQA, head_dim=8, intermediate_size_mlp=64, attention_chunk_size=8, num_local_experts=2),
     "lfm2": dict(GQA, num_hidden_layers=4, block_ff_dim=64, full_attn_idxs=[1, 3]),
+    "lfm2_moe": dict(GQA, num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2, num_dense_layers=1,
+                     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
     "mamba2": dict(hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, num_heads=4, head_dim=16, n_groups=1),
     "granitemoehybrid": dict(GQA, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
                              mamba_d_state=8, num_local_experts=2, num_experts_per_tok=1),

@@ -100,10 +100,10 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gem
                    "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt",
                    "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text", "minicpm3", "youtu", "deepseek_v2",
                    "deepseek_v3", "glm4_moe_lite", "gptj", "falcon", "bloom", "mpt", "gpt_neo", "gemma3n_text",
-                   "llama4_text", "lfm2")
+                   "llama4_text", "lfm2", "lfm2_moe")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe",
-            "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "llama4_text")
+            "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "llama4_text", "lfm2_moe")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 # (ntk_alpha: Hunyuan's, a fixed base); `longrope` picks short or long factors for a whole forward by its last
 # position: the runtime turns each row by its own position's (CompiledModel.tables; engine.long_factors_from)
@@ -220,14 +220,17 @@ def style_of(model) -> Style:
 
 
 def grouped_routing(cfg) -> tuple | None:
-    """Style.grouped of a config: DeepSeek V3's and GLM-4.7-Flash's sigmoid scores, DeepSeek V2's softmax
-    (its `greedy` top-k: one group), else None."""
+    """Style.grouped of a config, (kind, groups, groups kept, factor, renormalisation's epsilon, scores in
+    float32): DeepSeek V3's and GLM-4.7-Flash's sigmoid scores, DeepSeek V2's softmax (its `greedy` top-k:
+    one group), LFM2-MoE's sigmoid scores in one group, in the model's dtype; else None."""
     if cfg.model_type in ("deepseek_v3", "glm4_moe_lite"):
-        return "sigmoid", int(cfg.n_group), int(cfg.topk_group), float(cfg.routed_scaling_factor)
+        return "sigmoid", int(cfg.n_group), int(cfg.topk_group), float(cfg.routed_scaling_factor), 1e-20, True
     if cfg.model_type == "deepseek_v2":
         limited = cfg.topk_method == "group_limited_greedy"
         return ("softmax", int(cfg.n_group) if limited else 1, int(cfg.topk_group) if limited else 1,
-                float(cfg.routed_scaling_factor))
+                float(cfg.routed_scaling_factor), 1e-20, True)
+    if cfg.model_type == "lfm2_moe":
+        return "sigmoid", 1, 1, float(cfg.routed_scaling_factor), 1e-6, False
     return None
 
 
@@ -430,9 +433,9 @@ class SinusoidalTable:
 
 
 def rotary_of(inner):
-    """A decoder's rotary module (`rotary_emb`), GPT-J's angles in its first attention (SinusoidalTable:
-    transformers before 5.24), or None."""
-    found = getattr(inner, "rotary_emb", None)
+    """A decoder's rotary module (`rotary_emb`, LFM2-MoE's `pos_emb`), GPT-J's angles in its first attention
+    (SinusoidalTable: transformers before 5.24), or None."""
+    found = getattr(inner, "rotary_emb", None) or getattr(inner, "pos_emb", None)
     if found is not None:
         return found
     layers = layers_of(inner)
@@ -639,9 +642,11 @@ def mixture_of_experts(h: torch.Tensor, experts: tuple, style: Style) -> torch.T
         weights = torch.softmax(top, -1)
     elif style.sparse_mixer is not None:  # (Phi-3.5-MoE)
         weights, chosen = sparse_mixer(F.linear(h, router), style.sparse_mixer)
-    elif style.grouped is not None:  # (DeepSeek: scores in float32, chosen within the best groups)
-        weights, chosen = grouped_choice(F.linear(h.float(), router.float()), correction, k, *style.grouped,
-                                         style.renormalise)
+    elif style.grouped is not None:  # (DeepSeek: scores in float32, chosen within the best groups; LFM2-MoE's in
+        # the model's dtype, one group)
+        kind, groups, kept, factor, epsilon, in_float = style.grouped
+        logits = F.linear(h.float(), router.float()) if in_float else F.linear(h, router)
+        weights, chosen = grouped_choice(logits, correction, k, kind, groups, kept, factor, style.renormalise, epsilon)
     elif style.input_weighted:  # (Llama 4: the k largest router logits, weighted by their sigmoid)
         top, chosen = F.linear(h, router).topk(k, dim=-1)  # (n, k) each
         weights = torch.sigmoid(top.float())
@@ -699,15 +704,16 @@ def experts_beside(x: torch.Tensor, beside: tuple, k: int, activation: str, eps:
 
 
 def grouped_choice(logits: torch.Tensor, correction: torch.Tensor | None, k: int, kind: str, groups: int, kept: int,
-                   factor: float, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   factor: float, renormalise: bool, epsilon: float = 1e-20) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, chosen) (n, k) of router logits (n, E) as DeepSeek's routers give them: V3's sigmoid
     scores plus a learned `correction` (E,) choose, among the experts of the `kept` groups whose two
     best corrected scores sum highest, the k best; V2's softmax scores among the experts of the
-    groups with the highest best score. Each weighted by its score alone, renormalised (where the
-    model says) and times `factor`."""
+    groups with the highest best score; LFM2-MoE's sigmoid scores, corrected where it has a
+    correction, in one group. Each weighted by its score alone, renormalised (where the model says;
+    `epsilon` added to the sum) and times `factor`."""
     sigmoid = kind == "sigmoid"
     scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, -1, dtype=torch.float32)
-    choice = scores + correction if sigmoid else scores
+    choice = scores + correction if sigmoid and correction is not None else scores
     n, count = choice.shape
     by_group = choice.view(n, groups, count // groups)
     group_scores = by_group.topk(2, dim=-1).values.sum(-1) if sigmoid else by_group.max(-1).values
@@ -717,7 +723,7 @@ def grouped_choice(logits: torch.Tensor, correction: torch.Tensor | None, k: int
     chosen = choice.topk(k, dim=-1).indices
     weights = scores.gather(1, chosen)
     if renormalise:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights / (weights.sum(-1, keepdim=True) + epsilon)
     return weights * factor, chosen
 
 
@@ -1321,11 +1327,11 @@ def projections(layer) -> tuple:
         return _kept_views(layer, a.c_attn.weight, lambda: (
             *_row_views(a.c_attn.weight, a.c_attn.bias, (a.embed_dim, a.kv_dim, a.kv_dim)), a.c_proj, None, m.c_fc,
             m.c_proj))
-    if hasattr(m, "w1") and hasattr(m, "w3"):  # (LFM2: its MLP's names; a short convolution's input product
-        # as q — B, C and x in one —, its output's as o)
-        if short_conv_of(layer) is not None:
-            return a.in_proj, None, None, a.out_proj, m.w1, m.w3, m.w2
-        return a.q_proj, a.k_proj, a.v_proj, a.out_proj, m.w1, m.w3, m.w2
+    if hasattr(layer, "operator_norm"):  # (LFM2: its MLP's names, or experts; a short convolution's input
+        # product as q — B, C and x in one —, its output's as o)
+        mixing = (a.in_proj, None, None, a.out_proj) if short_conv_of(layer) is not None else \
+            (a.q_proj, a.k_proj, a.v_proj, a.out_proj)
+        return (*mixing, None, None, None) if hasattr(m, "experts") else (*mixing, m.w1, m.w3, m.w2)
     if hasattr(m, "experts"):  # (a mixture of experts: no MLP linears of its own, see experts_of)
         return a.q_proj, a.k_proj, a.v_proj, a.o_proj, None, None, None
     if hasattr(m, "c_fc"):  # (StarCoder2: no gate; GPT-Neo: its output `out_proj`)
@@ -1620,6 +1626,8 @@ def experts_of(layer) -> tuple | None:
         extras = (*(w.detach() for w in (router.bias, m.experts.gate_up_proj_bias, m.experts.down_proj_bias)), None)
     # (a learned correction of the experts' scores: ERNIE 4.5's in its router's `moe_statics`, DeepSeek V3's its own)
     correction = getattr(getattr(router, "moe_statics", router), "e_score_correction_bias", None)
+    if correction is None and getattr(m, "use_expert_bias", False):  # (LFM2-MoE's, on the block)
+        correction = m.expert_bias
     if correction is not None:
         extras = (None, None, None, correction.detach().reshape(-1))
     return router.weight.detach(), gate_up, down, shared, extras

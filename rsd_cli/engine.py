@@ -237,15 +237,15 @@ CHAIN_VARIANTS = ("ar", "sd", "lookup")
 # Mamba and other state-space or linear-attention layers, short convolutions (LFM2), RWKV
 RECURRENT_LAYERS = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "recurrent"})
 # ... of those, the ones whose forward of several tokens after a cache gives what the same tokens one
-# at a time give (benchmarks/architectures.py; 3 tokens after 9, to 1e-6): LFM2's convolutions, Qwen3-Next's
-# and Qwen3.5's gated delta rule, Mamba-2's mixers (Granite 4 and Falcon-H1 hybrids). transformers' Mamba-1
+# at a time give (benchmarks/architectures.py; 3 tokens after 9, to 1e-6): LFM2's and LFM2-MoE's convolutions,
+# Qwen3-Next's and Qwen3.5's gated delta rule, Mamba-2's mixers (Granite 4 and Falcon-H1 hybrids). transformers' Mamba-1
 # mixers (Mamba, Falcon-Mamba, Jamba) read such a chain without the state before it (1.8-2.4 off; Jamba
 # 5e-3), and Bamba's differ already one at a time: plain decoding for those and the rest
-CHAIN_RECURRENT = frozenset({"lfm2", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "mamba2",
+CHAIN_RECURRENT = frozenset({"lfm2", "lfm2_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "mamba2",
                              "granitemoehybrid", "falcon_h1"})
-# ... of those, the ones whose only state is short convolutions' inputs (LFM2): the static-cache runtime keeps
-# those by slot, like keys, and takes trees of them (Limit.transformers_only)
-CONVOLVED_BY_PATH = frozenset({"lfm2"})
+# ... of those, the ones whose only state is short convolutions' inputs (LFM2, LFM2-MoE): the static-cache runtime
+# keeps those by slot, like keys, and takes trees of them (Limit.transformers_only)
+CONVOLVED_BY_PATH = frozenset({"lfm2", "lfm2_moe"})
 SNAPSHOTS = 8  # the most states a recurrent cache keeps to roll back to (CachedLM.keep)
 # what a layer's state is (transformers' LinearAttentionCacheLayerMixin): copied before a forward, put back
 STATE_FIELDS = ("conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",

@@ -549,13 +549,13 @@ def assert_greedy_in_cuda_graphs(target, draft) -> Runtimes:
 
 @CUDA
 @pytest.mark.parametrize("kind", ["gptj", "falcon", "falcon-7b", "bloom", "mpt", "falcon-rw", "gpt_neo", "llama4",
-                                  "lfm2"])
+                                  "lfm2", "lfm2_moe"])
 def test_gptj_falcon_and_models_biased_by_slot_run_in_cuda_graphs(kind):
     """GPT-J-, Falcon- (40B's and 7B's layouts), and with trees BLOOM-, MPT-, Falcon-RW- (ALiBi: a mask
     for each head, its biases by the slots' positions made on the host), GPT-Neo- (local layers
     windowed to 4 positions), Llama 4-like models (chunks of 4, q scaled by position, experts
     reading the token times their weight) and LFM2-like ones (short convolutions, each row's taps
-    found in its mask on the device: what steps queued ahead need) in compiled CUDA graphs: every
+    found in its mask on the device: what steps queued ahead need; LFM2-MoE's experts) in compiled CUDA graphs: every
     variant's greedy tokens are the target's, 30 tokens past GPT-Neo's window and Llama 4's first
     chunks."""
     assert_greedy_in_cuda_graphs(tiny_relative(kind, V, layers=2), tiny_relative(kind, V, layers=1, seed=1))
@@ -677,7 +677,7 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     assert_the_runtime_decodes_as_transformers(target, draft, 3e-5 if kind in ("nemotron", "glm4_moe_lite") else 1e-5)
 
 
-@pytest.mark.parametrize("kind", ["bloom", "mpt", "falcon-rw", "gpt_neo", "llama4", "lfm2"])
+@pytest.mark.parametrize("kind", ["bloom", "mpt", "falcon-rw", "gpt_neo", "llama4", "lfm2", "lfm2_moe"])
 def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_static_cache_runtime(kind):
     """BLOOM, MPT and Falcon-RW bias attention by position (ALiBi), GPT-Neo windows its local layers,
     Llama 4 chunks attention and scales q by position on its layers without a rotation, each of which
@@ -688,12 +688,12 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
     what transformers' forward gives each row's path read as a chain, on every backend (BLOOM's and
     MPT's 12 heads: slopes not all powers of 2; GPT-Neo's window of 4: the tree's deepest rows see
     none of the prompt; Llama 4's chunks of 4 and its scale changing every 4 positions; LFM2's 3 taps:
-    the deepest rows' reach only their ancestors); pruned to one path, chains after it too; and every
-    variant's greedy output is plain greedy."""
-    layers = 3 if kind == "lfm2" else 2  # (LFM2's: convolution, attention, convolution)
+    the deepest rows' reach only their ancestors; LFM2-MoE's experts by sigmoid scores plus a bias); pruned
+    to one path, chains after it too; and every variant's greedy output is plain greedy."""
+    layers = 3 if kind.startswith("lfm2") else 2  # (LFM2's: convolution, attention, convolution)
     target, draft = tiny_relative(kind, V, layers=layers, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     assert compiled.unsupported(target) is None
-    assert (compiled.alibi_of(target.config) is None) == (kind in ("gpt_neo", "llama4", "lfm2"))
+    assert (compiled.alibi_of(target.config) is None) == (kind in ("gpt_neo", "llama4", "lfm2", "lfm2_moe"))
     tree = a_tree()
     base = len(PROMPT)
     visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)

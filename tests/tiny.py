@@ -99,7 +99,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     beside each MLP, the router's and each expert's scales random); or with multi-head latent
     attention: "minicpm3", "youtu", "deepseek_v3" and "glm4_moe_lite" (experts chosen within the best
     groups, a random correction) or "deepseek_v2"; or "lfm2" (short convolutions with biases in attention's
-    place on every other layer, attention between them); with sliding-window attention off (but Gemma 2, 3
+    place on every other layer, attention between them) or "lfm2_moe" (with experts from its second layer on); with
+    sliding-window attention off (but Gemma 2, 3
     and 4's, Phi-3's, EXAONE 4's, Mixtral's and gpt-oss's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                               GemmaForCausalLM, MistralConfig,
@@ -123,7 +124,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               DeepseekV3ForCausalLM, Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, GPTJConfig,
                               GPTJForCausalLM, FalconConfig, FalconForCausalLM, BloomConfig, BloomForCausalLM,
                               MptConfig, MptForCausalLM, GPTNeoConfig, GPTNeoForCausalLM, Gemma3nTextConfig,
-                              Gemma3nForCausalLM, Llama4TextConfig, Llama4ForCausalLM, Lfm2Config, Lfm2ForCausalLM)
+                              Gemma3nForCausalLM, Llama4TextConfig, Llama4ForCausalLM, Lfm2Config, Lfm2ForCausalLM,
+                              Lfm2MoeConfig, Lfm2MoeForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -165,7 +167,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "falcon-sequential": (FalconConfig, FalconForCausalLM),
                            "falcon-rw": (FalconConfig, FalconForCausalLM), "bloom": (BloomConfig, BloomForCausalLM),
                            "mpt": (MptConfig, MptForCausalLM), "gpt_neo": (GPTNeoConfig, GPTNeoForCausalLM),
-                           "lfm2": (Lfm2Config, Lfm2ForCausalLM)}[kind]
+                           "lfm2": (Lfm2Config, Lfm2ForCausalLM), "lfm2_moe": (Lfm2MoeConfig, Lfm2MoeForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -301,6 +303,11 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         # between them, q and k normed per head; biases on the convolutions and their products, random here)
         settings = dict(layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(layers)], conv_bias=True,
                         block_auto_adjust_ff_dim=False)
+    elif kind == "lfm2_moe":  # (LFM2's layers, from the second on 4 experts of 16, 2 a token, chosen by sigmoid scores
+        # plus a random bias, renormalised and scaled)
+        settings = dict(layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(layers)], conv_bias=True,
+                        num_dense_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        routed_scaling_factor=1.5)
     elif kind == "minicpm3":  # (latent attention: q through a rank of 16, keys and values through a latent of 16,
         # 4 of each head's 12 dimensions turned; the embedding, each block's output and the logits scaled)
         settings = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
@@ -378,6 +385,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
             if getattr(layer, "layer_scalar", None) is not None:  # (Gemma 4's, a buffer: each layer's own)
                 layer.layer_scalar.uniform_(0.5, 1.5)
             correction = getattr(getattr(getattr(layer, "mlp", None), "gate", None), "e_score_correction_bias", None)
+            if getattr(getattr(layer, "feed_forward", None), "use_expert_bias", False):  # (LFM2-MoE's, on its block)
+                correction = layer.feed_forward.expert_bias
             if correction is not None:  # (DeepSeek V3's, a buffer: as large as the sigmoid scores' spread)
                 correction.normal_(0.0, 0.2)
     return model.eval()
