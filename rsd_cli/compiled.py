@@ -100,7 +100,7 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gem
                    "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt",
                    "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text", "minicpm3", "youtu", "deepseek_v2",
                    "deepseek_v3", "glm4_moe_lite", "gptj", "falcon", "bloom", "mpt", "gpt_neo", "gemma3n_text",
-                   "llama4_text", "lfm2", "lfm2_moe")
+                   "llama4_text", "lfm2", "lfm2_moe", "qwen3_5_text")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe",
             "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "llama4_text", "lfm2_moe")
@@ -155,6 +155,7 @@ class Style(NamedTuple):
     # experts chosen by their router logits, each reading the token times its logit's sigmoid instead of weighting
     # its output (Llama 4)
     input_weighted: bool = False
+    output_gate: bool = False  # q's product gives each head a gate too, attention's output times its sigmoid (Qwen3.5)
 
 
 def decoder_of(model) -> tuple:
@@ -186,8 +187,9 @@ def style_of(model) -> Style:
     newer_gemma = family in ("gemma3n_text", "gemma4_text")
     mixture, oss = family in MIXTURES, family == "gpt_oss"
     bigcode, ernie, llama4 = family == "gpt_bigcode", family in ("ernie4_5", "ernie4_5_moe"), family == "llama4_text"
-    return Style(norm_in_float=gemma or family in ("olmo2", "olmo3") or cohere or oss,
-                 norm_offset=gemma and not newer_gemma or family == "nemotron",
+    qwen35 = family == "qwen3_5_text"  # (norms by 1 + weight in float32, attention's output gated)
+    return Style(norm_in_float=gemma or family in ("olmo2", "olmo3") or cohere or oss or qwen35,
+                 norm_offset=gemma and not newer_gemma or family == "nemotron" or qwen35,
                  activation=clamped_swiglu(model) if oss else activation_of(cfg),
                  softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
                  residual_scale=float(getattr(cfg, "residual_multiplier", 1.0)) if family != "minicpm3"
@@ -216,7 +218,7 @@ def style_of(model) -> Style:
                  interleaved=family in ("gpt_neox", "falcon", "bloom") or bigcode and not cfg.multi_query, sinks=oss,
                  angles_once=oss,
                  value_norm=newer_gemma, latent_pairs=bool(getattr(cfg, "rope_interleave", False)),
-                 latent_complex=family == "deepseek_v2", input_weighted=llama4)
+                 latent_complex=family == "deepseek_v2", input_weighted=llama4, output_gate=qwen35)
 
 
 def grouped_routing(cfg) -> tuple | None:
@@ -309,16 +311,16 @@ class LayerCaches:
     layers: wider heads, fewer of them): one (caches, kv_heads, capacity, head_dim) tensor for each
     shape; `self[i]` is cache i's (kv_heads, capacity, head_dim)."""
 
-    def __init__(self, shapes: list[tuple[int, int]], capacity: int, dtype, device):
-        kinds = list(dict.fromkeys(shapes))  # (kv_heads, head_dim) of each tensor, in order of first use
+    def __init__(self, shapes: list[tuple], capacity: int, dtype, device):
+        kinds = list(dict.fromkeys(shapes))  # (kv_heads, head_dim[, dtype]) of each tensor, in order of first use
         counts = [0] * len(kinds)
         self.where = []  # cache -> (its tensor, its index there)
         for shape in shapes:
             kind = kinds.index(shape)
             self.where.append((kind, counts[kind]))
             counts[kind] += 1
-        self.tensors = tuple(torch.zeros((count, heads, capacity, width), dtype=dtype, device=device)
-                             for count, (heads, width) in zip(counts, kinds))
+        self.tensors = tuple(torch.zeros((count, kind[0], capacity, kind[1]), dtype=kind[2] if len(kind) > 2 else dtype,
+                                         device=device) for count, kind in zip(counts, kinds))
 
     def __getitem__(self, cache: int) -> torch.Tensor:
         tensor, index = self.where[cache]
@@ -903,6 +905,7 @@ class LayerWeights(NamedTuple):
     sparsity: Any = None  # Gemma 3n: the MLP gate's cut-off, in standard deviations above its mean (gate_cutoff)
     altup: Any = None  # Gemma 3n's alternating updates of its streams around the layer (altup_weights)
     conv: Any = None  # LFM2's short convolution in attention's place (conv_weights), its products wq's and wo's
+    delta: Any = None  # Qwen3.5's gated delta net in attention's place (delta_weights), its products wq/wk/wv/wo's
 
 
 class LayerKernels(NamedTuple):
@@ -966,7 +969,9 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
     learned residual beside attention; `sparsity` (gate_cutoff) where the MLP's gate keeps only its
     largest values. `temperature` (n,) float32: what each new token's q is multiplied by (Llama 4's layers
     without a rotation: attention_temperatures), or None. LFM2: `conv` (conv_weights) where a short
-    convolution is in attention's place (_short_conv), keys then each token's input to it.
+    convolution is in attention's place (_short_conv), keys then each token's input to it. Qwen3.5:
+    `delta` (delta_weights) where a gated delta net is (_gated_delta), wq, wk, wv and wo then its products
+    of q/k/v, z, b and the output, keys each token's input to its convolution and values its k, g and u.
     Attention itself: _attention, _latent_attention."""
     if weights.altup is not None:  # (Gemma 3n: the streams around the layer)
         return _altup_layer(x, cos, sin, mask, keys, values, weights, kernels, dims, slots, fused, sight, style, side)
@@ -981,6 +986,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
     normed = h
     if weights.conv is not None:  # (LFM2's short convolution)
         out = _short_conv(h, weights, kernels, mask, keys, slots)
+    elif weights.delta is not None:  # (Qwen3.5's gated delta net)
+        out = _gated_delta(h, weights, kernels, mask, keys, values, slots)
     elif weights.latent is not None:  # (multi-head latent attention: DeepSeek's, MiniCPM3's, Youtu's)
         out = _latent_attention(h, weights.wq, weights.latent, kernels, dims, cos, sin, mask, keys, values, slots,
                                 sight, style)
@@ -1035,15 +1042,22 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
 
 def _short_conv(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, slots) -> torch.Tensor:
     """LFM2's short convolution on the normed input h (n, hidden), in attention's place, as its
-    Lfm2ShortConv computes it: B, C and x of one product (wq's), B * x of each new token written at
-    its slot of `keys` (1, capacity, hidden) as attention writes its keys, the convolution over the
-    latest K of those each row sees (latest_seen: itself and its last ancestors, along a tree's path
-    too, where a state carried from token to token would have read its siblings), times C.
-    (1, n, hidden): one head as wide as the layer, before the output's product."""
+    Lfm2ShortConv computes it: B, C and x of one product (wq's), the convolution of B * x along each
+    row's path (_convolved), times C. (1, n, hidden): one head as wide as the layer, before the
+    output's product."""
     taps, bias = weights.conv
-    n, kv_len = h.shape[0], mask.shape[-1]
     b, c, x = _linear(h, weights.wq, weights.bq, kernels.q).chunk(3, -1)
-    inputs = b * x
+    return (c * _convolved(b * x, taps, bias, mask, keys, slots).to(c.dtype))[None]
+
+
+def _convolved(inputs, taps, bias, mask, keys, slots) -> torch.Tensor:
+    """A causal depthwise convolution (LFM2's, Qwen3.5's of q, k and v) of the new tokens' inputs (n,
+    width), along each row's path: the inputs written at their slots of `keys` (1, capacity, width) as
+    attention writes its keys, each row convolving the latest K of them it sees (latest_seen: itself and
+    its last ancestors, along a tree's path too, where a state carried from token to token would have
+    read its siblings). taps (K, width): the weight of each row's latest input first; bias (width,) or
+    None. (n, width) float32, as torch's convolution sums."""
+    n, kv_len = inputs.shape[0], mask.shape[-1]
     if slots is None:
         keys[0, kv_len - n: kv_len] = inputs
         stored = keys[0, :kv_len]
@@ -1051,11 +1065,62 @@ def _short_conv(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, slo
         keys[0].index_copy_(0, slots, inputs)
         stored = keys[0]
     latest = latest_seen(mask, taps.shape[0])  # (n, K)
-    read = stored[latest.clamp(min=0)] * (latest >= 0)[..., None].to(stored.dtype)  # (n, K, hidden)
-    out = (read.float() * taps.float()).sum(1)  # (in float32, as torch's convolution sums)
-    if bias is not None:
-        out = out + bias.float()
-    return (c * out.to(c.dtype))[None]
+    read = stored[latest.clamp(min=0)] * (latest >= 0)[..., None].to(stored.dtype)  # (n, K, width)
+    out = (read.float() * taps.float()).sum(1)
+    return out if bias is None else out + bias.float()
+
+
+def _gated_delta(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, values, slots) -> torch.Tensor:
+    """Qwen3.5's gated delta net on the normed input h (n, hidden), in attention's place, as its
+    Qwen3_5GatedDeltaNet computes it — read along each row's path instead of from a state carried
+    from token to token: q, k and v convolved (_convolved) and their SiLU, q and k L2-normed (q by
+    1/sqrt(dk) too), beta the sigmoid of b's product, each token's decay g = -exp(A_log) softplus(a's
+    product + dt_bias). Its state after token t of a path is S_t = exp(g_t) S_(t-1) + k_t u_t^T, u_t =
+    beta_t (v_t - exp(g_t) S_(t-1)^T k_t): unrolled, S_t is the sum over the path's tokens j of
+    exp(G_t - G_j) k_j u_j^T (G the sum of g along the path). So each token keeps at its slot of `values`
+    (1, capacity, hk dk + hv + hv dv) float32 its k, g and u, as attention keeps its keys; a new row's u
+    solves the lower-triangular system (I + A) U = beta V - (what the keys before the new rows take
+    away), A[t, j] = beta_t exp(G_t - G_j) k_t.k_j over the new rows it sees, and its output is
+    q_t.S_t, a sum over every key it sees — its path's, whatever the tree: O(keys) a row, as attention
+    (transformers' state is O(1), but a tree's siblings would all be read into it). Then the output
+    RMS-normed per head, times z's SiLU. (1, n, hv dv)."""
+    a_weight, taps, rate, dt_bias, norm, (hk, hv, dk, dv), eps = weights.delta
+    n, kv_len = h.shape[0], mask.shape[-1]
+    if weights.wk is None:  # (stacked on a GPU: q/k/v's, z's and b's weights in one)
+        mixed, z, b = _linear(h, weights.wq, None, kernels.q).split([taps.shape[1], hv * dv, hv], -1)
+    else:
+        mixed, z, b = (_linear(h, w, None, k) for w, k in ((weights.wq, kernels.q), (weights.wk, kernels.k),
+                                                             (weights.wv, kernels.v)))
+    mixed = F.silu(_convolved(mixed, taps, None, mask, keys, slots).to(h.dtype))
+    q, k, v = mixed.float().split([hk * dk, hk * dk, hv * dv], -1)
+    q, k = (t.view(n, hk, dk) for t in (q, k))
+    q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+    q = q * dk ** -0.5
+    beta = torch.sigmoid(b).float()  # (n, hv)
+    g = rate * F.softplus(F.linear(h, a_weight).float() + dt_bias)  # (n, hv) float32
+    new = slots if slots is not None else torch.arange(kv_len - n, kv_len, device=h.device)
+    store = values[0] if slots is not None else values[0, :kv_len]  # (kv_len, hk dk + hv + hv dv)
+    kept = hk * dk + hv
+    store[:, :kept].index_copy_(0, new, torch.cat([k.reshape(n, -1), g], -1).to(store.dtype))
+    keys_seen = store[:, : hk * dk].view(kv_len, hk, dk).repeat_interleave(hv // hk, 1)  # (kv_len, hv, dk)
+    seen = mask > -math.inf  # (n, kv_len)
+    # each row's decay from each key it sees to itself: the sum of g over the keys it sees after that one (its
+    # own included), summed from the newest: exact where it matters, near the row
+    w = torch.where(seen[None], store[:, hk * dk: kept].T[:, None, :], 0.0)  # (hv, n, kv_len)
+    after = F.pad(w.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
+    decay = torch.where(seen[None], after.exp(), 0.0)
+    k, q = (t.repeat_interleave(hv // hk, 1) for t in (k, q))  # (n, hv, dk)
+    system = beta.T[..., None] * decay * torch.einsum("thd,jhd->htj", k, keys_seen)  # (hv, n, kv_len)
+    before = torch.ones(kv_len, dtype=torch.bool, device=h.device).index_fill(0, new, False)
+    u_seen = store[:, kept:].view(kv_len, hv, dv).transpose(0, 1)  # (hv, kv_len, dv): the new rows' stale
+    taken = (system * before).to(torch.float32) @ u_seen
+    u = torch.linalg.solve_triangular(system.index_select(-1, new), beta.T[..., None] * v.view(n, hv, dv).transpose(0, 1)
+                                      - taken, upper=False, unitriangular=True)  # (hv, n, dv)
+    store[:, kept:].index_copy_(0, new, u.transpose(0, 1).reshape(n, hv * dv).to(store.dtype))
+    out = (decay * torch.einsum("thd,jhd->htj", q, keys_seen)) @ u_seen  # (hv, n, dv)
+    out = out.transpose(0, 1).to(h.dtype).float()  # (n, hv, dv)
+    normed = norm * (out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    return (normed * F.silu(z.view(n, hv, dv).float())).to(h.dtype).reshape(1, n, hv * dv)
 
 
 def latest_seen(mask: torch.Tensor, count: int) -> torch.Tensor:
@@ -1113,7 +1178,7 @@ def _attention(h, weights: LayerWeights, kernels: LayerKernels, dims: tuple, cos
     in_float = style.norm_in_float
     heads, kv_heads, head_dim, scaling, eps = dims
     n, kv_len = h.shape[0], mask.shape[-1]
-    widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    widths = [heads * head_dim * (2 if style.output_gate else 1), kv_heads * head_dim, kv_heads * head_dim]
     if shared:  # (Gemma 4's last layers: the keys and values are an earlier layer's)
         q, k, v = _linear(h, wq, bq, kernels.q), None, None
     elif style.interleaved:  # (GPT-NeoX: each head's q, k and v side by side; Falcon: each key head's group's)
@@ -1128,6 +1193,10 @@ def _attention(h, weights: LayerWeights, kernels: LayerKernels, dims: tuple, cos
     else:  # (Gemma 4's full-attention layers: v is k's product, where the model says so)
         q, k = _linear(h, wq, bq, kernels.q), _linear(h, wk, bk, kernels.k)
         v = k if wv is None else _linear(h, wv, bv, kernels.v)
+    gate = None
+    if style.output_gate:  # (Qwen3.5: each head's q, then its gate)
+        q, gate = q.view(n, heads, 2 * head_dim).chunk(2, -1)
+        q = q.reshape(n, heads * head_dim)
     whole = q_norm is not None and q_norm.shape[0] != head_dim  # (OLMo 2 and 3: q and k normed as a whole)
     if whole:
         q, k = _rms_norm(q, q_norm, eps, in_float), _rms_norm(k, k_norm, eps, in_float)
@@ -1187,6 +1256,8 @@ def _attention(h, weights: LayerWeights, kernels: LayerKernels, dims: tuple, cos
         mask = mask[None] if mask.dim() == 3 else mask[None, None]  # (ALiBi's: a mask for each head)
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask.to(q.dtype), scale=scaling,
                                              **grouped)[0]
+    if gate is not None:  # (Qwen3.5: each head's output times its gate's sigmoid)
+        out = out * torch.sigmoid(gate).transpose(0, 1)
     return out
 
 
@@ -1327,6 +1398,9 @@ def projections(layer) -> tuple:
         return _kept_views(layer, a.c_attn.weight, lambda: (
             *_row_views(a.c_attn.weight, a.c_attn.bias, (a.embed_dim, a.kv_dim, a.kv_dim)), a.c_proj, None, m.c_fc,
             m.c_proj))
+    if delta_net_of(layer) is not None:  # (Qwen3.5's gated delta net: q/k/v's product as q, z's as k, b's as v)
+        mlp = (None, None, None) if hasattr(m, "experts") else (m.gate_proj, m.up_proj, m.down_proj)
+        return a.in_proj_qkv, a.in_proj_z, a.in_proj_b, a.out_proj, *mlp
     if hasattr(layer, "operator_norm"):  # (LFM2: its MLP's names, or experts; a short convolution's input
         # product as q — B, C and x in one —, its output's as o)
         mixing = (a.in_proj, None, None, a.out_proj) if short_conv_of(layer) is not None else \
@@ -1393,12 +1467,15 @@ def layer_dims(layer, dims: tuple) -> tuple:
 def cache_shape(layer, dims: tuple) -> tuple[int, int, int]:
     """(kv_heads, keys' width, values' width) of the cache a layer writes (its layer_dims'), a latent
     attention's (1, kv_lora_rank, qk_rope_head_dim): its latents and its keys' rotated parts; an LFM2
-    short convolution's (1, hidden, 0): each token's input to it (_short_conv)."""
+    short convolution's (1, hidden, 0): each token's input to it (_short_conv); a Qwen3.5 gated delta
+    net's (1, its convolution's width, k's + g's + u's width): its values float32 (values_in_float)."""
     a = attention_of(layer)
     if is_latent(a):
         return 1, a.kv_lora_rank, a.qk_rope_head_dim
     if short_conv_of(layer) is not None:  # (a short convolution's input of each token as its keys, no values)
         return 1, a.out_proj.in_features, 0
+    if delta_net_of(layer) is not None:  # (a gated delta net's: its convolution's input; its k, g and u, in float32)
+        return 1, a.conv_dim, a.key_dim + a.num_v_heads + a.value_dim
     _, kv_heads, head_dim, _, _ = dims
     return kv_heads, head_dim, head_dim
 
@@ -1569,11 +1646,12 @@ def embedding_of(inner):
 
 def attention_of(layer):
     """A decoder layer's attention (GPT-NeoX's `attention`, GPT-2's `attn`, Falcon's `self_attention`,
-    GPT-Neo's its `attn`'s `attention`), or what an LFM2 layer has in its place (short_conv_of)."""
+    GPT-Neo's its `attn`'s `attention`), or what an LFM2 or Qwen3.5 layer has in its place (short_conv_of,
+    delta_net_of)."""
     found = getattr(layer, "self_attn", None)
     if found is None:
         found = getattr(layer, "attention", None) or getattr(layer, "self_attention", None) \
-            or short_conv_of(layer) or layer.attn
+            or short_conv_of(layer) or delta_net_of(layer) or layer.attn
     return found.attention if type(found).__name__ == "GPTNeoAttention" else found  # (GPT-Neo's: within)
 
 
@@ -1581,6 +1659,31 @@ def short_conv_of(layer):
     """An LFM2 layer's short convolution, in attention's place (its layers of kind "conv"), or None."""
     found = getattr(layer, "conv", None)
     return found if type(found).__name__.endswith("ShortConv") else None
+
+
+def delta_net_of(layer):
+    """A Qwen3.5 layer's gated delta net, in attention's place (its layers of kind "linear_attention"),
+    or None."""
+    found = getattr(layer, "linear_attn", None)
+    return found if type(found).__name__.endswith("GatedDeltaNet") else None
+
+
+def carries_state(layer) -> bool:
+    """Whether a layer has a short convolution or a gated delta net in attention's place (a state in
+    transformers' forward; kept by slot on the runtime)."""
+    return short_conv_of(layer) is not None or delta_net_of(layer) is not None
+
+
+def delta_weights(layer) -> tuple | None:
+    """What _gated_delta runs a gated delta net by: (a's product's weight, its convolution's taps (K,
+    width): the latest input's first, -exp(A_log) in float32, dt_bias, its output norm's weight, (k heads,
+    v heads, k's head width, v's), that norm's eps), or None."""
+    delta = delta_net_of(layer)
+    if delta is None:
+        return None
+    return (delta.in_proj_a.weight.detach(), delta.conv1d.weight.detach()[:, 0].flip(-1).T.contiguous(),
+            -delta.A_log.detach().float().exp(), delta.dt_bias.detach(), delta.norm.weight.detach(),
+            (delta.num_k_heads, delta.num_v_heads, delta.head_k_dim, delta.head_v_dim), delta.layer_norm_epsilon)
 
 
 def conv_weights(layer) -> tuple | None:
@@ -1861,7 +1964,7 @@ class CompiledModel:
         layers = layers_of(inner)
         # (LFM2's: the first layer with attention, not a short convolution; an LFM2 draft of its first
         # layer alone has none, its dims of no use then)
-        attn = next((attention_of(layer) for layer in layers if short_conv_of(layer) is None), None)
+        attn = next((attention_of(layer) for layer in layers if not carries_state(layer)), None)
         self.style = style = style_of(model)
         if attn is None:
             kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
@@ -1913,7 +2016,7 @@ class CompiledModel:
                 scalar=None if scalar is None else scalar.detach(), shared=reads_earlier_cache(layer),
                 beside=gemma4_experts(layer, style), latent=latent_weights(layer, style),
                 laurel=laurel_weights(layer, style), sparsity=gate_cutoff(layer), altup=altup_weights(layer, style),
-                conv=conv_weights(layer))
+                conv=conv_weights(layer), delta=delta_weights(layer))
             if stacks is not None and stacks[0] is not None:  # q's weight then holds q/k/v's stack; k and v: None
                 weights = weights._replace(wq=stacks[0].detach(), wk=None, wv=None)
             if stacks is not None and stacks[1] is not None:  # ... gate's gate/up's; up: None
@@ -1959,6 +2062,8 @@ class CompiledModel:
         written = sorted(set(owners))
         self.cache_of = [written.index(owner) for owner in owners]
         self.cache_shapes = [cache_shape(layers[owner], self.layer_dims[owner]) for owner in written]
+        # (a gated delta net's values: float32 whatever the model's dtype, as transformers keeps its state)
+        self.values_in_float = [delta_net_of(layers[owner]) is not None for owner in written]
         # Gemma 4's per-layer inputs: each token's embedding for every layer, read beside its embedding
         self.per_layer_inputs = getattr(inner, "embed_tokens_per_layer", None) is not None
         # Gemma 3n's streams (AltUp): the projections making them of the embedded tokens, and making one of
@@ -2009,7 +2114,7 @@ class CompiledModel:
         # layers in one call where every layer can, then the final norm and head in one more (Llama's
         # layers, on one rotary table and one mask)
         in_c = style == Style() and len(self.tables) == 1 and self.cos is not None and self.by_kind is None \
-            and not any(is_latent(attention_of(layer)) or short_conv_of(layer) is not None for layer in layers) \
+            and not any(is_latent(attention_of(layer)) or carries_state(layer) for layer in layers) \
             and self.cos.shape[-1] == self.dims[2] \
             and self.embedding_scale == self.logits_divisor == 1.0 and layer_norms(layers[0])[2] is None
         native = [_native_layer(layer, fused, fuse) if in_c else None
@@ -2103,10 +2208,11 @@ class CompiledModel:
         width) tensor each (a latent attention's keys: its latents, its values: its keys' rotated parts),
         or where caches differ in shape (Gemma 4's) a LayerCaches."""
         made = []
-        for shapes in ([(heads, width) for heads, width, _ in self.cache_shapes],  # (keys', then values')
-                       [(heads, width) for heads, _, width in self.cache_shapes]):
+        for shapes in ([(heads, width, self.dtype) for heads, width, _ in self.cache_shapes],  # (keys', then values')
+                       [(heads, width, torch.float32 if in_float else self.dtype)
+                        for (heads, _, width), in_float in zip(self.cache_shapes, self.values_in_float)]):
             if len(set(shapes)) == 1:
-                made.append(torch.zeros((len(shapes), shapes[0][0], capacity, shapes[0][1]), dtype=self.dtype,
+                made.append(torch.zeros((len(shapes), shapes[0][0], capacity, shapes[0][1]), dtype=shapes[0][2],
                                         device=self.device))
             else:
                 made.append(LayerCaches(shapes, capacity, self.dtype, self.device))

@@ -243,9 +243,10 @@ RECURRENT_LAYERS = frozenset({"linear_attention", "conv", "hybrid", "hybrid_slid
 # 5e-3), and Bamba's differ already one at a time: plain decoding for those and the rest
 CHAIN_RECURRENT = frozenset({"lfm2", "lfm2_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "mamba2",
                              "granitemoehybrid", "falcon_h1"})
-# ... of those, the ones whose only state is short convolutions' inputs (LFM2, LFM2-MoE): the static-cache runtime
-# keeps those by slot, like keys, and takes trees of them (Limit.transformers_only)
-CONVOLVED_BY_PATH = frozenset({"lfm2", "lfm2_moe"})
+# ... of those, the ones the static-cache runtime reads along each row's path from what it keeps by slot, like keys
+# (LFM2's short convolutions' inputs; Qwen3.5's gated delta nets' too, and each token's k, decay and update): trees
+# there (Limit.transformers_only)
+READ_BY_PATH = frozenset({"lfm2", "lfm2_moe", "qwen3_5_text"})
 SNAPSHOTS = 8  # the most states a recurrent cache keeps to roll back to (CachedLM.keep)
 # what a layer's state is (transformers' LinearAttentionCacheLayerMixin): copied before a forward, put back
 STATE_FIELDS = ("conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",
@@ -265,8 +266,8 @@ class Limit:
     recurrent: bool = False  # layers with a state (CachedLM reads chains into it and takes drafts back itself)
     # a limit of transformers' forward alone, none on the static-cache runtime, where a model takes trees:
     # position biases that transformers works out of cache slots (the runtime's masks go by each slot's
-    # position: compiled.StaticLM), LFM2's short convolutions (the runtime keeps each token's input to them
-    # by slot and convolves each row's path: compiled._short_conv)
+    # position: compiled.StaticLM), LFM2's short convolutions and Qwen3.5's gated delta nets (the runtime keeps
+    # what each token gives them by slot and reads each row's path: compiled._convolved, compiled._gated_delta)
     transformers_only: bool = False
 
     def refusal(self, variant: str, whose: str, how: str = "--variant") -> str:
@@ -289,14 +290,14 @@ def limit_of(config) -> Limit | None:
     its own causal mask: ALiBi (BLOOM, MPT, Falcon with `alibi`), Llama 4 (attention scaled by
     the cache's length on its NoPE layers, chunked attention) and GPT-Neo's local layers (a window
     of slots, not positions). On the static-cache runtime, which biases, scales, chunks and windows
-    by each slot's position, they take trees (Limit.transformers_only, pair_limit), as LFM2 does, whose
-    short convolutions read each row's path there instead of a state."""
+    by each slot's position, they take trees (Limit.transformers_only, pair_limit), as LFM2 and Qwen3.5 do,
+    whose short convolutions and gated delta nets read each row's path there instead of a state."""
     config = text_config(config)
     kind = getattr(config, "model_type", "") or ""
     if kind in RECURRENT_MODELS or RECURRENT_LAYERS & set(getattr(config, "layer_types", None) or ()):
         # (a chain read again after a state copied: CachedLM._roll_back)
         return Limit(CHAIN_VARIANTS if kind in CHAIN_RECURRENT else ("ar",), "recurrent layers", recurrent=True,
-                     transformers_only=kind in CONVOLVED_BY_PATH)
+                     transformers_only=kind in READ_BY_PATH)
     attention = getattr(config, "attn_config", None)
     if kind in ("bloom", "mpt") or getattr(config, "alibi", False) or getattr(attention, "alibi", False):
         return Limit(CHAIN_VARIANTS, "ALiBi position biases", transformers_only=True)
@@ -414,12 +415,12 @@ class CachedLM(ChainExtension):
         self.snapshots: list[tuple[int, dict]] = []  # (length, {layer index: its state then}) before each forward
         # (taken where a chain read after a state is what its tokens one at a time give: CHAIN_RECURRENT)
         self.rolls_back = self.recurrent and self.limit.variants != ("ar",)
-        # an LFM2 whose layers are all short convolutions (a draft of its first layers): no mask of each kind, which
-        # transformers' LFM2 would make from the cache's length, which such a cache does not have ("`get_seq_length`
-        # can only be called on Attention layers"); it takes a mapping of them instead (other families a 2D mask)
+        # an LFM2 or Qwen3.5 whose layers all carry a state (a draft of its first layers): no mask of each kind, which
+        # transformers would make from the cache's length, which such a cache does not have ("`get_seq_length` can
+        # only be called on Attention layers"); those take a mapping of them instead (other families a 2D mask)
         kinds = set(getattr(cfg, "layer_types", None) or ())
         self.no_masks = {kind: None for kind in kinds} \
-            if cfg.model_type.startswith("lfm2") and kinds and kinds <= RECURRENT_LAYERS else None
+            if cfg.model_type.startswith(("lfm2", "qwen3_5")) and kinds and kinds <= RECURRENT_LAYERS else None
         # (off for a plain step's forward, which nothing takes back: a Qwen3.5-0.8B-sized state takes 7-9 ms
         # to copy on the 2-core Xeon; where it is wrong, keep reads the tokens afresh)
         self.copies_states = True

@@ -549,13 +549,14 @@ def assert_greedy_in_cuda_graphs(target, draft) -> Runtimes:
 
 @CUDA
 @pytest.mark.parametrize("kind", ["gptj", "falcon", "falcon-7b", "bloom", "mpt", "falcon-rw", "gpt_neo", "llama4",
-                                  "lfm2", "lfm2_moe"])
+                                  "lfm2", "lfm2_moe", "qwen3_5"])
 def test_gptj_falcon_and_models_biased_by_slot_run_in_cuda_graphs(kind):
     """GPT-J-, Falcon- (40B's and 7B's layouts), and with trees BLOOM-, MPT-, Falcon-RW- (ALiBi: a mask
     for each head, its biases by the slots' positions made on the host), GPT-Neo- (local layers
     windowed to 4 positions), Llama 4-like models (chunks of 4, q scaled by position, experts
     reading the token times their weight) and LFM2-like ones (short convolutions, each row's taps
-    found in its mask on the device: what steps queued ahead need; LFM2-MoE's experts) in compiled CUDA graphs: every
+    found in its mask on the device: what steps queued ahead need; LFM2-MoE's experts) and Qwen3.5-like
+    ones (gated delta nets read along each row's path, a triangular solve) in compiled CUDA graphs: every
     variant's greedy tokens are the target's, 30 tokens past GPT-Neo's window and Llama 4's first
     chunks."""
     assert_greedy_in_cuda_graphs(tiny_relative(kind, V, layers=2), tiny_relative(kind, V, layers=1, seed=1))
@@ -677,23 +678,25 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     assert_the_runtime_decodes_as_transformers(target, draft, 3e-5 if kind in ("nemotron", "glm4_moe_lite") else 1e-5)
 
 
-@pytest.mark.parametrize("kind", ["bloom", "mpt", "falcon-rw", "gpt_neo", "llama4", "lfm2", "lfm2_moe"])
+@pytest.mark.parametrize("kind", ["bloom", "mpt", "falcon-rw", "gpt_neo", "llama4", "lfm2", "lfm2_moe", "qwen3_5"])
 def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_static_cache_runtime(kind):
     """BLOOM, MPT and Falcon-RW bias attention by position (ALiBi), GPT-Neo windows its local layers,
     Llama 4 chunks attention and scales q by position on its layers without a rotation, each of which
     transformers' forward works out of cache slots (Llama 4's scale: of the cache's length), and LFM2's
-    short convolutions carry a state from token to token (a tree's siblings would all be read into it):
-    there rsd gives them chains only. The runtime biases, windows, chunks and scales by each slot's
-    position, and convolves each row's inputs along its own path (kept by slot), so a tree's rows are
+    short convolutions and Qwen3.5's gated delta nets carry a state from token to token (a tree's
+    siblings would all be read into it): there rsd gives them chains only. The runtime biases, windows,
+    chunks and scales by each slot's position, and convolves each row's inputs and sums its delta
+    net's updates along its own path (kept by slot), so a tree's rows are
     what transformers' forward gives each row's path read as a chain, on every backend (BLOOM's and
     MPT's 12 heads: slopes not all powers of 2; GPT-Neo's window of 4: the tree's deepest rows see
     none of the prompt; Llama 4's chunks of 4 and its scale changing every 4 positions; LFM2's 3 taps:
-    the deepest rows' reach only their ancestors; LFM2-MoE's experts by sigmoid scores plus a bias); pruned
-    to one path, chains after it too; and every variant's greedy output is plain greedy."""
-    layers = 3 if kind.startswith("lfm2") else 2  # (LFM2's: convolution, attention, convolution)
+    the deepest rows' reach only their ancestors; LFM2-MoE's experts by sigmoid scores plus a bias; Qwen3.5's
+    delta nets of 4 value heads over 2 key heads, attention's output gated); pruned to one path, chains
+    after it too; and every variant's greedy output is plain greedy."""
+    layers = 3 if kind.startswith(("lfm2", "qwen3_5")) else 2  # (LFM2's: convolution, attention, convolution)
     target, draft = tiny_relative(kind, V, layers=layers, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     assert compiled.unsupported(target) is None
-    assert (compiled.alibi_of(target.config) is None) == (kind in ("gpt_neo", "llama4", "lfm2", "lfm2_moe"))
+    assert (compiled.alibi_of(target.config) is None) == (kind in ("gpt_neo", "llama4", "lfm2", "lfm2_moe", "qwen3_5"))
     tree = a_tree()
     base = len(PROMPT)
     visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
@@ -707,8 +710,10 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
         ours = StaticLM(backend, V, capacity=12)
         ours.extend(PROMPT)
         logits = ours.forward(tree.tokens, [base + d for d in tree.depths], visible)
-        # (GPT-Neo's scores unscaled, ~3x larger: float32 sums in another order differ by ~3e-5 after its softmax)
-        tolerance = 1e-4 if kind == "gpt_neo" else 1e-5
+        # (GPT-Neo's scores unscaled, ~3x larger: float32 sums in another order differ by ~3e-5 after its softmax;
+        # Qwen3.5's delta nets' sums over a path, against transformers' state, by ~1e-4 at logits of ~20 — as
+        # much as transformers' own one token at a time against one forward)
+        tolerance = 1e-4 if kind == "gpt_neo" else 3e-4 if kind == "qwen3_5" else 1e-5
         torch.testing.assert_close(logits, expected, atol=tolerance, rtol=tolerance)
         ours.keep(list(range(base)) + [base + n for n in kept])
         reference = CachedLM(target, V)
@@ -726,14 +731,15 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
             plain_greedy(target, 20), shape.describe()
 
 
+@pytest.mark.parametrize("kind", ["lfm2", "qwen3_5"])
 @pytest.mark.parametrize("shape", [MC_SHAPES[4], MC_SHAPES[5]], ids=lambda s: s.describe())
-def test_lfm2_trees_on_the_runtime_follow_the_target_distribution_and_decode_together(shape):
-    """An LFM2 pair (short convolutions, whose state transformers carries from token to token) on the
-    static-cache runtime: `rsd-c` and `rsd-s` trees give the first two tokens the target's joint
-    distribution (rejected siblings leave nothing behind in the convolutions' inputs), and sampled
-    completions decoded together (each row's convolution along its own prompt and answer) are the
-    ones decoded alone."""
-    target, draft = tiny_relative("lfm2", V, layers=3, seed=0), tiny_relative("lfm2", V, layers=2, seed=1)
+def test_stateful_trees_on_the_runtime_follow_the_target_distribution_and_decode_together(kind, shape):
+    """An LFM2 pair (short convolutions) and a Qwen3.5 pair (gated delta nets), whose state
+    transformers carries from token to token, on the static-cache runtime: `rsd-c` and `rsd-s` trees
+    give the first two tokens the target's joint distribution (rejected siblings leave nothing behind
+    in what each row reads: its path's), and sampled completions decoded together (each row reading
+    its own prompt and answer) are the ones decoded alone."""
+    target, draft = tiny_relative(kind, V, layers=3, seed=0), tiny_relative(kind, V, layers=2, seed=1)
     runtimes = Runtimes(CompiledModel(target, False), CompiledModel(draft, False), "auto")
     sampling = SamplingParams(temperature=1.0)
     counts = sample_pairs((target, draft), shape, sampling, N_SAMPLES, runtimes=runtimes)
@@ -748,10 +754,10 @@ def test_lfm2_trees_on_the_runtime_follow_the_target_distribution_and_decode_tog
 @pytest.mark.parametrize("kind, reason", [("bloom", "ALiBi position biases"),
                                           ("gpt_neo", "local attention windowed by cache slots"),
                                           ("llama4", "chunked attention scaled by the cache's length"),
-                                          ("lfm2", "recurrent layers")])
+                                          ("lfm2", "recurrent layers"), ("qwen3_5", "recurrent layers")])
 def test_a_pair_biased_or_windowed_by_slot_takes_trees_on_the_runtime_and_chains_on_transformers_forward(
         tmp_path, kind, reason):
-    """As a user runs a BLOOM, GPT-Neo, Llama 4 or LFM2 pair: `rsd-c` and `rsd-s` on the static-cache runtime answer
+    """As a user runs a BLOOM, GPT-Neo, Llama 4, LFM2 or Qwen3.5 pair: `rsd-c` and `rsd-s` on the static-cache runtime answer
     with `ar`'s greedy tokens on transformers' forward, and `rsd bench` measures a tree there; on
     transformers' forward (`--compile off`) a tree is refused in one line, and `auto` chooses among
     chains."""
@@ -769,7 +775,7 @@ def test_a_pair_biased_or_windowed_by_slot_takes_trees_on_the_runtime_and_chains
     assert len(answers["ar"]["token_ids"]) == 12
     result = CliRunner().invoke(app, ["generate", "hello", "-p", str(pair), "--variant", "rsd-c", "--compile", "off"])
     assert result.exit_code == 1 and "Traceback" not in result.stderr
-    model_type = {"llama4": "llama4_text"}.get(kind, kind)
+    model_type = {"llama4": "llama4_text", "qwen3_5": "qwen3_5_text"}.get(kind, kind)
     assert f"rsd-c verifies a tree, which the target's {reason} ({model_type}) cannot take" in result.stderr
     bench = CliRunner().invoke(app, ["bench", "-p", str(pair), "--variants", "ar,rsd-c", "--compile", "off,auto",
                                      "--limit", "1", "-n", "4", "--no-assisted", "--no-hf-static", "--json"])
@@ -1427,17 +1433,19 @@ def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both
     assert_alike_on_both_runtimes(profile)
 
 
-def test_an_lfm2_target_with_its_first_layer_as_the_draft_generates_alike_on_both_runtimes(tmp_path):
-    """As a user runs it: an LFM2 checkpoint folder (its final norm named `embedding_norm`), its first
-    layer — a short convolution, no attention at all, which transformers' LFM2 cannot read into a
-    cache without masks given — as an early-exit draft: `sd` on the static-cache runtime and on
-    transformers' forward give the same greedy tokens, and so does `rsd-c` on the runtime."""
+@pytest.mark.parametrize("kind", ["lfm2", "qwen3_5"])
+def test_a_stateful_target_with_its_first_layer_as_the_draft_generates_alike_on_both_runtimes(tmp_path, kind):
+    """As a user runs it: an LFM2 checkpoint folder (its final norm named `embedding_norm`) or a
+    Qwen3.5 one, its first layer — a short convolution or a gated delta net, no attention at all,
+    which transformers' LFM2 cannot read into a cache without masks given — as an early-exit draft:
+    `sd` on the static-cache runtime and on transformers' forward give the same greedy tokens, and so
+    does `rsd-c` on the runtime."""
     from tiny import tiny_tokenizer
 
-    folder = tmp_path / "lfm2"
-    tiny_relative("lfm2", 40, layers=3, seed=0).save_pretrained(folder)
+    folder = tmp_path / kind
+    tiny_relative(kind, 40, layers=3, seed=0).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
-    profile = tmp_path / "lfm2.toml"
+    profile = tmp_path / f"{kind}.toml"
     profile.write_text(f'[target]\nsource = "{folder}"\n[draft]\nkind = "early-exit"\nlayers = 1\nadapter = ""\n'
                        '[decoding]\nvariant = "sd"\ndraft_len = 3\n')
     assert_alike_on_both_runtimes(profile)
