@@ -57,6 +57,11 @@ attention's place on 10 of them, attention on the others, 16 heads of 64, 8 key-
 of 4608) with the embedded model's vocabulary, its draft its first 3 layers. transformers' forward
 takes chains only from an LFM2 (its convolutions carry a state): a tree variant asked of `off` is
 refused, as BLOOM's.
+`--family qwen3_5`: a Qwen3.5 of 0.8B's layout (24 layers, hidden 1024, gated delta nets of 16 heads
+of 128 with convolutions of 4 taps on three layers of four, gated attention of 8 heads of 256, 2
+key-value heads, a quarter of each head turned, on the others, MLPs of 3584) with the embedded
+model's vocabulary, its draft its first 4 layers. transformers' forward takes chains only (its delta
+nets carry a state): a tree variant asked of `off` is refused, as BLOOM's.
 `--family phi3_longrope`: a Phi-3 of the embedded target's shape turned by `longrope` factors,
 its long ones from position `--window` on (Phi-3.5's and Phi-4-mini's kind, whose long factors
 start at 4096; no window): the answer goes past that position, where rsd reads the sequence
@@ -82,6 +87,7 @@ Random weights: the speeds say what the runtime costs, the tokens only that both
     .venv/bin/python benchmarks/windowed_runtime.py --family gpt_neo --rounds 2 -n 96 --variants ar,sd,rsd-c
     .venv/bin/python benchmarks/windowed_runtime.py --family llama4 --rounds 2 -n 96 --variants ar,sd,rsd-c
     .venv/bin/python benchmarks/windowed_runtime.py --family lfm2 --rounds 2 -n 64 --variants ar,sd,rsd-c
+    .venv/bin/python benchmarks/windowed_runtime.py --family qwen3_5 --rounds 2 -n 48 --variants ar,sd,rsd-c
 """
 
 from __future__ import annotations
@@ -103,7 +109,7 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
                               GPTJForCausalLM, GPTNeoConfig, GPTNeoForCausalLM,
                               DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
                               Gemma3nForCausalLM, Gemma3nTextConfig, Gemma4ForCausalLM, Gemma4TextConfig,
-                              Glm4Config, Lfm2Config, Lfm2ForCausalLM, Llama4ForCausalLM, Llama4TextConfig,
+                              Glm4Config, Lfm2Config, Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Llama4ForCausalLM, Llama4TextConfig,
                               Glm4ForCausalLM, GptOssConfig,
                               GptOssForCausalLM, GPT2Config, GPT2LMHeadModel, MistralConfig, OPTConfig,
                               OPTForCausalLM,
@@ -205,6 +211,12 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
             vocab_size=49152, hidden_size=1024, intermediate_size=6656, num_hidden_layers=16, num_attention_heads=16,
             num_key_value_heads=8, layer_types=kinds, max_position_embeddings=8192, tie_word_embeddings=True,
             bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    elif family == "qwen3_5":
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+            vocab_size=49152, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+            linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=8192,
+            tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0))
     elif family == "glm4":
         model = Glm4ForCausalLM(Glm4Config(**embedded, head_dim=64, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     elif family == "phi3_longrope":  # (32 factors each: one per pair of a head's 64 dimensions)
@@ -241,7 +253,8 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
             if (embedded / name).exists():
                 shutil.copy(embedded / name, folder / role / name)
     profile = folder / "windowed.toml"
-    draft = f'kind = "model"\nsource = "{folder / "draft"}"' if "draft" in models else 'layers = 3\nadapter = ""'
+    layers = 4 if family == "qwen3_5" else 3  # (Qwen3.5's first full-attention layer: its fourth)
+    draft = f'kind = "model"\nsource = "{folder / "draft"}"' if "draft" in models else f'layers = {layers}\nadapter = ""'
     profile.write_text(f'[target]\nsource = "{folder / "target"}"\n[draft]\n{draft}\n')
     return profile
 
@@ -266,11 +279,12 @@ def main() -> None:
     parser.add_argument("--variants", default="ar,sd")
     parser.add_argument("--family", choices=("mistral", "gemma3", "gemma4", "gemma4_moe", "deepseek_v3", "qwen3_moe",
                                              "mixtral", "gpt_oss", "opt", "gpt2", "glm4", "phi3_longrope", "gptj",
-                                             "falcon", "bloom", "gpt_neo", "gemma3n", "llama4", "lfm2"),
+                                             "falcon", "bloom", "gpt_neo", "gemma3n", "llama4", "lfm2",
+                                             "qwen3_5"),
                         default="mistral")
     args = parser.parse_args()
     past = {"qwen3_moe": "", "glm4": "", "deepseek_v3": "", "opt": "", "gpt2": "", "gptj": "", "falcon": "",
-            "bloom": "", "lfm2": "", "llama4": f" across chunks of {args.window}",
+            "bloom": "", "lfm2": "", "qwen3_5": "", "llama4": f" across chunks of {args.window}",
             "phi3_longrope": f" past position {args.window}, the long factors' start"}
     with tempfile.TemporaryDirectory() as tmp:
         profile = make_model(Path(tmp), args.window, args.family)

@@ -100,10 +100,10 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gem
                    "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt",
                    "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text", "minicpm3", "youtu", "deepseek_v2",
                    "deepseek_v3", "glm4_moe_lite", "gptj", "falcon", "bloom", "mpt", "gpt_neo", "gemma3n_text",
-                   "llama4_text", "lfm2", "lfm2_moe", "qwen3_5_text")
+                   "llama4_text", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe",
-            "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "llama4_text", "lfm2_moe")
+            "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "llama4_text", "lfm2_moe", "qwen3_5_moe_text")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 # (ntk_alpha: Hunyuan's, a fixed base); `longrope` picks short or long factors for a whole forward by its last
 # position: the runtime turns each row by its own position's (CompiledModel.tables; engine.long_factors_from)
@@ -187,7 +187,8 @@ def style_of(model) -> Style:
     newer_gemma = family in ("gemma3n_text", "gemma4_text")
     mixture, oss = family in MIXTURES, family == "gpt_oss"
     bigcode, ernie, llama4 = family == "gpt_bigcode", family in ("ernie4_5", "ernie4_5_moe"), family == "llama4_text"
-    qwen35 = family == "qwen3_5_text"  # (norms by 1 + weight in float32, attention's output gated)
+    qwen35 = family in ("qwen3_5_text", "qwen3_5_moe_text")  # (norms by 1 + weight in float32, attention's output
+    # gated)
     return Style(norm_in_float=gemma or family in ("olmo2", "olmo3") or cohere or oss or qwen35,
                  norm_offset=gemma and not newer_gemma or family == "nemotron" or qwen35,
                  activation=clamped_swiglu(model) if oss else activation_of(cfg),
