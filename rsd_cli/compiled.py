@@ -100,10 +100,11 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gem
                    "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt",
                    "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text", "minicpm3", "youtu", "deepseek_v2",
                    "deepseek_v3", "glm4_moe_lite", "gptj", "falcon", "bloom", "mpt", "gpt_neo", "gemma3n_text",
-                   "llama4_text", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text")
+                   "llama4_text", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe",
-            "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "llama4_text", "lfm2_moe", "qwen3_5_moe_text")
+            "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "llama4_text", "lfm2_moe", "qwen3_5_moe_text",
+            "qwen3_next")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 # (ntk_alpha: Hunyuan's, a fixed base); `longrope` picks short or long factors for a whole forward by its last
 # position: the runtime turns each row by its own position's (CompiledModel.tables; engine.long_factors_from)
@@ -187,8 +188,8 @@ def style_of(model) -> Style:
     newer_gemma = family in ("gemma3n_text", "gemma4_text")
     mixture, oss = family in MIXTURES, family == "gpt_oss"
     bigcode, ernie, llama4 = family == "gpt_bigcode", family in ("ernie4_5", "ernie4_5_moe"), family == "llama4_text"
-    qwen35 = family in ("qwen3_5_text", "qwen3_5_moe_text")  # (norms by 1 + weight in float32, attention's output
-    # gated)
+    # (Qwen3.5's and Qwen3-Next's norms by 1 + weight in float32, attention's output gated)
+    qwen35 = family in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
     return Style(norm_in_float=gemma or family in ("olmo2", "olmo3") or cohere or oss or qwen35,
                  norm_offset=gemma and not newer_gemma or family == "nemotron" or qwen35,
                  activation=clamped_swiglu(model) if oss else activation_of(cfg),
@@ -1087,18 +1088,26 @@ def _gated_delta(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, va
     RMS-normed per head, times z's SiLU. (1, n, hv dv)."""
     a_weight, taps, rate, dt_bias, norm, (hk, hv, dk, dv), eps = weights.delta
     n, kv_len = h.shape[0], mask.shape[-1]
-    if weights.wk is None:  # (stacked on a GPU: q/k/v's, z's and b's weights in one)
+    if a_weight is None:  # (Qwen3-Next: q, k, v and z's products in one and b and a's in another, by key head)
+        r = hv // hk
+        q, k, v, z = _linear(h, weights.wq, None, kernels.q).view(n, hk, -1).split([dk, dk, r * dv, r * dv], -1)
+        b, a = _linear(h, weights.wk, None, kernels.k).view(n, hk, 2 * r).split([r, r], -1)
+        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], -1)
+        z, b, a = z.reshape(n, hv * dv), b.reshape(n, hv), a.reshape(n, hv)
+    elif weights.wk is None:  # (stacked on a GPU: q/k/v's, z's and b's weights in one)
         mixed, z, b = _linear(h, weights.wq, None, kernels.q).split([taps.shape[1], hv * dv, hv], -1)
     else:
         mixed, z, b = (_linear(h, w, None, k) for w, k in ((weights.wq, kernels.q), (weights.wk, kernels.k),
                                                              (weights.wv, kernels.v)))
+    if a_weight is not None:
+        a = F.linear(h, a_weight)
     mixed = F.silu(_convolved(mixed, taps, None, mask, keys, slots).to(h.dtype))
     q, k, v = mixed.float().split([hk * dk, hk * dk, hv * dv], -1)
     q, k = (t.view(n, hk, dk) for t in (q, k))
     q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
     q = q * dk ** -0.5
     beta = torch.sigmoid(b).float()  # (n, hv)
-    g = rate * F.softplus(F.linear(h, a_weight).float() + dt_bias)  # (n, hv) float32
+    g = rate * F.softplus(a.float() + dt_bias)  # (n, hv) float32
     new = slots if slots is not None else torch.arange(kv_len - n, kv_len, device=h.device)
     store = values[0] if slots is not None else values[0, :kv_len]  # (kv_len, hk dk + hv + hv dv)
     kept = hk * dk + hv
@@ -1399,8 +1408,11 @@ def projections(layer) -> tuple:
         return _kept_views(layer, a.c_attn.weight, lambda: (
             *_row_views(a.c_attn.weight, a.c_attn.bias, (a.embed_dim, a.kv_dim, a.kv_dim)), a.c_proj, None, m.c_fc,
             m.c_proj))
-    if delta_net_of(layer) is not None:  # (Qwen3.5's gated delta net: q/k/v's product as q, z's as k, b's as v)
+    if delta_net_of(layer) is not None:  # (Qwen3.5's gated delta net: q/k/v's product as q, z's as k, b's as v;
+        # Qwen3-Next's q/k/v/z's as q, b/a's as k)
         mlp = (None, None, None) if hasattr(m, "experts") else (m.gate_proj, m.up_proj, m.down_proj)
+        if hasattr(a, "in_proj_qkvz"):
+            return a.in_proj_qkvz, a.in_proj_ba, None, a.out_proj, *mlp
         return a.in_proj_qkv, a.in_proj_z, a.in_proj_b, a.out_proj, *mlp
     if hasattr(layer, "operator_norm"):  # (LFM2: its MLP's names, or experts; a short convolution's input
         # product as q — B, C and x in one —, its output's as o)
@@ -1676,13 +1688,15 @@ def carries_state(layer) -> bool:
 
 
 def delta_weights(layer) -> tuple | None:
-    """What _gated_delta runs a gated delta net by: (a's product's weight, its convolution's taps (K,
-    width): the latest input's first, -exp(A_log) in float32, dt_bias, its output norm's weight, (k heads,
-    v heads, k's head width, v's), that norm's eps), or None."""
+    """What _gated_delta runs a gated delta net by: (a's product's weight — None for Qwen3-Net's, whose
+    products are q/k/v/z's and b/a's —, its convolution's taps (K, width): the latest input's first,
+    -exp(A_log) in float32, dt_bias, its output norm's weight, (k heads, v heads, k's head width, v's),
+    that norm's eps), or None."""
     delta = delta_net_of(layer)
     if delta is None:
         return None
-    return (delta.in_proj_a.weight.detach(), delta.conv1d.weight.detach()[:, 0].flip(-1).T.contiguous(),
+    a = getattr(delta, "in_proj_a", None)
+    return (None if a is None else a.weight.detach(), delta.conv1d.weight.detach()[:, 0].flip(-1).T.contiguous(),
             -delta.A_log.detach().float().exp(), delta.dt_bias.detach(), delta.norm.weight.detach(),
             (delta.num_k_heads, delta.num_v_heads, delta.head_k_dim, delta.head_v_dim), delta.layer_norm_epsilon)
 

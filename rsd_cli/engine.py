@@ -246,7 +246,7 @@ CHAIN_RECURRENT = frozenset({"lfm2", "lfm2_moe", "qwen3_next", "qwen3_5_text", "
 # ... of those, the ones the static-cache runtime reads along each row's path from what it keeps by slot, like keys
 # (LFM2's short convolutions' inputs; Qwen3.5's gated delta nets' too, and each token's k, decay and update): trees
 # there (Limit.transformers_only)
-READ_BY_PATH = frozenset({"lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text"})
+READ_BY_PATH = frozenset({"lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
 SNAPSHOTS = 8  # the most states a recurrent cache keeps to roll back to (CachedLM.keep)
 # what a layer's state is (transformers' LinearAttentionCacheLayerMixin): copied before a forward, put back
 STATE_FIELDS = ("conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",
@@ -415,12 +415,13 @@ class CachedLM(ChainExtension):
         self.snapshots: list[tuple[int, dict]] = []  # (length, {layer index: its state then}) before each forward
         # (taken where a chain read after a state is what its tokens one at a time give: CHAIN_RECURRENT)
         self.rolls_back = self.recurrent and self.limit.variants != ("ar",)
-        # an LFM2 or Qwen3.5 whose layers all carry a state (a draft of its first layers): no mask of each kind, which
+        # an LFM2, Qwen3.5 or Qwen3-Next whose layers all carry a state (a draft of its first layers): no mask of each kind, which
         # transformers would make from the cache's length, which such a cache does not have ("`get_seq_length` can
         # only be called on Attention layers"); those take a mapping of them instead (other families a 2D mask)
         kinds = set(getattr(cfg, "layer_types", None) or ())
         self.no_masks = {kind: None for kind in kinds} \
-            if cfg.model_type.startswith(("lfm2", "qwen3_5")) and kinds and kinds <= RECURRENT_LAYERS else None
+            if cfg.model_type.startswith(("lfm2", "qwen3_5", "qwen3_next")) and kinds and kinds <= RECURRENT_LAYERS \
+            else None
         # (off for a plain step's forward, which nothing takes back: a Qwen3.5-0.8B-sized state takes 7-9 ms
         # to copy on the 2-core Xeon; where it is wrong, keep reads the tokens afresh)
         self.copies_states = True

@@ -549,14 +549,15 @@ def assert_greedy_in_cuda_graphs(target, draft) -> Runtimes:
 
 @CUDA
 @pytest.mark.parametrize("kind", ["gptj", "falcon", "falcon-7b", "bloom", "mpt", "falcon-rw", "gpt_neo", "llama4",
-                                  "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe"])
+                                  "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_gptj_falcon_and_models_biased_by_slot_run_in_cuda_graphs(kind):
     """GPT-J-, Falcon- (40B's and 7B's layouts), and with trees BLOOM-, MPT-, Falcon-RW- (ALiBi: a mask
     for each head, its biases by the slots' positions made on the host), GPT-Neo- (local layers
     windowed to 4 positions), Llama 4-like models (chunks of 4, q scaled by position, experts
     reading the token times their weight) and LFM2-like ones (short convolutions, each row's taps
     found in its mask on the device: what steps queued ahead need; LFM2-MoE's experts) and Qwen3.5-like
-    ones (gated delta nets read along each row's path, a triangular solve) in compiled CUDA graphs: every
+    ones (gated delta nets read along each row's path, a triangular solve; Qwen3-Next's products fused) in
+    compiled CUDA graphs: every
     variant's greedy tokens are the target's, 30 tokens past GPT-Neo's window and Llama 4's first
     chunks."""
     assert_greedy_in_cuda_graphs(tiny_relative(kind, V, layers=2), tiny_relative(kind, V, layers=1, seed=1))
@@ -679,7 +680,7 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
 
 
 @pytest.mark.parametrize("kind", ["bloom", "mpt", "falcon-rw", "gpt_neo", "llama4", "lfm2", "lfm2_moe", "qwen3_5",
-                                  "qwen3_5_moe"])
+                                  "qwen3_5_moe", "qwen3_next"])
 def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_static_cache_runtime(kind):
     """BLOOM, MPT and Falcon-RW bias attention by position (ALiBi), GPT-Neo windows its local layers,
     Llama 4 chunks attention and scales q by position on its layers without a rotation, each of which
@@ -693,13 +694,13 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
     none of the prompt; Llama 4's chunks of 4 and its scale changing every 4 positions; LFM2's 3 taps:
     the deepest rows' reach only their ancestors; LFM2-MoE's experts by sigmoid scores plus a bias; Qwen3.5's
     delta nets of 4 value heads over 2 key heads, attention's output gated; Qwen3.5-MoE's experts beside a
-    gated shared expert); pruned to one path, chains after it too; and every variant's greedy output is
-    plain greedy."""
-    layers = 3 if kind.startswith(("lfm2", "qwen3_5")) else 2  # (LFM2's: convolution, attention, convolution)
+    gated shared expert; Qwen3-Next's delta nets' products fused by key head); pruned to one path, chains
+    after it too; and every variant's greedy output is plain greedy."""
+    layers = 3 if kind.startswith(("lfm2", "qwen3_")) else 2  # (LFM2's: convolution, attention, convolution)
     target, draft = tiny_relative(kind, V, layers=layers, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     assert compiled.unsupported(target) is None
     assert (compiled.alibi_of(target.config) is None) == (kind in ("gpt_neo", "llama4") or kind.startswith(("lfm2",
-                                                                                                             "qwen3_5")))
+                                                                                                             "qwen3_")))
     tree = a_tree()
     base = len(PROMPT)
     visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
@@ -717,7 +718,7 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
         # Qwen3.5's delta nets' sums over a path, against transformers' state, by ~1e-4 at logits of ~20 — as
         # much as transformers' own one token at a time against one forward; with experts, transformers' own
         # forwards of 11 and 13 tokens differ by 4e-4 on their first 11)
-        tolerance = {"gpt_neo": 1e-4, "qwen3_5": 3e-4, "qwen3_5_moe": 1e-3}.get(kind, 1e-5)
+        tolerance = {"gpt_neo": 1e-4, "qwen3_5": 3e-4, "qwen3_5_moe": 1e-3, "qwen3_next": 1e-3}.get(kind, 1e-5)
         torch.testing.assert_close(logits, expected, atol=tolerance, rtol=tolerance)
         ours.keep(list(range(base)) + [base + n for n in kept])
         reference = CachedLM(target, V)

@@ -101,7 +101,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     groups, a random correction) or "deepseek_v2"; or "lfm2" (short convolutions with biases in attention's
     place on every other layer, attention between them) or "lfm2_moe" (with experts from its second layer on);
     "qwen3_5" (gated delta nets on every other layer, gated attention between them) or "qwen3_5_moe" (with
-    experts); with sliding-window attention off (but Gemma 2, 3
+    experts) or "qwen3_next" (with experts, its delta nets' products fused); with sliding-window attention off (but Gemma 2, 3
     and 4's, Phi-3's, EXAONE 4's, Mixtral's and gpt-oss's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                               GemmaForCausalLM, MistralConfig,
@@ -127,7 +127,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               MptConfig, MptForCausalLM, GPTNeoConfig, GPTNeoForCausalLM, Gemma3nTextConfig,
                               Gemma3nForCausalLM, Llama4TextConfig, Llama4ForCausalLM, Lfm2Config, Lfm2ForCausalLM,
                               Lfm2MoeConfig, Lfm2MoeForCausalLM, Qwen3_5TextConfig, Qwen3_5ForCausalLM,
-                              Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM)
+                              Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -171,7 +171,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "mpt": (MptConfig, MptForCausalLM), "gpt_neo": (GPTNeoConfig, GPTNeoForCausalLM),
                            "lfm2": (Lfm2Config, Lfm2ForCausalLM), "lfm2_moe": (Lfm2MoeConfig, Lfm2MoeForCausalLM),
                            "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
-                           "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM)}[kind]
+                           "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM),
+                           "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -312,15 +313,15 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         settings = dict(layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(layers)], conv_bias=True,
                         num_dense_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                         routed_scaling_factor=1.5)
-    elif kind in ("qwen3_5", "qwen3_5_moe"):  # (gated delta nets on the first layer and every other one after it, 2 key heads and 4
+    elif kind in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):  # (gated delta nets on the first layer and every other one after it, 2 key heads and 4
         # value heads of 8, convolutions of 4 taps; attention between them, its output gated, q and k normed, half of
         # each head turned)
         settings = dict(layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
                         head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                         linear_value_head_dim=8, linear_conv_kernel_dim=4,
                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
-        if kind == "qwen3_5_moe":  # (Qwen3.5's layers, every MLP 4 experts of 16, 2 a token, beside a shared expert
-            # behind a sigmoid gate)
+        if kind != "qwen3_5":  # (Qwen3.5's layers, every MLP 4 experts of 16, 2 a token, beside a shared expert
+            # behind a sigmoid gate; Qwen3-Next's delta nets' products fused by key head)
             settings.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                             shared_expert_intermediate_size=32)
     elif kind == "minicpm3":  # (latent attention: q through a rank of 16, keys and values through a latent of 16,
