@@ -691,13 +691,14 @@ def _with_attention(loader, location: str, local: bool, **kwargs):
 # multimodal models whose text decoder rsd loads alone (tested on tiny checkpoints of each: their text logits), and
 # where its weights lie in their checkpoints (Gemma 3's `language_model.model.` and `language_model.lm_head`, Gemma 3n's
 # and 4's `model.language_model.`), as the text model names them
-TEXT_ALONE = ("gemma3", "gemma3n", "gemma4")
+TEXT_ALONE = ("gemma3", "gemma3n", "gemma4", "qwen3_5", "qwen3_5_moe")
 TEXT_KEYS = {r"^language_model\.lm_head\.": "lm_head.", r"^(?:model\.)?language_model\.(?:model\.)?": "model."}
 
 
 def _text_decoder_alone(location: str, local: bool, **kwargs):
-    """A multimodal Gemma's (TEXT_ALONE) text decoder and output head alone, all rsd reads, as its text
-    model's causal LM class (Gemma3ForCausalLM, Gemma3nForCausalLM, Gemma4ForCausalLM): without its image
+    """A multimodal Gemma's or Qwen3.5's (TEXT_ALONE) text decoder and output head alone, all rsd reads, as
+    its text model's causal LM class (Gemma3ForCausalLM, Gemma3nForCausalLM, Gemma4ForCausalLM,
+    Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM): without its image
     and audio towers — their memory, their load, and the libraries they need (Gemma 3n's image tower:
     timm and PIL, which rsd does not install). None for another model, or where some of those weights
     are not in the checkpoint under the names TEXT_KEYS reads (never random weights: the whole model

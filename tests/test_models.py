@@ -790,23 +790,25 @@ def test_a_published_gemma3n_loads_its_text_decoder_alone(tmp_path):
 
 def test_a_multimodal_gemma_loads_its_text_decoder_and_head_alone(tmp_path):
     """Gemma 3 (4B and up: an image tower beside its decoder, its head tied to the text embedding by the
-    whole model's config, not its text config) and Gemma 4 saved as their multimodal models load as
-    their text models (Gemma3ForCausalLM, Gemma4ForCausalLM) with the whole model's logits and without
-    the image tower's weights; a Gemma 3 checkpoint missing a decoder weight loads whole instead, as
+    whole model's config, not its text config), Gemma 4 and Qwen3.5 (published as its multimodal model)
+    saved as their multimodal models load as their text models (Gemma3ForCausalLM, Gemma4ForCausalLM,
+    Qwen3_5ForCausalLM) with the whole model's logits and without the image tower's weights; a Gemma 3 checkpoint missing a decoder weight loads whole instead, as
     before (the text model alone would have run that weight random)."""
-    from tiny import tiny_gemma4_multimodal, tiny_tokenizer, tiny_windowed
+    from tiny import tiny_gemma4_multimodal, tiny_qwen3_5_multimodal, tiny_tokenizer, tiny_windowed
 
     ids = torch.tensor([[1, 5, 7, 9, 11]])
-    for name, whole in (("gemma3", tiny_windowed("gemma3-vision", 36, 3, 0)), ("gemma4", tiny_gemma4_multimodal(36))):
+    for name, whole in (("gemma3", tiny_windowed("gemma3-vision", 36, 3, 0)), ("gemma4", tiny_gemma4_multimodal(36)),
+                        ("qwen3_5", tiny_qwen3_5_multimodal(36))):
         whole.save_pretrained(tmp_path / name)
         tiny_tokenizer().save_pretrained(tmp_path / name)
         model, _ = models.load_model(str(tmp_path / name), torch.device("cpu"), torch.float32)
-        assert type(model).__name__ == {"gemma3": "Gemma3ForCausalLM", "gemma4": "Gemma4ForCausalLM"}[name]
+        assert type(model).__name__ == {"gemma3": "Gemma3ForCausalLM", "gemma4": "Gemma4ForCausalLM",
+                                        "qwen3_5": "Qwen3_5ForCausalLM"}[name]
         with torch.no_grad():
             torch.testing.assert_close(model(ids).logits, whole(ids).logits, atol=1e-5, rtol=1e-5)
-        if name == "gemma3":  # (no tower: fewer weights than the whole's)
+        if name != "gemma4":  # (no tower: fewer weights than the whole's)
             assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in whole.parameters())
-            assert not any("vision" in n for n, _ in model.named_parameters())
+            assert not any("vision" in n or "visual" in n for n, _ in model.named_parameters())
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(tmp_path / "gemma3" / "model.safetensors")

@@ -521,6 +521,28 @@ def tiny_recurrent(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, s
     return model.eval()
 
 
+def tiny_qwen3_5_multimodal(vocab: int = 40, seed: int = 0):
+    """A random Qwen3.5 as published (Qwen3_5ForConditionalGeneration: an image tower beside its text
+    decoder, a gated delta net then attention), its text decoder's norms random."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = Qwen3_5Config(
+        text_config=dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                         layer_types=["linear_attention", "full_attention"], initializer_range=0.3,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           patch_size=4, temporal_patch_size=2, spatial_merge_size=2))
+    model = Qwen3_5ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "language_model" in name and "norm" in name:
+                weight.normal_(float(weight.mean()), 0.3)
+    return model.eval()
+
+
 def save_gemma3n_multimodal(folder: Path, text_model, drop: str | None = None) -> Path:
     """A Gemma 3n checkpoint folder laid out as published (Gemma3nForConditionalGeneration's: its
     config's `text_config` the text model's, its decoder's weights under `model.language_model.`, the
