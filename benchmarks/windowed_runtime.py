@@ -62,6 +62,11 @@ of 128 with convolutions of 4 taps on three layers of four, gated attention of 8
 key-value heads, a quarter of each head turned, on the others, MLPs of 3584) with the embedded
 model's vocabulary, its draft its first 4 layers. transformers' forward takes chains only (its delta
 nets carry a state): a tree variant asked of `off` is refused, as BLOOM's.
+`--family granite4`: Granite 4.0-H's kind at GPT-2 small's width (12 layers, hidden 768: Mamba-2 mixers
+of 24 heads of 64 with states of 128 on three layers of four, attention of 12 heads, 4 key-value
+heads, without positions, on the others; 16 experts of 256, 2 a token, beside a shared MLP of 1024;
+Granite's multipliers) with the embedded model's vocabulary, its draft its first 4 layers.
+transformers' forward takes chains only (its mixers carry a state): a tree asked of `off` is refused.
 `--family phi3_longrope`: a Phi-3 of the embedded target's shape turned by `longrope` factors,
 its long ones from position `--window` on (Phi-3.5's and Phi-4-mini's kind, whose long factors
 start at 4096; no window): the answer goes past that position, where rsd reads the sequence
@@ -88,6 +93,7 @@ Random weights: the speeds say what the runtime costs, the tokens only that both
     .venv/bin/python benchmarks/windowed_runtime.py --family llama4 --rounds 2 -n 96 --variants ar,sd,rsd-c
     .venv/bin/python benchmarks/windowed_runtime.py --family lfm2 --rounds 2 -n 64 --variants ar,sd,rsd-c
     .venv/bin/python benchmarks/windowed_runtime.py --family qwen3_5 --rounds 2 -n 48 --variants ar,sd,rsd-c
+    .venv/bin/python benchmarks/windowed_runtime.py --family granite4 --rounds 2 -n 64 --variants ar,sd,rsd-c
 """
 
 from __future__ import annotations
@@ -109,7 +115,8 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
                               GPTJForCausalLM, GPTNeoConfig, GPTNeoForCausalLM,
                               DeepseekV3Config, DeepseekV3ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
                               Gemma3nForCausalLM, Gemma3nTextConfig, Gemma4ForCausalLM, Gemma4TextConfig,
-                              Glm4Config, Lfm2Config, Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Llama4ForCausalLM, Llama4TextConfig,
+                              Glm4Config, Lfm2Config, Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig,
+                              GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, Llama4ForCausalLM, Llama4TextConfig,
                               Glm4ForCausalLM, GptOssConfig,
                               GptOssForCausalLM, GPT2Config, GPT2LMHeadModel, MistralConfig, OPTConfig,
                               OPTForCausalLM,
@@ -217,6 +224,14 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
             num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
             linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=8192,
             tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    elif family == "granite4":
+        model = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
+            vocab_size=49152, hidden_size=768, intermediate_size=256, num_hidden_layers=12, num_attention_heads=12,
+            num_key_value_heads=4, layer_types=(["mamba"] * 3 + ["attention"]) * 3, mamba_n_heads=24, mamba_d_head=64,
+            mamba_d_state=128, mamba_n_groups=1, num_local_experts=16, num_experts_per_tok=2,
+            shared_intermediate_size=1024, position_embedding_type=None, embedding_multiplier=12.0,
+            residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=6.0, max_position_embeddings=8192,
+            tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0))
     elif family == "glm4":
         model = Glm4ForCausalLM(Glm4Config(**embedded, head_dim=64, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     elif family == "phi3_longrope":  # (32 factors each: one per pair of a head's 64 dimensions)
@@ -253,7 +268,7 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
             if (embedded / name).exists():
                 shutil.copy(embedded / name, folder / role / name)
     profile = folder / "windowed.toml"
-    layers = 4 if family == "qwen3_5" else 3  # (Qwen3.5's first full-attention layer: its fourth)
+    layers = 4 if family in ("qwen3_5", "granite4") else 3  # (their first attention layer: their fourth)
     draft = f'kind = "model"\nsource = "{folder / "draft"}"' if "draft" in models else f'layers = {layers}\nadapter = ""'
     profile.write_text(f'[target]\nsource = "{folder / "target"}"\n[draft]\n{draft}\n')
     return profile
@@ -280,11 +295,11 @@ def main() -> None:
     parser.add_argument("--family", choices=("mistral", "gemma3", "gemma4", "gemma4_moe", "deepseek_v3", "qwen3_moe",
                                              "mixtral", "gpt_oss", "opt", "gpt2", "glm4", "phi3_longrope", "gptj",
                                              "falcon", "bloom", "gpt_neo", "gemma3n", "llama4", "lfm2",
-                                             "qwen3_5"),
+                                             "qwen3_5", "granite4"),
                         default="mistral")
     args = parser.parse_args()
     past = {"qwen3_moe": "", "glm4": "", "deepseek_v3": "", "opt": "", "gpt2": "", "gptj": "", "falcon": "",
-            "bloom": "", "lfm2": "", "qwen3_5": "", "llama4": f" across chunks of {args.window}",
+            "bloom": "", "lfm2": "", "qwen3_5": "", "granite4": "", "llama4": f" across chunks of {args.window}",
             "phi3_longrope": f" past position {args.window}, the long factors' start"}
     with tempfile.TemporaryDirectory() as tmp:
         profile = make_model(Path(tmp), args.window, args.family)

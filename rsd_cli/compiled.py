@@ -100,11 +100,12 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gem
                    "starcoder2", "stablelm", "nemotron", "arcee", "phi", "gpt_neox", "gpt_oss", "apertus", "opt",
                    "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text", "minicpm3", "youtu", "deepseek_v2",
                    "deepseek_v3", "glm4_moe_lite", "gptj", "falcon", "bloom", "mpt", "gpt_neo", "gemma3n_text",
-                   "llama4_text", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+                   "llama4_text", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next",
+                   "granitemoehybrid")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe",
             "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "llama4_text", "lfm2_moe", "qwen3_5_moe_text",
-            "qwen3_next")
+            "qwen3_next", "granitemoehybrid")
 # rotary tables that depend on the position alone (YaRN too: Qwen2.5's and Qwen3's long-context setting)
 # (ntk_alpha: Hunyuan's, a fixed base); `longrope` picks short or long factors for a whole forward by its last
 # position: the runtime turns each row by its own position's (CompiledModel.tables; engine.long_factors_from)
@@ -345,8 +346,10 @@ def unsupported(model) -> str | None:
     if cfg.model_type not in SUPPORTED_TYPES:
         return f"a {cfg.model_type} model (the static-cache runtime covers {', '.join(SUPPORTED_TYPES)})"
     layers = layers_of(inner)
+    # (Granite 4's hybrids: attention without positions, the Mamba-2 mixers order the tokens)
     if layers is None or not hasattr(model, "lm_head") \
-            or not (rotary_of(inner) is not None or positions_of(inner) or alibi_of(cfg)):
+            or not (rotary_of(inner) is not None or positions_of(inner) or alibi_of(cfg)
+                    or cfg.model_type == "granitemoehybrid"):
         return f"{type(model).__name__} is not laid out as a Llama-style decoder"
     if cfg.model_type == "bloom" and (cfg.apply_residual_connection_post_layernorm
                                       or cfg.pretraining_tp > 1 and cfg.slow_but_exact):
@@ -908,6 +911,7 @@ class LayerWeights(NamedTuple):
     altup: Any = None  # Gemma 3n's alternating updates of its streams around the layer (altup_weights)
     conv: Any = None  # LFM2's short convolution in attention's place (conv_weights), its products wq's and wo's
     delta: Any = None  # Qwen3.5's gated delta net in attention's place (delta_weights), its products wq/wk/wv/wo's
+    mamba: Any = None  # Granite 4's Mamba-2 mixer in attention's place (mamba_weights), its products wq's and wo's
 
 
 class LayerKernels(NamedTuple):
@@ -974,6 +978,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
     convolution is in attention's place (_short_conv), keys then each token's input to it. Qwen3.5:
     `delta` (delta_weights) where a gated delta net is (_gated_delta), wq, wk, wv and wo then its products
     of q/k/v, z, b and the output, keys each token's input to its convolution and values its k, g and u.
+    Granite 4: `mamba` (mamba_weights) where a Mamba-2 mixer is (_mamba), wq and wo its input and output
+    products, keys each token's input to its convolution and values its B, dt x and dt A.
     Attention itself: _attention, _latent_attention."""
     if weights.altup is not None:  # (Gemma 3n: the streams around the layer)
         return _altup_layer(x, cos, sin, mask, keys, values, weights, kernels, dims, slots, fused, sight, style, side)
@@ -990,6 +996,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
         out = _short_conv(h, weights, kernels, mask, keys, slots)
     elif weights.delta is not None:  # (Qwen3.5's gated delta net)
         out = _gated_delta(h, weights, kernels, mask, keys, values, slots)
+    elif weights.mamba is not None:  # (Granite 4's Mamba-2 mixer)
+        out = _mamba(h, weights, kernels, mask, keys, values, slots)
     elif weights.latent is not None:  # (multi-head latent attention: DeepSeek's, MiniCPM3's, Youtu's)
         out = _latent_attention(h, weights.wq, weights.latent, kernels, dims, cos, sin, mask, keys, values, slots,
                                 sight, style)
@@ -1113,12 +1121,7 @@ def _gated_delta(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, va
     kept = hk * dk + hv
     store[:, :kept].index_copy_(0, new, torch.cat([k.reshape(n, -1), g], -1).to(store.dtype))
     keys_seen = store[:, : hk * dk].view(kv_len, hk, dk).repeat_interleave(hv // hk, 1)  # (kv_len, hv, dk)
-    seen = mask > -math.inf  # (n, kv_len)
-    # each row's decay from each key it sees to itself: the sum of g over the keys it sees after that one (its
-    # own included), summed from the newest: exact where it matters, near the row
-    w = torch.where(seen[None], store[:, hk * dk: kept].T[:, None, :], 0.0)  # (hv, n, kv_len)
-    after = F.pad(w.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
-    decay = torch.where(seen[None], after.exp(), 0.0)
+    decay = _path_decays(store[:, hk * dk: kept], mask > -math.inf)  # (hv, n, kv_len)
     k, q = (t.repeat_interleave(hv // hk, 1) for t in (k, q))  # (n, hv, dk)
     system = beta.T[..., None] * decay * torch.einsum("thd,jhd->htj", k, keys_seen)  # (hv, n, kv_len)
     before = torch.ones(kv_len, dtype=torch.bool, device=h.device).index_fill(0, new, False)
@@ -1131,6 +1134,48 @@ def _gated_delta(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, va
     out = out.transpose(0, 1).to(h.dtype).float()  # (n, hv, dv)
     normed = norm * (out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
     return (normed * F.silu(z.view(n, hv, dv).float())).to(h.dtype).reshape(1, n, hv * dv)
+
+
+def _path_decays(rates: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """(heads, n, kv_len): exp of the sum of each key's log decay `rates` (kv_len, heads) over the keys
+    a row sees (`seen` (n, kv_len)) after a key, the row's own included, as far as that key it sees — 0
+    where it sees none. Summed from the newest key back: exact where it matters, near the row."""
+    w = torch.where(seen[None], rates.T[:, None, :], 0.0)  # (heads, n, kv_len)
+    after = F.pad(w.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
+    return torch.where(seen[None], after.exp(), 0.0)
+
+
+def _mamba(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, values, slots) -> torch.Tensor:
+    """Granite 4's Mamba-2 mixer on the normed input h (n, hidden), in attention's place, as its
+    GraniteMoeHybridMambaLayer computes it (its chunked scan's arithmetic) — read along each row's path
+    instead of from a state carried from token to token: the gate, x/B/C and dt of one product, x/B/C
+    convolved (_convolved) and their SiLU, dt the softplus of dt + dt_bias within its limits. Its state
+    after token t of a path, exp(dt_t A) S_(t-1) + dt_t x_t B_t^T, unrolled, makes the output y_t = the
+    sum over the path's tokens j of exp(the sum of dt A after j, to t) (C_t.B_j) dt_j x_j, plus D x_t: each
+    token keeps its B, dt x and dt A at its slot of `values` (float32), and each row sums over the keys
+    it sees (its path's), as attention; then y times the gate's SiLU, RMS-normed by group. (1, n, inner)."""
+    taps, conv_bias, rate, dt_bias, skip, norm, (heads, width, groups, size), eps, limits = weights.mamba
+    n, kv_len = h.shape[0], mask.shape[-1]
+    inner = heads * width
+    gate, mixed, dt = _linear(h, weights.wq, weights.bq, kernels.q).split([inner, taps.shape[1], heads], -1)
+    mixed = F.silu(_convolved(mixed, taps, conv_bias, mask, keys, slots).to(h.dtype))
+    x, b, c = mixed.split([inner, groups * size, groups * size], -1)
+    dt = torch.clamp(F.softplus(dt + dt_bias.to(dt.dtype)), *limits).float()  # (n, heads)
+    x = x.float().view(n, heads, width)
+    new = slots if slots is not None else torch.arange(kv_len - n, kv_len, device=h.device)
+    store = values[0] if slots is not None else values[0, :kv_len]  # (kv_len, groups size + inner + heads)
+    record = torch.cat([b.float(), (x * dt[..., None]).reshape(n, inner), rate * dt], -1)
+    store.index_copy_(0, new, record.to(store.dtype))
+    b_seen = store[:, : groups * size].view(kv_len, groups, size).repeat_interleave(heads // groups, 1)
+    xdt_seen = store[:, groups * size: groups * size + inner].view(kv_len, heads, width).transpose(0, 1)
+    decay = _path_decays(store[:, groups * size + inner:], mask > -math.inf)  # (heads, n, kv_len)
+    c = c.float().view(n, groups, size).repeat_interleave(heads // groups, 1)  # (n, heads, size)
+    y = (decay * torch.einsum("thn,jhn->htj", c, b_seen)) @ xdt_seen  # (heads, n, width)
+    y = y.transpose(0, 1) + skip.float()[:, None] * x  # (n, heads, width)
+    gated = y.reshape(n, inner) * F.silu(gate.float())
+    by_group = gated.view(n, groups, -1)
+    normed = (by_group * torch.rsqrt(by_group.pow(2).mean(-1, keepdim=True) + eps)).view(n, inner)
+    return (norm * normed).to(h.dtype)[None]
 
 
 def latest_seen(mask: torch.Tensor, count: int) -> torch.Tensor:
@@ -1408,6 +1453,16 @@ def projections(layer) -> tuple:
         return _kept_views(layer, a.c_attn.weight, lambda: (
             *_row_views(a.c_attn.weight, a.c_attn.bias, (a.embed_dim, a.kv_dim, a.kv_dim)), a.c_proj, None, m.c_fc,
             m.c_proj))
+    if type(layer).__name__ == "GraniteMoeHybridDecoderLayer":  # (Granite 4: a Mamba-2 mixer's input product as q;
+        # without experts its shared MLP is its MLP, gate and up one linear)
+        mixing = (a.in_proj, None, None, a.out_proj) if mamba_of(layer) is not None else \
+            (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
+        if layer.block_sparse_moe is not None:
+            return (*mixing, None, None, None)
+        shared = layer.shared_mlp
+        return _kept_views(layer, shared.input_linear.weight, lambda: (
+            *mixing, *_row_views(shared.input_linear.weight, None, (shared.input_linear.out_features // 2,) * 2),
+            shared.output_linear))
     if delta_net_of(layer) is not None:  # (Qwen3.5's gated delta net: q/k/v's product as q, z's as k, b's as v;
         # Qwen3-Next's q/k/v/z's as q, b/a's as k)
         mlp = (None, None, None) if hasattr(m, "experts") else (m.gate_proj, m.up_proj, m.down_proj)
@@ -1489,6 +1544,8 @@ def cache_shape(layer, dims: tuple) -> tuple[int, int, int]:
         return 1, a.out_proj.in_features, 0
     if delta_net_of(layer) is not None:  # (a gated delta net's: its convolution's input; its k, g and u, in float32)
         return 1, a.conv_dim, a.key_dim + a.num_v_heads + a.value_dim
+    if mamba_of(layer) is not None:  # (a Mamba-2 mixer's: its convolution's input; its B, dt x and dt A, in float32)
+        return 1, a.conv_dim, a.n_groups * a.ssm_state_size + a.intermediate_size + a.num_heads
     _, kv_heads, head_dim, _, _ = dims
     return kv_heads, head_dim, head_dim
 
@@ -1659,12 +1716,12 @@ def embedding_of(inner):
 
 def attention_of(layer):
     """A decoder layer's attention (GPT-NeoX's `attention`, GPT-2's `attn`, Falcon's `self_attention`,
-    GPT-Neo's its `attn`'s `attention`), or what an LFM2 or Qwen3.5 layer has in its place (short_conv_of,
-    delta_net_of)."""
+    GPT-Neo's its `attn`'s `attention`), or what an LFM2, Qwen3.5 or Granite 4 layer has in its place
+    (short_conv_of, delta_net_of, mamba_of)."""
     found = getattr(layer, "self_attn", None)
     if found is None:
         found = getattr(layer, "attention", None) or getattr(layer, "self_attention", None) \
-            or short_conv_of(layer) or delta_net_of(layer) or layer.attn
+            or short_conv_of(layer) or delta_net_of(layer) or mamba_of(layer) or layer.attn
     return found.attention if type(found).__name__ == "GPTNeoAttention" else found  # (GPT-Neo's: within)
 
 
@@ -1681,10 +1738,30 @@ def delta_net_of(layer):
     return found if type(found).__name__.endswith("GatedDeltaNet") else None
 
 
+def mamba_of(layer):
+    """A Granite 4 hybrid layer's Mamba-2 mixer, in attention's place (its layers of kind
+    "linear_attention" or "mamba"), or None."""
+    found = getattr(layer, "mamba", None)
+    return found if type(found).__name__.endswith("MambaLayer") else None
+
+
 def carries_state(layer) -> bool:
-    """Whether a layer has a short convolution or a gated delta net in attention's place (a state in
-    transformers' forward; kept by slot on the runtime)."""
-    return short_conv_of(layer) is not None or delta_net_of(layer) is not None
+    """Whether a layer has a short convolution, a gated delta net or a Mamba-2 mixer in attention's
+    place (a state in transformers' forward; kept by slot on the runtime)."""
+    return short_conv_of(layer) is not None or delta_net_of(layer) is not None or mamba_of(layer) is not None
+
+
+def mamba_weights(layer) -> tuple | None:
+    """What _mamba runs a Mamba-2 mixer by: (its convolution's taps (K, width): the latest input's first,
+    its bias or None, A = -exp(A_log) in float32, dt_bias, D, its gated norm's weight, (heads, head width,
+    groups, state size), that norm's eps, the time step's limits), or None."""
+    mamba = mamba_of(layer)
+    if mamba is None:
+        return None
+    return (mamba.conv1d.weight.detach()[:, 0].flip(-1).T.contiguous(), _detached(mamba.conv1d, "bias"),
+            -mamba.A_log.detach().float().exp(), mamba.dt_bias.detach(), mamba.D.detach(), mamba.norm.weight.detach(),
+            (mamba.num_heads, mamba.head_dim, mamba.n_groups, mamba.ssm_state_size), mamba.layer_norm_epsilon,
+            tuple(float(limit) for limit in mamba.time_step_limit))
 
 
 def delta_weights(layer) -> tuple | None:
@@ -2031,7 +2108,7 @@ class CompiledModel:
                 scalar=None if scalar is None else scalar.detach(), shared=reads_earlier_cache(layer),
                 beside=gemma4_experts(layer, style), latent=latent_weights(layer, style),
                 laurel=laurel_weights(layer, style), sparsity=gate_cutoff(layer), altup=altup_weights(layer, style),
-                conv=conv_weights(layer), delta=delta_weights(layer))
+                conv=conv_weights(layer), delta=delta_weights(layer), mamba=mamba_weights(layer))
             if stacks is not None and stacks[0] is not None:  # q's weight then holds q/k/v's stack; k and v: None
                 weights = weights._replace(wq=stacks[0].detach(), wk=None, wv=None)
             if stacks is not None and stacks[1] is not None:  # ... gate's gate/up's; up: None
@@ -2078,7 +2155,8 @@ class CompiledModel:
         self.cache_of = [written.index(owner) for owner in owners]
         self.cache_shapes = [cache_shape(layers[owner], self.layer_dims[owner]) for owner in written]
         # (a gated delta net's values: float32 whatever the model's dtype, as transformers keeps its state)
-        self.values_in_float = [delta_net_of(layers[owner]) is not None for owner in written]
+        self.values_in_float = [delta_net_of(layers[owner]) is not None or mamba_of(layers[owner]) is not None
+                                for owner in written]
         # Gemma 4's per-layer inputs: each token's embedding for every layer, read beside its embedding
         self.per_layer_inputs = getattr(inner, "embed_tokens_per_layer", None) is not None
         # Gemma 3n's streams (AltUp): the projections making them of the embedded tokens, and making one of

@@ -246,7 +246,7 @@ CHAIN_RECURRENT = frozenset({"lfm2", "lfm2_moe", "qwen3_next", "qwen3_5_text", "
 # ... of those, the ones the static-cache runtime reads along each row's path from what it keeps by slot, like keys
 # (LFM2's short convolutions' inputs; Qwen3.5's gated delta nets' too, and each token's k, decay and update): trees
 # there (Limit.transformers_only)
-READ_BY_PATH = frozenset({"lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
+READ_BY_PATH = frozenset({"lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid"})
 SNAPSHOTS = 8  # the most states a recurrent cache keeps to roll back to (CachedLM.keep)
 # what a layer's state is (transformers' LinearAttentionCacheLayerMixin): copied before a forward, put back
 STATE_FIELDS = ("conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",

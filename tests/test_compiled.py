@@ -549,15 +549,16 @@ def assert_greedy_in_cuda_graphs(target, draft) -> Runtimes:
 
 @CUDA
 @pytest.mark.parametrize("kind", ["gptj", "falcon", "falcon-7b", "bloom", "mpt", "falcon-rw", "gpt_neo", "llama4",
-                                  "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"])
+                                  "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granite4",
+                                  "granite4-dense"])
 def test_gptj_falcon_and_models_biased_by_slot_run_in_cuda_graphs(kind):
     """GPT-J-, Falcon- (40B's and 7B's layouts), and with trees BLOOM-, MPT-, Falcon-RW- (ALiBi: a mask
     for each head, its biases by the slots' positions made on the host), GPT-Neo- (local layers
     windowed to 4 positions), Llama 4-like models (chunks of 4, q scaled by position, experts
     reading the token times their weight) and LFM2-like ones (short convolutions, each row's taps
     found in its mask on the device: what steps queued ahead need; LFM2-MoE's experts) and Qwen3.5-like
-    ones (gated delta nets read along each row's path, a triangular solve; Qwen3-Next's products fused) in
-    compiled CUDA graphs: every
+    ones (gated delta nets read along each row's path, a triangular solve; Qwen3-Next's products fused) and
+    Granite 4-like ones (Mamba-2 mixers read along each row's path) in compiled CUDA graphs: every
     variant's greedy tokens are the target's, 30 tokens past GPT-Neo's window and Llama 4's first
     chunks."""
     assert_greedy_in_cuda_graphs(tiny_relative(kind, V, layers=2), tiny_relative(kind, V, layers=1, seed=1))
@@ -680,7 +681,7 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
 
 
 @pytest.mark.parametrize("kind", ["bloom", "mpt", "falcon-rw", "gpt_neo", "llama4", "lfm2", "lfm2_moe", "qwen3_5",
-                                  "qwen3_5_moe", "qwen3_next"])
+                                  "qwen3_5_moe", "qwen3_next", "granite4", "granite4-dense"])
 def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_static_cache_runtime(kind):
     """BLOOM, MPT and Falcon-RW bias attention by position (ALiBi), GPT-Neo windows its local layers,
     Llama 4 chunks attention and scales q by position on its layers without a rotation, each of which
@@ -694,13 +695,16 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
     none of the prompt; Llama 4's chunks of 4 and its scale changing every 4 positions; LFM2's 3 taps:
     the deepest rows' reach only their ancestors; LFM2-MoE's experts by sigmoid scores plus a bias; Qwen3.5's
     delta nets of 4 value heads over 2 key heads, attention's output gated; Qwen3.5-MoE's experts beside a
-    gated shared expert; Qwen3-Next's delta nets' products fused by key head); pruned to one path, chains
-    after it too; and every variant's greedy output is plain greedy."""
-    layers = 3 if kind.startswith(("lfm2", "qwen3_")) else 2  # (LFM2's: convolution, attention, convolution)
+    gated shared expert; Qwen3-Next's delta nets' products fused by key head; Granite 4's Mamba-2 mixers in
+    groups, its attention without positions); pruned to one path, chains after it too; and every variant's
+    greedy output is plain greedy."""
+    layers = 3 if kind.startswith(("lfm2", "qwen3_", "granite4")) else 2  # (LFM2's: convolution, attention,
+    # convolution)
     target, draft = tiny_relative(kind, V, layers=layers, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     assert compiled.unsupported(target) is None
     assert (compiled.alibi_of(target.config) is None) == (kind in ("gpt_neo", "llama4") or kind.startswith(("lfm2",
-                                                                                                             "qwen3_")))
+                                                                                                             "qwen3_",
+                                                                                                             "granite4")))
     tree = a_tree()
     base = len(PROMPT)
     visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
@@ -718,7 +722,8 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
         # Qwen3.5's delta nets' sums over a path, against transformers' state, by ~1e-4 at logits of ~20 — as
         # much as transformers' own one token at a time against one forward; with experts, transformers' own
         # forwards of 11 and 13 tokens differ by 4e-4 on their first 11)
-        tolerance = {"gpt_neo": 1e-4, "qwen3_5": 3e-4, "qwen3_5_moe": 1e-3, "qwen3_next": 1e-3}.get(kind, 1e-5)
+        tolerance = {"gpt_neo": 1e-4, "qwen3_5": 3e-4, "qwen3_5_moe": 1e-3, "qwen3_next": 1e-3, "granite4": 3e-5,
+                     "granite4-dense": 3e-5}.get(kind, 1e-5)
         torch.testing.assert_close(logits, expected, atol=tolerance, rtol=tolerance)
         ours.keep(list(range(base)) + [base + n for n in kept])
         reference = CachedLM(target, V)
@@ -736,10 +741,11 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
             plain_greedy(target, 20), shape.describe()
 
 
-@pytest.mark.parametrize("kind", ["lfm2", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["lfm2", "qwen3_5", "granite4"])
 @pytest.mark.parametrize("shape", [MC_SHAPES[4], MC_SHAPES[5]], ids=lambda s: s.describe())
 def test_stateful_trees_on_the_runtime_follow_the_target_distribution_and_decode_together(kind, shape):
-    """An LFM2 pair (short convolutions) and a Qwen3.5 pair (gated delta nets), whose state
+    """An LFM2 pair (short convolutions), a Qwen3.5 pair (gated delta nets) and a Granite 4 pair (Mamba-2
+    mixers), whose state
     transformers carries from token to token, on the static-cache runtime: `rsd-c` and `rsd-s` trees
     give the first two tokens the target's joint distribution (rejected siblings leave nothing behind
     in what each row reads: its path's), and sampled completions decoded together (each row reading

@@ -101,7 +101,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     groups, a random correction) or "deepseek_v2"; or "lfm2" (short convolutions with biases in attention's
     place on every other layer, attention between them) or "lfm2_moe" (with experts from its second layer on);
     "qwen3_5" (gated delta nets on every other layer, gated attention between them) or "qwen3_5_moe" (with
-    experts) or "qwen3_next" (with experts, its delta nets' products fused); with sliding-window attention off (but Gemma 2, 3
+    experts) or "qwen3_next" (with experts, its delta nets' products fused); "granite4" (Mamba-2 mixers on every
+    other layer, attention between them without positions, experts beside a shared MLP) or "granite4-dense" (the
+    shared MLP alone, attention turned); with sliding-window attention off (but Gemma 2, 3
     and 4's, Phi-3's, EXAONE 4's, Mixtral's and gpt-oss's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                               GemmaForCausalLM, MistralConfig,
@@ -127,7 +129,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               MptConfig, MptForCausalLM, GPTNeoConfig, GPTNeoForCausalLM, Gemma3nTextConfig,
                               Gemma3nForCausalLM, Llama4TextConfig, Llama4ForCausalLM, Lfm2Config, Lfm2ForCausalLM,
                               Lfm2MoeConfig, Lfm2MoeForCausalLM, Qwen3_5TextConfig, Qwen3_5ForCausalLM,
-                              Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM)
+                              Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM,
+                              GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -172,7 +175,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "lfm2": (Lfm2Config, Lfm2ForCausalLM), "lfm2_moe": (Lfm2MoeConfig, Lfm2MoeForCausalLM),
                            "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
                            "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM),
-                           "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM)}[kind]
+                           "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
+                           "granite4": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM),
+                           "granite4-dense": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -324,6 +329,16 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
             # behind a sigmoid gate; Qwen3-Next's delta nets' products fused by key head)
             settings.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                             shared_expert_intermediate_size=32)
+    elif kind.startswith("granite4"):  # (Mamba-2 mixers on the first layer and every other one after it, 4 heads of
+        # 16 in 2 groups, states of 8, convolutions of 4 taps with a bias, products with biases; attention between
+        # them without positions (4.0-H's), or turned ("-dense"); 4 experts of 16, 2 a token, beside a shared MLP, or
+        # the shared MLP alone ("-dense"); Granite's multipliers)
+        dense = kind == "granite4-dense"
+        settings = dict(layer_types=["mamba" if i % 2 == 0 else "attention" for i in range(layers)], mamba_n_heads=4,
+                        mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_proj_bias=True,
+                        num_local_experts=0 if dense else 4, num_experts_per_tok=2, shared_intermediate_size=32,
+                        position_embedding_type="rope" if dense else None, embedding_multiplier=2.0,
+                        residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0)
     elif kind == "minicpm3":  # (latent attention: q through a rank of 16, keys and values through a latent of 16,
         # 4 of each head's 12 dimensions turned; the embedding, each block's output and the logits scaled)
         settings = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
@@ -374,8 +389,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            + (("dense",) if kind.startswith("falcon") or kind == "bloom" else ())):
                 if linear is not None and linear.bias is not None:
                     linear.bias.normal_(0.0, scale)
-            conv = getattr(layer, "conv", None)  # (LFM2's short convolution and its products)
-            for linear in (getattr(conv, name, None) for name in ("conv", "in_proj", "out_proj")):
+            conv = getattr(layer, "conv", None) or getattr(layer, "mamba", None)  # (LFM2's short convolution and its
+            # products; Granite 4's Mamba-2 mixer's)
+            for linear in (getattr(conv, name, None) for name in ("conv", "conv1d", "in_proj", "out_proj")):
                 if linear is not None and linear.bias is not None:
                     linear.bias.normal_(0.0, scale)
             for linear in (getattr(getattr(layer, "mlp", None), name, None)
