@@ -415,13 +415,13 @@ class CachedLM(ChainExtension):
         self.snapshots: list[tuple[int, dict]] = []  # (length, {layer index: its state then}) before each forward
         # (taken where a chain read after a state is what its tokens one at a time give: CHAIN_RECURRENT)
         self.rolls_back = self.recurrent and self.limit.variants != ("ar",)
-        # an LFM2, Qwen3.5 or Qwen3-Next whose layers all carry a state (a draft of its first layers): no mask of each kind, which
+        # an LFM2, Qwen3.5, Qwen3-Next or Granite 4 whose layers all carry a state (a draft of its first layers): no mask of each kind, which
         # transformers would make from the cache's length, which such a cache does not have ("`get_seq_length` can
         # only be called on Attention layers"); those take a mapping of them instead (other families a 2D mask)
         kinds = set(getattr(cfg, "layer_types", None) or ())
         self.no_masks = {kind: None for kind in kinds} \
-            if cfg.model_type.startswith(("lfm2", "qwen3_5", "qwen3_next")) and kinds and kinds <= RECURRENT_LAYERS \
-            else None
+            if cfg.model_type.startswith(("lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid")) \
+            and kinds and kinds <= RECURRENT_LAYERS else None
         # (off for a plain step's forward, which nothing takes back: a Qwen3.5-0.8B-sized state takes 7-9 ms
         # to copy on the 2-core Xeon; where it is wrong, keep reads the tokens afresh)
         self.copies_states = True

@@ -1444,10 +1444,11 @@ def test_a_newly_covered_family_with_an_early_exit_draft_generates_alike_on_both
     assert_alike_on_both_runtimes(profile)
 
 
-@pytest.mark.parametrize("kind", ["lfm2", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["lfm2", "qwen3_5", "granite4"])
 def test_a_stateful_target_with_its_first_layer_as_the_draft_generates_alike_on_both_runtimes(tmp_path, kind):
-    """As a user runs it: an LFM2 checkpoint folder (its final norm named `embedding_norm`) or a
-    Qwen3.5 one, its first layer — a short convolution or a gated delta net, no attention at all,
+    """As a user runs it: an LFM2 checkpoint folder (its final norm named `embedding_norm`), a Qwen3.5
+    or a Granite 4.0-H one, its first layer — a short convolution, a gated delta net or a Mamba-2 mixer,
+    no attention at all,
     which transformers' LFM2 cannot read into a cache without masks given — as an early-exit draft:
     `sd` on the static-cache runtime and on transformers' forward give the same greedy tokens, and so
     does `rsd-c` on the runtime."""
