@@ -328,8 +328,9 @@ class LayerCaches:
             kind = kinds.index(shape)
             self.where.append((kind, counts[kind]))
             counts[kind] += 1
-        self.tensors = tuple(torch.zeros((count, kind[0], capacity, kind[1]), dtype=kind[2] if len(kind) > 2 else dtype,
-                                         device=device) for count, kind in zip(counts, kinds))
+        self.tensors = tuple(torch.zeros((count, kind[0], capacity, kind[1]),
+                                         dtype=kind[2] if len(kind) > 2 else dtype, device=device)
+                             for count, kind in zip(counts, kinds))
 
     def __getitem__(self, cache: int) -> torch.Tensor:
         tensor, index = self.where[cache]
@@ -1143,7 +1144,7 @@ def _gated_delta(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, va
     system = beta.T[..., None] * decay * torch.einsum("thd,jhd->htj", k, keys_seen)  # (hv, n, kv_len)
     before = torch.ones(kv_len, dtype=torch.bool, device=h.device).index_fill(0, new, False)
     u_seen = store[:, kept:].view(kv_len, hv, dv).transpose(0, 1)  # (hv, kv_len, dv): the new rows' stale
-    taken = (system * before).to(torch.float32) @ u_seen
+    taken = (system * before) @ u_seen
     u = torch.linalg.solve_triangular(system.index_select(-1, new), beta.T[..., None] * v.view(n, hv, dv).transpose(0, 1)
                                       - taken, upper=False, unitriangular=True)  # (hv, n, dv)
     store[:, kept:].index_copy_(0, new, u.transpose(0, 1).reshape(n, hv * dv).to(store.dtype))
@@ -1618,7 +1619,8 @@ def cache_shape(layer, dims: tuple) -> tuple[int, int, int]:
     """(kv_heads, keys' width, values' width) of the cache a layer writes (its layer_dims'), a latent
     attention's (1, kv_lora_rank, qk_rope_head_dim): its latents and its keys' rotated parts; an LFM2
     short convolution's (1, hidden, 0): each token's input to it (_short_conv); a Qwen3.5 gated delta
-    net's (1, its convolution's width, k's + g's + u's width): its values float32 (values_in_float)."""
+    net's (1, its convolution's width, k's + g's + u's width) and a Mamba-2 mixer's (1, its convolution's
+    width, B's + dt x's + dt A's width): their values float32 (values_in_float)."""
     a = attention_of(layer)
     if is_latent(a):
         return 1, a.kv_lora_rank, a.qk_rope_head_dim
@@ -1847,7 +1849,7 @@ def mamba_weights(layer) -> tuple | None:
 
 
 def delta_weights(layer) -> tuple | None:
-    """What _gated_delta runs a gated delta net by: (a's product's weight — None for Qwen3-Net's, whose
+    """What _gated_delta runs a gated delta net by: (a's product's weight — None for Qwen3-Next's, whose
     products are q/k/v/z's and b/a's —, its convolution's taps (K, width): the latest input's first,
     -exp(A_log) in float32, dt_bias, its output norm's weight, (k heads, v heads, k's head width, v's),
     that norm's eps), or None."""
@@ -2236,11 +2238,12 @@ class CompiledModel:
         written = sorted(set(owners))
         self.cache_of = [written.index(owner) for owner in owners]
         self.cache_shapes = [cache_shape(layers[owner], self.layer_dims[owner]) for owner in written]
-        # (a gated delta net's values: float32 whatever the model's dtype, as transformers keeps its state)
+        # (a gated delta net's or Mamba-2 mixer's values: float32 whatever the model's dtype, as transformers keeps
+        # their states)
         self.values_in_float = [delta_net_of(layers[owner]) is not None or mamba_of(layers[owner]) is not None
                                 for owner in written]
         # (gated delta nets or Mamba-2 mixers: a long chain read by chunks, StaticLM.forward)
-        self.carries_state = any(delta_net_of(layer) is not None or mamba_of(layer) is not None for layer in layers)
+        self.chains_by_chunks = any(delta_net_of(layer) is not None or mamba_of(layer) is not None for layer in layers)
         # Gemma 4's per-layer inputs: each token's embedding for every layer, read beside its embedding
         self.per_layer_inputs = getattr(inner, "embed_tokens_per_layer", None) is not None
         # Gemma 3n's streams (AltUp): the projections making them of the embedded tokens, and making one of
@@ -2780,7 +2783,7 @@ class StaticLM(ChainExtension):
         n = len(tokens)
         sizes = self.compiled.buckets
         # (a chain after every key before it, long enough: read by chunks where layers carry a state, CHAIN_ROWS)
-        chain = n >= CHAIN_ROWS and self.compiled.carries_state and bool(visible[:, : self.length].all()) \
+        chain = n >= CHAIN_ROWS and self.compiled.chains_by_chunks and bool(visible[:, : self.length].all()) \
             and torch.equal(visible[:, self.length:].cpu(), lower_triangle(n))
         long = reading and (astride(positions, self.long_from) if self.prompt_long is None else self.prompt_long)
         if self.long_from is not None:
