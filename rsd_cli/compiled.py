@@ -1213,7 +1213,7 @@ def _mamba(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, values, 
     it sees (its path's), as attention; then y times the gate's SiLU, RMS-normed by group. (1, n, inner).
     With `chain` (a prompt), the rows by chunks from the state the keys before them add up to
     (_mamba_along_chain)."""
-    taps, conv_bias, rate, dt_bias, skip, norm, (heads, width, groups, size), eps, limits = weights.mamba
+    taps, conv_bias, rate, dt_bias, skip, norm, (heads, width, groups, size, normed), eps, limits = weights.mamba
     n, kv_len = h.shape[0], mask.shape[-1]
     inner = heads * width
     gate, mixed, dt = _linear(h, weights.wq, weights.bq, kernels.q).split([inner, taps.shape[1], heads], -1)
@@ -1238,7 +1238,7 @@ def _mamba(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, values, 
         y = (decay * torch.einsum("thn,jhn->htj", c, b_seen)) @ xdt_seen  # (heads, n, width)
     y = y.transpose(0, 1) + skip.float()[:, None] * x  # (n, heads, width)
     gated = y.reshape(n, inner) * F.silu(gate.float())
-    by_group = gated.view(n, groups, -1)
+    by_group = gated.view(n, normed, -1)
     normed = (by_group * torch.rsqrt(by_group.pow(2).mean(-1, keepdim=True) + eps)).view(n, inner)
     return (norm * normed).to(h.dtype)[None]
 
@@ -1838,13 +1838,15 @@ def carries_state(layer) -> bool:
 def mamba_weights(layer) -> tuple | None:
     """What _mamba runs a Mamba-2 mixer by: (its convolution's taps (K, width): the latest input's first,
     its bias or None, A = -exp(A_log) in float32, dt_bias, D, its gated norm's weight, (heads, head width,
-    groups, state size), that norm's eps, the time step's limits), or None."""
+    groups, state size, the groups its norm goes by), that norm's eps, the time step's limits), or None."""
     mamba = mamba_of(layer)
     if mamba is None:
         return None
+    # (its norm by group as transformers 5.24 computes it, each group's inner // groups wide; 5.17's over the whole)
+    normed = mamba.intermediate_size // getattr(mamba.norm, "group_size", mamba.intermediate_size)
     return (mamba.conv1d.weight.detach()[:, 0].flip(-1).T.contiguous(), _detached(mamba.conv1d, "bias"),
             -mamba.A_log.detach().float().exp(), mamba.dt_bias.detach(), mamba.D.detach(), mamba.norm.weight.detach(),
-            (mamba.num_heads, mamba.head_dim, mamba.n_groups, mamba.ssm_state_size), mamba.layer_norm_epsilon,
+            (mamba.num_heads, mamba.head_dim, mamba.n_groups, mamba.ssm_state_size, normed), mamba.layer_norm_epsilon,
             tuple(float(limit) for limit in mamba.time_step_limit))
 
 
@@ -2360,6 +2362,9 @@ class CompiledModel:
         x = torch.zeros(1, dtype=self.dtype, device=self.device)
         with torch.inference_mode():
             positions = positions[None]
+            if hasattr(rotary, "mrope_section"):  # (Qwen3.5's: a text's positions on each of its three grids, which
+                # transformers 5.17 asks for as (3, 1, n))
+                positions = positions.expand(3, -1, -1)
             found = [None if name is None else rotary(x, positions, name) if per_kind else rotary(x, positions)
                      for name in names]
         # (DeepSeek V2's: complex numbers, each for a pair of dimensions: their cos and sin, each twice in a row)
