@@ -238,14 +238,14 @@ CHAIN_VARIANTS = ("ar", "sd", "lookup")
 RECURRENT_LAYERS = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "recurrent"})
 # ... of those, the ones whose forward of several tokens after a cache gives what the same tokens one
 # at a time give (benchmarks/architectures.py; 3 tokens after 9, to 1e-6): LFM2's and LFM2-MoE's convolutions,
-# Qwen3-Next's and Qwen3.5's gated delta rule, Mamba-2's mixers (Granite 4 and Falcon-H1 hybrids). transformers' Mamba-1
-# mixers (Mamba, Falcon-Mamba, Jamba) read such a chain without the state before it (1.8-2.4 off; Jamba
+# Qwen3-Next's and Qwen3.5's gated delta rule, Mamba-2's mixers (Granite 4 and Falcon-H1 hybrids). transformers'
+# Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba) read such a chain without the state before it (1.8-2.4 off; Jamba
 # 5e-3), and Bamba's differ already one at a time: plain decoding for those and the rest
 CHAIN_RECURRENT = frozenset({"lfm2", "lfm2_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "mamba2",
                              "granitemoehybrid", "falcon_h1"})
 # ... of those, the ones the static-cache runtime reads along each row's path from what it keeps by slot, like keys
-# (LFM2's short convolutions' inputs; Qwen3.5's gated delta nets' too, and each token's k, decay and update): trees
-# there (Limit.transformers_only)
+# (their convolutions' inputs; each token's k, decay and update for Qwen3.5's and Qwen3-Next's gated delta nets, its
+# B, dt x and dt A for Granite 4's Mamba-2 mixers): trees there (Limit.transformers_only)
 READ_BY_PATH = frozenset({"lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid"})
 SNAPSHOTS = 8  # the most states a recurrent cache keeps to roll back to (CachedLM.keep)
 # what a layer's state is (transformers' LinearAttentionCacheLayerMixin): copied before a forward, put back
@@ -266,8 +266,8 @@ class Limit:
     recurrent: bool = False  # layers with a state (CachedLM reads chains into it and takes drafts back itself)
     # a limit of transformers' forward alone, none on the static-cache runtime, where a model takes trees:
     # position biases that transformers works out of cache slots (the runtime's masks go by each slot's
-    # position: compiled.StaticLM), LFM2's short convolutions and Qwen3.5's gated delta nets (the runtime keeps
-    # what each token gives them by slot and reads each row's path: compiled._convolved, compiled._gated_delta)
+    # position: compiled.StaticLM), and the recurrent layers of READ_BY_PATH (the runtime keeps what each token gives
+    # them by slot and reads each row's path: compiled._convolved, _gated_delta, _mamba)
     transformers_only: bool = False
 
     def refusal(self, variant: str, whose: str, how: str = "--variant") -> str:
@@ -290,8 +290,9 @@ def limit_of(config) -> Limit | None:
     its own causal mask: ALiBi (BLOOM, MPT, Falcon with `alibi`), Llama 4 (attention scaled by
     the cache's length on its NoPE layers, chunked attention) and GPT-Neo's local layers (a window
     of slots, not positions). On the static-cache runtime, which biases, scales, chunks and windows
-    by each slot's position, they take trees (Limit.transformers_only, pair_limit), as LFM2 and Qwen3.5 do,
-    whose short convolutions and gated delta nets read each row's path there instead of a state."""
+    by each slot's position, they take trees (Limit.transformers_only, pair_limit), as LFM2, Qwen3.5,
+    Qwen3-Next and Granite 4.0-H do, whose recurrent layers read each row's path there instead of a state
+    (READ_BY_PATH)."""
     config = text_config(config)
     kind = getattr(config, "model_type", "") or ""
     if kind in RECURRENT_MODELS or RECURRENT_LAYERS & set(getattr(config, "layer_types", None) or ()):
@@ -415,9 +416,10 @@ class CachedLM(ChainExtension):
         self.snapshots: list[tuple[int, dict]] = []  # (length, {layer index: its state then}) before each forward
         # (taken where a chain read after a state is what its tokens one at a time give: CHAIN_RECURRENT)
         self.rolls_back = self.recurrent and self.limit.variants != ("ar",)
-        # an LFM2, Qwen3.5, Qwen3-Next or Granite 4 whose layers all carry a state (a draft of its first layers): no mask of each kind, which
-        # transformers would make from the cache's length, which such a cache does not have ("`get_seq_length` can
-        # only be called on Attention layers"); those take a mapping of them instead (other families a 2D mask)
+        # an LFM2, Qwen3.5, Qwen3-Next or Granite 4 whose layers all carry a state (a draft of its first layers): no
+        # mask of each kind, which transformers would make from the cache's length, which such a cache does not have
+        # ("`get_seq_length` can only be called on Attention layers"); those take a mapping of them instead (other
+        # families a 2D mask)
         kinds = set(getattr(cfg, "layer_types", None) or ())
         self.no_masks = {kind: None for kind in kinds} \
             if cfg.model_type.startswith(("lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid")) \

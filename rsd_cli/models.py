@@ -689,8 +689,8 @@ def _with_attention(loader, location: str, local: bool, **kwargs):
 
 
 # multimodal models whose text decoder rsd loads alone (tested on tiny checkpoints of each: their text logits), and
-# where its weights lie in their checkpoints (Gemma 3's `language_model.model.` and `language_model.lm_head`, Gemma 3n's
-# and 4's `model.language_model.`), as the text model names them
+# where its weights lie in their checkpoints (Gemma 3's `language_model.model.` and `language_model.lm_head`, Gemma 3n's,
+# 4's and Qwen3.5's `model.language_model.`), as the text model names them
 TEXT_ALONE = ("gemma3", "gemma3n", "gemma4", "qwen3_5", "qwen3_5_moe")
 TEXT_KEYS = {r"^language_model\.lm_head\.": "lm_head.", r"^(?:model\.)?language_model\.(?:model\.)?": "model."}
 
