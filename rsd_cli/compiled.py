@@ -43,7 +43,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .engine import (ChainExtension, ForwardClock, astride, full_vocabulary, long_factors_from, lower_triangle,
+from .engine import (ChainExtension, ForwardClock, astride, chain_after, full_vocabulary, long_factors_from,
+                     lower_triangle,
                      timed_chain, unchanged_prefix, within_chunk, within_window)
 from .sampling import to_device
 from .step_graphs import StepGraphs, cuda_capture
@@ -1127,8 +1128,7 @@ def _gated_delta(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, va
     q = q * dk ** -0.5
     beta = torch.sigmoid(b).float()  # (n, hv)
     g = rate * F.softplus(a.float() + dt_bias)  # (n, hv) float32
-    new = slots if slots is not None else torch.arange(kv_len - n, kv_len, device=h.device)
-    store = values[0] if slots is not None else values[0, :kv_len]  # (kv_len, hk dk + hv + hv dv)
+    new, store = _slots_and_store(values, slots, n, kv_len)  # store (kv_len, hk dk + hv + hv dv)
     kept = hk * dk + hv
     store[:, :kept].index_copy_(0, new, torch.cat([k.reshape(n, -1), g], -1).to(store.dtype))
     keys_seen = store[:, : hk * dk].view(kv_len, hk, dk).repeat_interleave(hv // hk, 1)  # (kv_len, hv, dk)
@@ -1152,6 +1152,14 @@ def _gated_delta(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, va
     return _gated_norm(out, z, norm, eps, h.dtype, (n, hv, dv))
 
 
+def _slots_and_store(values, slots, n: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the n new rows' slots, the (kv_len, width) values they are read and written in): `slots`, or the last
+    n of the used length without them."""
+    if slots is not None:
+        return slots, values[0]
+    return torch.arange(kv_len - n, kv_len, device=values.device), values[0, :kv_len]
+
+
 def _gated_norm(out, z, norm, eps: float, dtype, shape: tuple) -> torch.Tensor:
     """A gated delta net's output (hv, n, dv) float32 in its dtype, RMS-normed per head (Llama's norm),
     times z's SiLU: (1, n, hv dv)."""
@@ -1165,8 +1173,7 @@ def _state_of(left: torch.Tensor, right: torch.Tensor, rates: torch.Tensor) -> t
     """(heads, a, b): the state keys (kv, heads, a) and (kv, heads, b) add up to after the last of them,
     each decayed by exp of the sum of the log decays `rates` (kv, heads) of the keys after it — a gated
     delta net's sum of k u^T, a Mamba-2 mixer's of B (dt x)^T."""
-    after = F.pad(rates.flip(0).cumsum(0).flip(0)[1:], (0, 0, 0, 1))  # (kv, heads)
-    return torch.einsum("jha,jh,jhb->hab", left, after.exp(), right)
+    return torch.einsum("jha,jh,jhb->hab", left, _sums_after(rates, 0).exp(), right)
 
 
 def _delta_along_chain(q, k, v, g, beta, state, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1179,9 +1186,7 @@ def _delta_along_chain(q, k, v, g, beta, state, chunk: int | None = None) -> tup
     for start in range(0, q.shape[1], chunk):
         qc, kc, vc = q[:, start: start + chunk], k[:, start: start + chunk], v[:, start: start + chunk]
         gc, bc = g[:, start: start + chunk].cumsum(-1), beta[:, start: start + chunk]
-        rows = gc.shape[1]
-        lower = torch.ones(rows, rows, dtype=torch.bool, device=q.device).tril()
-        decay = (gc[:, :, None] - gc[:, None, :]).masked_fill(~lower, -math.inf).exp()  # (hv, rows, rows)
+        decay = _chunk_decays(gc)
         system = (bc[..., None] * kc) @ kc.transpose(1, 2) * decay
         u = torch.linalg.solve_triangular(system, bc[..., None] * (vc - gc.exp()[..., None] * (kc @ state)),
                                           upper=False, unitriangular=True)
@@ -1197,8 +1202,13 @@ def _path_decays(rates: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
     a row sees (`seen` (n, kv_len)) after a key, the row's own included, as far as that key it sees — 0
     where it sees none. Summed from the newest key back: exact where it matters, near the row."""
     w = torch.where(seen[None], rates.T[:, None, :], 0.0)  # (heads, n, kv_len)
-    after = F.pad(w.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
-    return torch.where(seen[None], after.exp(), 0.0)
+    return torch.where(seen[None], _sums_after(w, -1).exp(), 0.0)
+
+
+def _sums_after(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Each entry's sum of the entries after it along `dim` (0 for the last), summed from the last back."""
+    x = x.movedim(dim, -1)
+    return F.pad(x.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1)).movedim(-1, dim)
 
 
 def _mamba(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, values, slots,
@@ -1221,8 +1231,7 @@ def _mamba(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, values, 
     x, b, c = mixed.split([inner, groups * size, groups * size], -1)
     dt = torch.clamp(F.softplus(dt + dt_bias.to(dt.dtype)), *limits).float()  # (n, heads)
     x = x.float().view(n, heads, width)
-    new = slots if slots is not None else torch.arange(kv_len - n, kv_len, device=h.device)
-    store = values[0] if slots is not None else values[0, :kv_len]  # (kv_len, groups size + inner + heads)
+    new, store = _slots_and_store(values, slots, n, kv_len)  # store (kv_len, groups size + inner + heads)
     record = torch.cat([b.float(), (x * dt[..., None]).reshape(n, inner), rate * dt], -1)
     store.index_copy_(0, new, record.to(store.dtype))
     b_seen = store[:, : groups * size].view(kv_len, groups, size).repeat_interleave(heads // groups, 1)
@@ -1243,6 +1252,14 @@ def _mamba(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, values, 
     return (norm * normed).to(h.dtype)[None]
 
 
+def _chunk_decays(cumulative: torch.Tensor) -> torch.Tensor:
+    """(heads, rows, rows): within a chunk, exp(G_i - G_j) for j <= i of the log decays' running sums
+    `cumulative` (heads, rows), 0 above the diagonal."""
+    rows = cumulative.shape[1]
+    lower = torch.ones(rows, rows, dtype=torch.bool, device=cumulative.device).tril()
+    return (cumulative[:, :, None] - cumulative[:, None, :]).masked_fill(~lower, -math.inf).exp()
+
+
 def _mamba_along_chain(c, b, xdt, rates, state, chunk: int | None = None) -> torch.Tensor:
     """A Mamba-2 mixer's scan over a chain of rows by chunks, from `state` (heads, size, width), as
     transformers' mamba2_chunk_scan computes it: c, b (heads, n, size), xdt (heads, n, width), rates
@@ -1252,9 +1269,7 @@ def _mamba_along_chain(c, b, xdt, rates, state, chunk: int | None = None) -> tor
     for start in range(0, c.shape[1], chunk):
         cc, bc, xc = c[:, start: start + chunk], b[:, start: start + chunk], xdt[:, start: start + chunk]
         gc = rates[:, start: start + chunk].cumsum(-1)
-        rows = gc.shape[1]
-        lower = torch.ones(rows, rows, dtype=torch.bool, device=c.device).tril()
-        decay = (gc[:, :, None] - gc[:, None, :]).masked_fill(~lower, -math.inf).exp()
+        decay = _chunk_decays(gc)
         outs.append((cc @ bc.transpose(1, 2) * decay) @ xc + gc.exp()[..., None] * (cc @ state))
         last = gc[:, -1:]
         state = last.exp()[..., None] * state + (bc * (last - gc).exp()[..., None]).transpose(1, 2) @ xc
@@ -1829,10 +1844,16 @@ def mamba_of(layer):
     return found if type(found).__name__.endswith("MambaLayer") else None
 
 
+def keeps_a_state(layer) -> bool:
+    """Whether a layer has a gated delta net or a Mamba-2 mixer in attention's place: its values (a state's
+    parts, kept by slot) in float32, a long chain read by chunks."""
+    return delta_net_of(layer) is not None or mamba_of(layer) is not None
+
+
 def carries_state(layer) -> bool:
     """Whether a layer has a short convolution, a gated delta net or a Mamba-2 mixer in attention's
     place (a state in transformers' forward; kept by slot on the runtime)."""
-    return short_conv_of(layer) is not None or delta_net_of(layer) is not None or mamba_of(layer) is not None
+    return short_conv_of(layer) is not None or keeps_a_state(layer)
 
 
 def mamba_weights(layer) -> tuple | None:
@@ -1844,7 +1865,7 @@ def mamba_weights(layer) -> tuple | None:
         return None
     # (its norm by group as transformers 5.24 computes it, each group's inner // groups wide; 5.17's over the whole)
     normed = mamba.intermediate_size // getattr(mamba.norm, "group_size", mamba.intermediate_size)
-    return (mamba.conv1d.weight.detach()[:, 0].flip(-1).T.contiguous(), _detached(mamba.conv1d, "bias"),
+    return (conv_taps(mamba.conv1d), _detached(mamba.conv1d, "bias"),
             -mamba.A_log.detach().float().exp(), mamba.dt_bias.detach(), mamba.D.detach(), mamba.norm.weight.detach(),
             (mamba.num_heads, mamba.head_dim, mamba.n_groups, mamba.ssm_state_size, normed), mamba.layer_norm_epsilon,
             tuple(float(limit) for limit in mamba.time_step_limit))
@@ -1859,7 +1880,7 @@ def delta_weights(layer) -> tuple | None:
     if delta is None:
         return None
     a = getattr(delta, "in_proj_a", None)
-    return (None if a is None else a.weight.detach(), delta.conv1d.weight.detach()[:, 0].flip(-1).T.contiguous(),
+    return (None if a is None else a.weight.detach(), conv_taps(delta.conv1d),
             -delta.A_log.detach().float().exp(), delta.dt_bias.detach(), delta.norm.weight.detach(),
             (delta.num_k_heads, delta.num_v_heads, delta.head_k_dim, delta.head_v_dim), delta.layer_norm_epsilon)
 
@@ -1870,8 +1891,13 @@ def conv_weights(layer) -> tuple | None:
     conv = short_conv_of(layer)
     if conv is None:
         return None
-    weight = conv.conv.weight.detach()  # (hidden, 1, K): the last tap the latest input's
-    return weight[:, 0].flip(-1).T.contiguous(), _detached(conv.conv, "bias")
+    return conv_taps(conv.conv), _detached(conv.conv, "bias")
+
+
+def conv_taps(conv) -> torch.Tensor:
+    """A depthwise Conv1d's weight (width, 1, K), its last tap the latest input's, as _convolved takes it:
+    (K, width), the latest input's tap first."""
+    return conv.weight.detach()[:, 0].flip(-1).T.contiguous()
 
 
 def mlp_of(layer):
@@ -2242,10 +2268,9 @@ class CompiledModel:
         self.cache_shapes = [cache_shape(layers[owner], self.layer_dims[owner]) for owner in written]
         # (a gated delta net's or Mamba-2 mixer's values: float32 whatever the model's dtype, as transformers keeps
         # their states)
-        self.values_in_float = [delta_net_of(layers[owner]) is not None or mamba_of(layers[owner]) is not None
-                                for owner in written]
+        self.values_in_float = [keeps_a_state(layers[owner]) for owner in written]
         # (gated delta nets or Mamba-2 mixers: a long chain read by chunks, StaticLM.forward)
-        self.chains_by_chunks = any(delta_net_of(layer) is not None or mamba_of(layer) is not None for layer in layers)
+        self.chains_by_chunks = any(keeps_a_state(layer) for layer in layers)
         # Gemma 4's per-layer inputs: each token's embedding for every layer, read beside its embedding
         self.per_layer_inputs = getattr(inner, "embed_tokens_per_layer", None) is not None
         # Gemma 3n's streams (AltUp): the projections making them of the embedded tokens, and making one of
@@ -2788,8 +2813,7 @@ class StaticLM(ChainExtension):
         n = len(tokens)
         sizes = self.compiled.buckets
         # (a chain after every key before it, long enough: read by chunks where layers carry a state, CHAIN_ROWS)
-        chain = n >= CHAIN_ROWS and self.compiled.chains_by_chunks and bool(visible[:, : self.length].all()) \
-            and torch.equal(visible[:, self.length:].cpu(), lower_triangle(n))
+        chain = n >= CHAIN_ROWS and self.compiled.chains_by_chunks and chain_after(visible, self.length)
         long = reading and (astride(positions, self.long_from) if self.prompt_long is None else self.prompt_long)
         if self.long_from is not None:
             self._note_factors(positions, long)

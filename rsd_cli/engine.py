@@ -55,6 +55,12 @@ def within_chunk(positions: torch.Tensor, key_positions: torch.Tensor, chunk: in
     return positions[:, None] // chunk == key_positions[None, :] // chunk
 
 
+def chain_after(visible: torch.Tensor, past: int) -> bool:
+    """Whether new tokens whose `visible` is (n, past + n) see every key before them and each other as a
+    chain (causally)."""
+    return bool(visible[:, :past].all()) and torch.equal(visible[:, past:].cpu(), lower_triangle(visible.shape[0]))
+
+
 def placed_mask(columns: torch.Tensor, limit: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """A static-shape forward's additive mask (n, capacity) made on the device: row r sees the
     cache's slots up to limit[r] and its own slot, slots[r]. columns: arange(capacity)."""
@@ -531,8 +537,7 @@ class CachedLM(ChainExtension):
         """That the new tokens extend the cache as a chain at their positions, the one thing a model
         that takes no tree (limit_of) reads right (else an error: a tree asked of it)."""
         past, n = self.length, len(positions)
-        if (list(positions) != list(range(past, past + n)) or not bool(visible[:, :past].all())
-                or not torch.equal(visible[:, past:].cpu(), lower_triangle(n))):
+        if list(positions) != list(range(past, past + n)) or not chain_after(visible, past):
             raise RsdError(f"the {self.model.config.model_type} model's {self.limit.reason} take chains only, "
                            "here asked for a tree")
 
