@@ -74,6 +74,11 @@ PIECE_ROWS = 256
 # of O(rows x keys) (a 3000-token prompt of a Qwen3.5 of 6 delta nets on the 2-core AMD EPYC: 37 s read along
 # each row's path, against 14 s on transformers' forward)
 CHAIN_ROWS = 64
+# the keys of gated delta nets and Mamba-2 mixers that every row since has seen are summed into one state
+# (StaticLM._fold) once at least this many have come after the last ones summed: a row then reads that state and
+# the keys after it, at most about this many more than its own tree's, whatever the context's length (read along
+# its whole path, a step's time grew with the context: 46 -> 78 ms at 3000 tokens for 6 delta nets of Qwen3.5-0.8B)
+FOLD_ROWS = 64
 # Llama-style decoders the tests cover: Llama itself; Qwen2 and Seed-OSS (biases on q, k and v: the
 # layer takes them); Mistral (Llama's layer); Qwen3 (an RMS norm on each head of q and k); SmolLM3
 # (Llama's layers, every fourth without a rotation); Granite 3.x (Llama's, the embedding, each block's
@@ -946,7 +951,7 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
                   slots: torch.Tensor | None = None, fused: tuple = (None, None),
                   sight: Sight | None = None, style: Style = Style(),
                   side: torch.Tensor | None = None, temperature: torch.Tensor | None = None,
-                  chain: bool = False) -> torch.Tensor:
+                  chain: bool = False, fold: tuple | None = None) -> torch.Tensor:
     """One Llama decoder layer on n new tokens (or one of a related family: `style`, and the norms
     `weights` hold).
     x (n, hidden); cos, sin (n, head_dim); mask (n, kv_len) additive (ALiBi's (heads, n, kv_len), each
@@ -990,6 +995,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
     Granite 4: `mamba` (mamba_weights) where a Mamba-2 mixer is (_mamba), wq and wo its input and output
     products, keys each token's input to its convolution and values its B, dt x and dt A. `chain`: the new
     tokens are a chain after every key before them, at the end of the cache (a prompt: those two by chunks).
+    `fold`: where those two read the keys after some slot and, for the keys before it, the state they add up
+    to (state, the mask and values from that slot on; StaticLM._fold), or None (every key).
     Attention itself: _attention, _latent_attention."""
     if weights.altup is not None:  # (Gemma 3n: the streams around the layer)
         return _altup_layer(x, cos, sin, mask, keys, values, weights, kernels, dims, slots, fused, sight, style, side)
@@ -1005,9 +1012,9 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
     if weights.conv is not None:  # (LFM2's short convolution)
         out = _short_conv(h, weights, kernels, mask, keys, slots)
     elif weights.delta is not None:  # (Qwen3.5's gated delta net)
-        out = _gated_delta(h, weights, kernels, mask, keys, values, slots, chain)
+        out = _gated_delta(h, weights, kernels, mask, keys, values, slots, chain, fold)
     elif weights.mamba is not None:  # (Granite 4's Mamba-2 mixer)
-        out = _mamba(h, weights, kernels, mask, keys, values, slots, chain)
+        out = _mamba(h, weights, kernels, mask, keys, values, slots, chain, fold)
     elif weights.latent is not None:  # (multi-head latent attention: DeepSeek's, MiniCPM3's, Youtu's)
         out = _latent_attention(h, weights.wq, weights.latent, kernels, dims, cos, sin, mask, keys, values, slots,
                                 sight, style)
@@ -1091,7 +1098,7 @@ def _convolved(inputs, taps, bias, mask, keys, slots) -> torch.Tensor:
 
 
 def _gated_delta(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, values, slots,
-                 chain: bool = False) -> torch.Tensor:
+                 chain: bool = False, fold: tuple | None = None) -> torch.Tensor:
     """Qwen3.5's gated delta net on the normed input h (n, hidden), in attention's place, as its
     Qwen3_5GatedDeltaNet computes it — read along each row's path instead of from a state carried
     from token to token: q, k and v convolved (_convolved) and their SiLU, q and k L2-normed (q by
@@ -1105,9 +1112,12 @@ def _gated_delta(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, va
     q_t.S_t, a sum over every key it sees — its path's, whatever the tree: O(keys) a row, as attention
     (transformers' state is O(1), but a tree's siblings would all be read into it). Then the output
     RMS-normed per head, times z's SiLU. (1, n, hv dv). With `chain` (a prompt), the rows by chunks
-    from the state the keys before them add up to (_delta_along_chain)."""
+    from the state the keys before them add up to (_delta_along_chain). With `fold` (state (hv, dk, dv),
+    mask and values from a slot on), the sums go over the keys from that slot on, the state standing
+    for those before it (decayed by every key a row sees after them); a chain then leaves its own last
+    state there."""
     a_weight, taps, rate, dt_bias, norm, (hk, hv, dk, dv), eps = weights.delta
-    n, kv_len = h.shape[0], mask.shape[-1]
+    n = h.shape[0]
     if a_weight is None:  # (Qwen3-Next: q, k, v and z's products in one and b and a's in another, by key head)
         r = hv // hk
         q, k, v, z = _linear(h, weights.wq, None, kernels.q).view(n, hk, -1).split([dk, dk, r * dv, r * dv], -1)
@@ -1128,28 +1138,75 @@ def _gated_delta(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, va
     q = q * dk ** -0.5
     beta = torch.sigmoid(b).float()  # (n, hv)
     g = rate * F.softplus(a.float() + dt_bias)  # (n, hv) float32
+    state, mask, values = (None, mask, values) if fold is None else fold  # (the sums' keys: those from the fold on)
+    kv_len = mask.shape[-1]
     new, store = _slots_and_store(values, slots, n, kv_len)  # store (kv_len, hk dk + hv + hv dv)
     kept = hk * dk + hv
     store[:, :kept].index_copy_(0, new, torch.cat([k.reshape(n, -1), g], -1).to(store.dtype))
-    keys_seen = store[:, : hk * dk].view(kv_len, hk, dk).repeat_interleave(hv // hk, 1)  # (kv_len, hv, dk)
+    keys_seen, u_seen, rates = _state_parts(store, weights)  # (kv_len, hv, dk), (kv_len, hv, dv), (kv_len, hv)
     k, q = (t.repeat_interleave(hv // hk, 1) for t in (k, q))  # (n, hv, dk)
     if chain:
         past = kv_len - n
-        start = _state_of(keys_seen[:past], store[:past, kept:].view(past, hv, dv), store[:past, hk * dk: kept])
-        out, u = _delta_along_chain(q.transpose(0, 1), k.transpose(0, 1), v.view(n, hv, dv).transpose(0, 1), g.T,
-                                    beta.T, start)
+        start = _state_of(keys_seen[:past], u_seen[:past], rates[:past])
+        if state is not None:
+            start = start + _decayed(state, rates[:past])
+        out, u, end = _delta_along_chain(q.transpose(0, 1), k.transpose(0, 1), v.view(n, hv, dv).transpose(0, 1), g.T,
+                                         beta.T, start)
         store[:, kept:].index_copy_(0, new, u.transpose(0, 1).reshape(n, hv * dv).to(store.dtype))
+        if state is not None:
+            state.copy_(end)
         return _gated_norm(out, z, norm, eps, h.dtype, (n, hv, dv))
-    decay = _path_decays(store[:, hk * dk: kept], mask > -math.inf)  # (hv, n, kv_len)
+    seen = mask > -math.inf
+    decay = _path_decays(rates, seen)  # (hv, n, kv_len)
     system = beta.T[..., None] * decay * torch.einsum("thd,jhd->htj", k, keys_seen)  # (hv, n, kv_len)
     before = torch.ones(kv_len, dtype=torch.bool, device=h.device).index_fill(0, new, False)
-    u_seen = store[:, kept:].view(kv_len, hv, dv).transpose(0, 1)  # (hv, kv_len, dv): the new rows' stale
+    u_seen = u_seen.transpose(0, 1)  # (hv, kv_len, dv): the new rows' stale
     taken = (system * before) @ u_seen
+    if state is not None:  # (the keys before the fold: their state, decayed by every key the row sees)
+        carried = _carried(rates, seen)[..., None]  # (hv, n, 1)
+        taken = taken + beta.T[..., None] * carried * (k.transpose(0, 1) @ state)
     u = torch.linalg.solve_triangular(system.index_select(-1, new), beta.T[..., None] * v.view(n, hv, dv).transpose(0, 1)
                                       - taken, upper=False, unitriangular=True)  # (hv, n, dv)
     store[:, kept:].index_copy_(0, new, u.transpose(0, 1).reshape(n, hv * dv).to(store.dtype))
     out = (decay * torch.einsum("thd,jhd->htj", q, keys_seen)) @ u_seen  # (hv, n, dv)
+    if state is not None:
+        out = out + carried * (q.transpose(0, 1) @ state)
     return _gated_norm(out, z, norm, eps, h.dtype, (n, hv, dv))
+
+
+def _state_parts(store: torch.Tensor, weights: LayerWeights) -> tuple:
+    """A gated delta net's (k, u, g) or a Mamba-2 mixer's (B, dt x, dt A) as its keys keep them in `store`
+    (kv_len, width): the two whose products its state sums, (kv_len, heads, a) and (kv_len, heads, b), and
+    the log decays (kv_len, heads). Views: what is written to the store later shows in them."""
+    kv_len = store.shape[0]
+    if weights.delta is not None:
+        hk, hv, dk, dv = weights.delta[5]
+        left, rates, right = store.split([hk * dk, hv, hv * dv], -1)
+        return left.view(kv_len, hk, dk).repeat_interleave(hv // hk, 1), right.view(kv_len, hv, dv), rates
+    heads, width, groups, size, _ = weights.mamba[6]
+    left, right, rates = store.split([groups * size, heads * width, heads], -1)
+    return left.view(kv_len, groups, size).repeat_interleave(heads // groups, 1), right.view(kv_len, heads, width), rates
+
+
+def state_shape(weights: LayerWeights) -> tuple[int, int, int]:
+    """(heads, a, b) of the state a gated delta net's (hv, dk, dv) or a Mamba-2 mixer's (heads, B's size,
+    head width) keys add up to."""
+    if weights.delta is not None:
+        _, hv, dk, dv = weights.delta[5]
+        return hv, dk, dv
+    heads, width, _, size, _ = weights.mamba[6]
+    return heads, size, width
+
+
+def _decayed(state: torch.Tensor, rates: torch.Tensor) -> torch.Tensor:
+    """A state (heads, a, b) after keys of log decays `rates` (kv, heads) that added nothing to it."""
+    return rates.sum(0).exp()[:, None, None] * state
+
+
+def _carried(rates: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """(heads, n): how much of a state before every key each row sees (`seen` (n, kv_len)) is left at the
+    row: exp of the sum of the log decays `rates` (kv_len, heads) of the keys it sees."""
+    return torch.where(seen[None], rates.T[:, None, :], 0.0).sum(-1).exp()
 
 
 def _slots_and_store(values, slots, n: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1176,11 +1233,11 @@ def _state_of(left: torch.Tensor, right: torch.Tensor, rates: torch.Tensor) -> t
     return torch.einsum("jha,jh,jhb->hab", left, _sums_after(rates, 0).exp(), right)
 
 
-def _delta_along_chain(q, k, v, g, beta, state, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _delta_along_chain(q, k, v, g, beta, state, chunk: int | None = None) -> tuple:
     """The gated delta rule over a chain of rows by chunks, from `state` (hv, dk, dv), as transformers'
-    torch_chunk_gated_delta_rule computes it (its UT transform), returning each row's update u too:
-    q (scaled), k (hv, n, dk) L2-normed, v (hv, n, dv), g and beta (hv, n), float32. (out (hv, n, dv),
-    u (hv, n, dv))."""
+    torch_chunk_gated_delta_rule computes it (its UT transform), returning each row's update u and the
+    state after the last row too: q (scaled), k (hv, n, dk) L2-normed, v (hv, n, dv), g and beta (hv, n),
+    float32. (out (hv, n, dv), u (hv, n, dv), state (hv, dk, dv))."""
     chunk = chunk or CHAIN_ROWS
     outs, updates = [], []
     for start in range(0, q.shape[1], chunk):
@@ -1194,7 +1251,7 @@ def _delta_along_chain(q, k, v, g, beta, state, chunk: int | None = None) -> tup
         updates.append(u)
         last = gc[:, -1:]
         state = last.exp()[..., None] * state + (kc * (last - gc).exp()[..., None]).transpose(1, 2) @ u
-    return torch.cat(outs, 1), torch.cat(updates, 1)
+    return torch.cat(outs, 1), torch.cat(updates, 1), state
 
 
 def _path_decays(rates: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
@@ -1206,13 +1263,14 @@ def _path_decays(rates: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
 
 
 def _sums_after(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Each entry's sum of the entries after it along `dim` (0 for the last), summed from the last back."""
-    x = x.movedim(dim, -1)
-    return F.pad(x.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1)).movedim(-1, dim)
+    """Each entry's sum of the entries after it along `dim` (0 for the last), summed from the last back.
+    (A 0 after the last first: no size less one, which a compiled graph would take as 1 for two keys.)"""
+    x = F.pad(x.movedim(dim, -1), (0, 1))
+    return x.flip(-1).cumsum(-1).flip(-1)[..., 1:].movedim(-1, dim)
 
 
 def _mamba(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, values, slots,
-           chain: bool = False) -> torch.Tensor:
+           chain: bool = False, fold: tuple | None = None) -> torch.Tensor:
     """Granite 4's Mamba-2 mixer on the normed input h (n, hidden), in attention's place, as its
     GraniteMoeHybridMambaLayer computes it (its chunked scan's arithmetic) — read along each row's path
     instead of from a state carried from token to token: the gate, x/B/C and dt of one product, x/B/C
@@ -1222,29 +1280,37 @@ def _mamba(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, values, 
     token keeps its B, dt x and dt A at its slot of `values` (float32), and each row sums over the keys
     it sees (its path's), as attention; then y times the gate's SiLU, RMS-normed by group. (1, n, inner).
     With `chain` (a prompt), the rows by chunks from the state the keys before them add up to
-    (_mamba_along_chain)."""
+    (_mamba_along_chain); `fold` as _gated_delta's."""
     taps, conv_bias, rate, dt_bias, skip, norm, (heads, width, groups, size, normed), eps, limits = weights.mamba
-    n, kv_len = h.shape[0], mask.shape[-1]
+    n = h.shape[0]
     inner = heads * width
     gate, mixed, dt = _linear(h, weights.wq, weights.bq, kernels.q).split([inner, taps.shape[1], heads], -1)
     mixed = F.silu(_convolved(mixed, taps, conv_bias, mask, keys, slots).to(h.dtype))
     x, b, c = mixed.split([inner, groups * size, groups * size], -1)
     dt = torch.clamp(F.softplus(dt + dt_bias.to(dt.dtype)), *limits).float()  # (n, heads)
     x = x.float().view(n, heads, width)
+    state, mask, values = (None, mask, values) if fold is None else fold  # (the sums' keys: those from the fold on)
+    kv_len = mask.shape[-1]
     new, store = _slots_and_store(values, slots, n, kv_len)  # store (kv_len, groups size + inner + heads)
     record = torch.cat([b.float(), (x * dt[..., None]).reshape(n, inner), rate * dt], -1)
     store.index_copy_(0, new, record.to(store.dtype))
-    b_seen = store[:, : groups * size].view(kv_len, groups, size).repeat_interleave(heads // groups, 1)
-    xdt_seen = store[:, groups * size: groups * size + inner].view(kv_len, heads, width).transpose(0, 1)
+    b_seen, xdt_seen, rates = _state_parts(store, weights)  # (kv_len, heads, size), (kv_len, heads, width), (kv_len, heads)
     c = c.float().view(n, groups, size).repeat_interleave(heads // groups, 1)  # (n, heads, size)
     if chain:
         past = kv_len - n
-        start = _state_of(b_seen[:past], xdt_seen[:, :past].transpose(0, 1), store[:past, groups * size + inner:])
-        y = _mamba_along_chain(c.transpose(0, 1), b_seen[past:].transpose(0, 1), xdt_seen[:, past:], (rate * dt).T,
-                               start)
+        start = _state_of(b_seen[:past], xdt_seen[:past], rates[:past])
+        if state is not None:
+            start = start + _decayed(state, rates[:past])
+        y, end = _mamba_along_chain(c.transpose(0, 1), b_seen[past:].transpose(0, 1), xdt_seen[past:].transpose(0, 1),
+                                    (rate * dt).T, start)
+        if state is not None:
+            state.copy_(end)
     else:
-        decay = _path_decays(store[:, groups * size + inner:], mask > -math.inf)  # (heads, n, kv_len)
-        y = (decay * torch.einsum("thn,jhn->htj", c, b_seen)) @ xdt_seen  # (heads, n, width)
+        seen = mask > -math.inf
+        decay = _path_decays(rates, seen)  # (heads, n, kv_len)
+        y = (decay * torch.einsum("thn,jhn->htj", c, b_seen)) @ xdt_seen.transpose(0, 1)  # (heads, n, width)
+        if state is not None:  # (the keys before the fold: their state, decayed by every key the row sees)
+            y = y + _carried(rates, seen)[..., None] * (c.transpose(0, 1) @ state)
     y = y.transpose(0, 1) + skip.float()[:, None] * x  # (n, heads, width)
     gated = y.reshape(n, inner) * F.silu(gate.float())
     by_group = gated.view(n, normed, -1)
@@ -1260,10 +1326,10 @@ def _chunk_decays(cumulative: torch.Tensor) -> torch.Tensor:
     return (cumulative[:, :, None] - cumulative[:, None, :]).masked_fill(~lower, -math.inf).exp()
 
 
-def _mamba_along_chain(c, b, xdt, rates, state, chunk: int | None = None) -> torch.Tensor:
+def _mamba_along_chain(c, b, xdt, rates, state, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A Mamba-2 mixer's scan over a chain of rows by chunks, from `state` (heads, size, width), as
     transformers' mamba2_chunk_scan computes it: c, b (heads, n, size), xdt (heads, n, width), rates
-    (heads, n) each row's dt A, float32. (heads, n, width), before D's skip."""
+    (heads, n) each row's dt A, float32. ((heads, n, width) before D's skip, the state after the last row)."""
     chunk = chunk or CHAIN_ROWS
     outs = []
     for start in range(0, c.shape[1], chunk):
@@ -1273,7 +1339,7 @@ def _mamba_along_chain(c, b, xdt, rates, state, chunk: int | None = None) -> tor
         outs.append((cc @ bc.transpose(1, 2) * decay) @ xc + gc.exp()[..., None] * (cc @ state))
         last = gc[:, -1:]
         state = last.exp()[..., None] * state + (bc * (last - gc).exp()[..., None]).transpose(1, 2) @ xc
-    return torch.cat(outs, 1)
+    return torch.cat(outs, 1), state
 
 
 def latest_seen(mask: torch.Tensor, count: int) -> torch.Tensor:
@@ -2271,6 +2337,9 @@ class CompiledModel:
         self.values_in_float = [keeps_a_state(layers[owner]) for owner in written]
         # (gated delta nets or Mamba-2 mixers: a long chain read by chunks, StaticLM.forward)
         self.chains_by_chunks = any(keeps_a_state(layer) for layer in layers)
+        # (and a state standing for their keys before a slot: each cache's layer weights where it keeps one, for
+        # StaticLM._fold)
+        self.state_weights = [self.layers[owner][0] if keeps_a_state(layers[owner]) else None for owner in written]
         # Gemma 4's per-layer inputs: each token's embedding for every layer, read beside its embedding
         self.per_layer_inputs = getattr(inner, "embed_tokens_per_layer", None) is not None
         # Gemma 3n's streams (AltUp): the projections making them of the embedded tokens, and making one of
@@ -2413,6 +2482,23 @@ class CompiledModel:
         blocks = blocks_of(linear)
         return kernels_of(linear), {**prepared_copies(linear), **({"blocks": blocks} if blocks is not None else {})}
 
+    def new_states(self) -> list | None:
+        """A zero state (heads, a, b) float32 for each cache whose layer keeps one (state_shape; None for the
+        others), or None where no layer does."""
+        if not self.chains_by_chunks:
+            return None
+        return [None if weights is None else torch.zeros(state_shape(weights), device=self.device)
+                for weights in self.state_weights]
+
+    def fold(self, states: list, values, start: int, end: int) -> None:
+        """Sum the keys at slots start .. end - 1 of each cache keeping a state into its state in `states`
+        (new_states'), which stood for the keys before `start`: it then stands for those before `end`."""
+        with torch.inference_mode():
+            for cache, (state, weights) in enumerate(zip(states, self.state_weights)):
+                if state is not None:
+                    left, right, rates = _state_parts(values[cache][0, start:end], weights)
+                    state.copy_(_decayed(state, rates) + _state_of(left, right, rates))
+
     def new_buffers(self, capacity: int) -> tuple:
         """(keys, values) of every cache (cache_of), `capacity` slots each: a (caches, kv_heads, capacity,
         width) tensor each (a latent attention's keys: its latents, its values: its keys' rotated parts),
@@ -2534,7 +2620,8 @@ class CompiledModel:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor | None = None,
-                sight: Callable[[], Sight | None] | None = None, long: bool = False, chain: bool = False) -> torch.Tensor:
+                sight: Callable[[], Sight | None] | None = None, long: bool = False, chain: bool = False,
+                fold: tuple | None = None) -> torch.Tensor:
         """tokens, positions (n,); mask (n, kv_len) additive (or (2, n, kv_len): the full-attention
         layers' and the windowed ones', where only some layers have a window: by_kind; ALiBi's
         (heads, n, kv_len): position_bias), the new tokens
@@ -2544,8 +2631,11 @@ class CompiledModel:
         the capacity are dynamic dimensions), others eager. sight: () -> what attention reads, where
         less than every key through the mask (a Sight, worked out only where torch runs the layers
         uncompiled). long: every row turned by a `longrope` model's long factors (angles_at). chain: the
-        tokens are a chain after every key before them (decoder_layer's, where torch runs it uncompiled)."""
-        compiled = self.inductor and tokens.shape[0] in self.buckets
+        tokens are a chain after every key before them (decoder_layer's, where torch runs it uncompiled). fold:
+        (a slot, new_states' states standing for the keys before it) where the layers keeping a state read
+        those states and the keys from that slot on (decoder_layer's `fold`), or None: every key."""
+        # (a chain read by chunks, uncompiled: its layers' states then left in `fold`'s, which StaticLM counts on)
+        compiled = self.inductor and tokens.shape[0] in self.buckets and not chain
         # prompts (more than MAX_ROWS tokens) in C only where rsd's kernel measured faster for them
         prompt_on_torch = not compiled and slots is None and tokens.shape[0] > MAX_ROWS and not self.prompts_in_c
         native = self.native if not compiled and slots is None and not prompt_on_torch else None
@@ -2578,6 +2668,9 @@ class CompiledModel:
                   (x.new_ones(x.shape[0], head_dim), x.new_zeros(x.shape[0], head_dim))  # (no rotation: angle 0)
                   for cos, sin in tables]
         cos, sin = angles[0]
+        # (compiled graphs read a fold from its slot on where that leaves them two keys or more: a graph takes
+        # one as a size of its own; and not from slot 0, a view's offset of its own, but every key instead)
+        fold = fold if fold is None or not compiled or 0 < fold[0] <= mask.shape[-1] - 2 else None
         # every layer in one call of the C library where each can run there, else layer by layer
         in_c = native is not None and all(native) and isinstance(keys, torch.Tensor) and keys.is_contiguous() \
             and values.is_contiguous()
@@ -2630,15 +2723,22 @@ class CompiledModel:
                 layer_mask = masks[0 if self.by_kind is None else self.by_kind[index]]
                 side = None if sides is None else sides[:, index]
                 tempered = temperature if self.tempered[index] else None
+                layer_fold = None
+                if fold is not None and fold[1][cache] is not None:  # (the state, the mask and values from its slot)
+                    layer_fold = (fold[1][cache], layer_mask[..., fold[0]:].contiguous(), layer_values[:, fold[0]:])
                 if graphs:
                     torch._dynamo.maybe_mark_dynamic(layer_keys, 1)
                     torch._dynamo.maybe_mark_dynamic(layer_values, 1)
+                    if layer_fold is not None:
+                        torch._dynamo.maybe_mark_dynamic(layer_fold[1], layer_mask.dim() - 1)
+                        torch._dynamo.maybe_mark_dynamic(layer_fold[2], 1)
                     y = self._layer(y, layer_cos, layer_sin, layer_mask, layer_keys, layer_values, weights, kernels,
-                                    self.layer_dims[index], slots, fused, None, self.style, side, tempered)
+                                    self.layer_dims[index], slots, fused, None, self.style, side, tempered, False,
+                                    layer_fold)
                 else:
                     y = decoder_layer(y, layer_cos, layer_sin, layer_mask, layer_keys, layer_values, weights, kernels,
                                       self.layer_dims[index], slots, fused, reads, self.style, side, tempered,
-                                      chain and slots is None)
+                                      chain and slots is None, layer_fold)
             return logits(y if self.altup is None else altup_merged(y, self.altup[1]))
 
         # on a CPU on the threads the governor chooses
@@ -2783,6 +2883,10 @@ class StaticLM(ChainExtension):
         self.calls = 0
         self.long_from = compiled.long_from  # (a `longrope` model's: engine.long_factors_from)
         self.prompt_long: bool | None = None  # (while a prompt is read in pieces: whether it is astride that start)
+        # gated delta nets' and Mamba-2 mixers' states standing for their keys before slot `folded`, which every
+        # row since has seen (_fold; not on static shapes, whose graphs read every key), or None
+        self.states = None if self.static else compiled.new_states()
+        self.folded = 0
 
     @property
     def model(self):
@@ -2812,6 +2916,7 @@ class StaticLM(ChainExtension):
         start = self.clock.start()
         n = len(tokens)
         sizes = self.compiled.buckets
+        fold = None if self.states is None else (self._fold(visible), self.states)
         # (a chain after every key before it, long enough: read by chunks where layers carry a state, CHAIN_ROWS)
         chain = n >= CHAIN_ROWS and self.compiled.chains_by_chunks and chain_after(visible, self.length)
         long = reading and (astride(positions, self.long_from) if self.prompt_long is None else self.prompt_long)
@@ -2880,12 +2985,36 @@ class StaticLM(ChainExtension):
                 if bias is not None:  # (heads, n, kv_len)
                     placed = placed + bias.to(device)[:, None, :]
                 logits = self.compiled.forward(token_ids, ids[1], placed, self.keys, self.values,
-                                               rows.to(device), sight=sight, long=long, chain=chain and not pad)
+                                               rows.to(device), sight=sight, long=long, chain=chain and not pad,
+                                               fold=fold)
         self.length += n
+        if fold is not None and chain and not pad:  # (the chain's last state left in the states)
+            self.folded = self.length
         logits = full_vocabulary(logits[:, : self.vocab_size].float(), self.vocab_size)  # stays on the device
         self.clock.stop(start)
         self.calls += 1
         return logits
+
+    def _fold(self, visible: torch.Tensor) -> int:
+        """The slot before which the layers keeping a state read `states` instead of keys in a forward of
+        rows seeing `visible` (n, length + n) bool: the keys every row sees, from the first on, are summed
+        into them (CompiledModel.fold) once at least FOLD_ROWS have come since those summed last; where a
+        row does not see all of those, the states start again from none."""
+        hidden = (~visible[:, : self.length].all(0)).nonzero()
+        committed = int(hidden[0]) if len(hidden) else self.length  # (the slots every row sees, from the first on)
+        if committed < self.folded:
+            self._unfold()
+        if committed - self.folded >= FOLD_ROWS:
+            self.compiled.fold(self.states, self.values, self.folded, committed)
+            self.folded = committed
+        return self.folded
+
+    def _unfold(self) -> None:
+        """States standing for no key (the keys they summed changed, or a row no longer sees them all)."""
+        for state in self.states:
+            if state is not None:
+                state.zero_()
+        self.folded = 0
 
     def extend(self, tokens: list[int] | torch.Tensor, last_only: bool = True, reading: bool = False) -> torch.Tensor:
         """ChainExtension.extend, but a prompt (`reading`, its last row's logits only) whose one forward
@@ -2947,6 +3076,8 @@ class StaticLM(ChainExtension):
     def keep(self, indices: list[int]) -> None:
         """Keep only these cache positions (ascending): one index copy for all layers."""
         prefix = unchanged_prefix(indices)
+        if self.states is not None and prefix < self.folded:  # (keys the states summed moved or dropped)
+            self._unfold()
         if prefix < len(indices):
             tail = to_device(indices[prefix:], self.compiled.device)  # (on a GPU: without waiting)
             with torch.inference_mode():
@@ -2964,8 +3095,10 @@ VERDICT_REPEATS = 7
 
 def warm_up(runtime: CompiledModel, sizes=WARM_SIZES) -> None:
     """Run (so compile) the given token counts once on scratch buffers, with inputs made in
-    inference mode as StaticLM.forward makes them (so the compiled graphs' guards match)."""
+    inference mode as StaticLM.forward makes them (so the compiled graphs' guards match); where layers
+    keep a state, with a fold too (their graphs reading a state and the keys after it: StaticLM._fold)."""
     keys, values = runtime.new_buffers(max(sizes) + 8)
+    states = runtime.new_states()  # (made as StaticLM makes them, outside inference mode: the same guards)
     past = 4
     with torch.inference_mode(), every_thread():  # (graphs compiled for the CPU's threads)
         for n in sizes:
@@ -2976,7 +3109,10 @@ def warm_up(runtime: CompiledModel, sizes=WARM_SIZES) -> None:
             mask = mask if runtime.by_kind is None else mask.expand(2, -1, -1).clone()
             mask = mask if runtime.alibi is None else mask.expand(runtime.dims[0], -1, -1).clone()  # (by head)
             slots = torch.arange(past, past + n, device=runtime.device) if runtime.static_shapes else None
-            runtime.forward(tokens, tokens, mask, keys, values, torch.arange(n, device=runtime.device), slots)
+            folds = [None] + ([(1, states)] if states is not None and slots is None else [])
+            for fold in folds:
+                runtime.forward(tokens, tokens, mask, keys, values, torch.arange(n, device=runtime.device), slots,
+                                fold=fold)
 
 
 def compiled_gain(model) -> float:

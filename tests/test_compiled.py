@@ -748,6 +748,54 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
             plain_greedy(target, 20), shape.describe()
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "granite4"])
+def test_stateful_layers_read_the_keys_every_row_saw_as_one_state(monkeypatch, kind):
+    """The keys of delta nets and Mamba-2 mixers that every row has seen are summed into one state (here
+    once 2 have come, FOLD_ROWS made small), which rows read instead of them: a tree's rows after a
+    prompt read that way are still what transformers' forward gives each row's path read as a chain, and
+    chains after it (those of 4 or more read by chunks from that state and the keys after it, which
+    leave their own last state there: CHAIN_ROWS made small too); keys kept back that the state had summed (a step taken back) start it again from
+    none, and chains then follow transformers' too; every variant's greedy output is plain greedy. The
+    states live off static shapes only (CUDA graphs read every key)."""
+    monkeypatch.setattr(compiled, "FOLD_ROWS", 2)
+    monkeypatch.setattr(compiled, "CHAIN_ROWS", 4)
+    target, draft = tiny_relative(kind, V, layers=3, seed=0), tiny_relative(kind, V, layers=1, seed=1)
+    tree = a_tree()
+    base = len(PROMPT)
+    visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
+    paths = [[token for token, seen in zip(tree.tokens, row) if seen] for row in tree.ancestry().tolist()]
+    expected = torch.cat([CachedLM(target, V).extend(PROMPT + path) for path in paths])
+    tolerance = 3e-4 if kind == "qwen3_5" else 3e-5  # (as in the tree test)
+    for backend in (CompiledModel(target, True), CompiledModel(target, False),
+                    CompiledModel(target, False, static_shapes=True)):
+        ours = StaticLM(backend, V, capacity=12)
+        assert (ours.states is None) == backend.static_shapes
+        ours.extend(PROMPT)
+        logits = ours.forward(tree.tokens, [base + d for d in tree.depths], visible)
+        assert ours.folded == (0 if backend.static_shapes else base)
+        torch.testing.assert_close(logits, expected, atol=tolerance, rtol=tolerance)
+        kept = [0, 1, 3, 5]  # (a path of the tree: its root, a, c and e)
+        ours.keep(list(range(base)) + [base + n for n in kept])
+        reference = CachedLM(target, V)
+        reference.extend(PROMPT + [tree.tokens[n] for n in kept])
+        # ([3, 2, 3, 2]: no padding rows, read by chunks on every backend; [5] then reads the state it left)
+        for chain in ([2], [1, 3], [3, 2] * 2, [5]):
+            torch.testing.assert_close(ours.extend(chain), reference.extend(chain), atol=tolerance, rtol=tolerance)
+        assert ours.folded == (0 if backend.static_shapes else ours.length - 1)
+        ours.keep(list(range(base - 1)))  # (keys the state summed taken back)
+        assert ours.folded == 0
+        reference = CachedLM(target, V)
+        reference.extend(PROMPT[:-1])
+        for chain in ([4], [1, 3, 2], [2, 5]):
+            torch.testing.assert_close(ours.extend(chain), reference.extend(chain), atol=tolerance, rtol=tolerance)
+        ours.release()
+    for backend in (CompiledModel(target, True), CompiledModel(target, False)):
+        runtimes = Runtimes(backend, CompiledModel(draft, False), "auto")
+        for shape in shapes():
+            assert run((target, draft), runtimes, shape, SamplingParams(temperature=0), 20, seed=0) == \
+                plain_greedy(target, 20), shape.describe()
+
+
 @pytest.mark.parametrize("kind", ["lfm2", "qwen3_5", "granite4"])
 @pytest.mark.parametrize("shape", [MC_SHAPES[4], MC_SHAPES[5]], ids=lambda s: s.describe())
 def test_stateful_trees_on_the_runtime_follow_the_target_distribution_and_decode_together(kind, shape):
