@@ -74,6 +74,8 @@ again by the long factors.
 Random float32 weights, a window of
 64 positions, the embedded model's tokenizer; the prompt and answer run well past the window.
 Random weights: the speeds say what the runtime costs, the tokens only that both runtimes agree.
+`--repeat K`: the prompt K times over (a long context: K = 100 is ~2000 tokens), and the rates those
+after the first token (reading the prompt left out).
 
     .venv/bin/python benchmarks/windowed_runtime.py --rounds 2 -n 96
     .venv/bin/python benchmarks/windowed_runtime.py --family gemma3 --rounds 2 -n 96
@@ -94,6 +96,7 @@ Random weights: the speeds say what the runtime costs, the tokens only that both
     .venv/bin/python benchmarks/windowed_runtime.py --family lfm2 --rounds 2 -n 64 --variants ar,sd,rsd-c
     .venv/bin/python benchmarks/windowed_runtime.py --family qwen3_5 --rounds 2 -n 48 --variants ar,sd,rsd-c
     .venv/bin/python benchmarks/windowed_runtime.py --family granite4 --rounds 2 -n 64 --variants ar,sd,rsd-c
+    .venv/bin/python benchmarks/windowed_runtime.py --family qwen3_5 --rounds 2 -n 64 --variants ar,sd --repeat 100
 """
 
 from __future__ import annotations
@@ -274,10 +277,11 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
     return profile
 
 
-def run(profile: Path, compile: str, variant: str, tokens: int) -> dict | None:
+def run(profile: Path, compile: str, variant: str, tokens: int, repeat: int = 1) -> dict | None:
     """`rsd generate`'s record, or None where the variant is refused (a tree asked of transformers'
     forward for a BLOOM)."""
-    result = subprocess.run([sys.executable, "-m", "rsd_cli", "generate", PROMPT, "-p", str(profile), "-n", str(tokens),
+    prompt = " ".join([PROMPT] * repeat)
+    result = subprocess.run([sys.executable, "-m", "rsd_cli", "generate", prompt, "-p", str(profile), "-n", str(tokens),
                              "-t", "0", "--ignore-eos", "-v", variant, "--compile", compile, "--json"],
                             capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if result.returncode == 1 and "verifies a tree" in result.stderr:
@@ -292,6 +296,7 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=96)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--variants", default="ar,sd")
+    parser.add_argument("--repeat", type=int, default=1, help="the prompt this many times over")
     parser.add_argument("--family", choices=("mistral", "gemma3", "gemma4", "gemma4_moe", "deepseek_v3", "qwen3_moe",
                                              "mixtral", "gpt_oss", "opt", "gpt2", "glm4", "phi3_longrope", "gptj",
                                              "falcon", "bloom", "gpt_neo", "gemma3n", "llama4", "lfm2",
@@ -303,16 +308,17 @@ def main() -> None:
             "phi3_longrope": f" past position {args.window}, the long factors' start"}
     with tempfile.TemporaryDirectory() as tmp:
         profile = make_model(Path(tmp), args.window, args.family)
+        rate = "tokens_per_second" if args.repeat == 1 else "tokens_per_second_after_first"
         plain_off: tuple | None = None  # (`ar`'s rates and answer on `off`: what a refused variant is compared with)
         for variant in args.variants.split(","):
             rates: dict[str, list[float]] = {"off": [], "auto": []}
             answers = {}
             for _ in range(args.rounds):
                 for compile in ("off", "auto"):  # (alternating: this machine's pace drifts)
-                    record = run(profile, compile, variant, args.n)
+                    record = run(profile, compile, variant, args.n, args.repeat)
                     if record is None:  # (refused on transformers' forward: `ar` there instead)
                         continue
-                    rates[compile].append(record["stats"]["tokens_per_second"])
+                    rates[compile].append(record["stats"][rate])
                     answers[compile] = (record["token_ids"], record["runtime"], record["prompt_tokens"])
             if variant == "ar":
                 plain_off = rates["off"], answers["off"]
@@ -324,6 +330,7 @@ def main() -> None:
             print(f"{variant}: off ({answers['off'][1]}) {', '.join(f'{r:.1f}' for r in rates['off'])} tok/s; "
                   f"auto ({answers['auto'][1]}) {', '.join(f'{r:.1f}' for r in rates['auto'])} tok/s; "
                   f"{ratio:.2f}x; prompt {answers['auto'][2]} + {args.n} tokens"
+                  f"{' (after the first)' if args.repeat > 1 else ''}"
                   f"{past.get(args.family, f' past a window of {args.window}')}; "
                   f"same tokens: {same}")
 
