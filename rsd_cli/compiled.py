@@ -2925,8 +2925,11 @@ class StaticLM(ChainExtension):
         # (a longer prompt, or one turned by the long factors: the other path, same buffers)
         static = self.static and bucket(n, sizes) is not None and not long
         size = (bucket(n, sizes) or n) if self.compiled.compiled or static else n
-        if self.length + size > self.capacity:
-            self._grow(self.length + size)
+        # (compiled graphs: a slot to spare, the keys never as many as the buffers hold, which a graph would take
+        # as a guard of its own and compile again for, in the middle of an answer)
+        spare = int(self.compiled.inductor and not static)
+        if self.length + size + spare > self.capacity:
+            self._grow(self.length + size + spare)
         pad = size - n
         device = self.compiled.device
         kv_len = self.capacity if static else self.length + size

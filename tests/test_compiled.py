@@ -796,6 +796,27 @@ def test_stateful_layers_read_the_keys_every_row_saw_as_one_state(monkeypatch, k
                 plain_greedy(target, 20), shape.describe()
 
 
+@pytest.mark.parametrize("kind", ["lfm2", "granite4"])
+def test_stateful_layers_compiled_at_load_compile_nothing_more_in_an_answer(monkeypatch, kind):
+    """The graphs warm_up compiles for a model of convolutions (LFM2) or one keeping a state (Granite 4's
+    mixers: with and without a fold, FOLD_ROWS made small) serve a whole answer of warmed token counts
+    after its prompt:
+    keys as many as the buffers hold (a guard of its own), states summed and read again, the buffers
+    grown — nothing compiles in the middle of it."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(compiled, "FOLD_ROWS", 3)
+    runtime = CompiledModel(tiny_relative(kind, V, layers=2, seed=0), True)
+    compiled.warm_up(runtime)
+    lm = StaticLM(runtime, V, capacity=8)
+    lm.extend(PROMPT[:4])  # (a prompt into an empty cache: a graph of its own, before any token)
+    graphs = counters["stats"]["unique_graphs"]
+    for step in range(24):
+        lm.extend([step % 5 + 1] * (1, 2, 4)[step % 3])
+    assert lm.folded > 0 if kind == "granite4" else lm.states is None
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 @pytest.mark.parametrize("kind", ["lfm2", "qwen3_5", "granite4"])
 @pytest.mark.parametrize("shape", [MC_SHAPES[4], MC_SHAPES[5]], ids=lambda s: s.describe())
 def test_stateful_trees_on_the_runtime_follow_the_target_distribution_and_decode_together(kind, shape):
