@@ -67,6 +67,11 @@ of 24 heads of 64 with states of 128 on three layers of four, attention of 12 he
 heads, without positions, on the others; 16 experts of 256, 2 a token, beside a shared MLP of 1024;
 Granite's multipliers) with the embedded model's vocabulary, its draft its first 4 layers.
 transformers' forward takes chains only (its mixers carry a state): a tree asked of `off` is refused.
+`--family nemotron_h`: Nemotron-H's kind at GPT-2 small's width (21 blocks in the pattern
+"M-M-M*-" three times: 9 Mamba-2 mixers of 24 heads of 64 with states of 128, 9 MLPs of 3072 squared
+ReLUs, 3 attention blocks of 12 heads, 4 key-value heads, without positions) with the embedded model's
+vocabulary, its draft its first 6 blocks. transformers' forward takes plain steps alone from it: every
+other variant asked of `off` is refused, and its `auto` rate is compared with `ar`'s on `off`.
 `--family phi3_longrope`: a Phi-3 of the embedded target's shape turned by `longrope` factors,
 its long ones from position `--window` on (Phi-3.5's and Phi-4-mini's kind, whose long factors
 start at 4096; no window): the answer goes past that position, where rsd reads the sequence
@@ -97,6 +102,7 @@ after the first token (reading the prompt left out).
     .venv/bin/python benchmarks/windowed_runtime.py --family qwen3_5 --rounds 2 -n 48 --variants ar,sd,rsd-c
     .venv/bin/python benchmarks/windowed_runtime.py --family granite4 --rounds 2 -n 64 --variants ar,sd,rsd-c
     .venv/bin/python benchmarks/windowed_runtime.py --family qwen3_5 --rounds 2 -n 64 --variants ar,sd --repeat 100
+    .venv/bin/python benchmarks/windowed_runtime.py --family nemotron_h --rounds 2 -n 64 --variants ar,sd,rsd-c
 """
 
 from __future__ import annotations
@@ -120,6 +126,7 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
                               Gemma3nForCausalLM, Gemma3nTextConfig, Gemma4ForCausalLM, Gemma4TextConfig,
                               Glm4Config, Lfm2Config, Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig,
                               GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, Llama4ForCausalLM, Llama4TextConfig,
+                              NemotronHConfig, NemotronHForCausalLM,
                               Glm4ForCausalLM, GptOssConfig,
                               GptOssForCausalLM, GPT2Config, GPT2LMHeadModel, MistralConfig, OPTConfig,
                               OPTForCausalLM,
@@ -235,6 +242,13 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
             shared_intermediate_size=1024, position_embedding_type=None, embedding_multiplier=12.0,
             residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=6.0, max_position_embeddings=8192,
             tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    elif family == "nemotron_h":
+        kinds = {"M": "linear_attention", "-": "mlp", "*": "full_attention"}
+        model = NemotronHForCausalLM(NemotronHConfig(
+            vocab_size=49152, hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_key_value_heads=4,
+            head_dim=64, layers_block_type=[kinds[c] for c in "M-M-M*-" * 3], mamba_num_heads=24, mamba_head_dim=64,
+            n_groups=1, ssm_state_size=128, max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1,
+            eos_token_id=2, pad_token_id=0))
     elif family == "glm4":
         model = Glm4ForCausalLM(Glm4Config(**embedded, head_dim=64, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     elif family == "phi3_longrope":  # (32 factors each: one per pair of a head's 64 dimensions)
@@ -271,7 +285,8 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
             if (embedded / name).exists():
                 shutil.copy(embedded / name, folder / role / name)
     profile = folder / "windowed.toml"
-    layers = 4 if family in ("qwen3_5", "granite4") else 3  # (their first attention layer: their fourth)
+    # (their first attention layer: their fourth; Nemotron-H's first attention block: its sixth)
+    layers = 6 if family == "nemotron_h" else 4 if family in ("qwen3_5", "granite4") else 3
     draft = f'kind = "model"\nsource = "{folder / "draft"}"' if "draft" in models else f'layers = {layers}\nadapter = ""'
     profile.write_text(f'[target]\nsource = "{folder / "target"}"\n[draft]\n{draft}\n')
     return profile
@@ -284,7 +299,7 @@ def run(profile: Path, compile: str, variant: str, tokens: int, repeat: int = 1)
     result = subprocess.run([sys.executable, "-m", "rsd_cli", "generate", prompt, "-p", str(profile), "-n", str(tokens),
                              "-t", "0", "--ignore-eos", "-v", variant, "--compile", compile, "--json"],
                             capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if result.returncode == 1 and "verifies a tree" in result.stderr:
+    if result.returncode == 1 and ("verifies a tree" in result.stderr or "verifies drafts" in result.stderr):
         return None
     result.check_returncode()
     return json.loads(result.stdout)
@@ -300,11 +315,11 @@ def main() -> None:
     parser.add_argument("--family", choices=("mistral", "gemma3", "gemma4", "gemma4_moe", "deepseek_v3", "qwen3_moe",
                                              "mixtral", "gpt_oss", "opt", "gpt2", "glm4", "phi3_longrope", "gptj",
                                              "falcon", "bloom", "gpt_neo", "gemma3n", "llama4", "lfm2",
-                                             "qwen3_5", "granite4"),
+                                             "qwen3_5", "granite4", "nemotron_h"),
                         default="mistral")
     args = parser.parse_args()
     past = {"qwen3_moe": "", "glm4": "", "deepseek_v3": "", "opt": "", "gpt2": "", "gptj": "", "falcon": "",
-            "bloom": "", "lfm2": "", "qwen3_5": "", "granite4": "", "llama4": f" across chunks of {args.window}",
+            "bloom": "", "lfm2": "", "qwen3_5": "", "granite4": "", "nemotron_h": "", "llama4": f" across chunks of {args.window}",
             "phi3_longrope": f" past position {args.window}, the long factors' start"}
     with tempfile.TemporaryDirectory() as tmp:
         profile = make_model(Path(tmp), args.window, args.family)

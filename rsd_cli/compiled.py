@@ -113,7 +113,7 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gem
                    "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text", "minicpm3", "youtu", "deepseek_v2",
                    "deepseek_v3", "glm4_moe_lite", "gptj", "falcon", "bloom", "mpt", "gpt_neo", "gemma3n_text",
                    "llama4_text", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next",
-                   "granitemoehybrid")
+                   "granitemoehybrid", "nemotron_h")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe",
             "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "llama4_text", "lfm2_moe", "qwen3_5_moe_text",
@@ -188,9 +188,44 @@ def decoder_of(model) -> tuple:
 
 
 def layers_of(inner):
-    """A decoder's layers (GPT-2's `h`, MPT's `blocks`), or None."""
+    """A decoder's layers (GPT-2's `h`, MPT's `blocks`; Nemotron-H's blocks paired: nemotron_layers), or None."""
     found = getattr(inner, "layers", None)
+    if found is not None and len(found) and type(found[0]).__name__ == "NemotronHBlock":
+        return nemotron_layers(found)
     return found if found is not None else getattr(inner, "h", None) or getattr(inner, "blocks", None)
+
+
+class PairedBlocks:
+    """Two of Nemotron-H's blocks as one of the runtime's layers: a Mamba-2 mixer's or attention's block
+    (`first`, its norm and mixer as a layer's input_layernorm and `mamba` or `self_attn`), and the MLP's
+    block after it (`then`, its norm and MLP as post_attention_layernorm and `mlp`; None each where a
+    mixer or attention comes next: a layer without an MLP). A block of experts, or an MLP's after another
+    MLP's, pairs with nothing: `first` None (unsupported says so)."""
+
+    def __init__(self, first, then):
+        self.blocks = (first, then)
+        self.input_layernorm = None if first is None else first.norm
+        if first is not None:
+            setattr(self, "self_attn" if type(first.mixer).__name__.endswith("Attention") else "mamba", first.mixer)
+        self.post_attention_layernorm = None if then is None else then.norm
+        self.mlp = None if then is None else then.mixer
+
+
+def nemotron_layers(blocks) -> list[PairedBlocks]:
+    """Nemotron-H's blocks (norm, then one of a Mamba-2 mixer, attention, an MLP or experts, each added to
+    the residual) as the runtime's layers (PairedBlocks): each mixer's or attention's with the MLP's after
+    it, if one is. Made once for a list of blocks."""
+    made = getattr(blocks, "_rsd_layers", None)
+    if made is not None and len(made[0]) == len(blocks):
+        return made[1]
+    layers: list[PairedBlocks] = []
+    for block in blocks:
+        if block.block_type == "mlp" and layers and layers[-1].mlp is None and layers[-1].blocks[0] is not None:
+            layers[-1] = PairedBlocks(layers[-1].blocks[0], block)
+        else:
+            layers.append(PairedBlocks(None, block) if block.block_type in ("mlp", "moe") else PairedBlocks(block, None))
+    blocks._rsd_layers = (list(blocks), layers)
+    return layers
 
 
 def style_of(model) -> Style:
@@ -203,7 +238,7 @@ def style_of(model) -> Style:
     bigcode, ernie, llama4 = family == "gpt_bigcode", family in ("ernie4_5", "ernie4_5_moe"), family == "llama4_text"
     # (Qwen3.5's and Qwen3-Next's norms by 1 + weight in float32, attention's output gated)
     qwen35 = family in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
-    return Style(norm_in_float=gemma or family in ("olmo2", "olmo3") or cohere or oss or qwen35,
+    return Style(norm_in_float=gemma or family in ("olmo2", "olmo3", "nemotron_h") or cohere or oss or qwen35,
                  norm_offset=gemma and not newer_gemma or family == "nemotron" or qwen35,
                  activation=clamped_swiglu(model) if oss else activation_of(cfg),
                  softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
@@ -227,7 +262,7 @@ def style_of(model) -> Style:
                  layer_norm=bigcode or family in ("starcoder2", "stablelm", "nemotron", "phi", "gpt_neox", "opt",
                                                   "gpt2", "phimoe", "gptj", "falcon", "bloom", "mpt", "gpt_neo"),
                  gated=family not in ("starcoder2", "nemotron", "arcee", "phi", "gpt_neox", "apertus", "opt", "gpt2",
-                                      "gptj", "falcon", "bloom", "mpt", "gpt_neo")
+                                      "gptj", "falcon", "bloom", "mpt", "gpt_neo", "nemotron_h")
                  and not bigcode,
                  query_scaled=family == "opt",
                  interleaved=family in ("gpt_neox", "falcon", "bloom") or bigcode and not cfg.multi_query, sinks=oss,
@@ -307,6 +342,8 @@ def activation_of(cfg) -> str:
         return cfg.activation
     if cfg.model_type in ("bloom", "mpt"):  # (BLOOM's own tanh GELU; MPT's exact one)
         return "bloom_gelu" if cfg.model_type == "bloom" else "gelu"
+    if cfg.model_type == "nemotron_h":  # (its MLPs')
+        return cfg.mlp_hidden_act
     return getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) \
         or getattr(cfg, "activation_function", "silu")
 
@@ -315,6 +352,8 @@ def layer_kinds(cfg, count: int) -> list[str]:
     """Each of the first `count` layers' attention kind ("full_attention", "sliding_attention")."""
     if cfg.model_type == "gpt_neo":  # (its "local" layers: windowed)
         return ["sliding_attention" if kind == "local" else "full_attention" for kind in cfg.attention_layers[:count]]
+    if cfg.model_type == "nemotron_h":  # (its kinds are its blocks': PairedBlocks pairs them)
+        return ["full_attention"] * count
     types = getattr(cfg, "layer_types", None)
     if types:
         return list(types[:count])
@@ -359,14 +398,16 @@ def unsupported(model) -> str | None:
     if cfg.model_type not in SUPPORTED_TYPES:
         return f"a {cfg.model_type} model (the static-cache runtime covers {', '.join(SUPPORTED_TYPES)})"
     layers = layers_of(inner)
-    # (Granite 4's hybrids: attention without positions, the Mamba-2 mixers order the tokens)
+    # (Granite 4's and Nemotron-H's hybrids: attention without positions, the Mamba-2 mixers order the tokens)
     if layers is None or not hasattr(model, "lm_head") \
             or not (rotary_of(inner) is not None or positions_of(inner) or alibi_of(cfg)
-                    or cfg.model_type == "granitemoehybrid"):
+                    or cfg.model_type in ("granitemoehybrid", "nemotron_h")):
         return f"{type(model).__name__} is not laid out as a Llama-style decoder"
     if cfg.model_type == "bloom" and (cfg.apply_residual_connection_post_layernorm
                                       or cfg.pretraining_tp > 1 and cfg.slow_but_exact):
         return "BLOOM's options (the residual after the norm, or products split as in its pretraining)"
+    if cfg.model_type == "nemotron_h" and any(layer.blocks[0] is None for layer in layers):
+        return "Nemotron-H's experts, or an MLP's block not after a mixer's or attention's"
     if cfg.model_type == "mpt" and (cfg.attn_config.clip_qkv or cfg.attn_config.qk_ln
                                     or any(m.bias is not None for m in (layers[0].attn.Wqkv, layers[0].ffn.up_proj))):
         return "MPT's options (q, k and v clipped or normed, biases)"
@@ -993,7 +1034,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
     `delta` (delta_weights) where a gated delta net is (_gated_delta), wq, wk, wv and wo then its products
     of q/k/v, z, b and the output, keys each token's input to its convolution and values its k, g and u.
     Granite 4: `mamba` (mamba_weights) where a Mamba-2 mixer is (_mamba), wq and wo its input and output
-    products, keys each token's input to its convolution and values its B, dt x and dt A. `chain`: the new
+    products, keys each token's input to its convolution and values its B, dt x and dt A (Nemotron-H's too, its
+    blocks paired: PairedBlocks; wd and experts None where a layer has no MLP). `chain`: the new
     tokens are a chain after every key before them, at the end of the cache (a prompt: those two by chunks).
     `fold`: where those two read the keys after some slot and, for the keys before it, the state they add up
     to (state, the mask and values from that slot on; StaticLM._fold), or None (every key).
@@ -1032,6 +1074,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
         left, right, laurel_norm = weights.laurel
         low = _linear(_linear(normed, left, None, kernels.laurel_left), right, None, kernels.laurel_right)
         x = (x + (normed + _rms_norm(low, laurel_norm, eps, in_float))) / math.sqrt(2)
+    if weights.wd is None and weights.experts is None:  # (no MLP: a Nemotron-H mixer's or attention's block alone)
+        return x
     if style.parallel:  # (Cohere, Phi: ln1's output; GPT-NeoX: ln2 of the layer's input)
         h = normed if weights.ln2 is None else _rms_norm(residual, weights.ln2, eps, in_float)
     else:
@@ -1617,6 +1661,12 @@ def projections(layer) -> tuple:
         return _kept_views(layer, a.c_attn.weight, lambda: (
             *_row_views(a.c_attn.weight, a.c_attn.bias, (a.embed_dim, a.kv_dim, a.kv_dim)), a.c_proj, None, m.c_fc,
             m.c_proj))
+    if isinstance(layer, PairedBlocks):  # (Nemotron-H: a mixer's products as Granite 4's; an MLP without a gate, or
+        # none)
+        mixing = (a.in_proj, None, None, a.out_proj) if mamba_of(layer) is not None else \
+            (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
+        return (*mixing, None, None, None) if layer.mlp is None else (*mixing, None, layer.mlp.up_proj,
+                                                                        layer.mlp.down_proj)
     if type(layer).__name__ == "GraniteMoeHybridDecoderLayer":  # (Granite 4: a Mamba-2 mixer's input product as q;
         # without experts its shared MLP is its MLP, gate and up one linear)
         mixing = (a.in_proj, None, None, a.out_proj) if mamba_of(layer) is not None else \
@@ -1875,8 +1925,8 @@ def final_norm_of(inner):
 def embedding_of(inner):
     """The decoder's token embedding (GPT-NeoX's `embed_in`, GPT-2's `wte`, Falcon's `word_embeddings`)."""
     found = getattr(inner, "embed_tokens", None)
-    return found if found is not None else \
-        getattr(inner, "embed_in", None) or getattr(inner, "word_embeddings", None) or inner.wte
+    return found if found is not None else getattr(inner, "embed_in", None) \
+        or getattr(inner, "word_embeddings", None) or getattr(inner, "embeddings", None) or inner.wte  # (Nemotron-H's)
 
 
 def attention_of(layer):
@@ -1907,7 +1957,7 @@ def mamba_of(layer):
     """A Granite 4 hybrid layer's Mamba-2 mixer, in attention's place (its layers of kind
     "linear_attention" or "mamba"), or None."""
     found = getattr(layer, "mamba", None)
-    return found if type(found).__name__.endswith("MambaLayer") else None
+    return found if type(found).__name__.endswith(("MambaLayer", "Mamba2Mixer")) else None  # (Nemotron-H's: the latter)
 
 
 def keeps_a_state(layer) -> bool:
@@ -1933,7 +1983,8 @@ def mamba_weights(layer) -> tuple | None:
     normed = mamba.intermediate_size // getattr(mamba.norm, "group_size", mamba.intermediate_size)
     return (conv_taps(mamba.conv1d), _detached(mamba.conv1d, "bias"),
             -mamba.A_log.detach().float().exp(), mamba.dt_bias.detach(), mamba.D.detach(), mamba.norm.weight.detach(),
-            (mamba.num_heads, mamba.head_dim, mamba.n_groups, mamba.ssm_state_size, normed), mamba.layer_norm_epsilon,
+            (mamba.num_heads, mamba.head_dim, mamba.n_groups, mamba.ssm_state_size, normed),
+            getattr(mamba, "layer_norm_epsilon", None) or mamba.norm.variance_epsilon,  # (Nemotron-H's: its norm's)
             tuple(float(limit) for limit in mamba.time_step_limit))
 
 

@@ -251,8 +251,9 @@ CHAIN_RECURRENT = frozenset({"lfm2", "lfm2_moe", "qwen3_next", "qwen3_5_text", "
                              "granitemoehybrid", "falcon_h1"})
 # ... of those, the ones the static-cache runtime reads along each row's path from what it keeps by slot, like keys
 # (their convolutions' inputs; each token's k, decay and update for Qwen3.5's and Qwen3-Next's gated delta nets, its
-# B, dt x and dt A for Granite 4's Mamba-2 mixers): trees there (Limit.transformers_only)
-READ_BY_PATH = frozenset({"lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid"})
+# B, dt x and dt A for Granite 4's and Nemotron-H's Mamba-2 mixers): trees there (Limit.transformers_only)
+READ_BY_PATH = frozenset({"lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid",
+                          "nemotron_h"})
 SNAPSHOTS = 8  # the most states a recurrent cache keeps to roll back to (CachedLM.keep)
 # what a layer's state is (transformers' LinearAttentionCacheLayerMixin): copied before a forward, put back
 STATE_FIELDS = ("conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",
@@ -297,8 +298,8 @@ def limit_of(config) -> Limit | None:
     the cache's length on its NoPE layers, chunked attention) and GPT-Neo's local layers (a window
     of slots, not positions). On the static-cache runtime, which biases, scales, chunks and windows
     by each slot's position, they take trees (Limit.transformers_only, pair_limit), as LFM2, Qwen3.5,
-    Qwen3-Next and Granite 4.0-H do, whose recurrent layers read each row's path there instead of a state
-    (READ_BY_PATH)."""
+    Qwen3-Next, Granite 4.0-H and Nemotron-H do, whose recurrent layers read each row's path there instead of
+    a state (READ_BY_PATH; Nemotron-H plain steps alone on transformers' forward)."""
     config = text_config(config)
     kind = getattr(config, "model_type", "") or ""
     if kind in RECURRENT_MODELS or RECURRENT_LAYERS & set(getattr(config, "layer_types", None) or ()):
@@ -422,14 +423,15 @@ class CachedLM(ChainExtension):
         self.snapshots: list[tuple[int, dict]] = []  # (length, {layer index: its state then}) before each forward
         # (taken where a chain read after a state is what its tokens one at a time give: CHAIN_RECURRENT)
         self.rolls_back = self.recurrent and self.limit.variants != ("ar",)
-        # an LFM2, Qwen3.5, Qwen3-Next or Granite 4 whose layers all carry a state (a draft of its first layers): no
+        # an LFM2, Qwen3.5, Qwen3-Next, Granite 4 or Nemotron-H whose layers all carry a state (a draft of its first
+        # layers; Nemotron-H's MLP blocks beside them): no
         # mask of each kind, which transformers would make from the cache's length, which such a cache does not have
         # ("`get_seq_length` can only be called on Attention layers"); those take a mapping of them instead (other
         # families a 2D mask)
         kinds = set(getattr(cfg, "layer_types", None) or ())
         self.no_masks = {kind: None for kind in kinds} \
-            if cfg.model_type.startswith(("lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid")) \
-            and kinds and kinds <= RECURRENT_LAYERS else None
+            if cfg.model_type.startswith(("lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h")) \
+            and kinds and kinds - {"mlp", "moe"} <= RECURRENT_LAYERS else None
         # (off for a plain step's forward, which nothing takes back: a Qwen3.5-0.8B-sized state takes 7-9 ms
         # to copy on the 2-core Xeon; where it is wrong, keep reads the tokens afresh)
         self.copies_states = True

@@ -854,9 +854,14 @@ def final_norm_name(inner) -> str:
                 "norm")
 
 
+def embedding_name(inner) -> str:
+    """The attribute holding a decoder's token embedding: `embed_tokens`, Nemotron-H's `embeddings`."""
+    return "embeddings" if not hasattr(inner, "embed_tokens") and hasattr(inner, "embeddings") else "embed_tokens"
+
+
 def _decoder_parts(target):
     inner = getattr(target, "model", None)
-    if inner is None or not all(hasattr(inner, a) for a in ("layers", "embed_tokens", final_norm_name(inner))) \
+    if inner is None or not all(hasattr(inner, a) for a in ("layers", embedding_name(inner), final_norm_name(inner))) \
             or not hasattr(target, "lm_head"):
         raise RsdError(f"an early-exit draft needs a Llama-style model; {type(target).__name__} is not one")
     return inner
@@ -940,7 +945,7 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
         config.layer_types = kinds
     with torch.device("meta"), uninitialised():
         draft = type(target)(config)
-    draft.model.embed_tokens = inner.embed_tokens
+    setattr(draft.model, embedding_name(inner), getattr(inner, embedding_name(inner)))
     kept = list(inner.layers[:layers])
     own = dict(adapter.items()) if adapter is not None else {}  # new_adapter's parts
     if adapter is not None:  # new_adapter gave it slot K (= layers) in the draft's KV cache

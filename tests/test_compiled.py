@@ -550,7 +550,7 @@ def assert_greedy_in_cuda_graphs(target, draft) -> Runtimes:
 @CUDA
 @pytest.mark.parametrize("kind", ["gptj", "falcon", "falcon-7b", "bloom", "mpt", "falcon-rw", "gpt_neo", "llama4",
                                   "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granite4",
-                                  "granite4-dense"])
+                                  "granite4-dense", "nemotron_h"])
 def test_gptj_falcon_and_models_biased_by_slot_run_in_cuda_graphs(kind):
     """GPT-J-, Falcon- (40B's and 7B's layouts), and with trees BLOOM-, MPT-, Falcon-RW- (ALiBi: a mask
     for each head, its biases by the slots' positions made on the host), GPT-Neo- (local layers
@@ -688,7 +688,7 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
 
 
 @pytest.mark.parametrize("kind", ["bloom", "mpt", "falcon-rw", "gpt_neo", "llama4", "lfm2", "lfm2_moe", "qwen3_5",
-                                  "qwen3_5_moe", "qwen3_next", "granite4", "granite4-dense"])
+                                  "qwen3_5_moe", "qwen3_next", "granite4", "granite4-dense", "nemotron_h"])
 def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_static_cache_runtime(kind):
     """BLOOM, MPT and Falcon-RW bias attention by position (ALiBi), GPT-Neo windows its local layers,
     Llama 4 chunks attention and scales q by position on its layers without a rotation, each of which
@@ -703,15 +703,15 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
     the deepest rows' reach only their ancestors; LFM2-MoE's experts by sigmoid scores plus a bias; Qwen3.5's
     delta nets of 4 value heads over 2 key heads, attention's output gated; Qwen3.5-MoE's experts beside a
     gated shared expert; Qwen3-Next's delta nets' products fused by key head; Granite 4's Mamba-2 mixers in
-    groups, its attention without positions); pruned to one path, chains after it too; and every variant's
-    greedy output is plain greedy."""
-    layers = 3 if kind.startswith(("lfm2", "qwen3_", "granite4")) else 2  # (LFM2's: convolution, attention,
-    # convolution)
+    groups, its attention without positions; Nemotron-H's blocks paired, a mixer's with an MLP's, attention
+    and a mixer alone); pruned to one path, chains after it too; and every variant's greedy output is plain
+    greedy."""
+    # (LFM2's: convolution, attention, convolution; Nemotron-H's blocks: mixer, MLP, attention, mixer)
+    layers = 4 if kind == "nemotron_h" else 3 if kind.startswith(("lfm2", "qwen3_", "granite4")) else 2
     target, draft = tiny_relative(kind, V, layers=layers, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     assert compiled.unsupported(target) is None
-    assert (compiled.alibi_of(target.config) is None) == (kind in ("gpt_neo", "llama4") or kind.startswith(("lfm2",
-                                                                                                             "qwen3_",
-                                                                                                             "granite4")))
+    assert (compiled.alibi_of(target.config) is None) == \
+        (kind in ("gpt_neo", "llama4", "nemotron_h") or kind.startswith(("lfm2", "qwen3_", "granite4")))
     tree = a_tree()
     base = len(PROMPT)
     visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
@@ -748,7 +748,7 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
             plain_greedy(target, 20), shape.describe()
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "granite4"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "granite4", "nemotron_h"])
 def test_stateful_layers_read_the_keys_every_row_saw_as_one_state(monkeypatch, kind):
     """The keys of delta nets and Mamba-2 mixers that every row has seen are summed into one state (here
     once 2 have come, FOLD_ROWS made small), which rows read instead of them: a tree's rows after a
@@ -766,6 +766,7 @@ def test_stateful_layers_read_the_keys_every_row_saw_as_one_state(monkeypatch, k
     paths = [[token for token, seen in zip(tree.tokens, row) if seen] for row in tree.ancestry().tolist()]
     expected = torch.cat([CachedLM(target, V).extend(PROMPT + path) for path in paths])
     tolerance = 3e-4 if kind == "qwen3_5" else 3e-5  # (as in the tree test)
+    assert compiled.CompiledModel(target, False).state_weights.count(None) < len(compiled.layers_of(target.model))
     for backend in (CompiledModel(target, True), CompiledModel(target, False),
                     CompiledModel(target, False, static_shapes=True)):
         ours = StaticLM(backend, V, capacity=12)
@@ -817,11 +818,11 @@ def test_stateful_layers_compiled_at_load_compile_nothing_more_in_an_answer(monk
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-@pytest.mark.parametrize("kind", ["lfm2", "qwen3_5", "granite4"])
+@pytest.mark.parametrize("kind", ["lfm2", "qwen3_5", "granite4", "nemotron_h"])
 @pytest.mark.parametrize("shape", [MC_SHAPES[4], MC_SHAPES[5]], ids=lambda s: s.describe())
 def test_stateful_trees_on_the_runtime_follow_the_target_distribution_and_decode_together(kind, shape):
-    """An LFM2 pair (short convolutions), a Qwen3.5 pair (gated delta nets) and a Granite 4 pair (Mamba-2
-    mixers), whose state
+    """An LFM2 pair (short convolutions), a Qwen3.5 pair (gated delta nets), a Granite 4 pair and a
+    Nemotron-H pair (Mamba-2 mixers), whose state
     transformers carries from token to token, on the static-cache runtime: `rsd-c` and `rsd-s` trees
     give the first two tokens the target's joint distribution (rejected siblings leave nothing behind
     in what each row reads: its path's), and sampled completions decoded together (each row reading
@@ -1545,6 +1546,32 @@ def test_a_stateful_target_with_its_first_layer_as_the_draft_generates_alike_on_
         records[variant] = json.loads(result.stdout)
     assert records["rsd-c"]["token_ids"] == records["sd"]["token_ids"]
     assert records["rsd-c"]["variant"] == "rsd-c"
+
+
+def test_a_nemotron_h_target_with_its_first_blocks_as_the_draft_takes_trees_on_the_runtime_only(tmp_path):
+    """As a user runs it: a Nemotron-H checkpoint folder (its embedding `embeddings`, its final norm
+    `norm_f`), its first two blocks — a Mamba-2 mixer and an MLP, no attention — as an early-exit draft.
+    transformers' forward takes plain steps alone from it (a chain read after its mixers' state is not
+    theirs one at a time), and says so for a tree in one line; on the static-cache runtime `rsd-c` and
+    `sd`, compiled or not, give plain decoding's greedy tokens."""
+    from tiny import tiny_tokenizer
+
+    folder = tmp_path / "nemotron_h"
+    tiny_relative("nemotron_h", 40, layers=5, seed=0).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    profile = tmp_path / "nemotron_h.toml"
+    profile.write_text(f'[target]\nsource = "{folder}"\n[draft]\nkind = "early-exit"\nlayers = 2\nadapter = ""\n')
+    records = {}
+    for variant, setting in (("ar", "off"), ("rsd-c", "on"), ("sd", "auto"), ("rsd-c", "off")):
+        result = CliRunner().invoke(app, ["generate", "hello", "-p", str(profile), "-t", "0", "-n", "12", "--ignore-eos",
+                                          "-v", variant, "--compile", setting, "--json"])
+        if setting == "off" and variant != "ar":
+            assert result.exit_code != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+            continue
+        assert result.exit_code == 0, result.stderr
+        records[variant] = json.loads(result.stdout)
+    assert records["rsd-c"]["token_ids"] == records["sd"]["token_ids"] == records["ar"]["token_ids"]
+    assert len(records["ar"]["token_ids"]) == 12 and records["rsd-c"]["runtime"] == "static cache, compiled"
 
 
 def test_longrope_samples_past_the_long_factors_start_are_decoded_one_after_the_other(tmp_path):

@@ -103,7 +103,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     "qwen3_5" (gated delta nets on every other layer, gated attention between them) or "qwen3_5_moe" (with
     experts) or "qwen3_next" (with experts, its delta nets' products fused); "granite4" (Mamba-2 mixers on every
     other layer, attention between them without positions, experts beside a shared MLP) or "granite4-dense" (the
-    shared MLP alone, attention turned); with sliding-window attention off (but Gemma 2, 3
+    shared MLP alone, attention turned); "nemotron_h" (`layers` of Nemotron-H's blocks: a Mamba-2 mixer's, an
+    MLP's, attention's without positions, a mixer's, an MLP's, ... — so its third layer's attention and fourth's
+    mixer without an MLP after them); with sliding-window attention off (but Gemma 2, 3
     and 4's, Phi-3's, EXAONE 4's, Mixtral's and gpt-oss's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                               GemmaForCausalLM, MistralConfig,
@@ -130,7 +132,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               Gemma3nForCausalLM, Llama4TextConfig, Llama4ForCausalLM, Lfm2Config, Lfm2ForCausalLM,
                               Lfm2MoeConfig, Lfm2MoeForCausalLM, Qwen3_5TextConfig, Qwen3_5ForCausalLM,
                               Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM,
-                              GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM)
+                              GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, NemotronHConfig,
+                              NemotronHForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -177,7 +180,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM),
                            "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
                            "granite4": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM),
-                           "granite4-dense": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM)}[kind]
+                           "granite4-dense": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM),
+                           "nemotron_h": (NemotronHConfig, NemotronHForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -339,6 +343,12 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                         num_local_experts=0 if dense else 4, num_experts_per_tok=2, shared_intermediate_size=32,
                         position_embedding_type="rope" if dense else None, embedding_multiplier=2.0,
                         residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0)
+    elif kind == "nemotron_h":  # (Mamba-2 mixers of 4 heads of 16 in 2 groups, states of 8, convolutions of 4 taps
+        # with a bias, products with biases; MLPs of squared ReLUs without a gate)
+        cycle = ["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"]
+        settings = dict(layers_block_type=[cycle[i % len(cycle)] for i in range(layers)], mamba_num_heads=4,
+                        mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4, use_conv_bias=True,
+                        use_bias=True, head_dim=8)
     elif kind == "minicpm3":  # (latent attention: q through a rank of 16, keys and values through a latent of 16,
         # 4 of each head's 12 dimensions turned; the embedding, each block's output and the logits scaled)
         settings = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
@@ -414,6 +424,9 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                 # from 1; Gemma 3n's corrected stream's scale, from 0)
                 weight.normal_(1.0, scale)
         for layer in layers_of(decoder_of(model)[0]):
+            if kind == "nemotron_h" and getattr(layer, "mamba", None) is not None:  # (time steps past its minimum,
+                # 0.001: transformers' forward clamps them to it in a chain, not one token at a time)
+                layer.mamba.dt_bias.fill_(1.0)
             if getattr(layer, "layer_scalar", None) is not None:  # (Gemma 4's, a buffer: each layer's own)
                 layer.layer_scalar.uniform_(0.5, 1.5)
             correction = getattr(getattr(getattr(layer, "mlp", None), "gate", None), "e_score_correction_bias", None)
