@@ -2977,8 +2977,9 @@ class StaticLM(ChainExtension):
         static = self.static and bucket(n, sizes) is not None and not long
         size = (bucket(n, sizes) or n) if self.compiled.compiled or static else n
         # (compiled graphs: a slot to spare, the keys never as many as the buffers hold, which a graph would take
-        # as a guard of its own and compile again for, in the middle of an answer)
-        spare = int(self.compiled.inductor and not static)
+        # as a guard of its own and compile again for, in the middle of an answer; not on static shapes, whose
+        # buffers grown are graphs captured again, nor needed there: their masks cover the whole buffers)
+        spare = int(self.compiled.inductor and not self.static)
         if self.length + size + spare > self.capacity:
             self._grow(self.length + size + spare)
         pad = size - n
