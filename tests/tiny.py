@@ -104,8 +104,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     experts) or "qwen3_next" (with experts, its delta nets' products fused); "granite4" (Mamba-2 mixers on every
     other layer, attention between them without positions, experts beside a shared MLP) or "granite4-dense" (the
     shared MLP alone, attention turned); "nemotron_h" (`layers` of Nemotron-H's blocks: a Mamba-2 mixer's, an
-    MLP's, attention's without positions, a mixer's, an MLP's, ... — so its third layer's attention and fourth's
-    mixer without an MLP after them); with sliding-window attention off (but Gemma 2, 3
+    MLP's, attention's without positions, a mixer's, an MLP's, ... — so its third block's attention and
+    fourth's mixer without an MLP after them); with sliding-window attention off (but Gemma 2, 3
     and 4's, Phi-3's, EXAONE 4's, Mixtral's and gpt-oss's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                               GemmaForCausalLM, MistralConfig,
