@@ -256,16 +256,16 @@ def read_prompts(path: Path, prompt: str | None, stdin=None) -> list[str]:
     return read_prompt_file(path) if str(path) != "-" else prompts_in(read_prompt("-", stdin), "stdin")
 
 
-def _profile_and_pair(profile: str | None, arguments: dict, plain_if_ar: bool = True):
+def _profile_and_pair(profile: str | None, arguments: dict, fixed_shape: bool = True):
     """The profile with the command's flags applied (checked before any model loads), and the pair;
-    plain_if_ar: `ar` means one-token forwards throughout (not in chat, whose /set may change the
-    variant, nor for completions decoded together)."""
+    fixed_shape: every step has the profile's shape (not in chat, whose /set may change the variant,
+    nor for completions decoded together), so compiling prepares what that shape runs."""
     from .runtime import FLAG_KEYS, shape_of
 
     flags = {name: arguments.get(name) for name in FLAG_KEYS}
     prof = _load_profile(profile, {**flags, "ignore_eos": arguments.get("ignore_eos", False)})
-    shape_of(prof)
-    return prof, Loader().load(prof, plain=plain_if_ar and prof["decoding"]["variant"] == "ar")
+    shape = shape_of(prof)
+    return prof, Loader().load(prof, fixed=shape if fixed_shape else None)
 
 
 class Loader:
@@ -275,17 +275,17 @@ class Loader:
         self.console = _stderr_console()
         self.quiet = quiet or not self.console.is_terminal
 
-    def load(self, profile, light: bool = True, plain: bool = False):
-        """light: the pair runs only on its runtimes (not bench's transformers peers); plain: it
-        makes one-token forwards throughout. See load_pair."""
+    def load(self, profile, light: bool = True, fixed=None):
+        """light: the pair runs only on its runtimes (not bench's transformers peers); fixed: the
+        Shape of its every step, where it has one. See load_pair."""
         from .models import load_pair
 
         if self.quiet:
-            return load_pair(profile, notice=notice, light=light, plain=plain)
+            return load_pair(profile, notice=notice, light=light, fixed=fixed)
         with self.console.status("loading models…") as status:  # notices print above the spinner
             return load_pair(profile, progress=lambda m: status.update(m),
                              notice=lambda m: self.console.print(f"rsd: {m}", markup=False, highlight=False),
-                             light=light, plain=plain)
+                             light=light, fixed=fixed)
 
     def tokenizer(self, profile):
         """The target's tokenizer and the tokens that end an answer (models.load_tokenizer)."""
@@ -363,7 +363,7 @@ def generate(
     if logprobs and not as_json:
         raise UsageError("--logprobs needs --json (they are reported per token in the JSON record)")
     text = read_prompt(prompt) if prompts is None else read_prompts(prompts, prompt)
-    prof, pair = _profile_and_pair(profile, locals(), plain_if_ar=samples == 1 and prompts is None)
+    prof, pair = _profile_and_pair(profile, locals(), fixed_shape=samples == 1 and prompts is None)
     from .generation import run_generate
 
     console = _stderr_console()
@@ -413,7 +413,7 @@ def chat(
     if load is not None:  # checked before any model loads
         saved_system, history = read_conversation(load.expanduser())
         system = system if system is not None else saved_system
-    prof, pair = _profile_and_pair(profile, locals(), plain_if_ar=False)  # (/set variant may change it)
+    prof, pair = _profile_and_pair(profile, locals(), fixed_shape=False)  # (/set variant may change it)
     run_chat(pair, prof, system=system, tree=tree, console=_stderr_console(), history=history)
 
 

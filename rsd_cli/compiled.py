@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
+import operator
 import weakref
 from typing import Any, Callable, NamedTuple
 
@@ -3145,6 +3147,27 @@ class StaticLM(ChainExtension):
 
 WARM_SIZES = (1, 2, 4)  # token counts every variant uses (draft steps, small trees): compiled at load
 PLAIN_SIZES = (1,)  # plain decoding's steps (a prompt's own count compiles at its first use, before any token)
+
+
+def warm_sizes(fixed, role: str) -> tuple[int, ...]:
+    """The token counts to compile at load for a run whose every step has the Shape `fixed` (None: its
+    shapes vary — `auto`, a chat's /set, completions decoded together): WARM_SIZES, and for a fixed
+    drafting shape the buckets up to its widest forward — the target's tree (max_nodes; every bucket
+    below too, as trees drafted with replacement or merged sequences can be smaller), the draft's widest
+    level — so that no graph is compiled or read from the compile cache in the middle of an answer. `ar`:
+    PLAIN_SIZES, and nothing for the draft, which never runs; `lookup` drafts without it."""
+    if fixed is None or fixed.variant == "auto":
+        return WARM_SIZES
+    if fixed.variant == "ar" or (role == "draft" and not fixed.uses_draft_model):
+        return PLAIN_SIZES if role == "target" else ()
+    if role == "target":
+        widest = fixed.max_nodes
+    elif fixed.variant in ("rsd-s", "spectr"):
+        widest = fixed.width  # (each level's beams, each sequence's next token)
+    else:  # (the levels the draft reads to draft the next: all but the last)
+        widest = max(itertools.accumulate(fixed.branching[:-1], operator.mul), default=1)
+    top = bucket(widest) or BUCKETS[-1]
+    return tuple(sorted(set(WARM_SIZES) | {b for b in BUCKETS if b <= top}))
 VERDICT_REPEATS = 7
 
 
@@ -3248,15 +3271,15 @@ def compile_pays(model, progress=lambda message: None, notice=lambda message: No
 
 
 def runtime_for(model, setting: str, role: str, progress=lambda message: None, notice=lambda message: None,
-                plain: bool = False):
+                fixed=None):
     """The CompiledModel a --compile setting gives this model, or None for transformers' eager
     forward. "off": eager transformers; "on": the static-cache runtime, compiled; "auto": the
     static-cache runtime, compiled where it measured faster on this machine (cached verdict), and
-    uncompiled without measuring where every layer runs in C (CompiledModel.all_in_c). plain: the
-    run makes one-token forwards throughout (`ar` for one completion: not a chat, whose /set may
-    change the variant, nor completions decoded together): only a one-token forward is compiled at
-    load, and nothing for the draft, which never runs (on a 2-core Xeon the 2- and 4-token graphs
-    took ~1.1 s of a second process's start)."""
+    uncompiled without measuring where every layer runs in C (CompiledModel.all_in_c). fixed: the
+    Shape of every step of the run, where it has one (one completion of a chosen variant: not a chat,
+    whose /set may change it, nor completions decoded together), else None: what is compiled at load
+    (warm_sizes) — for `ar` a one-token forward alone, and nothing for the draft, which never runs (on a
+    2-core Xeon the 2- and 4-token graphs took ~1.1 s of a second process's start)."""
     if setting == "off":
         return None
     reason = unsupported(model)
@@ -3272,7 +3295,7 @@ def runtime_for(model, setting: str, role: str, progress=lambda message: None, n
             return uncompiled
     compile = setting == "on" or compile_pays(model, progress, notice)
     runtime = uncompiled if setting == "auto" and not compile else CompiledModel(model, compile=compile, notice=notice)
-    sizes = (() if role == "draft" else PLAIN_SIZES) if plain else runtime.buckets if runtime.graphed else WARM_SIZES
+    sizes = runtime.buckets if runtime.graphed and not (fixed and fixed.variant == "ar") else warm_sizes(fixed, role)
     if runtime.inductor and sizes:  # (CUDA graphs are captured later, at each size's first use: milliseconds)
         first = _first_compile_here(model, sizes)
         if first:

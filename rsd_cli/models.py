@@ -1123,12 +1123,12 @@ def passive_threads() -> bool:
 
 
 def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, light: bool = False,
-              plain: bool = False) -> ModelPair:
+              fixed=None) -> ModelPair:
     """light: the caller runs the pair only through `pair.runtimes` (generate, chat, inspect-tree;
     not bench's transformers peers): with --compile auto or on, Llama checkpoints then load without
-    transformers' modeling code (load_model). plain: the caller makes one-token forwards throughout
-    (`ar` for one completion in generate, or in inspect-tree): compiling prepares no more than that
-    (compiled.runtime_for)."""
+    transformers' modeling code (load_model). fixed: the Shape of every step the caller makes, where it
+    has one (one completion of a chosen variant in generate, or in inspect-tree): compiling prepares
+    what that shape runs (compiled.warm_sizes)."""
     target_place, device, dtype = target_placement(profile)
     draft_place = placement_of(profile, "draft")
     target_source = profile.resolve_path(profile["target"]["source"])
@@ -1181,5 +1181,5 @@ def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, l
     )
     from .runtime import runtimes_of
 
-    pair.runtimes = runtimes_of(pair, profile["runtime"]["compile"], progress, notice, plain)
+    pair.runtimes = runtimes_of(pair, profile["runtime"]["compile"], progress, notice, fixed)
     return pair

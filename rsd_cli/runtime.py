@@ -145,16 +145,15 @@ def make_decoder(pair, profile: Profile):
     return decoder
 
 
-def runtimes_of(pair, setting: str, progress=lambda message: None, notice=lambda message: None,
-                plain: bool = False):
-    """The execution of both models for a --compile setting (see compiled.runtime_for; plain: the
-    run makes one-token forwards throughout); an early-exit draft shares its target's layers, so it
+def runtimes_of(pair, setting: str, progress=lambda message: None, notice=lambda message: None, fixed=None):
+    """The execution of both models for a --compile setting (see compiled.runtime_for; fixed: the Shape
+    of every step of the run, where it has one); an early-exit draft shares its target's layers, so it
     shares the verdict and compiled graphs."""
     from .compiled import runtime_for
     from .engine import Runtimes
 
-    target = runtime_for(pair.target, setting, "target", progress, notice, plain)
-    draft = runtime_for(pair.draft, setting, "draft", progress, notice, plain)
+    target = runtime_for(pair.target, setting, "target", progress, notice, fixed)
+    draft = runtime_for(pair.draft, setting, "draft", progress, notice, fixed)
     return Runtimes(target, draft, setting)
 
 

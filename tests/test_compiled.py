@@ -1654,32 +1654,35 @@ def test_plain_decoding_compiles_only_a_one_token_forward_and_says_once_what_it_
     warmed = []
     monkeypatch.setattr(compiled, "warm_up", lambda runtime, sizes=compiled.WARM_SIZES: warmed.append(sizes))
     model, notices = tiny_model(V, layers=1), []
-    assert compiled.runtime_for(model, "on", "target", notice=notices.append, plain=True).compiled
-    assert compiled.runtime_for(model, "on", "draft", notice=notices.append, plain=True).compiled
+    assert compiled.runtime_for(model, "on", "target", notice=notices.append, fixed=make_shape("ar")).compiled
+    assert compiled.runtime_for(model, "on", "draft", notice=notices.append, fixed=make_shape("ar")).compiled
     assert warmed == [compiled.PLAIN_SIZES]
     first = "compiling the target's layers for this machine, once (later runs read them from the cache)"
     assert notices == [first]
-    compiled.runtime_for(model, "on", "target", notice=notices.append, plain=True)
+    compiled.runtime_for(model, "on", "target", notice=notices.append, fixed=make_shape("ar"))
     assert notices == [first]  # compiled here already
     compiled.runtime_for(model, "on", "target", notice=notices.append)
     assert warmed[-1] == compiled.WARM_SIZES and notices == [first, first]  # 2 and 4 tokens: new compiles
     compiled.runtime_for(model, "on", "target", notice=notices.append)
-    compiled.runtime_for(model, "on", "target", notice=notices.append, plain=True)
+    compiled.runtime_for(model, "on", "target", notice=notices.append, fixed=make_shape("ar"))
     assert len(notices) == 2
     for marker in (tmp_path / "cache" / "inductor").glob("rsd-*"):
         marker.unlink()
     compiled._marker(model).touch()  # what earlier versions left after compiling WARM_SIZES
-    compiled.runtime_for(model, "on", "target", notice=notices.append, plain=True)
+    compiled.runtime_for(model, "on", "target", notice=notices.append, fixed=make_shape("ar"))
     compiled.runtime_for(model, "on", "target", notice=notices.append)
     assert len(notices) == 2
     monkeypatch.setattr(compiled, "CompiledModel", GraphedOnTheCpu)
-    compiled.runtime_for(tiny_model(V, layers=2), "on", "target", plain=True)  # on a GPU too
+    compiled.runtime_for(tiny_model(V, layers=2), "on", "target", fixed=make_shape("ar"))  # on a GPU too
     assert warmed[-1] == compiled.PLAIN_SIZES
 
 
 @pytest.mark.parametrize("command, variant, warmed_sizes", [
     ("generate", "ar", [compiled.PLAIN_SIZES]),
-    ("generate", "sd", [compiled.WARM_SIZES, compiled.WARM_SIZES]),  # target and (its own) draft
+    ("generate", "sd", [(1, 2, 4, 8), compiled.WARM_SIZES]),  # target (γ = 4: 5 tokens) and (its own) draft
+    ("generate", "rsd-c", [(1, 2, 4, 8), compiled.WARM_SIZES]),  # b=(2, 2): 7 nodes, levels of 1 and 2 drafted
+    ("generate", "lookup", [(1, 2, 4, 8)]),  # (γ = 4; nothing for the draft model, which it drafts without)
+    ("generate", "auto", [compiled.WARM_SIZES, compiled.WARM_SIZES]),  # (its shapes vary)
     ("samples", "ar", [compiled.WARM_SIZES, compiled.WARM_SIZES]),  # samples together: rows of several
     ("chat", "ar", [compiled.WARM_SIZES, compiled.WARM_SIZES]),  # /set variant may draft later
 ])
@@ -1994,3 +1997,31 @@ def test_a_model_with_a_sliding_window_reads_its_prompt_without_rsds_masks():
             later = lm.extend([3, 1])[-1]
             assert torch.allclose(later, forward(torch.tensor([prompt + [3, 1]])).logits[0, -1], atol=1e-5)
         assert masks[0] is None and masks[1] is not None, kind
+
+
+WIDE_SHAPES = [make_shape("sd", draft_len=4), make_shape("rsd-c", branching=(4, 2)),
+               make_shape("rsd-s", beam_width=6, depth=2), make_shape("mss", branching=(2, 2, 1))]
+
+
+@pytest.mark.parametrize("index", range(len(WIDE_SHAPES)), ids=lambda i: WIDE_SHAPES[i].describe())
+def test_a_fixed_shape_compiles_at_load_every_token_count_its_answer_runs(monkeypatch, tmp_path, index):
+    """`rsd generate` of a drafting variant wider than WARM_SIZES (an `sd` chain of 4 verifies 5 tokens, a
+    tree of 13 nodes 13, a level of 6 beams is drafted in one forward of 6) compiles those counts' graphs
+    at load (compiled.warm_sizes), so that none is compiled, or read from the compile cache, in the middle
+    of an answer. (Each model of each shape has layers of a width of its own: graphs compiled for another
+    do not count.)"""
+    from torch._dynamo.utils import counters
+
+    from tiny import tiny_config
+    from transformers import LlamaForCausalLM
+
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    shape = WIDE_SHAPES[index]
+    target, draft = (LlamaForCausalLM(tiny_config(V, layers, 0.1, intermediate_size=40 + 8 * index + extra)).eval()
+                     for layers, extra in ((2, 0), (1, 4)))  # (the draft's layers too: graphs of their own)
+    runtimes = Runtimes(*(compiled.runtime_for(model, "on", role, fixed=shape)
+                          for model, role in ((target, "target"), (draft, "draft"))), "on")
+    graphs = counters["stats"]["unique_graphs"]
+    prompt = [1 + i % (V - 1) for i in range(20)]  # (beyond the buckets: its forward runs uncompiled)
+    run((target, draft), runtimes, shape, SamplingParams(temperature=1.0), 24, seed=0, prompt=prompt)
+    assert counters["stats"]["unique_graphs"] == graphs
