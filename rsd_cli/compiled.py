@@ -46,8 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from .engine import (ChainExtension, ForwardClock, astride, chain_after, full_vocabulary, long_factors_from,
-                     lower_triangle,
-                     timed_chain, unchanged_prefix, within_chunk, within_window)
+                     lower_triangle, timed_chain, unchanged_prefix, within_chunk, within_window)
 from .sampling import to_device
 from .step_graphs import StepGraphs, cuda_capture
 from .blocks import NativeForward, NativeLayer, block_format, blocks_linear, joined, native_head, native_table
@@ -217,8 +216,8 @@ def nemotron_layers(blocks) -> list[PairedBlocks]:
     """Nemotron-H's blocks (norm, then one of a Mamba-2 mixer, attention, an MLP or experts, each added to
     the residual) as the runtime's layers (PairedBlocks): each mixer's or attention's with the MLP's after
     it, if one is. Made once for a list of blocks."""
-    made = getattr(blocks, "_rsd_layers", None)
-    if made is not None and len(made[0]) == len(blocks):
+    made = getattr(blocks, "_rsd_layers", None)  # (the block count they were made for, the layers)
+    if made is not None and made[0] == len(blocks):
         return made[1]
     layers: list[PairedBlocks] = []
     for block in blocks:
@@ -226,7 +225,7 @@ def nemotron_layers(blocks) -> list[PairedBlocks]:
             layers[-1] = PairedBlocks(layers[-1].blocks[0], block)
         else:
             layers.append(PairedBlocks(None, block) if block.block_type in ("mlp", "moe") else PairedBlocks(block, None))
-    blocks._rsd_layers = (list(blocks), layers)
+    blocks._rsd_layers = (len(blocks), layers)
     return layers
 
 
@@ -1203,13 +1202,13 @@ def _gated_delta(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, va
             state.copy_(end)
         return _gated_norm(out, z, norm, eps, h.dtype, (n, hv, dv))
     seen = mask > -math.inf
-    decay = _path_decays(rates, seen)  # (hv, n, kv_len)
+    decay, carried = _path_decays(rates, seen, state is not None)  # (hv, n, kv_len), (hv, n)
     system = beta.T[..., None] * decay * torch.einsum("thd,jhd->htj", k, keys_seen)  # (hv, n, kv_len)
     before = torch.ones(kv_len, dtype=torch.bool, device=h.device).index_fill(0, new, False)
     u_seen = u_seen.transpose(0, 1)  # (hv, kv_len, dv): the new rows' stale
     taken = (system * before) @ u_seen
     if state is not None:  # (the keys before the fold: their state, decayed by every key the row sees)
-        carried = _carried(rates, seen)[..., None]  # (hv, n, 1)
+        carried = carried[..., None]  # (hv, n, 1)
         taken = taken + beta.T[..., None] * carried * (k.transpose(0, 1) @ state)
     u = torch.linalg.solve_triangular(system.index_select(-1, new), beta.T[..., None] * v.view(n, hv, dv).transpose(0, 1)
                                       - taken, upper=False, unitriangular=True)  # (hv, n, dv)
@@ -1247,12 +1246,6 @@ def state_shape(weights: LayerWeights) -> tuple[int, int, int]:
 def _decayed(state: torch.Tensor, rates: torch.Tensor) -> torch.Tensor:
     """A state (heads, a, b) after keys of log decays `rates` (kv, heads) that added nothing to it."""
     return rates.sum(0).exp()[:, None, None] * state
-
-
-def _carried(rates: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-    """(heads, n): how much of a state before every key each row sees (`seen` (n, kv_len)) is left at the
-    row: exp of the sum of the log decays `rates` (kv_len, heads) of the keys it sees."""
-    return torch.where(seen[None], rates.T[:, None, :], 0.0).sum(-1).exp()
 
 
 def _slots_and_store(values, slots, n: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1300,12 +1293,14 @@ def _delta_along_chain(q, k, v, g, beta, state, chunk: int | None = None) -> tup
     return torch.cat(outs, 1), torch.cat(updates, 1), state
 
 
-def _path_decays(rates: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+def _path_decays(rates: torch.Tensor, seen: torch.Tensor, state: bool) -> tuple:
     """(heads, n, kv_len): exp of the sum of each key's log decay `rates` (kv_len, heads) over the keys
     a row sees (`seen` (n, kv_len)) after a key, the row's own included, as far as that key it sees — 0
-    where it sees none. Summed from the newest key back: exact where it matters, near the row."""
+    where it sees none. Summed from the newest key back: exact where it matters, near the row. With
+    `state`, also (heads, n): how much of a state before every key is left at each row — exp of the sum
+    of the log decays of all the keys it sees (else None)."""
     w = torch.where(seen[None], rates.T[:, None, :], 0.0)  # (heads, n, kv_len)
-    return torch.where(seen[None], _sums_after(w, -1).exp(), 0.0)
+    return torch.where(seen[None], _sums_after(w, -1).exp(), 0.0), w.sum(-1).exp() if state else None
 
 
 def _sums_after(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -1353,10 +1348,10 @@ def _mamba(h, weights: LayerWeights, kernels: LayerKernels, mask, keys, values, 
             state.copy_(end)
     else:
         seen = mask > -math.inf
-        decay = _path_decays(rates, seen)  # (heads, n, kv_len)
+        decay, carried = _path_decays(rates, seen, state is not None)  # (heads, n, kv_len), (heads, n)
         y = (decay * torch.einsum("thn,jhn->htj", c, b_seen)) @ xdt_seen.transpose(0, 1)  # (heads, n, width)
         if state is not None:  # (the keys before the fold: their state, decayed by every key the row sees)
-            y = y + _carried(rates, seen)[..., None] * (c.transpose(0, 1) @ state)
+            y = y + carried[..., None] * (c.transpose(0, 1) @ state)
     y = y.transpose(0, 1) + skip.float()[:, None] * x  # (n, heads, width)
     gated = y.reshape(n, inner) * F.silu(gate.float())
     by_group = gated.view(n, normed, -1)
@@ -2766,6 +2761,8 @@ class CompiledModel:
             # (a Gemma 2 layer's attention reads every key through the mask)
             reads = sight() if sight is not None and not graphs and not (self.style.softcap or self.style.sinks) \
                 else None
+            # (where layers read a state: each mask kind's columns from the fold's slot, made once for them all)
+            fold_masks = None if fold is None else [kind_mask[..., fold[0]:].contiguous() for kind_mask in masks]
             for index, (weights, kernels, fused) in enumerate(self.layers):
                 if native is not None and native[index] is not None:
                     y = run.layer(native[index], y, keys[index], values[index])
@@ -2773,12 +2770,13 @@ class CompiledModel:
                 cache = self.cache_of[index]
                 layer_keys, layer_values = keys[cache], values[cache]
                 layer_cos, layer_sin = angles[self.table_of[index]]
-                layer_mask = masks[0 if self.by_kind is None else self.by_kind[index]]
+                kind = 0 if self.by_kind is None else self.by_kind[index]
+                layer_mask = masks[kind]
                 side = None if sides is None else sides[:, index]
                 tempered = temperature if self.tempered[index] else None
                 layer_fold = None
                 if fold is not None and fold[1][cache] is not None:  # (the state, the mask and values from its slot)
-                    layer_fold = (fold[1][cache], layer_mask[..., fold[0]:].contiguous(), layer_values[:, fold[0]:])
+                    layer_fold = (fold[1][cache], fold_masks[kind], layer_values[:, fold[0]:])
                 if graphs:
                     torch._dynamo.maybe_mark_dynamic(layer_keys, 1)
                     torch._dynamo.maybe_mark_dynamic(layer_values, 1)
