@@ -97,6 +97,8 @@ ARCHITECTURES = {  # model_type -> tiny config (the sizes each config names its 
     "lfm2_moe": dict(GQA, num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2, num_dense_layers=1,
                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
     "mamba2": dict(hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, num_heads=4, head_dim=16, n_groups=1),
+    "bamba": dict(GQA, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
+                  mamba_d_conv=4, mamba_proj_bias=True),
     "granitemoehybrid": dict(GQA, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
                              mamba_d_state=8, num_local_experts=2, num_experts_per_tok=1),
     "falcon_mamba": dict(hidden_size=32, num_hidden_layers=2, state_size=4, expand=2),
@@ -158,7 +160,8 @@ def tree_and_pruning(model, static: bool = False) -> tuple[float, float]:
 
 def chain_after_cache(model) -> float:
     """The largest logit difference between a 3-token forward after a 9-token cache and the same
-    tokens one at a time (transformers' own cache and forward)."""
+    tokens one at a time (transformers' own cache and forward, given their positions as rsd gives them:
+    Bamba's forward, for one, numbers the tokens from 0 without them, whatever the cache holds)."""
     from transformers import DynamicCache
 
     from rsd_cli.engine import cache_argument
@@ -169,8 +172,13 @@ def chain_after_cache(model) -> float:
         for chunks in ([[5, 2, 8]], [[5], [2], [8]]):
             cache = DynamicCache(config=model.config)
             model(torch.tensor([PROMPT[:9]]), use_cache=True, **{name: cache})
-            rows.append(torch.cat([model(torch.tensor([chunk]), use_cache=True, **{name: cache}).logits[0]
-                                   for chunk in chunks]))
+            logits, at = [], 9
+            for chunk in chunks:
+                positions = torch.arange(at, at + len(chunk))[None]
+                logits.append(model(torch.tensor([chunk]), position_ids=positions, use_cache=True,
+                                    **{name: cache}).logits[0])
+                at += len(chunk)
+            rows.append(torch.cat(logits))
     return (rows[0] - rows[1]).abs().max().item()
 
 

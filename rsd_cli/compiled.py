@@ -114,7 +114,7 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gem
                    "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text", "minicpm3", "youtu", "deepseek_v2",
                    "deepseek_v3", "glm4_moe_lite", "gptj", "falcon", "bloom", "mpt", "gpt_neo", "gemma3n_text",
                    "llama4_text", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next",
-                   "granitemoehybrid", "nemotron_h")
+                   "granitemoehybrid", "nemotron_h", "bamba")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe",
             "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "llama4_text", "lfm2_moe", "qwen3_5_moe_text",
@@ -303,6 +303,8 @@ def layer_norms(layer) -> tuple:
     otherwise."""
     if hasattr(layer, "operator_norm"):  # (LFM2: before attention or its short convolution, before the MLP)
         return layer.operator_norm, layer.ffn_norm, None, None
+    if hasattr(layer, "pre_ff_layernorm"):  # (Bamba)
+        return layer.input_layernorm, layer.pre_ff_layernorm, None, None
     if hasattr(layer, "feedforward_layernorm"):  # (Apertus)
         return layer.attention_layernorm, layer.feedforward_layernorm, None, None
     if hasattr(layer, "self_attn_layer_norm"):  # (OPT: its `final_layer_norm` is before the MLP)
@@ -402,7 +404,7 @@ def unsupported(model) -> str | None:
     # (Granite 4's and Nemotron-H's hybrids: attention without positions, the Mamba-2 mixers order the tokens)
     if layers is None or not hasattr(model, "lm_head") \
             or not (rotary_of(inner) is not None or positions_of(inner) or alibi_of(cfg)
-                    or cfg.model_type in ("granitemoehybrid", "nemotron_h")):
+                    or cfg.model_type in ("granitemoehybrid", "nemotron_h", "bamba")):
         return f"{type(model).__name__} is not laid out as a Llama-style decoder"
     if cfg.model_type == "bloom" and (cfg.apply_residual_connection_post_layernorm
                                       or cfg.pretraining_tp > 1 and cfg.slow_but_exact):
@@ -1664,6 +1666,8 @@ def projections(layer) -> tuple:
             (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
         return (*mixing, None, None, None) if layer.mlp is None else (*mixing, None, layer.mlp.up_proj,
                                                                         layer.mlp.down_proj)
+    if type(layer).__name__ == "BambaDecoderLayer" and mamba_of(layer) is not None:  # (Bamba: a mixer's as Granite 4's)
+        return a.in_proj, None, None, a.out_proj, m.gate_proj, m.up_proj, m.down_proj
     if type(layer).__name__ == "GraniteMoeHybridDecoderLayer":  # (Granite 4: a Mamba-2 mixer's input product as q;
         # without experts its shared MLP is its MLP, gate and up one linear)
         mixing = (a.in_proj, None, None, a.out_proj) if mamba_of(layer) is not None else \
@@ -1954,7 +1958,8 @@ def mamba_of(layer):
     """A Granite 4 hybrid layer's Mamba-2 mixer, in attention's place (its layers of kind
     "linear_attention" or "mamba"), or None."""
     found = getattr(layer, "mamba", None)
-    return found if type(found).__name__.endswith(("MambaLayer", "Mamba2Mixer")) else None  # (Nemotron-H's: the latter)
+    # (Granite 4's; Nemotron-H's and Bamba's the same arithmetic, named otherwise)
+    return found if type(found).__name__.endswith(("MambaLayer", "Mamba2Mixer", "BambaMixer")) else None
 
 
 def keeps_a_state(layer) -> bool:

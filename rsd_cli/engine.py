@@ -244,16 +244,17 @@ CHAIN_VARIANTS = ("ar", "sd", "lookup")
 RECURRENT_LAYERS = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "recurrent"})
 # ... of those, the ones whose forward of several tokens after a cache gives what the same tokens one
 # at a time give (benchmarks/architectures.py; 3 tokens after 9, to 1e-6): LFM2's and LFM2-MoE's convolutions,
-# Qwen3-Next's and Qwen3.5's gated delta rule, Mamba-2's mixers (Granite 4 and Falcon-H1 hybrids). transformers'
-# Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba) read such a chain without the state before it (1.8-2.4 off; Jamba
-# 5e-3), and Bamba's differ already one at a time: plain decoding for those and the rest
+# Qwen3-Next's and Qwen3.5's gated delta rule, Mamba-2's mixers (Granite 4, Bamba and Falcon-H1 hybrids). transformers'
+# Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba) read such a chain without the state before it (0.8-1.7 off; Jamba
+# 3e-3), and Nemotron-H's one token at a time does not clamp its time steps as its chained scan does: plain
+# decoding for those and the rest
 CHAIN_RECURRENT = frozenset({"lfm2", "lfm2_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "mamba2",
-                             "granitemoehybrid", "falcon_h1"})
+                             "granitemoehybrid", "falcon_h1", "bamba"})
 # ... of those, the ones the static-cache runtime reads along each row's path from what it keeps by slot, like keys
 # (their convolutions' inputs; each token's k, decay and update for Qwen3.5's and Qwen3-Next's gated delta nets, its
-# B, dt x and dt A for Granite 4's and Nemotron-H's Mamba-2 mixers): trees there (Limit.transformers_only)
+# B, dt x and dt A for Granite 4's, Nemotron-H's and Bamba's Mamba-2 mixers): trees there (Limit.transformers_only)
 READ_BY_PATH = frozenset({"lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid",
-                          "nemotron_h"})
+                          "nemotron_h", "bamba"})
 SNAPSHOTS = 8  # the most states a recurrent cache keeps to roll back to (CachedLM.keep)
 # what a layer's state is (transformers' LinearAttentionCacheLayerMixin): copied before a forward, put back
 STATE_FIELDS = ("conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",
@@ -430,7 +431,7 @@ class CachedLM(ChainExtension):
         # families a 2D mask)
         kinds = set(getattr(cfg, "layer_types", None) or ())
         self.no_masks = {kind: None for kind in kinds} \
-            if cfg.model_type.startswith(("lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h")) \
+            if cfg.model_type.startswith(("lfm2", "qwen3_5", "qwen3_next", "granitemoehybrid", "nemotron_h", "bamba")) \
             and kinds and kinds - {"mlp", "moe"} <= RECURRENT_LAYERS else None
         # (off for a plain step's forward, which nothing takes back: a Qwen3.5-0.8B-sized state takes 7-9 ms
         # to copy on the 2-core Xeon; where it is wrong, keep reads the tokens afresh)

@@ -942,7 +942,8 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
         kinds = list(config.layer_types[:layers])
         if adapter is not None:
             kinds.append(config.layer_types[getattr(adapter["layer"].self_attn, "layer_idx", layers)])
-        config.layer_types = kinds
+        if list(config.layer_types) != kinds:  # (Bamba's are worked out from its layer count, and cannot be set)
+            config.layer_types = kinds
     with torch.device("meta"), uninitialised():
         draft = type(target)(config)
     setattr(draft.model, embedding_name(inner), getattr(inner, embedding_name(inner)))

@@ -105,7 +105,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     other layer, attention between them without positions, experts beside a shared MLP) or "granite4-dense" (the
     shared MLP alone, attention turned); "nemotron_h" (`layers` of Nemotron-H's blocks: a Mamba-2 mixer's, an
     MLP's, attention's without positions, a mixer's, an MLP's, ... — so its third block's attention and
-    fourth's mixer without an MLP after them); with sliding-window attention off (but Gemma 2, 3
+    fourth's mixer without an MLP after them); "bamba" (Granite 4's mixers on every other layer, attention
+    between them with half of each head turned, a gated MLP in every layer); with sliding-window attention off (but Gemma 2, 3
     and 4's, Phi-3's, EXAONE 4's, Mixtral's and gpt-oss's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                               GemmaForCausalLM, MistralConfig,
@@ -133,7 +134,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               Lfm2MoeConfig, Lfm2MoeForCausalLM, Qwen3_5TextConfig, Qwen3_5ForCausalLM,
                               Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM,
                               GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, NemotronHConfig,
-                              NemotronHForCausalLM)
+                              NemotronHForCausalLM, BambaConfig, BambaForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -181,7 +182,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
                            "granite4": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM),
                            "granite4-dense": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM),
-                           "nemotron_h": (NemotronHConfig, NemotronHForCausalLM)}[kind]
+                           "nemotron_h": (NemotronHConfig, NemotronHForCausalLM),
+                           "bamba": (BambaConfig, BambaForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -349,6 +351,10 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         settings = dict(layers_block_type=[cycle[i % len(cycle)] for i in range(layers)], mamba_num_heads=4,
                         mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4, use_conv_bias=True,
                         use_bias=True, head_dim=8)
+    elif kind == "bamba":  # (Granite 4's Mamba-2 mixers on the first layer and every other one after it, attention
+        # between them, half of each head turned; a gated MLP after each)
+        settings = dict(attn_layer_indices=list(range(1, layers, 2)), mamba_n_heads=4, mamba_d_head=16,
+                        mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_proj_bias=True)
     elif kind == "minicpm3":  # (latent attention: q through a rank of 16, keys and values through a latent of 16,
         # 4 of each head's 12 dimensions turned; the embedding, each block's output and the logits scaled)
         settings = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
