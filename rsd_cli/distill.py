@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from .engine import full_vocabulary
-from .models import early_exit_draft, input_device, new_adapter
+from .models import early_exit_draft, final_norm_name, input_device, new_adapter
 from .prompting import encode_prompt
 
 # progress(phase, done, total)
@@ -93,7 +93,7 @@ def teacher_labels(target, sequences: list[Sequence], top_k: int) -> None:
     """Store the target's top-k next-token probabilities at every answer position."""
     for seq in sequences:
         with torch.inference_mode():
-            logits = target(torch.tensor([seq.ids], device=input_device(target))).logits[0].float()
+            logits = target(torch.tensor([seq.ids], device=input_device(target)), use_cache=False).logits[0].float()
         probs = logits[seq.answer_start - 1 : len(seq.ids) - 1].softmax(-1)
         top = probs.topk(min(top_k, probs.shape[-1]), dim=-1)
         seq.top_probs, seq.top_ids = top.values.half().cpu(), top.indices.cpu()
@@ -105,8 +105,10 @@ def expected_acceptance(target, draft, sequences: list[Sequence]) -> float:
     for seq in sequences:
         ids = torch.tensor([seq.ids], device=input_device(target))
         with torch.inference_mode():
-            p = target(ids).logits[0, seq.answer_start - 1 : -1].float().softmax(-1)
-            q = full_vocabulary(draft(ids).logits[0, seq.answer_start - 1 : -1].float(), p.shape[-1]).softmax(-1)
+            # (without a cache: a draft of a hybrid's first layers, all with a state, has no attention's length to read)
+            p = target(ids, use_cache=False).logits[0, seq.answer_start - 1 : -1].float().softmax(-1)
+            q = full_vocabulary(draft(ids, use_cache=False).logits[0, seq.answer_start - 1 : -1].float(),
+                                p.shape[-1]).softmax(-1)
         total += float(torch.minimum(p, q).sum(-1).sum())
         count += p.shape[0]
     return total / max(count, 1)
@@ -126,15 +128,20 @@ def adapter_only(target, adapter: torch.nn.ModuleDict, vocab: int = 0):
     """The adapter + the final norm and head, as a causal LM fed `inputs_embeds` = the target's
     hidden states entering layer K. Training runs only this: the K frozen layers are run once
     per sequence, not once per step. Run it without a cache (use_cache=False): the adapter
-    keeps its cache slot K of the real draft."""
-    return early_exit_draft(target, 0, adapter, vocab)
+    keeps its cache slot K of the real draft. (Granite's models scale `inputs_embeds` by their embedding
+    multiplier, meant for the embedding's output: not for hidden states, so not here.)"""
+    trainee = early_exit_draft(target, 0, adapter, vocab)
+    if hasattr(trainee.model, "embedding_multiplier"):
+        trainee.model.embedding_multiplier = 1.0
+    return trainee
 
 
 def hidden_entering(prefix, ids: list[int]) -> torch.Tensor:
     """(len(ids), hidden): the hidden states leaving an early-exit model's layers (the target's
     first K), caught on their way into its final norm: what the adapter layer receives."""
     caught: list[torch.Tensor] = []
-    hook = prefix.model.norm.register_forward_pre_hook(lambda module, args: caught.append(args[0]))
+    norm = getattr(prefix.model, final_norm_name(prefix.model))  # (Phi's and Bamba's `final_layernorm`, ...)
+    hook = norm.register_forward_pre_hook(lambda module, args: caught.append(args[0]))
     try:
         with torch.no_grad():
             prefix(torch.tensor([ids], device=input_device(prefix)), use_cache=False, logits_to_keep=1)

@@ -8,6 +8,8 @@ import copy
 import functools
 import hashlib
 import importlib.util
+import inspect
+import itertools
 import json
 import os
 import shutil
@@ -909,13 +911,17 @@ def _empty_adapter(target, index: int, head_rows: int | None):
 
     inner = _decoder_parts(target)
     config = target.config
+    layer_class = type(inner.layers[0])
+    # (Bamba's layers are told their kind, a mixer's or attention's, by their model: the kind of the layer copied)
+    kind = {"layer_type": config.layer_types[index]} \
+        if "layer_type" in inspect.signature(layer_class.__init__).parameters else {}
     with torch.device("meta"), uninitialised():
-        adapter = torch.nn.ModuleDict({"layer": type(inner.layers[0])(config, index)})
+        adapter = torch.nn.ModuleDict({"layer": layer_class(config, index, **kind)})
         if head_rows is not None:
             if not hasattr(config, "rms_norm_eps"):  # (LayerNorms: a bias the adapter's norm would lack)
                 raise RsdError(f"a draft with its own final norm and head needs a model normed as Llama is; "
                                f"{type(target).__name__} is not: train it with --shared-head")
-            adapter["norm"] = type(inner.norm)(config.hidden_size, eps=config.rms_norm_eps)
+            adapter["norm"] = type(getattr(inner, final_norm_name(inner)))(config.hidden_size, eps=config.rms_norm_eps)
             adapter["head"] = torch.nn.Linear(config.hidden_size, head_rows, bias=False)
     return adapter
 
@@ -935,14 +941,24 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
     total = inner.config.num_hidden_layers if hasattr(inner, "config") else len(inner.layers)
     if layers >= total:
         raise RsdError(f"draft.layers = {layers} but the target has only {total} layers")
+    kinds = list(getattr(target.config, "layer_types", None) or ())  # (each layer's kind, read before the count
+    # changes: Bamba's follow it)
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = layers + (adapter is not None)
-    if getattr(config, "layer_types", None):  # (each layer's attention kind: the adapter's is its layer K's, which
-        # `rsd distill`'s training graph, the adapter alone, has as its only layer)
-        kinds = list(config.layer_types[:layers])
+    if kinds:  # (each layer's attention kind: the adapter's is its layer K's, which `rsd distill`'s training graph,
+        # the adapter alone, has as its only layer)
         if adapter is not None:
-            kinds.append(config.layer_types[getattr(adapter["layer"].self_attn, "layer_idx", layers)])
-        if list(config.layer_types) != kinds:  # (Bamba's are worked out from its layer count, and cannot be set)
+            # (the layer it was copied from: its attention's index, a Nemotron-H block's own, else the slot K it has in
+            # the draft — not in `rsd distill`'s graph of the adapter alone)
+            layer = adapter["layer"]
+            index = getattr(getattr(layer, "self_attn", None), "layer_idx", None)
+            kinds = kinds[:layers] + [kinds[getattr(layer, "layer_idx", layers) if index is None else index]]
+        else:
+            kinds = kinds[:layers]
+        if list(config.layer_types) != kinds and hasattr(config, "attn_layer_indices"):  # (Bamba's kinds follow
+            # its layer count and attention layers' indices, and cannot be set)
+            config.attn_layer_indices = [i for i, kind in enumerate(kinds) if kind == "full_attention"]
+        elif list(config.layer_types) != kinds:
             config.layer_types = kinds
     with torch.device("meta"), uninitialised():
         draft = type(target)(config)
@@ -954,8 +970,12 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
     draft.model.layers = torch.nn.ModuleList(kept)
     name = final_norm_name(inner)
     setattr(draft.model, name, own.get("norm", getattr(inner, name)))
-    if hasattr(inner, "rotary_emb"):
-        draft.model.rotary_emb = inner.rotary_emb
+    # (the decoder's other modules — rotary tables under any name, LFM2-MoE's `pos_emb` — made on the meta device
+    # like the rest: the target's)
+    for child, module in draft.model.named_children():
+        if child not in ("layers", embedding_name(inner), name) and hasattr(inner, child) \
+                and next(itertools.chain(module.parameters(), module.buffers()), None) is not None:
+            setattr(draft.model, child, getattr(inner, child))
     draft.lm_head = own.get("head", target.lm_head)
     if 0 < vocab < draft.lm_head.weight.shape[0]:
         weight = draft.lm_head.weight
@@ -977,8 +997,10 @@ def save_adapter(adapter, path: Path, target, layers: int, recipe: dict) -> None
     import torch
     from safetensors.torch import save_file
 
-    tensors = {k.removeprefix("layer."): v.detach().to(torch.float16).contiguous().cpu()
-               for k, v in adapter.state_dict().items()}
+    # (the layer's tensors by their own names, but those named as the draft's own final norm and head are: a
+    # Nemotron-H block's `norm`, kept as `layer.norm.weight`)
+    tensors = {k if k.startswith(("layer.norm.", "layer.head.")) else k.removeprefix("layer."):
+               v.detach().to(torch.float16).contiguous().cpu() for k, v in adapter.state_dict().items()}
     meta = {"rsd_fingerprint": fingerprint(target), "rsd_weights": json.dumps(weight_sample(target)),
             "rsd_layers": str(layers), "rsd_recipe": json.dumps(recipe)}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1022,8 +1044,8 @@ def load_adapter(path: Path, target, layers: int, vocab: int = 0):
     adapter = _empty_adapter(target, layers, None if head is None else head.shape[0])
     dtype = next(target.parameters()).dtype
     try:
-        adapter.load_state_dict({key if key.startswith(("norm.", "head.")) else f"layer.{key}": tensor.to(dtype)
-                                 for key, tensor in tensors.items()}, assign=True)
+        adapter.load_state_dict({key if key.startswith(("norm.", "head.", "layer.")) else f"layer.{key}":
+                                 tensor.to(dtype) for key, tensor in tensors.items()}, assign=True)
     except RuntimeError as e:  # missing or misshapen tensors: another architecture's adapter
         raise RsdError(f"{path} does not fit this target's layers: {str(e).splitlines()[0]}") from None
     adapter = adapter.to(execution_device(_decoder_parts(target).layers[layers - 1]))  # beside the draft's last layer

@@ -157,6 +157,59 @@ def test_training_graph_of_an_adapter_whose_layer_kind_is_not_the_first_layers(k
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["granite4", "bamba", "nemotron_h"])
+def test_distill_of_a_hybrid_target_trains_an_adapter_its_drafts_load(kind, tmp_path, monkeypatch):
+    """As a user runs it on a hybrid of Mamba-2 mixers and attention: `rsd distill` of a draft whose
+    frozen layers all keep a state (Granite 4's and Bamba's first layer, Nemotron-H's first two blocks:
+    no attention, so transformers' forward is run without a cache, which would have no length), whose
+    adapter is a copy of the attention layer after them — its training graph, the adapter alone, of
+    that layer's kind (Bamba's kinds set by its attention layers' indices) and its draft's logits —, and
+    the file it writes (a Nemotron-H block's own `norm` kept apart from the draft's own final norm)
+    loads: `rsd generate` with it decodes `sd` and `rsd-c` with plain decoding's greedy tokens. Granite 4's
+    graph without its embedding multiplier (meant for embeddings, not hidden states); Granite 4 and Bamba
+    (its final norm `final_layernorm`) with a draft head of their own (Nemotron-H, normed otherwise, is
+    refused one: --shared-head)."""
+    import torch
+
+    from rsd_cli.distill import adapter_only, hidden_entering
+    from tiny import tiny_relative
+
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    layers = 2 if kind == "nemotron_h" else 1  # (Nemotron-H's blocks: a mixer, an MLP, attention, ...)
+    target = tiny_relative(kind, 40, layers=5 if kind == "nemotron_h" else 4)
+    adapter = models.new_adapter(target, layers, None)
+    draft, trainee = models.early_exit_draft(target, layers, adapter), adapter_only(target, adapter)
+    ids = [1, 5, 9, 3, 7, 11, 4]
+    with torch.no_grad():
+        expected = draft(torch.tensor([ids]), use_cache=False).logits[0]
+        got = trainee(inputs_embeds=hidden_entering(models.early_exit_draft(target, layers), ids)[None],
+                      use_cache=False).logits[0]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    target.save_pretrained(tmp_path / kind)
+    tiny_tokenizer().save_pretrained(tmp_path / kind)
+    profile = tmp_path / "target.toml"
+    profile.write_text(f'[target]\nsource = "{tmp_path / kind}"\n[draft]\nkind = "early-exit"\nlayers = {layers}\n')
+    out = tmp_path / "adapter.safetensors"
+    head = [] if kind == "nemotron_h" else ["--vocab", "32"]  # (a draft head of its own: its final norm's kind)
+    result = CliRunner().invoke(app, ["distill", "-p", str(profile), "--out", str(out), "--layers", str(layers),
+                                      "--tokens", "60", "--eval-tokens", "20", "--max-new-tokens", "12",
+                                      "--epochs", "1", *head])
+    assert result.exit_code == 0, result.stderr
+    with_adapter = tmp_path / "drafted.toml"
+    with_adapter.write_text(profile.read_text() + f'adapter = "{out}"\n' + ("vocab = 32\n" if head else ""))
+    answers = []
+    for variant, setting in (("ar", "off"), ("sd", "auto"), ("rsd-c", "auto")):
+        generated = CliRunner().invoke(app, ["generate", "-p", str(with_adapter), "hello", "-t", "0", "-n", "8",
+                                             "--ignore-eos", "-v", variant, "--compile", setting, "--json"])
+        assert generated.exit_code == 0, generated.stderr
+        answers.append(json.loads(generated.stdout)["token_ids"])
+    assert answers[0] == answers[1] == answers[2] and len(answers[0]) == 8
+    if kind == "nemotron_h":
+        refused = CliRunner().invoke(app, ["distill", "-p", str(profile), "--out", str(tmp_path / "b.safetensors"),
+                                           "--layers", "2", "--vocab", "32"])
+        assert refused.exit_code == 1 and refused.stderr.strip().splitlines()[-1].endswith("--shared-head")
+
+
 def test_an_adapter_trained_for_a_reduced_head_asks_for_that_head(target_profile, tmp_path):
     profile, prompts = target_profile
     out = tmp_path / "adapter.safetensors"

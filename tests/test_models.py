@@ -712,6 +712,38 @@ def test_a_phi_target_gives_an_early_exit_draft_and_an_own_norm_is_refused_for_l
         models.new_adapter(target, 1, head_rows=8)
 
 
+@pytest.mark.parametrize("kind", ["lfm2_moe", "bamba", "nemotron_h"])
+def test_early_exit_drafts_and_adapters_of_hybrid_decoders_share_the_target_modules_they_read(kind):
+    """An early-exit draft takes the target's rotary tables whatever their name (LFM2-MoE's `pos_emb`:
+    else left on the meta device, and the draft failed at its first forward), and of a Bamba, whose
+    config works its layer kinds out of its layer count, it sets none. The adapter `rsd distill`
+    trains, a copy of the layer after the draft's, is of that layer's kind (a Bamba layer is told
+    whether it holds a mixer or attention; a Nemotron-H block names its `mixer`), so the draft with
+    it is the whole target, logit for logit; and the draft without one decodes `sd` with plain
+    greedy's tokens on transformers' forward and on the static-cache runtime."""
+    from rsd_cli.compiled import CompiledModel
+    from rsd_cli.drafting import make_shape
+    from rsd_cli.engine import Decoder, Runtimes
+    from rsd_cli.sampling import SamplingParams
+    from tiny import tiny_relative
+
+    layers = 3 if kind == "nemotron_h" else 2  # (Nemotron-H's blocks: a mixer, an MLP, attention)
+    target = tiny_relative(kind, 40, layers=layers)
+    tokens = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        whole = models.early_exit_draft(target, layers - 1, adapter=models.new_adapter(target, layers - 1))
+        torch.testing.assert_close(whole(tokens).logits, target(tokens).logits)
+    draft = models.early_exit_draft(target, 1)
+    expected = None
+    for runtimes in (None, Runtimes(CompiledModel(target, False), CompiledModel(draft, False), "auto")):
+        shapes = [make_shape("ar")] + ([] if kind == "nemotron_h" and runtimes is None else [make_shape("sd", draft_len=3)])
+        for shape in shapes:  # (Nemotron-H: plain steps alone on transformers' forward)
+            decoder = Decoder(target, draft, 40, shape, SamplingParams(temperature=0), set(), runtimes=runtimes)
+            got = [t for event in decoder.generate([1, 3, 4, 7, 2], 10, 0) for t in event.emitted]
+            expected = expected or got
+            assert got == expected and len(got) == 10, shape.describe()
+
+
 def test_an_early_exit_draft_of_gemma4_is_refused_in_a_line_naming_a_separate_draft(tmp_path):
     """Gemma 4's first layers read per-layer inputs made for all its layers (and its last layers read
     earlier ones' caches): as a user runs it, `rsd generate` with an early-exit draft of one ends with
