@@ -77,6 +77,9 @@ small's width (12 layers, hidden 768: mixers of 24 heads of 64 with states of 12
 fourth, eighth and twelfth layers, 12 heads, 4 key-value heads, half of each head turned; gated MLPs of
 2048) with the embedded model's vocabulary, its draft its first 4 layers (3 mixers, then attention).
 transformers' forward takes chains only (its mixers carry a state): a tree asked of `off` is refused.
+`--family mamba2`: Mamba-2's own layout (mamba2-130m's: 24 layers of mixers alone, hidden 768, 24 heads of
+64 with states of 128, no attention, no MLP) with the embedded model's vocabulary, its draft its first 4
+layers. transformers' forward takes chains only: a tree asked of `off` is refused.
 `--family phi3_longrope`: a Phi-3 of the embedded target's shape turned by `longrope` factors,
 its long ones from position `--window` on (Phi-3.5's and Phi-4-mini's kind, whose long factors
 start at 4096; no window): the answer goes past that position, where rsd reads the sequence
@@ -109,6 +112,7 @@ after the first token (reading the prompt left out).
     .venv/bin/python benchmarks/windowed_runtime.py --family qwen3_5 --rounds 2 -n 64 --variants ar,sd --repeat 100
     .venv/bin/python benchmarks/windowed_runtime.py --family nemotron_h --rounds 2 -n 64 --variants ar,sd,rsd-c
     .venv/bin/python benchmarks/windowed_runtime.py --family bamba --rounds 2 -n 64 --variants ar,sd,rsd-c
+    .venv/bin/python benchmarks/windowed_runtime.py --family mamba2 --rounds 2 -n 64 --variants ar,sd,rsd-c
 """
 
 from __future__ import annotations
@@ -132,7 +136,8 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
                               Gemma3nForCausalLM, Gemma3nTextConfig, Gemma4ForCausalLM, Gemma4TextConfig,
                               Glm4Config, Lfm2Config, Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig,
                               GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, Llama4ForCausalLM, Llama4TextConfig,
-                              NemotronHConfig, NemotronHForCausalLM, BambaConfig, BambaForCausalLM,
+                              NemotronHConfig, NemotronHForCausalLM, BambaConfig, BambaForCausalLM, Mamba2Config,
+                              Mamba2ForCausalLM,
                               Glm4ForCausalLM, GptOssConfig,
                               GptOssForCausalLM, GPT2Config, GPT2LMHeadModel, MistralConfig, OPTConfig,
                               OPTForCausalLM,
@@ -261,6 +266,10 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
             num_key_value_heads=4, attn_layer_indices=[3, 7, 11], mamba_n_heads=24, mamba_d_head=64, mamba_d_state=128,
             mamba_n_groups=1, max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
             pad_token_id=0))
+    elif family == "mamba2":
+        model = Mamba2ForCausalLM(Mamba2Config(
+            vocab_size=49152, hidden_size=768, num_hidden_layers=24, num_heads=24, head_dim=64, state_size=128,
+            n_groups=1, expand=2, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0))
     elif family == "glm4":
         model = Glm4ForCausalLM(Glm4Config(**embedded, head_dim=64, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     elif family == "phi3_longrope":  # (32 factors each: one per pair of a head's 64 dimensions)
@@ -298,7 +307,7 @@ def make_model(folder: Path, window: int, family: str = "mistral") -> Path:
                 shutil.copy(embedded / name, folder / role / name)
     profile = folder / "windowed.toml"
     # (their first attention layer: their fourth; Nemotron-H's first attention block: its sixth)
-    layers = 6 if family == "nemotron_h" else 4 if family in ("qwen3_5", "granite4", "bamba") else 3
+    layers = 6 if family == "nemotron_h" else 4 if family in ("qwen3_5", "granite4", "bamba", "mamba2") else 3
     draft = f'kind = "model"\nsource = "{folder / "draft"}"' if "draft" in models else f'layers = {layers}\nadapter = ""'
     profile.write_text(f'[target]\nsource = "{folder / "target"}"\n[draft]\n{draft}\n')
     return profile
@@ -327,11 +336,11 @@ def main() -> None:
     parser.add_argument("--family", choices=("mistral", "gemma3", "gemma4", "gemma4_moe", "deepseek_v3", "qwen3_moe",
                                              "mixtral", "gpt_oss", "opt", "gpt2", "glm4", "phi3_longrope", "gptj",
                                              "falcon", "bloom", "gpt_neo", "gemma3n", "llama4", "lfm2",
-                                             "qwen3_5", "granite4", "nemotron_h", "bamba"),
+                                             "qwen3_5", "granite4", "nemotron_h", "bamba", "mamba2"),
                         default="mistral")
     args = parser.parse_args()
     past = {"qwen3_moe": "", "glm4": "", "deepseek_v3": "", "opt": "", "gpt2": "", "gptj": "", "falcon": "",
-            "bloom": "", "lfm2": "", "qwen3_5": "", "granite4": "", "nemotron_h": "", "bamba": "", "llama4": f" across chunks of {args.window}",
+            "bloom": "", "lfm2": "", "qwen3_5": "", "granite4": "", "nemotron_h": "", "bamba": "", "mamba2": "", "llama4": f" across chunks of {args.window}",
             "phi3_longrope": f" past position {args.window}, the long factors' start"}
     with tempfile.TemporaryDirectory() as tmp:
         profile = make_model(Path(tmp), args.window, args.family)

@@ -114,7 +114,7 @@ SUPPORTED_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma", "gemma2", "gem
                    "gpt2", "gpt_bigcode", "ernie4_5_moe", "phimoe", "gemma4_text", "minicpm3", "youtu", "deepseek_v2",
                    "deepseek_v3", "glm4_moe_lite", "gptj", "falcon", "bloom", "mpt", "gpt_neo", "gemma3n_text",
                    "llama4_text", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next",
-                   "granitemoehybrid", "nemotron_h", "bamba")
+                   "granitemoehybrid", "nemotron_h", "bamba", "mamba2")
 # (MLPs of experts, top-k routed: `Style.experts`)
 MIXTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss", "ernie4_5_moe",
             "phimoe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "llama4_text", "lfm2_moe", "qwen3_5_moe_text",
@@ -177,8 +177,9 @@ def decoder_of(model) -> tuple:
     """(the module holding the text decoder's layers, embedding, final norm and rotary tables, its
     config): the model's own `model`, or a multimodal model's `language_model`, read for its text
     (Gemma 3 4B and up, whose output head is the model's `lm_head` as a text model's), or OPT's `decoder`
-    (GPT-NeoX's: `gpt_neox`; GPT-2's: `transformer`, its layers `h`: layers_of)."""
-    inner = getattr(model, "model", None) or getattr(model, "gpt_neox", None) or getattr(model, "transformer", None)
+    (GPT-NeoX's: `gpt_neox`; GPT-2's: `transformer`, its layers `h`: layers_of; Mamba-2's: `backbone`)."""
+    inner = getattr(model, "model", None) or getattr(model, "gpt_neox", None) or getattr(model, "transformer", None) \
+        or getattr(model, "backbone", None)
     if hasattr(getattr(inner, "decoder", None), "layers"):  # (OPT's)
         return inner.decoder, model.config
     language = getattr(inner, "language_model", None)
@@ -189,9 +190,10 @@ def decoder_of(model) -> tuple:
 
 
 def layers_of(inner):
-    """A decoder's layers (GPT-2's `h`, MPT's `blocks`; Nemotron-H's blocks paired: nemotron_layers), or None."""
+    """A decoder's layers (GPT-2's `h`, MPT's `blocks`; Nemotron-H's blocks paired, Mamba-2's each alone:
+    nemotron_layers), or None."""
     found = getattr(inner, "layers", None)
-    if found is not None and len(found) and type(found[0]).__name__ == "NemotronHBlock":
+    if found is not None and len(found) and type(found[0]).__name__ in ("NemotronHBlock", "Mamba2Block"):
         return nemotron_layers(found)
     return found if found is not None else getattr(inner, "h", None) or getattr(inner, "blocks", None)
 
@@ -215,16 +217,17 @@ class PairedBlocks:
 def nemotron_layers(blocks) -> list[PairedBlocks]:
     """Nemotron-H's blocks (norm, then one of a Mamba-2 mixer, attention, an MLP or experts, each added to
     the residual) as the runtime's layers (PairedBlocks): each mixer's or attention's with the MLP's after
-    it, if one is. Made once for a list of blocks."""
+    it, if one is; Mamba-2's (norm, then a mixer) each alone. Made once for a list of blocks."""
     made = getattr(blocks, "_rsd_layers", None)  # (the block count they were made for, the layers)
     if made is not None and made[0] == len(blocks):
         return made[1]
     layers: list[PairedBlocks] = []
     for block in blocks:
-        if block.block_type == "mlp" and layers and layers[-1].mlp is None and layers[-1].blocks[0] is not None:
+        kind = getattr(block, "block_type", "mamba")  # (Mamba-2's: mixers all)
+        if kind == "mlp" and layers and layers[-1].mlp is None and layers[-1].blocks[0] is not None:
             layers[-1] = PairedBlocks(layers[-1].blocks[0], block)
         else:
-            layers.append(PairedBlocks(None, block) if block.block_type in ("mlp", "moe") else PairedBlocks(block, None))
+            layers.append(PairedBlocks(None, block) if kind in ("mlp", "moe") else PairedBlocks(block, None))
     blocks._rsd_layers = (len(blocks), layers)
     return layers
 
@@ -404,7 +407,7 @@ def unsupported(model) -> str | None:
     # (Granite 4's and Nemotron-H's hybrids: attention without positions, the Mamba-2 mixers order the tokens)
     if layers is None or not hasattr(model, "lm_head") \
             or not (rotary_of(inner) is not None or positions_of(inner) or alibi_of(cfg)
-                    or cfg.model_type in ("granitemoehybrid", "nemotron_h", "bamba")):
+                    or cfg.model_type in ("granitemoehybrid", "nemotron_h", "bamba", "mamba2")):
         return f"{type(model).__name__} is not laid out as a Llama-style decoder"
     if cfg.model_type == "bloom" and (cfg.apply_residual_connection_post_layernorm
                                       or cfg.pretraining_tp > 1 and cfg.slow_but_exact):
@@ -2289,8 +2292,9 @@ class CompiledModel:
         # layer alone has none, its dims of no use then)
         attn = next((attention_of(layer) for layer in layers if not carries_state(layer)), None)
         self.style = style = style_of(model)
+        heads = getattr(cfg, "num_attention_heads", None) or 1  # (Mamba-2's: no attention at all)
         if attn is None:
-            kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+            kv_heads, head_dim = getattr(cfg, "num_key_value_heads", None) or heads, cfg.hidden_size // heads
             scaling = head_dim ** -0.5
         else:
             # (GPT-NeoX, OPT: every head its own keys; GPT-BigCode's with one key head: its attention's `kv_heads`)
@@ -2306,7 +2310,7 @@ class CompiledModel:
             scaling = 1.0 if cfg.model_type == "gpt_neo" else \
                 getattr(attn, "scaling", None) or getattr(attn, "softmax_scale", None) \
                 or getattr(attn, "inv_norm_factor", None) or 1.0 / attn.scale_attn
-        self.dims = (cfg.num_attention_heads, kv_heads, head_dim, scaling,
+        self.dims = (heads, kv_heads, head_dim, scaling,
                      _eps(next(norm for norm in layer_norms(layers[0]) if norm is not None)))
         self.layers = []
         fuse = _room_to_fuse(layers)

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from .engine import full_vocabulary
-from .models import early_exit_draft, final_norm_name, input_device, new_adapter
+from .models import decoder_body, early_exit_draft, final_norm_name, input_device, new_adapter
 from .prompting import encode_prompt
 
 # progress(phase, done, total)
@@ -131,8 +131,8 @@ def adapter_only(target, adapter: torch.nn.ModuleDict, vocab: int = 0):
     keeps its cache slot K of the real draft. (Granite's models scale `inputs_embeds` by their embedding
     multiplier, meant for the embedding's output: not for hidden states, so not here.)"""
     trainee = early_exit_draft(target, 0, adapter, vocab)
-    if hasattr(trainee.model, "embedding_multiplier"):
-        trainee.model.embedding_multiplier = 1.0
+    if hasattr(decoder_body(trainee), "embedding_multiplier"):
+        decoder_body(trainee).embedding_multiplier = 1.0
     return trainee
 
 
@@ -140,7 +140,8 @@ def hidden_entering(prefix, ids: list[int]) -> torch.Tensor:
     """(len(ids), hidden): the hidden states leaving an early-exit model's layers (the target's
     first K), caught on their way into its final norm: what the adapter layer receives."""
     caught: list[torch.Tensor] = []
-    norm = getattr(prefix.model, final_norm_name(prefix.model))  # (Phi's and Bamba's `final_layernorm`, ...)
+    body = decoder_body(prefix)
+    norm = getattr(body, final_norm_name(body))  # (Phi's and Bamba's `final_layernorm`, Mamba-2's `norm_f`, ...)
     hook = norm.register_forward_pre_hook(lambda module, args: caught.append(args[0]))
     try:
         with torch.no_grad():

@@ -254,7 +254,7 @@ CHAIN_RECURRENT = frozenset({"lfm2", "lfm2_moe", "qwen3_next", "qwen3_5_text", "
 # (their convolutions' inputs; each token's k, decay and update for Qwen3.5's and Qwen3-Next's gated delta nets, its
 # B, dt x and dt A for Granite 4's, Nemotron-H's and Bamba's Mamba-2 mixers): trees there (Limit.transformers_only)
 READ_BY_PATH = frozenset({"lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid",
-                          "nemotron_h", "bamba"})
+                          "nemotron_h", "bamba", "mamba2"})
 SNAPSHOTS = 8  # the most states a recurrent cache keeps to roll back to (CachedLM.keep)
 # what a layer's state is (transformers' LinearAttentionCacheLayerMixin): copied before a forward, put back
 STATE_FIELDS = ("conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",

@@ -861,8 +861,13 @@ def embedding_name(inner) -> str:
     return "embeddings" if not hasattr(inner, "embed_tokens") and hasattr(inner, "embeddings") else "embed_tokens"
 
 
+def decoder_body(model):
+    """The module holding a causal LM's embedding, layers and final norm: its `model` (Mamba-2's `backbone`)."""
+    return getattr(model, "model", None) or getattr(model, "backbone", None)
+
+
 def _decoder_parts(target):
-    inner = getattr(target, "model", None)
+    inner = decoder_body(target)
     if inner is None or not all(hasattr(inner, a) for a in ("layers", embedding_name(inner), final_norm_name(inner))) \
             or not hasattr(target, "lm_head"):
         raise RsdError(f"an early-exit draft needs a Llama-style model; {type(target).__name__} is not one")
@@ -962,20 +967,21 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
             config.layer_types = kinds
     with torch.device("meta"), uninitialised():
         draft = type(target)(config)
-    setattr(draft.model, embedding_name(inner), getattr(inner, embedding_name(inner)))
+    body = decoder_body(draft)
+    setattr(body, embedding_name(inner), getattr(inner, embedding_name(inner)))
     kept = list(inner.layers[:layers])
     own = dict(adapter.items()) if adapter is not None else {}  # new_adapter's parts
     if adapter is not None:  # new_adapter gave it slot K (= layers) in the draft's KV cache
         kept.append(own["layer"])
-    draft.model.layers = torch.nn.ModuleList(kept)
+    body.layers = torch.nn.ModuleList(kept)
     name = final_norm_name(inner)
-    setattr(draft.model, name, own.get("norm", getattr(inner, name)))
+    setattr(body, name, own.get("norm", getattr(inner, name)))
     # (the decoder's other modules — rotary tables under any name, LFM2-MoE's `pos_emb` — made on the meta device
     # like the rest: the target's)
-    for child, module in draft.model.named_children():
+    for child, module in body.named_children():
         if child not in ("layers", embedding_name(inner), name) and hasattr(inner, child) \
                 and next(itertools.chain(module.parameters(), module.buffers()), None) is not None:
-            setattr(draft.model, child, getattr(inner, child))
+            setattr(body, child, getattr(inner, child))
     draft.lm_head = own.get("head", target.lm_head)
     if 0 < vocab < draft.lm_head.weight.shape[0]:
         weight = draft.lm_head.weight

@@ -550,7 +550,7 @@ def assert_greedy_in_cuda_graphs(target, draft) -> Runtimes:
 @CUDA
 @pytest.mark.parametrize("kind", ["gptj", "falcon", "falcon-7b", "bloom", "mpt", "falcon-rw", "gpt_neo", "llama4",
                                   "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "granite4",
-                                  "granite4-dense", "nemotron_h", "bamba"])
+                                  "granite4-dense", "nemotron_h", "bamba", "mamba2"])
 def test_gptj_falcon_and_models_biased_by_slot_run_in_cuda_graphs(kind):
     """GPT-J-, Falcon- (40B's and 7B's layouts), and with trees BLOOM-, MPT-, Falcon-RW- (ALiBi: a mask
     for each head, its biases by the slots' positions made on the host), GPT-Neo- (local layers
@@ -689,7 +689,7 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
 
 @pytest.mark.parametrize("kind", ["bloom", "mpt", "falcon-rw", "gpt_neo", "llama4", "lfm2", "lfm2_moe", "qwen3_5",
                                   "qwen3_5_moe", "qwen3_next", "granite4", "granite4-dense", "nemotron_h",
-                                  "bamba"])
+                                  "bamba", "mamba2"])
 def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_static_cache_runtime(kind):
     """BLOOM, MPT and Falcon-RW bias attention by position (ALiBi), GPT-Neo windows its local layers,
     Llama 4 chunks attention and scales q by position on its layers without a rotation, each of which
@@ -705,14 +705,15 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
     delta nets of 4 value heads over 2 key heads, attention's output gated; Qwen3.5-MoE's experts beside a
     gated shared expert; Qwen3-Next's delta nets' products fused by key head; Granite 4's Mamba-2 mixers in
     groups, its attention without positions; Nemotron-H's blocks paired, a mixer's with an MLP's, attention
-    and a mixer alone; Bamba's mixers beside attention turned by position); pruned to one path, chains after
-    it too; and every variant's greedy output is plain greedy."""
+    and a mixer alone; Bamba's mixers beside attention turned by position; Mamba-2's mixers alone, without
+    attention); pruned to one path, chains after it too; and every variant's greedy output is plain greedy."""
     # (LFM2's: convolution, attention, convolution; Nemotron-H's blocks: mixer, MLP, attention, mixer)
-    layers = 4 if kind == "nemotron_h" else 3 if kind.startswith(("lfm2", "qwen3_", "granite4", "bamba")) else 2
+    layers = 4 if kind == "nemotron_h" else 3 if kind.startswith(("lfm2", "qwen3_", "granite4", "bamba", "mamba2")) \
+        else 2
     target, draft = tiny_relative(kind, V, layers=layers, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     assert compiled.unsupported(target) is None
     assert (compiled.alibi_of(target.config) is None) == \
-        (kind in ("gpt_neo", "llama4", "nemotron_h", "bamba") or kind.startswith(("lfm2", "qwen3_", "granite4")))
+        (kind in ("gpt_neo", "llama4", "nemotron_h", "bamba", "mamba2") or kind.startswith(("lfm2", "qwen3_", "granite4")))
     tree = a_tree()
     base = len(PROMPT)
     visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
@@ -731,7 +732,7 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
         # much as transformers' own one token at a time against one forward; with experts, transformers' own
         # forwards of 11 and 13 tokens differ by 4e-4 on their first 11)
         tolerance = {"gpt_neo": 1e-4, "qwen3_5": 3e-4, "qwen3_5_moe": 1e-3, "qwen3_next": 1e-3, "granite4": 3e-5,
-                     "granite4-dense": 3e-5, "bamba": 3e-5}.get(kind, 1e-5)
+                     "granite4-dense": 3e-5, "bamba": 3e-5, "mamba2": 3e-5}.get(kind, 1e-5)
         torch.testing.assert_close(logits, expected, atol=tolerance, rtol=tolerance)
         ours.keep(list(range(base)) + [base + n for n in kept])
         reference = CachedLM(target, V)
@@ -749,7 +750,7 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
             plain_greedy(target, 20), shape.describe()
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "granite4", "nemotron_h", "bamba"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "granite4", "nemotron_h", "bamba", "mamba2"])
 def test_stateful_layers_read_the_keys_every_row_saw_as_one_state(monkeypatch, kind):
     """The keys of delta nets and Mamba-2 mixers that every row has seen are summed into one state (here
     once 2 have come, FOLD_ROWS made small), which rows read instead of them: a tree's rows after a
@@ -844,10 +845,10 @@ def test_stateful_trees_on_the_runtime_follow_the_target_distribution_and_decode
                                           ("gpt_neo", "local attention windowed by cache slots"),
                                           ("llama4", "chunked attention scaled by the cache's length"),
                                           ("lfm2", "recurrent layers"), ("qwen3_5", "recurrent layers"),
-                                          ("bamba", "recurrent layers")])
+                                          ("bamba", "recurrent layers"), ("mamba2", "recurrent layers")])
 def test_a_pair_biased_or_windowed_by_slot_takes_trees_on_the_runtime_and_chains_on_transformers_forward(
         tmp_path, kind, reason):
-    """As a user runs a BLOOM, GPT-Neo, Llama 4, LFM2, Qwen3.5 or Bamba pair: `rsd-c` and `rsd-s` on the static-cache runtime answer
+    """As a user runs a BLOOM, GPT-Neo, Llama 4, LFM2, Qwen3.5, Bamba or Mamba-2 pair: `rsd-c` and `rsd-s` on the static-cache runtime answer
     with `ar`'s greedy tokens on transformers' forward, and `rsd bench` measures a tree there; on
     transformers' forward (`--compile off`) a tree is refused in one line, and `auto` chooses among
     chains."""
@@ -1550,14 +1551,15 @@ def test_a_stateful_target_with_its_first_layer_as_the_draft_generates_alike_on_
     assert records["rsd-c"]["variant"] == "rsd-c"
 
 
-@pytest.mark.parametrize("kind", ["nemotron_h", "bamba"])
+@pytest.mark.parametrize("kind", ["nemotron_h", "bamba", "mamba2"])
 def test_a_hybrid_target_with_its_first_blocks_as_the_draft_takes_trees_on_the_runtime_only(tmp_path, kind):
     """As a user runs it: a Nemotron-H checkpoint folder (its embedding `embeddings`, its final norm
     `norm_f`), its first two blocks — a Mamba-2 mixer and an MLP, no attention — as an early-exit draft;
     a Bamba one (its final norm `final_layernorm`, its layer kinds worked out from its layer count),
-    its first layer — a mixer and an MLP — as the draft. transformers' forward takes plain steps alone
-    from Nemotron-H (a chain read after its mixers' state is not theirs one at a time) and chains from
-    Bamba, and says so for a tree in one line; on the static-cache runtime `rsd-c` compiled and `sd` on
+    its first layer — a mixer and an MLP — as the draft; a Mamba-2 one (its decoder `backbone`, no
+    attention at all), its first mixer. transformers' forward takes plain steps alone from Nemotron-H (a
+    chain read after its mixers' state is not theirs one at a time) and chains from Bamba and Mamba-2,
+    and says so for a tree in one line; on the static-cache runtime `rsd-c` compiled and `sd` on
     `auto` give plain decoding's greedy tokens."""
     from tiny import tiny_tokenizer
 

@@ -1449,9 +1449,9 @@ def test_models_whose_layers_take_no_tree_are_told_by_their_config():
     # (what the static-cache runtime works out by position, or LFM2's convolutions by path: trees there, pair_limit)
     assert all(limit_of(AutoConfig.for_model(kind)).transformers_only
                for kind in ("bloom", "mpt", "llama4_text", "gpt_neo", "lfm2", "lfm2_moe", "qwen3_5_text",
-                            "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "bamba"))
-    assert not any(limit_of(AutoConfig.for_model(kind)).transformers_only for kind in ("falcon_h1", "mamba", "mamba2"))
-    for kind in ("lfm2", "lfm2_moe", "qwen3_next", "granitemoehybrid", "falcon_h1", "bamba"):  # (chains read after a state
+                            "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "bamba", "mamba2"))
+    assert not any(limit_of(AutoConfig.for_model(kind)).transformers_only for kind in ("falcon_h1", "mamba"))
+    for kind in ("lfm2", "lfm2_moe", "qwen3_next", "granitemoehybrid", "falcon_h1", "bamba", "mamba2"):  # (chains read after a state
         # exactly)
         assert limit(kind) == (CHAIN_VARIANTS, "recurrent layers"), kind
     for kind in ("mamba", "falcon_mamba", "jamba", "nemotron_h"):  # (by name or layer kinds)

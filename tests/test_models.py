@@ -712,11 +712,12 @@ def test_a_phi_target_gives_an_early_exit_draft_and_an_own_norm_is_refused_for_l
         models.new_adapter(target, 1, head_rows=8)
 
 
-@pytest.mark.parametrize("kind", ["lfm2_moe", "bamba", "nemotron_h"])
+@pytest.mark.parametrize("kind", ["lfm2_moe", "bamba", "nemotron_h", "mamba2"])
 def test_early_exit_drafts_and_adapters_of_hybrid_decoders_share_the_target_modules_they_read(kind):
     """An early-exit draft takes the target's rotary tables whatever their name (LFM2-MoE's `pos_emb`:
     else left on the meta device, and the draft failed at its first forward), and of a Bamba, whose
-    config works its layer kinds out of its layer count, it sets none. The adapter `rsd distill`
+    config works its layer kinds out of its layer count, it sets none; a Mamba-2's decoder is its
+    `backbone`. The adapter `rsd distill`
     trains, a copy of the layer after the draft's, is of that layer's kind (a Bamba layer is told
     whether it holds a mixer or attention; a Nemotron-H block names its `mixer`), so the draft with
     it is the whole target, logit for logit; and the draft without one decodes `sd` with plain

@@ -106,7 +106,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
     shared MLP alone, attention turned); "nemotron_h" (`layers` of Nemotron-H's blocks: a Mamba-2 mixer's, an
     MLP's, attention's without positions, a mixer's, an MLP's, ... — so its third block's attention and
     fourth's mixer without an MLP after them); "bamba" (Granite 4's mixers on every other layer, attention
-    between them with half of each head turned, a gated MLP in every layer); with sliding-window attention off (but Gemma 2, 3
+    between them with half of each head turned, a gated MLP in every layer); "mamba2" (Mamba-2's mixers
+alone: no attention, no MLP); with sliding-window attention off (but Gemma 2, 3
     and 4's, Phi-3's, EXAONE 4's, Mixtral's and gpt-oss's). Every norm's weight is random."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GemmaConfig,
                               GemmaForCausalLM, MistralConfig,
@@ -134,7 +135,7 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                               Lfm2MoeConfig, Lfm2MoeForCausalLM, Qwen3_5TextConfig, Qwen3_5ForCausalLM,
                               Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM,
                               GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM, NemotronHConfig,
-                              NemotronHForCausalLM, BambaConfig, BambaForCausalLM)
+                              NemotronHForCausalLM, BambaConfig, BambaForCausalLM, Mamba2Config, Mamba2ForCausalLM)
 
     config, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
                            "qwen3": (Qwen3Config, Qwen3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM),
@@ -183,7 +184,8 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
                            "granite4": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM),
                            "granite4-dense": (GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM),
                            "nemotron_h": (NemotronHConfig, NemotronHForCausalLM),
-                           "bamba": (BambaConfig, BambaForCausalLM)}[kind]
+                           "bamba": (BambaConfig, BambaForCausalLM),
+                           "mamba2": (Mamba2Config, Mamba2ForCausalLM)}[kind]
     settings = dict(sliding_window=None)
     if kind == "mixtral":
         settings = dict(sliding_window=4, num_local_experts=4, num_experts_per_tok=2)
@@ -355,6 +357,10 @@ def tiny_relative(kind: str, vocab: int = 40, layers: int = 2, seed: int = 0, sc
         # between them, half of each head turned; a gated MLP after each)
         settings = dict(attn_layer_indices=list(range(1, layers, 2)), mamba_n_heads=4, mamba_d_head=16,
                         mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_proj_bias=True)
+    elif kind == "mamba2":  # (Mamba-2's mixers alone, 4 heads of 16 in 2 groups, states of 8, convolutions of 4 taps
+        # with a bias, products with biases)
+        settings = dict(num_heads=4, head_dim=16, n_groups=2, state_size=8, expand=2, conv_kernel=4, use_bias=True,
+                        use_conv_bias=True)
     elif kind == "minicpm3":  # (latent attention: q through a rank of 16, keys and values through a latent of 16,
         # 4 of each head's 12 dimensions turned; the embedding, each block's output and the logits scaled)
         settings = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
