@@ -340,7 +340,8 @@ def main() -> None:
                         default="mistral")
     args = parser.parse_args()
     past = {"qwen3_moe": "", "glm4": "", "deepseek_v3": "", "opt": "", "gpt2": "", "gptj": "", "falcon": "",
-            "bloom": "", "lfm2": "", "qwen3_5": "", "granite4": "", "nemotron_h": "", "bamba": "", "mamba2": "", "llama4": f" across chunks of {args.window}",
+            "bloom": "", "lfm2": "", "qwen3_5": "", "granite4": "", "nemotron_h": "", "bamba": "", "mamba2": "",
+            "llama4": f" across chunks of {args.window}",
             "phi3_longrope": f" past position {args.window}, the long factors' start"}
     with tempfile.TemporaryDirectory() as tmp:
         profile = make_model(Path(tmp), args.window, args.family)

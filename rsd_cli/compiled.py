@@ -404,10 +404,11 @@ def unsupported(model) -> str | None:
     if cfg.model_type not in SUPPORTED_TYPES:
         return f"a {cfg.model_type} model (the static-cache runtime covers {', '.join(SUPPORTED_TYPES)})"
     layers = layers_of(inner)
-    # (Granite 4's and Nemotron-H's hybrids: attention without positions, the Mamba-2 mixers order the tokens)
+    # (Granite 4's and Nemotron-H's hybrids: attention without positions, the Mamba-2 mixers order the tokens;
+    # Mamba-2's: no attention at all)
     if layers is None or not hasattr(model, "lm_head") \
             or not (rotary_of(inner) is not None or positions_of(inner) or alibi_of(cfg)
-                    or cfg.model_type in ("granitemoehybrid", "nemotron_h", "bamba", "mamba2")):
+                    or cfg.model_type in ("granitemoehybrid", "nemotron_h", "mamba2")):
         return f"{type(model).__name__} is not laid out as a Llama-style decoder"
     if cfg.model_type == "bloom" and (cfg.apply_residual_connection_post_layernorm
                                       or cfg.pretraining_tp > 1 and cfg.slow_but_exact):
@@ -3154,6 +3155,7 @@ class StaticLM(ChainExtension):
 
 WARM_SIZES = (1, 2, 4)  # token counts every variant uses (draft steps, small trees): compiled at load
 PLAIN_SIZES = (1,)  # plain decoding's steps (a prompt's own count compiles at its first use, before any token)
+VERDICT_REPEATS = 7
 
 
 def warm_sizes(fixed, role: str) -> tuple[int, ...]:
@@ -3175,7 +3177,6 @@ def warm_sizes(fixed, role: str) -> tuple[int, ...]:
         widest = max(itertools.accumulate(fixed.branching[:-1], operator.mul), default=1)
     top = bucket(widest) or BUCKETS[-1]
     return tuple(sorted(set(WARM_SIZES) | {b for b in BUCKETS if b <= top}))
-VERDICT_REPEATS = 7
 
 
 def warm_up(runtime: CompiledModel, sizes=WARM_SIZES) -> None:

@@ -244,8 +244,8 @@ CHAIN_VARIANTS = ("ar", "sd", "lookup")
 RECURRENT_LAYERS = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "recurrent"})
 # ... of those, the ones whose forward of several tokens after a cache gives what the same tokens one
 # at a time give (benchmarks/architectures.py; 3 tokens after 9, to 1e-6): LFM2's and LFM2-MoE's convolutions,
-# Qwen3-Next's and Qwen3.5's gated delta rule, Mamba-2's mixers (Granite 4, Bamba and Falcon-H1 hybrids). transformers'
-# Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba) read such a chain without the state before it (0.8-1.7 off; Jamba
+# Qwen3-Next's and Qwen3.5's gated delta rule, Mamba-2's mixers (Mamba-2; Granite 4, Bamba and Falcon-H1 hybrids).
+# transformers' Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba) read such a chain without the state before it (0.8-1.7 off; Jamba
 # 3e-3), and Nemotron-H's one token at a time does not clamp its time steps as its chained scan does: plain
 # decoding for those and the rest
 CHAIN_RECURRENT = frozenset({"lfm2", "lfm2_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "mamba2",

@@ -713,7 +713,8 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
     target, draft = tiny_relative(kind, V, layers=layers, seed=0), tiny_relative(kind, V, layers=1, seed=1)
     assert compiled.unsupported(target) is None
     assert (compiled.alibi_of(target.config) is None) == \
-        (kind in ("gpt_neo", "llama4", "nemotron_h", "bamba", "mamba2") or kind.startswith(("lfm2", "qwen3_", "granite4")))
+        (kind in ("gpt_neo", "llama4", "nemotron_h", "bamba", "mamba2")
+         or kind.startswith(("lfm2", "qwen3_", "granite4")))
     tree = a_tree()
     base = len(PROMPT)
     visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
@@ -848,8 +849,8 @@ def test_stateful_trees_on_the_runtime_follow_the_target_distribution_and_decode
                                           ("bamba", "recurrent layers"), ("mamba2", "recurrent layers")])
 def test_a_pair_biased_or_windowed_by_slot_takes_trees_on_the_runtime_and_chains_on_transformers_forward(
         tmp_path, kind, reason):
-    """As a user runs a BLOOM, GPT-Neo, Llama 4, LFM2, Qwen3.5, Bamba or Mamba-2 pair: `rsd-c` and `rsd-s` on the static-cache runtime answer
-    with `ar`'s greedy tokens on transformers' forward, and `rsd bench` measures a tree there; on
+    """As a user runs a BLOOM, GPT-Neo, Llama 4, LFM2, Qwen3.5, Bamba or Mamba-2 pair: `rsd-c` and `rsd-s` on
+    the static-cache runtime answer with `ar`'s greedy tokens on transformers' forward, and `rsd bench` measures a tree there; on
     transformers' forward (`--compile off`) a tree is refused in one line, and `auto` chooses among
     chains."""
     from tiny import save_profiled_pair

@@ -1451,8 +1451,8 @@ def test_models_whose_layers_take_no_tree_are_told_by_their_config():
                for kind in ("bloom", "mpt", "llama4_text", "gpt_neo", "lfm2", "lfm2_moe", "qwen3_5_text",
                             "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "bamba", "mamba2"))
     assert not any(limit_of(AutoConfig.for_model(kind)).transformers_only for kind in ("falcon_h1", "mamba"))
-    for kind in ("lfm2", "lfm2_moe", "qwen3_next", "granitemoehybrid", "falcon_h1", "bamba", "mamba2"):  # (chains read after a state
-        # exactly)
+    # (chains read after a state exactly)
+    for kind in ("lfm2", "lfm2_moe", "qwen3_next", "granitemoehybrid", "falcon_h1", "bamba", "mamba2"):
         assert limit(kind) == (CHAIN_VARIANTS, "recurrent layers"), kind
     for kind in ("mamba", "falcon_mamba", "jamba", "nemotron_h"):  # (by name or layer kinds)
         assert limit(kind) == (("ar",), "recurrent layers"), kind

@@ -737,8 +737,8 @@ def test_early_exit_drafts_and_adapters_of_hybrid_decoders_share_the_target_modu
     draft = models.early_exit_draft(target, 1)
     expected = None
     for runtimes in (None, Runtimes(CompiledModel(target, False), CompiledModel(draft, False), "auto")):
-        shapes = [make_shape("ar")] + ([] if kind == "nemotron_h" and runtimes is None else [make_shape("sd", draft_len=3)])
-        for shape in shapes:  # (Nemotron-H: plain steps alone on transformers' forward)
+        chains = [] if kind == "nemotron_h" and runtimes is None else [make_shape("sd", draft_len=3)]
+        for shape in [make_shape("ar")] + chains:  # (Nemotron-H: plain steps alone on transformers' forward)
             decoder = Decoder(target, draft, 40, shape, SamplingParams(temperature=0), set(), runtimes=runtimes)
             got = [t for event in decoder.generate([1, 3, 4, 7, 2], 10, 0) for t in event.emitted]
             expected = expected or got
