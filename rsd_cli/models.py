@@ -920,14 +920,18 @@ def _empty_adapter(target, index: int, head_rows: int | None):
     # (Bamba's layers are told their kind, a mixer's or attention's, by their model: the kind of the layer copied)
     kind = {"layer_type": config.layer_types[index]} \
         if "layer_type" in inspect.signature(layer_class.__init__).parameters else {}
+    final = getattr(inner, final_norm_name(inner))
+    eps = getattr(final, "variance_epsilon", None) or getattr(final, "eps", None)  # (Gemma's norms name it `eps`)
     with torch.device("meta"), uninitialised():
         adapter = torch.nn.ModuleDict({"layer": layer_class(config, index, **kind)})
         if head_rows is not None:
-            if not hasattr(config, "rms_norm_eps"):  # (LayerNorms: a bias the adapter's norm would lack)
+            if eps is None or getattr(final, "bias", None) is not None:  # (LayerNorms: a bias the adapter's norm
+                # would lack)
                 raise RsdError(f"a draft with its own final norm and head needs a model normed as Llama is; "
                                f"{type(target).__name__} is not: train it with --shared-head")
-            adapter["norm"] = type(getattr(inner, final_norm_name(inner)))(config.hidden_size, eps=config.rms_norm_eps)
+            adapter["norm"] = type(final)(config.hidden_size, eps=eps)
             adapter["head"] = torch.nn.Linear(config.hidden_size, head_rows, bias=False)
+    adapter.layer_index = index  # (the layer it copies: its kind, for early_exit_draft)
     return adapter
 
 
@@ -953,11 +957,12 @@ def early_exit_draft(target, layers: int, adapter=None, vocab: int = 0):
     if kinds:  # (each layer's attention kind: the adapter's is its layer K's, which `rsd distill`'s training graph,
         # the adapter alone, has as its only layer)
         if adapter is not None:
-            # (the layer it was copied from: its attention's index, a Nemotron-H block's own, else the slot K it has in
-            # the draft — not in `rsd distill`'s graph of the adapter alone)
-            layer = adapter["layer"]
-            index = getattr(getattr(layer, "self_attn", None), "layer_idx", None)
-            kinds = kinds[:layers] + [kinds[getattr(layer, "layer_idx", layers) if index is None else index]]
+            # (the layer it copies: new_adapter's and load_adapter's say which; one put together otherwise, its
+            # attention's index, else the slot K it has in the draft — not in `rsd distill`'s graph of it alone)
+            index = getattr(adapter, "layer_index", None)
+            if index is None:
+                index = getattr(getattr(adapter["layer"], "self_attn", None), "layer_idx", layers)
+            kinds = kinds[:layers] + [kinds[index]]
         else:
             kinds = kinds[:layers]
         if list(config.layer_types) != kinds and hasattr(config, "attn_layer_indices"):  # (Bamba's kinds follow

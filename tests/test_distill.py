@@ -166,9 +166,9 @@ def test_distill_of_a_hybrid_target_trains_an_adapter_its_drafts_load(kind, tmp_
     that layer's kind (Bamba's kinds set by its attention layers' indices) and its draft's logits —, and
     the file it writes (a Nemotron-H block's own `norm` kept apart from the draft's own final norm)
     loads: `rsd generate` with it decodes `sd` and `rsd-c` with plain decoding's greedy tokens. Granite 4's
-    graph without its embedding multiplier (meant for embeddings, not hidden states); Granite 4 and Bamba
-    (its final norm `final_layernorm`) with a draft head of their own (Nemotron-H, normed otherwise, is
-    refused one: --shared-head)."""
+    graph without its embedding multiplier (meant for embeddings, not hidden states); each with a draft
+    head of its own, its final norm of the target's kind (Bamba's `final_layernorm`; Nemotron-H's, whose
+    config names its epsilon otherwise, its norm's own)."""
     import torch
 
     from rsd_cli.distill import adapter_only, hidden_entering
@@ -190,13 +190,13 @@ def test_distill_of_a_hybrid_target_trains_an_adapter_its_drafts_load(kind, tmp_
     profile = tmp_path / "target.toml"
     profile.write_text(f'[target]\nsource = "{tmp_path / kind}"\n[draft]\nkind = "early-exit"\nlayers = {layers}\n')
     out = tmp_path / "adapter.safetensors"
-    head = [] if kind == "nemotron_h" else ["--vocab", "32"]  # (a draft head of its own: its final norm's kind)
+    head = ["--vocab", "32"]  # (a draft head of its own: its final norm's kind; Nemotron-H's beside its block's)
     result = CliRunner().invoke(app, ["distill", "-p", str(profile), "--out", str(out), "--layers", str(layers),
                                       "--tokens", "60", "--eval-tokens", "20", "--max-new-tokens", "12",
                                       "--epochs", "1", *head])
     assert result.exit_code == 0, result.stderr
     with_adapter = tmp_path / "drafted.toml"
-    with_adapter.write_text(profile.read_text() + f'adapter = "{out}"\n' + ("vocab = 32\n" if head else ""))
+    with_adapter.write_text(profile.read_text() + f'adapter = "{out}"\nvocab = 32\n')
     answers = []
     for variant, setting in (("ar", "off"), ("sd", "auto"), ("rsd-c", "auto")):
         generated = CliRunner().invoke(app, ["generate", "-p", str(with_adapter), "hello", "-t", "0", "-n", "8",
@@ -204,10 +204,32 @@ def test_distill_of_a_hybrid_target_trains_an_adapter_its_drafts_load(kind, tmp_
         assert generated.exit_code == 0, generated.stderr
         answers.append(json.loads(generated.stdout)["token_ids"])
     assert answers[0] == answers[1] == answers[2] and len(answers[0]) == 8
-    if kind == "nemotron_h":
-        refused = CliRunner().invoke(app, ["distill", "-p", str(profile), "--out", str(tmp_path / "b.safetensors"),
-                                           "--layers", "2", "--vocab", "32"])
-        assert refused.exit_code == 1 and refused.stderr.strip().splitlines()[-1].endswith("--shared-head")
+
+
+def test_the_training_graph_of_a_mixer_adapter_after_attention_has_the_mixers_kind():
+    """A Granite 4.0-H whose first layer is attention and whose second a Mamba-2 mixer: the adapter of a
+    one-layer draft copies the mixer, and `rsd distill`'s graph of it alone (one layer) says so — before,
+    a layer without attention took the kind of slot 0 there (attention's) — and gives the draft's logits."""
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    from rsd_cli.distill import adapter_only, hidden_entering
+
+    torch.manual_seed(0)
+    target = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["attention", "mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
+        mamba_n_groups=2, mamba_d_state=8, num_local_experts=0, shared_intermediate_size=32,
+        position_embedding_type="rope")).eval()
+    adapter = models.new_adapter(target, 1, None)
+    draft, trainee = models.early_exit_draft(target, 1, adapter), adapter_only(target, adapter)
+    assert trainee.config.layer_types == target.config.layer_types[1:2] == ["linear_attention"]
+    ids = [1, 5, 9, 3, 7, 11, 4]
+    with torch.no_grad():
+        expected = draft(torch.tensor([ids]), use_cache=False).logits[0]
+        got = trainee(inputs_embeds=hidden_entering(models.early_exit_draft(target, 1), ids)[None],
+                      use_cache=False).logits[0]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_an_adapter_trained_for_a_reduced_head_asks_for_that_head(target_profile, tmp_path):
