@@ -732,8 +732,9 @@ def test_models_biased_or_windowed_by_slot_in_transformers_take_trees_on_the_sta
         # Qwen3.5's delta nets' sums over a path, against transformers' state, by ~1e-4 at logits of ~20 — as
         # much as transformers' own one token at a time against one forward; with experts, transformers' own
         # forwards of 11 and 13 tokens differ by 4e-4 on their first 11)
+        # (transformers 5.17's Bamba, the GPU machine's, 4.4e-5 from the runtime in one logit of 36; 5.24's 2e-7)
         tolerance = {"gpt_neo": 1e-4, "qwen3_5": 3e-4, "qwen3_5_moe": 1e-3, "qwen3_next": 1e-3, "granite4": 3e-5,
-                     "granite4-dense": 3e-5, "bamba": 3e-5, "mamba2": 3e-5}.get(kind, 1e-5)
+                     "granite4-dense": 3e-5, "bamba": 1e-4, "mamba2": 3e-5}.get(kind, 1e-5)
         torch.testing.assert_close(logits, expected, atol=tolerance, rtol=tolerance)
         ours.keep(list(range(base)) + [base + n for n in kept])
         reference = CachedLM(target, V)
@@ -768,7 +769,7 @@ def test_stateful_layers_read_the_keys_every_row_saw_as_one_state(monkeypatch, k
     visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
     paths = [[token for token, seen in zip(tree.tokens, row) if seen] for row in tree.ancestry().tolist()]
     expected = torch.cat([CachedLM(target, V).extend(PROMPT + path) for path in paths])
-    tolerance = 3e-4 if kind == "qwen3_5" else 3e-5  # (as in the tree test)
+    tolerance = 3e-4 if kind == "qwen3_5" else 1e-4 if kind == "bamba" else 3e-5  # (as in the tree test)
     assert any(weights is not None for weights in CompiledModel(target, False).state_weights)  # (a state kept)
     for backend in (CompiledModel(target, True), CompiledModel(target, False),
                     CompiledModel(target, False, static_shapes=True)):
