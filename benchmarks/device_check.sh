@@ -20,7 +20,7 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh controls  # logit bias, --ignore-eos, windows in CUDA graphs
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh decoders  # a fresh decoder per answer: step graphs shared or not
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh families  # gpt-oss, OPT, GPT-2, Gemma 4, DeepSeek V3 in CUDA graphs against eager
-#   source .device-stage/env.sh && bash benchmarks/device_check.sh families2  # GPT-J, Falcon, Gemma 3n, and BLOOM's, GPT-Neo's, Llama 4's, LFM2's, Qwen3.5's, Granite 4's and Nemotron-H's trees
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh families2  # GPT-J, Falcon, Gemma 3n, and BLOOM's, GPT-Neo's, Llama 4's, LFM2's, Qwen3.5's, Granite 4's, Nemotron-H's, Bamba's and Mamba-2's trees
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
@@ -140,11 +140,12 @@ print('$variant', '$extra', r['finish_reason'], len(r['token_ids']), round(r['st
       $py benchmarks/windowed_runtime.py --family $family --rounds 1 -n 64 2>&1 | grep -v "Writing" |
         sed "s/^/$family /" | tee -a "$out/families.txt"
     done ;;
-  families2)  # as `families`, GPT-J, Falcon, Gemma 3n, and BLOOM, GPT-Neo, Llama 4, LFM2, Qwen3.5, Granite 4, Nemotron-H with
+  families2)  # as `families`, GPT-J, Falcon, Gemma 3n, and BLOOM, GPT-Neo, Llama 4, LFM2, Qwen3.5, Granite 4, Nemotron-H,
+    # Bamba, Mamba-2 with
     # a tree (ALiBi, windows, chunks by position, states by path: refused on transformers' forward, so compared with
     # `ar` there)
-    for family in gptj falcon bloom gpt_neo gemma3n llama4 lfm2 qwen3_5 granite4 nemotron_h; do
-      variants=ar,sd; case $family in bloom|gpt_neo|llama4|lfm2|qwen3_5|granite4|nemotron_h) variants=ar,rsd-c ;; esac
+    for family in gptj falcon bloom gpt_neo gemma3n llama4 lfm2 qwen3_5 granite4 nemotron_h bamba mamba2; do
+      variants=ar,sd; case $family in bloom|gpt_neo|llama4|lfm2|qwen3_5|granite4|nemotron_h|bamba|mamba2) variants=ar,rsd-c ;; esac
       $py benchmarks/windowed_runtime.py --family $family --rounds 1 -n 64 --variants $variants 2>&1 |
         grep -v "Writing" | sed "s/^/$family /" | tee -a "$out/families2.txt"
     done ;;
