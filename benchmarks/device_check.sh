@@ -21,10 +21,11 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh decoders  # a fresh decoder per answer: step graphs shared or not
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh families  # gpt-oss, OPT, GPT-2, Gemma 4, DeepSeek V3 in CUDA graphs against eager
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh families2  # GPT-J, Falcon, Gemma 3n, and BLOOM's, GPT-Neo's, Llama 4's, LFM2's, Qwen3.5's, Granite 4's, Nemotron-H's, Bamba's and Mamba-2's trees
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh bf16      # bf16 logits against transformers' (compiled: rounding each result or not) and its cost
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
-part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls, decoders, families or families2}
+part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls, decoders, families, families2 or bf16}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -149,6 +150,10 @@ print('$variant', '$extra', r['finish_reason'], len(r['token_ids']), round(r['st
       $py benchmarks/windowed_runtime.py --family $family --rounds 1 -n 64 --variants $variants 2>&1 |
         grep -v "Writing" | sed "s/^/$family /" | tee -a "$out/families2.txt"
     done ;;
+  bf16)  # a GPU's default dtype: the runtime's logits against transformers' forward on tiny models,
+    # uncompiled and in CUDA graphs, with compiled results rounded to bf16 (emulate_precision_casts) or not;
+    # and the embedded target's compiled forward (1 and 4 tokens) with and without that rounding
+    $py benchmarks/bf16_fidelity.py --out "$out/bf16-fidelity.json" 2>&1 | tee "$out/bf16-fidelity.txt" ;;
   decoders)  # a decoder made afresh per answer (a chat's turns, bench's runs): the step maths' graphs captured by each
     # at a site's first call (rsd before 2026-11-28) against shared by the model's decoders and captured at the third
     # (H200, T=1: auto 0.70x -> 0.81x ar, rsd-c b=(3) 0.80x -> 0.91x)

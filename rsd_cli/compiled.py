@@ -171,6 +171,9 @@ class Style(NamedTuple):
     # its output (Llama 4)
     input_weighted: bool = False
     output_gate: bool = False  # q's product gives each head a gate too, attention's output times its sigmoid (Qwen3.5)
+    # the residual stream kept in float32 whatever the weights' dtype: each layer's norm reads it cast to theirs,
+    # the final norm reads it as it is, its output cast to the head's dtype (Mamba-2's `residual_in_fp32`)
+    residual_in_float: bool = False
 
 
 def decoder_of(model) -> tuple:
@@ -272,7 +275,8 @@ def style_of(model) -> Style:
                  interleaved=family in ("gpt_neox", "falcon", "bloom") or bigcode and not cfg.multi_query, sinks=oss,
                  angles_once=oss,
                  value_norm=newer_gemma, latent_pairs=bool(getattr(cfg, "rope_interleave", False)),
-                 latent_complex=family == "deepseek_v2", input_weighted=llama4, output_gate=qwen35)
+                 latent_complex=family == "deepseek_v2", input_weighted=llama4, output_gate=qwen35,
+                 residual_in_float=family == "mamba2" and bool(getattr(cfg, "residual_in_fp32", False)))
 
 
 def grouped_routing(cfg) -> tuple | None:
@@ -1055,8 +1059,9 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
     # stacked blocks where the blocks kernel serves this many rows (prompts: where it measured faster)
     on_blocks = n <= MAX_ROWS or kernels.q[0][2] == "blocks"
     fused = fused if on_blocks and not torch.compiler.is_compiling() else (None, None)
-    # (OLMo: no norm before attention)
-    h = x if weights.ln1 is None else _rms_norm(x, weights.ln1, eps, in_float, style.centred)
+    # (OLMo: no norm before attention; Mamba-2's float32 residual read in the weights' dtype)
+    h = x if weights.ln1 is None else _rms_norm(x.to(weights.ln1.dtype) if style.residual_in_float else x,
+                                                 weights.ln1, eps, in_float, style.centred)
     normed = h
     if weights.conv is not None:  # (LFM2's short convolution)
         out = _short_conv(h, weights, kernels, mask, keys, slots)
@@ -2258,12 +2263,14 @@ def fused_blocks(linears, biased: bool = False, held: bool = False) -> torch.Ten
 
 def final_logits(x, norm, eps: float, head, small: tuple, in_float: bool = False,
                  softcap: float | None = None, divisor: float = 1.0, centred: bool = False,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """(m, hidden) -> (m, rows of the head) logits: the final norm (a norm_weight; `centred`: Cohere's)
     and the output head (its `bias`: Phi's), the logits then divided by `divisor` (Granite's
     `logits_scaling`, Cohere's 1 / `logit_scale`) and soft-capped to (-softcap, softcap) where the
-    model says (Gemma 2 and 3's `final_logit_softcapping`)."""
-    logits = _linear(_rms_norm(x, norm, eps, in_float, centred), head, bias, small)
+    model says (Gemma 2 and 3's `final_logit_softcapping`). `dtype`: the norm's output cast to it before
+    the head (Mamba-2's float32 residual: Style.residual_in_float)."""
+    normed = _rms_norm(x, norm, eps, in_float, centred)
+    logits = _linear(normed if dtype is None else normed.to(dtype), head, bias, small)
     logits = logits if divisor == 1.0 else logits / divisor
     return logits if not softcap else torch.tanh(logits / softcap) * softcap
 
@@ -2707,6 +2714,8 @@ class CompiledModel:
             x = _rms_norm(x, *self.embedding_norm)
         if self.embedding_scale != 1.0:  # (Granite's model scales it)
             x = x * self.embedding_scale
+        if self.style.residual_in_float:  # (Mamba-2's residual stream in float32)
+            x = x.float()
         sides = None  # (Gemma 4: (n, layers, width) inputs of each layer, from the tokens and their embeddings)
         if self.per_layer_inputs:  # (Gemma 3n's from the tokens alone)
             by_token = self.inner.get_per_layer_inputs(tokens[None]) if self.altup is not None else \
@@ -2749,7 +2758,8 @@ class CompiledModel:
             with on_threads(threads) if threads else contextlib.nullcontext():
                 return final_logits(y[rows], self.final_norm, self.norm_eps, self.model.lm_head.weight,
                                     self.head_small, self.style.norm_in_float, self.softcap, self.logits_divisor,
-                                    self.style.centred, self.model.lm_head.bias)
+                                    self.style.centred, self.model.lm_head.bias,
+                                    self.dtype if self.style.residual_in_float else None)
 
         if in_c:
             def in_the_library(threads: int) -> torch.Tensor:
@@ -2869,7 +2879,13 @@ def _compiled(fn):
     register_operator()  # rsd::linear, what compiled graphs call for the measured kernels
     register_experts_operator()  # rsd::experts, the experts of mixtures (routed_experts)
     _remember_isa_probes()
-    return torch.compile(fn, fullgraph=True)
+    import torch._inductor.config as inductor
+    # in bfloat16 and float16 (a GPU's default) each operation's result rounded to the dtype as the
+    # uncompiled layers and transformers' forward round it, not kept in float32 through a fused kernel
+    # (tiny bfloat16 models' logits 3-8.4 bfloat16 steps from transformers' without, 0-2.1 with); for rsd's
+    # graphs alone (transformers' own compiled generate, `bench`'s peer, left as torch makes it)
+    options = {"emulate_precision_casts": True} if hasattr(inductor, "emulate_precision_casts") else None
+    return torch.compile(fn, fullgraph=True, options=options)
 
 
 def _isa_key() -> str:

@@ -131,8 +131,9 @@ def adapter_only(target, adapter: torch.nn.ModuleDict, vocab: int = 0):
     keeps its cache slot K of the real draft. (Granite's models scale `inputs_embeds` by their embedding
     multiplier, meant for the embedding's output: not for hidden states, so not here.)"""
     trainee = early_exit_draft(target, 0, adapter, vocab)
-    if hasattr(decoder_body(trainee), "embedding_multiplier"):
-        decoder_body(trainee).embedding_multiplier = 1.0
+    body = decoder_body(trainee)
+    if hasattr(body, "embedding_multiplier"):
+        body.embedding_multiplier = 1.0
     return trainee
 
 

@@ -687,6 +687,42 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     assert_the_runtime_decodes_as_transformers(target, draft, 3e-5 if kind in ("nemotron", "glm4_moe_lite") else 1e-5)
 
 
+def bfloat16_steps(ours: torch.Tensor, expected: torch.Tensor, largest: float) -> float:
+    """The largest difference between two tensors of logits, in bfloat16 steps at the `largest` logit's
+    magnitude (8 bits of precision: 1/16 from 8 to 16)."""
+    return (ours - expected).abs().max().item() / 2.0 ** (math.floor(math.log2(largest)) - 7)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "granite4", "mamba2"])
+def test_in_bfloat16_the_runtime_gives_transformers_logits(monkeypatch, kind):
+    """A GPU's default dtype is bfloat16: there a prompt's and a tree's rows on the uncompiled runtime are
+    what transformers' forward gives (each row's path read as a chain) to the bit, on this CPU, each product
+    in torch's kernel. Mamba-2 keeps its residual stream in float32 (`residual_in_fp32`; kept in bfloat16,
+    its logits a bfloat16 step off). Compiled graphs round each result to bfloat16 as the uncompiled layers
+    do (inductor's `emulate_precision_casts`), which leaves their fused float32 arithmetic 0-2.1 bfloat16
+    steps at the largest logit from transformers' (without it 3-8.4 steps: 0.09-0.42 in logits up to 16)."""
+    monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "torch")  # (transformers' product: oneDNN's rounds otherwise)
+    model = tiny_relative(kind, V, layers=3, seed=0).to(torch.bfloat16)
+    tree = a_tree()
+    base = len(PROMPT)
+    visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
+    paths = [[token for token, seen in zip(tree.tokens, row) if seen] for row in tree.ancestry().tolist()]
+    expected = torch.cat([CachedLM(model, V).extend(PROMPT + path) for path in paths])
+    read = CachedLM(model, V).extend(PROMPT)
+    for backend in (CompiledModel(model, False), CompiledModel(model, True)):
+        ours = StaticLM(backend, V, capacity=12)
+        prompt = ours.extend(PROMPT)
+        logits = ours.forward(tree.tokens, [base + d for d in tree.depths], visible)
+        ours.release()
+        if not backend.compiled:
+            assert torch.equal(prompt, read) and torch.equal(logits, expected), (logits - expected).abs().max()
+        else:
+            assert 8 in backend.graphs  # (the tree's 7 rows in the compiled graph of 8)
+            largest = max(read.abs().max().item(), expected.abs().max().item())
+            steps = bfloat16_steps(prompt, read, largest), bfloat16_steps(logits, expected, largest)
+            assert max(steps) < 2.5, steps
+
+
 @pytest.mark.parametrize("kind", ["bloom", "mpt", "falcon-rw", "gpt_neo", "llama4", "lfm2", "lfm2_moe", "qwen3_5",
                                   "qwen3_5_moe", "qwen3_next", "granite4", "granite4-dense", "nemotron_h",
                                   "bamba", "mamba2"])
