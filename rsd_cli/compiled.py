@@ -572,6 +572,9 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: Style
         turned = (part.float() * cos + rotate_pairs(part).float() * sin).to(x.dtype)
     else:
         turned = part * cos + rotate_pairs(part) * sin
+    # (OLMo 2's and 3's tables in float32 whatever the model's dtype: turned in float32, then cast back, as
+    # their apply_rotary_pos_emb does)
+    turned = turned.to(x.dtype)
     return torch.cat([turned, x[..., width:]], dim=-1) if width < x.shape[-1] else turned
 
 
