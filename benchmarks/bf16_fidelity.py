@@ -7,7 +7,7 @@ row against transformers' forward of its path; the largest difference in logits 
 at the largest logit. Then the embedded target's compiled forward of 1 and 4 tokens after 150 (medians).
 Each setting in a process of its own (`--casts on|off`; no argument: both, one after the other).
 
-Run: .venv/bin/python benchmarks/bf16_fidelity.py [--kinds qwen3,gemma3,granite4,mamba2] [--out FILE.json]
+Run: .venv/bin/python benchmarks/bf16_fidelity.py [--kinds qwen3,gemma3,olmo2,granite4,mamba2] [--out FILE.json]
 """
 
 import argparse
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--kinds", default="qwen3,gemma3,granite4,mamba2")
+parser.add_argument("--kinds", default="qwen3,gemma3,olmo2,granite4,mamba2")
 parser.add_argument("--casts", choices=("on", "off"))
 parser.add_argument("--repeats", type=int, default=15)
 parser.add_argument("--out")
@@ -39,6 +39,9 @@ if args.casts is None:  # both settings, each in a process of its own
         Path(args.out).write_text(json.dumps(rows, indent=1))
     sys.exit(0)
 
+import os  # noqa: E402
+
+os.environ.setdefault("RSD_ADAPTIVE_THREADS", "0")  # (a CPU's graphs on every forward: torch's fixed threads)
 import torch  # noqa: E402
 
 if args.casts == "off":  # rsd asks for it when it compiles: left out in this process
@@ -79,11 +82,15 @@ for kind in args.kinds.split(","):
     read = CachedLM(model, V).extend(PROMPT).float().cpu()
     largest = max(read.abs().max().item(), expected.abs().max().item())
     for compile in (False, True):
-        ours = StaticLM(CompiledModel(model, compile), V, capacity=16)
+        backend = CompiledModel(model, compile)
+        ours = StaticLM(backend, V, capacity=16)
         prompt = ours.extend(PROMPT).float().cpu()
         logits = ours.forward(tree.tokens, [base + d for d in tree.depths], visible).float().cpu()
         ours.release()
+        # graphs: the token counts that ran compiled (on a CPU, where its thread governor gave the forward
+        # fewer threads than the graphs were compiled for, the layers ran uncompiled: none)
         print(json.dumps({"casts": args.casts, "kind": kind, "compiled": compile, "device": device.type,
+                          "graphs": sorted(backend.graphs),
                           "prompt_diff": (prompt - read).abs().max().item(),
                           "tree_diff": (logits - expected).abs().max().item(),
                           "steps": max(steps(prompt, read, largest), steps(logits, expected, largest))}),

@@ -2885,7 +2885,7 @@ def _compiled(fn):
     import torch._inductor.config as inductor
     # in bfloat16 and float16 (a GPU's default) each operation's result rounded to the dtype as the
     # uncompiled layers and transformers' forward round it, not kept in float32 through a fused kernel
-    # (tiny bfloat16 models' logits 3-8.4 bfloat16 steps from transformers' without, 0-2.1 with); for rsd's
+    # (tiny bfloat16 models' logits 2.5-8.4 bfloat16 steps from transformers' without, 0-2.1 with); for rsd's
     # graphs alone (transformers' own compiled generate, `bench`'s peer, left as torch makes it)
     options = {"emulate_precision_casts": True} if hasattr(inductor, "emulate_precision_casts") else None
     return torch.compile(fn, fullgraph=True, options=options)
