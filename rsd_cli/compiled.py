@@ -146,6 +146,9 @@ class Style(NamedTuple):
     # attention and the MLP side by side, both joining the residual: the MLP reads the first norm's
     # output (Cohere, Phi) or, where the layer has a second norm, that norm of the layer's input (GPT-NeoX)
     parallel: bool = False
+    # ... their outputs added together, then to the residual (GPT-NeoX, Phi, GPT-J, Falcon), not each to it in
+    # turn (Cohere): the same sum, rounded otherwise in bfloat16
+    parallel_sum: bool = False
     experts: int = 0  # the experts each token is routed to, where MLPs are mixtures of experts (Mixtral, ...)
     renormalise: bool = False  # ... their routing weights divided by their sum (Mixtral's; a config's norm_topk_prob)
     routing_in_float: bool = False  # ... and kept in float32 (Mixtral's), not cast to the model's dtype
@@ -255,6 +258,8 @@ def style_of(model) -> Style:
                  rotation_in_float=ernie or llama4 or family == "cohere",
                  norm_after_rotation=llama4 or family == "hunyuan_v1_dense", centred=cohere,
                  parallel=cohere or family in ("phi", "gptj") or bool(getattr(cfg, "use_parallel_residual", False))
+                 or family == "falcon" and bool(cfg.new_decoder_architecture or cfg.parallel_attn),
+                 parallel_sum=family in ("phi", "gptj") or bool(getattr(cfg, "use_parallel_residual", False))
                  or family == "falcon" and bool(cfg.new_decoder_architecture or cfg.parallel_attn),
                  experts=int(cfg.num_experts_per_tok) if mixture else  # (Gemma 4's beside its MLP: its own name)
                  int(cfg.top_k_experts) if family == "gemma4_text" and getattr(cfg, "enable_moe_block", False) else 0,
@@ -1084,7 +1089,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
     residual = x
     if weights.after_attention is not None:
         attended = _rms_norm(attended, weights.after_attention, eps, in_float)
-    x = x + attended
+    if not style.parallel_sum:
+        x = x + attended
     if weights.laurel is not None:  # (Gemma 3n: a low-rank residual of the normed input, averaged in)
         left, right, laurel_norm = weights.laurel
         low = _linear(_linear(normed, left, None, kernels.laurel_left), right, None, kernels.laurel_right)
@@ -1117,7 +1123,10 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
         mlp = _rms_norm(mlp, mlp_after, eps, in_float) + experts_beside(x, routed, style.experts, style.activation, eps)
     if style.residual_scale != 1.0:
         mlp = mlp * style.residual_scale
-    x = x + (mlp if weights.after_mlp is None else _rms_norm(mlp, weights.after_mlp, eps, in_float))
+    if style.parallel_sum:  # (GPT-NeoX: mlp + attention + the residual)
+        x = mlp + attended + residual
+    else:
+        x = x + (mlp if weights.after_mlp is None else _rms_norm(mlp, weights.after_mlp, eps, in_float))
     # (Gemma 4: the layer's own input, gated by its output, projected, normed, added)
     if weights.side_input is not None:
         gate_weight, projection, side_norm = weights.side_input
