@@ -140,7 +140,7 @@ class Style(NamedTuple):
     softcap: float | None = None  # attention scores soft-capped to (-softcap, softcap) before the mask (Gemma 2)
     residual_scale: float = 1.0  # what attention's and the MLP's outputs are multiplied by before they join (Granite)
     pairs: bool = False  # q and k turned by adjacent pairs of dimensions (GLM-4, ERNIE 4.5), not by halves
-    rotation_in_float: bool = False  # ... in float32, then cast (ERNIE 4.5)
+    rotation_in_float: bool = False  # ... in float32, then cast (ERNIE 4.5, Cohere, Cohere 2, Llama 4)
     norm_after_rotation: bool = False  # each head of q and k normed after the rotation (Hunyuan), not before
     centred: bool = False  # norms that subtract the mean too (Cohere's LayerNorm without a bias)
     # attention and the MLP side by side, both joining the residual: the MLP reads the first norm's
@@ -255,7 +255,7 @@ def style_of(model) -> Style:
                  residual_scale=float(getattr(cfg, "residual_multiplier", 1.0)) if family != "minicpm3"
                  else cfg.scale_depth / math.sqrt(cfg.num_hidden_layers),
                  pairs=ernie or llama4 or family in ("glm4", "cohere", "cohere2", "gptj"),
-                 rotation_in_float=ernie or llama4 or family == "cohere",
+                 rotation_in_float=ernie or llama4 or cohere,
                  norm_after_rotation=llama4 or family == "hunyuan_v1_dense", centred=cohere,
                  parallel=cohere or family in ("phi", "gptj") or bool(getattr(cfg, "use_parallel_residual", False))
                  or family == "falcon" and bool(cfg.new_decoder_architecture or cfg.parallel_attn),

@@ -693,14 +693,15 @@ def bfloat16_steps(ours: torch.Tensor, expected: torch.Tensor, largest: float) -
     return (ours - expected).abs().max().item() / 2.0 ** (math.floor(math.log2(largest)) - 7)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "olmo2", "gpt_neox", "phi", "granite4", "mamba2"])
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "olmo2", "gpt_neox", "phi", "cohere2", "granite4", "mamba2"])
 def test_in_bfloat16_the_runtime_gives_transformers_logits(monkeypatch, kind):
     """A GPU's default dtype is bfloat16: there a prompt's and a tree's rows on the uncompiled runtime are
     what transformers' forward gives (each row's path read as a chain) to the bit, on this CPU, each product
     in torch's kernel. Mamba-2 keeps its residual stream in float32 (`residual_in_fp32`; kept in bfloat16,
     its logits a bfloat16 step off); OLMo 2's rotary tables are float32, q and k turned in float32 and cast
     back (else q stayed float32 and attention refused its bfloat16 keys); GPT-NeoX's and Phi's attention and
-    MLP, side by side, are added together before the residual (added to it in turn, a bfloat16 step off). Compiled graphs round each result to bfloat16 as the uncompiled layers
+    MLP, side by side, are added together before the residual (added to it in turn, a bfloat16 step off);
+    Cohere 2 turns q and k in float32, as Cohere does (in bfloat16, a bfloat16 step off). Compiled graphs round each result to bfloat16 as the uncompiled layers
     do (inductor's `emulate_precision_casts`), which leaves their fused float32 arithmetic 0-2.1 bfloat16
     steps at the largest logit from transformers' (without it 2.5-8.4 steps: 0.09-0.42 in logits up to 16)."""
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "torch")  # (transformers' product: oneDNN's rounds otherwise)
