@@ -248,6 +248,8 @@ def style_of(model) -> Style:
     bigcode, ernie, llama4 = family == "gpt_bigcode", family in ("ernie4_5", "ernie4_5_moe"), family == "llama4_text"
     # (Qwen3.5's and Qwen3-Next's norms by 1 + weight in float32, attention's output gated)
     qwen35 = family in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+    parallel = cohere or family in ("phi", "gptj") or bool(getattr(cfg, "use_parallel_residual", False)) \
+        or family == "falcon" and bool(cfg.new_decoder_architecture or cfg.parallel_attn)
     return Style(norm_in_float=gemma or family in ("olmo2", "olmo3", "nemotron_h") or cohere or oss or qwen35,
                  norm_offset=gemma and not newer_gemma or family == "nemotron" or qwen35,
                  activation=clamped_swiglu(model) if oss else activation_of(cfg),
@@ -257,10 +259,7 @@ def style_of(model) -> Style:
                  pairs=ernie or llama4 or family in ("glm4", "cohere", "cohere2", "gptj"),
                  rotation_in_float=ernie or llama4 or cohere,
                  norm_after_rotation=llama4 or family == "hunyuan_v1_dense", centred=cohere,
-                 parallel=cohere or family in ("phi", "gptj") or bool(getattr(cfg, "use_parallel_residual", False))
-                 or family == "falcon" and bool(cfg.new_decoder_architecture or cfg.parallel_attn),
-                 parallel_sum=family in ("phi", "gptj") or bool(getattr(cfg, "use_parallel_residual", False))
-                 or family == "falcon" and bool(cfg.new_decoder_architecture or cfg.parallel_attn),
+                 parallel=parallel, parallel_sum=parallel and not cohere,
                  experts=int(cfg.num_experts_per_tok) if mixture else  # (Gemma 4's beside its MLP: its own name)
                  int(cfg.top_k_experts) if family == "gemma4_text" and getattr(cfg, "enable_moe_block", False) else 0,
                  # (Mixtral's: no setting, always; DeepSeek V2's router never does, whatever its config says)
@@ -1123,10 +1122,9 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
         mlp = _rms_norm(mlp, mlp_after, eps, in_float) + experts_beside(x, routed, style.experts, style.activation, eps)
     if style.residual_scale != 1.0:
         mlp = mlp * style.residual_scale
-    if style.parallel_sum:  # (GPT-NeoX: mlp + attention + the residual)
-        x = mlp + attended + residual
-    else:
-        x = x + (mlp if weights.after_mlp is None else _rms_norm(mlp, weights.after_mlp, eps, in_float))
+    joined = mlp if weights.after_mlp is None else _rms_norm(mlp, weights.after_mlp, eps, in_float)
+    # (GPT-NeoX, Phi, GPT-J, Falcon: the MLP's output plus attention's, then the residual)
+    x = joined + attended + residual if style.parallel_sum else x + joined
     # (Gemma 4: the layer's own input, gated by its output, projected, normed, added)
     if weights.side_input is not None:
         gate_weight, projection, side_norm = weights.side_input
