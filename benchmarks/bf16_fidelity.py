@@ -56,7 +56,7 @@ if args.casts == "off":  # rsd asks for it when it compiles: left out in this pr
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from rsd_cli.compiled import CompiledModel, StaticLM  # noqa: E402
 from rsd_cli.engine import CachedLM  # noqa: E402
-from rsd_cli.tree import DraftTree  # noqa: E402
+from test_compiled import a_tree  # noqa: E402
 from tiny import tiny_relative  # noqa: E402
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -67,12 +67,7 @@ def steps(ours, expected, largest):
     return (ours - expected).abs().max().item() / 2.0 ** (math.floor(math.log2(largest)) - 7)
 
 
-tree = DraftTree.rooted_at(5)
-a, _ = tree.add_draw(0, 2)
-b, _ = tree.add_draw(0, 4)
-c, _ = tree.add_draw(a, 1)
-tree.add_draw(b, 3)
-tree.add_draw(c, 0)
+tree = a_tree()  # (the tests' tree of 6 nodes)
 base = len(PROMPT)
 visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
 paths = [[token for token, seen in zip(tree.tokens, row) if seen] for row in tree.ancestry().tolist()]
