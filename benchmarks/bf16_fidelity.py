@@ -12,7 +12,6 @@ Run: .venv/bin/python benchmarks/bf16_fidelity.py [--kinds qwen3,gemma3,olmo2,gr
 
 import argparse
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -56,15 +55,11 @@ if args.casts == "off":  # rsd asks for it when it compiles: left out in this pr
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from rsd_cli.compiled import CompiledModel, StaticLM  # noqa: E402
 from rsd_cli.engine import CachedLM  # noqa: E402
-from test_compiled import a_tree  # noqa: E402
+from test_compiled import a_tree, bfloat16_steps  # noqa: E402
 from tiny import tiny_relative  # noqa: E402
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 V, PROMPT = 6, [1, 3, 4]
-
-
-def steps(ours, expected, largest):
-    return (ours - expected).abs().max().item() / 2.0 ** (math.floor(math.log2(largest)) - 7)
 
 
 tree = a_tree()  # (the tests' tree of 6 nodes)
@@ -88,7 +83,8 @@ for kind in args.kinds.split(","):
                           "graphs": sorted(backend.graphs),
                           "prompt_diff": (prompt - read).abs().max().item(),
                           "tree_diff": (logits - expected).abs().max().item(),
-                          "steps": max(steps(prompt, read, largest), steps(logits, expected, largest))}),
+                          "steps": max(bfloat16_steps(prompt, read, largest),
+                                       bfloat16_steps(logits, expected, largest))}),
               flush=True)
 
 from rsd_cli.models import load_pair  # noqa: E402

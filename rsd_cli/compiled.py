@@ -573,11 +573,11 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: Style
     if not style.pairs:
         turned = part * cos + rotate_half(part) * sin
     elif style.rotation_in_float:
-        turned = (part.float() * cos + rotate_pairs(part).float() * sin).to(x.dtype)
+        turned = part.float() * cos + rotate_pairs(part).float() * sin
     else:
         turned = part * cos + rotate_pairs(part) * sin
-    # (OLMo 2's and 3's tables in float32 whatever the model's dtype: turned in float32, then cast back, as
-    # their apply_rotary_pos_emb does)
+    # (cast back where it was turned in float32: by `rotation_in_float`, or by OLMo 2's and 3's tables, float32
+    # whatever the model's dtype, as their apply_rotary_pos_emb does)
     turned = turned.to(x.dtype)
     return torch.cat([turned, x[..., width:]], dim=-1) if width < x.shape[-1] else turned
 
