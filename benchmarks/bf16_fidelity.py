@@ -68,13 +68,22 @@ visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestr
 paths = [[token for token, seen in zip(tree.tokens, row) if seen] for row in tree.ancestry().tolist()]
 for kind in args.kinds.split(","):
     model = tiny_relative(kind, V, layers=3, seed=0).to(device=device, dtype=torch.bfloat16)
-    expected = torch.cat([CachedLM(model, V).extend(PROMPT + path) for path in paths]).float().cpu()
+    def transformers_last(path: list[int]) -> torch.Tensor:
+        """transformers' logits of the path's last token after the prompt (MPT's: token by token, as its
+        generate reads them: its position bias depends on the forward's length)"""
+        if kind != "mpt":
+            return CachedLM(model, V).extend(PROMPT + path)
+        cache = CachedLM(model, V)
+        cache.extend(PROMPT)
+        return [cache.extend([token]) for token in path][-1]
+
+    expected = torch.cat([transformers_last(path) for path in paths]).float().cpu()
     read = CachedLM(model, V).extend(PROMPT).float().cpu()
     largest = max(read.abs().max().item(), expected.abs().max().item())
     for compile in (False, True):
         backend = CompiledModel(model, compile)
         ours = StaticLM(backend, V, capacity=16)
-        prompt = ours.extend(PROMPT).float().cpu()
+        prompt = ours.extend(PROMPT, reading=True).float().cpu()
         logits = ours.forward(tree.tokens, [base + d for d in tree.depths], visible).float().cpu()
         ours.release()
         # graphs: the token counts that ran compiled (on a CPU, where its thread governor gave the forward

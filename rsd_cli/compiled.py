@@ -151,7 +151,7 @@ class Style(NamedTuple):
     parallel_sum: bool = False
     experts: int = 0  # the experts each token is routed to, where MLPs are mixtures of experts (Mixtral, ...)
     renormalise: bool = False  # ... their routing weights divided by their sum (Mixtral's; a config's norm_topk_prob)
-    routing_in_float: bool = False  # ... and kept in float32 (Mixtral's), not cast to the model's dtype
+    routing_in_float: bool = False  # ... and kept in float32 (Mixtral's, DeepSeek V2's), not cast to the model's dtype
     top_first: bool = False  # ... a softmax of the k largest router logits (GraniteMoE), not the k largest of a softmax
     norm_min: float = 0.0  # ... renormalised by at least this sum (ERNIE 4.5's `moe_norm_min`), where it has one
     sparse_mixer: float | None = None  # ... chosen as Phi-3.5-MoE's sparsemixer does at inference, this its jitter
@@ -177,6 +177,14 @@ class Style(NamedTuple):
     # the residual stream kept in float32 whatever the weights' dtype: each layer's norm reads it cast to theirs,
     # the final norm reads it as it is, its output cast to the head's dtype (Mamba-2's `residual_in_fp32`)
     residual_in_float: bool = False
+    bias_after_product: bool = False  # linears add their bias to the rounded product (Falcon's FalconLinear)
+    # the one key head passed to torch's attention as it is, broadcast over q's heads (Falcon-7B's multi-query
+    # attention in transformers): in bfloat16 and float16 its kernel for that shape rounds otherwise
+    broadcast_keys: bool = False
+    # attention as the family's own code in transformers computes it, in bfloat16 and float16 (in float32 torch's
+    # kernel, within its rounding): "bloom" (ALiBi's bias plus the scaled scores rounded once, a softmax in
+    # float32 cast back, then the product with v), "gpt_neo" (scores and softmax in float32, cast back), or None
+    eager_attention: str | None = None
 
 
 def decoder_of(model) -> tuple:
@@ -265,7 +273,7 @@ def style_of(model) -> Style:
                  # (Mixtral's: no setting, always; DeepSeek V2's router never does, whatever its config says)
                  renormalise=mixture and bool(getattr(cfg, "norm_topk_prob", True))
                  and family not in ("deepseek_v2", "llama4_text"),
-                 routing_in_float=family in ("mixtral", "deepseek_v3", "glm4_moe_lite"),
+                 routing_in_float=family in ("mixtral", "deepseek_v3", "glm4_moe_lite", "deepseek_v2"),
                  top_first=family.startswith("granitemoe") or oss,
                  grouped=grouped_routing(cfg),
                  norm_min=float(getattr(cfg, "moe_norm_min", 0.0) or 0.0) if mixture else 0.0,
@@ -280,7 +288,10 @@ def style_of(model) -> Style:
                  angles_once=oss,
                  value_norm=newer_gemma, latent_pairs=bool(getattr(cfg, "rope_interleave", False)),
                  latent_complex=family == "deepseek_v2", input_weighted=llama4, output_gate=qwen35,
-                 residual_in_float=family == "mamba2" and bool(getattr(cfg, "residual_in_fp32", False)))
+                 residual_in_float=family == "mamba2" and bool(getattr(cfg, "residual_in_fp32", False)),
+                 bias_after_product=family == "falcon",
+                 broadcast_keys=family == "falcon" and not cfg.new_decoder_architecture and bool(cfg.multi_query),
+                 eager_attention=family if family in ("bloom", "mpt", "gpt_neo") else None)
 
 
 def grouped_routing(cfg) -> tuple | None:
@@ -596,9 +607,13 @@ def pair_angles(table: torch.Tensor) -> torch.Tensor:
     return table[..., : table.shape[-1] // 2].repeat_interleave(2, dim=-1)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small: tuple) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, small: tuple,
+            bias_after: bool = False) -> torch.Tensor:
     """small = (the CPU kernels this layer's shape measured fastest with, the copies of its weight
-    they run on): small_batch.kernels_of / prepared_copies."""
+    they run on): small_batch.kernels_of / prepared_copies. `bias_after`: the bias added to the product
+    once it is rounded to x's dtype (Style.bias_after_product), not inside it."""
+    if bias_after and bias is not None:
+        return _linear(x, weight, None, small) + bias
     if torch.compiler.is_compiling():  # the weight's enrolled kernels (CompiledModel): graphs do not depend on them
         if x.device.type != "cpu":  # (a GPU: inductor's own product, which it can plan around)
             return F.linear(x, weight, bias)
@@ -1082,7 +1097,7 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
     else:
         out = _attention(h, weights, kernels, dims, cos, sin, mask, keys, values, slots, fused, sight, style,
                          temperature)
-    attended = _linear(out.transpose(0, 1).reshape(n, -1), weights.wo, weights.bo, kernels.o)
+    attended = _linear(out.transpose(0, 1).reshape(n, -1), weights.wo, weights.bo, kernels.o, style.bias_after_product)
     if style.residual_scale != 1.0:  # (Granite)
         attended = attended * style.residual_scale
     residual = x
@@ -1104,7 +1119,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
         mlp = mixture_of_experts(h, weights.experts, style)
     else:
         if not style.gated:
-            hidden = _activation(_linear(h, weights.wu, weights.bu, kernels.up), style.activation, weights.constants)
+            hidden = _activation(_linear(h, weights.wu, weights.bu, kernels.up, style.bias_after_product), style.activation,
+                                 weights.constants)
         else:
             if weights.wu is None:  # (stacked float weights)
                 gate, up = _linear(h, weights.wg, None, kernels.gate).chunk(2, -1)
@@ -1115,7 +1131,7 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
             if weights.sparsity is not None:  # (Gemma 3n's first layers)
                 gate = _gate_kept(gate, weights.sparsity)
             hidden = _activation(gate, style.activation) * up
-        mlp = _linear(hidden, weights.wd, weights.bd, kernels.down)
+        mlp = _linear(hidden, weights.wd, weights.bd, kernels.down, style.bias_after_product)
     # (Gemma 4 26B-A4B: the MLP's output normed, experts' beside it on the block's input)
     if weights.beside is not None:
         mlp_after, routed = weights.beside
@@ -1463,7 +1479,8 @@ def _attention(h, weights: LayerWeights, kernels: LayerKernels, dims: tuple, cos
     if shared:  # (Gemma 4's last layers: the keys and values are an earlier layer's)
         q, k, v = _linear(h, wq, bq, kernels.q), None, None
     elif style.interleaved:  # (GPT-NeoX: each head's q, k and v side by side; Falcon: each key head's group's)
-        q, k, v = _linear(h, wq, bq, kernels.q).view(n, kv_heads, -1, head_dim).split([heads // kv_heads, 1, 1], 2)
+        q, k, v = _linear(h, wq, bq, kernels.q, style.bias_after_product).view(n, kv_heads, -1, head_dim) \
+            .split([heads // kv_heads, 1, 1], 2)
         q, k, v = q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)
     elif wk is None:  # (stacked float weights: on a GPU, or a fused linear's own)
         q, k, v = _linear(h, wq, None, kernels.q).split(widths, -1)
@@ -1515,9 +1532,12 @@ def _attention(h, weights: LayerWeights, kernels: LayerKernels, dims: tuple, cos
         k, v = keys, values
     grouped = {}
     own_attention = style.softcap or sinks is not None  # (scores that torch's attention kernel cannot take)
-    if heads != kv_heads and SDPA_GQA and not own_attention:  # grouped-query attention without copying the cache
-        grouped = {"enable_gqa": True}
-    elif heads != kv_heads:
+    # (Falcon-7B's one key head broadcast over q's heads, as transformers passes it: in half precision torch's
+    # kernel for that shape, its math one, rounds otherwise than its grouped one; in float32 within its rounding)
+    broadcast = style.broadcast_keys and q.dtype != torch.float32
+    if heads != kv_heads and SDPA_GQA and not own_attention and not broadcast:  # grouped-query attention without
+        grouped = {"enable_gqa": True}  # copying the cache
+    elif heads != kv_heads and not broadcast:
         k, v = k.repeat_interleave(heads // kv_heads, dim=0), v.repeat_interleave(heads // kv_heads, dim=0)
     if style.softcap:  # Gemma 2: scores soft-capped before the mask
         scores = torch.tanh(q @ k.transpose(1, 2) * scaling / style.softcap) * style.softcap + mask.to(q.dtype)
@@ -1527,6 +1547,13 @@ def _attention(h, weights: LayerWeights, kernels: LayerKernels, dims: tuple, cos
         scores = torch.cat([scores, sinks.to(scores.dtype)[:, None, None].expand(-1, n, 1)], dim=-1)
         scores = scores - scores.max(dim=-1, keepdim=True).values
         out = torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1].to(v.dtype) @ v
+    elif style.eager_attention and q.dtype != torch.float32:  # (BLOOM, GPT-Neo in half precision)
+        if sight is not None and sight.mask is None:  # (causal: every key before the new tokens' own seen by all)
+            seen = torch.ones(n, k.shape[1], dtype=torch.bool, device=q.device).tril(k.shape[1] - n)
+            mask = torch.zeros(seen.shape, device=q.device).masked_fill_(~seen, -math.inf)
+        elif sight is not None:
+            mask = sight.mask
+        out = _eager_attention(q, k, v, mask, scaling, style.eager_attention)
     elif sight is not None and sight.mask is None:  # causal, every key before the new tokens' own seen by all
         before = k.shape[1] - n  # (rows of zeros before the queries: torch's causal attention is top-left)
         q = torch.cat([q.new_zeros(heads, before, head_dim), q], dim=1) if before else q
@@ -1540,6 +1567,19 @@ def _attention(h, weights: LayerWeights, kernels: LayerKernels, dims: tuple, cos
     if gate is not None:  # (Qwen3.5: each head's output times its gate's sigmoid)
         out = out * torch.sigmoid(gate).transpose(0, 1)
     return out
+
+
+def _eager_attention(q, k, v, mask, scaling: float, kind: str) -> torch.Tensor:
+    """Attention of q (H, n, hd) over k and v (H, kv, hd) through the additive mask ((n, kv), or ALiBi's (H, n,
+    kv) with each head's biases in it) as BLOOM's or GPT-Neo's attention in transformers computes it
+    (Style.eager_attention): (H, n, hd)."""
+    if kind == "bloom":  # (its baddbmm: the bias plus the scaled scores, rounded once to q's dtype)
+        scores = torch.baddbmm(mask.to(q.dtype), q, k.transpose(1, 2), alpha=scaling)
+    elif kind == "mpt":  # (the scores rounded to q's dtype, then scaled, rounded again; its float32 bias added)
+        scores = (q @ k.transpose(1, 2)) * scaling + mask.float()
+    else:  # (GPT-Neo: q and k in float32, the mask there)
+        scores = q.float() @ k.float().transpose(1, 2) * scaling + mask.float()
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype) @ v
 
 
 def _latent_attention(h, wq, latent: tuple, kernels: LayerKernels, dims: tuple, cos, sin, mask, keys, values, slots,
@@ -2496,19 +2536,22 @@ class CompiledModel:
         self._pool = None  # one CUDA memory pool for all this model's graphs (they run one at a time)
         self._step_graphs: StepGraphs | None = None  # the maths graphs of the steps on those buffers
 
-    def position_bias(self, key_positions: torch.Tensor, last: int) -> torch.Tensor:
-        """(heads, keys) float32 on the host: what ALiBi adds to each head's scores of keys at these
-        positions — BLOOM's and Falcon-RW's from their table (alibi_biases; made again twice as long
-        for a position past it: ALiBi has no context of its own, and BLOOM's config names none); MPT's
-        its slope times the position less `last`, the newest row's (transformers' less the last key's
-        slot: a constant a row, which softmax does not see), as exactly as it computes it (int32 times
-        float32)."""
+    def position_bias(self, key_positions: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """(heads, 1 or len(rows), keys) float32 on the host: what ALiBi adds to each head's scores of keys
+        at these positions — BLOOM's and Falcon-RW's from their table (alibi_biases; made again twice as
+        long for a position past it: ALiBi has no context of its own, and BLOOM's config names none);
+        MPT's its slope times the key's position less the row's (`rows`: each row's position, or one for
+        them all), as exactly as transformers computes it (int32 times float32). Transformers takes the
+        last key's for every row of a forward: a constant a row, which softmax does not see but half
+        precision rounds, so a prompt is read with its last position and a step's rows each with its
+        own, as transformers' generate reads each token after the one before it."""
         if self.alibi == "mpt":
-            return (key_positions - last).to(torch.int32)[None, :] * self.biases[:, None]
+            last = torch.tensor(rows)[:, None]
+            return (key_positions[None, :] - last).to(torch.int32)[None] * self.biases[:, None, None]
         beyond = int(key_positions.max()) + 1 if len(key_positions) else 0
         if beyond > self.biases.shape[1]:
             self.biases = alibi_biases(self.model, self.dims[0], max(beyond, 2 * self.biases.shape[1]), self.dtype)
-        return self.biases[:, key_positions]
+        return self.biases[:, None, key_positions]
 
     @property
     def all_in_c(self) -> bool:
@@ -3047,10 +3090,10 @@ class StaticLM(ChainExtension):
             # ALiBi: each head's bias by the keys' positions (heads, kv_len), in a mask for each head — made
             # on the host for a graph's mask buffer (a few rows), else on the device only (a prompt's: heads x
             # P x P, as large as transformers' scores)
-            bias = None if self.alibi is None else \
-                self.compiled.position_bias(self.key_positions[:kv_len], max(positions))
+            bias = None if self.alibi is None else self.compiled.position_bias(
+                self.key_positions[:kv_len], [max(positions)] if reading else positions + [positions[-1]] * pad)
             if bias is not None and static:
-                mask = mask + bias[:, None, :]
+                mask = mask + bias
                 mask = mask.pin_memory() if pinned else mask
             on_device = isinstance(tokens, torch.Tensor)
             ids = [[0] * size if on_device else tokens + [0] * pad, positions + [positions[-1]] * pad]
@@ -3074,7 +3117,7 @@ class StaticLM(ChainExtension):
 
                 placed = mask.to(device)
                 if bias is not None:  # (heads, n, kv_len)
-                    placed = placed + bias.to(device)[:, None, :]
+                    placed = placed + bias.to(device)
                 logits = self.compiled.forward(token_ids, ids[1], placed, self.keys, self.values,
                                                rows.to(device), sight=sight, long=long, chain=chain and not pad,
                                                fold=fold)

@@ -693,7 +693,8 @@ def bfloat16_steps(ours: torch.Tensor, expected: torch.Tensor, largest: float) -
     return (ours - expected).abs().max().item() / 2.0 ** (math.floor(math.log2(largest)) - 7)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "olmo2", "gpt_neox", "phi", "cohere2", "granite4", "mamba2"])
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "olmo2", "gpt_neox", "phi", "cohere2", "granite4", "mamba2",
+                                  "falcon", "falcon-7b", "bloom", "mpt", "gpt_neo", "deepseek_v2"])
 def test_in_bfloat16_the_runtime_gives_transformers_logits(monkeypatch, kind):
     """A GPU's default dtype is bfloat16: there a prompt's and a tree's rows on the uncompiled runtime are
     what transformers' forward gives (each row's path read as a chain) to the bit, on this CPU, each product
@@ -701,21 +702,38 @@ def test_in_bfloat16_the_runtime_gives_transformers_logits(monkeypatch, kind):
     its logits a bfloat16 step off); OLMo 2's rotary tables are float32, q and k turned in float32 and cast
     back (else q stayed float32 and attention refused its bfloat16 keys); GPT-NeoX's and Phi's attention and
     MLP, side by side, are added together before the residual (added to it in turn, a bfloat16 step off);
-    Cohere 2 turns q and k in float32, as Cohere does (in bfloat16, a bfloat16 step off). Compiled graphs
-    round each result to bfloat16 as the uncompiled layers do (inductor's `emulate_precision_casts`), which
-    leaves their fused float32 arithmetic 0-2.1 bfloat16 steps at the largest logit from transformers' (2.9
-    for Granite 4 on transformers 5.17; without it 2.5-8.4 steps: 0.09-0.42 in logits up to 16)."""
+    Cohere 2 turns q and k in float32, as Cohere does (in bfloat16, a bfloat16 step off). Falcon's linears add
+    their bias to the rounded product; Falcon-7B's one key head is broadcast to torch's attention, whose kernel
+    for that shape rounds otherwise than its grouped one; BLOOM's, MPT's and GPT-Neo's attention is their own
+    code's (scores rounded, or kept in float32, a softmax in float32 cast back, then the product with v; torch's
+    kernel keeps it all in float32); DeepSeek V2 weights its experts' outputs by float32 routing weights (each
+    one a bfloat16 step off or more without). MPT's bias is a key's position less the last key's in the forward,
+    so transformers' logits depend on how its tokens are split into forwards: a tree's rows are what its
+    generate gives, the prompt read in one forward and each token of the path after it in one of its own.
+    Compiled graphs round each result to bfloat16 as the uncompiled layers do (inductor's
+    `emulate_precision_casts`), which leaves their fused float32 arithmetic 0-2.1 bfloat16 steps at the largest
+    logit from transformers' (2.9 for Granite 4 on transformers 5.17; without it 2.5-8.4 steps: 0.09-0.42 in
+    logits up to 16)."""
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "torch")  # (transformers' product: oneDNN's rounds otherwise)
     model = tiny_relative(kind, V, layers=3, seed=0).to(torch.bfloat16)
     tree = a_tree()
     base = len(PROMPT)
     visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
     paths = [[token for token, seen in zip(tree.tokens, row) if seen] for row in tree.ancestry().tolist()]
-    expected = torch.cat([CachedLM(model, V).extend(PROMPT + path) for path in paths])
+
+    def transformers_last(path: list[int]) -> torch.Tensor:
+        """transformers' logits of the path's last token after the prompt"""
+        if kind != "mpt":
+            return CachedLM(model, V).extend(PROMPT + path)
+        cache = CachedLM(model, V)
+        cache.extend(PROMPT)
+        return [cache.extend([token]) for token in path][-1]
+
+    expected = torch.cat([transformers_last(path) for path in paths])
     read = CachedLM(model, V).extend(PROMPT)
     for backend in (CompiledModel(model, False), CompiledModel(model, True)):
         ours = StaticLM(backend, V, capacity=12)
-        prompt = ours.extend(PROMPT)
+        prompt = ours.extend(PROMPT, reading=True)
         logits = ours.forward(tree.tokens, [base + d for d in tree.depths], visible)
         ours.release()
         if not backend.compiled:
