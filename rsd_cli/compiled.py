@@ -182,8 +182,9 @@ class Style(NamedTuple):
     # attention in transformers): in bfloat16 and float16 its kernel for that shape rounds otherwise
     broadcast_keys: bool = False
     # attention as the family's own code in transformers computes it, in bfloat16 and float16 (in float32 torch's
-    # kernel, within its rounding): "bloom" (ALiBi's bias plus the scaled scores rounded once, a softmax in
-    # float32 cast back, then the product with v), "gpt_neo" (scores and softmax in float32, cast back), or None
+    # kernel, within its rounding): "bloom" (ALiBi's bias plus the scaled scores rounded once), "mpt" (the scores
+    # rounded, scaled, rounded, its bias added in float32) or "gpt_neo" (scores in float32); each then a softmax in
+    # float32 cast back before the product with v; or None
     eager_attention: str | None = None
 
 
@@ -1097,7 +1098,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
     else:
         out = _attention(h, weights, kernels, dims, cos, sin, mask, keys, values, slots, fused, sight, style,
                          temperature)
-    attended = _linear(out.transpose(0, 1).reshape(n, -1), weights.wo, weights.bo, kernels.o, style.bias_after_product)
+    attended = _linear(out.transpose(0, 1).reshape(n, -1), weights.wo, weights.bo, kernels.o,
+                       style.bias_after_product)
     if style.residual_scale != 1.0:  # (Granite)
         attended = attended * style.residual_scale
     residual = x
@@ -1119,8 +1121,8 @@ def decoder_layer(x, cos, sin, mask, keys, values, weights: LayerWeights, kernel
         mlp = mixture_of_experts(h, weights.experts, style)
     else:
         if not style.gated:
-            hidden = _activation(_linear(h, weights.wu, weights.bu, kernels.up, style.bias_after_product), style.activation,
-                                 weights.constants)
+            up = _linear(h, weights.wu, weights.bu, kernels.up, style.bias_after_product)
+            hidden = _activation(up, style.activation, weights.constants)
         else:
             if weights.wu is None:  # (stacked float weights)
                 gate, up = _linear(h, weights.wg, None, kernels.gate).chunk(2, -1)
@@ -1547,7 +1549,7 @@ def _attention(h, weights: LayerWeights, kernels: LayerKernels, dims: tuple, cos
         scores = torch.cat([scores, sinks.to(scores.dtype)[:, None, None].expand(-1, n, 1)], dim=-1)
         scores = scores - scores.max(dim=-1, keepdim=True).values
         out = torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1].to(v.dtype) @ v
-    elif style.eager_attention and q.dtype != torch.float32:  # (BLOOM, GPT-Neo in half precision)
+    elif style.eager_attention and q.dtype != torch.float32:  # (BLOOM, MPT, GPT-Neo in half precision)
         if sight is not None and sight.mask is None:  # (causal: every key before the new tokens' own seen by all)
             seen = torch.ones(n, k.shape[1], dtype=torch.bool, device=q.device).tril(k.shape[1] - n)
             mask = torch.zeros(seen.shape, device=q.device).masked_fill_(~seen, -math.inf)
@@ -1571,7 +1573,7 @@ def _attention(h, weights: LayerWeights, kernels: LayerKernels, dims: tuple, cos
 
 def _eager_attention(q, k, v, mask, scaling: float, kind: str) -> torch.Tensor:
     """Attention of q (H, n, hd) over k and v (H, kv, hd) through the additive mask ((n, kv), or ALiBi's (H, n,
-    kv) with each head's biases in it) as BLOOM's or GPT-Neo's attention in transformers computes it
+    kv) with each head's biases in it) as BLOOM's, MPT's or GPT-Neo's attention in transformers computes it
     (Style.eager_attention): (H, n, hd)."""
     if kind == "bloom":  # (its baddbmm: the bias plus the scaled scores, rounded once to q's dtype)
         scores = torch.baddbmm(mask.to(q.dtype), q, k.transpose(1, 2), alpha=scaling)
@@ -3087,9 +3089,9 @@ class StaticLM(ChainExtension):
                 mask[:, n:, self.length + n: self.length + size] = torch.where(torch.eye(pad, dtype=torch.bool), 0.0,
                                                                                -math.inf)
             mask = mask if by_kind else mask[0]  # (n, kv_len), or (2, n, kv_len) by layer kind
-            # ALiBi: each head's bias by the keys' positions (heads, kv_len), in a mask for each head — made
-            # on the host for a graph's mask buffer (a few rows), else on the device only (a prompt's: heads x
-            # P x P, as large as transformers' scores)
+            # ALiBi: each head's bias by the keys' positions (heads, 1, kv_len; MPT's by each row's too: heads,
+            # size, kv_len), in a mask for each head — made on the host for a graph's mask buffer (a few rows),
+            # else on the device only (a prompt's: heads x P x P, as large as transformers' scores)
             bias = None if self.alibi is None else self.compiled.position_bias(
                 self.key_positions[:kv_len], [max(positions)] if reading else positions + [positions[-1]] * pad)
             if bias is not None and static:
