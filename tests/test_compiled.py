@@ -698,7 +698,7 @@ def bfloat16_steps(ours: torch.Tensor, expected: torch.Tensor, largest: float) -
 def test_in_bfloat16_the_runtime_gives_transformers_logits(monkeypatch, kind):
     """A GPU's default dtype is bfloat16: there a prompt's and a tree's rows on the uncompiled runtime are
     what transformers' forward gives (each row's path read as a chain) to the bit, on this CPU, each product
-    in torch's kernel. Mamba-2 keeps its residual stream in float32 (`residual_in_fp32`; kept in bfloat16,
+    in torch's kernel, on dynamic and on static shapes (a GPU's). Mamba-2 keeps its residual stream in float32 (`residual_in_fp32`; kept in bfloat16,
     its logits a bfloat16 step off); OLMo 2's rotary tables are float32, q and k turned in float32 and cast
     back (else q stayed float32 and attention refused its bfloat16 keys); GPT-NeoX's and Phi's attention and
     MLP, side by side, are added together before the residual (added to it in turn, a bfloat16 step off);
@@ -731,7 +731,9 @@ def test_in_bfloat16_the_runtime_gives_transformers_logits(monkeypatch, kind):
 
     expected = torch.cat([transformers_last(path) for path in paths])
     read = CachedLM(model, V).extend(PROMPT)
-    for backend in (CompiledModel(model, False), CompiledModel(model, True)):
+    # (static shapes: what a GPU's graphs run, a mask over the whole buffer, rows padded to a bucket)
+    for backend in (CompiledModel(model, False), CompiledModel(model, False, static_shapes=True),
+                    CompiledModel(model, True)):
         ours = StaticLM(backend, V, capacity=12)
         prompt = ours.extend(PROMPT, reading=True)
         logits = ours.forward(tree.tokens, [base + d for d in tree.depths], visible)
