@@ -55,7 +55,7 @@ if args.casts == "off":  # rsd asks for it when it compiles: left out in this pr
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from rsd_cli.compiled import CompiledModel, StaticLM  # noqa: E402
 from rsd_cli.engine import CachedLM  # noqa: E402
-from test_compiled import a_tree, bfloat16_steps  # noqa: E402
+from test_compiled import a_tree, bfloat16_steps, transformers_last  # noqa: E402
 from tiny import tiny_relative  # noqa: E402
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -68,16 +68,9 @@ visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestr
 paths = [[token for token, seen in zip(tree.tokens, row) if seen] for row in tree.ancestry().tolist()]
 for kind in args.kinds.split(","):
     model = tiny_relative(kind, V, layers=3, seed=0).to(device=device, dtype=torch.bfloat16)
-    def transformers_last(path: list[int]) -> torch.Tensor:
-        """transformers' logits of the path's last token after the prompt (MPT's: token by token, as its
-        generate reads them: its position bias depends on the forward's length)"""
-        if kind != "mpt":
-            return CachedLM(model, V).extend(PROMPT + path)
-        cache = CachedLM(model, V)
-        cache.extend(PROMPT)
-        return [cache.extend([token]) for token in path][-1]
-
-    expected = torch.cat([transformers_last(path) for path in paths]).float().cpu()
+    # (MPT's token by token, as its generate reads them: its position bias depends on the forward's length)
+    expected = torch.cat([transformers_last(model, PROMPT, path, token_by_token=kind == "mpt")
+                          for path in paths]).float().cpu()
     read = CachedLM(model, V).extend(PROMPT).float().cpu()
     largest = max(read.abs().max().item(), expected.abs().max().item())
     for compile in (False, True):

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from rsd_cli.compiled import CompiledModel, StaticLM  # noqa: E402
 from rsd_cli.engine import CachedLM  # noqa: E402
-from test_compiled import PROMPT, V, a_tree  # noqa: E402
+from test_compiled import PROMPT, V, a_tree, transformers_last  # noqa: E402
 from tiny import tiny_relative  # noqa: E402
 
 parser = argparse.ArgumentParser()
@@ -42,18 +42,10 @@ visible = torch.cat([torch.ones(len(tree), len(prompt), dtype=torch.bool), tree.
 paths = [[token for token, seen in zip(tree.tokens, row) if seen] for row in tree.ancestry().tolist()]
 
 
-def transformers_last(model, path: list[int]) -> torch.Tensor:
-    """transformers' logits of the path's last token after the prompt"""
-    if not args.token_by_token:
-        return CachedLM(model, V).extend(prompt + path)
-    cache = CachedLM(model, V)
-    cache.extend(prompt)
-    return [cache.extend([token]) for token in path][-1]
-
 
 for kind in kinds:
     model = tiny_relative(kind, V, layers=3, seed=0).to(getattr(torch, args.dtype))
-    expected = torch.cat([transformers_last(model, path) for path in paths])
+    expected = torch.cat([transformers_last(model, prompt, path, args.token_by_token) for path in paths])
     read = CachedLM(model, V).extend(prompt)
     ours = StaticLM(CompiledModel(model, False), V, capacity=len(prompt) + len(tree) + 2)
     first = ours.extend(prompt, reading=True)

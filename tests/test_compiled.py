@@ -693,13 +693,24 @@ def bfloat16_steps(ours: torch.Tensor, expected: torch.Tensor, largest: float) -
     return (ours - expected).abs().max().item() / 2.0 ** (math.floor(math.log2(largest)) - 7)
 
 
+def transformers_last(model, prompt: list[int], path: list[int], token_by_token: bool = False) -> torch.Tensor:
+    """transformers' logits (1, V) of the path's last token after the prompt: its forward of them all, or
+    (`token_by_token`) the prompt's, then each token of the path in a forward of its own, as its generate
+    reads them (where its logits depend on how the tokens are split into forwards: MPT's position bias)."""
+    if not token_by_token:
+        return CachedLM(model, V).extend(prompt + path)
+    cache = CachedLM(model, V)
+    cache.extend(prompt)
+    return [cache.extend([token]) for token in path][-1]
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "gemma3", "olmo2", "gpt_neox", "phi", "cohere2", "granite4", "mamba2",
                                   "falcon", "falcon-7b", "bloom", "mpt", "gpt_neo", "deepseek_v2"])
 def test_in_bfloat16_the_runtime_gives_transformers_logits(monkeypatch, kind):
     """A GPU's default dtype is bfloat16: there a prompt's and a tree's rows on the uncompiled runtime are
     what transformers' forward gives (each row's path read as a chain) to the bit, on this CPU, each product
-    in torch's kernel, on dynamic and on static shapes (a GPU's). Mamba-2 keeps its residual stream in float32 (`residual_in_fp32`; kept in bfloat16,
-    its logits a bfloat16 step off); OLMo 2's rotary tables are float32, q and k turned in float32 and cast
+    in torch's kernel, on dynamic and on static shapes (a GPU's). Mamba-2 keeps its residual stream in
+    float32 (`residual_in_fp32`; kept in bfloat16, its logits a bfloat16 step off); OLMo 2's rotary tables are float32, q and k turned in float32 and cast
     back (else q stayed float32 and attention refused its bfloat16 keys); GPT-NeoX's and Phi's attention and
     MLP, side by side, are added together before the residual (added to it in turn, a bfloat16 step off);
     Cohere 2 turns q and k in float32, as Cohere does (in bfloat16, a bfloat16 step off). Falcon's linears add
@@ -720,16 +731,7 @@ def test_in_bfloat16_the_runtime_gives_transformers_logits(monkeypatch, kind):
     base = len(PROMPT)
     visible = torch.cat([torch.ones(len(tree), base, dtype=torch.bool), tree.ancestry()], dim=1)
     paths = [[token for token, seen in zip(tree.tokens, row) if seen] for row in tree.ancestry().tolist()]
-
-    def transformers_last(path: list[int]) -> torch.Tensor:
-        """transformers' logits of the path's last token after the prompt"""
-        if kind != "mpt":
-            return CachedLM(model, V).extend(PROMPT + path)
-        cache = CachedLM(model, V)
-        cache.extend(PROMPT)
-        return [cache.extend([token]) for token in path][-1]
-
-    expected = torch.cat([transformers_last(path) for path in paths])
+    expected = torch.cat([transformers_last(model, PROMPT, path, token_by_token=kind == "mpt") for path in paths])
     read = CachedLM(model, V).extend(PROMPT)
     # (static shapes: what a GPU's graphs run, a mask over the whole buffer, rows padded to a bucket)
     for backend in (CompiledModel(model, False), CompiledModel(model, False, static_shapes=True),
