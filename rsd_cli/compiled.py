@@ -1551,8 +1551,7 @@ def _attention(h, weights: LayerWeights, kernels: LayerKernels, dims: tuple, cos
         out = torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1].to(v.dtype) @ v
     elif style.eager_attention and q.dtype != torch.float32:  # (BLOOM, MPT, GPT-Neo in half precision)
         if sight is not None and sight.mask is None:  # (causal: every key before the new tokens' own seen by all)
-            seen = torch.ones(n, k.shape[1], dtype=torch.bool, device=q.device).tril(k.shape[1] - n)
-            mask = torch.zeros(seen.shape, device=q.device).masked_fill_(~seen, -math.inf)
+            mask = torch.full((n, k.shape[1]), -math.inf, device=q.device).triu(k.shape[1] - n + 1)
         elif sight is not None:
             mask = sight.mask
         out = _eager_attention(q, k, v, mask, scaling, style.eager_attention)
