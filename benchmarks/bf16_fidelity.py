@@ -55,11 +55,10 @@ if args.casts == "off":  # rsd asks for it when it compiles: left out in this pr
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from rsd_cli.compiled import CompiledModel, StaticLM  # noqa: E402
 from rsd_cli.engine import CachedLM  # noqa: E402
-from test_compiled import a_tree, bfloat16_steps, transformers_last  # noqa: E402
+from test_compiled import PROMPT, V, a_tree, bfloat16_steps, transformers_last  # noqa: E402
 from tiny import tiny_relative  # noqa: E402
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-V, PROMPT = 6, [1, 3, 4]
 
 
 tree = a_tree()  # (the tests' tree of 6 nodes)

@@ -41,8 +41,6 @@ tree = a_tree()
 visible = torch.cat([torch.ones(len(tree), len(prompt), dtype=torch.bool), tree.ancestry()], dim=1)
 paths = [[token for token, seen in zip(tree.tokens, row) if seen] for row in tree.ancestry().tolist()]
 
-
-
 for kind in kinds:
     model = tiny_relative(kind, V, layers=3, seed=0).to(getattr(torch, args.dtype))
     expected = torch.cat([transformers_last(model, prompt, path, args.token_by_token) for path in paths])

@@ -710,9 +710,10 @@ def test_in_bfloat16_the_runtime_gives_transformers_logits(monkeypatch, kind):
     """A GPU's default dtype is bfloat16: there a prompt's and a tree's rows on the uncompiled runtime are
     what transformers' forward gives (each row's path read as a chain) to the bit, on this CPU, each product
     in torch's kernel, on dynamic and on static shapes (a GPU's). Mamba-2 keeps its residual stream in
-    float32 (`residual_in_fp32`; kept in bfloat16, its logits a bfloat16 step off); OLMo 2's rotary tables are float32, q and k turned in float32 and cast
-    back (else q stayed float32 and attention refused its bfloat16 keys); GPT-NeoX's and Phi's attention and
-    MLP, side by side, are added together before the residual (added to it in turn, a bfloat16 step off);
+    float32 (`residual_in_fp32`; kept in bfloat16, its logits a bfloat16 step off); OLMo 2's rotary tables
+    are float32, q and k turned in float32 and cast back (else q stayed float32 and attention refused its
+    bfloat16 keys); GPT-NeoX's and Phi's attention and MLP, side by side, are added together before the
+    residual (added to it in turn, a bfloat16 step off);
     Cohere 2 turns q and k in float32, as Cohere does (in bfloat16, a bfloat16 step off). Falcon's linears add
     their bias to the rounded product; Falcon-7B's one key head is broadcast to torch's attention, whose kernel
     for that shape rounds otherwise than its grouped one; BLOOM's, MPT's and GPT-Neo's attention is their own
