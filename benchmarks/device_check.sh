@@ -22,10 +22,11 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh families  # gpt-oss, OPT, GPT-2, Gemma 4, DeepSeek V3 in CUDA graphs against eager
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh families2  # GPT-J, Falcon, Gemma 3n, and BLOOM's, GPT-Neo's, Llama 4's, LFM2's, Qwen3.5's, Granite 4's, Nemotron-H's, Bamba's and Mamba-2's trees
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh bf16      # bf16 logits against transformers' (compiled: rounding each result or not) and its cost
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh catchup   # the draft's catch-up past 64 tokens: graphed pieces or one forward; auto vs ar
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
-part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls, decoders, families, families2 or bf16}
+part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls, decoders, families, families2, bf16 or catchup}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -163,6 +164,11 @@ print('$variant', '$extra', r['finish_reason'], len(r['token_ids']), round(r['st
       $py benchmarks/fresh_decoders_ab.py --temperature $t --shapes "ar,auto,sd γ=1,rsd-c b=(3)" \
         --json "$out/fresh-decoders-t$t.json" 2>&1 | grep -v Warning
     done | tee "$out/fresh-decoders.txt" ;;
-  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls, decoders or families" >&2
+  catchup)  # the draft's catch-up on more tokens than the widest graph (auto's plain steps before a drafting
+    # step): graphed pieces of 64 (compiled.GRAPHED_PIECES) against one forward off the graphs; then auto
+    # against ar on answers long enough for catch-ups past 64 tokens (auto explores after 128 plain steps)
+    $py benchmarks/catch_up_cost.py --out "$out/catch-up-cost.json" 2>&1 | grep -v Warning | tee "$out/catch-up-cost.txt"
+    $py benchmarks/auto_vs_ar.py --rounds 2 --limit 2 -n 384 2>&1 | grep -v Warning | tee "$out/auto-vs-ar-long.txt" ;;
+  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls, decoders, families, families2, bf16 or catchup" >&2
      exit 2 ;;
 esac

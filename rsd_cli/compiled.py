@@ -69,6 +69,11 @@ SDPA_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # 
 # (StaticLM.extend): a 32k-token prompt's one forward built a 4 GB mask; a piece has at least PIECE_ROWS
 PROMPT_MASK_SCORES = 2 ** 25
 PIECE_ROWS = 256
+# on static shapes (CUDA graphs) a chain of more tokens than the widest bucket, no prompt (the draft catching up
+# on `auto`'s plain steps), is read as up to this many replays of that bucket's graph instead of one forward
+# off the graphs, eager: on an H100 the embedded target's forward took ~20 ms eager and 1.3-1.5 ms in a graph
+# of 1-16 tokens, so a 3-layer draft's eager forward costs about what 8 of its replays do (not measured there yet)
+GRAPHED_PIECES = 8
 # a forward of at least this many rows that is a chain after every key before it (a prompt, a chat's next
 # message) runs gated delta nets and Mamba-2 mixers by chunks of as many rows from the state its keys before add
 # up to (_delta_along_chain, _mamba_along_chain), as transformers' chunked algorithms do: O(rows x chunk) instead
@@ -3157,8 +3162,19 @@ class StaticLM(ChainExtension):
         rows seeing the cache and themselves causally: the same keys and values, the same last row (to
         float sums in another order), with masks of a piece's rows only. A `longrope` model's prompt
         astride its long factors' start, which transformers turns by the long ones as one forward, has
-        every piece turned by them (long_factors_from)."""
+        every piece turned by them (long_factors_from). On static shapes (CUDA graphs) a chain that is no
+        prompt and longer than the widest bucket (up to GRAPHED_PIECES of it) is read in pieces of that
+        bucket, each a graph's replay."""
         n, past = len(tokens), self.length
+        top = self.compiled.buckets[-1]
+        if self.static and not reading and top < n <= GRAPHED_PIECES * top:
+            # (a chain longer than the widest graph, not a prompt: the draft catching up on the tokens of
+            # `auto`'s plain steps: graphed pieces of `top` rows, the last padded to its bucket, instead of one
+            # forward off the graphs)
+            pieces = []
+            for start in range(0, n, top):
+                pieces.append(super().extend(tokens[start: start + top], last_only))
+            return pieces[-1] if last_only else torch.cat(pieces)
         rows = max(PIECE_ROWS, PROMPT_MASK_SCORES // (past + n))
         if not reading or not last_only or n <= rows:
             return super().extend(tokens, last_only, reading)

@@ -607,6 +607,47 @@ def test_a_long_prompt_is_read_in_pieces_with_the_keys_and_logits_of_one_forward
         pieces.release()
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "bloom", "qwen3_5", "lfm2"])
+def test_a_long_chain_on_static_shapes_is_read_in_graphed_pieces(monkeypatch, kind):
+    """On static shapes (a GPU's CUDA graphs) a chain that is no prompt and longer than the widest bucket
+    (the draft catching up on `auto`'s plain steps) is read in pieces of that bucket, each a static-shape
+    forward (a graph's replay there; one forward of all its rows would run off the graphs), the last
+    padded to its bucket: every row's logits and the chains after it are one forward's on the dynamic
+    runtime — for a Llama, a Gemma 3 (a window of 4 on its first layer), a BLOOM (ALiBi by position), a
+    Qwen3.5 (gated delta nets, each piece's rows read along their paths where one forward reads the chain
+    by chunks) and an LFM2 (short convolutions). Past GRAPHED_PIECES pieces it is one forward, as before."""
+    from tiny import tiny_windowed
+
+    target = tiny_model(V, layers=2, scale=0.3) if kind == "llama" else \
+        tiny_windowed("gemma3", V) if kind == "gemma3" else tiny_relative(kind, V, layers=2)
+    backend = CompiledModel(target, False, static_shapes=True)
+    top = backend.buckets[-1]
+    chain = [(7 * i + 3) % V for i in range(2 * top + 22)]  # (150 tokens: pieces of 64, 64 and 22 padded to 32)
+    replays = []
+    replay = backend.replay
+    monkeypatch.setattr(backend, "replay", lambda ids, *rest, **named: replays.append(ids.shape[1]) or
+                        replay(ids, *rest, **named))
+    pieces, whole = StaticLM(backend, V, capacity=32), StaticLM(CompiledModel(target, False), V, capacity=32)
+    tolerance = 3e-4 if kind == "qwen3_5" else 1e-5  # (a delta net's sums over a path, as in the prompt's test)
+    for read in (pieces, whole):
+        read.extend(PROMPT, reading=True)
+    replays.clear()
+    torch.testing.assert_close(pieces.extend(chain, last_only=False), whole.extend(chain, last_only=False),
+                               atol=tolerance, rtol=1e-5)
+    assert replays == [top, top, 32] and pieces.length == whole.length == len(PROMPT) + len(chain)
+    torch.testing.assert_close(pieces.extend(chain), whole.extend(chain, last_only=False)[-1:], atol=tolerance,
+                               rtol=1e-5)
+    assert replays[3:] == [top, top, 32]
+    for after in ([2], [1, 3]):
+        torch.testing.assert_close(pieces.extend(after), whole.extend(after), atol=tolerance, rtol=1e-5)
+    monkeypatch.setattr(compiled, "GRAPHED_PIECES", 2)  # (longer: one forward off the graphs, as before)
+    replays.clear()
+    torch.testing.assert_close(pieces.extend(chain), whole.extend(chain), atol=tolerance, rtol=1e-5)
+    assert replays == []
+    pieces.release()
+    whole.release()
+
+
 def test_same_seed_same_tokens_on_every_backend(pair, runtimes):
     """The backends differ only in the order of float additions: sampled runs agree token for token
     on this pair (the test would catch a runtime that draws random numbers differently)."""
