@@ -20,8 +20,9 @@ multiplies a few rows by them, rebuilding each weight in a register as it goes: 
 in float32 and + m rounds once (and a 16-bit float widens exactly), so every weight it
 multiplies is the float32 weight itself,
 and the result is the same product as any other kernel's, only summed in its own order (as
-between any two GEMM kernels; see small_batch). Where there is no C compiler, or the CPU
-lacks AVX-512, a plain C loop does the same (or the kernel is simply not offered).
+between any two GEMM kernels; see small_batch). Where the CPU lacks AVX-512 the products run in
+AVX2's 8-lane vectors (most laptops and desktops; AMD before Zen 4), where it lacks AVX2 too in plain
+C loops, and where there is no C compiler the kernel is simply not offered.
 
 The same library runs a whole Llama decoder layer whose linears are all such weights
 (`blocks_layer`, for the static-cache runtime uncompiled on a CPU): norms, the products (q, k
@@ -64,7 +65,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -298,6 +299,62 @@ static inline void f16_weights(const uint8_t* blk, float* w) {
 static inline void bf16_weights(const uint8_t* blk, float* w) {
   for (int j = 0; j < 32; j++) { uint16_t h; memcpy(&h, blk + 2 * j, 2); uint32_t bits = (uint32_t)h << 16; memcpy(w + j, &bits, 4); }
 }
+#if defined(__AVX2__) && defined(__FMA__)
+/* AVX2 without AVX-512 (most laptops and desktops, AMD before Zen 4): a block's 32 weights as four 8-lane
+   vectors, the same values as the loops above (d * q exact, + m rounded once); Q4_1 and Q8_0 decoded in
+   vectors, the other formats by those loops */
+static inline __m256 bytes8(__m128i b, int unsigned_) {
+  return _mm256_cvtepi32_ps(unsigned_ ? _mm256_cvtepu8_epi32(b) : _mm256_cvtepi8_epi32(b));
+}
+static inline void q4_1_vectors(const uint8_t* blk, __m256* w) {
+  const __m128i q = _mm_loadu_si128((const __m128i*)blk), nibble = _mm_set1_epi8(15);
+  const __m128i low = _mm_and_si128(q, nibble), high = _mm_and_si128(_mm_srli_epi16(q, 4), nibble);
+  const __m256 d = _mm256_set1_ps(f32_at(blk + 16)), m = _mm256_set1_ps(f32_at(blk + 20));
+  w[0] = _mm256_fmadd_ps(bytes8(low, 1), d, m);
+  w[1] = _mm256_fmadd_ps(bytes8(_mm_srli_si128(low, 8), 1), d, m);
+  w[2] = _mm256_fmadd_ps(bytes8(high, 1), d, m);
+  w[3] = _mm256_fmadd_ps(bytes8(_mm_srli_si128(high, 8), 1), d, m);
+}
+static inline void q8_0_vectors(const uint8_t* blk, __m256* w) {
+  const __m128i q0 = _mm_loadu_si128((const __m128i*)blk), q1 = _mm_loadu_si128((const __m128i*)(blk + 16));
+  const __m256 d = _mm256_set1_ps(f32_at(blk + 32));
+  w[0] = _mm256_mul_ps(bytes8(q0, 0), d);
+  w[1] = _mm256_mul_ps(bytes8(_mm_srli_si128(q0, 8), 0), d);
+  w[2] = _mm256_mul_ps(bytes8(q1, 0), d);
+  w[3] = _mm256_mul_ps(bytes8(_mm_srli_si128(q1, 8), 0), d);
+}
+#define LOOP_VECTORS(FORMAT)                                                                  \
+static inline void FORMAT##_vectors(const uint8_t* blk, __m256* w) {                          \
+  float v[BLOCK];                                                                             \
+  FORMAT##_weights(blk, v);                                                                   \
+  for (int k = 0; k < 4; k++) w[k] = _mm256_loadu_ps(v + 8 * k);                              \
+}
+LOOP_VECTORS(f16) LOOP_VECTORS(bf16) LOOP_VECTORS(q5_1) LOOP_VECTORS(q8_16) LOOP_VECTORS(iq4)
+/* each row's four running sums, one for each quarter of a block's 32 weights, whatever rows come with it,
+   added pairwise at the end (a row's sum the same alone or among others) */
+#define DOT_ROWS(FORMAT, BYTES, R)                                                            \
+static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y, int N) {   \
+  __m256 acc[R][4];                                                                           \
+  for (int r = 0; r < R; r++)                                                                 \
+    for (int k = 0; k < 4; k++) acc[r][k] = _mm256_setzero_ps();                              \
+  for (int b = 0; b < K / BLOCK; b++) {                                                       \
+    __m256 w[4];                                                                              \
+    FORMAT##_vectors(wn + (size_t)b * BYTES, w);                                              \
+    for (int r = 0; r < R; r++) {                                                             \
+      const float* xb = x + (size_t)r * K + b * BLOCK;                                        \
+      for (int k = 0; k < 4; k++)                                                             \
+        acc[r][k] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * k), w[k], acc[r][k]);            \
+    }                                                                                         \
+  }                                                                                           \
+  for (int r = 0; r < R; r++) {                                                               \
+    const __m256 s8 = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),                    \
+                                    _mm256_add_ps(acc[r][2], acc[r][3]));                   \
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));  \
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                  \
+    y[(size_t)r * N] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));                    \
+  }                                                                                           \
+}
+#else
 #define DOT_ROWS(FORMAT, BYTES, R)                                                            \
 static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y, int N) {   \
   float acc[R][BLOCK], w[BLOCK];                                                              \
@@ -313,6 +370,7 @@ static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y
     y[(size_t)r * N] = s;                                                                     \
   }                                                                                           \
 }
+#endif
 /* two weight rows, one after the other (DOT_PAIR's portable form: the same sums) */
 #define DOT_PAIR(FORMAT, BYTES, R)                                                            \
 static void FORMAT##_pair_##R(const float* x, int K, const uint8_t* wn, size_t row_bytes, float* y, int N) { \
@@ -436,10 +494,10 @@ static inline void FORMAT##_values(const uint8_t* blk, float* out) { FORMAT##_we
 BLOCK_VALUES(q4_1) BLOCK_VALUES(q8_0) BLOCK_VALUES(f16) BLOCK_VALUES(bf16) BLOCK_VALUES(q5_1)
 BLOCK_VALUES(q8_16) BLOCK_VALUES(iq4)
 
-/* 1 where this build's products run on AVX-512 vectors, 0 for the portable loops (about twice
-   the time of torch's float32 product for a row, on the 2-core Xeon with AVX-512 left out) */
+/* 1 where this build's products run on vectors (AVX-512, or AVX2 with FMA), 0 for the plain loops (about
+   twice the time of torch's float32 product for a row, on the 2-core Xeon with AVX-512 left out) */
 int blocks_vectorised(void) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   return 1;
 #else
   return 0;
@@ -1205,8 +1263,8 @@ def missing_compiler() -> bool:
 
 
 def vectorised(lib=None) -> bool:
-    """Whether the kernel library (library()'s by default) runs its products on AVX-512 vectors
-    rather than its portable loops."""
+    """Whether the kernel library (library()'s by default) runs its products on vectors (AVX-512, or
+    AVX2 with FMA) rather than its plain loops."""
     lib = lib or library()
     return lib is not None and bool(lib.blocks_vectorised())
 

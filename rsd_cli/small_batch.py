@@ -25,7 +25,7 @@ a 2-core Intel Xeon (Sapphire Rapids) torch's own kernel was the fast one. On th
 tree verification needs. So by default
 ("auto") each layer shape is timed once per machine with every kernel, for one row and for
 2-8 rows apart, and keeps torch's unless another takes at most 90% of its time — except a shape
-held as quantised blocks, where the kernel runs on AVX-512: its few-row products run on
+held as quantised blocks, where the kernel runs on vectors (AVX-512, AVX2): its few-row products run on
 "blocks" unmeasured (FEW_ROWS_ON_BLOCKS), and only its prompts are timed (128 rows, torch's
 against "blocks": on the 2-core EPYC blocks took 0.65x MKL's time at 128-256 rows); the
 verdicts are cached under the rsd cache folder.
@@ -342,14 +342,14 @@ CLOSE = 0.15  # a verdict within 15% of that threshold is measured twice more (s
 # reads 128 MB again and again at 40 GB/s from its last-level cache (20 GB/s from 256 MB on)
 CALIBRATION_BYTES = 64 * 2**20
 # One row and 2-64 rows of a weight held as quantised blocks: rsd's kernel on them, not measured,
-# where it runs on AVX-512 vectors. A forward streams every weight, and the blocks are 0.75-1.125
+# where it runs on vectors (AVX-512, AVX2). A forward streams every weight, and the blocks are 0.75-1.125
 # bytes a weight against float32's 4; a product timed alone cannot show that where the CPU's
 # last-level cache holds all the weights of a shape (a 2-core Intel Xeon's VM sees 300 MB of it):
 # there the verdicts named torch's product for one row of most shapes and for k and v at every row
 # count, and `ar` on transformers' forward (`--compile off`) ran at 20-23 tok/s against 25-40 with
 # the few-row products on blocks, compiled (`--compile on`) 20-26 against 35-47 (alternating runs).
-# The kernel's portable loops are measured as before: built without AVX-512 there, a row through 60
-# of the embedded target's matrices took 23.7 ms on them and 11.3 with torch's product, from memory.
+# The kernel's plain loops (no AVX2) are measured as before: built without AVX-512 there (before its AVX2
+# products), a row through 60 of the embedded target's matrices took 23.7 ms on them and 11.3 with torch's.
 FEW_ROWS_ON_BLOCKS = ("blocks", "blocks")
 
 

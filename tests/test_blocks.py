@@ -1,7 +1,7 @@
 """Weights held as quantised blocks (Q4_1, Q8_0: what a GGUF file such as the embedded model's
 holds) or as 16-bit floats (the embedded draft's adapter, bfloat16 models): recognised from
 their float32 values only when every value comes back bit for bit, multiplied by rsd's C kernel
-to F.linear's product (AVX-512 and the portable loop), chosen per shape like the other
+to F.linear's product (AVX-512, AVX2 and the plain loops), chosen per shape like the other
 small-batch kernels; whole layers in C give torch's layer; decoding on them keeps its exactness."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rsd_cli import auto, blocks, small_batch, threads
+from rsd_cli import auto, blocks, compiled, small_batch, threads
 from rsd_cli.compiled import CompiledModel, StaticLM
 from rsd_cli.drafting import make_shape
 from rsd_cli.engine import CachedLM, Decoder, Runtimes
@@ -31,6 +31,16 @@ pytestmark = pytest.mark.skipif(blocks._compiler() is None, reason="no C compile
 FORMATS = {"q4_1": quantise_q4_1, "q8_0": quantise_q8_0, "f16": lambda w: w.detach().half().float(),
            "bf16": lambda w: w.detach().bfloat16().float()}
 LAST = {"q4_1": blocks.Q4_1_BYTES, "q8_0": blocks.Q8_0_BYTES, "f16": 32, "bf16": 32}
+
+
+# the kernel built as a CPU without AVX-512 gets it: with AVX2 (most laptops and desktops: the products in
+# 8-lane vectors) and without AVX2 either (the plain loops)
+WITHOUT_AVX512 = {"avx2": ("-mno-avx512f",), "loops": ("-mno-avx512f", "-mno-avx2")}
+
+
+def other_builds(tmp_path) -> list:
+    """The kernel built without AVX-512 (AVX2 vectors) and without AVX2 either (the plain loops)."""
+    return [blocks.build(tmp_path, (*blocks.FLAGS, *flags)) for flags in WITHOUT_AVX512.values()]
 
 
 def weight(fmt: str, out_features: int = 40, in_features: int = 96, seed: int = 0) -> torch.Tensor:
@@ -73,7 +83,7 @@ def test_the_c_library_makes_the_blocks_torch_makes_and_turns_down_the_same_weig
     inner = next(j for j in range(32) if block.min() < block[j] < block.max())
     block[inner] = torch.nextafter(block[inner], block.max())
     plain = torch.randn(64, 256) * 0.05
-    libraries = [blocks.library(), blocks.build(tmp_path, (*blocks.FLAGS, "-mno-avx512f"))]
+    libraries = [blocks.library(), *other_builds(tmp_path)]
     for lib in libraries:
         found = make(w, lib)
         assert found is not None and torch.equal(found, make(w, False))
@@ -118,13 +128,13 @@ def test_wide_rows_give_each_row_the_same_bits_whatever_rows_come_with_it(fmt, w
     own registers, in the same order), as a token's logits must alone in a chain or in a tree —
     here for wide rows (2560 weights: up to 3 rows go through whole rows together, what fits the
     first-level cache, 4 or more a chunk of the row at a time; 8192: even one row in chunks) and
-    every row tile, with sub-tiles of weight rows cut short (37 rows); AVX-512 and the portable
+    every row tile, with sub-tiles of weight rows cut short (37 rows); AVX-512, AVX2 and the plain
     loop alike."""
     w = weight(fmt, out_features=37, in_features=width, seed=5)
     found = blocks.quantised_blocks(w)
     x = torch.randn(10, width)
     exact = (x.double() @ w.double().T).float()
-    for lib in (blocks.library(), blocks.build(tmp_path, (*blocks.FLAGS, "-mno-avx512f"))):
+    for lib in (blocks.library(), *other_builds(tmp_path)):
         alone = torch.cat([blocks.blocks_linear(x[i:i + 1], found, lib=lib) for i in range(10)])
         torch.testing.assert_close(alone, exact, rtol=1e-5, atol=1e-4 * w.abs().max().item())
         for rows in (2, 3, 4, 5, 8, 9, 10):
@@ -137,14 +147,14 @@ def test_weight_rows_taken_in_pairs_give_each_the_bits_it_gets_alone(fmt, thread
     """Rows of x go in groups of up to 5 against weight rows two at a time (side by side in
     registers), a tile's last weight row alone where their count is odd: every weight row's product
     has the same bits either way — alone, as the last row of a tile with an odd count, among 1-9
-    rows of x — AVX-512 and portable alike."""
+    rows of x — AVX-512, AVX2 and the plain loops alike."""
     w = weight(fmt, out_features=37, in_features=96, seed=7)
     found = blocks.quantised_blocks(w)
     x = torch.randn(9, 96)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for lib in (blocks.library(), blocks.build(tmp_path, (*blocks.FLAGS, "-mno-avx512f"))):
+        for lib in (blocks.library(), *other_builds(tmp_path)):
             alone = torch.cat([blocks.blocks_linear(x[i:i + 1], found, lib=lib) for i in range(9)])
             for j in range(37):  # (one weight row: never paired)
                 assert torch.equal(blocks.blocks_linear(x, found[j:j + 1], lib=lib)[:, 0], alone[:, j]), j
@@ -178,10 +188,15 @@ def test_torch_s_gemm_on_a_weight_rebuilt_from_blocks_a_slice_at_a_time(monkeypa
     assert blocks._scratch.buffer.numel() >= 7 * 96
 
 
-def test_the_portable_loop_computes_the_same_product(tmp_path):
-    """Where the CPU lacks AVX-512 the kernel is the plain C loop: built here without it."""
-    portable = blocks.build(tmp_path, (*blocks.FLAGS, "-mno-avx512f"))
-    assert portable is not None and list(tmp_path.glob("*.c")) == []
+@pytest.mark.parametrize("build", WITHOUT_AVX512)
+def test_the_builds_without_avx512_compute_the_same_product(build, tmp_path):
+    """Where the CPU lacks AVX-512 the kernel runs its products in AVX2 vectors, and where it lacks AVX2
+    too in plain C loops: built here without them, each computes F.linear's product, rebuilds every
+    weight exactly (x = rows of the identity: 1, 2, 3, 5 and 7 rows, every row group) and says whether it
+    runs on vectors."""
+    other = blocks.build(tmp_path, (*blocks.FLAGS, *WITHOUT_AVX512[build]))
+    assert other is not None and list(tmp_path.glob("*.c")) == []
+    assert blocks.vectorised(other) == (build == "avx2")
     for fmt in FORMATS:
         w = weight(fmt)
         if fmt == "f16":  # zeros, negative and subnormal half floats widen exactly too
@@ -189,10 +204,13 @@ def test_the_portable_loop_computes_the_same_product(tmp_path):
         x = torch.randn(6, 96)
         if fmt == "f16":
             x[:, :6] = 2.0**20  # (so the subnormal weights' products show in the sums)
-        torch.testing.assert_close(blocks.blocks_linear(x, blocks.quantised_blocks(w), lib=portable),
+        found = blocks.quantised_blocks(w)
+        torch.testing.assert_close(blocks.blocks_linear(x, found, lib=other),
                                    F.linear(x, w), rtol=1e-5, atol=1e-5 * w.abs().max().item() * 20)
-        for lib in (blocks.library(), portable):  # the weight rebuilt from its blocks: every value
-            assert torch.equal(blocks.dequantised(blocks.quantised_blocks(w), lib=lib), w)
+        for rows in (1, 2, 3, 5, 7):
+            assert torch.equal(blocks.blocks_linear(torch.eye(96)[:rows], found, lib=other), w.T[:rows])
+        for lib in (blocks.library(), other):  # the weight rebuilt from its blocks: every value
+            assert torch.equal(blocks.dequantised(found, lib=lib), w)
 
 
 def quantised_layer(fmt="q4_1", in_features=64, out_features=48) -> torch.nn.Linear:
@@ -254,7 +272,7 @@ def test_auto_measures_quantised_layers_apart_from_float_ones_of_the_same_shape(
     assert sorted(measured) == [(False, (1,)), (False, (2, 4, 8)), (True, (128,))]
     assert any(key.endswith("64x48 q4_1 | kernels v3") for key in small_batch.Verdicts.load(path).known)
     assert small_batch.kernels_of(installed[0]) == ("blocks",) * 3 and small_batch.kernels_of(installed[1])[2] == "torch"
-    # the portable loops: one and several rows measured for the quantised layers too
+    # the plain loops: one and several rows measured for the quantised layers too
     measured.clear()
     monkeypatch.setattr(blocks, "vectorised", lambda lib=None: False)
     small_batch.install(copy.deepcopy(model), small_batch.Verdicts.load(tmp_path / "portable.json"))
@@ -267,8 +285,8 @@ def test_few_rows_of_quantised_blocks_take_their_kernel_whatever_a_product_alone
     300 MB: torch's product won alone, and `ar` ran 1.5-1.8x slower on transformers' forward and
     compiled). So one row and 2-64 rows of quantised blocks run on them whatever torch measured,
     earlier verdicts that said otherwise included; prompts and float layers keep their measurements.
-    That holds for the kernel's AVX-512 build: its portable loops (twice torch's time for a row, from
-    memory) are measured as before."""
+    That holds for the kernel's vectorised builds (AVX-512, AVX2): its plain loops (twice torch's time for
+    a row, from memory) are measured as before."""
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "auto")
     monkeypatch.setattr(blocks, "vectorised", lambda lib=None: True)
     monkeypatch.setattr(small_batch, "measure_kernels", lambda w, rows, found=None, kernels=None: {
@@ -288,7 +306,7 @@ def test_few_rows_of_quantised_blocks_take_their_kernel_whatever_a_product_alone
     with torch.inference_mode():
         model[0](x), model[0](torch.randn(5, 64)), model[0](torch.randn(65, 64))
     assert ran == [1, 5]  # a prompt of 65 rows: torch's, as measured
-    monkeypatch.setattr(blocks, "vectorised", lambda lib=None: False)  # the portable loops: torch's, as measured
+    monkeypatch.setattr(blocks, "vectorised", lambda lib=None: False)  # the plain loops: torch's, as measured
     portable = torch.nn.Sequential(quantised_layer(), torch.nn.Linear(48, 64, bias=False),
                                    quantised_layer("q8_0", 64, 64))
     small_batch.install(portable, small_batch.Verdicts.load(tmp_path / "portable.json"))
@@ -639,7 +657,7 @@ def test_whole_layers_in_c_with_64_wide_heads_over_a_long_cache_give_torch_s_lay
     assert torch.equal(together, apart) and torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-def _model_on_c_layers(seed: int) -> CompiledModel:
+def _quantised_llama(seed: int):
     from transformers import LlamaForCausalLM
 
     from tiny import tiny_config
@@ -647,23 +665,42 @@ def _model_on_c_layers(seed: int) -> CompiledModel:
     torch.manual_seed(seed)
     model = quantise_like_gguf(LlamaForCausalLM(tiny_config(V, 2, 0.1, head_dim=64)).eval())
     install_blocks(model)
-    runtime = CompiledModel(model, compile=False)
+    return model
+
+
+def _model_on_c_layers(seed: int) -> CompiledModel:
+    runtime = CompiledModel(_quantised_llama(seed), compile=False)
     assert runtime.native is not None and all(runtime.native)
     return runtime
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
-def test_a_token_gets_the_same_bits_alone_in_a_chain_or_a_tree_over_a_long_cache(portable, monkeypatch, tmp_path):
+@pytest.mark.parametrize("build", WITHOUT_AVX512)
+def test_the_c_layers_run_where_the_kernel_has_vectors_only(build, monkeypatch, tmp_path):
+    """Without AVX-512, the C layers run on AVX2's vectors; where the kernel has only its plain loops
+    (no AVX2 either) the layers run on torch's operations, each product on its measured kernel (the
+    loops' C layers ran the embedded target's `ar` at 0.6x that speed)."""
+    lib = blocks.build(tmp_path, (*blocks.FLAGS, *WITHOUT_AVX512[build]))
+    assert lib is not None
+    monkeypatch.setattr(blocks, "library", lambda: lib)
+    monkeypatch.setattr(compiled, "vectorised", blocks.vectorised)  # (bound at import: the library's now)
+    runtime = CompiledModel(_quantised_llama(7), compile=False)
+    assert (runtime.native is not None and all(runtime.native)) == (build == "avx2")
+
+
+@pytest.mark.parametrize("build", ["avx512", *WITHOUT_AVX512])
+def test_a_token_gets_the_same_bits_alone_in_a_chain_or_a_tree_over_a_long_cache(build, monkeypatch, tmp_path):
     """The C layer's attention goes over the cache in chunks of keys (several here: 200 cached
     tokens), a key/value head's query heads and a few rows together, and shares chunks out among
     the threads when there are few rows; a query's arithmetic must not depend on any of that: a
     prompt prefilled at once or token by token, and a tree's rows computed together, in part, or
     on one thread, give the same logits and caches bit for bit, and torch's layer within float32
-    rounding. Also where the CPU lacks AVX-512 (the portable loops, built here without it)."""
-    if portable:
-        lib = blocks.build(tmp_path, (*blocks.FLAGS, "-mno-avx512f"))
+    rounding. Also where the CPU lacks AVX-512 (AVX2 vectors, or the plain loops: built here without them)."""
+    if build != "avx512":
+        lib = blocks.build(tmp_path, (*blocks.FLAGS, *WITHOUT_AVX512[build]))
         assert lib is not None
         monkeypatch.setattr(blocks, "library", lambda: lib)
+        if build == "loops":  # (the runtime takes the C layers only where they run on vectors: asked for here)
+            monkeypatch.setattr(compiled, "vectorised", lambda lib=None: True)
     runtime = _model_on_c_layers(7)
     past, rows, generator = 200, 12, torch.Generator().manual_seed(7)
     prompt = torch.randint(0, V, (past,), generator=generator)
@@ -876,10 +913,9 @@ def test_gguf_types_become_blocks_only_with_their_hint_and_give_back_every_value
     hint = gguf_hints.hint(fmt, found)
     if kind.endswith("_K") or kind.startswith("IQ"):
         assert blocks.quantised_blocks(values) is None
-    portable = blocks.build(tmp_path, (*blocks.FLAGS, "-mno-avx512f"))
     x = torch.randn(9, 512)
     exact = (x.double() @ values.double().T).float()
-    for lib in (blocks.library(), portable):
+    for lib in (blocks.library(), *other_builds(tmp_path)):
         made = blocks.hinted_blocks(values, hint, lib)
         assert made is not None and blocks.block_format(made) == fmt and made.shape == (48, 16, blocks.BYTES[fmt])
         for rows in (1, 3, 8, 64):
