@@ -1689,12 +1689,18 @@ def _native_layer(layer, fused: tuple, fuse: bool):
     wins. On a 2-core Intel Xeon whose verdicts then named torch's product for k, v (576x192) at
     every row count and for one row of most others, the embedded target's forward took 38 ms with
     those kernels and 10.8 ms in C (`benchmarks/runtime_cost.py`), `ar` 37.8 against 93.5 tok/s
-    (few-row products of quantised weights now take the blocks unmeasured: small_batch.FEW_ROWS_ON_BLOCKS)."""
+    (few-row products of quantised weights now take the blocks unmeasured: small_batch.FEW_ROWS_ON_BLOCKS).
+
+    Only where the library's products run on vectors (AVX-512, AVX2): its plain loops (no AVX2) made the
+    embedded target's `ar` 28.4 tok/s in C layers against 46.7 on torch's layers with each product's
+    measured kernel (the 2-core AMD EPYC, built without AVX-512 and AVX2)."""
     q, k, v, o, gate, up, down = projections(layer)
+    if not (_holds_blocks(o) and _holds_blocks(down)) or not vectorised():
+        return None
     qkv = (q, k, v)
     stacks = [found if found is not None else _c_stack(linears, biased) if fuse else None
               for found, linears, biased in zip(fused, (qkv, (gate, up)), (True, False))]
-    if any(stack is None for stack in stacks) or not (_holds_blocks(o) and _holds_blocks(down)):
+    if any(stack is None for stack in stacks):
         return None
     bias = None if all(p.bias is None for p in qkv) else \
         torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in qkv])
@@ -2510,11 +2516,8 @@ class CompiledModel:
         self.cos, self.sin = self.tables[0]  # (the only table where the C library runs the layers)
         # layers on quantised blocks run in the blocks library (uncompiled CPU path): all of a forward's
         # layers in one call where every layer can, then the final norm and head in one more (Llama's
-        # layers, on one rotary table and one mask) — where its products run on vectors (AVX-512, AVX2): its
-        # plain loops made the embedded target's `ar` 28.4 tok/s in C layers against 46.7 on torch's layers
-        # with each product's measured kernel (the 2-core AMD EPYC, built without AVX-512 and AVX2)
-        in_c = vectorised() and style == Style() and len(self.tables) == 1 and self.cos is not None \
-            and self.by_kind is None \
+        # layers, on one rotary table and one mask)
+        in_c = style == Style() and len(self.tables) == 1 and self.cos is not None and self.by_kind is None \
             and not any(is_latent(attention_of(layer)) or carries_state(layer) for layer in layers) \
             and self.cos.shape[-1] == self.dims[2] \
             and self.embedding_scale == self.logits_divisor == 1.0 and layer_norms(layers[0])[2] is None
