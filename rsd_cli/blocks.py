@@ -20,9 +20,10 @@ multiplies a few rows by them, rebuilding each weight in a register as it goes: 
 in float32 and + m rounds once (and a 16-bit float widens exactly), so every weight it
 multiplies is the float32 weight itself,
 and the result is the same product as any other kernel's, only summed in its own order (as
-between any two GEMM kernels; see small_batch). Where the CPU lacks AVX-512 the products run in
-AVX2's 8-lane vectors (most laptops and desktops; AMD before Zen 4), where it lacks AVX2 too in plain
-C loops, and where there is no C compiler the kernel is simply not offered.
+between any two GEMM kernels; see small_batch). Where the CPU lacks AVX-512 the products (and the
+layers' softmax, attention and SiLU) run in AVX2's 8-lane vectors (most laptops and desktops; AMD
+before Zen 4), where it lacks AVX2 too in plain C loops, and where there is no C compiler the kernel
+is simply not offered.
 
 The same library runs a whole Llama decoder layer whose linears are all such weights
 (`blocks_layer`, for the static-cache runtime uncompiled on a CPU): norms, the products (q, k
@@ -625,6 +626,28 @@ static inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define AVX2_ONLY 1  /* AVX2 without AVX-512: softmax, SiLU and attention in 8-lane vectors */
+/* e^x in 8 lanes, as exp16: the same reduction and polynomial, times 2^n built in the exponent's bits
+   (n at most 128: 2^128 is inf, as vscalefps gives above ~88.7); below -87 exactly 0 */
+static inline __m256 exp8(__m256 x) {
+  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.8f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                                             _mm256_set1_epi32(127)), 23));
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, scale));
+}
 #endif
 
 /* Attention over the cached keys in chunks of KEY_CHUNK slots (at multiples of it): for each query
@@ -660,6 +683,24 @@ static inline __m512 sum16(const __m512* a) {
   const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD));
   /* f[4r + t] is a[4t + r]'s sum */
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
+}
+#elif AVX2_ONLY
+/* lane t = the sum of a[t]'s 8 lanes (the same additions, in the same order, for every t) */
+static inline __m256 sum8(const __m256* a) {
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  /* h0: lanes 0-3 a[0..3]'s sums of lanes 0-3, lanes 4-7 of lanes 4-7; h1 the same for a[4..7] */
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+static inline float max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+static inline float add8(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
 }
 #endif
 
@@ -755,6 +796,70 @@ int chunk_part_hd(const float* q, const float* keys, const float* values, const 
       _mm512_storeu_ps(part + 2 + d0 + 16, _mm512_add_ps(a1, b1));
       _mm512_storeu_ps(part + 2 + d0 + 32, _mm512_add_ps(a2, b2));
       _mm512_storeu_ps(part + 2 + d0 + 48, _mm512_add_ps(a3, b3));
+    }
+    return 1;
+  }
+#elif AVX2_ONLY
+  if (hd % 64 == 0) {  /* chunk_part_hd's AVX-512 arithmetic in 8-lane vectors, 8 keys at a time */
+    const int vectors = hd / 8;
+    __m256 tops = _mm256_set1_ps(-INFINITY);
+    for (int j = 0; j < count; j += 8) {  /* scores of 8 keys: 8 running sums a key, added up in a tree */
+      const int live = count - j >= 8 ? 8 : count - j;
+      const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(live), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      const __m256 m = kind == SEEN ? _mm256_setzero_ps() : _mm256_maskload_ps(mask + j0 + j, lanes);
+      const __m256 seen = kind == SEEN ? _mm256_castsi256_ps(lanes)
+          : _mm256_and_ps(_mm256_castsi256_ps(lanes), _mm256_cmp_ps(m, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+      if (!_mm256_movemask_ps(seen)) {  /* 8 hidden keys */
+        _mm256_storeu_ps(s + j, _mm256_set1_ps(-INFINITY));
+        continue;
+      }
+      __m256 acc[8];
+      for (int t = 0; t < 8; t++) {  /* (past the chunk's end: its last key again, then hidden) */
+        const float* k = keys + (size_t)(j0 + j + (t < live ? t : live - 1)) * hd;
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+        for (int v = 1; v < vectors; v++)
+          a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), _mm256_loadu_ps(k + 8 * v), a);
+        acc[t] = a;
+      }
+      const __m256 scores = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
+                                             _mm256_fmadd_ps(sum8(acc), _mm256_set1_ps(scaling), m), seen);
+      _mm256_storeu_ps(s + j, scores);
+      tops = _mm256_max_ps(tops, scores);
+    }
+    top = max8(tops);
+    if (top == -INFINITY) return 0;
+    __m256 sums = _mm256_setzero_ps();
+    for (int j = 0; j < count; j += 8) {  /* weights e^(s - top), 8 keys at a time (past the end: -inf, so 0) */
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top)));
+      _mm256_storeu_ps(s + j, e);
+      sums = _mm256_add_ps(sums, e);
+    }
+    part[0] = top;
+    part[1] = add8(sums);
+    for (int d0 = 0; d0 < hd; d0 += 32) {  /* the weighted values, in registers: even and odd keys apart */
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+      for (int j = 0; j < count; j += 2) {
+        if (s[j] != 0.f) {  /* (hidden or vanishing keys weigh nothing, whatever their values) */
+          const __m256 p = _mm256_set1_ps(s[j]);
+          const float* v = values + (size_t)(j0 + j) * hd + d0;
+          a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
+          a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
+          a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
+          a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
+        }
+        if (j + 1 < count && s[j + 1] != 0.f) {
+          const __m256 p = _mm256_set1_ps(s[j + 1]);
+          const float* v = values + (size_t)(j0 + j + 1) * hd + d0;
+          b0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), b0);
+          b1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), b1);
+          b2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), b2);
+          b3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), b3);
+        }
+      }
+      _mm256_storeu_ps(part + 2 + d0, _mm256_add_ps(a0, b0));
+      _mm256_storeu_ps(part + 2 + d0 + 8, _mm256_add_ps(a1, b1));
+      _mm256_storeu_ps(part + 2 + d0 + 16, _mm256_add_ps(a2, b2));
+      _mm256_storeu_ps(part + 2 + d0 + 24, _mm256_add_ps(a3, b3));
     }
     return 1;
   }
@@ -908,6 +1013,13 @@ static void silu_times(const float* gate, int I, int j0, int j1, float* out) {
     const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
     _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
                                             _mm512_loadu_ps(gate + I + j)));
+  }
+#elif AVX2_ONLY
+  for (; j + 8 <= j1; j += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + j);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                            _mm256_loadu_ps(gate + I + j)));
   }
 #endif
   for (; j < j1; j++) out[j] = gate[j] / (1.f + expf(-gate[j])) * gate[I + j];
