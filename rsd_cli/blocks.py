@@ -75,6 +75,22 @@ SOURCE = r"""
 static inline float f32_at(const uint8_t* p) { float v; memcpy(&v, p, 4); return v; }
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
+/* Where even groups of at most 8 rows of x do not fit in 30 KB (CHUNKED, with vectors): m rows of x
+   against weight rows SUB_ROWS at a time, each walked CHUNK_BYTES of x at a time (as many blocks as
+   keep the m rows' part of x in 8 KB), so x's part stays in the first-level cache while those weight
+   rows stream past it, however wide the rows: wider ones (2 rows of 4096, 1 of 14336) went through
+   DOT_ROWS once for every row of x each time they no longer fitted, rebuilding every weight again for
+   each */
+#define SUB_ROWS 8
+#define CHUNK_BYTES 8192
+/* the same blocks of the weight row SUB_ROWS further on (in the next sub-tile: rows are contiguous,
+   so the next sub-tile is one contiguous stretch) into the second-level cache, while this one is
+   summed: a sub-tile's rows are read a chunk of each at a time, a pattern the CPU's own
+   prefetchers follow badly (2 rows 4096 wide took 8.3 ms without, 5.0 with) */
+#define PREFETCH_NEXT(wn, b0, b1, BYTES, row_bytes)                                           \
+    for (const uint8_t* p = wn + SUB_ROWS * row_bytes + (size_t)b0 * BYTES;                   \
+         p < wn + SUB_ROWS * row_bytes + (size_t)b1 * BYTES; p += 64)                         \
+      _mm_prefetch((const char*)p, _MM_HINT_T1);
 #ifdef __AVX512F__
 /* a block's 32 weights as two 16-lane vectors: exactly the float32 weights (d * q is exact) */
 static inline void q4_1_weights(const uint8_t* blk, __m512* w0, __m512* w1) {
@@ -174,14 +190,6 @@ static void FORMAT##_pair_##R(const float* x, int K, const uint8_t* wn, size_t r
     y[(size_t)r * N + 1] = _mm512_reduce_add_ps(_mm512_add_ps(c0[r], c1[r]));                 \
   }                                                                                           \
 }
-/* the same blocks of the weight row SUB_ROWS further on (in the next sub-tile: rows are contiguous,
-   so the next sub-tile is one contiguous stretch) into the second-level cache, while this one is
-   summed: a sub-tile's rows are read a chunk of each at a time, a pattern the CPU's own
-   prefetchers follow badly (2 rows 4096 wide took 8.3 ms without, 5.0 with) */
-#define PREFETCH_NEXT(wn, b0, b1, BYTES, row_bytes)                                           \
-    for (const uint8_t* p = wn + SUB_ROWS * row_bytes + (size_t)b0 * BYTES;                   \
-         p < wn + SUB_ROWS * row_bytes + (size_t)b1 * BYTES; p += 64)                         \
-      _mm_prefetch((const char*)p, _MM_HINT_T1);
 /* DOT_ROWS over blocks [b0, b1) of `rows` consecutive weight rows, the running sums of each (two
    vectors for a row of x and a weight row) carried in acc from one call to the next: a sum adds
    the same products in the same order as DOT_ROWS' (the same FMA_BLOCK: the same bits) */
@@ -198,13 +206,7 @@ static void FORMAT##_chunk_##R(const float* x, int K, const uint8_t* w, size_t r
     for (int r = 0; r < R; r++) { an[2 * r] = a0[r]; an[2 * r + 1] = a1[r]; }                 \
   }                                                                                           \
 }
-/* m rows of x (at most 8) against weight rows [n0, n1): SUB_ROWS weight rows at a time, each
-   walked CHUNK_BYTES of x at a time (as many blocks as keep the m rows' part of x in 8 KB), so
-   x's part stays in the first-level cache while those weight rows stream past it, however wide
-   the rows: wider ones (2 rows of 4096, 1 of 14336) went through DOT_ROWS once for every row of x
-   each time they no longer fitted, rebuilding every weight again for each */
-#define SUB_ROWS 8
-#define CHUNK_BYTES 8192
+/* m rows of x (at most 8) against weight rows [n0, n1): see SUB_ROWS */
 #define CHUNKED(FORMAT, BYTES)                                                                \
 DOT_CHUNK(FORMAT, BYTES, 1) DOT_CHUNK(FORMAT, BYTES, 2) DOT_CHUNK(FORMAT, BYTES, 3)           \
 DOT_CHUNK(FORMAT, BYTES, 4) DOT_CHUNK(FORMAT, BYTES, 5) DOT_CHUNK(FORMAT, BYTES, 6)           \
@@ -238,17 +240,8 @@ static void FORMAT##_chunked(const float* x, int K, const uint8_t* w, float* y, 
   }                                                                                           \
 }
 #define CHUNKS 1
-#define CHUNKED_TILE(FORMAT)                                                                  \
-    if (chunked) {                                                                            \
-      for (int r0 = 0; r0 < M; r0 += chunked)                                                 \
-        FORMAT##_chunked(x + (size_t)r0 * K, K, w, y + (size_t)r0 * ldy, ldy,                 \
-                         M - r0 < chunked ? M - r0 : chunked, n0, n1);                        \
-      continue;                                                                               \
-    }
+#define CHUNK_GROUP 8  /* (their 16 running sums in 16 of the 32 vector registers) */
 #else
-#define CHUNKED_TILE(FORMAT)
-#define CHUNKED(FORMAT, BYTES)
-#define CHUNKS 0
 static inline void q4_1_weights(const uint8_t* blk, float* w) {
   const float d = f32_at(blk + 16), m = f32_at(blk + 20);
   for (int j = 0; j < 16; j++) {
@@ -331,30 +324,83 @@ static inline void FORMAT##_vectors(const uint8_t* blk, __m256* w) {            
   for (int k = 0; k < 4; k++) w[k] = _mm256_loadu_ps(v + 8 * k);                              \
 }
 LOOP_VECTORS(f16) LOOP_VECTORS(bf16) LOOP_VECTORS(q5_1) LOOP_VECTORS(q8_16) LOOP_VECTORS(iq4)
-/* each row's four running sums, one for each quarter of a block's 32 weights, whatever rows come with it,
-   added pairwise at the end (a row's sum the same alone or among others) */
+/* block b of weight row wn against R rows of x (R, K): each row's four running sums acc[4r .. 4r + 3],
+   one for each quarter of a block's 32 weights, whatever rows come with it (the one loop body DOT_ROWS
+   and DOT_CHUNK share: the same products in the same order) */
+#define FMA_BLOCK(FORMAT, BYTES, R, wn, b, acc)                                               \
+  {                                                                                           \
+    __m256 w[4];                                                                              \
+    FORMAT##_vectors(wn + (size_t)(b) * BYTES, w);                                            \
+    for (int r = 0; r < R; r++) {                                                             \
+      const float* xb = x + (size_t)r * K + (b) * BLOCK;                                      \
+      for (int k = 0; k < 4; k++)                                                             \
+        acc[4 * r + k] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * k), w[k], acc[4 * r + k]);  \
+    }                                                                                         \
+  }
+/* a row's four running sums added pairwise, then the lanes (a row's sum the same alone or among others) */
+static inline float quarters_sum(const __m256* a) {
+  const __m256 s8 = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
 #define DOT_ROWS(FORMAT, BYTES, R)                                                            \
 static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y, int N) {   \
-  __m256 acc[R][4];                                                                           \
-  for (int r = 0; r < R; r++)                                                                 \
-    for (int k = 0; k < 4; k++) acc[r][k] = _mm256_setzero_ps();                              \
-  for (int b = 0; b < K / BLOCK; b++) {                                                       \
-    __m256 w[4];                                                                              \
-    FORMAT##_vectors(wn + (size_t)b * BYTES, w);                                              \
-    for (int r = 0; r < R; r++) {                                                             \
-      const float* xb = x + (size_t)r * K + b * BLOCK;                                        \
-      for (int k = 0; k < 4; k++)                                                             \
-        acc[r][k] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8 * k), w[k], acc[r][k]);            \
-    }                                                                                         \
-  }                                                                                           \
-  for (int r = 0; r < R; r++) {                                                               \
-    const __m256 s8 = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),                    \
-                                    _mm256_add_ps(acc[r][2], acc[r][3]));                   \
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));  \
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                  \
-    y[(size_t)r * N] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));                    \
+  __m256 acc[4 * R];                                                                          \
+  for (int i = 0; i < 4 * R; i++) acc[i] = _mm256_setzero_ps();                               \
+  for (int b = 0; b < K / BLOCK; b++) FMA_BLOCK(FORMAT, BYTES, R, wn, b, acc)                 \
+  for (int r = 0; r < R; r++) y[(size_t)r * N] = quarters_sum(acc + 4 * r);                   \
+}
+/* DOT_ROWS over blocks [b0, b1) of `rows` consecutive weight rows, each's running sums (four for a row
+   of x and a weight row) carried in acc from one call to the next: the same bits as DOT_ROWS' */
+#define DOT_CHUNK(FORMAT, BYTES, R)                                                           \
+static void FORMAT##_chunk_##R(const float* x, int K, const uint8_t* w, size_t row_bytes, int rows, \
+                               int b0, int b1, __m256* acc) {                                 \
+  for (int n = 0; n < rows; n++) {                                                            \
+    const uint8_t* wn = w + (size_t)n * row_bytes;                                            \
+    __m256* an = acc + (size_t)n * 4 * R;                                                     \
+    __m256 a[4 * R];                                                                          \
+    for (int i = 0; i < 4 * R; i++) a[i] = an[i];                                             \
+    PREFETCH_NEXT(wn, b0, b1, BYTES, row_bytes)                                               \
+    for (int b = b0; b < b1; b++) FMA_BLOCK(FORMAT, BYTES, R, wn, b, a)                       \
+    for (int i = 0; i < 4 * R; i++) an[i] = a[i];                                             \
   }                                                                                           \
 }
+/* m rows of x (at most 8) against weight rows [n0, n1), SUB_ROWS weight rows at a time (see SUB_ROWS) */
+#define CHUNKED(FORMAT, BYTES)                                                                \
+DOT_CHUNK(FORMAT, BYTES, 1) DOT_CHUNK(FORMAT, BYTES, 2) DOT_CHUNK(FORMAT, BYTES, 3)           \
+DOT_CHUNK(FORMAT, BYTES, 4) DOT_CHUNK(FORMAT, BYTES, 5) DOT_CHUNK(FORMAT, BYTES, 6)           \
+DOT_CHUNK(FORMAT, BYTES, 7) DOT_CHUNK(FORMAT, BYTES, 8)                                       \
+static void FORMAT##_chunked(const float* x, int K, const uint8_t* w, float* y, int ldy, int m, \
+                             int n0, int n1) {                                                \
+  __m256 acc[SUB_ROWS * 4 * 8];                                                               \
+  const size_t row_bytes = (size_t)(K / BLOCK) * BYTES;                                       \
+  const int blocks = K / BLOCK, per_chunk = CHUNK_BYTES / (m * BLOCK * (int)sizeof(float));   \
+  for (int s0 = n0; s0 < n1; s0 += SUB_ROWS) {                                                \
+    const int rows = n1 - s0 < SUB_ROWS ? n1 - s0 : SUB_ROWS;                                 \
+    const uint8_t* ws = w + (size_t)s0 * row_bytes;                                           \
+    for (int i = 0; i < rows * 4 * m; i++) acc[i] = _mm256_setzero_ps();                      \
+    for (int b0 = 0; b0 < blocks; b0 += per_chunk) {                                          \
+      const int b1 = b0 + per_chunk < blocks ? b0 + per_chunk : blocks;                       \
+      switch (m) {                                                                            \
+        case 1: FORMAT##_chunk_1(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
+        case 2: FORMAT##_chunk_2(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
+        case 3: FORMAT##_chunk_3(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
+        case 4: FORMAT##_chunk_4(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
+        case 5: FORMAT##_chunk_5(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
+        case 6: FORMAT##_chunk_6(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
+        case 7: FORMAT##_chunk_7(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
+        default: FORMAT##_chunk_8(x, K, ws, row_bytes, rows, b0, b1, acc); break;             \
+      }                                                                                       \
+    }                                                                                         \
+    for (int n = 0; n < rows; n++)                                                            \
+      for (int r = 0; r < m; r++) y[(size_t)r * ldy + s0 + n] = quarters_sum(acc + (n * m + r) * 4); \
+  }                                                                                           \
+}
+#define CHUNKS 1
+/* groups of at most 3 rows of x: their 12 running sums stay in 16 registers (8 rows of a 14336 x 4096 Q4_1
+   weight, 44 MB: 10.2 ms in groups of 8, 8.2 of 4, 7.1 of 3, 7.4 of 2; 4 rows 4.0 / 4.1 / 3.7 / 3.7) */
+#define CHUNK_GROUP 3
 #else
 #define DOT_ROWS(FORMAT, BYTES, R)                                                            \
 static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y, int N) {   \
@@ -371,6 +417,9 @@ static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y
     y[(size_t)r * N] = s;                                                                     \
   }                                                                                           \
 }
+#define CHUNKED(FORMAT, BYTES)
+#define CHUNKS 0
+#define CHUNK_GROUP 8
 #endif
 /* two weight rows, one after the other (DOT_PAIR's portable form: the same sums) */
 #define DOT_PAIR(FORMAT, BYTES, R)                                                            \
@@ -378,6 +427,17 @@ static void FORMAT##_pair_##R(const float* x, int K, const uint8_t* wn, size_t r
   FORMAT##_rows_##R(x, K, wn, y, N);                                                          \
   FORMAT##_rows_##R(x, K, wn + row_bytes, y + 1, N);                                          \
 }
+#endif
+#if CHUNKS
+#define CHUNKED_TILE(FORMAT)                                                                  \
+    if (chunked) {                                                                            \
+      for (int r0 = 0; r0 < M; r0 += chunked)                                                 \
+        FORMAT##_chunked(x + (size_t)r0 * K, K, w, y + (size_t)r0 * ldy, ldy,                 \
+                         M - r0 < chunked ? M - r0 : chunked, n0, n1);                        \
+      continue;                                                                               \
+    }
+#else
+#define CHUNKED_TILE(FORMAT)
 #endif
 
 /* y = x W^T over tiles of weight rows (tile_columns: at least 4 tiles a thread, at most 32 rows
@@ -410,9 +470,9 @@ static int row_group(int M, int K) {
   return passes > 0 ? (M + passes - 1) / passes : 1;
 }
 
-/* rows of x taken in chunks (CHUNKED) where even groups of at most 8 do not fit in 30 KB: 0 where they do */
+/* rows of x taken in chunks (CHUNKED) where even groups of at most CHUNK_GROUP do not fit in 30 KB: 0 where they do */
 static int chunked_group(int M, int K) {
-  const int passes = (M + 7) / 8, group = passes > 0 ? (M + passes - 1) / passes : 1;
+  const int passes = (M + CHUNK_GROUP - 1) / CHUNK_GROUP, group = passes > 0 ? (M + passes - 1) / passes : 1;
   return CHUNKS && (size_t)group * K * sizeof(float) > (size_t)30 * 1024 ? group : 0;
 }
 
