@@ -75,7 +75,7 @@ SOURCE = r"""
 static inline float f32_at(const uint8_t* p) { float v; memcpy(&v, p, 4); return v; }
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-/* Where even groups of at most 8 rows of x do not fit in 30 KB (CHUNKED, with vectors): m rows of x
+/* Where even groups of at most CHUNK_GROUP rows of x do not fit in 30 KB (CHUNKED, with vectors): m rows of x
    against weight rows SUB_ROWS at a time, each walked CHUNK_BYTES of x at a time (as many blocks as
    keep the m rows' part of x in 8 KB), so x's part stays in the first-level cache while those weight
    rows stream past it, however wide the rows: wider ones (2 rows of 4096, 1 of 14336) went through
