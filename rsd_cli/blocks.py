@@ -1365,9 +1365,14 @@ def _cpu() -> str:
     return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags", "Features"))}))
 
 
+build_error: str | None = None  # why the last build failed: the compiler's first line of errors
+
+
 def build(folder: Path, flags: tuple[str, ...] = FLAGS):
     """The kernel compiled with these flags into `folder` (once per source, compiler, flags and CPU:
-    a cache folder shared by other machines keeps one file each) and loaded; None where that fails."""
+    a cache folder shared by other machines keeps one file each) and loaded; None where that fails
+    (why: build_error)."""
+    global build_error
     compiler = _compiler()
     if compiler is None:
         return None
@@ -1386,7 +1391,11 @@ def build(folder: Path, flags: tuple[str, ...] = FLAGS):
                 source.unlink(missing_ok=True)
             built.replace(path)  # whole or not at all: another process may be loading it
         lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError) as e:
+        said = getattr(e, "stderr", None)
+        said = said.decode(errors="replace") if isinstance(said, bytes) else str(e)
+        lines = [line.strip() for line in said.splitlines() if line.strip()]
+        build_error = next((line for line in lines if "error" in line.lower()), lines[0] if lines else type(e).__name__)
         return None
     pointer, integer, real = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.blocks_linear.argtypes = [pointer, pointer, pointer, integer, integer, integer, integer, integer]
@@ -1424,14 +1433,19 @@ def available() -> bool:
     return library() is not None
 
 
-def missing_compiler() -> bool:
-    """Whether rsd's C kernel is wanted here (neither RSD_BLOCK_KERNELS=0 nor another kernel forced by
-    RSD_SMALL_BATCH_MATMUL) but no C compiler is found to build it."""
+def kernel_missing() -> str | None:
+    """Where rsd's C kernel is wanted here (neither RSD_BLOCK_KERNELS=0 nor another kernel forced by
+    RSD_SMALL_BATCH_MATMUL) but cannot be had, why, in words: no C compiler is found, or the one found
+    did not build it (macOS's clang has no OpenMP of its own, for one); else None."""
     from .small_batch import requested_mode
 
     if os.environ.get("RSD_BLOCK_KERNELS", "1").strip() == "0" or requested_mode() not in ("auto", "blocks"):
-        return False
-    return _compiler() is None
+        return None
+    if _compiler() is None:
+        return "no C compiler found (cc, gcc or clang) to build rsd's C kernel"
+    if library() is None:
+        return f"rsd's C kernel did not build with {_compiler()} ({build_error or 'no reason given'})"
+    return None
 
 
 def vectorised(lib=None) -> bool:

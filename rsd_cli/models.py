@@ -1199,12 +1199,13 @@ def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, l
         notice("OMP_WAIT_POLICY=PASSIVE makes forwards on the CPU several times slower "
                "(3.4x on a 2-core AMD EPYC); unset it for speed")
     if input_device(target).type == "cpu" and str(next(target.parameters()).dtype) == "torch.float32":
-        from .blocks import missing_compiler
+        from .blocks import kernel_missing
 
-        if missing_compiler():  # (a slim container: the layers then run on float32 weights, silently ~4x slower)
-            notice("no C compiler found (cc, gcc or clang) to build rsd's C kernel: without it, quantised and "
-                   "16-bit weights run several times slower on this CPU (the embedded pair ~4x); install one "
-                   "(e.g. apt install gcc), or set RSD_BLOCK_KERNELS=0 to run without it quietly")
+        missing = kernel_missing()  # (a slim container, macOS's clang: float32 layers then, silently ~4x slower)
+        if missing:
+            notice(f"{missing}: without it, quantised and 16-bit weights run several times slower on this CPU "
+                   f"(the embedded pair ~4x); install a C compiler with OpenMP (e.g. apt install gcc; on macOS "
+                   f"Homebrew's gcc, named by CC), or set RSD_BLOCK_KERNELS=0 to run without it quietly")
     pair = ModelPair(
         target=target, draft=draft, tokenizer=tokenizer, vocab_size=vocab,
         eos_ids=_eos_ids(tokenizer, target),

@@ -68,6 +68,29 @@ def test_a_missing_c_compiler_is_named_once_as_the_reason_for_slow_forwards(cli,
         assert missing.stdout == found.stdout
 
 
+def test_a_c_kernel_that_does_not_build_is_named_once_with_the_compiler_s_error(cli, tiny_profile, tmp_path):
+    """A compiler that cannot build rsd's C kernel (macOS's clang has no OpenMP of its own) leaves quantised
+    weights on float32 ones as a missing compiler does: said in one line, with the compiler's error, and
+    the same answer."""
+    from rsd_cli import blocks
+
+    env = {"RSD_SMALL_BATCH_MATMUL": "auto"}
+    found = cli("generate", "hello", "-p", tiny_profile, "-t", "0", input="", env=env)
+    failing = tmp_path / "cc"
+    failing.write_text("#!/bin/sh\necho \"clang: error: unsupported option '-fopenmp'\" >&2\nexit 1\n")
+    failing.chmod(0o755)
+    blocks.library.cache_clear()  # (built once a process: built again here, with the failing compiler)
+    try:
+        broken = cli("generate", "hello", "-p", tiny_profile, "-t", "0", input="", env={**env, "CC": str(failing)})
+    finally:
+        blocks.library.cache_clear()
+    assert broken.exit_code == 0, broken.stderr
+    line = f"rsd: rsd's C kernel did not build with {failing} (clang: error: unsupported option '-fopenmp'): "
+    assert broken.stderr.count(line) == 1, broken.stderr
+    assert "RSD_BLOCK_KERNELS=0" in broken.stderr and "C kernel" not in found.stderr
+    assert broken.stdout == found.stdout
+
+
 def test_generate_json_has_every_field(cli, tiny_profile):
     result = cli("generate", "hello", "-p", tiny_profile, "--json", "-n", "10", "-t", "0", input="")
     assert result.exit_code == 0, result.stderr
