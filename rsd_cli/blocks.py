@@ -206,39 +206,11 @@ static void FORMAT##_chunk_##R(const float* x, int K, const uint8_t* w, size_t r
     for (int r = 0; r < R; r++) { an[2 * r] = a0[r]; an[2 * r + 1] = a1[r]; }                 \
   }                                                                                           \
 }
-/* m rows of x (at most 8) against weight rows [n0, n1): see SUB_ROWS */
-#define CHUNKED(FORMAT, BYTES)                                                                \
-DOT_CHUNK(FORMAT, BYTES, 1) DOT_CHUNK(FORMAT, BYTES, 2) DOT_CHUNK(FORMAT, BYTES, 3)           \
-DOT_CHUNK(FORMAT, BYTES, 4) DOT_CHUNK(FORMAT, BYTES, 5) DOT_CHUNK(FORMAT, BYTES, 6)           \
-DOT_CHUNK(FORMAT, BYTES, 7) DOT_CHUNK(FORMAT, BYTES, 8)                                       \
-static void FORMAT##_chunked(const float* x, int K, const uint8_t* w, float* y, int ldy, int m, \
-                             int n0, int n1) {                                                \
-  __m512 acc[SUB_ROWS * 2 * 8];                                                               \
-  const size_t row_bytes = (size_t)(K / BLOCK) * BYTES;                                       \
-  const int blocks = K / BLOCK, per_chunk = CHUNK_BYTES / (m * BLOCK * (int)sizeof(float));   \
-  for (int s0 = n0; s0 < n1; s0 += SUB_ROWS) {                                                \
-    const int rows = n1 - s0 < SUB_ROWS ? n1 - s0 : SUB_ROWS;                                 \
-    const uint8_t* ws = w + (size_t)s0 * row_bytes;                                           \
-    for (int i = 0; i < rows * 2 * m; i++) acc[i] = _mm512_setzero_ps();                      \
-    for (int b0 = 0; b0 < blocks; b0 += per_chunk) {                                          \
-      const int b1 = b0 + per_chunk < blocks ? b0 + per_chunk : blocks;                       \
-      switch (m) {                                                                            \
-        case 1: FORMAT##_chunk_1(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
-        case 2: FORMAT##_chunk_2(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
-        case 3: FORMAT##_chunk_3(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
-        case 4: FORMAT##_chunk_4(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
-        case 5: FORMAT##_chunk_5(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
-        case 6: FORMAT##_chunk_6(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
-        case 7: FORMAT##_chunk_7(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
-        default: FORMAT##_chunk_8(x, K, ws, row_bytes, rows, b0, b1, acc); break;             \
-      }                                                                                       \
-    }                                                                                         \
-    for (int n = 0; n < rows; n++)                                                            \
-      for (int r = 0; r < m; r++)                                                             \
-        y[(size_t)r * ldy + s0 + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[(n * m + r) * 2], \
-                                                                         acc[(n * m + r) * 2 + 1])); \
-  }                                                                                           \
-}
+/* a row of x's running sums against a weight row (SUMS of them: CHUNKED's accumulators), added up as
+   DOT_ROWS adds them */
+typedef __m512 sums_vector;
+#define SUMS 2
+static inline float row_sum(const __m512* a) { return _mm512_reduce_add_ps(_mm512_add_ps(a[0], a[1])); }
 #define CHUNKS 1
 #define CHUNK_GROUP 8  /* (their 16 running sums in 16 of the 32 vector registers) */
 #else
@@ -366,37 +338,9 @@ static void FORMAT##_chunk_##R(const float* x, int K, const uint8_t* w, size_t r
     for (int i = 0; i < 4 * R; i++) an[i] = a[i];                                             \
   }                                                                                           \
 }
-/* m rows of x (at most 8) against weight rows [n0, n1), SUB_ROWS weight rows at a time (see SUB_ROWS) */
-#define CHUNKED(FORMAT, BYTES)                                                                \
-DOT_CHUNK(FORMAT, BYTES, 1) DOT_CHUNK(FORMAT, BYTES, 2) DOT_CHUNK(FORMAT, BYTES, 3)           \
-DOT_CHUNK(FORMAT, BYTES, 4) DOT_CHUNK(FORMAT, BYTES, 5) DOT_CHUNK(FORMAT, BYTES, 6)           \
-DOT_CHUNK(FORMAT, BYTES, 7) DOT_CHUNK(FORMAT, BYTES, 8)                                       \
-static void FORMAT##_chunked(const float* x, int K, const uint8_t* w, float* y, int ldy, int m, \
-                             int n0, int n1) {                                                \
-  __m256 acc[SUB_ROWS * 4 * 8];                                                               \
-  const size_t row_bytes = (size_t)(K / BLOCK) * BYTES;                                       \
-  const int blocks = K / BLOCK, per_chunk = CHUNK_BYTES / (m * BLOCK * (int)sizeof(float));   \
-  for (int s0 = n0; s0 < n1; s0 += SUB_ROWS) {                                                \
-    const int rows = n1 - s0 < SUB_ROWS ? n1 - s0 : SUB_ROWS;                                 \
-    const uint8_t* ws = w + (size_t)s0 * row_bytes;                                           \
-    for (int i = 0; i < rows * 4 * m; i++) acc[i] = _mm256_setzero_ps();                      \
-    for (int b0 = 0; b0 < blocks; b0 += per_chunk) {                                          \
-      const int b1 = b0 + per_chunk < blocks ? b0 + per_chunk : blocks;                       \
-      switch (m) {                                                                            \
-        case 1: FORMAT##_chunk_1(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
-        case 2: FORMAT##_chunk_2(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
-        case 3: FORMAT##_chunk_3(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
-        case 4: FORMAT##_chunk_4(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
-        case 5: FORMAT##_chunk_5(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
-        case 6: FORMAT##_chunk_6(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
-        case 7: FORMAT##_chunk_7(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
-        default: FORMAT##_chunk_8(x, K, ws, row_bytes, rows, b0, b1, acc); break;             \
-      }                                                                                       \
-    }                                                                                         \
-    for (int n = 0; n < rows; n++)                                                            \
-      for (int r = 0; r < m; r++) y[(size_t)r * ldy + s0 + n] = quarters_sum(acc + (n * m + r) * 4); \
-  }                                                                                           \
-}
+typedef __m256 sums_vector;
+#define SUMS 4
+#define row_sum quarters_sum
 #define CHUNKS 1
 /* groups of at most 3 rows of x: their 12 running sums stay in 16 registers (8 rows of a 14336 x 4096 Q4_1
    weight, 44 MB: 10.2 ms in groups of 8, 8.2 of 4, 7.1 of 3, 7.4 of 2; 4 rows 4.0 / 4.1 / 3.7 / 3.7) */
@@ -417,7 +361,6 @@ static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y
     y[(size_t)r * N] = s;                                                                     \
   }                                                                                           \
 }
-#define CHUNKED(FORMAT, BYTES)
 #define CHUNKS 0
 #define CHUNK_GROUP 8
 #endif
@@ -429,6 +372,38 @@ static void FORMAT##_pair_##R(const float* x, int K, const uint8_t* wn, size_t r
 }
 #endif
 #if CHUNKS
+/* m rows of x (at most 8) against weight rows [n0, n1), SUB_ROWS weight rows at a time (see SUB_ROWS):
+   each row of x and weight row SUMS running sums (DOT_CHUNK), added up as DOT_ROWS adds them */
+#define CHUNKED(FORMAT, BYTES)                                                                \
+DOT_CHUNK(FORMAT, BYTES, 1) DOT_CHUNK(FORMAT, BYTES, 2) DOT_CHUNK(FORMAT, BYTES, 3)           \
+DOT_CHUNK(FORMAT, BYTES, 4) DOT_CHUNK(FORMAT, BYTES, 5) DOT_CHUNK(FORMAT, BYTES, 6)           \
+DOT_CHUNK(FORMAT, BYTES, 7) DOT_CHUNK(FORMAT, BYTES, 8)                                       \
+static void FORMAT##_chunked(const float* x, int K, const uint8_t* w, float* y, int ldy, int m, \
+                             int n0, int n1) {                                                \
+  sums_vector acc[SUB_ROWS * SUMS * 8];                                                       \
+  const size_t row_bytes = (size_t)(K / BLOCK) * BYTES;                                       \
+  const int blocks = K / BLOCK, per_chunk = CHUNK_BYTES / (m * BLOCK * (int)sizeof(float));   \
+  for (int s0 = n0; s0 < n1; s0 += SUB_ROWS) {                                                \
+    const int rows = n1 - s0 < SUB_ROWS ? n1 - s0 : SUB_ROWS;                                 \
+    const uint8_t* ws = w + (size_t)s0 * row_bytes;                                           \
+    memset(acc, 0, (size_t)rows * SUMS * m * sizeof(sums_vector));                            \
+    for (int b0 = 0; b0 < blocks; b0 += per_chunk) {                                          \
+      const int b1 = b0 + per_chunk < blocks ? b0 + per_chunk : blocks;                       \
+      switch (m) {                                                                            \
+        case 1: FORMAT##_chunk_1(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
+        case 2: FORMAT##_chunk_2(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
+        case 3: FORMAT##_chunk_3(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
+        case 4: FORMAT##_chunk_4(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
+        case 5: FORMAT##_chunk_5(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
+        case 6: FORMAT##_chunk_6(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
+        case 7: FORMAT##_chunk_7(x, K, ws, row_bytes, rows, b0, b1, acc); break;              \
+        default: FORMAT##_chunk_8(x, K, ws, row_bytes, rows, b0, b1, acc); break;             \
+      }                                                                                       \
+    }                                                                                         \
+    for (int n = 0; n < rows; n++)                                                            \
+      for (int r = 0; r < m; r++) y[(size_t)r * ldy + s0 + n] = row_sum(acc + (n * m + r) * SUMS); \
+  }                                                                                           \
+}
 #define CHUNKED_TILE(FORMAT)                                                                  \
     if (chunked) {                                                                            \
       for (int r0 = 0; r0 < M; r0 += chunked)                                                 \
@@ -437,6 +412,7 @@ static void FORMAT##_pair_##R(const float* x, int K, const uint8_t* wn, size_t r
       continue;                                                                               \
     }
 #else
+#define CHUNKED(FORMAT, BYTES)
 #define CHUNKED_TILE(FORMAT)
 #endif
 
