@@ -17,7 +17,7 @@ import torch
 
 from rsd_cli import compiled
 from rsd_cli.compiled import CompiledModel, StaticLM, warm_up
-from rsd_cli.engine import synchronise
+from rsd_cli.engine import timed_chain
 from rsd_cli.models import load_pair
 from rsd_cli.profiles import load_profile
 
@@ -39,17 +39,10 @@ ways = {"graphed pieces": compiled.GRAPHED_PIECES, "one forward": 0}
 
 
 def timed_catch_up(cache: StaticLM, n: int, pieces: int) -> float:
-    """Seconds n tokens' catch-up takes on `cache` (its last row's logits, as the draft's catch-up asks;
-    a GPU's work included); the cache is then cut back."""
+    """Seconds n tokens' catch-up takes on `cache` with GRAPHED_PIECES = pieces (engine.timed_chain: every
+    row's logits, which a graph's replay computes anyway; the cache then cut back)."""
     compiled.GRAPHED_PIECES = pieces
-    past = cache.length
-    synchronise(cache.device)
-    start = time.perf_counter()
-    cache.extend([1] * n)
-    synchronise(cache.device)
-    seconds = time.perf_counter() - start
-    cache.keep(list(range(past)))
-    return seconds
+    return timed_chain(cache, n)
 
 
 results = {}
