@@ -22,8 +22,9 @@ multiplies is the float32 weight itself,
 and the result is the same product as any other kernel's, only summed in its own order (as
 between any two GEMM kernels; see small_batch). Where the CPU lacks AVX-512 the products (and the
 layers' softmax, attention and SiLU) run in AVX2's 8-lane vectors (most laptops and desktops; AMD
-before Zen 4), where it lacks AVX2 too in plain C loops, and where there is no C compiler the kernel
-is simply not offered.
+before Zen 4), on 64-bit ARM (Apple silicon, Graviton, Ampere, Raspberry Pi 4-5) in NEON's 4-lane
+vectors, elsewhere in plain C loops, and where there is no C compiler the kernel is simply not
+offered.
 
 The same library runs a whole Llama decoder layer whose linears are all such weights
 (`blocks_layer`, for the static-cache runtime uncompiled on a CPU): norms, the products (q, k
@@ -68,6 +69,14 @@ SOURCE = r"""
 #include <omp.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#define PREFETCH_L2(p) _mm_prefetch((const char*)(p), _MM_HINT_T1)
+#else
+#define PREFETCH_L2(p) __builtin_prefetch((p), 0, 2)
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define NEON 1  /* 64-bit ARM (Apple silicon, Graviton, Ampere, Raspberry Pi 4-5): products, softmax, attention
+                   and SiLU in NEON's 4-lane vectors */
 #endif
 
 #define BLOCK 32
@@ -90,7 +99,7 @@ static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 
 #define PREFETCH_NEXT(wn, b0, b1, BYTES, row_bytes)                                           \
     for (const uint8_t* p = wn + SUB_ROWS * row_bytes + (size_t)b0 * BYTES;                   \
          p < wn + SUB_ROWS * row_bytes + (size_t)b1 * BYTES; p += 64)                         \
-      _mm_prefetch((const char*)p, _MM_HINT_T1);
+      PREFETCH_L2(p);
 #ifdef __AVX512F__
 /* a block's 32 weights as two 16-lane vectors: exactly the float32 weights (d * q is exact) */
 static inline void q4_1_weights(const uint8_t* blk, __m512* w0, __m512* w1) {
@@ -345,6 +354,91 @@ typedef __m256 sums_vector;
 /* groups of at most 3 rows of x: their 12 running sums stay in 16 registers (8 rows of a 14336 x 4096 Q4_1
    weight, 44 MB: 10.2 ms in groups of 8, 8.2 of 4, 7.1 of 3, 7.4 of 2; 4 rows 4.0 / 4.1 / 3.7 / 3.7) */
 #define CHUNK_GROUP 3
+#elif NEON
+/* 64-bit ARM: a block's 32 weights as eight 4-lane vectors, the same values as the loops above (d * q
+   exact, + m rounded once); Q4_1, Q8_0, half floats and bfloat16 decoded in vectors, the other formats
+   by those loops */
+static inline float32x4_t nibbles4(uint16x4_t q) { return vcvtq_f32_u32(vmovl_u16(q)); }
+static inline void q4_1_vectors(const uint8_t* blk, float32x4_t* w) {
+  const uint8x16_t q = vld1q_u8(blk);
+  const uint8x16_t halves[2] = {vandq_u8(q, vdupq_n_u8(15)), vshrq_n_u8(q, 4)};  /* q[0..15], q[16..31] */
+  const float32x4_t d = vdupq_n_f32(f32_at(blk + 16)), m = vdupq_n_f32(f32_at(blk + 20));
+  for (int h = 0; h < 2; h++) {
+    const uint16x8_t first = vmovl_u8(vget_low_u8(halves[h])), second = vmovl_high_u8(halves[h]);
+    w[4 * h] = vfmaq_f32(m, nibbles4(vget_low_u16(first)), d);
+    w[4 * h + 1] = vfmaq_f32(m, nibbles4(vget_high_u16(first)), d);
+    w[4 * h + 2] = vfmaq_f32(m, nibbles4(vget_low_u16(second)), d);
+    w[4 * h + 3] = vfmaq_f32(m, nibbles4(vget_high_u16(second)), d);
+  }
+}
+static inline void q8_0_vectors(const uint8_t* blk, float32x4_t* w) {
+  const float d = f32_at(blk + 32);
+  for (int h = 0; h < 2; h++) {
+    const int8x16_t q = vld1q_s8((const int8_t*)blk + 16 * h);
+    const int16x8_t first = vmovl_s8(vget_low_s8(q)), second = vmovl_high_s8(q);
+    w[4 * h] = vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(first))), d);
+    w[4 * h + 1] = vmulq_n_f32(vcvtq_f32_s32(vmovl_high_s16(first)), d);
+    w[4 * h + 2] = vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(second))), d);
+    w[4 * h + 3] = vmulq_n_f32(vcvtq_f32_s32(vmovl_high_s16(second)), d);
+  }
+}
+static inline void f16_vectors(const uint8_t* blk, float32x4_t* w) {  /* (widening a half float is exact) */
+  for (int k = 0; k < 8; k++) w[k] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t*)blk + 4 * k)));
+}
+static inline void bf16_vectors(const uint8_t* blk, float32x4_t* w) {
+  for (int k = 0; k < 8; k++) w[k] = vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t*)blk + 4 * k), 16));
+}
+#define LOOP_VECTORS(FORMAT)                                                                  \
+static inline void FORMAT##_vectors(const uint8_t* blk, float32x4_t* w) {                     \
+  float v[BLOCK];                                                                             \
+  FORMAT##_weights(blk, v);                                                                   \
+  for (int k = 0; k < 8; k++) w[k] = vld1q_f32(v + 4 * k);                                    \
+}
+LOOP_VECTORS(q5_1) LOOP_VECTORS(q8_16) LOOP_VECTORS(iq4)
+/* block b of weight row wn against R rows of x (R, K): each row's eight running sums acc[8r .. 8r + 7],
+   one for each eighth of a block's 32 weights (one FMA a sum a block: chains that do not wait on each
+   other's latency), whatever rows come with it (the one loop body DOT_ROWS and DOT_CHUNK share) */
+#define FMA_BLOCK(FORMAT, BYTES, R, wn, b, acc)                                               \
+  {                                                                                           \
+    float32x4_t w[8];                                                                         \
+    FORMAT##_vectors(wn + (size_t)(b) * BYTES, w);                                            \
+    for (int r = 0; r < R; r++) {                                                             \
+      const float* xb = x + (size_t)r * K + (b) * BLOCK;                                      \
+      for (int k = 0; k < 8; k++) acc[8 * r + k] = vfmaq_f32(acc[8 * r + k], vld1q_f32(xb + 4 * k), w[k]); \
+    }                                                                                         \
+  }
+/* a row's eight running sums added pairwise, then the lanes (a row's sum the same alone or among others) */
+static inline float eighths_sum(const float32x4_t* a) {
+  return vaddvq_f32(vaddq_f32(vaddq_f32(vaddq_f32(a[0], a[1]), vaddq_f32(a[2], a[3])),
+                              vaddq_f32(vaddq_f32(a[4], a[5]), vaddq_f32(a[6], a[7]))));
+}
+#define DOT_ROWS(FORMAT, BYTES, R)                                                            \
+static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y, int N) {   \
+  float32x4_t acc[8 * R];                                                                     \
+  for (int i = 0; i < 8 * R; i++) acc[i] = vdupq_n_f32(0.f);                                  \
+  for (int b = 0; b < K / BLOCK; b++) FMA_BLOCK(FORMAT, BYTES, R, wn, b, acc)                 \
+  for (int r = 0; r < R; r++) y[(size_t)r * N] = eighths_sum(acc + 8 * r);                    \
+}
+/* DOT_ROWS over blocks [b0, b1) of `rows` consecutive weight rows, each's running sums (eight for a row
+   of x and a weight row) carried in acc from one call to the next: the same bits as DOT_ROWS' */
+#define DOT_CHUNK(FORMAT, BYTES, R)                                                           \
+static void FORMAT##_chunk_##R(const float* x, int K, const uint8_t* w, size_t row_bytes, int rows, \
+                               int b0, int b1, float32x4_t* acc) {                            \
+  for (int n = 0; n < rows; n++) {                                                            \
+    const uint8_t* wn = w + (size_t)n * row_bytes;                                            \
+    float32x4_t* an = acc + (size_t)n * 8 * R;                                                \
+    float32x4_t a[8 * R];                                                                     \
+    for (int i = 0; i < 8 * R; i++) a[i] = an[i];                                             \
+    PREFETCH_NEXT(wn, b0, b1, BYTES, row_bytes)                                               \
+    for (int b = b0; b < b1; b++) FMA_BLOCK(FORMAT, BYTES, R, wn, b, a)                       \
+    for (int i = 0; i < 8 * R; i++) an[i] = a[i];                                             \
+  }                                                                                           \
+}
+typedef float32x4_t sums_vector;
+#define SUMS 8
+#define row_sum eighths_sum
+#define CHUNKS 1
+#define CHUNK_GROUP 3  /* (their 24 running sums in 24 of the 32 vector registers) */
 #else
 #define DOT_ROWS(FORMAT, BYTES, R)                                                            \
 static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y, int N) {   \
@@ -531,10 +625,10 @@ static inline void FORMAT##_values(const uint8_t* blk, float* out) { FORMAT##_we
 BLOCK_VALUES(q4_1) BLOCK_VALUES(q8_0) BLOCK_VALUES(f16) BLOCK_VALUES(bf16) BLOCK_VALUES(q5_1)
 BLOCK_VALUES(q8_16) BLOCK_VALUES(iq4)
 
-/* 1 where this build's products run on vectors (AVX-512, or AVX2 with FMA), 0 for the plain loops (about
+/* 1 where this build's products run on vectors (AVX-512, AVX2 with FMA, or 64-bit ARM's NEON), 0 for the plain loops (about
    twice the time of torch's float32 product for a row, on the 2-core Xeon with AVX-512 left out) */
 int blocks_vectorised(void) {
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)) || NEON
   return 1;
 #else
   return 0;
@@ -684,6 +778,25 @@ static inline __m256 exp8(__m256 x) {
                                                                              _mm256_set1_epi32(127)), 23));
   return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, scale));
 }
+#elif NEON
+/* e^x in 4 lanes, as exp8: the same reduction and polynomial, 2^n built in the exponent's bits; below -87
+   exactly 0 */
+static inline float32x4_t exp4(float32x4_t x) {
+  const uint32x4_t tiny = vcltq_f32(x, vdupq_n_f32(-87.f));
+  x = vminq_f32(vmaxq_f32(x, vdupq_n_f32(-87.f)), vdupq_n_f32(88.8f));
+  const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504088896341f)));
+  float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(0.693359375f));
+  r = vfmsq_f32(r, n, vdupq_n_f32(-2.12194440e-4f));
+  float32x4_t p = vdupq_n_f32(1.9875691500e-4f);
+  p = vfmaq_f32(vdupq_n_f32(1.3981999507e-3f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(8.3334519073e-3f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(4.1665795894e-2f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.6666665459e-1f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(5.0000001201e-1f), p, r);
+  p = vfmaq_f32(vaddq_f32(r, vdupq_n_f32(1.f)), p, vmulq_f32(r, r));
+  const float32x4_t scale = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23));
+  return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(vmulq_f32(p, scale)), tiny));
+}
 #endif
 
 /* Attention over the cached keys in chunks of KEY_CHUNK slots (at multiples of it): for each query
@@ -737,6 +850,11 @@ static inline float add8(__m256 v) {
   __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_add_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+#elif NEON
+/* lane t = the sum of a[t]'s 4 lanes (the same additions, in the same order, for every t) */
+static inline float32x4_t sum4(const float32x4_t* a) {
+  return vpaddq_f32(vpaddq_f32(a[0], a[1]), vpaddq_f32(a[2], a[3]));
 }
 #endif
 
@@ -899,6 +1017,71 @@ int chunk_part_hd(const float* q, const float* keys, const float* values, const 
     }
     return 1;
   }
+#elif NEON
+  if (hd % 64 == 0) {  /* chunk_part_hd's AVX-512 arithmetic in 4-lane vectors, 4 keys at a time */
+    const int vectors = hd / 4;
+    float32x4_t tops = vdupq_n_f32(-INFINITY);
+    for (int j = 0; j < count; j += 4) {  /* scores of 4 keys: 4 running sums a key, added up in a tree */
+      const int live = count - j >= 4 ? 4 : count - j;
+      const uint32x4_t lanes = vcltq_s32(vld1q_s32((const int32_t[4]){0, 1, 2, 3}), vdupq_n_s32(live));
+      float tail[4] = {0.f, 0.f, 0.f, 0.f};  /* (the mask read no further than the chunk's end) */
+      if (kind != SEEN) memcpy(tail, mask + j0 + j, (size_t)live * sizeof(float));
+      const float32x4_t m = vld1q_f32(tail);
+      const uint32x4_t seen = kind == SEEN ? lanes
+          : vandq_u32(lanes, vmvnq_u32(vceqq_f32(m, vdupq_n_f32(-INFINITY))));
+      if (!vmaxvq_u32(seen)) {  /* 4 hidden keys */
+        vst1q_f32(s + j, vdupq_n_f32(-INFINITY));
+        continue;
+      }
+      float32x4_t acc[4];
+      for (int t = 0; t < 4; t++) {  /* (past the chunk's end: its last key again, then hidden) */
+        const float* k = keys + (size_t)(j0 + j + (t < live ? t : live - 1)) * hd;
+        float32x4_t a = vmulq_f32(vld1q_f32(q), vld1q_f32(k));
+        for (int v = 1; v < vectors; v++) a = vfmaq_f32(a, vld1q_f32(q + 4 * v), vld1q_f32(k + 4 * v));
+        acc[t] = a;
+      }
+      const float32x4_t scores = vbslq_f32(seen, vfmaq_f32(m, sum4(acc), vdupq_n_f32(scaling)),
+                                           vdupq_n_f32(-INFINITY));
+      vst1q_f32(s + j, scores);
+      tops = vmaxq_f32(tops, scores);
+    }
+    top = vmaxvq_f32(tops);
+    if (top == -INFINITY) return 0;
+    float32x4_t sums = vdupq_n_f32(0.f);
+    for (int j = 0; j < count; j += 4) {  /* weights e^(s - top), 4 keys at a time (past the end: -inf, so 0) */
+      const float32x4_t e = exp4(vsubq_f32(vld1q_f32(s + j), vdupq_n_f32(top)));
+      vst1q_f32(s + j, e);
+      sums = vaddq_f32(sums, e);
+    }
+    part[0] = top;
+    part[1] = vaddvq_f32(sums);
+    for (int d0 = 0; d0 < hd; d0 += 16) {  /* the weighted values, in registers: even and odd keys apart */
+      float32x4_t a0 = vdupq_n_f32(0.f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+      for (int j = 0; j < count; j += 2) {
+        if (s[j] != 0.f) {  /* (hidden or vanishing keys weigh nothing, whatever their values) */
+          const float p = s[j];
+          const float* v = values + (size_t)(j0 + j) * hd + d0;
+          a0 = vfmaq_n_f32(a0, vld1q_f32(v), p);
+          a1 = vfmaq_n_f32(a1, vld1q_f32(v + 4), p);
+          a2 = vfmaq_n_f32(a2, vld1q_f32(v + 8), p);
+          a3 = vfmaq_n_f32(a3, vld1q_f32(v + 12), p);
+        }
+        if (j + 1 < count && s[j + 1] != 0.f) {
+          const float p = s[j + 1];
+          const float* v = values + (size_t)(j0 + j + 1) * hd + d0;
+          b0 = vfmaq_n_f32(b0, vld1q_f32(v), p);
+          b1 = vfmaq_n_f32(b1, vld1q_f32(v + 4), p);
+          b2 = vfmaq_n_f32(b2, vld1q_f32(v + 8), p);
+          b3 = vfmaq_n_f32(b3, vld1q_f32(v + 12), p);
+        }
+      }
+      vst1q_f32(part + 2 + d0, vaddq_f32(a0, b0));
+      vst1q_f32(part + 2 + d0 + 4, vaddq_f32(a1, b1));
+      vst1q_f32(part + 2 + d0 + 8, vaddq_f32(a2, b2));
+      vst1q_f32(part + 2 + d0 + 12, vaddq_f32(a3, b3));
+    }
+    return 1;
+  }
 #endif
   for (int j = j0; j < j1; j++) {
     const float m = kind == SEEN ? 0.f : mask[j];
@@ -1056,6 +1239,12 @@ static void silu_times(const float* gate, int I, int j0, int j1, float* out) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
     _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
                                             _mm256_loadu_ps(gate + I + j)));
+  }
+#elif NEON
+  for (; j + 4 <= j1; j += 4) {
+    const float32x4_t g = vld1q_f32(gate + j);
+    const float32x4_t e = exp4(vnegq_f32(g));
+    vst1q_f32(out + j, vmulq_f32(vdivq_f32(g, vaddq_f32(vdupq_n_f32(1.f), e)), vld1q_f32(gate + I + j)));
   }
 #endif
   for (; j < j1; j++) out[j] = gate[j] / (1.f + expf(-gate[j])) * gate[I + j];
@@ -1425,8 +1614,8 @@ def kernel_missing() -> str | None:
 
 
 def vectorised(lib=None) -> bool:
-    """Whether the kernel library (library()'s by default) runs its products on vectors (AVX-512, or
-    AVX2 with FMA) rather than its plain loops."""
+    """Whether the kernel library (library()'s by default) runs its products on vectors (AVX-512, AVX2
+    with FMA, or 64-bit ARM's NEON) rather than its plain loops."""
     lib = lib or library()
     return lib is not None and bool(lib.blocks_vectorised())
 

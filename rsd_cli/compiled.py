@@ -1691,7 +1691,7 @@ def _native_layer(layer, fused: tuple, fuse: bool):
     those kernels and 10.8 ms in C (`benchmarks/runtime_cost.py`), `ar` 37.8 against 93.5 tok/s
     (few-row products of quantised weights now take the blocks unmeasured: small_batch.FEW_ROWS_ON_BLOCKS).
 
-    Only where the library's products run on vectors (AVX-512, AVX2): its plain loops (no AVX2) made the
+    Only where the library's products run on vectors (AVX-512, AVX2, ARM's NEON): its plain loops (no AVX2) made the
     embedded target's `ar` 28.4 tok/s in C layers against 46.7 on torch's layers with each product's
     measured kernel (the 2-core AMD EPYC, built without AVX-512 and AVX2)."""
     q, k, v, o, gate, up, down = projections(layer)

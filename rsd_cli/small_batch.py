@@ -25,7 +25,7 @@ a 2-core Intel Xeon (Sapphire Rapids) torch's own kernel was the fast one. On th
 tree verification needs. So by default
 ("auto") each layer shape is timed once per machine with every kernel, for one row and for
 2-8 rows apart, and keeps torch's unless another takes at most 90% of its time — except a shape
-held as quantised blocks, where the kernel runs on vectors (AVX-512, AVX2): its few-row products run on
+held as quantised blocks, where the kernel runs on vectors (AVX-512, AVX2, NEON): its few-row products run on
 "blocks" unmeasured (FEW_ROWS_ON_BLOCKS), and only its prompts are timed (128 rows, torch's
 against "blocks": on the 2-core EPYC blocks took 0.65x MKL's time at 128-256 rows); the
 verdicts are cached under the rsd cache folder.
@@ -342,7 +342,7 @@ CLOSE = 0.15  # a verdict within 15% of that threshold is measured twice more (s
 # reads 128 MB again and again at 40 GB/s from its last-level cache (20 GB/s from 256 MB on)
 CALIBRATION_BYTES = 64 * 2**20
 # One row and 2-64 rows of a weight held as quantised blocks: rsd's kernel on them, not measured,
-# where it runs on vectors (AVX-512, AVX2). A forward streams every weight, and the blocks are 0.75-1.125
+# where it runs on vectors (AVX-512, AVX2, NEON). A forward streams every weight, and the blocks are 0.75-1.125
 # bytes a weight against float32's 4; a product timed alone cannot show that where the CPU's
 # last-level cache holds all the weights of a shape (a 2-core Intel Xeon's VM sees 300 MB of it):
 # there the verdicts named torch's product for one row of most shapes and for k and v at every row

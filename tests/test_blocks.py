@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import platform
 import weakref
 
 import pytest
@@ -20,6 +21,7 @@ from rsd_cli.drafting import make_shape
 from rsd_cli.engine import CachedLM, Decoder, Runtimes
 from rsd_cli.models import write_json_table
 from rsd_cli.sampling import SamplingParams
+import emulated_arm
 from test_compiled import run
 from test_threads import Alternating
 from test_engine import MC_SHAPES, N_SAMPLES, V, chi_square_pvalue, exact_joint, plain_greedy, shapes
@@ -33,14 +35,18 @@ FORMATS = {"q4_1": quantise_q4_1, "q8_0": quantise_q8_0, "f16": lambda w: w.deta
 LAST = {"q4_1": blocks.Q4_1_BYTES, "q8_0": blocks.Q8_0_BYTES, "f16": 32, "bf16": 32}
 
 
-# the kernel built as a CPU without AVX-512 gets it: with AVX2 (most laptops and desktops: the products in
-# 8-lane vectors) and without AVX2 either (the plain loops)
-WITHOUT_AVX512 = {"avx2": ("-mno-avx512f",), "loops": ("-mno-avx512f", "-mno-avx2")}
+# the kernel built as other CPUs get it: on x86 without AVX-512, with AVX2 (most laptops and desktops: the
+# products in 8-lane vectors) and without AVX2 either (the plain loops); on 64-bit ARM (the machine's own
+# build: NEON's 4-lane vectors) without NEON (the plain loops)
+ARM = platform.machine().lower() in ("aarch64", "arm64")
+WITHOUT_AVX512 = {"loops": ("-march=armv8-a+nosimd",)} if ARM else \
+    {"avx2": ("-mno-avx512f",), "loops": ("-mno-avx512f", "-mno-avx2")}
 HAS_AVX2 = " avx2" in blocks._cpu() and " fma" in blocks._cpu()  # (elsewhere the "avx2" build is the loops too)
 
 
 def other_builds(tmp_path) -> list:
-    """The kernel built without AVX-512 (AVX2 vectors) and without AVX2 either (the plain loops)."""
+    """The kernel built without AVX-512 (AVX2 vectors) and without AVX2 either (the plain loops); on ARM
+    without NEON (the loops)."""
     return [blocks.build(tmp_path, (*blocks.FLAGS, *flags)) for flags in WITHOUT_AVX512.values()]
 
 
@@ -212,6 +218,59 @@ def test_the_builds_without_avx512_compute_the_same_product(build, tmp_path):
             assert torch.equal(blocks.blocks_linear(torch.eye(96)[:rows], found, lib=other), w.T[:rows])
         for lib in (blocks.library(), other):  # the weight rebuilt from its blocks: every value
             assert torch.equal(blocks.dequantised(found, lib=lib), w)
+
+
+def test_the_machine_s_own_build_runs_on_vectors_where_it_has_them():
+    """-march=native: AVX-512, or AVX2 with FMA, on x86; NEON on 64-bit ARM (the plain loops elsewhere)."""
+    assert blocks.vectorised() == (ARM or HAS_AVX2)
+
+
+@pytest.mark.skipif(ARM or not emulated_arm.tools(),
+                    reason="the ARM builds are checked on x86 under qemu-user (aarch64-linux-gnu-gcc, qemu-aarch64)")
+@pytest.mark.parametrize("build", emulated_arm.ARM_BUILDS)
+def test_the_arm_builds_compute_the_same_product_under_emulation(build, tmp_path):
+    """On 64-bit ARM (Apple silicon, Graviton, Raspberry Pi) the kernel runs its products in NEON's 4-lane
+    vectors, and built without NEON in plain loops: built for ARM here and run under qemu-user, each says
+    whether it runs on vectors, computes F.linear's product, rebuilds every weight exactly (identity rows,
+    every row group; dequantised), and gives a row of x the same bits alone and among others (wide rows
+    too, taken in chunks) and a weight row alone or in a pair — every format, the K-quants' included."""
+    from rsd_cli import gguf_hints
+    from tiny import dequantise_k, quantise_k
+
+    lib = emulated_arm.EmulatedKernel(tmp_path, emulated_arm.ARM_BUILDS[build])
+    assert blocks.vectorised(lib) == (build == "neon")
+    weights = {}
+    for fmt in FORMATS:
+        w = weight(fmt)
+        if fmt == "f16":  # zeros, negative and subnormal half floats widen exactly too
+            w[0, :6] = torch.tensor([0.0, -0.0, 2**-24, -3 * 2**-24, 1023 * 2**-24, -(2**-14)])
+        weights[fmt] = (w, blocks.quantised_blocks(w))
+    torch.manual_seed(2)
+    for kind in ("Q6_K", "Q5_1", "IQ4_NL"):  # (blocks of 8-bit with a scale per 16, Q5_1, IQ4; rows of 256s)
+        raw = quantise_k(torch.randn(40, 256) * 0.05, kind)
+        values, fmt = dequantise_k(raw, kind), gguf_hints.FORMAT_OF[kind]
+        made = blocks.hinted_blocks(values, gguf_hints.hint(fmt, torch.from_numpy(gguf_hints.scales_and_offsets(raw, kind))))
+        assert made is not None and blocks.block_format(made) == fmt
+        weights[fmt] = (values, made)
+    for fmt, (w, found) in weights.items():
+        x = torch.randn(6, w.shape[1])
+        if fmt == "f16":
+            x[:, :6] = 2.0**20  # (so the subnormal weights' products show in the sums)
+        alone = torch.cat([blocks.blocks_linear(x[i:i + 1], found, lib=lib) for i in range(6)])
+        torch.testing.assert_close(alone, F.linear(x, w), rtol=1e-5, atol=1e-5 * w.abs().max().item() * 20)
+        for rows in (2, 5, 6):
+            assert torch.equal(blocks.blocks_linear(x[:rows], found, lib=lib), alone[:rows]), (fmt, rows)
+        assert torch.equal(blocks.blocks_linear(x, found[7:8], lib=lib)[:, 0], alone[:, 7]), fmt  # (never paired)
+        for rows in (1, 3, 7):
+            assert torch.equal(blocks.blocks_linear(torch.eye(w.shape[1])[:rows], found, lib=lib), w.T[:rows]), (fmt, rows)
+        assert torch.equal(blocks.dequantised(found, lib=lib), w), fmt
+    for fmt in ("q4_1", "q8_0"):  # wide rows: 4 rows and more go through them a chunk at a time
+        w = weight(fmt, out_features=37, in_features=4096, seed=5)
+        found, x = blocks.quantised_blocks(w), torch.randn(5, 4096)
+        alone = torch.cat([blocks.blocks_linear(x[i:i + 1], found, lib=lib) for i in range(5)])
+        torch.testing.assert_close(alone, (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-4 * w.abs().max().item())
+        for rows in (2, 4, 5):
+            assert torch.equal(blocks.blocks_linear(x[:rows], found, lib=lib), alone[:rows]), (fmt, rows)
 
 
 def quantised_layer(fmt="q4_1", in_features=64, out_features=48) -> torch.nn.Linear:
@@ -688,7 +747,7 @@ def test_the_c_layers_run_where_the_kernel_has_vectors_only(build, monkeypatch, 
     assert (runtime.native is not None and all(runtime.native)) == (build == "avx2" and HAS_AVX2)
 
 
-@pytest.mark.parametrize("build", ["avx512", *WITHOUT_AVX512])
+@pytest.mark.parametrize("build", ["native", *WITHOUT_AVX512])
 def test_a_token_gets_the_same_bits_alone_in_a_chain_or_a_tree_over_a_long_cache(build, monkeypatch, tmp_path):
     """The C layer's attention goes over the cache in chunks of keys (several here: 200 cached
     tokens), a key/value head's query heads and a few rows together, and shares chunks out among
@@ -696,7 +755,7 @@ def test_a_token_gets_the_same_bits_alone_in_a_chain_or_a_tree_over_a_long_cache
     prompt prefilled at once or token by token, and a tree's rows computed together, in part, or
     on one thread, give the same logits and caches bit for bit, and torch's layer within float32
     rounding. Also where the CPU lacks AVX-512 (AVX2 vectors, or the plain loops: built here without them)."""
-    if build != "avx512":
+    if build != "native":
         lib = blocks.build(tmp_path, (*blocks.FLAGS, *WITHOUT_AVX512[build]))
         assert lib is not None
         monkeypatch.setattr(blocks, "library", lambda: lib)
