@@ -395,50 +395,52 @@ static inline void FORMAT##_vectors(const uint8_t* blk, float32x4_t* w) {       
   for (int k = 0; k < 8; k++) w[k] = vld1q_f32(v + 4 * k);                                    \
 }
 LOOP_VECTORS(q5_1) LOOP_VECTORS(q8_16) LOOP_VECTORS(iq4)
-/* block b of weight row wn against R rows of x (R, K): each row's eight running sums acc[8r .. 8r + 7],
-   one for each eighth of a block's 32 weights (one FMA a sum a block: chains that do not wait on each
-   other's latency), whatever rows come with it (the one loop body DOT_ROWS and DOT_CHUNK share) */
+/* block b of weight row wn against R rows of x (R, K): each row's four running sums acc[4r .. 4r + 3], one
+   for each quarter of the block's two halves of 16 weights (lanes 4k .. 4k + 3 of each), whatever rows
+   come with it (the one loop body DOT_ROWS and DOT_CHUNK share: the same products in the same order).
+   Four sums a row, not eight (one a vector of the block: shorter chains of FMAs), for the registers:
+   GCC 12 stored 22-87 vectors a block to the stack for 3-5 rows with eight, 7-16 with four (none for
+   1-2 rows either way; unmeasured on an ARM CPU) */
 #define FMA_BLOCK(FORMAT, BYTES, R, wn, b, acc)                                               \
   {                                                                                           \
     float32x4_t w[8];                                                                         \
     FORMAT##_vectors(wn + (size_t)(b) * BYTES, w);                                            \
     for (int r = 0; r < R; r++) {                                                             \
       const float* xb = x + (size_t)r * K + (b) * BLOCK;                                      \
-      for (int k = 0; k < 8; k++) acc[8 * r + k] = vfmaq_f32(acc[8 * r + k], vld1q_f32(xb + 4 * k), w[k]); \
+      for (int k = 0; k < 8; k++) acc[4 * r + k % 4] = vfmaq_f32(acc[4 * r + k % 4], vld1q_f32(xb + 4 * k), w[k]); \
     }                                                                                         \
   }
-/* a row's eight running sums added pairwise, then the lanes (a row's sum the same alone or among others) */
-static inline float eighths_sum(const float32x4_t* a) {
-  return vaddvq_f32(vaddq_f32(vaddq_f32(vaddq_f32(a[0], a[1]), vaddq_f32(a[2], a[3])),
-                              vaddq_f32(vaddq_f32(a[4], a[5]), vaddq_f32(a[6], a[7]))));
+/* a row's four running sums added pairwise, then the lanes (a row's sum the same alone or among others) */
+static inline float quarters_sum(const float32x4_t* a) {
+  return vaddvq_f32(vaddq_f32(vaddq_f32(a[0], a[1]), vaddq_f32(a[2], a[3])));
 }
 #define DOT_ROWS(FORMAT, BYTES, R)                                                            \
 static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y, int N) {   \
-  float32x4_t acc[8 * R];                                                                     \
-  for (int i = 0; i < 8 * R; i++) acc[i] = vdupq_n_f32(0.f);                                  \
+  float32x4_t acc[4 * R];                                                                     \
+  for (int i = 0; i < 4 * R; i++) acc[i] = vdupq_n_f32(0.f);                                  \
   for (int b = 0; b < K / BLOCK; b++) FMA_BLOCK(FORMAT, BYTES, R, wn, b, acc)                 \
-  for (int r = 0; r < R; r++) y[(size_t)r * N] = eighths_sum(acc + 8 * r);                    \
+  for (int r = 0; r < R; r++) y[(size_t)r * N] = quarters_sum(acc + 4 * r);                   \
 }
-/* DOT_ROWS over blocks [b0, b1) of `rows` consecutive weight rows, each's running sums (eight for a row
+/* DOT_ROWS over blocks [b0, b1) of `rows` consecutive weight rows, each's running sums (four for a row
    of x and a weight row) carried in acc from one call to the next: the same bits as DOT_ROWS' */
 #define DOT_CHUNK(FORMAT, BYTES, R)                                                           \
 static void FORMAT##_chunk_##R(const float* x, int K, const uint8_t* w, size_t row_bytes, int rows, \
                                int b0, int b1, float32x4_t* acc) {                            \
   for (int n = 0; n < rows; n++) {                                                            \
     const uint8_t* wn = w + (size_t)n * row_bytes;                                            \
-    float32x4_t* an = acc + (size_t)n * 8 * R;                                                \
-    float32x4_t a[8 * R];                                                                     \
-    for (int i = 0; i < 8 * R; i++) a[i] = an[i];                                             \
+    float32x4_t* an = acc + (size_t)n * 4 * R;                                                \
+    float32x4_t a[4 * R];                                                                     \
+    for (int i = 0; i < 4 * R; i++) a[i] = an[i];                                             \
     PREFETCH_NEXT(wn, b0, b1, BYTES, row_bytes)                                               \
     for (int b = b0; b < b1; b++) FMA_BLOCK(FORMAT, BYTES, R, wn, b, a)                       \
-    for (int i = 0; i < 8 * R; i++) an[i] = a[i];                                             \
+    for (int i = 0; i < 4 * R; i++) an[i] = a[i];                                             \
   }                                                                                           \
 }
 typedef float32x4_t sums_vector;
-#define SUMS 8
-#define row_sum eighths_sum
+#define SUMS 4
+#define row_sum quarters_sum
 #define CHUNKS 1
-#define CHUNK_GROUP 3  /* (their 24 running sums in 24 of the 32 vector registers) */
+#define CHUNK_GROUP 3  /* (as AVX2's: unmeasured on ARM) */
 #else
 #define DOT_ROWS(FORMAT, BYTES, R)                                                            \
 static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y, int N) {   \
