@@ -325,35 +325,9 @@ static inline float quarters_sum(const __m256* a) {
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
-#define DOT_ROWS(FORMAT, BYTES, R)                                                            \
-static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y, int N) {   \
-  __m256 acc[4 * R];                                                                          \
-  for (int i = 0; i < 4 * R; i++) acc[i] = _mm256_setzero_ps();                               \
-  for (int b = 0; b < K / BLOCK; b++) FMA_BLOCK(FORMAT, BYTES, R, wn, b, acc)                 \
-  for (int r = 0; r < R; r++) y[(size_t)r * N] = quarters_sum(acc + 4 * r);                   \
-}
-/* DOT_ROWS over blocks [b0, b1) of `rows` consecutive weight rows, each's running sums (four for a row
-   of x and a weight row) carried in acc from one call to the next: the same bits as DOT_ROWS' */
-#define DOT_CHUNK(FORMAT, BYTES, R)                                                           \
-static void FORMAT##_chunk_##R(const float* x, int K, const uint8_t* w, size_t row_bytes, int rows, \
-                               int b0, int b1, __m256* acc) {                                 \
-  for (int n = 0; n < rows; n++) {                                                            \
-    const uint8_t* wn = w + (size_t)n * row_bytes;                                            \
-    __m256* an = acc + (size_t)n * 4 * R;                                                     \
-    __m256 a[4 * R];                                                                          \
-    for (int i = 0; i < 4 * R; i++) a[i] = an[i];                                             \
-    PREFETCH_NEXT(wn, b0, b1, BYTES, row_bytes)                                               \
-    for (int b = b0; b < b1; b++) FMA_BLOCK(FORMAT, BYTES, R, wn, b, a)                       \
-    for (int i = 0; i < 4 * R; i++) an[i] = a[i];                                             \
-  }                                                                                           \
-}
 typedef __m256 sums_vector;
-#define SUMS 4
-#define row_sum quarters_sum
-#define CHUNKS 1
-/* groups of at most 3 rows of x: their 12 running sums stay in 16 registers (8 rows of a 14336 x 4096 Q4_1
-   weight, 44 MB: 10.2 ms in groups of 8, 8.2 of 4, 7.1 of 3, 7.4 of 2; 4 rows 4.0 / 4.1 / 3.7 / 3.7) */
-#define CHUNK_GROUP 3
+#define ZERO_SUMS _mm256_setzero_ps()
+#define FOUR_SUMS 1
 #elif NEON
 /* 64-bit ARM: a block's 32 weights as eight 4-lane vectors, the same values as the loops above (d * q
    exact, + m rounded once); Q4_1, Q8_0, half floats and bfloat16 decoded in vectors, the other formats
@@ -414,10 +388,17 @@ LOOP_VECTORS(q5_1) LOOP_VECTORS(q8_16) LOOP_VECTORS(iq4)
 static inline float quarters_sum(const float32x4_t* a) {
   return vaddvq_f32(vaddq_f32(vaddq_f32(a[0], a[1]), vaddq_f32(a[2], a[3])));
 }
+typedef float32x4_t sums_vector;
+#define ZERO_SUMS vdupq_n_f32(0.f)
+#define FOUR_SUMS 1
+#endif
+#if FOUR_SUMS
+/* AVX2 or NEON: R rows of x against one weight row, each row's four running sums (FMA_BLOCK) added up as
+   quarters_sum adds them */
 #define DOT_ROWS(FORMAT, BYTES, R)                                                            \
 static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y, int N) {   \
-  float32x4_t acc[4 * R];                                                                     \
-  for (int i = 0; i < 4 * R; i++) acc[i] = vdupq_n_f32(0.f);                                  \
+  sums_vector acc[4 * R];                                                                     \
+  for (int i = 0; i < 4 * R; i++) acc[i] = ZERO_SUMS;                                         \
   for (int b = 0; b < K / BLOCK; b++) FMA_BLOCK(FORMAT, BYTES, R, wn, b, acc)                 \
   for (int r = 0; r < R; r++) y[(size_t)r * N] = quarters_sum(acc + 4 * r);                   \
 }
@@ -425,22 +406,24 @@ static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y
    of x and a weight row) carried in acc from one call to the next: the same bits as DOT_ROWS' */
 #define DOT_CHUNK(FORMAT, BYTES, R)                                                           \
 static void FORMAT##_chunk_##R(const float* x, int K, const uint8_t* w, size_t row_bytes, int rows, \
-                               int b0, int b1, float32x4_t* acc) {                            \
+                               int b0, int b1, sums_vector* acc) {                            \
   for (int n = 0; n < rows; n++) {                                                            \
     const uint8_t* wn = w + (size_t)n * row_bytes;                                            \
-    float32x4_t* an = acc + (size_t)n * 4 * R;                                                \
-    float32x4_t a[4 * R];                                                                     \
+    sums_vector* an = acc + (size_t)n * 4 * R;                                                \
+    sums_vector a[4 * R];                                                                     \
     for (int i = 0; i < 4 * R; i++) a[i] = an[i];                                             \
     PREFETCH_NEXT(wn, b0, b1, BYTES, row_bytes)                                               \
     for (int b = b0; b < b1; b++) FMA_BLOCK(FORMAT, BYTES, R, wn, b, a)                       \
     for (int i = 0; i < 4 * R; i++) an[i] = a[i];                                             \
   }                                                                                           \
 }
-typedef float32x4_t sums_vector;
 #define SUMS 4
 #define row_sum quarters_sum
 #define CHUNKS 1
-#define CHUNK_GROUP 3  /* (as AVX2's: unmeasured on ARM) */
+/* groups of at most 3 rows of x: their 12 running sums stay in AVX2's 16 registers (8 rows of a 14336 x 4096
+   Q4_1 weight, 44 MB: 10.2 ms in groups of 8, 8.2 of 4, 7.1 of 3, 7.4 of 2; 4 rows 4.0 / 4.1 / 3.7 / 3.7;
+   NEON's the same, unmeasured) */
+#define CHUNK_GROUP 3
 #else
 #define DOT_ROWS(FORMAT, BYTES, R)                                                            \
 static void FORMAT##_rows_##R(const float* x, int K, const uint8_t* wn, float* y, int N) {   \
