@@ -610,8 +610,9 @@ static inline void FORMAT##_values(const uint8_t* blk, float* out) { FORMAT##_we
 BLOCK_VALUES(q4_1) BLOCK_VALUES(q8_0) BLOCK_VALUES(f16) BLOCK_VALUES(bf16) BLOCK_VALUES(q5_1)
 BLOCK_VALUES(q8_16) BLOCK_VALUES(iq4)
 
-/* 1 where this build's products run on vectors (AVX-512, AVX2 with FMA, or 64-bit ARM's NEON), 0 for the plain loops (about
-   twice the time of torch's float32 product for a row, on the 2-core Xeon with AVX-512 left out) */
+/* 1 where this build's products run on vectors (AVX-512, AVX2 with FMA, or 64-bit ARM's NEON), 0 for the
+   plain loops (about twice the time of torch's float32 product for a row, on the 2-core Xeon with AVX-512
+   left out) */
 int blocks_vectorised(void) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__)) || NEON
   return 1;

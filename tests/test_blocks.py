@@ -248,7 +248,8 @@ def test_the_arm_builds_compute_the_same_product_under_emulation(build, tmp_path
     for kind in ("Q6_K", "Q5_1", "IQ4_NL"):  # (blocks of 8-bit with a scale per 16, Q5_1, IQ4; rows of 256s)
         raw = quantise_k(torch.randn(40, 256) * 0.05, kind)
         values, fmt = dequantise_k(raw, kind), gguf_hints.FORMAT_OF[kind]
-        made = blocks.hinted_blocks(values, gguf_hints.hint(fmt, torch.from_numpy(gguf_hints.scales_and_offsets(raw, kind))))
+        scales = torch.from_numpy(gguf_hints.scales_and_offsets(raw, kind))
+        made = blocks.hinted_blocks(values, gguf_hints.hint(fmt, scales))
         assert made is not None and blocks.block_format(made) == fmt
         weights[fmt] = (values, made)
     for fmt, (w, found) in weights.items():
@@ -261,13 +262,15 @@ def test_the_arm_builds_compute_the_same_product_under_emulation(build, tmp_path
             assert torch.equal(blocks.blocks_linear(x[:rows], found, lib=lib), alone[:rows]), (fmt, rows)
         assert torch.equal(blocks.blocks_linear(x, found[7:8], lib=lib)[:, 0], alone[:, 7]), fmt  # (never paired)
         for rows in (1, 3, 7):
-            assert torch.equal(blocks.blocks_linear(torch.eye(w.shape[1])[:rows], found, lib=lib), w.T[:rows]), (fmt, rows)
+            identity = torch.eye(w.shape[1])[:rows]
+            assert torch.equal(blocks.blocks_linear(identity, found, lib=lib), w.T[:rows]), (fmt, rows)
         assert torch.equal(blocks.dequantised(found, lib=lib), w), fmt
-    for fmt in ("q4_1", "q8_0"):  # wide rows: 4 rows and more go through them a chunk at a time
+    for fmt in ("q4_1", "q8_0"):  # wide rows: 2 rows and more of 4096 go through them a chunk at a time
         w = weight(fmt, out_features=37, in_features=4096, seed=5)
         found, x = blocks.quantised_blocks(w), torch.randn(5, 4096)
         alone = torch.cat([blocks.blocks_linear(x[i:i + 1], found, lib=lib) for i in range(5)])
-        torch.testing.assert_close(alone, (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-4 * w.abs().max().item())
+        exact = (x.double() @ w.double().T).float()
+        torch.testing.assert_close(alone, exact, rtol=1e-5, atol=1e-4 * w.abs().max().item())
         for rows in (2, 4, 5):
             assert torch.equal(blocks.blocks_linear(x[:rows], found, lib=lib), alone[:rows]), (fmt, rows)
 
