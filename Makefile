@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU build of torch; override (e.g. TORCH_SPEC=torch) on a machine with a GPU.
+# torch's version (a CPU build where pip is given one, as on this project's CI machines); override (e.g.
+# TORCH_SPEC=torch) on a machine with a GPU.
 TORCH_SPEC ?= torch==2.13.0
 # Where torch comes from: empty, the package index pip is set up with (PyPI's torch for Linux, x86 or
 # ARM, is a CUDA build with several GB of CUDA libraries); https://download.pytorch.org/whl/cpu for
