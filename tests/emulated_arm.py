@@ -55,8 +55,15 @@ int main(int argc, char** argv) {
 
 
 def tools() -> bool:
-    """Whether this machine can build and run the ARM builds (an x86 one with the tools installed)."""
-    return shutil.which(CROSS_COMPILER) is not None and shutil.which(EMULATOR) is not None
+    """Whether this machine can build and run the ARM builds (an x86 one with the tools installed: the
+    cross compiler with the static C and OpenMP libraries the driver links, and the emulator)."""
+    if shutil.which(CROSS_COMPILER) is None or shutil.which(EMULATOR) is None:
+        return False
+    for library in ("libc.a", "libgomp.a"):  # (a bare name back: the compiler has no such file)
+        found = subprocess.run([CROSS_COMPILER, f"-print-file-name={library}"], capture_output=True, text=True)
+        if found.returncode or "/" not in found.stdout:
+            return False
+    return True
 
 
 class EmulatedKernel:

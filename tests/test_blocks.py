@@ -225,7 +225,8 @@ def test_the_machine_s_own_build_runs_on_vectors_where_it_has_them():
 
 
 @pytest.mark.skipif(ARM or not emulated_arm.tools(),
-                    reason="the ARM builds are checked on x86 under qemu-user (aarch64-linux-gnu-gcc, qemu-aarch64)")
+                    reason="the ARM builds are checked on x86 under qemu-user: gcc-aarch64-linux-gnu, "
+                           "libc6-dev-arm64-cross and qemu-user (apt; .ci/run installs them)")
 @pytest.mark.parametrize("build", emulated_arm.ARM_BUILDS)
 def test_the_arm_builds_compute_the_same_product_under_emulation(build, tmp_path):
     """On 64-bit ARM (Apple silicon, Graviton, Raspberry Pi) the kernel runs its products in NEON's 4-lane
