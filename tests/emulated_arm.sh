@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # rsd on 64-bit ARM, emulated on an x86 Debian machine (as root): Debian's arm64 Python under qemu-user,
 # the project's packages for aarch64 from PyPI, rsd's C kernel built by the aarch64 cross compiler (NEON, as
-# on an ARM machine). Sets itself up once under $ARM_ROOT (/opt/arm; ~2 GB,
-# a few minutes), then runs pytest with the given arguments, or rsd itself:
+# on an ARM machine). Sets itself up once under $ARM_ROOT (/opt/arm; ~2 GB, a few minutes), then runs
+# pytest with the given arguments, or rsd itself:
 #   bash tests/emulated_arm.sh                      # tests/test_blocks.py but its inductor graphs' tests
 #   bash tests/emulated_arm.sh tests/test_blocks.py -k layers
 #   bash tests/emulated_arm.sh rsd generate "Name three colours." -n 24 -t 0
@@ -10,13 +10,14 @@
 # are CUDA builds). Inductor's graphs (--compile on) cannot build under emulation, nor can a test start
 # another Python (sys.executable, an ARM program, runs only under qemu), so such tests fail here (those
 # of test_blocks.py left out by default; tests/test_small_batch.py and tests/test_threads.py pass but
-# the one that starts a busy Python beside it). The embedded model is the x86 environment's (.venv: `make install` first).
+# the one that starts a busy Python beside it). The embedded model is the x86 environment's (.venv: `make
+# install` first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ARM_ROOT=${ARM_ROOT:-/opt/arm}
 
 if [ ! -x "$ARM_ROOT/py" ]; then
-  apt-get install -y -q gcc-aarch64-linux-gnu qemu-user >/dev/null
+  apt-get install -y -q gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user >/dev/null
   dpkg --add-architecture arm64
   apt-get update -q >/dev/null
   mkdir -p "$ARM_ROOT/debs" "$ARM_ROOT/root"
