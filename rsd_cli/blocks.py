@@ -819,6 +819,13 @@ static inline __m512 sum16(const __m512* a) {
   /* f[4r + t] is a[4t + r]'s sum */
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f);
 }
+typedef __m512 lanes_v;  /* (weighted_values' vectors) */
+#define LANES 16
+#define LANES_ZERO _mm512_setzero_ps()
+#define LANES_LOAD _mm512_loadu_ps
+#define LANES_STORE _mm512_storeu_ps
+#define LANES_ADD _mm512_add_ps
+#define LANES_FMA_BY(a, v, x) _mm512_fmadd_ps(_mm512_set1_ps(x), v, a)  /* a + x * v, rounded once */
 #elif AVX2_ONLY
 /* lane t = the sum of a[t]'s 8 lanes (the same additions, in the same order, for every t) */
 static inline __m256 sum8(const __m256* a) {
@@ -837,10 +844,55 @@ static inline float add8(__m256 v) {
   m = _mm_add_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
 }
+typedef __m256 lanes_v;
+#define LANES 8
+#define LANES_ZERO _mm256_setzero_ps()
+#define LANES_LOAD _mm256_loadu_ps
+#define LANES_STORE _mm256_storeu_ps
+#define LANES_ADD _mm256_add_ps
+#define LANES_FMA_BY(a, v, x) _mm256_fmadd_ps(_mm256_set1_ps(x), v, a)
 #elif NEON
 /* lane t = the sum of a[t]'s 4 lanes (the same additions, in the same order, for every t) */
 static inline float32x4_t sum4(const float32x4_t* a) {
   return vpaddq_f32(vpaddq_f32(a[0], a[1]), vpaddq_f32(a[2], a[3]));
+}
+typedef float32x4_t lanes_v;
+#define LANES 4
+#define LANES_ZERO vdupq_n_f32(0.f)
+#define LANES_LOAD vld1q_f32
+#define LANES_STORE vst1q_f32
+#define LANES_ADD vaddq_f32
+#define LANES_FMA_BY(a, v, x) vfmaq_n_f32(a, v, x)
+#endif
+#if defined(__AVX512F__) || AVX2_ONLY || NEON
+/* out (hd, a multiple of 4 * LANES) = the sum of the rows of values (count rows of hd) weighted by s:
+   4 vectors of them at a time in registers, even and odd rows in sums apart, added at the end (keys of
+   weight 0 — hidden or vanishing — skipped, whatever their values): chunk_part_hd's last step */
+static inline __attribute__((always_inline))
+void weighted_values(const float* s, const float* values, int count, int hd, float* out) {
+  for (int d0 = 0; d0 < hd; d0 += 4 * LANES) {
+    lanes_v a0 = LANES_ZERO, a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int j = 0; j < count; j += 2) {
+      if (s[j] != 0.f) {
+        const float* v = values + (size_t)j * hd + d0;
+        a0 = LANES_FMA_BY(a0, LANES_LOAD(v), s[j]);
+        a1 = LANES_FMA_BY(a1, LANES_LOAD(v + LANES), s[j]);
+        a2 = LANES_FMA_BY(a2, LANES_LOAD(v + 2 * LANES), s[j]);
+        a3 = LANES_FMA_BY(a3, LANES_LOAD(v + 3 * LANES), s[j]);
+      }
+      if (j + 1 < count && s[j + 1] != 0.f) {
+        const float* v = values + (size_t)(j + 1) * hd + d0;
+        b0 = LANES_FMA_BY(b0, LANES_LOAD(v), s[j + 1]);
+        b1 = LANES_FMA_BY(b1, LANES_LOAD(v + LANES), s[j + 1]);
+        b2 = LANES_FMA_BY(b2, LANES_LOAD(v + 2 * LANES), s[j + 1]);
+        b3 = LANES_FMA_BY(b3, LANES_LOAD(v + 3 * LANES), s[j + 1]);
+      }
+    }
+    LANES_STORE(out + d0, LANES_ADD(a0, b0));
+    LANES_STORE(out + d0 + LANES, LANES_ADD(a1, b1));
+    LANES_STORE(out + d0 + 2 * LANES, LANES_ADD(a2, b2));
+    LANES_STORE(out + d0 + 3 * LANES, LANES_ADD(a3, b3));
+  }
 }
 #endif
 
@@ -912,31 +964,7 @@ int chunk_part_hd(const float* q, const float* keys, const float* values, const 
     }
     part[0] = top;
     part[1] = _mm512_reduce_add_ps(sums);
-    for (int d0 = 0; d0 < hd; d0 += 64) {  /* the weighted values, in registers: even and odd keys apart */
-      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-      for (int j = 0; j < count; j += 2) {
-        if (s[j] != 0.f) {  /* (hidden or vanishing keys weigh nothing, whatever their values) */
-          const __m512 p = _mm512_set1_ps(s[j]);
-          const float* v = values + (size_t)(j0 + j) * hd + d0;
-          a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v), a0);
-          a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16), a1);
-          a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 32), a2);
-          a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 48), a3);
-        }
-        if (j + 1 < count && s[j + 1] != 0.f) {
-          const __m512 p = _mm512_set1_ps(s[j + 1]);
-          const float* v = values + (size_t)(j0 + j + 1) * hd + d0;
-          b0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v), b0);
-          b1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16), b1);
-          b2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 32), b2);
-          b3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 48), b3);
-        }
-      }
-      _mm512_storeu_ps(part + 2 + d0, _mm512_add_ps(a0, b0));
-      _mm512_storeu_ps(part + 2 + d0 + 16, _mm512_add_ps(a1, b1));
-      _mm512_storeu_ps(part + 2 + d0 + 32, _mm512_add_ps(a2, b2));
-      _mm512_storeu_ps(part + 2 + d0 + 48, _mm512_add_ps(a3, b3));
-    }
+    weighted_values(s, values + (size_t)j0 * hd, count, hd, part + 2);
     return 1;
   }
 #elif AVX2_ONLY
@@ -976,31 +1004,7 @@ int chunk_part_hd(const float* q, const float* keys, const float* values, const 
     }
     part[0] = top;
     part[1] = add8(sums);
-    for (int d0 = 0; d0 < hd; d0 += 32) {  /* the weighted values, in registers: even and odd keys apart */
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-      for (int j = 0; j < count; j += 2) {
-        if (s[j] != 0.f) {  /* (hidden or vanishing keys weigh nothing, whatever their values) */
-          const __m256 p = _mm256_set1_ps(s[j]);
-          const float* v = values + (size_t)(j0 + j) * hd + d0;
-          a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
-          a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
-          a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
-          a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
-        }
-        if (j + 1 < count && s[j + 1] != 0.f) {
-          const __m256 p = _mm256_set1_ps(s[j + 1]);
-          const float* v = values + (size_t)(j0 + j + 1) * hd + d0;
-          b0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), b0);
-          b1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), b1);
-          b2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), b2);
-          b3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), b3);
-        }
-      }
-      _mm256_storeu_ps(part + 2 + d0, _mm256_add_ps(a0, b0));
-      _mm256_storeu_ps(part + 2 + d0 + 8, _mm256_add_ps(a1, b1));
-      _mm256_storeu_ps(part + 2 + d0 + 16, _mm256_add_ps(a2, b2));
-      _mm256_storeu_ps(part + 2 + d0 + 24, _mm256_add_ps(a3, b3));
-    }
+    weighted_values(s, values + (size_t)j0 * hd, count, hd, part + 2);
     return 1;
   }
 #elif NEON
@@ -1041,31 +1045,7 @@ int chunk_part_hd(const float* q, const float* keys, const float* values, const 
     }
     part[0] = top;
     part[1] = vaddvq_f32(sums);
-    for (int d0 = 0; d0 < hd; d0 += 16) {  /* the weighted values, in registers: even and odd keys apart */
-      float32x4_t a0 = vdupq_n_f32(0.f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-      for (int j = 0; j < count; j += 2) {
-        if (s[j] != 0.f) {  /* (hidden or vanishing keys weigh nothing, whatever their values) */
-          const float p = s[j];
-          const float* v = values + (size_t)(j0 + j) * hd + d0;
-          a0 = vfmaq_n_f32(a0, vld1q_f32(v), p);
-          a1 = vfmaq_n_f32(a1, vld1q_f32(v + 4), p);
-          a2 = vfmaq_n_f32(a2, vld1q_f32(v + 8), p);
-          a3 = vfmaq_n_f32(a3, vld1q_f32(v + 12), p);
-        }
-        if (j + 1 < count && s[j + 1] != 0.f) {
-          const float p = s[j + 1];
-          const float* v = values + (size_t)(j0 + j + 1) * hd + d0;
-          b0 = vfmaq_n_f32(b0, vld1q_f32(v), p);
-          b1 = vfmaq_n_f32(b1, vld1q_f32(v + 4), p);
-          b2 = vfmaq_n_f32(b2, vld1q_f32(v + 8), p);
-          b3 = vfmaq_n_f32(b3, vld1q_f32(v + 12), p);
-        }
-      }
-      vst1q_f32(part + 2 + d0, vaddq_f32(a0, b0));
-      vst1q_f32(part + 2 + d0 + 4, vaddq_f32(a1, b1));
-      vst1q_f32(part + 2 + d0 + 8, vaddq_f32(a2, b2));
-      vst1q_f32(part + 2 + d0 + 12, vaddq_f32(a3, b3));
-    }
+    weighted_values(s, values + (size_t)j0 * hd, count, hd, part + 2);
     return 1;
   }
 #endif
