@@ -45,6 +45,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -1010,10 +1011,12 @@ int chunk_part_hd(const float* q, const float* keys, const float* values, const 
 #elif NEON
   if (hd % 64 == 0) {  /* chunk_part_hd's AVX-512 arithmetic in 4-lane vectors, 4 keys at a time */
     const int vectors = hd / 4;
+    /* (a named array: clang's vld1q_s32 is a macro, and a compound literal's commas would split its argument) */
+    static const int32_t first_four[4] = {0, 1, 2, 3};
     float32x4_t tops = vdupq_n_f32(-INFINITY);
     for (int j = 0; j < count; j += 4) {  /* scores of 4 keys: 4 running sums a key, added up in a tree */
       const int live = count - j >= 4 ? 4 : count - j;
-      const uint32x4_t lanes = vcltq_s32(vld1q_s32((const int32_t[4]){0, 1, 2, 3}), vdupq_n_s32(live));
+      const uint32x4_t lanes = vcltq_s32(vld1q_s32(first_four), vdupq_n_s32(live));
       float tail[4] = {0.f, 0.f, 0.f, 0.f};  /* (the mask read no further than the chunk's end) */
       if (kind != SEEN) memcpy(tail, mask + j0 + j, (size_t)live * sizeof(float));
       const float32x4_t m = vld1q_f32(tail);
@@ -1487,7 +1490,47 @@ def library():
 
     if os.environ.get("RSD_BLOCK_KERNELS", "1").strip() == "0":
         return None
-    return build(cache_dir() / "kernels")
+    return build_with_openmp(cache_dir() / "kernels")
+
+
+def _torch_openmp() -> Path | None:
+    """The folder of omp.h where torch ships LLVM's OpenMP runtime beside itself (its macOS wheels:
+    torch/lib/libomp.dylib, loaded with torch, and torch/include/omp.h); else None (its Linux wheels
+    carry GCC's libgomp)."""
+    root = Path(torch.__file__).parent
+    include = root / "include"
+    return include if (include / "omp.h").is_file() and any((root / "lib").glob("libomp.*")) else None
+
+
+def openmp_of_torch(flags: tuple[str, ...] = FLAGS) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(flags, links) building the kernel with the OpenMP runtime torch has loaded: OpenMP asked of
+    clang's front end (-Xclang -fopenmp; Apple's clang has OpenMP there while its driver refuses
+    -fopenmp — how torch's inductor builds on macOS), torch's omp.h, and no runtime linked: the
+    kernel's calls into one are bound as it loads, to torch's (on macOS by -undefined dynamic_lookup,
+    as Python's extension modules are linked; Linux binds them at load anyway). So the process never
+    holds a second copy of libomp (which libomp aborts on), and where none is loaded the kernel does
+    not load and is not offered. None where torch ships no such runtime."""
+    include = _torch_openmp()
+    if include is None or "-fopenmp" not in flags:
+        return None
+    at = flags.index("-fopenmp")
+    links = ("-Wl,-undefined,dynamic_lookup",) if sys.platform == "darwin" else ()
+    return (*flags[:at], "-Xclang", "-fopenmp", f"-I{include}", *flags[at + 1:]), links
+
+
+def build_with_openmp(folder: Path):
+    """build(folder), and where the compiler refuses -fopenmp (Apple's clang) and torch ships an OpenMP
+    runtime, the same with that runtime (openmp_of_torch); None where neither builds (build_error: why
+    the first did not)."""
+    global build_error
+    lib = build(folder)
+    fallback = openmp_of_torch() if lib is None and _compiler() is not None else None
+    if fallback is not None:
+        first = build_error
+        lib = build(folder, *fallback)
+        if lib is None:
+            build_error = first
+    return lib
 
 
 def _cpu() -> str:
@@ -1502,15 +1545,15 @@ def _cpu() -> str:
 build_error: str | None = None  # why the last build failed: the compiler's first line of errors
 
 
-def build(folder: Path, flags: tuple[str, ...] = FLAGS):
-    """The kernel compiled with these flags into `folder` (once per source, compiler, flags and CPU:
-    a cache folder shared by other machines keeps one file each) and loaded; None where that fails
-    (why: build_error)."""
+def build(folder: Path, flags: tuple[str, ...] = FLAGS, links: tuple[str, ...] = ()):
+    """The kernel compiled with these flags (and `links` after the source: libraries) into `folder` (once
+    per source, compiler, flags and CPU: a cache folder shared by other machines keeps one file each)
+    and loaded; None where that fails (why: build_error)."""
     global build_error
     compiler = _compiler()
     if compiler is None:
         return None
-    digest = hashlib.sha256("\0".join([SOURCE, compiler, *flags, _cpu()]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256("\0".join([SOURCE, compiler, *flags, *links, _cpu()]).encode()).hexdigest()[:16]
     path = folder / f"blocks-{digest}.so"
     try:
         if not path.exists():
@@ -1519,7 +1562,7 @@ def build(folder: Path, flags: tuple[str, ...] = FLAGS):
             source.write_text(SOURCE)
             built = path.with_suffix(f".{os.getpid()}.so")
             try:
-                subprocess.run([compiler, *flags, str(source), "-o", str(built)], check=True, capture_output=True,
+                subprocess.run([compiler, *flags, str(source), "-o", str(built), *links], check=True, capture_output=True,
                                timeout=120)
             finally:
                 source.unlink(missing_ok=True)

@@ -1201,11 +1201,12 @@ def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, l
     if input_device(target).type == "cpu" and str(next(target.parameters()).dtype) == "torch.float32":
         from .blocks import kernel_missing
 
-        missing = kernel_missing()  # (a slim container, macOS's clang: float32 layers then, silently ~4x slower)
+        missing = kernel_missing()  # (a slim container, a Mac without Xcode's tools: float32 layers then, ~4x slower)
         if missing:
             notice(f"{missing}: without it, quantised and 16-bit weights run several times slower on this CPU "
                    f"(the embedded pair ~4x); install a C compiler with OpenMP (e.g. apt install gcc; on macOS "
-                   f"Homebrew's gcc, named by CC), or set RSD_BLOCK_KERNELS=0 to run without it quietly")
+                   f"xcode-select --install, or Homebrew's gcc named by CC), or set RSD_BLOCK_KERNELS=0 to run "
+                   f"without it quietly")
     pair = ModelPair(
         target=target, draft=draft, tokenizer=tokenizer, vocab_size=vocab,
         eos_ids=_eos_ids(tokenizer, target),

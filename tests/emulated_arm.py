@@ -1,7 +1,7 @@
 """rsd's C kernel built for 64-bit ARM (NEON, and its plain loops) and run under qemu-user, so that an
 x86 machine checks the ARM builds' products: where `aarch64-linux-gnu-gcc` and `qemu-aarch64` are
-installed (Debian: `apt-get install gcc-aarch64-linux-gnu qemu-user`; .ci/run installs them where it
-can). The kernel's source is compiled with a small driver into a static program that answers one
+installed (Debian: `apt-get install gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user`, and clang
+for the clang build; .ci/run installs them where it can). The kernel's source is compiled with a small driver into a static program that answers one
 library call a run, read from a file; `EmulatedKernel` makes those calls look like the ctypes
 library's (blocks.blocks_linear, blocks.dequantised and blocks.vectorised take it as `lib`)."""
 
@@ -17,9 +17,13 @@ from rsd_cli import blocks
 
 CROSS_COMPILER = "aarch64-linux-gnu-gcc"
 EMULATOR = "qemu-aarch64"
-# as an ARM machine builds it (blocks.FLAGS there: no -march, NEON is in every 64-bit ARM CPU), and the
-# plain loops (NEON left out)
-ARM_BUILDS = {"neon": (), "arm-loops": ("-march=armv8-a+nosimd",)}
+GCC = (CROSS_COMPILER, "-fopenmp")
+# clang for ARM (Apple's compiler is a clang: its arm_neon.h defines intrinsics as macros, which GCC's does
+# not), with the cross toolchain's C library, linker and OpenMP runtime (GCC's: there is no static ARM libomp)
+CLANG = ("clang", "--target=aarch64-linux-gnu", "-fopenmp=libgomp")
+# (compiler, flags): as an ARM machine builds it (blocks.FLAGS there: no -march, NEON is in every 64-bit ARM
+# CPU), with GCC and with clang, and the plain loops (NEON left out)
+ARM_BUILDS = {"neon": (GCC, ()), "neon-clang": (CLANG, ()), "arm-loops": (GCC, ("-march=armv8-a+nosimd",))}
 
 DRIVER = r"""
 #include <stdio.h>
@@ -54,10 +58,13 @@ int main(int argc, char** argv) {
 """
 
 
-def tools() -> bool:
-    """Whether this machine can build and run the ARM builds (an x86 one with the tools installed: the
-    cross compiler with the static C and OpenMP libraries the driver links, and the emulator)."""
+def tools(build: str = "neon") -> bool:
+    """Whether this machine can build and run that ARM build (an x86 one with the tools installed: the
+    cross compiler with the static C and OpenMP libraries the driver links, and the emulator; for
+    neon-clang clang too)."""
     if shutil.which(CROSS_COMPILER) is None or shutil.which(EMULATOR) is None:
+        return False
+    if shutil.which(ARM_BUILDS[build][0][0]) is None:
         return False
     for library in ("libc.a", "libgomp.a"):  # (a bare name back: the compiler has no such file)
         found = subprocess.run([CROSS_COMPILER, f"-print-file-name={library}"], capture_output=True, text=True)
@@ -67,16 +74,18 @@ def tools() -> bool:
 
 
 class EmulatedKernel:
-    """The kernel built for 64-bit ARM with `flags` into `folder`, its calls run under qemu-user."""
+    """The kernel built for 64-bit ARM (one of ARM_BUILDS) into `folder`, its calls run under qemu-user."""
 
-    def __init__(self, folder: Path, flags: tuple[str, ...]):
+    def __init__(self, folder: Path, build: str):
+        compiler, flags = ARM_BUILDS[build]
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "kernel.c").write_text(blocks.SOURCE)
         (folder / "driver.c").write_text('#include "kernel.c"\n' + DRIVER)
         self.program = folder / "driver"
-        subprocess.run([CROSS_COMPILER, "-O3", *flags, "-fopenmp", "-static", str(folder / "driver.c"), "-o",
-                        str(self.program), "-lm"], check=True, capture_output=True, timeout=300)
+        made = subprocess.run([*compiler, "-O3", *flags, "-static", str(folder / "driver.c"), "-o", str(self.program),
+                               "-lm"], capture_output=True, text=True, timeout=300)
+        assert made.returncode == 0, f"the {build} build failed:\n{made.stderr[-3000:]}"
 
     def _call(self, header: tuple, *parts: bytes) -> bytes:
         request, reply = self.folder / "request", self.folder / "reply"

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
+import shutil
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,6 +52,54 @@ def other_builds(tmp_path) -> list:
     """The kernel built without AVX-512 (AVX2 vectors) and without AVX2 either (the plain loops); on ARM
     without NEON (the loops)."""
     return [blocks.build(tmp_path, (*blocks.FLAGS, *flags)) for flags in WITHOUT_AVX512.values()]
+
+
+# clang as Apple ships it: its driver refuses -fopenmp, while its front end, reached by -Xclang, has OpenMP
+APPLE_CLANG = r"""#!/bin/sh
+previous=
+for a in "$@"; do
+  if [ "$a" = -fopenmp ] && [ "$previous" != -Xclang ]; then
+    echo "clang: error: unsupported option '-fopenmp' for target 'arm64-apple-darwin24.0.0'" >&2
+    exit 1
+  fi
+  previous=$a
+done
+exec clang "$@"
+"""
+
+
+def llvm_openmp() -> tuple[Path, Path] | None:
+    """(folder of omp.h, libomp) of this machine's LLVM OpenMP runtime beside its clang (Debian: clang and
+    libomp-dev), standing in for those torch's macOS wheels ship; None without them."""
+    if shutil.which("clang") is None:
+        return None
+    resources = Path(subprocess.run(["clang", "-print-resource-dir"], capture_output=True, text=True).stdout.strip())
+    runtimes = sorted(resources.parents[1].glob("libomp.so*"))
+    return (resources / "include", runtimes[-1]) if (resources / "include" / "omp.h").is_file() and runtimes else None
+
+
+MAC_BUILD = "TESTS_MAC_BUILD"  # (not RSD_: conftest clears those) set in the process test_a_mac_s_build... starts, with libomp loaded
+
+
+def apple_clang_build(tmp_path, monkeypatch, loaded: bool = True):
+    """The kernel as a Mac builds it with Apple's clang (APPLE_CLANG here, x86 code) and the OpenMP runtime
+    torch has loaded (this machine's libomp standing in: loaded in a process of its own, so this one's
+    other tests keep GCC's): through blocks.build_with_openmp, after -fopenmp is refused. None where it
+    does not load."""
+    found = llvm_openmp()
+    if found is None:
+        pytest.skip("clang with LLVM's OpenMP runtime stands in for Apple's clang and torch's libomp: apt-get install "
+                    "clang libomp-dev (.ci/run installs them)")
+    if loaded and os.environ.get(MAC_BUILD) != "1":
+        pytest.skip("runs in a process of its own, libomp loaded as torch holds it on a Mac: see "
+                    "test_a_mac_s_build_of_the_kernel_runs_on_the_openmp_runtime_torch_has_loaded")
+    compiler = tmp_path / "apple-clang"
+    compiler.write_text(APPLE_CLANG)
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setattr(blocks, "_torch_openmp", lambda: found[0])
+    assert blocks.build(tmp_path / "plain") is None and "unsupported option '-fopenmp'" in blocks.build_error
+    return blocks.build_with_openmp(tmp_path / "kernels")
 
 
 def weight(fmt: str, out_features: int = 40, in_features: int = 96, seed: int = 0) -> torch.Tensor:
@@ -219,26 +272,72 @@ def test_the_builds_without_avx512_compute_the_same_product(build, tmp_path):
             assert torch.equal(blocks.dequantised(found, lib=lib), w)
 
 
+def test_a_mac_s_build_of_the_kernel_runs_on_the_openmp_runtime_torch_has_loaded(tmp_path, monkeypatch):
+    """Apple's clang refuses -fopenmp; torch's macOS wheels ship libomp, loaded with torch, and omp.h. The
+    kernel is then built with OpenMP asked of clang's front end and no runtime linked, binding to the one
+    torch holds as it loads: checked in a process of its own with this machine's libomp loaded (the tests
+    that set MAC_BUILD). Here, where no libomp is loaded, that kernel does not load (and no second runtime
+    is brought in); there is no kernel, and the reason given is the compiler's refusal, as where torch
+    ships no runtime at all."""
+    found = llvm_openmp()
+    if found is None:
+        pytest.skip("clang with LLVM's OpenMP runtime stands in for Apple's clang and torch's libomp: apt-get install "
+                    "clang libomp-dev (.ci/run installs them)")
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:warnings", __file__, "-k",
+         "mac_build_runs_its_products or (same_bits_alone and apple)"],
+        env={**os.environ, MAC_BUILD: "1", "LD_PRELOAD": str(found[1])}, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0 and "2 passed" in child.stdout, child.stdout[-3000:] + child.stderr[-2000:]
+
+    assert apple_clang_build(tmp_path, monkeypatch, loaded=False) is None  # (built, its OpenMP calls unbound)
+    assert "'-fopenmp'" in blocks.build_error
+    assert str(found[1]) not in Path("/proc/self/maps").read_text()
+    monkeypatch.setattr(blocks, "_torch_openmp", lambda: None)
+    assert blocks.openmp_of_torch() is None
+    assert blocks.build_with_openmp(tmp_path / "none") is None and "'-fopenmp'" in blocks.build_error
+
+
+def test_the_mac_build_runs_its_products_on_vectors_and_the_runtime_loaded(tmp_path, monkeypatch):
+    """(In the process test_a_mac_s_build... starts.) The kernel built as a Mac builds it loads, runs on
+    vectors, calls the OpenMP runtime the process holds (its parallel loops start that runtime's threads;
+    it names no runtime of its own) and computes the product, each row the same alone and among others."""
+    lib = apple_clang_build(tmp_path, monkeypatch)
+    assert lib is not None, blocks.build_error
+    assert blocks.vectorised(lib) == HAS_AVX2
+    if shutil.which("nm"):
+        assert "__kmpc_fork_call" in subprocess.run(["nm", "-D", "--undefined-only", lib._name], capture_output=True,
+                                                    text=True).stdout
+    if shutil.which("readelf"):
+        assert "omp" not in subprocess.run(["readelf", "-d", lib._name], capture_output=True, text=True).stdout
+    w = weight("q4_1", out_features=64, in_features=256)
+    found, x = blocks.quantised_blocks(w), torch.randn(5, 256)
+    alone = torch.cat([blocks.blocks_linear(x[i:i + 1], found, lib=lib) for i in range(5)])
+    torch.testing.assert_close(alone, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    assert torch.equal(blocks.blocks_linear(x, found, lib=lib), alone)
+
+
 def test_the_machine_s_own_build_runs_on_vectors_where_it_has_them():
     """-march=native: AVX-512, or AVX2 with FMA, on x86; NEON on 64-bit ARM (the plain loops elsewhere)."""
     assert blocks.vectorised() == (ARM or HAS_AVX2)
 
 
-@pytest.mark.skipif(ARM or not emulated_arm.tools(),
-                    reason="the ARM builds are checked on x86 under qemu-user: gcc-aarch64-linux-gnu, "
-                           "libc6-dev-arm64-cross and qemu-user (apt; .ci/run installs them)")
+@pytest.mark.skipif(ARM, reason="the ARM builds are checked on x86 under qemu-user")
 @pytest.mark.parametrize("build", emulated_arm.ARM_BUILDS)
 def test_the_arm_builds_compute_the_same_product_under_emulation(build, tmp_path):
     """On 64-bit ARM (Apple silicon, Graviton, Raspberry Pi) the kernel runs its products in NEON's 4-lane
-    vectors, and built without NEON in plain loops: built for ARM here and run under qemu-user, each says
-    whether it runs on vectors, computes F.linear's product, rebuilds every weight exactly (identity rows,
-    every row group; dequantised), and gives a row of x the same bits alone and among others (wide rows
-    too, taken in chunks) and a weight row alone or in a pair — every format, the K-quants' included."""
+    vectors, and built without NEON in plain loops: built for ARM here (with GCC, and with clang, which
+    is what Apple's compiler is) and run under qemu-user, each says whether it runs on vectors, computes
+    F.linear's product, rebuilds every weight exactly (identity rows, every row group; dequantised), and
+    gives a row of x the same bits alone and among others (wide rows too, taken in chunks) and a weight
+    row alone or in a pair — every format, the K-quants' included."""
     from rsd_cli import gguf_hints
     from tiny import dequantise_k, quantise_k
 
-    lib = emulated_arm.EmulatedKernel(tmp_path, emulated_arm.ARM_BUILDS[build])
-    assert blocks.vectorised(lib) == (build == "neon")
+    if not emulated_arm.tools(build):
+        pytest.skip("the ARM builds are checked on x86 under qemu-user: gcc-aarch64-linux-gnu, libc6-dev-arm64-cross "
+                    "and qemu-user, and clang for neon-clang (apt; .ci/run installs them)")
+    lib = emulated_arm.EmulatedKernel(tmp_path, build)
+    assert blocks.vectorised(lib) == build.startswith("neon")
     weights = {}
     for fmt in FORMATS:
         w = weight(fmt)
@@ -750,15 +849,20 @@ def test_the_c_layers_run_where_the_kernel_has_vectors_only(build, monkeypatch, 
     assert (runtime.native is not None and all(runtime.native)) == (build == "avx2" and HAS_AVX2)
 
 
-@pytest.mark.parametrize("build", ["native", *WITHOUT_AVX512])
+@pytest.mark.parametrize("build", ["native", *WITHOUT_AVX512, "apple-clang"])
 def test_a_token_gets_the_same_bits_alone_in_a_chain_or_a_tree_over_a_long_cache(build, monkeypatch, tmp_path):
     """The C layer's attention goes over the cache in chunks of keys (several here: 200 cached
     tokens), a key/value head's query heads and a few rows together, and shares chunks out among
     the threads when there are few rows; a query's arithmetic must not depend on any of that: a
     prompt prefilled at once or token by token, and a tree's rows computed together, in part, or
     on one thread, give the same logits and caches bit for bit, and torch's layer within float32
-    rounding. Also where the CPU lacks AVX-512 (AVX2 vectors, or the plain loops: built here without them)."""
-    if build != "native":
+    rounding. Also where the CPU lacks AVX-512 (AVX2 vectors, or the plain loops: built here without
+    them), and built as a Mac builds it (Apple's clang, torch's OpenMP runtime: apple_clang_build)."""
+    if build == "apple-clang":
+        lib = apple_clang_build(tmp_path, monkeypatch)
+        assert lib is not None, blocks.build_error
+        monkeypatch.setattr(blocks, "library", lambda: lib)
+    elif build != "native":
         lib = blocks.build(tmp_path, (*blocks.FLAGS, *WITHOUT_AVX512[build]))
         assert lib is not None
         monkeypatch.setattr(blocks, "library", lambda: lib)
