@@ -1502,7 +1502,8 @@ def _torch_openmp() -> Path | None:
     return include if (include / "omp.h").is_file() and any((root / "lib").glob("libomp.*")) else None
 
 
-def openmp_of_torch(flags: tuple[str, ...] = FLAGS) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+def openmp_of_torch(flags: tuple[str, ...] = FLAGS,
+                    system: str = sys.platform) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
     """(flags, links) building the kernel with the OpenMP runtime torch has loaded: OpenMP asked of
     clang's front end (-Xclang -fopenmp; Apple's clang has OpenMP there while its driver refuses
     -fopenmp — how torch's inductor builds on macOS), torch's omp.h, and no runtime linked: the
@@ -1514,7 +1515,7 @@ def openmp_of_torch(flags: tuple[str, ...] = FLAGS) -> tuple[tuple[str, ...], tu
     if include is None or "-fopenmp" not in flags:
         return None
     at = flags.index("-fopenmp")
-    links = ("-Wl,-undefined,dynamic_lookup",) if sys.platform == "darwin" else ()
+    links = ("-Wl,-undefined,dynamic_lookup",) if system == "darwin" else ()
     return (*flags[:at], "-Xclang", "-fopenmp", f"-I{include}", *flags[at + 1:]), links
 
 

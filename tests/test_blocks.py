@@ -10,6 +10,7 @@ import copy
 import gc
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import weakref
@@ -295,6 +296,53 @@ def test_a_mac_s_build_of_the_kernel_runs_on_the_openmp_runtime_torch_has_loaded
     monkeypatch.setattr(blocks, "_torch_openmp", lambda: None)
     assert blocks.openmp_of_torch() is None
     assert blocks.build_with_openmp(tmp_path / "none") is None and "'-fopenmp'" in blocks.build_error
+
+
+def load_commands(path: Path) -> list[tuple[int, bytes]]:
+    """(command, its bytes) of a 64-bit Mach-O file's load commands."""
+    data = path.read_bytes()
+    magic, _, _, _, count, _, _, _ = struct.unpack_from("<IiiIIIII", data, 0)
+    assert magic == 0xFEEDFACF, "not a 64-bit Mach-O file"
+    commands, at = [], 32
+    for _ in range(count):
+        command, size = struct.unpack_from("<II", data, at)
+        commands.append((command, data[at: at + size]))
+        at += size
+    return commands
+
+
+def test_the_mac_build_compiles_and_links_for_macos_naming_no_openmp_runtime(tmp_path, monkeypatch):
+    """The kernel built for an Apple-silicon Mac with the flags rsd gives Apple's clang there (openmp_of_torch
+    on darwin, ARM64's FLAGS), by zig's clang with macOS's C headers (`pip install ziglang`; .ci/run installs
+    it) and LLVM's omp.h: it compiles for arm64-macos, links as a Mach-O library whose only library is
+    libSystem — no OpenMP runtime named, its OpenMP calls left to the one torch has loaded (looked up in
+    the flat namespace as it loads) — and calls into OpenMP (the front end made its parallel loops)."""
+    pytest.importorskip("ziglang", reason="zig's clang cross-compiles for macOS: pip install ziglang")
+    found = llvm_openmp()
+    if found is None:
+        pytest.skip("LLVM's omp.h stands in for torch's: apt-get install clang libomp-dev")
+    (tmp_path / "include").mkdir()  # (omp.h alone, as torch/include holds it: not clang 14's other headers)
+    shutil.copy(found[0] / "omp.h", tmp_path / "include")
+    monkeypatch.setattr(blocks, "_torch_openmp", lambda: tmp_path / "include")
+    flags, links = blocks.openmp_of_torch(("-O3", "-fopenmp", "-shared", "-fPIC"), system="darwin")  # (ARM64's)
+    assert "-fopenmp" not in [f for f, before in zip(flags, ("", *flags)) if before != "-Xclang"]
+    source, built = tmp_path / "kernel.c", tmp_path / "kernel.so"
+    source.write_text(blocks.SOURCE)
+    made = subprocess.run([sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-macos", *flags, str(source),
+                           "-o", str(built), *links], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "ZIG_GLOBAL_CACHE_DIR": str(tmp_path / "zig-cache"),
+                               "ZIG_LOCAL_CACHE_DIR": str(tmp_path / "zig-cache")})
+    assert made.returncode == 0, made.stderr[-3000:]
+    LC_LOAD_DYLIB, LC_LOAD_WEAK_DYLIB = 0xC, 0x80000018
+    named = [body[struct.unpack_from("<I", body, 8)[0]:].split(b"\0")[0].decode()
+             for command, body in load_commands(built) if command in (LC_LOAD_DYLIB, LC_LOAD_WEAK_DYLIB)]
+    assert named == ["/usr/lib/libSystem.B.dylib"], named
+    assert b"___kmpc_fork_call" in built.read_bytes()
+    objdump = shutil.which("llvm-objdump") or next(iter(sorted(Path("/usr/lib").glob("llvm-*/bin/llvm-objdump"))), None)
+    if objdump:
+        bound = subprocess.run([str(objdump), "--macho", "--bind", "--lazy-bind", str(built)], capture_output=True,
+                               text=True).stdout
+        assert any("flat-namespace" in line and "___kmpc_fork_call" in line for line in bound.splitlines()), bound
 
 
 def test_the_mac_build_runs_its_products_on_vectors_and_the_runtime_loaded(tmp_path, monkeypatch):
