@@ -1563,8 +1563,8 @@ def build(folder: Path, flags: tuple[str, ...] = FLAGS, links: tuple[str, ...] =
             source.write_text(SOURCE)
             built = path.with_suffix(f".{os.getpid()}.so")
             try:
-                subprocess.run([compiler, *flags, str(source), "-o", str(built), *links], check=True, capture_output=True,
-                               timeout=120)
+                subprocess.run([compiler, *flags, str(source), "-o", str(built), *links], check=True,
+                               capture_output=True, timeout=120)
             finally:
                 source.unlink(missing_ok=True)
             built.replace(path)  # whole or not at all: another process may be loading it
@@ -1614,7 +1614,7 @@ def available() -> bool:
 def kernel_missing() -> str | None:
     """Where rsd's C kernel is wanted here (neither RSD_BLOCK_KERNELS=0 nor another kernel forced by
     RSD_SMALL_BATCH_MATMUL) but cannot be had, why, in words: no C compiler is found, or the one found
-    did not build it (macOS's clang has no OpenMP of its own, for one); else None."""
+    did not build it (a compiler without OpenMP, for one, and on macOS none with torch's either); else None."""
     from .small_batch import requested_mode
 
     if os.environ.get("RSD_BLOCK_KERNELS", "1").strip() == "0" or requested_mode() not in ("auto", "blocks"):

@@ -1,9 +1,10 @@
-"""rsd's C kernel built for 64-bit ARM (NEON, and its plain loops) and run under qemu-user, so that an
-x86 machine checks the ARM builds' products: where `aarch64-linux-gnu-gcc` and `qemu-aarch64` are
-installed (Debian: `apt-get install gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user`, and clang
-for the clang build; .ci/run installs them where it can). The kernel's source is compiled with a small driver into a static program that answers one
-library call a run, read from a file; `EmulatedKernel` makes those calls look like the ctypes
-library's (blocks.blocks_linear, blocks.dequantised and blocks.vectorised take it as `lib`)."""
+"""rsd's C kernel built for 64-bit ARM (NEON with GCC and with clang, and its plain loops) and run under
+qemu-user, so that an x86 machine checks the ARM builds' products: where `aarch64-linux-gnu-gcc` and
+`qemu-aarch64` are installed (Debian: `apt-get install gcc-aarch64-linux-gnu libc6-dev-arm64-cross
+qemu-user`, and clang for the clang build; .ci/run installs them where it can). The kernel's source is
+compiled with a small driver into a static program that answers one library call a run, read from a
+file; `EmulatedKernel` makes those calls look like the ctypes library's (blocks.blocks_linear,
+blocks.dequantised and blocks.vectorised take it as `lib`)."""
 
 from __future__ import annotations
 

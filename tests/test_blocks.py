@@ -79,7 +79,8 @@ def llvm_openmp() -> tuple[Path, Path] | None:
     return (resources / "include", runtimes[-1]) if (resources / "include" / "omp.h").is_file() and runtimes else None
 
 
-MAC_BUILD = "TESTS_MAC_BUILD"  # (not RSD_: conftest clears those) set in the process test_a_mac_s_build... starts, with libomp loaded
+# set in the process test_a_mac_s_build... starts, with libomp loaded (not RSD_: conftest clears those)
+MAC_BUILD = "TESTS_MAC_BUILD"
 
 
 def apple_clang_build(tmp_path, monkeypatch, loaded: bool = True):
