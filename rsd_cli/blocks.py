@@ -67,7 +67,7 @@ CHUNK_BYTES = 2**18  # weights checked a few hundred rows at a time (by torch; q
 SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
-#include <omp.h>
+int omp_get_thread_num(void);  /* OpenMP's, declared here rather than by omp.h, which Apple's clang lacks */
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #define PREFETCH_L2(p) _mm_prefetch((const char*)(p), _MM_HINT_T1)
@@ -1493,39 +1493,29 @@ def library():
     return build_with_openmp(cache_dir() / "kernels")
 
 
-def _torch_openmp() -> Path | None:
-    """The folder of omp.h where torch ships LLVM's OpenMP runtime beside itself (its macOS wheels:
-    torch/lib/libomp.dylib, loaded with torch, and torch/include/omp.h); else None (its Linux wheels
-    carry GCC's libgomp)."""
-    root = Path(torch.__file__).parent
-    include = root / "include"
-    return include if (include / "omp.h").is_file() and any((root / "lib").glob("libomp.*")) else None
-
-
-def openmp_of_torch(flags: tuple[str, ...] = FLAGS,
-                    system: str = sys.platform) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
-    """(flags, links) building the kernel with the OpenMP runtime torch has loaded: OpenMP asked of
-    clang's front end (-Xclang -fopenmp; Apple's clang has OpenMP there while its driver refuses
-    -fopenmp — how torch's inductor builds on macOS), torch's omp.h, and no runtime linked: the
-    kernel's calls into one are bound as it loads, to torch's (on macOS by -undefined dynamic_lookup,
-    as Python's extension modules are linked; Linux binds them at load anyway). So the process never
-    holds a second copy of libomp (which libomp aborts on), and where none is loaded the kernel does
-    not load and is not offered. None where torch ships no such runtime."""
-    include = _torch_openmp()
-    if include is None or "-fopenmp" not in flags:
+def front_end_openmp(flags: tuple[str, ...] = FLAGS,
+                     system: str = sys.platform) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(flags, links) building the kernel with the OpenMP runtime this process has loaded (on macOS the
+    libomp torch ships and loads with itself): OpenMP asked of clang's front end (-Xclang -fopenmp;
+    Apple's clang has OpenMP there while its driver refuses -fopenmp — how torch's inductor builds on
+    macOS), and no runtime linked: the kernel's calls into one are bound as it loads, to the runtime
+    loaded (on macOS by -undefined dynamic_lookup, as Python's extension modules are linked; Linux binds
+    them at load anyway). So the process never holds a second copy of libomp (which libomp aborts on),
+    and where none is loaded the kernel does not load and is not offered. None without -fopenmp."""
+    if "-fopenmp" not in flags:
         return None
     at = flags.index("-fopenmp")
     links = ("-Wl,-undefined,dynamic_lookup",) if system == "darwin" else ()
-    return (*flags[:at], "-Xclang", "-fopenmp", f"-I{include}", *flags[at + 1:]), links
+    return (*flags[:at], "-Xclang", "-fopenmp", *flags[at + 1:]), links
 
 
 def build_with_openmp(folder: Path):
-    """build(folder), and where the compiler refuses -fopenmp (Apple's clang) and torch ships an OpenMP
-    runtime, the same with that runtime (openmp_of_torch); None where neither builds (build_error: why
-    the first did not)."""
+    """build(folder), and where the compiler refuses -fopenmp (Apple's clang), the same with OpenMP
+    from clang's front end and the runtime this process holds (front_end_openmp); None where neither
+    builds and loads (build_error: why the first did not)."""
     global build_error
     lib = build(folder)
-    fallback = openmp_of_torch() if lib is None and _compiler() is not None else None
+    fallback = front_end_openmp() if lib is None and _compiler() is not None else None
     if fallback is not None:
         first = build_error
         lib = build(folder, *fallback)

@@ -55,8 +55,8 @@ def other_builds(tmp_path) -> list:
     return [blocks.build(tmp_path, (*blocks.FLAGS, *flags)) for flags in WITHOUT_AVX512.values()]
 
 
-# clang as Apple ships it: its driver refuses -fopenmp, while its front end, reached by -Xclang, has OpenMP
-APPLE_CLANG = r"""#!/bin/sh
+# a compiler refusing -fopenmp as Apple's clang does (its front end, reached by -Xclang, has OpenMP)
+REFUSING_OPENMP = r"""#!/bin/sh
 previous=
 for a in "$@"; do
   if [ "$a" = -fopenmp ] && [ "$previous" != -Xclang ]; then
@@ -65,18 +65,26 @@ for a in "$@"; do
   fi
   previous=$a
 done
-exec clang "$@"
+exec COMPILER "$@"
 """
 
 
-def llvm_openmp() -> tuple[Path, Path] | None:
-    """(folder of omp.h, libomp) of this machine's LLVM OpenMP runtime beside its clang (Debian: clang and
-    libomp-dev), standing in for those torch's macOS wheels ship; None without them."""
+def refusing_openmp(folder: Path, compiler: str = "clang") -> Path:
+    """`compiler` made to refuse -fopenmp as Apple's clang does (REFUSING_OPENMP), written into `folder`."""
+    path = folder / f"{compiler}-refusing-openmp"
+    path.write_text(REFUSING_OPENMP.replace("COMPILER", compiler))
+    path.chmod(0o755)
+    return path
+
+
+def llvm_libomp() -> Path | None:
+    """This machine's LLVM OpenMP runtime beside its clang (Debian: clang and libomp-dev), standing in for the
+    libomp torch's macOS wheels ship and load; None without them."""
     if shutil.which("clang") is None:
         return None
     resources = Path(subprocess.run(["clang", "-print-resource-dir"], capture_output=True, text=True).stdout.strip())
     runtimes = sorted(resources.parents[1].glob("libomp.so*"))
-    return (resources / "include", runtimes[-1]) if (resources / "include" / "omp.h").is_file() and runtimes else None
+    return runtimes[-1] if runtimes else None
 
 
 # set in the process test_a_mac_s_build... starts, with libomp loaded (not RSD_: conftest clears those)
@@ -84,22 +92,17 @@ MAC_BUILD = "TESTS_MAC_BUILD"
 
 
 def apple_clang_build(tmp_path, monkeypatch, loaded: bool = True):
-    """The kernel as a Mac builds it with Apple's clang (APPLE_CLANG here, x86 code) and the OpenMP runtime
-    torch has loaded (this machine's libomp standing in: loaded in a process of its own, so this one's
-    other tests keep GCC's): through blocks.build_with_openmp, after -fopenmp is refused. None where it
-    does not load."""
-    found = llvm_openmp()
-    if found is None:
+    """The kernel as a Mac builds it with Apple's clang (clang refusing -fopenmp here, x86 code) and the OpenMP
+    runtime torch has loaded (this machine's libomp standing in: loaded in a process of its own, so this
+    one's other tests keep GCC's): through blocks.build_with_openmp, after -fopenmp is refused. None where
+    it does not load."""
+    if llvm_libomp() is None:
         pytest.skip("clang with LLVM's OpenMP runtime stands in for Apple's clang and torch's libomp: apt-get install "
                     "clang libomp-dev (.ci/run installs them)")
     if loaded and os.environ.get(MAC_BUILD) != "1":
         pytest.skip("runs in a process of its own, libomp loaded as torch holds it on a Mac: see "
                     "test_a_mac_s_build_of_the_kernel_runs_on_the_openmp_runtime_torch_has_loaded")
-    compiler = tmp_path / "apple-clang"
-    compiler.write_text(APPLE_CLANG)
-    compiler.chmod(0o755)
-    monkeypatch.setenv("CC", str(compiler))
-    monkeypatch.setattr(blocks, "_torch_openmp", lambda: found[0])
+    monkeypatch.setenv("CC", str(refusing_openmp(tmp_path)))
     assert blocks.build(tmp_path / "plain") is None and "unsupported option '-fopenmp'" in blocks.build_error
     return blocks.build_with_openmp(tmp_path / "kernels")
 
@@ -275,28 +278,27 @@ def test_the_builds_without_avx512_compute_the_same_product(build, tmp_path):
 
 
 def test_a_mac_s_build_of_the_kernel_runs_on_the_openmp_runtime_torch_has_loaded(tmp_path, monkeypatch):
-    """Apple's clang refuses -fopenmp; torch's macOS wheels ship libomp, loaded with torch, and omp.h. The
-    kernel is then built with OpenMP asked of clang's front end and no runtime linked, binding to the one
-    torch holds as it loads: checked in a process of its own with this machine's libomp loaded (the tests
-    that set MAC_BUILD). Here, where no libomp is loaded, that kernel does not load (and no second runtime
-    is brought in); there is no kernel, and the reason given is the compiler's refusal, as where torch
-    ships no runtime at all."""
-    found = llvm_openmp()
-    if found is None:
+    """Apple's clang refuses -fopenmp; torch's macOS wheels ship libomp, loaded with torch. The kernel is
+    then built with OpenMP asked of clang's front end and no runtime linked, binding to the one the process
+    holds as it loads: checked in a process of its own with this machine's libomp loaded (the tests that set
+    MAC_BUILD). Here, where no libomp is loaded, that kernel does not load (and no second runtime is brought
+    in); there is no kernel, and the reason given is the compiler's refusal — as where the compiler that
+    refuses -fopenmp has no -Xclang either (GCC)."""
+    libomp = llvm_libomp()
+    if libomp is None:
         pytest.skip("clang with LLVM's OpenMP runtime stands in for Apple's clang and torch's libomp: apt-get install "
                     "clang libomp-dev (.ci/run installs them)")
     child = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:warnings", __file__, "-k",
          "mac_build_runs_its_products or (same_bits_alone and apple)"],
-        env={**os.environ, MAC_BUILD: "1", "LD_PRELOAD": str(found[1])}, capture_output=True, text=True, timeout=600)
+        env={**os.environ, MAC_BUILD: "1", "LD_PRELOAD": str(libomp)}, capture_output=True, text=True, timeout=600)
     assert child.returncode == 0 and "2 passed" in child.stdout, child.stdout[-3000:] + child.stderr[-2000:]
 
     assert apple_clang_build(tmp_path, monkeypatch, loaded=False) is None  # (built, its OpenMP calls unbound)
     assert "'-fopenmp'" in blocks.build_error
-    assert str(found[1]) not in Path("/proc/self/maps").read_text()
-    monkeypatch.setattr(blocks, "_torch_openmp", lambda: None)
-    assert blocks.openmp_of_torch() is None
-    assert blocks.build_with_openmp(tmp_path / "none") is None and "'-fopenmp'" in blocks.build_error
+    assert str(libomp) not in Path("/proc/self/maps").read_text()
+    monkeypatch.setenv("CC", str(refusing_openmp(tmp_path, "gcc")))
+    assert blocks.build_with_openmp(tmp_path / "gcc") is None and "'-fopenmp'" in blocks.build_error
 
 
 def load_commands(path: Path) -> list[tuple[int, bytes]]:
@@ -313,19 +315,13 @@ def load_commands(path: Path) -> list[tuple[int, bytes]]:
 
 
 def test_the_mac_build_compiles_and_links_for_macos_naming_no_openmp_runtime(tmp_path, monkeypatch):
-    """The kernel built for an Apple-silicon Mac with the flags rsd gives Apple's clang there (openmp_of_torch
+    """The kernel built for an Apple-silicon Mac with the flags rsd gives Apple's clang there (front_end_openmp
     on darwin, ARM64's FLAGS), by zig's clang with macOS's C headers (`pip install ziglang`; .ci/run installs
-    it) and LLVM's omp.h: it compiles for arm64-macos, links as a Mach-O library whose only library is
-    libSystem — no OpenMP runtime named, its OpenMP calls left to the one torch has loaded (looked up in
-    the flat namespace as it loads) — and calls into OpenMP (the front end made its parallel loops)."""
+    it): it compiles for arm64-macos (no omp.h: Apple's clang has none), links as a Mach-O library whose only
+    library is libSystem — no OpenMP runtime named, its OpenMP calls left to the one torch has loaded (looked
+    up in the flat namespace as it loads) — and calls into OpenMP (the front end made its parallel loops)."""
     pytest.importorskip("ziglang", reason="zig's clang cross-compiles for macOS: pip install ziglang")
-    found = llvm_openmp()
-    if found is None:
-        pytest.skip("LLVM's omp.h stands in for torch's: apt-get install clang libomp-dev")
-    (tmp_path / "include").mkdir()  # (omp.h alone, as torch/include holds it: not clang 14's other headers)
-    shutil.copy(found[0] / "omp.h", tmp_path / "include")
-    monkeypatch.setattr(blocks, "_torch_openmp", lambda: tmp_path / "include")
-    flags, links = blocks.openmp_of_torch(("-O3", "-fopenmp", "-shared", "-fPIC"), system="darwin")  # (ARM64's)
+    flags, links = blocks.front_end_openmp(("-O3", "-fopenmp", "-shared", "-fPIC"), system="darwin")  # (ARM64's)
     assert "-fopenmp" not in [f for f, before in zip(flags, ("", *flags)) if before != "-Xclang"]
     source, built = tmp_path / "kernel.c", tmp_path / "kernel.so"
     source.write_text(blocks.SOURCE)
