@@ -1604,7 +1604,8 @@ def available() -> bool:
 def kernel_missing() -> str | None:
     """Where rsd's C kernel is wanted here (neither RSD_BLOCK_KERNELS=0 nor another kernel forced by
     RSD_SMALL_BATCH_MATMUL) but cannot be had, why, in words: no C compiler is found, or the one found
-    did not build it (a compiler without OpenMP, for one, and on macOS none with torch's either); else None."""
+    did not build it (a compiler without OpenMP, for one: Apple's clang where no OpenMP runtime is loaded,
+    see front_end_openmp); else None."""
     from .small_batch import requested_mode
 
     if os.environ.get("RSD_BLOCK_KERNELS", "1").strip() == "0" or requested_mode() not in ("auto", "blocks"):
