@@ -83,7 +83,7 @@ def llvm_libomp() -> Path | None:
     if shutil.which("clang") is None:
         return None
     resources = Path(subprocess.run(["clang", "-print-resource-dir"], capture_output=True, text=True).stdout.strip())
-    runtimes = sorted(resources.parents[1].glob("libomp.so*"))
+    runtimes = sorted(resources.parents[1].glob("libomp.so*")) if len(resources.parents) > 1 else []
     return runtimes[-1] if runtimes else None
 
 
@@ -348,7 +348,7 @@ def test_the_mac_build_runs_its_products_on_vectors_and_the_runtime_loaded(tmp_p
     it names no runtime of its own) and computes the product, each row the same alone and among others."""
     lib = apple_clang_build(tmp_path, monkeypatch)
     assert lib is not None, blocks.build_error
-    assert blocks.vectorised(lib) == HAS_AVX2
+    assert blocks.vectorised(lib) == (ARM or HAS_AVX2)
     if shutil.which("nm"):
         assert "__kmpc_fork_call" in subprocess.run(["nm", "-D", "--undefined-only", lib._name], capture_output=True,
                                                     text=True).stdout
