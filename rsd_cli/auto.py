@@ -39,8 +39,10 @@ per-rank acceptance does not predict."""
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -99,6 +101,12 @@ def _bounded(ratio: float) -> float:
 def candidates(max_nodes: int = MAX_NODES) -> list[Shape]:
     """ar, sd chains and rsd-c branching vectors (non-increasing, up to 6 at the root and 3
     below, or WIDE_FANS at the root alone) with at most max_nodes nodes, the root included."""
+    return list(_candidates(max_nodes))
+
+
+@functools.lru_cache(maxsize=None)
+def _candidates(max_nodes: int) -> tuple[Shape, ...]:
+    """candidates, made once per node limit (every answer of `auto` starts from them: ~0.2 ms)."""
     shapes = [make_shape("ar")]
     shapes += [make_shape("sd", draft_len=g) for g in range(1, min(MAX_DEPTH, max_nodes - 1) + 1)]
 
@@ -115,7 +123,7 @@ def candidates(max_nodes: int = MAX_NODES) -> list[Shape]:
 
     grow((), 1, 1)
     shapes += [make_shape("rsd-c", branching=(b,)) for b in WIDE_FANS if 1 + b <= max_nodes]
-    return shapes
+    return tuple(shapes)
 
 
 def level_sizes(shape: Shape) -> list[int]:
@@ -133,6 +141,15 @@ class Costs:
 
     target: dict[int, float]
     draft: dict[int, float]
+    # (table, n) -> seconds, worked out once: each answer of `auto` models ~120 candidates' steps from
+    # these (~0.6 ms), and one process's Costs serve all its answers (_MEASURED)
+    _known: dict[tuple[str, int], float] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def _memo(self, which: str, n: int) -> float:
+        key = which, n
+        if key not in self._known:
+            self._known[key] = self._at(getattr(self, which), n)
+        return self._known[key]
 
     @staticmethod
     def _at(table: dict[int, float], n: int) -> float:
@@ -146,10 +163,10 @@ class Costs:
         return table[hi] + (table[hi] - table[lo]) * (n - hi) / (hi - lo)
 
     def target_at(self, n: int) -> float:
-        return self._at(self.target, n)
+        return self._memo("target", n)
 
     def draft_at(self, n: int) -> float:
-        return self._at(self.draft, n) if self.draft else 0.0
+        return self._memo("draft", n) if self.draft else 0.0
 
     def as_json(self) -> dict:
         return {"target": {str(k): v for k, v in self.target.items()}, "draft": {str(k): v for k, v in self.draft.items()}}
@@ -322,13 +339,17 @@ class AutoShape:
         self._last_timed: tuple[int, int, float] | None = None  # (observed steps, target tokens, forward / table)
         self._observed = 0  # steps observed
         self.measured: dict[Shape, float] = {}  # shape -> its steps' time over their forwards' (moving average)
-        self._drafting_ratio: float | None = None  # the mean of the drafting shapes' in `measured` (worked out)
+        # the mean ratio in `measured` of the drafting shapes (True) and of the lookup chains (False)
+        # used, what an unused one of that kind takes: worked out again after each timed step
+        self._mean_ratios: dict[bool, float] = {}
         # shape -> (draft, target) seconds before scaling and the target's tokens (the candidates' now,
         # lookup chains' once rated)
         self._modelled: dict[Shape, tuple[float, float, int]] = {s: self._modelled_seconds(s) for s in self.shapes}
         # the candidates' (branching, draft, target seconds before scaling, target tokens), for _rates
         self._candidates = [(s.branching, *self._modelled[s]) for s in self.shapes]
         self._index = {shape: i for i, shape in enumerate(self.shapes)}
+        self._of_kind = {drafts: [i for i, shape in enumerate(self.shapes) if bool(shape.depth) == drafts]
+                         for drafts in (False, True)}  # the candidates' indices, plain (ar) and drafting
         self._expected_all: tuple = (None, -1, [])  # (acceptance, its version, expected_tokens per candidate)
         self.uses: dict[Shape, int] = {}  # shape -> steps of it observed (after the first step)
         self.current: Shape | None = None
@@ -380,17 +401,17 @@ class AutoShape:
     def _unmeasured_ratio(self, shape: Shape) -> float:
         if shape.depth == 0:
             return 1.0
-        if not shape.uses_draft_model:  # lookup: the lookup chains' own (no draws, no draft forwards)
-            used = [ratio for chain, ratio in self.measured.items() if chain.variant == "lookup"]
-            return sum(used) / len(used) if used else 1.0
-        return self._drafting_ratio_now()
+        # lookup: the lookup chains' own (no draws, no draft forwards)
+        return self._mean_ratio(drafting=shape.uses_draft_model)
 
-    def _drafting_ratio_now(self) -> float:
-        """The mean ratio of the drafting shapes used (1 before any): an unused one's."""
-        if self._drafting_ratio is None:  # (worked out again after each timed step)
-            drafting = [ratio for used, ratio in self.measured.items() if used.uses_draft_model]
-            self._drafting_ratio = sum(drafting) / len(drafting) if drafting else 1.0
-        return self._drafting_ratio
+    def _mean_ratio(self, drafting: bool) -> float:
+        """The mean ratio of the drafting shapes (else the lookup chains) used (1 before any): an
+        unused one's."""
+        if drafting not in self._mean_ratios:
+            used = [ratio for shape, ratio in self.measured.items()
+                    if (shape.uses_draft_model if drafting else shape.variant == "lookup")]
+            self._mean_ratios[drafting] = sum(used) / len(used) if used else 1.0
+        return self._mean_ratios[drafting]
 
     def rate(self, shape: Shape, matched: int = 0) -> float:
         """Expected tokens per second (a lookup chain: after an n-gram of `matched` tokens)."""
@@ -474,7 +495,7 @@ class AutoShape:
         instead of a lookup by shape for each (a shape's hash is worked out afresh every time):
         a choice took 0.3 ms, 1.0 ms after a drafting step, on a 2-core Xeon, ~8% of an H100's
         plain step every 8 steps."""
-        drafting = self._drafting_ratio_now()
+        drafting = self._mean_ratio(drafting=True)
         ratios = [drafting if branching else 1.0 for branching, *_ in self._candidates]  # (as _unmeasured_ratio)
         for shape, ratio in self.measured.items():
             index = self._index.get(shape)
@@ -504,7 +525,7 @@ class AutoShape:
         if before is not None and bool(before.depth) != bool(self.current.depth):
             self.since_other = 0  # (the other kind was just running)
             self.rare_gap = EXPLORE_EVERY * RARELY
-        others = [i for i, shape in enumerate(self.shapes) if bool(shape.depth) != bool(self.current.depth)]
+        others = self._of_kind[not self.current.depth]
         index = max(others, key=rates.__getitem__, default=best)
         other = self.shapes[index]
         timed = any(bool(used.depth) == bool(other.depth) for used in self.measured if used.variant != "lookup")
@@ -549,7 +570,7 @@ class AutoShape:
         # from what the shape was expected to take before (its first step too: one step can be an outlier)
         known = self.measured.get(event.shape, self._unmeasured_ratio(event.shape))
         self.measured[event.shape] = known * (1 + MEASURED_MEMORY * (_bounded(ratio / known) - 1))
-        self._drafting_ratio = None
+        self._mean_ratios.clear()
 
     def _learn_size(self, shape: Shape, target_forward: float) -> None:
         """The factor of a forward of n > 1 tokens, from a timed step of n tokens and a timed plain
@@ -602,7 +623,7 @@ class AutoShape:
         self.measured, self.target_scale, self.draft_scale = ratios, target_scale, draft_scale
         self.size_factor = {tokens: factor for tokens, factor in sizes.items() if tokens > 1}
         self._explored = explored
-        self._drafting_ratio = None
+        self._mean_ratios.clear()
 
     def save(self) -> None:
         """Keep what this run learnt for the next one (`auto.json` in the rsd cache folder): all of
@@ -640,11 +661,19 @@ def cost_key(decoder) -> str:
 
         used += f" | C library {version()}"
     kernels = hashlib.sha256(used.encode()).hexdigest()[:12]
-    return (f"costs v5 | {verdict_key(decoder.target_model)} | target {fingerprint(decoder.target_model)} | "
-            f"draft {fingerprint(decoder.draft_model)} | {decoder.runtimes.describe()} | kernels {kernels}")
+    models = []
+    for model in (decoder.target_model, decoder.draft_model):
+        if model not in _FINGERPRINTS:
+            _FINGERPRINTS[model] = fingerprint(model)
+        models.append(_FINGERPRINTS[model])
+    return (f"costs v5 | {verdict_key(decoder.target_model)} | target {models[0]} | "
+            f"draft {models[1]} | {decoder.runtimes.describe()} | kernels {kernels}")
 
 
 _MEASURED: dict[str, Costs] = {}  # this process's costs by key: chat's answers and bench rows measure once
+# a loaded model's fingerprint (its architecture's names and shapes, which do not change once it is
+# loaded), worked out once a process: ~1 ms for the embedded target, each answer of `auto`
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def memory_path():

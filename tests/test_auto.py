@@ -5,6 +5,7 @@ shape changes from step to step."""
 from __future__ import annotations
 
 import json
+import weakref
 
 import pytest
 import torch
@@ -438,7 +439,7 @@ def test_a_choice_rates_every_shape_as_rate_does():
         same()
     policy.target_scale, policy.draft_scale = 1.3, 0.7
     policy.measured = {make_shape("ar"): 1.1, chain: 1.4, tree: 0.9}
-    policy._drafting_ratio = None
+    policy._mean_ratios.clear()
     same()
     policy.acceptance = auto.Acceptance.from_json(policy.acceptance.as_json(most=5))  # (as recall does)
     same()
@@ -663,6 +664,29 @@ def test_costs_are_measured_once_per_machine_and_kept(pair, tmp_path, monkeypatc
     list(Decoder(pair[0], pair[1], V, make_shape("auto"), SamplingParams(), set()).generate(PROMPT, 4, seed=1))
     assert measured == [1]
 
+
+
+def test_an_answer_s_set_up_fingerprints_each_model_once_a_process(pair, monkeypatch):
+    """Each answer of `auto` starts from the cost key, which names both models' architectures: worked
+    out once per loaded model (each answer ~1 ms before), anew for another model, the key the same."""
+    from rsd_cli import models
+
+    counted = []
+    real = models.fingerprint
+    monkeypatch.setattr(models, "fingerprint", lambda model: counted.append(model) or real(model))
+    monkeypatch.setattr(auto, "_FINGERPRINTS", weakref.WeakKeyDictionary())
+    decoder = Decoder(pair[0], pair[1], V, make_shape("auto"), SamplingParams(temperature=1.0), set())
+    first = auto.cost_key(decoder)
+    assert counted == [pair[0], pair[1]]
+    assert auto.cost_key(Decoder(pair[0], pair[1], V, make_shape("auto"), SamplingParams(), set())) == first
+    assert counted == [pair[0], pair[1]]  # (a new decoder of the same models: none again)
+    other = tiny_model(V, layers=3, seed=5, scale=0.1)  # another loaded model, of another architecture
+    assert auto.cost_key(Decoder(other, pair[1], V, make_shape("auto"), SamplingParams(), set())) != first
+    assert counted == [pair[0], pair[1], other]
+    assert f"target {real(pair[0])} | draft {real(pair[1])}" in first
+    costs = Costs({1: 1.0, 4: 2.0, 8: 5.0}, {1: 0.5, 2: 0.75})
+    assert [costs.target_at(n) for n in (1, 2, 6, 12, 6)] == [1.0, 1.0 + 1 / 3, 3.5, 8.0, 3.5]  # (kept once worked out)
+    assert costs.draft_at(3) == pytest.approx(1.0) and costs == Costs({1: 1.0, 4: 2.0, 8: 5.0}, {1: 0.5, 2: 0.75})
 
 def test_a_first_run_s_statistics_leave_out_measuring_the_costs(pair, tmp_path, monkeypatch):
     """The forward costs a first `auto` run on a machine measures (seconds) are set-up, not the
