@@ -723,11 +723,14 @@ def distill(
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A file of training prompts, one per line (.jsonl: "
                                                     "a JSON string or {\"prompt\": ...} a line).",
                                                     show_default=False)] = None,
+    compile: Annotated[Optional[str], typer.Option(
+        "--compile", help="auto, on or off: sample the target's answers on rsd's static-cache runtime (as "
+        "generate's --compile) or with transformers' generate (off).", show_default=False)] = None,
 ):
     """Train an adapter layer that turns the target's first layers into a good draft."""
     from .distill_command import run_distill
 
-    run_distill(_load_profile(profile, {}), out, layers=layers, tokens=tokens, eval_tokens=eval_tokens,
+    run_distill(_load_profile(profile, {"compile": compile}), out, layers=layers, tokens=tokens, eval_tokens=eval_tokens,
                 epochs=epochs, lr=lr, schedule=schedule, max_new_tokens=max_new_tokens,
                 batch_size=batch_size, vocab=vocab, seed=seed, prompts_file=prompts,
                 console=_stderr_console(), train_head=train_head)

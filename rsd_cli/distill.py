@@ -60,33 +60,76 @@ class DistillResult:
 
 
 def sample_answers(target, tokenizer, prompts: list[str], budget: int, recipe: Recipe, phase: str,
-                   progress: Progress) -> list[Sequence]:
-    """The target's sampled answers (T = 1, no truncation) until `budget` answer tokens."""
+                   progress: Progress, decoder=None) -> list[Sequence]:
+    """The target's sampled answers (T = 1, no truncation) until `budget` answer tokens, each ending
+    at the end-of-sequence token (kept) or after max_new_tokens: `batch_size` random prompts at a time,
+    decoded together by `decoder` (`sampler`: rsd's runtime) or else by transformers' generate."""
     generator = random.Random(recipe.seed + len(phase))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos = tokenizer.eos_token_id
     out: list[Sequence] = []
     total = 0
     progress(phase, 0, budget)
     while total < budget:
         batch = [generator.choice(prompts) for _ in range(recipe.batch_size)]
         encoded = [encode_prompt(tokenizer, p) for p in batch]
-        width = max(map(len, encoded))
-        ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])
-        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
-        with torch.inference_mode():
-            generated = target.generate(
-                input_ids=ids.to(input_device(target)), attention_mask=mask.to(input_device(target)), do_sample=True,
-                temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=recipe.max_new_tokens,
-                pad_token_id=pad, eos_token_id=eos,
-            )
-        for prompt_ids, row in zip(encoded, generated[:, width:].tolist()):
-            answer = row[: row.index(eos) + 1] if eos in row else row
+        if decoder is None:
+            answers = _generated(target, tokenizer, encoded, recipe.max_new_tokens)
+        else:  # (each answer's own seed: the same prompts and seeds give the same answers)
+            answers = _together(decoder, encoded, recipe.max_new_tokens, [generator.getrandbits(63) for _ in batch])
+        for prompt_ids, answer in zip(encoded, answers):
             if answer:
                 out.append(Sequence(prompt_ids + answer, len(prompt_ids)))
                 total += len(answer)
         progress(phase, min(total, budget), budget)
     return out
+
+
+def sampler(target, tokenizer, runtime, setting: str):
+    """An `ar` Decoder of the target alone at T = 1 (no truncation) on this runtime (a
+    compiled.CompiledModel, from --compile `setting`), ending answers at the tokenizer's
+    end-of-sequence token as transformers' generate does here; None where answers cannot be decoded
+    together on it (no runtime, a model whose attention takes no masks of rsd's)."""
+    from .drafting import make_shape
+    from .engine import Decoder, Runtimes
+    from .models import text_config
+    from .sampling import SamplingParams
+
+    if runtime is None:
+        return None
+    cfg = text_config(target.config)
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    decoder = Decoder(target, None, cfg.vocab_size, make_shape("ar"), SamplingParams(temperature=1.0), eos,
+                      getattr(cfg, "max_position_embeddings", None), Runtimes(runtime, None, setting))
+    return decoder if decoder.limit is None else None
+
+
+def _together(decoder, encoded: list[list[int]], max_new_tokens: int, seeds: list[int]) -> list[list[int]]:
+    """Each prompt's answer, decoded together (Decoder.generate_together: a forward of a row per
+    unfinished answer)."""
+    answers: list[list[int]] = [[] for _ in encoded]
+    steps = decoder.generate_together(encoded, max_new_tokens, seeds)
+    try:
+        for events in steps:
+            for answer, event in zip(answers, events):
+                if event is not None:
+                    answer.extend(event.emitted)
+    finally:
+        steps.close()
+    return answers
+
+
+def _generated(target, tokenizer, encoded: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Each prompt's answer by transformers' generate, the prompts left-padded into one batch."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
+    width = max(map(len, encoded))
+    ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])
+    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+    with torch.inference_mode():
+        generated = target.generate(
+            input_ids=ids.to(input_device(target)), attention_mask=mask.to(input_device(target)), do_sample=True,
+            temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos,
+        )
+    return [row[: row.index(eos) + 1] if eos in row else row for row in generated[:, width:].tolist()]
 
 
 def teacher_labels(target, sequences: list[Sequence], top_k: int) -> None:

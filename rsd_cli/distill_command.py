@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from .distill import Recipe, sample_answers, teacher_labels, train
+from .distill import Recipe, sample_answers, sampler, teacher_labels, train
 from .errors import RsdError, UsageError
 from .models import (cache_dir, check_early_exit, describe_layers, exact_fingerprint, layers_per_device, load_model,
                      save_adapter, target_placement)
@@ -24,6 +24,22 @@ def _data_cache(target, prompts: list[str], recipe: Recipe) -> Path:
     key = json.dumps([exact_fingerprint(target), prompts, recipe.tokens, recipe.eval_tokens, recipe.max_new_tokens,
                       recipe.batch_size, recipe.teacher_top_k, recipe.seed])
     return cache_dir() / "distill" / f"data-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+
+
+def _sampler(target, tokenizer, setting: str, console):
+    """distill.sampler on the runtime --compile `setting` gives the target (said in one line), or None:
+    transformers' generate (--compile off, or a target the runtime does not take)."""
+    from .compiled import runtime_for
+    from .engine import runtime_name
+
+    def notice(message: str) -> None:
+        console.print(f"rsd: {message}", markup=False, highlight=False)
+
+    runtime = runtime_for(target, setting, "target", notice=notice)
+    decoder = sampler(target, tokenizer, runtime, setting)
+    where = f"rsd's runtime ({runtime_name(runtime)})" if decoder is not None else "transformers' generate"
+    console.print(f"sampling the target's answers on {where}")
+    return decoder
 
 
 def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: int, epochs: int, lr: float,
@@ -74,9 +90,11 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
             console.print(f"reusing sampled data from {cached}")
             train_data, eval_data = torch.load(cached, weights_only=False)
         else:
-            train_data = sample_answers(target, tokenizer, prompts, tokens, recipe, "sampling answers", progress)
+            decoder = _sampler(target, tokenizer, profile["runtime"]["compile"], console)
+            train_data = sample_answers(target, tokenizer, prompts, tokens, recipe, "sampling answers", progress,
+                                        decoder)
             eval_data = sample_answers(target, tokenizer, builtin_prompts("eval"), eval_tokens, recipe,
-                                       "held-out answers", progress)
+                                       "held-out answers", progress, decoder)
             progress("teacher labels", 0, len(train_data))
             teacher_labels(target, train_data, recipe.teacher_top_k)
             progress("teacher labels", len(train_data), len(train_data))

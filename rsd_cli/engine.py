@@ -823,17 +823,20 @@ class Runtimes:
     setting: str = "off"  # the --compile setting that chose them: "on" | "off" | "auto"
 
     def describe(self) -> str:
-        def one(runtime) -> str:
-            if runtime is None:
-                return "transformers eager"
-            if runtime.graphed:
-                return "static cache, compiled, CUDA graphs" if runtime.inductor else "static cache, CUDA graphs"
-            if runtime.compiled:
-                return "static cache, compiled"
-            # (layers on quantised weights run as one call of rsd's C library each: compiled.NativeLayer)
-            return "static cache, uncompiled, C layers" if runtime.native else "static cache, uncompiled"
-        return one(self.target) if one(self.target) == one(self.draft) else \
-            f"target {one(self.target)}, draft {one(self.draft)}"
+        target, draft = runtime_name(self.target), runtime_name(self.draft)
+        return target if target == draft else f"target {target}, draft {draft}"
+
+
+def runtime_name(runtime) -> str:
+    """How one model runs: on a compiled.CompiledModel (which kind), or (None) transformers' eager forward."""
+    if runtime is None:
+        return "transformers eager"
+    if runtime.graphed:
+        return "static cache, compiled, CUDA graphs" if runtime.inductor else "static cache, CUDA graphs"
+    if runtime.compiled:
+        return "static cache, compiled"
+    # (layers on quantised weights run as one call of rsd's C library each: compiled.NativeLayer)
+    return "static cache, uncompiled, C layers" if runtime.native else "static cache, uncompiled"
 
 
 def in_cpu_memory(model) -> bool:

@@ -31,9 +31,10 @@ def target_profile(tiny_pair_dir, tmp_path, monkeypatch):
 def test_distill_trains_writes_metadata_and_the_adapter_drafts(target_profile, tmp_path, tiny_pair_dir):
     profile, prompts = target_profile
     out = tmp_path / "adapter.safetensors"
-    result = _distill(profile, out, "--prompts", str(prompts))
+    result = _distill(profile, out, "--prompts", str(prompts), "--compile", "auto")  # (the tests' default: off)
     assert result.exit_code == 0, result.stderr
     assert "wrote" in result.stderr and out.is_file()
+    assert "sampling the target's answers on rsd's runtime (static cache" in result.stderr
     assert result.stdout == ""  # progress and results go to stderr
 
     with safe_open(str(out), framework="pt") as f:
@@ -59,6 +60,53 @@ def test_distill_trains_writes_metadata_and_the_adapter_drafts(target_profile, t
     again = _distill(profile, tmp_path / "again.safetensors", "--prompts", str(prompts), "--schedule", "constant")
     assert again.exit_code == 0, again.stderr
     assert "reusing sampled data" in again.stderr
+
+
+def test_distill_samples_with_transformers_generate_with_compile_off(target_profile, tmp_path):
+    profile, prompts = target_profile
+    out = tmp_path / "adapter.safetensors"
+    result = _distill(profile, out, "--prompts", str(prompts), "--compile", "off", "--epochs", "1")
+    assert result.exit_code == 0, result.stderr
+    assert "sampling the target's answers on transformers' generate" in result.stderr and out.is_file()
+    assert json.loads(safe_open(str(out), framework="pt").metadata()["rsd_recipe"])["sampled_train_tokens"] >= 300
+    bad = _distill(profile, out, "--prompts", str(prompts), "--compile", "sometimes")
+    assert bad.exit_code == 2 and "--compile takes auto, on or off" in bad.stderr
+
+
+def test_answers_sampled_on_the_runtime_are_the_target_s_at_temperature_1(tiny_pair_dir):
+    """distill's answers decoded together on rsd's runtime: each token a draw from the target at T = 1,
+    nothing truncated (a chi-square test of 4000 first tokens against the target's p), each answer
+    ending at the end-of-sequence token (kept) or after max_new_tokens; the same recipe, the same
+    answers."""
+    import torch
+
+    from rsd_cli.compiled import runtime_for
+    from rsd_cli.distill import Recipe, sample_answers, sampler
+    from rsd_cli.prompting import encode_prompt
+    from test_engine import chi_square_pvalue
+
+    target, tokenizer = models.load_model(str(tiny_pair_dir / "target"), "cpu", torch.float32)
+    decoder = sampler(target, tokenizer, runtime_for(target, "auto", "target"), "auto")
+    assert decoder is not None and decoder.runtimes.target is not None
+    quiet = lambda *args: None  # noqa: E731 - (progress)
+    ids = encode_prompt(tokenizer, "say hello")
+    firsts = sample_answers(target, tokenizer, ["say hello"], 4000, Recipe(max_new_tokens=1, batch_size=64, seed=3),
+                            "t", quiet, decoder)
+    assert all(s.ids[: s.answer_start] == ids and len(s.ids) == len(ids) + 1 for s in firsts)
+    with torch.inference_mode():
+        p = target(torch.tensor([ids])).logits[0, -1].double().softmax(-1)
+    counts = torch.bincount(torch.tensor([s.ids[-1] for s in firsts]), minlength=p.shape[0])
+    assert chi_square_pvalue(counts, p) > 1e-3
+
+    recipe, prompts = Recipe(max_new_tokens=6, batch_size=5, seed=1), ["tell me a story", "what is the sea?"]
+    answers = sample_answers(target, tokenizer, prompts, 80, recipe, "t", quiet, decoder)
+    assert [s.ids for s in sample_answers(target, tokenizer, prompts, 80, recipe, "t", quiet, decoder)] == \
+        [s.ids for s in answers]
+    eos = tokenizer.eos_token_id
+    assert sum(len(s.ids) - s.answer_start for s in answers) >= 80
+    for s in answers:
+        answer = s.ids[s.answer_start:]
+        assert 1 <= len(answer) <= 6 and eos not in answer[:-1] and (len(answer) == 6 or answer[-1] == eos)
 
 
 def test_an_adapter_for_another_target_is_refused(target_profile, tmp_path, tiny_pair_dir):
