@@ -23,10 +23,11 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh families2  # GPT-J, Falcon, Gemma 3n, and BLOOM's, GPT-Neo's, Llama 4's, LFM2's, Qwen3.5's, Granite 4's, Nemotron-H's, Bamba's and Mamba-2's trees
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh bf16      # bf16 logits against transformers' (compiled: rounding each result or not) and its cost
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh catchup   # the draft's catch-up past 64 tokens: graphed pieces or one forward; auto vs ar
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh distill   # distill's sampling: rsd's runtime (answers together) against generate
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
-part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls, decoders, families, families2, bf16 or catchup}
+part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls, decoders, families, families2, bf16, catchup or distill}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -169,6 +170,13 @@ print('$variant', '$extra', r['finish_reason'], len(r['token_ids']), round(r['st
     # against ar on answers long enough for catch-ups past 64 tokens (auto explores after 128 plain steps)
     $py benchmarks/catch_up_cost.py --out "$out/catch-up-cost.json" 2>&1 | grep -v Warning | tee "$out/catch-up-cost.txt"
     $py benchmarks/auto_vs_ar.py --rounds 2 --limit 2 -n 384 2>&1 | grep -v Warning | tee "$out/auto-vs-ar-long.txt" ;;
-  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls, decoders, families, families2, bf16 or catchup" >&2
+  distill)  # `rsd distill`'s sampling of the target's answers: transformers' generate (eager, bf16) against rsd's
+    # runtime, a batch of 32 answers decoded together in CUDA graphs (1.52x on the 2-core AMD EPYC's C layers);
+    # then the same on the 16-core CPU
+    $py benchmarks/distill_sampling.py --tokens 12000 --compile on --json "$out/distill-sampling-gpu.json" 2>&1 |
+      grep -v Warning | tee "$out/distill-sampling-gpu.txt"
+    CUDA_VISIBLE_DEVICES= $py benchmarks/distill_sampling.py --tokens 6000 --compile auto \
+      --json "$out/distill-sampling-cpu16.json" 2>&1 | grep -v Warning | tee "$out/distill-sampling-cpu16.txt" ;;
+  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls, decoders, families, families2, bf16, catchup or distill" >&2
      exit 2 ;;
 esac
