@@ -171,7 +171,7 @@ print('$variant', '$extra', r['finish_reason'], len(r['token_ids']), round(r['st
     $py benchmarks/catch_up_cost.py --out "$out/catch-up-cost.json" 2>&1 | grep -v Warning | tee "$out/catch-up-cost.txt"
     $py benchmarks/auto_vs_ar.py --rounds 2 --limit 2 -n 384 2>&1 | grep -v Warning | tee "$out/auto-vs-ar-long.txt" ;;
   distill)  # `rsd distill`'s sampling of the target's answers: transformers' generate (eager, bf16) against rsd's
-    # runtime, a batch of 32 answers decoded together in CUDA graphs (1.52x on the 2-core AMD EPYC's C layers);
+    # runtime, a batch of 32 answers decoded together in CUDA graphs (1.67x on the 2-core AMD EPYC's C layers);
     # then the same on the 16-core CPU
     $py benchmarks/distill_sampling.py --tokens 12000 --compile on --json "$out/distill-sampling-gpu.json" 2>&1 |
       grep -v Warning | tee "$out/distill-sampling-gpu.txt"

@@ -1121,6 +1121,7 @@ class Decoder:
         produced, active = [0] * count, list(range(count))
         sight = torch.zeros(count, capacity, dtype=torch.bool)  # [completion, cache slot]: what its rows see
         shape = make_shape("ar")
+        sums = None  # (inverse_cdf's scratch: the rows' cumulative sums, kept from step to step)
         try:
             before = target.forward_seconds
             # what every prompt begins with (a chat template's system prompt) is read once, then the rest of
@@ -1171,7 +1172,9 @@ class Decoder:
                     context = {key: torch.cat([row[key] for row in each]) for key in each[0]}
                 p = logits_to_probs(logits, self.sampling, **context)
                 u = torch.cat([row_uniforms(1, generators[j], generators[j].device) for j in active])
-                tokens = to_host(inverse_cdf(p, u))
+                if sums is None or sums.shape[0] < p.shape[0]:
+                    sums = torch.empty(p.shape, dtype=torch.float64, device=p.device)
+                tokens = to_host(inverse_cdf(p, u, sums[: p.shape[0]]))
                 forward = target.forward_seconds - before + (prefill if first else 0.0)
                 events: list[StepEvent | None] = [None] * count
                 for r, j in enumerate(active):

@@ -33,6 +33,21 @@ def test_a_uniform_draw_rounded_up_to_the_total_gives_the_last_token_with_mass(m
     assert sample(torch.tensor([0.25, 0.75, 0.0, 0.0]), torch.Generator()) == 1
 
 
+def test_a_draw_with_a_scratch_for_its_sums_is_the_same_draw():
+    """inverse_cdf's scratch (completions decoded together keep one from step to step) holds the same
+    cumulative sums as a draw without it, so every row draws the same token; one that held a step's
+    sums before is overwritten."""
+    generator = torch.Generator().manual_seed(0)
+    scratch = torch.full((40, 4096), float("nan"), dtype=torch.float64)
+    for rows in (32, 5, 1):
+        probs = torch.rand(rows, 4096, generator=generator) ** 8
+        probs[:, ::5] = 0.0  # (tokens without mass are never drawn either way)
+        u = torch.rand(rows, 1, generator=generator, dtype=torch.float64)
+        drawn = sampling.inverse_cdf(probs, u, scratch[:rows])
+        assert torch.equal(drawn, sampling.inverse_cdf(probs, u)) and bool((probs.gather(1, drawn[:, None]) > 0).all())
+        assert torch.equal(scratch[:rows], probs.double().cumsum(-1))
+
+
 # Draws on the support only (gumbel_top_k, stochastic beam search): the same distributions as
 # over the whole vocabulary. q has mass on 4 of 12 tokens, in the middle and at both ends.
 Q = torch.tensor([0.1, 0, 0, 0.4, 0, 0, 0, 0.3, 0, 0, 0, 0.2], dtype=torch.float64)
