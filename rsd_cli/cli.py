@@ -730,8 +730,8 @@ def distill(
     """Train an adapter layer that turns the target's first layers into a good draft."""
     from .distill_command import run_distill
 
-    run_distill(_load_profile(profile, {"compile": compile}), out, layers=layers, tokens=tokens, eval_tokens=eval_tokens,
-                epochs=epochs, lr=lr, schedule=schedule, max_new_tokens=max_new_tokens,
+    run_distill(_load_profile(profile, {"compile": compile}), out, layers=layers, tokens=tokens,
+                eval_tokens=eval_tokens, epochs=epochs, lr=lr, schedule=schedule, max_new_tokens=max_new_tokens,
                 batch_size=batch_size, vocab=vocab, seed=seed, prompts_file=prompts,
                 console=_stderr_console(), train_head=train_head)
 
