@@ -665,7 +665,6 @@ def test_costs_are_measured_once_per_machine_and_kept(pair, tmp_path, monkeypatc
     assert measured == [1]
 
 
-
 def test_an_answer_s_set_up_fingerprints_each_model_once_a_process(pair, monkeypatch):
     """Each answer of `auto` starts from the cost key, which names both models' architectures: worked
     out once per loaded model (each answer ~1 ms before), anew for another model, the key the same."""
@@ -687,6 +686,7 @@ def test_an_answer_s_set_up_fingerprints_each_model_once_a_process(pair, monkeyp
     costs = Costs({1: 1.0, 4: 2.0, 8: 5.0}, {1: 0.5, 2: 0.75})
     assert [costs.target_at(n) for n in (1, 2, 6, 12, 6)] == [1.0, 1.0 + 1 / 3, 3.5, 8.0, 3.5]  # (kept once worked out)
     assert costs.draft_at(3) == pytest.approx(1.0) and costs == Costs({1: 1.0, 4: 2.0, 8: 5.0}, {1: 0.5, 2: 0.75})
+
 
 def test_a_first_run_s_statistics_leave_out_measuring_the_costs(pair, tmp_path, monkeypatch):
     """The forward costs a first `auto` run on a machine measures (seconds) are set-up, not the
