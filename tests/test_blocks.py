@@ -87,6 +87,15 @@ def llvm_libomp() -> Path | None:
     return runtimes[-1] if runtimes else None
 
 
+def llvm_libomp_or_skip() -> Path:
+    """llvm_libomp, or the test skipped saying what it needs."""
+    libomp = llvm_libomp()
+    if libomp is None:
+        pytest.skip("clang with LLVM's OpenMP runtime stands in for Apple's clang and torch's libomp: apt-get install "
+                    "clang libomp-dev (.ci/run installs them)")
+    return libomp
+
+
 # set in the process test_a_mac_s_build... starts, with libomp loaded (not RSD_: conftest clears those)
 MAC_BUILD = "TESTS_MAC_BUILD"
 
@@ -96,9 +105,7 @@ def apple_clang_build(tmp_path, monkeypatch, loaded: bool = True):
     runtime torch has loaded (this machine's libomp standing in: loaded in a process of its own, so this
     one's other tests keep GCC's): through blocks.build_with_openmp, after -fopenmp is refused. None where
     it does not load."""
-    if llvm_libomp() is None:
-        pytest.skip("clang with LLVM's OpenMP runtime stands in for Apple's clang and torch's libomp: apt-get install "
-                    "clang libomp-dev (.ci/run installs them)")
+    llvm_libomp_or_skip()
     if loaded and os.environ.get(MAC_BUILD) != "1":
         pytest.skip("runs in a process of its own, libomp loaded as torch holds it on a Mac: see "
                     "test_a_mac_s_build_of_the_kernel_runs_on_the_openmp_runtime_torch_has_loaded")
@@ -284,10 +291,7 @@ def test_a_mac_s_build_of_the_kernel_runs_on_the_openmp_runtime_torch_has_loaded
     MAC_BUILD). Here, where no libomp is loaded, that kernel does not load (and no second runtime is brought
     in); there is no kernel, and the reason given is the compiler's refusal — as where the compiler that
     refuses -fopenmp has no -Xclang either (GCC)."""
-    libomp = llvm_libomp()
-    if libomp is None:
-        pytest.skip("clang with LLVM's OpenMP runtime stands in for Apple's clang and torch's libomp: apt-get install "
-                    "clang libomp-dev (.ci/run installs them)")
+    libomp = llvm_libomp_or_skip()
     child = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:warnings", __file__, "-k",
          "mac_build_runs_its_products or (same_bits_alone and apple)"],
