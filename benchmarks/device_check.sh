@@ -24,10 +24,11 @@
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh bf16      # bf16 logits against transformers' (compiled: rounding each result or not) and its cost
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh catchup   # the draft's catch-up past 64 tokens: graphed pieces or one forward; auto vs ar
 #   source .device-stage/env.sh && bash benchmarks/device_check.sh distill   # distill's sampling: rsd's runtime (answers together) against generate
+#   source .device-stage/env.sh && bash benchmarks/device_check.sh lookupsteps  # lookup chains decided on the device against the host path; auto vs ar
 #
 # Results go to $OUT (what the device tool brings back), else benchmarks/results/gpu/.
 set -uo pipefail
-part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls, decoders, families, families2, bf16, catchup or distill}
+part=${1:?which part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls, decoders, families, families2, bf16, catchup, distill or lookupsteps}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -177,6 +178,17 @@ print('$variant', '$extra', r['finish_reason'], len(r['token_ids']), round(r['st
       grep -v Warning | tee "$out/distill-sampling-gpu.txt"
     CUDA_VISIBLE_DEVICES= $py benchmarks/distill_sampling.py --tokens 6000 --compile auto \
       --json "$out/distill-sampling-cpu16.json" 2>&1 | grep -v Warning | tee "$out/distill-sampling-cpu16.txt" ;;
-  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls, decoders, families, families2, bf16, catchup or distill" >&2
+  lookupsteps)  # lookup chains decided on the device (Decoder._lookup_step: one transfer a step) against the host
+    # path (a transfer and a dozen kernels per tried node), which auto's lookup steps took on a GPU before
+    # 2026-11-30 (H200: auto 0.66x ar with 88-94% plain steps, ~6 ms more for each non-plain one): their CUDA
+    # tests, ms a step outside the forwards on grounded prompts, then auto against ar there and on the eval prompts
+    $py -m pytest -p no:warnings -p no:logging -q -rs tests/test_compiled.py -k "step_maths_replayed" 2>&1 |
+      tee "$out/lookup-steps-tests.txt"
+    $py benchmarks/device_steps_ab.py --compile on --rounds 3 --prompts benchmarks/grounded-prompts.txt 2>&1 |
+      grep -v Warning | tee "$out/lookup-steps-ab.txt"
+    $py benchmarks/auto_vs_ar.py --temperature 1 --prompts benchmarks/grounded-prompts.txt 2>&1 | grep -v Warning |
+      tee "$out/auto-vs-ar-grounded-gpu.txt"
+    $py benchmarks/auto_vs_ar.py --temperature 1 2>&1 | grep -v Warning | tee "$out/auto-vs-ar-gpu.txt" ;;
+  *) echo "unknown part $part: tests, costs, bench, cpu16, lookup, profile, trace, kernel16, stepgraphs, auto, together, busy16, prompts, architectures, controls, decoders, families, families2, bf16, catchup, distill or lookupsteps" >&2
      exit 2 ;;
 esac

@@ -43,6 +43,19 @@ def probs_and_draw(sampling: SamplingParams, argmax: bool, logits: torch.Tensor,
     return probs, probs.argmax(-1) if argmax else inverse_cdf(probs, u)
 
 
+def lookup_verdict(sampling: SamplingParams, logits: torch.Tensor, tokens: torch.Tensor, u: torch.Tensor) -> tuple:
+    """A lookup chain's maths, nothing read: (n + 1, V) target logits of the root and the n looked-up
+    tokens, tokens (n + 1,) the root and them, u (2n + 1,) float64 (an acceptance for each node, then the
+    corrections' and the bonus's draws) -> p (n + 1, V), q (n, V) one-hot at each looked-up token (it was
+    drafted with certainty: lookup_tree), and (drafted, accepted, corrections, bonus) packed in one tensor."""
+    n = tokens.shape[0] - 1
+    p = logits_to_probs(logits, sampling)
+    drafted = tokens[1:]
+    q = torch.zeros(n, p.shape[-1], dtype=p.dtype, device=p.device).scatter_(1, drafted[:, None], 1.0)
+    accepted, corrections, bonus = chain_outcome(p, q, drafted, u[:n], u[n:, None])
+    return p, q, torch.cat([drafted, accepted.long(), corrections, bonus])
+
+
 def within_window(positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
     """(n, keys) bool: which keys a sliding window of `window` positions lets each row see (as
     transformers' sliding-window masks: a key less than `window` positions behind the row's)."""
@@ -1327,7 +1340,7 @@ class Decoder:
         if self.shape.variant in ("ar", "auto"):
             return "plain"
         kind = self._on_device(self.shape, draft, target.device)
-        if kind is None:
+        if kind in (None, "lookup"):  # (a lookup chain is looked up in the tokens read: one step at a time)
             return None
         from .compiled import StaticLM, bucket
 
@@ -1598,10 +1611,14 @@ class Decoder:
         """Whether this step's tree is decided on the device with one transfer at its end: "chain"
         for an `sd` chain (_chain_step), "fan" for `rsd-c` root children (_fan_step), drafted by
         the draft model with sampling that does not depend on each position's context, where
-        `device_steps` asks for it (by default off the CPU); else None."""
+        `device_steps` asks for it (by default off the CPU), and "lookup" for a lookup chain
+        (_lookup_step: no draft model, its q one-hot); else None."""
         wanted = self.device_steps if self.device_steps is not None else device.type != "cpu"
-        if (not wanted or draft is None or shape.depth == 0 or self.sampling.uses_context
-                or self.draft_sampling.uses_context):
+        if not wanted or shape.depth == 0 or self.sampling.uses_context:
+            return None
+        if shape.variant == "lookup":
+            return "lookup"
+        if draft is None or self.draft_sampling.uses_context:
             return None
         if shape.variant == "sd":
             return "chain"
@@ -1762,9 +1779,9 @@ class Decoder:
 
     def _chain_event(self, step: int, shape: Shape, seq: list[int], values: list[int], p: torch.Tensor,
                      q_rows: list[torch.Tensor]) -> StepEvent:
-        """A chain step's event from its packed values (see _chain_maths), p and each level's q; its
-        counts and timings are the caller's to fill in."""
-        gamma = shape.depth
+        """A chain step's event from its packed values (see _chain_maths, lookup_verdict), p and each
+        level's q; its counts and timings are the caller's to fill in."""
+        gamma = len(q_rows)
         tokens, accepted, corrections = values[:gamma], values[gamma: 2 * gamma], values[2 * gamma: 3 * gamma]
         tree = DraftTree.rooted_at(seq[-1])
         for node, token in enumerate(tokens):
@@ -1782,9 +1799,35 @@ class Decoder:
             extra, kind = values[-1], "bonus"
         return StepEvent(
             step=step, shape=shape, tree=tree, p=p, checks=checks, path=path,
-            extra_token=extra, extra_kind=kind, emitted=[], draft_calls=gamma, draft_seconds=0.0,
-            verify_seconds=0.0, forward_seconds=0.0, draft_forward_seconds=0.0,
+            extra_token=extra, extra_kind=kind, emitted=[], draft_calls=gamma if shape.uses_draft_model else 0,
+            draft_seconds=0.0, verify_seconds=0.0, forward_seconds=0.0, draft_forward_seconds=0.0,
         )
+
+    def _lookup_step(self, step: int, shape: Shape, seq: list[int], target, draft,
+                     generator: torch.Generator) -> StepEvent:
+        """A lookup chain's step decided as _chain_step decides an `sd` chain's, with nothing read on the
+        host until its end: the root and the looked-up tokens in one target forward, every node decided
+        at once (lookup_verdict), one transfer — where the host path (_tree_step) synchronises for each
+        tried node and launches its decisions op by op. No draft model is called (auto's draft catches
+        up at its next drafting step); a sequence with nothing to look up takes a plain step."""
+        start, forward_before = time.perf_counter(), target.forward_seconds
+        continuation = self.ngrams.continuation(seq, shape.depth)
+        if not continuation:
+            return self._plain_step(step, shape, seq, target, generator)
+        looked_up = time.perf_counter()
+        device, base, n = generator.device, len(seq) - 1, len(continuation)
+        u = torch.rand(2 * n + 1, generator=generator, dtype=torch.float64, device=device)
+        tokens = to_device([seq[-1]] + continuation, device)
+        logits = target.extend(tokens, last_only=False)
+        maths = self._maths(target)
+        p, q, packed = maths(("lookup verdict", n, self.sampling), partial(lookup_verdict, self.sampling),
+                             logits, tokens, u)
+        p, q = maths.keep(p), maths.keep(q)
+        event = self._chain_event(step, shape, seq, to_host(packed), p, list(q))  # the step's one transfer
+        target.keep(list(range(base + 1 + len(event.path))))  # (the root and the accepted tokens: a prefix)
+        event.draft_seconds, event.verify_seconds = looked_up - start, time.perf_counter() - looked_up
+        event.forward_seconds = target.forward_seconds - forward_before
+        return event
 
     def _plain_step(self, step: int, shape: Shape, seq: list[int], target, generator: torch.Generator) -> StepEvent:
         """A step without drafts (`ar`, or auto's plain steps), sampling that does not depend on the
@@ -1841,7 +1884,8 @@ class Decoder:
         if getattr(target, "rolls_back", False):  # (a plain step gives nothing back: no state copied for it)
             target.copies_states = not plain
         if kind is not None:
-            return (self._chain_step if kind == "chain" else self._fan_step)(step, shape, seq, target, draft, generator)
+            run = {"chain": self._chain_step, "fan": self._fan_step, "lookup": self._lookup_step}[kind]
+            return run(step, shape, seq, target, draft, generator)
         if plain:
             return self._plain_step(step, shape, seq, target, generator)
         return self._tree_step(step, shape, seq, target, draft, generator)

@@ -165,12 +165,18 @@ def run(pair, runtimes, shape, sampling, max_tokens, seed, device_steps=None, pr
     return run_on(pair, shape, sampling, max_tokens, seed, prompt=prompt, device_steps=device_steps, runtimes=runtimes)
 
 
-@pytest.mark.parametrize("shape", DEVICE_SHAPES, ids=lambda s: s.describe())
+# a lookup chain decided on the device (Decoder._lookup_step): its tokens looked up on the host, fed
+# to the target's forward with the root, every node decided at once
+DEVICE_LOOKUP = make_shape("lookup", draft_len=3)
+
+
+@pytest.mark.parametrize("shape", DEVICE_SHAPES + [DEVICE_LOOKUP], ids=lambda s: s.describe())
 def test_device_steps_on_static_shapes_compiled_and_through_graph_replays_are_plain_greedy(
         pair, runtimes, static_runtimes, shape, monkeypatch):
-    """A GPU's path for sd chains and rsd-c root children — tokens drawn on the device and fed from
-    there to the draft's next level and to the target's forward — on the compiled runtime, on static
-    shapes and through graph replays (the CPU stand-in for CUDA graphs): plain greedy output."""
+    """A GPU's path for sd chains, rsd-c root children and lookup chains — tokens drawn (or looked up)
+    and decided on the device, fed from there to the draft's next level and to the target's forward —
+    on the compiled runtime, on static shapes and through graph replays (the CPU stand-in for CUDA
+    graphs): plain greedy output."""
     for backend in (runtimes[True], static_runtimes):
         assert run(pair, backend, shape, SamplingParams(0.0), 25, 0, device_steps=True) == plain_greedy(pair[0], 25)
     runtimes, graphs = recorded_graphs(pair, monkeypatch)
@@ -355,7 +361,7 @@ def test_cuda_graphs_replay_transformers_logits_and_greedy_tokens(pair):
 
 
 @CUDA
-@pytest.mark.parametrize("shape", DEVICE_SHAPES, ids=lambda s: s.describe())
+@pytest.mark.parametrize("shape", DEVICE_SHAPES + [DEVICE_LOOKUP], ids=lambda s: s.describe())
 def test_step_maths_replayed_as_cuda_graphs_decide_as_launched_op_by_op(pair, shape):
     """On a GPU with compiled forwards a device step's maths is captured as CUDA graphs (StepGraphs)
     and replayed: every step's tokens, p and q equal those of the same maths launched op by op,

@@ -15,7 +15,7 @@ from rsd_cli.engine import CachedLM, Decoder, Stats, unchanged_prefix
 from rsd_cli.sampling import SamplingParams, logits_to_probs
 from rsd_cli.step_graphs import StepGraphs
 from rsd_cli.tree import DraftTree
-from rsd_cli.verification import Rule
+from rsd_cli.verification import Rule, chain_outcome
 from tiny import tiny_model
 
 V = 6
@@ -686,44 +686,95 @@ def test_the_ngram_index_finds_what_a_search_of_the_whole_sequence_finds():
             assert index.match(seq[:end], 4) == search(seq[:end], 3, 4)
 
 
+@pytest.mark.parametrize("device_steps", [None, True], ids=["host", "device"])
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
-def test_lookup_drafts_from_the_context_and_stays_exact(pair, temperature):
+def test_lookup_drafts_from_the_context_and_stays_exact(pair, temperature, device_steps):
     """Greedy: plain greedy. Sampling: the first two tokens' joint distribution is the target's,
-    on a prompt whose end repeats, so the first step drafts (one-hot q) at depths 1 and 2."""
+    on a prompt whose end repeats, so the first step drafts (one-hot q) at depths 1 and 2 — on the
+    host path (the CPU's) and decided on the device (a GPU's, forced here: Decoder._lookup_step)."""
     shape = make_shape("lookup", draft_len=2)
     sampling = SamplingParams(temperature=temperature)
     target, draft = pair
-    events = list(Decoder(target, draft, V, shape, sampling, set()).generate(REPEATING, 12, seed=1))
+    decoder = Decoder(target, draft, V, shape, sampling, set())
+    decoder.device_steps = device_steps
+    events = list(decoder.generate(REPEATING, 12, seed=1))
     assert events[0].tree.tokens == [4, 2, 5] and events[0].draft_calls == 0
     assert all(float(q.max()) == 1.0 == float(q.sum()) for e in events for q in e.tree.q.values())
     if temperature == 0:
-        assert run(pair, shape, sampling, 25, seed=0, prompt=REPEATING) == plain_greedy(target, 25, REPEATING)
+        assert run(pair, shape, sampling, 25, seed=0, prompt=REPEATING, device_steps=device_steps) == \
+            plain_greedy(target, 25, REPEATING)
         return
-    counts = sample_pairs(pair, shape, sampling, N_SAMPLES, REPEATING)
+    counts = sample_pairs(pair, shape, sampling, N_SAMPLES, REPEATING, device_steps=device_steps)
     expected = exact_joint(target, sampling, REPEATING) * N_SAMPLES
     assert chi_square_pvalue(counts, expected) > 1e-3
-    reached = [run(pair, shape, sampling, 2, seed, prompt=REPEATING) for seed in range(200)]
+    reached = [run(pair, shape, sampling, 2, seed, prompt=REPEATING, device_steps=device_steps) for seed in range(200)]
     assert any(r[:2] == [2, 5] for r in reached) and any(r[0] != 2 for r in reached)  # accepted and rejected
 
 
-def test_the_monte_carlo_test_detects_a_lookup_draft_that_lies_about_its_q(pair, monkeypatch):
+@pytest.mark.parametrize("device_steps", [None, True], ids=["host", "device"])
+def test_the_monte_carlo_test_detects_a_lookup_draft_that_lies_about_its_q(pair, monkeypatch, device_steps):
     """Negative control: verifying the looked-up chain as if it had been drawn from a uniform q
-    (it was drafted with certainty) biases the output, and the same test sees it."""
-    from rsd_cli import drafting
+    (it was drafted with certainty) biases the output, and the same test sees it, on either path."""
+    from rsd_cli import drafting, engine
 
-    real = drafting.lookup_tree
+    real_tree, real_verdict = drafting.lookup_tree, engine.lookup_verdict
 
     def uniform_q(*args):
-        tree = real(*args)
+        tree = real_tree(*args)
         for node in tree.q:
             tree.q[node] = torch.full_like(tree.q[node], 1 / V)
         return tree
 
-    monkeypatch.setattr("rsd_cli.engine.lookup_tree", uniform_q)
+    def uniform_verdict(sampling, logits, tokens, u):  # (the same maths with a uniform q)
+        n = tokens.shape[0] - 1
+        p = logits_to_probs(logits, sampling)
+        accepted, corrections, bonus = chain_outcome(p, torch.full((n, V), 1 / V), tokens[1:], u[:n], u[n:, None])
+        return p, torch.full((n, V), 1 / V), torch.cat([tokens[1:], accepted.long(), corrections, bonus])
+
+    assert real_verdict(SamplingParams(1.0), torch.zeros(3, V), torch.tensor([4, 2, 5]),
+                        torch.rand(5, dtype=torch.float64))[1].sum(-1).tolist() == [1.0, 1.0]
+    monkeypatch.setattr(engine, "lookup_tree", uniform_q)
+    monkeypatch.setattr(engine, "lookup_verdict", uniform_verdict)
     sampling = SamplingParams(temperature=1.0)
-    counts = sample_pairs(pair, make_shape("lookup", draft_len=2), sampling, N_SAMPLES, REPEATING)
+    counts = sample_pairs(pair, make_shape("lookup", draft_len=2), sampling, N_SAMPLES, REPEATING,
+                          device_steps=device_steps)
     expected = exact_joint(pair[0], sampling, REPEATING) * N_SAMPLES
     assert chi_square_pvalue(counts, expected) < 1e-6
+
+
+def test_lookup_chains_decided_on_the_device_read_the_host_once_a_step_without_a_draft_model(pair, monkeypatch):
+    """Off the CPU a lookup chain is decided on the device (Decoder._lookup_step): one transfer a step
+    that drafted (its tokens, decisions, corrections and bonus: 3n + 1 numbers), a plain step where
+    nothing matched, no draft model needed; graphed (a CPU stand-in with a CUDA graph's semantics),
+    the same tokens, p, q and decisions as the maths run directly."""
+    from rsd_cli import engine
+
+    transfers = []
+
+    def counted(tensor):
+        transfers.append(tensor.numel())
+        return tensor.tolist()
+
+    monkeypatch.setattr(engine, "to_host", counted)
+    shape, sampling, prompt = make_shape("lookup", draft_len=3), SamplingParams(1.0), PROMPT  # (4 first occurs at the end)
+    decoder = Decoder(pair[0], None, V, shape, sampling, set())
+    assert decoder._on_device(shape, None, torch.device("cuda")) == "lookup"
+    assert decoder._on_device(shape, None, torch.device("cpu")) is None  # (the host path, by default)
+    decoder.device_steps = True
+    events = list(decoder.generate(prompt, 30, seed=4))
+    drafted = [e for e in events if len(e.tree) > 1]
+    assert drafted and len(events[0].tree) == 1  # (steps with and without a match)
+    assert transfers == [3 * (len(e.tree) - 1) + 1 for e in drafted]
+    assert all(e.draft_calls == 0 and e.tree.draws[0] for e in drafted)
+    assert {e.extra_kind for e in drafted} == {"bonus", "correction"}
+    captured = []
+    decoder.step_graphs = StepGraphs(torch.device("cpu"), True, capture=replaying_capture(captured))
+    replayed = list(decoder.generate(prompt, 30, seed=4))
+    assert [e.emitted for e in replayed] == [e.emitted for e in events]
+    for a, b in zip(events, replayed):
+        assert torch.equal(a.p, b.p) and [c.decision for c in a.checks] == [c.decision for c in b.checks]
+        assert all(torch.equal(a.tree.q[n], b.tree.q[n]) for n in a.tree.q)
+    assert captured and decoder.step_graphs.enabled
 
 
 def test_same_seed_same_output(pair):
