@@ -18,7 +18,7 @@ from rsd_cli.drafting import NgramIndex, make_shape
 from rsd_cli.engine import CachedLM, Decoder
 from rsd_cli.sampling import SamplingParams
 from rsd_cli.verification import Decision
-from test_engine import N_SAMPLES, PROMPT, V, chi_square_pvalue, exact_joint, plain_greedy
+from test_engine import N_SAMPLES, PROMPT, REPEATING, V, chi_square_pvalue, exact_joint, plain_greedy
 from tiny import tiny_model
 
 
@@ -820,22 +820,29 @@ def test_greedy_auto_queued_ahead_equals_plain_greedy(pair):
     assert [t for e in decoder.generate(PROMPT, 25, seed=0) for t in e.emitted] == plain_greedy(pair[0], 25)
 
 
-def test_auto_queued_ahead_follows_the_target_distribution_while_its_shape_changes(pair):
+@pytest.mark.parametrize("device_steps, prompt", [(None, PROMPT), (True, PROMPT), (True, REPEATING)],
+                         ids=["host", "device", "device-lookup"])
+def test_auto_queued_ahead_follows_the_target_distribution_while_its_shape_changes(pair, device_steps, prompt):
     """As the test above, with auto's plain steps queued ahead: the shape after a plain step is
-    chosen before its token is read."""
+    chosen before its token is read; and as a GPU runs it, its `sd` chains and lookup chains
+    decided on the device too (on a prompt whose end occurred before, lookup chains draft from the
+    first step)."""
     sampling = SamplingParams(temperature=1.0)
     counts = torch.zeros(V, V)
-    shapes = set()
+    shapes, drafted = set(), set()
     for seed in range(N_SAMPLES):
         decoder = Decoder(pair[0], pair[1], V, make_shape("auto", nodes=3), sampling, set())
-        decoder.policy, decoder.steps_ahead = switching_policy(), True
-        list(decoder.generate(PROMPT, 6, 10**6 + seed))
-        events = list(decoder.generate(PROMPT, 2, seed))
+        decoder.policy, decoder.steps_ahead, decoder.device_steps = switching_policy(), True, device_steps
+        list(decoder.generate(prompt, 6, 10**6 + seed))
+        events = list(decoder.generate(prompt, 3, seed))  # (3: see the test above)
         tokens = [t for e in events for t in e.emitted]
         counts[tokens[0], tokens[1]] += 1
         shapes.add(tuple(e.shape.describe() for e in events))
-    assert any(names[0] == "ar" and len(names) > 1 for names in shapes)  # a shape chosen ahead of a token
-    assert chi_square_pvalue(counts, exact_joint(pair[0], sampling) * N_SAMPLES) > 1e-3
+        drafted.update(e.shape.variant for e in events if len(e.tree) > 1)
+    if prompt == PROMPT:
+        assert any(names[0] == "ar" and len(names) > 1 for names in shapes)  # a shape chosen ahead of a token
+    assert ("lookup" if prompt == REPEATING else "sd") in drafted
+    assert chi_square_pvalue(counts, exact_joint(pair[0], sampling, prompt) * N_SAMPLES) > 1e-3
 
 
 def test_a_lookup_chosen_before_the_last_token_is_read_counts_what_follows_that_token(pair):
