@@ -43,16 +43,20 @@ def probs_and_draw(sampling: SamplingParams, argmax: bool, logits: torch.Tensor,
     return probs, probs.argmax(-1) if argmax else inverse_cdf(probs, u)
 
 
-def lookup_verdict(sampling: SamplingParams, logits: torch.Tensor, tokens: torch.Tensor, u: torch.Tensor) -> tuple:
-    """A lookup chain's maths, nothing read: (n + 1, V) target logits of the root and the n looked-up
-    tokens, tokens (n + 1,) the root and them, u (2n + 1,) float64 (an acceptance for each node, then the
-    corrections' and the bonus's draws) -> p (n + 1, V), q (n, V) one-hot at each looked-up token (it was
-    drafted with certainty: lookup_tree), and (drafted, accepted, corrections, bonus) packed in one tensor."""
-    n = tokens.shape[0] - 1
+def lookup_verdict(sampling: SamplingParams, logits: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor,
+                   u: torch.Tensor) -> tuple:
+    """A lookup chain's maths, nothing read: tokens (m + 1,) the root, the n looked-up tokens and m - n
+    more that only fill the forward's rows (count: (1,) n), (m + 1, V) the target's logits after each,
+    u (2m + 1,) float64 (an acceptance for each node, then the corrections' draws and the bonus's) ->
+    p (m + 1, V), q (m, V) one-hot at each token (a looked-up one was drafted with certainty:
+    lookup_tree), and (drafted, accepted, corrections, bonus) packed in one tensor, of which the first
+    n of each are read: the bonus, after all n are accepted, is drawn from p's row n."""
+    m = tokens.shape[0] - 1
     p = logits_to_probs(logits, sampling)
     drafted = tokens[1:]
-    q = torch.zeros(n, p.shape[-1], dtype=p.dtype, device=p.device).scatter_(1, drafted[:, None], 1.0)
-    accepted, corrections, bonus = chain_outcome(p, q, drafted, u[:n], u[n:, None])
+    q = torch.zeros(m, p.shape[-1], dtype=p.dtype, device=p.device).scatter_(1, drafted[:, None], 1.0)
+    rows = torch.cat([p[:m], p.index_select(0, count)])  # (row n in the last one's place: the bonus's)
+    accepted, corrections, bonus = chain_outcome(rows, q, drafted, u[:m], u[m:, None])
     return p, q, torch.cat([drafted, accepted.long(), corrections, bonus])
 
 
@@ -1809,25 +1813,42 @@ class Decoder:
         host until its end: the root and the looked-up tokens in one target forward, every node decided
         at once (lookup_verdict), one transfer — where the host path (_tree_step) synchronises for each
         tried node and launches its decisions op by op. No draft model is called (auto's draft catches
-        up at its next drafting step); a sequence with nothing to look up takes a plain step."""
+        up at its next drafting step); a sequence with nothing to look up takes a plain step. Where the
+        target pads its forwards to buckets, the chain is padded to fill its bucket (the same forward),
+        so that its maths is one site per bucket, not per length (a CUDA graph captured for each)."""
         start, forward_before = time.perf_counter(), target.forward_seconds
         continuation = self.ngrams.continuation(seq, shape.depth)
         if not continuation:
             return self._plain_step(step, shape, seq, target, generator)
         looked_up = time.perf_counter()
         device, base, n = generator.device, len(seq) - 1, len(continuation)
-        u = torch.rand(2 * n + 1, generator=generator, dtype=torch.float64, device=device)
-        tokens = to_device([seq[-1]] + continuation, device)
+        m = self._filled(target, n)
+        u = torch.rand(2 * m + 1, generator=generator, dtype=torch.float64, device=device)
+        tokens = to_device([seq[-1]] + continuation + continuation[-1:] * (m - n), device)
         logits = target.extend(tokens, last_only=False)
         maths = self._maths(target)
-        p, q, packed = maths(("lookup verdict", n, self.sampling), partial(lookup_verdict, self.sampling),
-                             logits, tokens, u)
-        p, q = maths.keep(p), maths.keep(q)
-        event = self._chain_event(step, shape, seq, to_host(packed), p, list(q))  # the step's one transfer
+        p, q, packed = maths(("lookup verdict", self.sampling), partial(lookup_verdict, self.sampling), logits, tokens,
+                             to_device([n], device), u)
+        p, q = maths.keep(p[: n + 1]), maths.keep(q[:n])
+        values = to_host(packed)  # the step's one transfer
+        values = values[:n] + values[m: m + n] + values[2 * m: 2 * m + n] + values[3 * m:]
+        event = self._chain_event(step, shape, seq, values, p, list(q))
         target.keep(list(range(base + 1 + len(event.path))))  # (the root and the accepted tokens: a prefix)
         event.draft_seconds, event.verify_seconds = looked_up - start, time.perf_counter() - looked_up
         event.forward_seconds = target.forward_seconds - forward_before
         return event
+
+    @staticmethod
+    def _filled(target, n: int) -> int:
+        """How many tokens a lookup step of n verifies: n, or more to fill the bucket its forward of the
+        root and n tokens is padded to where the target pads forwards (compiled or static shapes)."""
+        compiled = getattr(target, "compiled", None)
+        if compiled is None or not (compiled.compiled or getattr(target, "static", False)):
+            return n
+        from .compiled import bucket
+
+        size = bucket(n + 1, compiled.buckets)
+        return n if size is None else size - 1
 
     def _plain_step(self, step: int, shape: Shape, seq: list[int], target, generator: torch.Generator) -> StepEvent:
         """A step without drafts (`ar`, or auto's plain steps), sampling that does not depend on the

@@ -227,6 +227,36 @@ def test_first_two_tokens_follow_the_target_distribution_on_static_shapes(pair, 
     assert chi_square_pvalue(counts, exact_joint(pair[0], sampling) * N_SAMPLES) > 1e-3
 
 
+def test_lookup_chains_fill_their_forward_s_bucket_and_follow_the_target_distribution(pair, static_runtimes,
+                                                                                       monkeypatch):
+    """On static shapes (what CUDA graphs replay) a lookup chain decided on the device is padded to the
+    bucket its forward fills anyway (Decoder._filled: 2 looked-up tokens and the root verified as 4
+    rows), so that its maths is one graph per bucket: the first two tokens' joint distribution is still
+    the target's, drafts accepted and rejected, and greedy decoding is still plain greedy. (Which row
+    the bonus is drawn from, past the filler: test_engine's lookup_verdict test.)"""
+    from test_engine import REPEATING
+
+    from rsd_cli import engine
+
+    shape, sampling = make_shape("lookup", draft_len=2), SamplingParams(temperature=1.0)
+    filled = []
+    real = Decoder._filled
+    monkeypatch.setattr(Decoder, "_filled", staticmethod(lambda target, n: filled.append((n, real(target, n))) or
+                                                         real(target, n)))
+    first = []
+    monkeypatch.setattr(engine, "lookup_verdict", lambda *args, real=engine.lookup_verdict: first.append(
+        args[2].shape[0]) or real(*args))
+    counts = torch.zeros(V, V)
+    for seed in range(N_SAMPLES):
+        tokens = run(pair, static_runtimes, shape, sampling, 2, seed, device_steps=True, prompt=REPEATING)
+        counts[tokens[0], tokens[1]] += 1
+    assert (2, 3) in filled and 4 in first  # (the root, 2 looked-up tokens and one more: a bucket of 4)
+    assert counts[2, 5] > 0 and counts[2].sum() < counts.sum()  # (both drafts accepted; the first rejected)
+    assert chi_square_pvalue(counts, exact_joint(pair[0], sampling, REPEATING) * N_SAMPLES) > 1e-3
+    greedy = run(pair, static_runtimes, shape, SamplingParams(0.0), 25, 0, device_steps=True, prompt=REPEATING)
+    assert greedy == plain_greedy(pair[0], 25, REPEATING)
+
+
 def test_auto_measures_its_costs_on_the_static_shape_caches(pair, static_runtimes, monkeypatch, tmp_path):
     """auto times forwards on caches of the generation's own kind: with static shapes (CUDA graphs
     on a GPU) those must hold the shared buffers, so they are measured before the generation's."""

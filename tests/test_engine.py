@@ -725,13 +725,14 @@ def test_the_monte_carlo_test_detects_a_lookup_draft_that_lies_about_its_q(pair,
             tree.q[node] = torch.full_like(tree.q[node], 1 / V)
         return tree
 
-    def uniform_verdict(sampling, logits, tokens, u):  # (the same maths with a uniform q)
-        n = tokens.shape[0] - 1
+    def uniform_verdict(sampling, logits, tokens, count, u):  # (the same maths with a uniform q)
+        m = tokens.shape[0] - 1
         p = logits_to_probs(logits, sampling)
-        accepted, corrections, bonus = chain_outcome(p, torch.full((n, V), 1 / V), tokens[1:], u[:n], u[n:, None])
-        return p, torch.full((n, V), 1 / V), torch.cat([tokens[1:], accepted.long(), corrections, bonus])
+        rows = torch.cat([p[:m], p.index_select(0, count)])
+        accepted, corrections, bonus = chain_outcome(rows, torch.full((m, V), 1 / V), tokens[1:], u[:m], u[m:, None])
+        return p, torch.full((m, V), 1 / V), torch.cat([tokens[1:], accepted.long(), corrections, bonus])
 
-    assert real_verdict(SamplingParams(1.0), torch.zeros(3, V), torch.tensor([4, 2, 5]),
+    assert real_verdict(SamplingParams(1.0), torch.zeros(3, V), torch.tensor([4, 2, 5]), torch.tensor([2]),
                         torch.rand(5, dtype=torch.float64))[1].sum(-1).tolist() == [1.0, 1.0]
     monkeypatch.setattr(engine, "lookup_tree", uniform_q)
     monkeypatch.setattr(engine, "lookup_verdict", uniform_verdict)
@@ -740,6 +741,26 @@ def test_the_monte_carlo_test_detects_a_lookup_draft_that_lies_about_its_q(pair,
                           device_steps=device_steps)
     expected = exact_joint(pair[0], sampling, REPEATING) * N_SAMPLES
     assert chi_square_pvalue(counts, expected) < 1e-6
+
+
+def test_a_lookup_chain_filled_past_its_tokens_draws_its_bonus_after_the_last_of_them():
+    """lookup_verdict with m = 3 rows of tokens of which n = 2 were looked up (the third only fills a
+    forward's bucket: Decoder._filled): certain drafts are accepted, and the bonus comes from the row
+    after the second token, not the one after the filler (each row certain of another token here)."""
+    from rsd_cli.engine import lookup_verdict
+
+    sure = torch.full((4, V), -1e4)
+    for row, token in enumerate([2, 5, 0, 4]):  # after the root: 2; after 2: 5; after 5: 0; after the filler: 4
+        sure[row, token] = 0.0
+    tokens, u = torch.tensor([3, 2, 5, 5]), torch.rand(7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    p, q, packed = lookup_verdict(SamplingParams(1.0), sure, tokens, torch.tensor([2]), u)
+    m = 3
+    drafted, accepted, bonus = packed[:2].tolist(), packed[m: m + 2].tolist(), packed[3 * m:].tolist()
+    assert (drafted, accepted, bonus) == ([2, 5], [1, 1], [0])
+    assert q.shape == (3, V) and q[:2].argmax(-1).tolist() == [2, 5] and torch.equal(p, torch.softmax(sure, -1))
+    sure[1] = sure[2]  # (after 2, 0 is certain: the draft 5 is rejected, its correction 0)
+    packed = lookup_verdict(SamplingParams(1.0), sure, tokens, torch.tensor([2]), u)[2]
+    assert packed[m: m + 2].tolist() == [1, 0] and packed[2 * m + 1].item() == 0
 
 
 def test_lookup_chains_decided_on_the_device_read_the_host_once_a_step_without_a_draft_model(pair, monkeypatch):
