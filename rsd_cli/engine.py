@@ -432,6 +432,10 @@ class CachedLM(ChainExtension):
         cfg = text_config(model.config)
         self.window = getattr(cfg, "sliding_window", None) if sliding_window(cfg) else None
         self.masks_by_kind = self.window is not None and bool(getattr(cfg, "layer_types", None))
+        # the positions it holds: a tree's rows past the context's end read the last one (their tokens are
+        # never emitted), as on the runtime; else a table of learned positions (GPT-2's, OPT's) is indexed past
+        # its end (an IndexError; a device assert on a GPU)
+        self.context = getattr(cfg, "max_position_embeddings", None)
         # a model that takes no tree (limit_of) makes its own causal mask from a 2D one (forward); one
         # with a state (recurrent) goes back to the state before tokens `keep` takes back and reads the
         # kept ones again, from the tokens it read
@@ -515,7 +519,7 @@ class CachedLM(ChainExtension):
                 return self.model(
                     input_ids=tokens[None].to(device) if isinstance(tokens, torch.Tensor) else
                     torch.tensor([tokens], device=device),
-                    position_ids=torch.tensor([positions], device=device),
+                    position_ids=torch.tensor([positions], device=device).clamp(max=(self.context or 2**62) - 1),
                     attention_mask=mask,
                     **{self.cache_argument: self.cache},
                     use_cache=True,

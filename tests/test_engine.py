@@ -552,6 +552,23 @@ def test_answers_reach_the_end_of_the_models_context_on_the_compiled_runtime(pai
                 assert answers[0] == answers[1], shape.describe()
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "opt"])
+def test_learned_positions_past_the_context_s_end_on_transformers_forward(kind):
+    """On transformers' forward (`--compile off`, or a model the runtime does not take) a tree's rows past
+    the context's end read its last position, as on the runtime: a model with a table of learned
+    positions (GPT-2, OPT) indexed it past its end (an IndexError; a device assert on a GPU). Greedy,
+    the answer is the target's own up to the context's end, for chains, trees and lookup chains."""
+    from tiny import tiny_relative
+
+    target, draft = tiny_relative(kind, vocab=40, seed=0), tiny_relative(kind, vocab=40, seed=1)
+    context = target.config.max_position_embeddings
+    prompt = [1 + i % 5 for i in range(context - 3)]
+    expected = plain_greedy(target, 3, prompt)
+    for shape in (make_shape("sd", draft_len=4), make_shape("rsd-c", branching=(2, 2)), make_shape("lookup")):
+        events = list(Decoder(target, draft, 40, shape, SamplingParams(0.0), set(), context).generate(prompt, 9, 0))
+        assert events[-1].finished == "context" and [t for e in events for t in e.emitted] == expected, shape.describe()
+
+
 @pytest.mark.parametrize("shape", [FAN, make_shape("sd", draft_len=1)], ids=lambda s: s.describe())
 def test_trees_queued_ahead_follow_the_target_distribution(pair, shape):
     """The first two tokens of chains and fans queued ahead (each step's inputs worked out on the
