@@ -1817,13 +1817,11 @@ class Decoder:
         host until its end: the root and the looked-up tokens in one target forward, every node decided
         at once (lookup_verdict), one transfer — where the host path (_tree_step) synchronises for each
         tried node and launches its decisions op by op. No draft model is called (auto's draft catches
-        up at its next drafting step); a sequence with nothing to look up takes a plain step. Where the
-        target pads its forwards to buckets, the chain is padded to fill its bucket (the same forward),
+        up at its next drafting step); a sequence with nothing to look up took a plain step (_step). Where
+        the target pads its forwards to buckets, the chain is padded to fill its bucket (the same forward),
         so that its maths is one site per bucket, not per length (a CUDA graph captured for each)."""
         start, forward_before = time.perf_counter(), target.forward_seconds
         continuation = self.ngrams.continuation(seq, shape.depth)
-        if not continuation:
-            return self._plain_step(step, shape, seq, target, generator)
         looked_up = time.perf_counter()
         device, base, n = generator.device, len(seq) - 1, len(continuation)
         m = self._filled(target, n)
@@ -1904,15 +1902,17 @@ class Decoder:
 
     def _step(self, step: int, shape: Shape, seq: list[int], target: CachedLM, draft: CachedLM | None,
               generator: torch.Generator) -> StepEvent:
-        kind = self._on_device(shape, draft, generator.device)
-        plain = kind is None and shape.depth == 0 and not self.sampling.uses_context
+        # (a lookup chain that finds nothing to look up drafts nothing: a plain step)
+        drafts = shape.depth > 0 and (shape.variant != "lookup" or bool(self.ngrams.continuation(seq, shape.depth)))
+        plain = not drafts and not self.sampling.uses_context
         if getattr(target, "rolls_back", False):  # (a plain step gives nothing back: no state copied for it)
             target.copies_states = not plain
+        if plain:
+            return self._plain_step(step, shape, seq, target, generator)
+        kind = self._on_device(shape, draft, generator.device)
         if kind is not None:
             run = {"chain": self._chain_step, "fan": self._fan_step, "lookup": self._lookup_step}[kind]
             return run(step, shape, seq, target, draft, generator)
-        if plain:
-            return self._plain_step(step, shape, seq, target, generator)
         return self._tree_step(step, shape, seq, target, draft, generator)
 
     def _tree_step(self, step: int, shape: Shape, seq: list[int], target: CachedLM, draft: CachedLM | None,
