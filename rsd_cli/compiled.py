@@ -3049,6 +3049,12 @@ class StaticLM(ChainExtension):
     def forward_seconds(self) -> float:
         return self.clock.seconds
 
+    def padded(self, n: int, long: bool = False) -> int:
+        """The rows a forward of n tokens computes: n padded to its bucket where forwards run compiled or
+        on static shapes (not a prompt turned by a `longrope` model's long factors there), else n."""
+        size = bucket(n, self.compiled.buckets)
+        return (size or n) if self.compiled.compiled or (self.static and size is not None and not long) else n
+
     def forward(self, tokens: list[int] | torch.Tensor, positions: list[int], visible: torch.Tensor,
                 last_only: bool = False, reading: bool = False) -> torch.Tensor:
         """Same contract as CachedLM.forward: visible is (n, length + n) bool over cache + new keys;
@@ -3067,7 +3073,7 @@ class StaticLM(ChainExtension):
             self._note_factors(positions, long)
         # (a longer prompt, or one turned by the long factors: the other path, same buffers)
         static = self.static and bucket(n, sizes) is not None and not long
-        size = (bucket(n, sizes) or n) if self.compiled.compiled or static else n
+        size = self.padded(n, long)
         # (compiled graphs: a slot to spare, the keys never as many as the buffers hold, which a graph would take
         # as a guard of its own and compile again for, in the middle of an answer; not on static shapes, whose
         # buffers grown are graphs captured again, nor needed there: their masks cover the whole buffers)

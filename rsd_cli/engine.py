@@ -1842,15 +1842,10 @@ class Decoder:
 
     @staticmethod
     def _filled(target, n: int) -> int:
-        """How many tokens a lookup step of n verifies: n, or more to fill the bucket its forward of the
-        root and n tokens is padded to where the target pads forwards (compiled or static shapes)."""
-        compiled = getattr(target, "compiled", None)
-        if compiled is None or not (compiled.compiled or getattr(target, "static", False)):
-            return n
-        from .compiled import bucket
-
-        size = bucket(n + 1, compiled.buckets)
-        return n if size is None else size - 1
+        """How many tokens a lookup step of n verifies: n, or more to fill the rows its forward of the root
+        and n tokens computes anyway where the target pads forwards (StaticLM.padded)."""
+        padded = getattr(target, "padded", None)
+        return n if padded is None else padded(n + 1) - 1
 
     def _plain_step(self, step: int, shape: Shape, seq: list[int], target, generator: torch.Generator) -> StepEvent:
         """A step without drafts (`ar`, or auto's plain steps), sampling that does not depend on the
