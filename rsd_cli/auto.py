@@ -81,6 +81,9 @@ PAIRED_WITHIN = 2  # steps apart at most for a plain step's forward and a larger
 OPTIMISM = 0.5  # standard errors added to an acceptance rate (so wider shapes get tried)
 MEMORY_TRIES = 32  # a run starts from earlier runs' acceptance counts scaled down to at most this many
 # tries per rank and depth, so that its own steps soon outweigh them
+MEMORY_ENTRIES = 32  # runs' memories `auto.json` keeps (machine, models, runtime and sampling settings, and
+# each of those's timings), the most recently saved: the whole file is read before each answer and written
+# after it (with 233, 195 KB, an answer took 3.8 ms to set up and 5.6 to save on a 2-core EPYC, with 32 2.0 and 1.5)
 CATCH_UP_STEPS = 4  # a draft that has this many plain steps' time or less to read before it can draft
 # (what it missed: a new prompt, plain steps) drafts whenever drafting is chosen; a longer read (a long
 # prompt: ~1 s for 3655 tokens on a 2-core EPYC, 130 plain steps) only where the answer's remaining
@@ -627,18 +630,25 @@ class AutoShape:
 
     def save(self) -> None:
         """Keep what this run learnt for the next one (`auto.json` in the rsd cache folder): all of
-        it for runs with the same sampling settings, its timings for runs with any."""
+        it for runs with the same sampling settings, its timings for runs with any; of other runs',
+        the MEMORY_ENTRIES - 2 most recently saved (a run not seen for that long starts afresh)."""
         if self.memory_key is None:
             return
         from .models import read_json_table, write_json_table
 
         path = memory_path()
         known = read_json_table(path)
-        known[self.memory_key] = self.remembered()
+        memory = self.remembered()
+        saved = {self.memory_key: memory}
         if self.timing_key is not None:
-            known[self.timing_key] = {key: value for key, value in known[self.memory_key].items()
+            saved[self.timing_key] = {key: value for key, value in memory.items()
                                       if key not in ("acceptance", "lookup", "exploring")}
-        write_json_table(path, known)
+        for key, value in saved.items():  # (the file in the order saved: the most recent last)
+            known.pop(key, None)
+            known[key] = value
+        for stale in list(known)[:-MEMORY_ENTRIES]:
+            del known[stale]
+        write_json_table(path, known, sort_keys=False)
 
     def ranking(self, top: int = 5) -> list[tuple[str, float]]:
         """The best shapes now and their expected tokens per second (for reports and tests)."""

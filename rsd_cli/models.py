@@ -47,15 +47,16 @@ def read_json_table(path: Path) -> dict:
     return table if isinstance(table, dict) else {}
 
 
-def write_json_table(path: Path, table: dict) -> bool:
+def write_json_table(path: Path, table: dict, sort_keys: bool = True) -> bool:
     """Write it whole or not at all (a partial file renamed over it); False when it cannot be
-    written, which only means measuring again next time."""
+    written, which only means measuring again next time. sort_keys=False keeps the table's own
+    order (read_json_table gives it back in that order)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         # (compact: json's C encoder; with indent it takes its Python one, ~3 ms for auto's memory of
         # a few dozen runs, written after every answer)
-        partial.write_text(json.dumps(table, separators=(",", ":"), sort_keys=True))
+        partial.write_text(json.dumps(table, separators=(",", ":"), sort_keys=sort_keys))
         partial.replace(path)
         return True
     except OSError:

@@ -297,6 +297,28 @@ def test_what_auto_learnt_is_where_the_next_run_starts():
         later.recall({"ratios": {}})
 
 
+def test_auto_s_memory_keeps_the_runs_saved_most_recently():
+    """auto.json is read before each answer and written after it: it keeps the MEMORY_ENTRIES runs
+    saved last (a run's memory and its timings), not every machine, model and sampling setting ever
+    used; a run saved again moves to the newest, whatever order the file had."""
+    policy = slow_drafting_policy()
+    names = [f"run {index}" for index in range(auto.MEMORY_ENTRIES + 5)]
+    for name in names:
+        policy.memory_key, policy.timing_key = name, f"{name} | timings"
+        policy.save()
+    kept = list(json.loads(auto.memory_path().read_text()))
+    assert len(kept) == auto.MEMORY_ENTRIES and kept[-2:] == [names[-1], f"{names[-1]} | timings"]
+    assert names[0] not in kept and names[-auto.MEMORY_ENTRIES // 2] in kept
+    oldest = kept[0]  # saved again: now the newest, and the one after it the oldest
+    policy.memory_key, policy.timing_key = oldest, None
+    policy.save()
+    again = list(json.loads(auto.memory_path().read_text()))
+    assert again[-1] == oldest and again[:-1] == kept[1:] and len(again) == auto.MEMORY_ENTRIES
+    later = AutoShape(policy.costs)
+    later.recall(json.loads(auto.memory_path().read_text())[oldest])
+    assert later.remembered()["acceptance"] == policy.remembered()["acceptance"]
+
+
 def test_runs_with_the_same_machine_models_and_sampling_share_what_auto_learnt_others_its_timings(pair):
     def decoder(temperature: float) -> Decoder:
         return Decoder(pair[0], pair[1], V, make_shape("auto"), SamplingParams(temperature=temperature), set())
