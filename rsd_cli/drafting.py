@@ -52,6 +52,15 @@ class Shape:
             nodes += level
         return nodes
 
+    def within(self, depth: int) -> "Shape":
+        """This shape cut to at most `depth` levels (plain decoding at 0; `auto` as it is: it chooses
+        its shapes itself)."""
+        if self.depth <= depth or self.variant == "auto":
+            return self
+        if depth <= 0:
+            return Shape("ar")
+        return Shape(self.variant, self.branching[:depth], self.width, depth)
+
     def describe(self) -> str:
         if self.variant in ("ar", "auto"):
             return self.variant

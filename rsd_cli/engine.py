@@ -961,11 +961,17 @@ class Decoder:
         """This step's shape: the configured one, or auto's choice from the steps before it (lag:
         tokens the draft has not read yet; remaining: tokens the answer may still take; seq: the
         tokens so far, where auto looks for a lookup draft; unread: tokens drawn after seq that the
-        host has not read yet — the continuation found is then expected to go on after them)."""
+        host has not read yet — the continuation found is then expected to go on after them). A step
+        emits at most its depth + 1 tokens: near the context's end it drafts no deeper than the tokens
+        that still fit (its rows past the end would be verified for nothing, and GPT-Neo's attention
+        on transformers' forward takes no more keys than its context holds)."""
+        room = self.context_length - len(seq) - unread if self.context_length and seq else None
         if self.shape.variant != "auto":
-            return self.shape
+            return self.shape if room is None else self.shape.within(room - 1)
         if self.plain_only:  # (a model with a state: no draft can be taken back)
             return PLAIN
+        if room is not None:
+            remaining = room if remaining is None else min(remaining, room)
         policy = self._auto_policy()
         n, continuation = self.ngrams.match(seq, policy.longest_lookup + unread) if seq else (0, [])
         return policy.next_shape(lag, remaining, lookup=(n, max(len(continuation) - unread, 0)))
