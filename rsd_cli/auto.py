@@ -630,8 +630,9 @@ class AutoShape:
 
     def save(self) -> None:
         """Keep what this run learnt for the next one (`auto.json` in the rsd cache folder): all of
-        it for runs with the same sampling settings, its timings for runs with any; of other runs',
-        the MEMORY_ENTRIES - 2 most recently saved (a run not seen for that long starts afresh)."""
+        it for runs with the same sampling settings, its timings for runs with any; and of other
+        runs', the most recently saved, MEMORY_ENTRIES in all (a run not seen for that long starts
+        afresh)."""
         if self.memory_key is None:
             return
         from .models import read_json_table, write_json_table

@@ -432,9 +432,10 @@ class CachedLM(ChainExtension):
         cfg = text_config(model.config)
         self.window = getattr(cfg, "sliding_window", None) if sliding_window(cfg) else None
         self.masks_by_kind = self.window is not None and bool(getattr(cfg, "layer_types", None))
-        # the positions it holds: a tree's rows past the context's end read the last one (their tokens are
-        # never emitted), as on the runtime; else a table of learned positions (GPT-2's, OPT's) is indexed past
-        # its end (an IndexError; a device assert on a GPU)
+        # the positions it holds: rows past them read the last one, as on the runtime — a draft's whose context is
+        # shorter than the target's (its q is poorer there; a step of the target's drafts no deeper than what fits,
+        # Decoder._next_shape); else a table of learned positions (GPT-2's, OPT's) is indexed past its end (an
+        # IndexError; a device assert on a GPU)
         self.context = getattr(cfg, "max_position_embeddings", None)
         # a model that takes no tree (limit_of) makes its own causal mask from a 2D one (forward); one
         # with a state (recurrent) goes back to the state before tokens `keep` takes back and reads the

@@ -602,6 +602,23 @@ def test_learned_positions_past_the_context_s_end_on_transformers_forward(kind):
         assert events[-1].finished == "context" and [t for e in events for t in e.emitted] == expected, shape.describe()
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "opt"])
+def test_a_draft_s_learned_positions_past_its_shorter_context_on_transformers_forward(kind):
+    """A draft whose table of learned positions is shorter than the target's context reads its last
+    position past its end on transformers' forward, as on the runtime (an IndexError before 7b3b22b):
+    its q is poorer there, the answer the target's (greedy: its own tokens)."""
+    from tiny import tiny_relative
+
+    made = tiny_relative(kind, vocab=40, seed=1)
+    made.config.max_position_embeddings = 16  # (GPT-2's n_positions: the same attribute)
+    torch.manual_seed(1)
+    draft = type(made)(made.config).eval()
+    target = tiny_model(40, layers=2, seed=0, scale=0.3)
+    prompt = [1 + i % 5 for i in range(24)]  # (past the draft's 16 positions from the start)
+    decoder = Decoder(target, draft, 40, make_shape("sd", draft_len=3), SamplingParams(0.0), set(), 256)
+    assert [t for e in decoder.generate(prompt, 12, 0) for t in e.emitted] == plain_greedy(target, 12, prompt)
+
+
 @pytest.mark.parametrize("shape", [FAN, make_shape("sd", draft_len=1)], ids=lambda s: s.describe())
 def test_trees_queued_ahead_follow_the_target_distribution(pair, shape):
     """The first two tokens of chains and fans queued ahead (each step's inputs worked out on the
