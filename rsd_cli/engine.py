@@ -394,6 +394,23 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype, device) -> torch.Te
     return mask[None, None].to(device)
 
 
+def slot_tables_cover(model, keys: int) -> None:
+    """GPT-Neo's attention hides keys by a table of slots as large as its context (each layer's causal
+    `bias`, a local layer's window cut from it), so it takes no more keys than that: a draft whose context
+    is shorter than the target's failed once the answer passed it ("The size of tensor a (16) must match
+    the size of tensor b (24)"). Grows each table to cover `keys` slots, as its __init__ would make it
+    (the rows past its learned positions read its last one: CachedLM.forward)."""
+    for module in model.modules():
+        table = getattr(module, "bias", None)
+        if not (isinstance(table, torch.Tensor) and table.dtype == torch.bool and table.dim() == 4
+                and hasattr(module, "attention_type")) or table.shape[-1] >= keys:
+            continue
+        causal = torch.tril(torch.ones(keys, keys, dtype=torch.bool, device=table.device))
+        if module.attention_type == "local":
+            causal = causal ^ torch.tril(causal, -module.config.window_size)
+        module.bias = causal[None, None]
+
+
 def cache_argument(model) -> str:
     """The name the model's forward takes its KV cache by: "cache" since transformers 5.24 (where
     "past_key_values" warns on every call that it is deprecated, to be removed in 5.40),
@@ -437,6 +454,8 @@ class CachedLM(ChainExtension):
         # Decoder._next_shape); else a table of learned positions (GPT-2's, OPT's) is indexed past its end (an
         # IndexError; a device assert on a GPU)
         self.context = getattr(cfg, "max_position_embeddings", None)
+        # the keys GPT-Neo's attention's tables of slots cover (slot_tables_cover grows them past its context)
+        self.slot_tables = self.context if cfg.model_type == "gpt_neo" else None
         # a model that takes no tree (limit_of) makes its own causal mask from a 2D one (forward); one
         # with a state (recurrent) goes back to the state before tokens `keep` takes back and reads the
         # kept ones again, from the tokens it read
@@ -514,6 +533,10 @@ class CachedLM(ChainExtension):
                     "sliding_attention": windowed} if self.masks_by_kind else windowed
         else:
             mask = additive_mask(visible, dtype, device)
+
+        if self.slot_tables is not None and self.length + n > self.slot_tables:
+            self.slot_tables = max(2 * self.slot_tables, self.length + n)
+            slot_tables_cover(self.model, self.slot_tables)
 
         def work():
             with torch.inference_mode():
