@@ -39,13 +39,6 @@ SHAPES = [make_shape("ar"), make_shape("sd", draft_len=3), make_shape("mss", bra
           make_shape("spectr", num_drafts=2, depth=2), make_shape("rsd-c", branching=(2, 2)),
           make_shape("rsd-s", beam_width=2, depth=2), make_shape("lookup", draft_len=3), make_shape("auto")]
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--kinds", default=KINDS)
-parser.add_argument("--device-steps", action="store_true",
-                    help="steps decided on the device and queued ahead (what a GPU runs), static shapes")
-args = parser.parse_args()
-warnings.filterwarnings("ignore")
-torch.set_num_threads(1)
 
 
 def build(kind: str, seed: int, layers: int):
@@ -56,15 +49,15 @@ def build(kind: str, seed: int, layers: int):
     return maker(kind, V, layers=layers, seed=seed)
 
 
-for kind in args.kinds.split(","):
+def sweep(kind: str, device_steps: bool) -> None:
     target, draft = build(kind, 0, 2), build(kind, 1, 1)
     config = target.config
     context = min(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
                   or getattr(config, "max_seq_len", None) or 256, 300)
     runtimes = {"transformers": None}
     if compiled.unsupported(target) is None and compiled.unsupported(draft) is None:
-        runtimes["static"] = Runtimes(CompiledModel(target, False, static_shapes=args.device_steps),
-                                      CompiledModel(draft, False, static_shapes=args.device_steps), "auto")
+        runtimes["static"] = Runtimes(CompiledModel(target, False, static_shapes=device_steps),
+                                      CompiledModel(draft, False, static_shapes=device_steps), "auto")
     problems = 0
     for left in (1, 2, 5):
         prompt = [3 + (i * 7) % (V - 3) for i in range(context - left)]
@@ -75,7 +68,7 @@ for kind in args.kinds.split(","):
                     decoder = Decoder(target, draft, V, shape, SamplingParams(temperature), {2}, context, runtime)
                     if not decoder.takes(shape.variant):
                         continue
-                    if args.device_steps:
+                    if device_steps:
                         decoder.device_steps = decoder.steps_ahead = True
                     try:
                         events = list(decoder.generate(prompt, 10, seed=0))
@@ -94,3 +87,15 @@ for kind in args.kinds.split(","):
                         print(f"  {kind} {left} left T={temperature} {name} {shape.describe()}: "
                               f"{answer} ({finished}), greedy {greedy}")
     print(f"{kind}: context {context}, {' and '.join(runtimes)}: {problems} problems", flush=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kinds", default=KINDS)
+    parser.add_argument("--device-steps", action="store_true",
+                        help="steps decided on the device and queued ahead (what a GPU runs), static shapes")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    for kind in args.kinds.split(","):
+        sweep(kind, args.device_steps)
