@@ -398,17 +398,21 @@ def slot_tables_cover(model, keys: int) -> None:
     """GPT-Neo's attention hides keys by a table of slots as large as its context (each layer's causal
     `bias`, a local layer's window cut from it), so it takes no more keys than that: a draft whose context
     is shorter than the target's failed once the answer passed it ("The size of tensor a (16) must match
-    the size of tensor b (24)"). Grows each table to cover `keys` slots, as its __init__ would make it
-    (the rows past its learned positions read its last one: CachedLM.forward)."""
+    the size of tensor b (24)"). Grows each table to cover `keys` slots, as its __init__ would make it,
+    one table of each kind (global, local) for all its layers, where each had its own (the rows past its
+    learned positions read its last one: CachedLM.forward)."""
+    made: dict[tuple, torch.Tensor] = {}  # (window or None, device) -> (1, 1, keys, keys)
     for module in model.modules():
         table = getattr(module, "bias", None)
         if not (isinstance(table, torch.Tensor) and table.dtype == torch.bool and table.dim() == 4
                 and hasattr(module, "attention_type")) or table.shape[-1] >= keys:
             continue
-        causal = torch.tril(torch.ones(keys, keys, dtype=torch.bool, device=table.device))
-        if module.attention_type == "local":
-            causal = causal ^ torch.tril(causal, -module.config.window_size)
-        module.bias = causal[None, None]
+        window = module.config.window_size if module.attention_type == "local" else None
+        kind = (window, table.device)
+        if kind not in made:
+            causal = torch.tril(torch.ones(keys, keys, dtype=torch.bool, device=table.device))
+            made[kind] = (causal if window is None else causal ^ torch.tril(causal, -window))[None, None]
+        module.bias = made[kind]
 
 
 def cache_argument(model) -> str:

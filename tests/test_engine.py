@@ -621,6 +621,26 @@ def test_a_draft_s_learned_positions_past_its_shorter_context_on_transformers_fo
     assert [t for e in decoder.generate(prompt, 12, 0) for t in e.emitted] == plain_greedy(target, 12, prompt)
 
 
+def test_gpt_neo_s_grown_tables_of_slots_are_those_a_longer_context_makes():
+    """slot_tables_cover grows GPT-Neo's causal and local tables (one of each kind for all its layers)
+    to what its attention makes for a context that long."""
+    from rsd_cli.engine import slot_tables_cover
+    from tiny import tiny_relative
+
+    made = tiny_relative("gpt_neo", vocab=40, seed=1)
+    made.config.max_position_embeddings = 16
+    short = type(made)(made.config).eval()
+    made.config.max_position_embeddings = 40
+    longer = type(made)(made.config).eval()
+    slot_tables_cover(short, 40)
+    pairs = [(a, b) for a, b in zip(short.modules(), longer.modules())
+             if hasattr(a, "attention_type") and isinstance(getattr(a, "bias", None), torch.Tensor)]
+    assert {a.attention_type for a, _ in pairs} == {"global", "local"}
+    for grown, made_so in pairs:
+        assert torch.equal(grown.bias, made_so.bias), grown.attention_type
+    assert len({id(a.bias) for a, _ in pairs}) == 2  # (one table of each kind)
+
+
 @pytest.mark.parametrize("shape", [FAN, make_shape("sd", draft_len=1)], ids=lambda s: s.describe())
 def test_trees_queued_ahead_follow_the_target_distribution(pair, shape):
     """The first two tokens of chains and fans queued ahead (each step's inputs worked out on the
