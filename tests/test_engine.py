@@ -3,6 +3,7 @@ joint distribution of the first two tokens (Monte-Carlo, fixed seeds, chi-square
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -628,10 +629,9 @@ def test_gpt_neo_s_grown_tables_of_slots_are_those_a_longer_context_makes():
     from tiny import tiny_relative
 
     made = tiny_relative("gpt_neo", vocab=40, seed=1)
-    made.config.max_position_embeddings = 16
-    short = type(made)(made.config).eval()
-    made.config.max_position_embeddings = 40
-    longer = type(made)(made.config).eval()
+    short_config, long_config = copy.deepcopy(made.config), copy.deepcopy(made.config)
+    short_config.max_position_embeddings, long_config.max_position_embeddings = 16, 40
+    short, longer = type(made)(short_config).eval(), type(made)(long_config).eval()
     slot_tables_cover(short, 40)
     pairs = [(a, b) for a, b in zip(short.modules(), longer.modules())
              if hasattr(a, "attention_type") and isinstance(getattr(a, "bias", None), torch.Tensor)]
