@@ -991,8 +991,8 @@ class Decoder:
         tokens so far, where auto looks for a lookup draft; unread: tokens drawn after seq that the
         host has not read yet — the continuation found is then expected to go on after them). A step
         emits at most its depth + 1 tokens: near the context's end it drafts no deeper than the tokens
-        that still fit (its rows past the end would be verified for nothing, and GPT-Neo's attention
-        on transformers' forward takes no more keys than its context holds)."""
+        that still fit (its rows past the end would be verified for nothing; GPT-Neo's attention on
+        transformers' forward failed on them before its tables of slots grew: slot_tables_cover)."""
         room = self.context_length - len(seq) - unread if self.context_length and seq else None
         if self.shape.variant != "auto":
             return self.shape if room is None else self.shape.within(room - 1)

@@ -580,9 +580,9 @@ def test_learned_positions_past_the_context_s_end_on_transformers_forward(kind):
     """On transformers' forward (`--compile off`, or a model the runtime does not take) a tree's rows past
     the context's end read its last position, as on the runtime: a model with a table of learned
     positions (GPT-2, OPT) indexed it past its end (an IndexError; a device assert on a GPU). And near
-    the end a step drafts no deeper than the tokens that still fit: GPT-Neo's attention takes no more keys
-    than its context (a RuntimeError, "The size of tensor a (256) must match the size of tensor b
-    (257)"). Greedy, the answer is the target's own up to the context's end, for chains, trees, lookup
+    the end a step drafts no deeper than the tokens that still fit (GPT-Neo's attention, which then took
+    no more keys than its context, failed on them: a RuntimeError, "The size of tensor a (256) must match
+    the size of tensor b (257)"). Greedy, the answer is the target's own up to the context's end, for chains, trees, lookup
     chains and `auto` (GPT-Neo takes chains only there)."""
     from tiny import tiny_relative
 
