@@ -58,6 +58,7 @@ class StepGraphs:
         self.capture_at = capture_at
         self._graphs: dict[tuple, tuple] = {}  # (site, input shapes) -> (input buffers, replay, outputs)
         self._calls: dict[tuple, int] = {}  # (site, input shapes) -> calls so far, until it is captured
+        self._constants: dict = {}  # key -> tensors sites' functions read as constants (constant)
 
     def __call__(self, site, fn: Callable[..., tuple], *tensors: torch.Tensor) -> tuple:
         if not self.enabled:
@@ -83,6 +84,16 @@ class StepGraphs:
             buffer.copy_(value)
         replay()
         return outputs
+
+    def constant(self, key, make: Callable[[], tuple]) -> tuple:
+        """Tensors that sites' functions read as constants, not as arguments (made by `make` once per
+        key): kept as long as these graphs, since a capture records their addresses, not references
+        to them. Graphs shared by a model's decoders outlive each decoder: constants a decoder kept
+        itself were freed with it while later decoders' replays still read their memory."""
+        made = self._constants.get(key)
+        if made is None:
+            made = self._constants[key] = make()
+        return made
 
     def keep(self, tensor: torch.Tensor) -> torch.Tensor:
         """A result that outlives the next call of its site: a copy where it is a graph's buffer."""

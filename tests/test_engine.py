@@ -4,6 +4,10 @@ joint distribution of the first two tokens (Monte-Carlo, fixed seeds, chi-square
 from __future__ import annotations
 
 import copy
+import functools
+import gc
+import types
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -262,6 +266,46 @@ def replaying_capture(captured: list):
     return capture
 
 
+def by_address(value):
+    """A maker of `value` (a function, partial, tuple or tensor) that holds the tensors it reads through
+    its closures, defaults and arguments by weak reference: as a CUDA graph holds what a captured
+    function read, by address. The maker fails once one of them was freed (a replay then reads memory
+    put to other uses)."""
+    if isinstance(value, torch.Tensor):
+        ref = weakref.ref(value)
+
+        def tensor():
+            assert ref() is not None, "a graph reads a tensor freed since its capture"
+            return ref()
+        return tensor
+    if isinstance(value, tuple):
+        makers = [by_address(item) for item in value]
+        return lambda: tuple(make() for make in makers)
+    if isinstance(value, functools.partial):
+        func, args = by_address(value.func), by_address(value.args)
+        keywords = {name: by_address(item) for name, item in value.keywords.items()}
+        return lambda: functools.partial(func(), *args(), **{name: make() for name, make in keywords.items()})
+    if isinstance(value, types.FunctionType):  # (its parts, not the function: that would hold its cells)
+        code, scope, name = value.__code__, value.__globals__, value.__name__
+        defaults = by_address(value.__defaults__ or ())
+        cells = [by_address(cell.cell_contents) for cell in value.__closure__ or ()]
+        return lambda: types.FunctionType(code, scope, name, defaults() or None,
+                                          tuple(types.CellType(make()) for make in cells) or None)
+    return lambda: value
+
+
+def by_address_capture(run):
+    """replaying_capture's stand-in, keeping the tensors `run` reads by address (by_address)."""
+    outputs = run()
+    remade = by_address(run)
+
+    def replay():
+        for buffer, value in zip(outputs, remade()()):
+            buffer.copy_(value)
+
+    return replay, outputs
+
+
 def device_events(pair, shape, sampling, seed, graphs=None):
     decoder = Decoder(*pair, V, shape, sampling, set())
     decoder.device_steps = True
@@ -432,6 +476,26 @@ def tree_events(pair, shape, sampling, ahead: bool, runtimes, graphs=None, eos=(
 
 AHEAD_SHAPES = [make_shape("rsd-c", branching=(k,)) for k in (1, 3, 5)] + \
     [make_shape("sd", draft_len=gamma) for gamma in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_decoders_after_the_one_that_captured_shared_step_graphs_replay_them(pair, temperature):
+    """A model's step graphs are shared by its decoders, one after another (a chat's turns, bench's
+    runs: CompiledModel.step_graphs), and a capture holds what the maths reads by address: the
+    constants a queued-ahead step's inputs are made from (columns, depths, sights: Decoder._placed)
+    are the graphs' own, so the decoders made after the one that captured them replay the graphs
+    with the tokens of one step at a time. (Kept by the decoder that made them, they were freed with
+    it: on an H200 later decoders read reused memory, `sd` γ=1 accepted every draft at T=0 and a
+    gather failed a device assert.)"""
+    runtimes, sampling = static_runtimes(pair), SamplingParams(temperature)
+    graphs = StepGraphs(torch.device("cpu"), True, capture=by_address_capture, capture_at=1)
+    for seed, shape in enumerate([make_shape("sd", draft_len=1), make_shape("sd", draft_len=3),
+                                  make_shape("rsd-c", branching=(3,))] * 2):
+        _, ours = tree_events(pair, shape, sampling, True, runtimes, graphs, seed=seed)
+        gc.collect()  # (the decoder gone, and whatever it alone held)
+        _, reference = tree_events(pair, shape, sampling, False, runtimes, None, seed=seed)
+        assert [e.emitted for e in ours] == [e.emitted for e in reference], shape.describe()
+    assert graphs._graphs  # (they were captured, and replayed by the decoders after)
 
 
 @pytest.mark.parametrize("graphed", [False, True], ids=["direct", "graphed"])
