@@ -484,15 +484,20 @@ def test_decoders_after_the_one_that_captured_shared_step_graphs_replay_them(pai
     runs: CompiledModel.step_graphs), and a capture holds what the maths reads by address: the
     constants a queued-ahead step's inputs are made from (columns, depths, sights: Decoder._placed)
     are the graphs' own, so the decoders made after the one that captured them replay the graphs
-    with the tokens of one step at a time. (Kept by the decoder that made them, they were freed with
-    it: on an H200 later decoders read reused memory, `sd` γ=1 accepted every draft at T=0 and a
-    gather failed a device assert.)"""
+    with the tokens of one step at a time; `ar`, lookup chains and `auto` replay theirs too. (Kept by
+    the decoder that made them, they were freed with it: on an H200 later decoders read reused memory,
+    `sd` γ=1 accepted every draft at T=0 and a gather failed a device assert.)"""
     runtimes, sampling = static_runtimes(pair), SamplingParams(temperature)
     graphs = StepGraphs(torch.device("cpu"), True, capture=by_address_capture, capture_at=1)
-    for seed, shape in enumerate([make_shape("sd", draft_len=1), make_shape("sd", draft_len=3),
-                                  make_shape("rsd-c", branching=(3,))] * 2):
+    shapes = [make_shape("sd", draft_len=1), make_shape("sd", draft_len=3), make_shape("rsd-c", branching=(3,)),
+              make_shape("ar"), make_shape("lookup", draft_len=3)] + [make_shape("auto")] * (temperature == 0)
+    for seed, shape in enumerate(shapes * 2):
         _, ours = tree_events(pair, shape, sampling, True, runtimes, graphs, seed=seed)
         gc.collect()  # (the decoder gone, and whatever it alone held)
+        if shape.variant == "auto":  # (its shapes chosen a step late queued ahead: greedy, the target's tokens)
+            _, reference = tree_events(pair, make_shape("ar"), sampling, False, runtimes, None, seed=seed)
+            assert [t for e in ours for t in e.emitted] == [t for e in reference for t in e.emitted]
+            continue
         _, reference = tree_events(pair, shape, sampling, False, runtimes, None, seed=seed)
         assert [e.emitted for e in ours] == [e.emitted for e in reference], shape.describe()
     assert graphs._graphs  # (they were captured, and replayed by the decoders after)
