@@ -44,10 +44,13 @@ bench=(-m rsd_cli bench --variants ar,sd,rsd-c,auto --depths 1,2 --width 3 --tem
 peer=(-m rsd_cli bench --variants ar,auto --depths 1 --temperatures 0,1 --limit 2 -n 96 --no-assisted
       --compile on --hf-static --json)
 case $part in
-  tests)  # the GPU-only tests first (CUDA graphs), then everything; the log comes back either way
-    $py -m pytest -p no:warnings -p no:logging -q -rs tests/test_compiled.py -k "cuda or CUDA" 2>&1 | tee "$out/cuda-tests.txt"
+  tests)  # the GPU-only tests first (CUDA graphs), then everything; the log comes back either way, a line
+    # per test as it ends (-o addopts= -v: a run cut by the call's limit still names what failed)
+    each=(-p no:warnings -p no:logging -p no:benchmark -o addopts= -v -rfEs --tb=short)
+    $py -m pytest "${each[@]}" tests/test_compiled.py -k "cuda or CUDA" 2>&1 | grep -v vectorized_gather_kernel |
+      tee "$out/cuda-tests.txt"
     workers=(); $py -c "import xdist" 2>/dev/null && workers=(-n 8)  # pytest-xdist where it is installed
-    $py -m pytest -p no:warnings -p no:logging -q -x "${workers[@]}" 2>&1 | tee "$out/suite.txt" ;;
+    $py -m pytest "${each[@]}" -x "${workers[@]}" 2>&1 | grep -v vectorized_gather_kernel | tee "$out/suite.txt" ;;
   costs)
     $py benchmarks/runtime_cost.py --rows 1,4,16 --out "$out/runtime-cost.json" 2>&1 |
       tee "$out/runtime-cost.txt" ;;
