@@ -246,26 +246,6 @@ class NoHostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def replaying_capture(captured: list):
-    """A CPU stand-in for StepGraphs' CUDA capture with a graph's semantics: the outputs are fixed
-    buffers that each replay overwrites, computed from the graph's own input buffers; no op may read
-    a value on the host (as capturing forbids)."""
-
-    def capture(run):
-        with NoHostReads():
-            outputs = run()
-
-        def replay():
-            with NoHostReads():
-                for buffer, value in zip(outputs, run()):
-                    buffer.copy_(value)
-
-        captured.append(outputs)
-        return replay, outputs
-
-    return capture
-
-
 def by_address(value):
     """A maker of `value` (a function, partial, tuple or tensor) that holds the tensors it reads through
     its closures, defaults and arguments by weak reference: as a CUDA graph holds what a captured
@@ -294,16 +274,26 @@ def by_address(value):
     return lambda: value
 
 
-def by_address_capture(run):
-    """replaying_capture's stand-in, keeping the tensors `run` reads by address (by_address)."""
-    outputs = run()
-    remade = by_address(run)
+def replaying_capture(captured: list):
+    """A CPU stand-in for StepGraphs' CUDA capture with a graph's semantics: the outputs are fixed
+    buffers that each replay overwrites, computed from what the function read when it was captured,
+    held by address only (by_address: a replay fails once one of those tensors was freed); no op may
+    read a value on the host (as capturing forbids)."""
 
-    def replay():
-        for buffer, value in zip(outputs, remade()()):
-            buffer.copy_(value)
+    def capture(run):
+        with NoHostReads():
+            outputs = run()
+        remade = by_address(run)
 
-    return replay, outputs
+        def replay():
+            with NoHostReads():
+                for buffer, value in zip(outputs, remade()()):
+                    buffer.copy_(value)
+
+        captured.append(outputs)
+        return replay, outputs
+
+    return capture
 
 
 def device_events(pair, shape, sampling, seed, graphs=None):
@@ -488,7 +478,7 @@ def test_decoders_after_the_one_that_captured_shared_step_graphs_replay_them(pai
     the decoder that made them, they were freed with it: on an H200 later decoders read reused memory,
     `sd` γ=1 accepted every draft at T=0 and a gather failed a device assert.)"""
     runtimes, sampling = static_runtimes(pair), SamplingParams(temperature)
-    graphs = StepGraphs(torch.device("cpu"), True, capture=by_address_capture, capture_at=1)
+    graphs = StepGraphs(torch.device("cpu"), True, capture=replaying_capture([]), capture_at=1)
     shapes = [make_shape("sd", draft_len=1), make_shape("sd", draft_len=3), make_shape("rsd-c", branching=(3,)),
               make_shape("ar"), make_shape("lookup", draft_len=3)] + [make_shape("auto")] * (temperature == 0)
     for seed, shape in enumerate(shapes * 2):
