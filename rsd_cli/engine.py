@@ -978,6 +978,7 @@ class Decoder:
         # None = where the target is not on the CPU (there nothing runs behind the host); RSD_STEPS_AHEAD=0:
         # never, one step at a time everywhere
         self.steps_ahead: bool | None = False if os.environ.get("RSD_STEPS_AHEAD", "1").strip() == "0" else None
+        self._placed_constants: dict[tuple, tuple] = {}  # (_placed)
         self.answer_from = 0  # where the sequence's answer begins (_seen), set by each generation
         # what the models take where not every tree (pair_limit), and whether every step is then plain (a
         # model with a state: `auto`'s steps too)
@@ -1475,24 +1476,26 @@ class Decoder:
                     cache._grow(needed)
         return needs[0] <= target.capacity and needs[1] <= draft.capacity
 
-    @staticmethod
-    def _placed(maths: StepGraphs, cache, depths: list[int], sights: list[int]) -> tuple:
+    def _placed(self, cache, depths: list[int], sights: list[int]) -> tuple:
         """(key, (arange(capacity), depths, sights)) on the cache's device, for placed_inputs: made once
         per capacity and tree, and read by the maths of a site keyed by `key` as constants (a graph
-        captures their addresses; host values are not copied in while a graph is captured), so they
-        are the graphs' own (StepGraphs.constant): a model's graphs outlive its decoders."""
-        device = cache.device
+        captures their addresses; host values are not copied in while a graph is captured: StepGraphs
+        keeps them with the graph, which may outlive this decoder)."""
         key = (cache.capacity, tuple(depths), tuple(sights))
-        return key, maths.constant(("placed", device, *key), lambda: (
-            torch.arange(cache.capacity, device=device), torch.tensor(depths, device=device),
-            torch.tensor(sights, device=device)))
+        made = self._placed_constants.get(key)
+        if made is None:
+            device = cache.device
+            made = (torch.arange(cache.capacity, device=device), torch.tensor(depths, device=device),
+                    torch.tensor(sights, device=device))
+            self._placed_constants[key] = made
+        return key, made
 
     def _read_catch(self, state: tuple, draft, maths) -> torch.Tensor:
         """The draft's forward of what it has not read (state's catch: one token or two, see
         fan_next) in two rows at their positions: its (2, V) logits, the row after the root at
         state's count - 1."""
         _, catch, count, base = state
-        key, (columns, depths, sights) = self._placed(maths, draft, [0, 1], [0, 1])
+        key, (columns, depths, sights) = self._placed(draft, [0, 1], [0, 1])
         ids, mask = maths(("catch inputs", key), lambda base, catch, count:
                           placed_inputs(columns, base + 1 - count, catch, depths, sights), base, catch, count)
         return draft.forward_placed(ids, mask, slice(0, 2))
@@ -1508,7 +1511,7 @@ class Decoder:
         root, _, _, base = state
         n = 1 + drafted.shape[0]
         size = bucket(n, target.compiled.buckets)
-        key, (columns, depth_row, sight_row) = self._placed(maths, target, [0] + depths + [depths[-1]] * (size - n),
+        key, (columns, depth_row, sight_row) = self._placed(target, [0] + depths + [depths[-1]] * (size - n),
                                                             [0] + sights + [-1] * (size - n))
         ids, mask = maths(("tree inputs", key), lambda base, root, drafted:
                           placed_inputs(columns, base, tree_tokens(size, root, drafted), depth_row, sight_row),
@@ -1559,7 +1562,7 @@ class Decoder:
         greedy, draft_sampling, sampling = self.greedy_ranking, self.draft_sampling, self.sampling
         u = torch.rand(draws + 2 * gamma + 1, generator=generator, dtype=torch.float64, device=generator.device)
         logits = self._read_catch(state, draft, maths)
-        key, (columns, zero, _) = self._placed(maths, draft, [0], [0])
+        key, (columns, zero, _) = self._placed(draft, [0], [0])
         q_rows, drafted = [], []
         for index in range(gamma):
             if index == 0:  # (its logits the row after the root: the draft read one token or two)

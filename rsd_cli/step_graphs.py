@@ -45,7 +45,9 @@ class StepGraphs:
     """Calls pure functions of tensors — `graphs(site, fn, *tensors)` — as replayed graphs where
     `enabled`, else directly. fn reads nothing but its arguments (uniforms passed in, no generator)
     and returns a tuple of tensors; a site (any hashable) names one fn with its constants, and each
-    site and input shapes is captured once. Graphed, the results are the graph's own buffers,
+    site and input shapes is captured once, and its graph keeps fn (with whatever tensors fn reads
+    as constants) while it lives: a graph reads what it was captured with by address, and graphs
+    shared by a model's decoders outlive each one. Graphed, the results are the graph's own buffers,
     overwritten by the next call of the same site and shapes: callers `keep` what outlives it. A site
     and shapes runs directly until its `capture_at`-th call (CAPTURE_AT). If a capture fails, the
     maths runs directly from then on, with a one-line notice."""
@@ -56,9 +58,8 @@ class StepGraphs:
         self.notice = notice
         self.capture = capture or cuda_capture(device)
         self.capture_at = capture_at
-        self._graphs: dict[tuple, tuple] = {}  # (site, input shapes) -> (input buffers, replay, outputs)
+        self._graphs: dict[tuple, tuple] = {}  # (site, input shapes) -> (input buffers, replay, outputs, fn)
         self._calls: dict[tuple, int] = {}  # (site, input shapes) -> calls so far, until it is captured
-        self._constants: dict = {}  # key -> tensors sites' functions read as constants (constant)
 
     def __call__(self, site, fn: Callable[..., tuple], *tensors: torch.Tensor) -> tuple:
         if not self.enabled:
@@ -78,22 +79,12 @@ class StepGraphs:
                 self.notice(f"capturing a CUDA graph of the step's maths failed ({type(e).__name__}: {reason}): "
                             f"it runs without graphs")
                 return fn(*tensors)
-            self._graphs[key] = (inputs, replay, outputs)
-        inputs, replay, outputs = self._graphs[key]
+            self._graphs[key] = (inputs, replay, outputs, fn)
+        inputs, replay, outputs, _ = self._graphs[key]
         for buffer, value in zip(inputs, tensors):
             buffer.copy_(value)
         replay()
         return outputs
-
-    def constant(self, key, make: Callable[[], tuple]) -> tuple:
-        """Tensors that sites' functions read as constants, not as arguments (made by `make` once per
-        key): kept as long as these graphs, since a capture records their addresses, not references
-        to them. Graphs shared by a model's decoders outlive each decoder: constants a decoder kept
-        itself were freed with it while later decoders' replays still read their memory."""
-        made = self._constants.get(key)
-        if made is None:
-            made = self._constants[key] = make()
-        return made
 
     def keep(self, tensor: torch.Tensor) -> torch.Tensor:
         """A result that outlives the next call of its site: a copy where it is a graph's buffer."""

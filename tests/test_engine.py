@@ -6,9 +6,8 @@ from __future__ import annotations
 import copy
 import functools
 import gc
-import types
 import weakref
-from types import SimpleNamespace
+from types import CellType, FunctionType, SimpleNamespace
 
 import pytest
 import torch
@@ -265,12 +264,12 @@ def by_address(value):
         func, args = by_address(value.func), by_address(value.args)
         keywords = {name: by_address(item) for name, item in value.keywords.items()}
         return lambda: functools.partial(func(), *args(), **{name: make() for name, make in keywords.items()})
-    if isinstance(value, types.FunctionType):  # (its parts, not the function: that would hold its cells)
+    if isinstance(value, FunctionType):  # (its parts, not the function: that would hold its cells)
         code, scope, name = value.__code__, value.__globals__, value.__name__
         defaults = by_address(value.__defaults__ or ())
         cells = [by_address(cell.cell_contents) for cell in value.__closure__ or ()]
-        return lambda: types.FunctionType(code, scope, name, defaults() or None,
-                                          tuple(types.CellType(make()) for make in cells) or None)
+        return lambda: FunctionType(code, scope, name, defaults() or None,
+                                          tuple(CellType(make()) for make in cells) or None)
     return lambda: value
 
 
@@ -473,7 +472,8 @@ def test_decoders_after_the_one_that_captured_shared_step_graphs_replay_them(pai
     """A model's step graphs are shared by its decoders, one after another (a chat's turns, bench's
     runs: CompiledModel.step_graphs), and a capture holds what the maths reads by address: the
     constants a queued-ahead step's inputs are made from (columns, depths, sights: Decoder._placed)
-    are the graphs' own, so the decoders made after the one that captured them replay the graphs
+    live as long as the graphs that read them (StepGraphs keeps each captured function), so the
+    decoders made after the one that captured them replay the graphs
     with the tokens of one step at a time; `ar`, lookup chains and `auto` replay theirs too. (Kept by
     the decoder that made them, they were freed with it: on an H200 later decoders read reused memory,
     `sd` γ=1 accepted every draft at T=0 and a gather failed a device assert.)"""
