@@ -84,6 +84,9 @@ MEMORY_TRIES = 32  # a run starts from earlier runs' acceptance counts scaled do
 MEMORY_ENTRIES = 32  # runs' memories `auto.json` keeps (machine, models, runtime and sampling settings, and
 # each of those's timings), the most recently saved: the whole file is read before each answer and written
 # after it (with 233, 195 KB, an answer took 3.8 ms to set up and 5.6 to save on a 2-core EPYC, with 32 2.0 and 1.5)
+COST_ENTRIES = 32  # machines' measured costs `costs.json` keeps (one per CPU or device, torch, both models,
+# runtime and kernels: a user meets a new one with each rsd version, model pair and runtime), the most
+# recently measured; read once a process (659 kept on a development machine, 636 KB, took ~5 ms to parse)
 CATCH_UP_STEPS = 4  # a draft that has this many plain steps' time or less to read before it can draft
 # (what it missed: a new prompt, plain steps) drafts whenever drafting is chosen; a longer read (a long
 # prompt: ~1 s for 3655 tokens on a 2-core EPYC, 130 plain steps) only where the answer's remaining
@@ -220,7 +223,8 @@ def measure(make_target: Callable, make_draft: Callable | None, prefix: int = 96
 
 
 def cached_costs(key: str, measure_now: Callable[[], Costs], notice=lambda message: None) -> Costs:
-    """The costs measured for `key` (machine, models, runtime), measured now if not yet."""
+    """The costs measured for `key` (machine, models, runtime), measured now if not yet; the file keeps
+    the COST_ENTRIES keys measured last."""
     from .models import cache_dir, read_json_table, write_json_table
 
     path = cache_dir() / "costs.json"
@@ -231,8 +235,11 @@ def cached_costs(key: str, measure_now: Callable[[], Costs], notice=lambda messa
         pass
     notice("measuring the models' forward costs on this machine once, for --variant auto (cached)")
     costs = measure_now()
+    known.pop(key, None)  # (the file in the order measured: the most recent last)
     known[key] = costs.as_json()
-    write_json_table(path, known)
+    for stale in list(known)[:-COST_ENTRIES]:
+        del known[stale]
+    write_json_table(path, known, sort_keys=False)
     return costs
 
 

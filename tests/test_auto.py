@@ -687,6 +687,28 @@ def test_costs_are_measured_once_per_machine_and_kept(pair, tmp_path, monkeypatc
     assert measured == [1]
 
 
+def test_costs_json_keeps_the_keys_measured_last(tmp_path, monkeypatch):
+    """costs.json is read whole by each process that runs `auto`: it keeps the COST_ENTRIES keys
+    measured last (each rsd version, model pair and runtime adds one), a re-measured key among them."""
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path))
+    path = tmp_path / "costs.json"
+    names = [f"machine {index}" for index in range(auto.COST_ENTRIES + 3)]
+    path.write_text(json.dumps({name: flat(1.0, 0.1).as_json() for name in names}))
+    assert auto.cached_costs(names[0], lambda: pytest.fail("measured a key it has")) == flat(1.0, 0.1)
+    measured = Costs({1: 2.0, 64: 3.0}, {1: 0.2, 32: 0.4})
+    assert auto.cached_costs("a new machine", lambda: measured) == measured
+    kept = list(json.loads(path.read_text()))
+    assert len(kept) == auto.COST_ENTRIES and kept[-1] == "a new machine"
+    assert kept[:-1] == names[-(auto.COST_ENTRIES - 1):]  # the oldest gone, the order kept
+    table = json.loads(path.read_text())
+    table[kept[0]] = "written by another version"
+    path.write_text(json.dumps(table))
+    assert auto.cached_costs(kept[0], lambda: measured) == measured  # measured again: the newest now
+    again = list(json.loads(path.read_text()))
+    assert again == kept[1:] + [kept[0]]
+    assert auto.cached_costs(kept[0], lambda: pytest.fail("measured again")) == measured
+
+
 def test_an_answer_s_set_up_fingerprints_each_model_once_a_process(pair, monkeypatch):
     """Each answer of `auto` starts from the cost key, which names both models' architectures: worked
     out once per loaded model (each answer ~1 ms before), anew for another model, the key the same."""
