@@ -282,10 +282,13 @@ class Loader:
 
         if self.quiet:
             return load_pair(profile, notice=notice, light=light, fixed=fixed)
-        with self.console.status("loading models…") as status:  # notices print above the spinner
-            return load_pair(profile, progress=lambda m: status.update(m),
-                             notice=lambda m: self.console.print(f"rsd: {m}", markup=False, highlight=False),
-                             light=light, fixed=fixed)
+        with self.console.status("loading models…") as status:
+            return load_pair(profile, progress=lambda m: status.update(m), notice=self.notice, light=light,
+                             fixed=fixed)
+
+    def notice(self, message: str) -> None:
+        """A notice line printed above the spinner (on a terminal)."""
+        self.console.print(f"rsd: {message}", markup=False, highlight=False)
 
     def tokenizer(self, profile):
         """The target's tokenizer and the tokens that end an answer (models.load_tokenizer)."""
@@ -293,9 +296,9 @@ class Loader:
 
         source, trusted = profile.resolve_path(profile["target"]["source"]), profile["target"]["trust_remote_code"]
         if self.quiet:
-            return load_tokenizer(source, remote_code=trusted)
+            return load_tokenizer(source, remote_code=trusted, notice=notice)
         with self.console.status("loading the tokenizer…") as status:
-            return load_tokenizer(source, lambda m: status.update(m), trusted)
+            return load_tokenizer(source, lambda m: status.update(m), trusted, self.notice)
 
     def target_location(self, profile) -> str:
         """The target's source as from_pretrained takes it (a GGUF file is converted here, once)."""
@@ -303,9 +306,9 @@ class Loader:
 
         source = profile.resolve_path(profile["target"]["source"])
         if self.quiet:
-            return resolve_source(source)[0]
+            return resolve_source(source, notice=notice)[0]
         with self.console.status("resolving the target…") as status:
-            return resolve_source(source, lambda m: status.update(m))[0]
+            return resolve_source(source, lambda m: status.update(m), self.notice)[0]
 
 
 @app.command(no_args_is_help=False, cls=Command)

@@ -64,7 +64,8 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
     source = profile.resolve_path(profile["target"]["source"])
     console.print(f"loading target {profile['target']['source']}…")
     target, tokenizer = load_model(source, device, torch.float32 if dtype == torch.float16 else dtype,
-                                   placement=placement, remote_code=profile["target"]["trust_remote_code"])
+                                   placement=placement, remote_code=profile["target"]["trust_remote_code"],
+                                   notice=lambda message: console.print(message, markup=False, highlight=False))
     if placement is not None:
         console.print(f"the target's layers: {describe_layers(layers_per_device(target))}")
     check_early_exit(target)  # (before sampling: what an adapter needs, said at once)

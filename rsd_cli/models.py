@@ -311,15 +311,17 @@ def _exclusive(lock: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def gguf_to_cache(gguf: Path, progress: Progress = _quiet) -> Path:
+def gguf_to_cache(gguf: Path, progress: Progress = _quiet, notice: Progress = _quiet) -> Path:
     """Dequantise a GGUF file once into a safetensors directory; later loads read that. Processes
-    started together (a script's parallel first runs) convert once: the others wait for it."""
+    started together (a script's parallel first runs) convert once: the others wait for it. notice:
+    one line when it converts (seconds of work that happen once, shown off a terminal too)."""
     target = _gguf_cache_path(gguf)
     if _converted(target, gguf):
         return target
     with _exclusive(target.with_name(target.name + ".lock")):
         if _converted(target, gguf):  # converted while this process waited
             return target
+        notice(f"converting {gguf.name} to safetensors once (later runs load {target})")
         _convert_gguf(gguf, target, progress)
     _drop_path_keyed_copies(target)
     return target
@@ -463,13 +465,14 @@ def _drop_path_keyed_copies(kept: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def resolve_source(source: str, progress: Progress = _quiet) -> tuple[str, bool]:
-    """A model source -> (what from_pretrained takes, whether it is a local directory)."""
+def resolve_source(source: str, progress: Progress = _quiet, notice: Progress = _quiet) -> tuple[str, bool]:
+    """A model source -> (what from_pretrained takes, whether it is a local directory); notice: the
+    one line of a GGUF file's first conversion."""
     if source == "embedded":
-        return str(gguf_to_cache(embedded_gguf(), progress)), True
+        return str(gguf_to_cache(embedded_gguf(), progress, notice)), True
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return str(gguf_to_cache(path, progress)), True
+        return str(gguf_to_cache(path, progress, notice)), True
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise RsdError(f"{path} is not a model directory (no config.json)")
@@ -586,13 +589,13 @@ def _hub_snapshot(repo_id: str) -> Path | None:
 
 
 def load_model(source: str, device, dtype, progress: Progress = _quiet, placement: Placement | None = None,
-               light: bool = False, remote_code: bool = False):
+               light: bool = False, remote_code: bool = False, notice: Progress = _quiet):
     """Model and tokenizer, on `device`, or placed over devices by accelerate (`placement`).
     light: the caller runs the model on rsd's static-cache runtime only, so a Llama (Qwen2, Qwen3, Mistral)
     checkpoint in a local folder or in the local hub cache may load without transformers' modeling
     code (rsd_cli/llama.py): ~2 s sooner. remote_code: the profile trusts the model's own Python code
-    (transformers' trust_remote_code)."""
-    location, local = resolve_source(source, progress)
+    (transformers' trust_remote_code). notice: one-off lines (a GGUF file's first conversion)."""
+    location, local = resolve_source(source, progress, notice)
     progress(f"loading {source}")
     model = tokenizer = None
     if light and placement is None and light_load_enabled():
@@ -628,11 +631,12 @@ def load_model(source: str, device, dtype, progress: Progress = _quiet, placemen
     return model, tokenizer
 
 
-def load_tokenizer(source: str, progress: Progress = _quiet, remote_code: bool = False) -> tuple[object, set[int]]:
+def load_tokenizer(source: str, progress: Progress = _quiet, remote_code: bool = False,
+                   notice: Progress = _quiet) -> tuple[object, set[int]]:
     """A model source's tokenizer alone, as load_model loads it (no weights read), and the tokens
     that end an answer there: the tokenizer's and those its generation_config.json names (else its
     config.json, as transformers falls back to)."""
-    location, local = resolve_source(source, progress)
+    location, local = resolve_source(source, progress, notice)
     folder = Path(location) if local else _hub_snapshot(location)
     tokenizer, configured = None, None
     if folder is not None:
@@ -1169,7 +1173,7 @@ def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, l
     target_source = profile.resolve_path(profile["target"]["source"])
     light = light and profile["runtime"]["compile"] != "off"
     target, tokenizer = load_model(target_source, device, dtype, progress, target_place, light,
-                                   profile["target"]["trust_remote_code"])
+                                   profile["target"]["trust_remote_code"], notice)
     draft_cfg = profile["draft"]
     if draft_cfg["kind"] == "early-exit":
         path = adapter_path(draft_cfg["adapter"], profile, target, draft_cfg["layers"])
@@ -1184,7 +1188,7 @@ def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, l
             raise RsdError(f"{profile.path}: draft.kind = \"model\" needs draft.source")
         # unless placed itself, a separate draft goes where the target's inputs go (its first GPU)
         draft, draft_tok = load_model(profile.resolve_path(draft_cfg["source"]), input_device(target), dtype,
-                                      progress, draft_place, light, draft_cfg["trust_remote_code"])
+                                      progress, draft_place, light, draft_cfg["trust_remote_code"], notice)
         check_same_tokenizer(tokenizer, draft_tok)
         what = draft_cfg["source"]
     vocab = text_config(target.config).vocab_size  # (the target's whole distribution: a narrower draft's q is 0

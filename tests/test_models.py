@@ -53,6 +53,29 @@ def test_a_conversion_reports_its_progress_where_rsd_s_spinner_can_show_it(tmp_p
     assert capsys.readouterr().err == ""
 
 
+def test_a_first_conversion_is_said_in_one_line_off_a_terminal_too(tmp_path, monkeypatch):
+    """Converting a GGUF file takes seconds once (14 s for the embedded model on a 2-core Xeon): a
+    script's first `rsd generate` says so in one line on stderr, as it says it measures the models'
+    costs, where the spinner's progress is not shown; later runs say nothing, the same answer."""
+    from typer.testing import CliRunner
+
+    from rsd_cli.cli import app
+
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_file, tiny_model(40, layers=2, seed=0, scale=0.3))
+    profile = tmp_path / "gguf.toml"
+    profile.write_text(f'[target]\nsource = "{gguf_file}"\n[draft]\nkind = "early-exit"\nlayers = 1\n'
+                       '[decoding]\nvariant = "sd"\n[sampling]\nmax_tokens = 4\n')
+    runner = CliRunner()
+    first, again = (runner.invoke(app, ["generate", "c", "-p", str(profile), "--raw", "-t", "0"], input="")
+                    for _ in range(2))
+    assert first.exit_code == 0 and again.exit_code == 0, (first.stderr, again.stderr)
+    line = f"rsd: converting tiny.gguf to safetensors once (later runs load {tmp_path / 'cache'}"
+    assert first.stderr.count(line) == 1 and first.stderr.count("\n") == 2  # that line and the summary
+    assert "converting" not in again.stderr and again.stdout == first.stdout != ""
+
+
 def test_a_conversion_parses_the_gguf_file_once_and_writes_the_same_files(tmp_path, monkeypatch):
     """transformers reads a GGUF file for the config, the weights and the tokenizer, and builds
     gguf's tensor name table once per module: within rsd's conversion each is made once, gguf is
