@@ -172,7 +172,10 @@ print('$variant', '$extra', r['finish_reason'], len(r['token_ids']), round(r['st
   catchup)  # the draft's catch-up on more tokens than the widest graph (auto's plain steps before a drafting
     # step): graphed pieces of 64 (compiled.GRAPHED_PIECES) against one forward off the graphs; then auto
     # against ar on answers long enough for catch-ups past 64 tokens (auto explores after 128 plain steps)
-    $py benchmarks/catch_up_cost.py --out "$out/catch-up-cost.json" 2>&1 | grep -v Warning | tee "$out/catch-up-cost.txt"
+    # (--trace: one catch-up of 65 and of 128 tokens each way under torch.profiler — where a 64-token
+    # piece's ~5 ms went on the H200, 2026-11-30, against ~1.6 ms for a 64-token forward in auto's costs)
+    $py benchmarks/catch_up_cost.py --repeats 5 --trace 65,128 --out "$out/catch-up-cost.json" 2>&1 |
+      grep -v Warning | tee "$out/catch-up-cost.txt"
     $py benchmarks/auto_vs_ar.py --rounds 2 --limit 2 -n 384 2>&1 | grep -v Warning | tee "$out/auto-vs-ar-long.txt" ;;
   distill)  # `rsd distill`'s sampling of the target's answers: transformers' generate (eager, bf16) against rsd's
     # runtime, a batch of 32 answers decoded together in CUDA graphs (1.67x on the 2-core AMD EPYC's C layers);
