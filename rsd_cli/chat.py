@@ -15,7 +15,7 @@ from .models import describe_layers
 from .profiles import parse_bool
 from .prompting import encode_prompt
 from .render import stats_line
-from .runtime import FLAG_KEYS, branching_factors, make_decoder, parse_logit_bias, seed_of
+from .runtime import FLAG_KEYS, branching_factors, make_decoder, parse_logit_bias, seed_of, unread_settings
 
 HELP = """commands:
   /help                 this help
@@ -146,6 +146,8 @@ class ChatSession:
                 self.profile.values[table][entry], self.profile.origins[table][entry] = before
                 raise
             what = f" · {shape.describe()}" if table == "decoding" else ""
+            unread = unread_settings(shape.variant, self.profile["decoding"]["budget"], [key], spell=str)
+            what += f" ({unread})" if unread else ""
             console.print(f"{key} = {_as_typed(typed)}{what}", markup=False, highlight=False)
         elif name == "stats":
             console.print(stats_line(self.last_stats) if self.last_stats else "no answer yet", highlight=False)

@@ -92,6 +92,39 @@ def apply_flags(profile: Profile, flags: dict[str, Any]) -> Profile:
     return profile
 
 
+# the tree settings (FLAG_KEYS' names) each variant's shape reads (shape_of); a profile may hold others for
+# other variants, but a flag or a /set of one the variant does not read changes nothing
+SHAPE_SETTINGS = {"ar": (), "sd": ("draft_len", "budget"), "lookup": ("draft_len", "ngram", "budget"),
+                  "mss": ("branching", "budget"), "rsd-c": ("branching", "budget"),
+                  "rsd-s": ("beam_width", "depth", "budget"), "spectr": ("num_drafts", "depth", "budget"),
+                  "auto": ("budget",)}
+TREE_SETTINGS = ("draft_len", "ngram", "branching", "beam_width", "depth", "num_drafts", "budget")
+
+
+def unread_settings(variant: str, budget: int, given, spell=lambda name: f"--{name.replace('_', '-')}") -> str | None:
+    """Where some of the tree settings `given` (names) change nothing — another variant's, or with a
+    budget (which picks the tree: shape_for_budget) any but the budget and lookup's n-gram — one line
+    naming them and what sets `variant`'s tree (spell: how a setting is written, a flag by default);
+    else None."""
+    reads = SHAPE_SETTINGS[variant]
+    picked = bool(budget) and variant != "ar"
+    if picked:
+        reads = tuple(name for name in reads if name in ("budget", "ngram"))
+    unread = [name for name in dict.fromkeys(given) if name in TREE_SETTINGS and name not in reads]
+    if not unread:
+        return None
+    names = ", ".join(spell(name) for name in unread)
+    if picked:
+        why = f"a budget of {budget} nodes picks its tree"
+    elif variant == "ar":
+        why = "it drafts no tree"
+    elif variant == "auto":
+        why = f"it picks its own shapes ({spell('budget')} caps them)"
+    else:
+        why = f"its tree is set by {' and '.join(spell(name) for name in SHAPE_SETTINGS[variant])}"
+    return f"{names} {'changes' if len(unread) == 1 else 'change'} nothing for {variant}: {why}"
+
+
 def shape_of(profile: Profile, vocab_size: int | None = None) -> Shape:
     d = profile["decoding"]
     variant = d["variant"]

@@ -503,6 +503,50 @@ def test_budget_and_tree_flags(cli, tiny_profile):
 
 
 @pytest.mark.parametrize(
+    "args, shape, said",
+    [
+        (["-v", "rsd-c", "--depth", "3"], "rsd-c b=(2,2)",
+         "rsd: --depth changes nothing for rsd-c: its tree is set by --branching and --budget"),
+        (["-v", "sd", "--draft-len", "2", "--branching", "3", "--beam-width", "4"], "sd γ=2",
+         "rsd: --branching, --beam-width change nothing for sd: its tree is set by --draft-len and --budget"),
+        (["-v", "ar", "--draft-len", "3"], "ar", "rsd: --draft-len changes nothing for ar: it drafts no tree"),
+        (["-v", "rsd-c", "--budget", "4", "--branching", "3"], "rsd-c b=(1,1,1)",
+         "rsd: --branching changes nothing for rsd-c: a budget of 4 nodes picks its tree"),
+        (["-v", "lookup", "--budget", "4", "--ngram", "2"], "lookup γ=3", None),
+        (["-v", "rsd-s", "--depth", "2", "--beam-width", "2"], "rsd-s W=2 L=2", None),
+        (["-v", "spectr", "--depth", "2", "--num-drafts", "2"], "spectr K=2 L=2", None),
+    ],
+)
+def test_a_tree_flag_the_variant_does_not_read_is_said_in_one_line(cli, tiny_profile, args, shape, said):
+    """`-v rsd-c --depth 3` drafted rsd-c's own tree without a word (--depth is rsd-s's and spectr's):
+    a tree flag the variant does not read is named in one line on stderr, with what sets its tree, and
+    the answer is the one without it (said, not refused: a script may pass one set of flags to every
+    variant); flags it reads are said nothing of."""
+    result = cli("generate", "hi", "-p", tiny_profile, "--json", "-t", "0", *args, input="")
+    assert result.exit_code == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["shape"] == shape
+    notes = [line for line in result.stderr.splitlines() if line.startswith("rsd: ")]
+    assert notes == ([said] if said else [])
+    if said:
+        unread = [arg for arg in said.split(" change")[0].removeprefix("rsd: ").split(", ")]
+        kept = [arg for i, arg in enumerate(args) if arg not in unread and (i == 0 or args[i - 1] not in unread)]
+        plain = cli("generate", "hi", "-p", tiny_profile, "--json", "-t", "0", *kept, input="")
+        assert json.loads(plain.stdout)["token_ids"] == record["token_ids"]
+        assert not [line for line in plain.stderr.splitlines() if line.startswith("rsd: ")]
+
+
+def test_chat_s_set_of_a_tree_setting_the_variant_does_not_read_says_so(tiny_profile):
+    script = "/set variant rsd-c\n/set depth 3\n/set branching 3\n/set variant rsd-s\n/set depth 3\n"
+    result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile)], input=script)
+    assert result.exit_code == 0, result.stderr
+    said = [part.strip() for part in result.stderr.split("you› ")[1:] if part.strip()]
+    assert said == ["variant = rsd-c · rsd-c b=(2,2)",
+                    "depth = 3 · rsd-c b=(2,2) (depth changes nothing for rsd-c: its tree is set by branching and budget)",
+                    "branching = 3 · rsd-c b=(3)", "variant = rsd-s · rsd-s W=3 L=3", "depth = 3 · rsd-s W=3 L=3"]
+
+
+@pytest.mark.parametrize(
     "args, code, fragment",
     [
         (["--branching", "2,0", "-v", "rsd-c"], 2, "every branching factor must be at least 1"),
