@@ -13,7 +13,7 @@ from .errors import RsdError, UsageError
 from .generation import stop_text_of, stream_completion
 from .models import describe_layers
 from .profiles import parse_bool
-from .prompting import encode_prompt
+from .prompting import NEXT_TURN, encode_prompt, has_chat_template
 from .render import stats_line
 from .runtime import FLAG_KEYS, branching_factors, make_decoder, parse_logit_bias, seed_of, unread_settings
 
@@ -195,7 +195,8 @@ class ChatSession:
         try:
             _, stats, _, text = stream_completion(self.pair, decoder, ids, self.profile["sampling"]["max_tokens"],
                                                   seed, out=out, console=console, live=self.tree,
-                                                  stop_text=stop_text_of(self.pair.tokenizer, self.profile),
+                                                  stop_text=stop_text_of(self.pair.tokenizer, self.profile,
+                                                                         self.plain_stops()),
                                                   reading_note=True)
         except RsdError:  # not answered: the message leaves the conversation (the next one would fail too)
             self.kept = decoder.kept
@@ -213,6 +214,11 @@ class ChatSession:
         self.last_stats = stats
         self.learnt = (decoder.shape, decoder.sampling, decoder.policy)
         self.history.append({"role": "assistant", "content": text})
+
+    def plain_stops(self) -> tuple[str, ...]:
+        """Without a chat template the conversation goes as plain text (prompting.plain_conversation),
+        and a base model's answer tends to go on with the user's next turn: it ends there."""
+        return () if has_chat_template(self.pair.tokenizer) else (NEXT_TURN,)
 
     def prompt_ids(self, message: str, console) -> list[int]:
         """The prompt for `message`: the system prompt and the latest messages. Once they no longer
@@ -386,6 +392,9 @@ def _converse(session, pair, profile, console, out, read_line) -> None:
         runtime += f" · target layers {describe_layers(pair.placement['target'])}"
     console.print(f"[dim]rsd chat · {pair.description} · {runtime} · {make_decoder(pair, profile).shape.describe()} · "
                   f"/help for commands, Ctrl-D to leave[/dim]")
+    if not has_chat_template(pair.tokenizer):
+        console.print("[dim](the target has no chat template: the conversation goes to it as plain text, each message "
+                      "on a line after User: or Assistant:, and an answer ends where it starts the next User: line)[/dim]")
     if session.history:
         console.print(f"[dim]resumed {len(session.history)} messages[/dim]")
     while True:

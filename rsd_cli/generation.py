@@ -193,10 +193,10 @@ class Interrupted(KeyboardInterrupt):
         self.tokens, self.stats, self.events, self.text = tokens, stats, events, text
 
 
-def stop_text_of(tokenizer, profile) -> StopText:
-    """A completion's StopText with the profile's stop strings, min_tokens and include_stop."""
+def stop_text_of(tokenizer, profile, also: tuple[str, ...] = ()) -> StopText:
+    """A completion's StopText with the profile's stop strings (and `also`'s), min_tokens and include_stop."""
     sampling = profile["sampling"]
-    return StopText(tokenizer, sampling["stop"], sampling["min_tokens"], sampling["include_stop"])
+    return StopText(tokenizer, [*sampling["stop"], *also], sampling["min_tokens"], sampling["include_stop"])
 
 
 def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, console=None, live=False,

@@ -52,11 +52,37 @@ def messages_for(prompt: str, system: str | None = None, history: list[dict] | N
     return messages + list(history or []) + [{"role": "user", "content": prompt}]
 
 
+# a conversation for a model without a chat template (a base model): each message after its role's name,
+# the answer after the assistant's (plain_conversation); a line starting the user's next turn ends an answer
+ROLE_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
+NEXT_TURN = "\nUser:"
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def plain_conversation(prompt: str, system: str | None, history: list[dict]) -> str:
+    """A chat's conversation as plain text, for a model without a chat template: the system prompt,
+    then a line for each message after its role's name, ending where the assistant's answer starts.
+    An answer that goes on to write the user's next turn stops there (chat's NEXT_TURN stop)."""
+    lines = [system, ""] if system else []
+    messages = [*history, {"role": "user", "content": prompt}]
+    # (an answer's text begins with the space the model wrote after "Assistant:": one space, as it read)
+    lines += [f"{ROLE_NAMES.get(m['role'], m['role'])}: {m['content'].strip()}" for m in messages]
+    return "\n".join(lines) + f"\n{ROLE_NAMES['assistant']}:"
+
+
 def encode_prompt(tokenizer, prompt: str, system: str | None = None, raw: bool = False,
                   history: list[dict] | None = None) -> list[int]:
-    """Token ids for a prompt: through the chat template when the model has one (unless raw)."""
-    if raw or not getattr(tokenizer, "chat_template", None):
-        text = (system + "\n\n" + prompt) if (raw and system) else prompt
+    """Token ids for a prompt: through the chat template when the model has one (unless raw); else
+    the system prompt before it, and a chat's turn (`history` given, even empty) as the plain text of
+    its conversation (plain_conversation)."""
+    if raw or not has_chat_template(tokenizer):
+        if history is not None and not raw:
+            text = plain_conversation(prompt, system, history)
+        else:
+            text = (system + "\n\n" + prompt) if system else prompt
         return tokenizer.encode(text, add_special_tokens=True)
     text = tokenizer.apply_chat_template(messages_for(prompt, system, history), add_generation_prompt=True,
                                          tokenize=False)

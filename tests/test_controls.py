@@ -515,3 +515,65 @@ def test_stop_tokens_end_the_answer_as_its_end_of_sequence_token_does(tiny_profi
     beyond = CliRunner().invoke(app, ["generate", "hi", "-p", str(tiny_profile), "--stop-token", "40"], input="")
     assert beyond.exit_code == 1 and beyond.stderr.strip() == \
         "rsd: error: stop token id 40 is beyond the models' vocabulary (40 tokens)"
+
+
+class Untemplated:
+    """A base model's tokenizer (no chat template) that records the text it is asked to encode."""
+
+    chat_template = None
+
+    def __init__(self):
+        self.texts = []
+
+    def encode(self, text, add_special_tokens=True):
+        self.texts.append(text)
+        return [1, 2]
+
+
+def test_a_base_model_s_chat_turn_is_the_conversation_as_plain_text():
+    """Without a chat template, a chat turn sent only its last message: no system prompt, no history,
+    without a word. It is now the conversation as plain text, answers read back as they were written."""
+    from rsd_cli.prompting import encode_prompt
+
+    tokenizer = Untemplated()
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " hello there\n"}]
+    encode_prompt(tokenizer, "and you?", system="Be brief.", history=history)
+    encode_prompt(tokenizer, "hi", history=[])
+    encode_prompt(tokenizer, "hi", system="Be brief.")  # generate: the system prompt before it, as --raw puts it
+    encode_prompt(tokenizer, "hi", system="Be brief.", raw=True, history=history)  # --raw: as it was
+    assert tokenizer.texts == ["Be brief.\n\nUser: hi\nAssistant: hello there\nUser: and you?\nAssistant:",
+                               "User: hi\nAssistant:", "Be brief.\n\nhi", "Be brief.\n\nhi"]
+
+
+def test_a_base_model_s_chat_says_how_it_talks_to_it_and_ends_an_answer_at_the_next_turn(tiny_pair_dir, tmp_path):
+    import shutil
+
+    untemplated = tmp_path / "base"
+    shutil.copytree(tiny_pair_dir / "target", untemplated)
+    (untemplated / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((untemplated / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (untemplated / "tokenizer_config.json").write_text(json.dumps(config))
+    profile = tmp_path / "base.toml"
+    profile.write_text(f'[target]\nsource = "{untemplated}"\n[draft]\nkind = "early-exit"\nlayers = 1\n'
+                       '[decoding]\nvariant = "sd"\n[sampling]\nmax_tokens = 12\ntemperature = 0\n')
+    from rsd_cli import chat
+
+    sent = []
+    real = chat.encode_prompt
+    saved = tmp_path / "chat.json"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(chat, "encode_prompt", lambda *a, **k: sent.append(k) or real(*a, **k))
+        result = CliRunner().invoke(app, ["chat", "-p", str(profile), "-s", "be kind"],
+                                    input=f"hello\nagain\n/save {saved}\n")
+    assert result.exit_code == 0, result.stderr
+    assert "the target has no chat template: the conversation goes to it as plain text" in result.stderr
+    assert [k["system"] for k in sent] == ["be kind", "be kind"]
+    assert [len(k["history"]) for k in sent] == [0, 2]  # the second turn reads the first
+    first = json.loads(saved.read_text())["messages"][1]["content"]
+    turn = first[2:4]  # (the tiny tokenizer writes no capitals: the next turn's line stands for a piece it writes)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(chat, "NEXT_TURN", turn)
+        stopped = CliRunner().invoke(app, ["chat", "-p", str(profile), "-s", "be kind"], input=f"hello\n/save {saved}\n")
+    assert stopped.exit_code == 0, stopped.stderr
+    assert json.loads(saved.read_text())["messages"][-1]["content"] == first[: first.index(turn)] != first
