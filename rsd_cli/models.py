@@ -1038,6 +1038,19 @@ def _read_adapter(path: Path, with_tensors: bool = True) -> tuple[dict, dict]:
     return meta, tensors
 
 
+def _trained_vocab(meta: dict) -> int:
+    """The draft head's size an adapter was trained for (`rsd distill --vocab N`); 0: the whole vocabulary."""
+    try:
+        return int(json.loads(meta.get("rsd_recipe", "{}")).get("vocab", 0))
+    except (ValueError, TypeError, AttributeError):
+        return 0
+
+
+def adapter_vocab(path: Path) -> int:
+    """The draft head's size the adapter in `path` was trained for (0: the whole vocabulary)."""
+    return _trained_vocab(_read_adapter(path, with_tensors=False)[0])
+
+
 def load_adapter(path: Path, target, layers: int, vocab: int = 0):
     """The adapter in `path`, checked against the target, K and the draft head's size (an
     adapter trained for an N-token head leaves the other rows of the head untrained)."""
@@ -1049,10 +1062,7 @@ def load_adapter(path: Path, target, layers: int, vocab: int = 0):
                        f"train one with `rsd distill`, or set draft.adapter = \"\" for none")
     if meta.get("rsd_layers") != str(layers):
         raise RsdError(f"{path} was trained after {meta.get('rsd_layers')} layers, but draft.layers = {layers}")
-    try:
-        trained_vocab = int(json.loads(meta.get("rsd_recipe", "{}")).get("vocab", 0))
-    except (ValueError, TypeError, AttributeError):
-        trained_vocab = 0
+    trained_vocab = _trained_vocab(meta)
     if trained_vocab and not 0 < vocab <= trained_vocab:
         raise RsdError(f"{path} was trained for a {trained_vocab}-token draft head: set draft.vocab = {trained_vocab} "
                        f"(now {vocab or 'the whole vocabulary'})")
@@ -1177,12 +1187,15 @@ def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, l
     draft_cfg = profile["draft"]
     if draft_cfg["kind"] == "early-exit":
         path = adapter_path(draft_cfg["adapter"], profile, target, draft_cfg["layers"])
-        adapter = load_adapter(path, target, draft_cfg["layers"], draft_cfg["vocab"]) if path else None
+        head = draft_cfg["vocab"]
+        if path and profile.origins["draft"]["vocab"] == "default":  # (not set: the head the adapter was trained for)
+            head = adapter_vocab(path) or head
+        adapter = load_adapter(path, target, draft_cfg["layers"], head) if path else None
         rounded = adapter is not None and round_adapter(adapter)
-        draft = early_exit_draft(target, draft_cfg["layers"], adapter, draft_cfg["vocab"])
+        draft = early_exit_draft(target, draft_cfg["layers"], adapter, head)
         what = f"early-exit {draft_cfg['layers']} layers" + (" + adapter" if adapter is not None else "")
         what += " (8-bit blocks)" if rounded else ""
-        what += f", {draft_cfg['vocab']}-token head" if draft_cfg["vocab"] else ""
+        what += f", {head}-token head" if head else ""
     else:
         if not draft_cfg["source"]:
             raise RsdError(f"{profile.path}: draft.kind = \"model\" needs draft.source")

@@ -280,7 +280,7 @@ def test_the_training_graph_of_a_mixer_adapter_after_attention_has_the_mixers_ki
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_an_adapter_trained_for_a_reduced_head_asks_for_that_head(target_profile, tmp_path):
+def test_an_adapter_trained_for_a_reduced_head_takes_that_head_or_asks_for_it(target_profile, tmp_path):
     profile, prompts = target_profile
     out = tmp_path / "adapter.safetensors"
     trained = _distill(profile, out, "--prompts", str(prompts), "--epochs", "1", "--vocab", "20")
@@ -302,3 +302,9 @@ def test_an_adapter_trained_for_a_reduced_head_asks_for_that_head(target_profile
         assert (result.exit_code == 0) == ok, (vocab, result.stderr)
         if not ok:
             assert "trained for a 20-token draft head: set draft.vocab = 20" in result.stderr
+    # draft.vocab not set (an explicit 0 above is refused): the head the adapter was trained for
+    unset = tmp_path / "unset.toml"
+    unset.write_text(base + "[sampling]\nmax_tokens = 4\n")
+    assert CliRunner().invoke(app, ["generate", "-p", str(unset), "hello"]).exit_code == 0
+    session = CliRunner().invoke(app, ["chat", "-p", str(unset)], input="")
+    assert session.exit_code == 0 and "adapter, 20-token head" in session.stderr, session.stderr
