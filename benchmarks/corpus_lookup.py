@@ -94,7 +94,8 @@ def main() -> None:
     for n in sorted(by_n):
         print(f"  n={n}  {by_n[n][0] / positions:.3f}  {by_n[n][1] / by_n[n][0]:.3f}")
     right = sum(v[1] for v in by_n.values())
-    print(f"  any  {sum(v[0] for v in by_n.values()) / positions:.3f}  (right on {right / positions:.3f} of all positions)")
+    found = sum(v[0] for v in by_n.values())
+    print(f"  any  {found / positions:.3f}  (right on {right / positions:.3f} of all positions)")
     print("corpus lookup, n >= 2 seen >= s times, its top continuation >= c of them: share, right")
     for (s, c), (count, hits) in confident.items():
         print(f"  s={s:<3} c={c}  {count / positions:.3f}  {hits / max(count, 1):.3f}")

@@ -393,8 +393,9 @@ def _converse(session, pair, profile, console, out, read_line) -> None:
     console.print(f"[dim]rsd chat · {pair.description} · {runtime} · {make_decoder(pair, profile).shape.describe()} · "
                   f"/help for commands, Ctrl-D to leave[/dim]")
     if not has_chat_template(pair.tokenizer):
-        console.print("[dim](the target has no chat template: the conversation goes to it as plain text, each message "
-                      "on a line after User: or Assistant:, and an answer ends where it starts the next User: line)[/dim]")
+        console.print("[dim](the target has no chat template: the conversation goes to it as plain text, each "
+                      "message on a line after User: or Assistant:, and an answer ends where it starts the next "
+                      "User: line)[/dim]")
     if session.history:
         console.print(f"[dim]resumed {len(session.history)} messages[/dim]")
     while True:

@@ -1188,7 +1188,8 @@ def load_pair(profile, progress: Progress = _quiet, notice: Progress = _quiet, l
     if draft_cfg["kind"] == "early-exit":
         path = adapter_path(draft_cfg["adapter"], profile, target, draft_cfg["layers"])
         head = draft_cfg["vocab"]
-        if path and profile.origins.get("draft", {}).get("vocab") == "default":  # (not set: the head the adapter was trained for)
+        # (draft.vocab not set: the head the adapter was trained for)
+        if path and profile.origins.get("draft", {}).get("vocab") == "default":
             head = adapter_vocab(path) or head
         adapter = load_adapter(path, target, draft_cfg["layers"], head) if path else None
         rounded = adapter is not None and round_adapter(adapter)
