@@ -269,7 +269,7 @@ def by_address(value):
         defaults = by_address(value.__defaults__ or ())
         cells = [by_address(cell.cell_contents) for cell in value.__closure__ or ()]
         return lambda: FunctionType(code, scope, name, defaults() or None,
-                                          tuple(CellType(make()) for make in cells) or None)
+                                    tuple(CellType(make()) for make in cells) or None)
     return lambda: value
 
 
