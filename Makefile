@@ -10,6 +10,10 @@ TORCH_SPEC ?= torch==2.13.0
 # PyTorch's own CPU build (a few hundred MB: a Graviton, a Raspberry Pi, a laptop without a GPU).
 TORCH_INDEX ?=
 PROMPT ?= Explain in two sentences why the sky is blue.
+# How many processes run the tests side by side (pytest-xdist): "auto" is one per CPU. Each test's torch
+# runs on one thread, so on a 2-core machine two processes take about half the time of one; 0 runs them
+# all in this process (as a bare `pytest` does).
+TEST_WORKERS ?= auto
 
 .PHONY: install run test bench completions clean
 
@@ -28,7 +32,7 @@ run: install
 	$(BIN)/rsd generate "$(PROMPT)"
 
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 bench: install
 	$(BIN)/rsd bench
