@@ -10,10 +10,11 @@ TORCH_SPEC ?= torch==2.13.0
 # PyTorch's own CPU build (a few hundred MB: a Graviton, a Raspberry Pi, a laptop without a GPU).
 TORCH_INDEX ?=
 PROMPT ?= Explain in two sentences why the sky is blue.
-# How many processes run the tests side by side (pytest-xdist): "auto" is one per CPU. Each test's torch
-# runs on one thread, so on a 2-core machine two processes take about half the time of one; 0 runs them
-# all in this process (as a bare `pytest` does).
-TEST_WORKERS ?= auto
+# How many processes run the tests side by side (pytest-xdist): one per CPU this process may run on
+# (nproc; xdist's own "auto" counts physical cores, one on a 2-vCPU machine whose vCPUs are a core's two
+# threads). Each test's torch runs on one thread, and much of a test's time is the compiler's, so two
+# processes on 2 CPUs take about half the time of one; 0 runs every test in one process (as `pytest` does).
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 
 .PHONY: install run test bench completions clean
 
@@ -32,7 +33,7 @@ run: install
 	$(BIN)/rsd generate "$(PROMPT)"
 
 test: install
-	$(BIN)/python -m pytest -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=15
 
 bench: install
 	$(BIN)/rsd bench
