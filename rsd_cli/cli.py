@@ -260,7 +260,7 @@ def _profile_and_pair(profile: str | None, arguments: dict, fixed_shape: bool = 
     """The profile with the command's flags applied (checked before any model loads), and the pair;
     fixed_shape: every step has the profile's shape (not in chat, whose /set may change the variant,
     nor for completions decoded together), so compiling prepares what that shape runs."""
-    from .runtime import FLAG_KEYS, shape_of, unread_settings
+    from .runtime import FLAG_KEYS, shape_of, unreachable_min_tokens, unread_settings
 
     flags = {name: arguments.get(name) for name in FLAG_KEYS}
     prof = _load_profile(profile, {**flags, "ignore_eos": arguments.get("ignore_eos", False)})
@@ -268,6 +268,8 @@ def _profile_and_pair(profile: str | None, arguments: dict, fixed_shape: bool = 
                              [name for name, value in flags.items() if value is not None])
     if unread:  # (a flag the variant does not read: said, not refused — a script may pass one set to every variant)
         notice(unread)
+    if unreachable := unreachable_min_tokens(prof):
+        notice(unreachable)
     shape = shape_of(prof)
     return prof, Loader().load(prof, fixed=shape if fixed_shape else None)
 

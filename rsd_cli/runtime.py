@@ -92,6 +92,19 @@ def apply_flags(profile: Profile, flags: dict[str, Any]) -> Profile:
     return profile
 
 
+def unreachable_min_tokens(profile: Profile) -> str | None:
+    """One line where min_tokens is above max_tokens (each answer then stops at max_tokens, its
+    end-of-sequence tokens and stop strings barred throughout, which the user may not expect); else None.
+    --ignore-eos sets min_tokens to max_tokens: not above."""
+    s, origins = profile["sampling"], profile.origins.get("sampling", {})
+    if s["min_tokens"] <= s["max_tokens"]:
+        return None
+    where = {key: f" ({origins[key]})" if origins.get(key, "default") != "default" else "" for key in s}
+    return (f"min_tokens {s['min_tokens']}{where['min_tokens']} is above max_tokens {s['max_tokens']}"
+            f"{where['max_tokens']}: every answer runs to {s['max_tokens']} tokens (no end-of-sequence token or stop "
+            f"string ends it earlier)")
+
+
 # the tree settings (FLAG_KEYS' names) each variant's shape reads (shape_of); a profile may hold others for
 # other variants, but a flag or a /set of one the variant does not read changes nothing
 SHAPE_SETTINGS = {"ar": (), "sd": ("draft_len", "budget"), "lookup": ("draft_len", "ngram", "budget"),

@@ -536,6 +536,24 @@ def test_a_tree_flag_the_variant_does_not_read_is_said_in_one_line(cli, tiny_pro
         assert not [line for line in plain.stderr.splitlines() if line.startswith("rsd: ")]
 
 
+@pytest.mark.parametrize("args, said", [
+    (["-n", "3", "--min-tokens", "5"], "rsd: min_tokens 5 (flag --min-tokens) is above max_tokens 3 (flag "
+     "--max-tokens): every answer runs to 3 tokens (no end-of-sequence token or stop string ends it earlier)"),
+    (["-n", "3", "--min-tokens", "3"], None),
+    (["-n", "3", "--ignore-eos"], None),
+])
+def test_min_tokens_above_max_tokens_is_said_in_one_line(cli, tiny_profile, args, said):
+    """`-n 3 --min-tokens 5` capped the answer at 3 tokens without a word: said on stderr, and the
+    answer is the one --max-tokens gives with the end-of-sequence barred throughout (--ignore-eos's)."""
+    result = cli("generate", "hi", "-p", tiny_profile, "--json", "-t", "0", *args, input="")
+    assert result.exit_code == 0, result.stderr
+    notes = [line for line in result.stderr.splitlines() if line.startswith("rsd: ")]
+    assert notes == ([said] if said else [])
+    barred = cli("generate", "hi", "-p", tiny_profile, "--json", "-t", "0", "-n", "3", "--ignore-eos", input="")
+    tokens = json.loads(result.stdout)["token_ids"]
+    assert tokens == json.loads(barred.stdout)["token_ids"] and len(tokens) == 3
+
+
 def test_chat_s_set_of_a_tree_setting_the_variant_does_not_read_says_so(tiny_profile):
     script = "/set variant rsd-c\n/set depth 3\n/set branching 3\n/set variant rsd-s\n/set depth 3\n"
     result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile)], input=script)
