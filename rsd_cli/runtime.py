@@ -99,10 +99,13 @@ def unreachable_min_tokens(profile: Profile) -> str | None:
     s, origins = profile["sampling"], profile.origins.get("sampling", {})
     if s["min_tokens"] <= s["max_tokens"]:
         return None
-    where = {key: f" ({origins[key]})" if origins.get(key, "default") != "default" else "" for key in s}
-    return (f"min_tokens {s['min_tokens']}{where['min_tokens']} is above max_tokens {s['max_tokens']}"
-            f"{where['max_tokens']}: every answer runs to {s['max_tokens']} tokens (no end-of-sequence token or stop "
-            f"string ends it earlier)")
+
+    def named(key: str) -> str:  # (with where it was set, unless its default)
+        origin = origins.get(key, "default")
+        return f"{key} {s[key]}" + (f" ({origin})" if origin != "default" else "")
+
+    return (f"{named('min_tokens')} is above {named('max_tokens')}: every answer runs to {s['max_tokens']} tokens "
+            f"(no end-of-sequence token or stop string ends it earlier)")
 
 
 # the tree settings (FLAG_KEYS' names) each variant's shape reads (shape_of); a profile may hold others for
