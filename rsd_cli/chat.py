@@ -15,7 +15,8 @@ from .models import describe_layers
 from .profiles import parse_bool
 from .prompting import NEXT_TURN, encode_prompt, has_chat_template
 from .render import stats_line
-from .runtime import FLAG_KEYS, branching_factors, make_decoder, parse_logit_bias, seed_of, unread_settings
+from .runtime import (FLAG_KEYS, branching_factors, make_decoder, parse_logit_bias, seed_of, unreachable_min_tokens,
+                      unread_settings)
 
 HELP = """commands:
   /help                 this help
@@ -148,6 +149,8 @@ class ChatSession:
             what = f" · {shape.describe()}" if table == "decoding" else ""
             unread = unread_settings(shape.variant, self.profile["decoding"]["budget"], [key], spell=str)
             what += f" ({unread})" if unread else ""
+            unreachable = key in ("min_tokens", "max_tokens") and unreachable_min_tokens(self.profile)
+            what += f" — {unreachable}" if unreachable else ""
             console.print(f"{key} = {_as_typed(typed)}{what}", markup=False, highlight=False)
         elif name == "stats":
             console.print(stats_line(self.last_stats) if self.last_stats else "no answer yet", highlight=False)

@@ -554,6 +554,15 @@ def test_min_tokens_above_max_tokens_is_said_in_one_line(cli, tiny_profile, args
     assert tokens == json.loads(barred.stdout)["token_ids"] and len(tokens) == 3
 
 
+def test_chat_s_set_of_min_tokens_above_max_tokens_says_so(tiny_profile):
+    script = "/set max_tokens 4\n/set min_tokens 6\n/set max_tokens 8\n"
+    result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile)], input=script)
+    assert result.exit_code == 0, result.stderr
+    said = [part.strip() for part in result.stderr.split("you› ")[1:] if part.strip()]
+    assert said == ["max_tokens = 4", "min_tokens = 6 — min_tokens 6 (/set) is above max_tokens 4 (/set): every answer "
+                    "runs to 4 tokens (no end-of-sequence token or stop string ends it earlier)", "max_tokens = 8"]
+
+
 def test_chat_s_set_of_a_tree_setting_the_variant_does_not_read_says_so(tiny_profile):
     script = "/set variant rsd-c\n/set depth 3\n/set branching 3\n/set variant rsd-s\n/set depth 3\n"
     result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile)], input=script)
