@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import RsdError, UsageError
-from .generation import stop_text_of, stream_completion
+from .generation import context_end_note, stop_text_of, stream_completion
 from .models import describe_layers
 from .profiles import parse_bool
 from .prompting import NEXT_TURN, encode_prompt, has_chat_template
@@ -196,7 +196,7 @@ class ChatSession:
         self.turns += 1
         self.history.append({"role": "user", "content": message})
         try:
-            _, stats, _, text = stream_completion(self.pair, decoder, ids, self.profile["sampling"]["max_tokens"],
+            tokens, stats, events, text = stream_completion(self.pair, decoder, ids, self.profile["sampling"]["max_tokens"],
                                                   seed, out=out, console=console, live=self.tree,
                                                   stop_text=stop_text_of(self.pair.tokenizer, self.profile,
                                                                          self.plain_stops()),
@@ -214,6 +214,10 @@ class ChatSession:
         self.kept = decoder.kept
         out.write("\n")
         out.flush()
+        if events and events[-1].finished == "context":  # (max_tokens above half the context: prompt_ids)
+            note = context_end_note(self.pair.context_length, len(ids), len(tokens),
+                                    self.profile["sampling"]["max_tokens"])
+            console.print(f"({note})", style="dim", markup=False, highlight=False)
         self.last_stats = stats
         self.learnt = (decoder.shape, decoder.sampling, decoder.policy)
         self.history.append({"role": "assistant", "content": text})

@@ -199,6 +199,13 @@ def stop_text_of(tokenizer, profile, also: tuple[str, ...] = ()) -> StopText:
     return StopText(tokenizer, [*sampling["stop"], *also], sampling["min_tokens"], sampling["include_stop"])
 
 
+def context_end_note(context_length: int, prompt_tokens: int, answer_tokens: int, max_tokens: int) -> str:
+    """The line that says why an answer is shorter than max_tokens without an end-of-sequence token or
+    a stop string: the model's context ended it (StepEvent.finished "context")."""
+    return (f"the answer stopped at the end of the model's context of {context_length} tokens ({prompt_tokens} of the "
+            f"prompt, {answer_tokens} of the answer), before max_tokens {max_tokens}")
+
+
 def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, console=None, live=False,
                       write_text=True, keep_events=False, stop_text: StopText | None = None,
                       on_step=None, reading_note=False):
@@ -327,6 +334,9 @@ def run_generate(pair, profile, text: str | list[str], *, system=None, raw=False
         else:
             out.write("\n")
         out.flush()
+        if completion.finish_reason == "context":  # (else a short answer and no reason: said, --json or not)
+            pair.notice(context_end_note(pair.context_length, len(prompt_ids[completion.prompt]),
+                                         len(completion.tokens), profile["sampling"]["max_tokens"]))
         if console is not None:
             if step_table and completion.finish_reason != "interrupted":
                 console.print(steps_table(completion.events, pair.tokenizer))

@@ -563,6 +563,17 @@ def test_chat_s_set_of_min_tokens_above_max_tokens_says_so(tiny_profile):
                     "runs to 4 tokens (no end-of-sequence token or stop string ends it earlier)", "max_tokens = 8"]
 
 
+def test_a_chat_answer_the_context_ends_says_so(tiny_profile):
+    """Chat leaves room for max_tokens up to half the context: an answer allowed more can meet the
+    context's end, and says so after it; the next message is still sent (its oldest messages left out)."""
+    script = "/set max_tokens 120\n/set min_tokens 120\n" + "a" * 200 + "\nb\n"
+    result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile)], input=script)
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.count("(the answer stopped at the end of the model's context of 256 tokens (") == 1
+    assert "of the answer), before max_tokens 120)" in result.stderr
+    assert "(the conversation outgrew the model's context of 256 tokens" in result.stderr  # (the next one's)
+
+
 def test_chat_s_set_of_a_tree_setting_the_variant_does_not_read_says_so(tiny_profile):
     script = "/set variant rsd-c\n/set depth 3\n/set branching 3\n/set variant rsd-s\n/set depth 3\n"
     result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile)], input=script)
@@ -633,6 +644,24 @@ def test_mismatched_tokenizers_are_refused(cli, tiny_pair_dir, tmp_path):
 def test_prompt_longer_than_the_context(cli, tiny_profile):
     result = cli("generate", "a" * 400, "-p", tiny_profile, "--raw", input="")
     assert_clean_error(result, 1, "context holds 256")
+
+
+def test_an_answer_the_context_ends_says_so_in_one_line(cli, tiny_profile):
+    """An answer cut short by the model's context (256 tokens here) before max_tokens says so on
+    stderr — plain text, --json, and completions decoded together — where it used to end short without
+    a word; an answer that max_tokens ends does not."""
+    prompt = ["a" * 240, "-p", tiny_profile, "--raw", "--ignore-eos"]
+    record = json.loads(cli("generate", *prompt, "-n", "40", "--json", input="").stdout)
+    answer = 256 - record["prompt_tokens"]
+    assert record["finish_reason"] == "context" and len(record["token_ids"]) == answer < 40
+    line = (f"rsd: the answer stopped at the end of the model's context of 256 tokens ({record['prompt_tokens']} "
+            f"of the prompt, {answer} of the answer), before max_tokens 40\n")
+    for args in (["-n", "40"], ["-n", "40", "--json"], ["-n", "40", "--samples", "2", "-v", "ar", "-q"]):
+        result = cli("generate", *prompt, *args, input="")
+        assert result.exit_code == 0, result.stderr
+        assert result.stderr.count(line) == (2 if "--samples" in args else 1), (args, result.stderr)
+    short = cli("generate", *prompt, "-n", str(answer), input="")
+    assert short.exit_code == 0 and "context" not in short.stderr
 
 
 def test_empty_prompt_and_bad_stdin(cli, tiny_profile):
