@@ -92,20 +92,32 @@ def apply_flags(profile: Profile, flags: dict[str, Any]) -> Profile:
     return profile
 
 
+def _set_where(profile: Profile, key: str) -> str:
+    """Where a sampling setting was set, as a note says it after the value (` (flag --min-tokens)`);
+    nothing for its default."""
+    origin = profile.origins.get("sampling", {}).get(key, "default")
+    return f" ({origin})" if origin != "default" else ""
+
+
 def unreachable_min_tokens(profile: Profile) -> str | None:
     """One line where min_tokens is above max_tokens (each answer then stops at max_tokens, its
     end-of-sequence tokens and stop strings barred throughout, which the user may not expect); else None.
     --ignore-eos sets min_tokens to max_tokens: not above."""
-    s, origins = profile["sampling"], profile.origins.get("sampling", {})
-    if s["min_tokens"] <= s["max_tokens"]:
+    least, most = profile["sampling"]["min_tokens"], profile["sampling"]["max_tokens"]
+    if least <= most:
         return None
+    return (f"min_tokens {least}{_set_where(profile, 'min_tokens')} is above max_tokens {most}"
+            f"{_set_where(profile, 'max_tokens')}: every answer runs to {most} tokens (no end-of-sequence token "
+            f"or stop string ends it earlier)")
 
-    def named(key: str) -> str:  # (with where it was set, unless its default)
-        origin = origins.get(key, "default")
-        return f"{key} {s[key]}" + (f" ({origin})" if origin != "default" else "")
 
-    return (f"{named('min_tokens')} is above {named('max_tokens')}: every answer runs to {s['max_tokens']} tokens "
-            f"(no end-of-sequence token or stop string ends it earlier)")
+def idle_include_stop(profile: Profile) -> str | None:
+    """One line where include_stop is on without a stop string: it applies to stop strings only, so it
+    then changes nothing; else None. Not for chat, whose own stop (a base model's next `User:` line)
+    it applies to as well."""
+    if not profile["sampling"]["include_stop"] or profile["sampling"]["stop"]:
+        return None
+    return f"include_stop{_set_where(profile, 'include_stop')} changes nothing without a stop string (--stop)"
 
 
 # the tree settings (FLAG_KEYS' names) each variant's shape reads (shape_of); a profile may hold others for

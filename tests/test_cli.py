@@ -554,6 +554,24 @@ def test_min_tokens_above_max_tokens_is_said_in_one_line(cli, tiny_profile, args
     assert tokens == json.loads(barred.stdout)["token_ids"] and len(tokens) == 3
 
 
+@pytest.mark.parametrize("args, env, said", [
+    (["--include-stop"], {}, "rsd: include_stop (flag --include-stop) changes nothing without a stop string (--stop)"),
+    ([], {"RSD_SAMPLING_INCLUDE_STOP": "1"}, "rsd: include_stop (env RSD_SAMPLING_INCLUDE_STOP) changes nothing "
+     "without a stop string (--stop)"),
+    (["--include-stop", "--stop", "zz"], {}, None),
+], ids=["flag", "env", "with-a-stop"])
+def test_include_stop_without_a_stop_string_is_said_in_one_line(cli, tiny_profile, args, env, said):
+    """--include-stop applies to stop strings only: without one it changed nothing without a word.
+    Said (the answer unchanged); not with a stop string, nor in chat (a base model's `User:` stop)."""
+    result = cli("generate", "hi", "-p", tiny_profile, "--json", "-t", "0", *args, input="", env=env)
+    assert result.exit_code == 0, result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("rsd: ")] == ([said] if said else [])
+    plain = cli("generate", "hi", "-p", tiny_profile, "--json", "-t", "0", input="")
+    assert json.loads(result.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+    chat = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile), *args], input="", env=env)
+    assert chat.exit_code == 0 and "changes nothing" not in chat.stderr
+
+
 def test_chat_s_set_of_min_tokens_above_max_tokens_says_so(tiny_profile):
     script = "/set max_tokens 4\n/set min_tokens 6\n/set max_tokens 8\n"
     result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile)], input=script)
