@@ -15,8 +15,8 @@ from .models import describe_layers
 from .profiles import parse_bool
 from .prompting import NEXT_TURN, encode_prompt, has_chat_template
 from .render import stats_line
-from .runtime import (FLAG_KEYS, branching_factors, make_decoder, parse_logit_bias, seed_of, unreachable_min_tokens,
-                      unread_settings)
+from .runtime import (FLAG_KEYS, branching_factors, idle_include_stop, make_decoder, parse_logit_bias, seed_of,
+                      unreachable_min_tokens, unread_settings)
 
 HELP = """commands:
   /help                 this help
@@ -151,6 +151,8 @@ class ChatSession:
             what += f" ({unread})" if unread else ""
             unreachable = key in ("min_tokens", "max_tokens") and unreachable_min_tokens(self.profile)
             what += f" — {unreachable}" if unreachable else ""
+            idle = key in ("include_stop", "stop") and idle_include_stop(self.profile, "/set stop TEXT")
+            what += f" — {idle}" if idle else ""
             console.print(f"{key} = {_as_typed(typed)}{what}", markup=False, highlight=False)
         elif name == "stats":
             console.print(stats_line(self.last_stats) if self.last_stats else "no answer yet", highlight=False)

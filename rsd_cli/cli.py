@@ -256,11 +256,10 @@ def read_prompts(path: Path, prompt: str | None, stdin=None) -> list[str]:
     return read_prompt_file(path) if str(path) != "-" else prompts_in(read_prompt("-", stdin), "stdin")
 
 
-def _profile_and_pair(profile: str | None, arguments: dict, fixed_shape: bool = True, chat: bool = False):
+def _profile_and_pair(profile: str | None, arguments: dict, fixed_shape: bool = True):
     """The profile with the command's flags applied (checked before any model loads), and the pair;
     fixed_shape: every step has the profile's shape (not in chat, whose /set may change the variant,
-    nor for completions decoded together), so compiling prepares what that shape runs; chat: a stop
-    string of chat's own may come with the model (see idle_include_stop)."""
+    nor for completions decoded together), so compiling prepares what that shape runs."""
     from .runtime import FLAG_KEYS, idle_include_stop, shape_of, unreachable_min_tokens, unread_settings
 
     flags = {name: arguments.get(name) for name in FLAG_KEYS}
@@ -271,7 +270,7 @@ def _profile_and_pair(profile: str | None, arguments: dict, fixed_shape: bool = 
         notice(unread)
     if unreachable := unreachable_min_tokens(prof):
         notice(unreachable)
-    if not chat and (idle := idle_include_stop(prof)):
+    if idle := idle_include_stop(prof):
         notice(idle)
     shape = shape_of(prof)
     return prof, Loader().load(prof, fixed=shape if fixed_shape else None)
@@ -425,7 +424,7 @@ def chat(
     if load is not None:  # checked before any model loads
         saved_system, history = read_conversation(load.expanduser())
         system = system if system is not None else saved_system
-    prof, pair = _profile_and_pair(profile, locals(), fixed_shape=False, chat=True)  # (/set variant may change it)
+    prof, pair = _profile_and_pair(profile, locals(), fixed_shape=False)  # (/set variant may change it)
     run_chat(pair, prof, system=system, tree=tree, console=_stderr_console(), history=history)
 
 

@@ -27,13 +27,15 @@ class StopText:
     released, and while streaming only the tail that could still begin a stop string is held back.
     Without stop strings it is plain incremental detokenisation. With min_tokens, a stop string ends
     the text only where it ends after the first min_tokens - 1 tokens' text (as vLLM's min_tokens:
-    no stop is looked for before the answer has that many)."""
+    no stop is looked for before the answer has that many). `turn_ends` are stop strings of rsd's own
+    (chat's next `User:` line for a base model): never included, whatever `include` says."""
 
-    def __init__(self, tokenizer, stops: list[str] = (), min_tokens: int = 0, include: bool = False):
+    def __init__(self, tokenizer, stops: list[str] = (), min_tokens: int = 0, include: bool = False,
+                 turn_ends: tuple[str, ...] = ()):
         self.detok = IncrementalDecoder(tokenizer)
-        self.stops = [s for s in stops if s]
+        self.stops = [s for s in [*stops, *turn_ends] if s]
         self.min_tokens = min_tokens
-        self.include = include
+        self.included = {s for s in stops if s} if include else set()  # the stops the text ends with
         self.pushed = 0  # tokens pushed
         self.floor = 0  # characters of the first min_tokens - 1 tokens' text: a stop must end past them
         self.text = ""  # decoded so far (past a stop only up to it)
@@ -80,7 +82,7 @@ class StopText:
         if not found:
             return False
         at, self.matched = min(found)
-        self.text = self.text[: at + len(self.matched) if self.include else at]
+        self.text = self.text[: at + len(self.matched) if self.matched in self.included else at]
         return True
 
     def _held(self) -> int:
@@ -193,10 +195,11 @@ class Interrupted(KeyboardInterrupt):
         self.tokens, self.stats, self.events, self.text = tokens, stats, events, text
 
 
-def stop_text_of(tokenizer, profile, also: tuple[str, ...] = ()) -> StopText:
-    """A completion's StopText with the profile's stop strings (and `also`'s), min_tokens and include_stop."""
+def stop_text_of(tokenizer, profile, turn_ends: tuple[str, ...] = ()) -> StopText:
+    """A completion's StopText with the profile's stop strings, min_tokens and include_stop (and
+    rsd's own `turn_ends`, never included)."""
     sampling = profile["sampling"]
-    return StopText(tokenizer, [*sampling["stop"], *also], sampling["min_tokens"], sampling["include_stop"])
+    return StopText(tokenizer, sampling["stop"], sampling["min_tokens"], sampling["include_stop"], turn_ends)
 
 
 def context_end_note(context_length: int, prompt_tokens: int, answer_tokens: int, max_tokens: int) -> str:

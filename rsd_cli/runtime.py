@@ -111,13 +111,13 @@ def unreachable_min_tokens(profile: Profile) -> str | None:
             f"or stop string ends it earlier)")
 
 
-def idle_include_stop(profile: Profile) -> str | None:
-    """One line where include_stop is on without a stop string: it applies to stop strings only, so it
-    then changes nothing; else None. Not for chat, whose own stop (a base model's next `User:` line)
-    it applies to as well."""
+def idle_include_stop(profile: Profile, how: str = "--stop") -> str | None:
+    """One line where include_stop is on without a stop string (`how` sets one): it applies to the
+    user's stop strings only (not end-of-sequence or stop tokens, nor chat's own end of a base model's
+    turn), so it then changes nothing; else None."""
     if not profile["sampling"]["include_stop"] or profile["sampling"]["stop"]:
         return None
-    return f"include_stop{_set_where(profile, 'include_stop')} changes nothing without a stop string (--stop)"
+    return f"include_stop{_set_where(profile, 'include_stop')} changes nothing without a stop string ({how})"
 
 
 # the tree settings (FLAG_KEYS' names) each variant's shape reads (shape_of); a profile may hold others for

@@ -561,15 +561,25 @@ def test_min_tokens_above_max_tokens_is_said_in_one_line(cli, tiny_profile, args
     (["--include-stop", "--stop", "zz"], {}, None),
 ], ids=["flag", "env", "with-a-stop"])
 def test_include_stop_without_a_stop_string_is_said_in_one_line(cli, tiny_profile, args, env, said):
-    """--include-stop applies to stop strings only: without one it changed nothing without a word.
-    Said (the answer unchanged); not with a stop string, nor in chat (a base model's `User:` stop)."""
+    """--include-stop applies to the user's stop strings only: without one it changed nothing without a
+    word. Said (the answer unchanged), in chat too; not with a stop string."""
     result = cli("generate", "hi", "-p", tiny_profile, "--json", "-t", "0", *args, input="", env=env)
     assert result.exit_code == 0, result.stderr
     assert [line for line in result.stderr.splitlines() if line.startswith("rsd: ")] == ([said] if said else [])
     plain = cli("generate", "hi", "-p", tiny_profile, "--json", "-t", "0", input="")
     assert json.loads(result.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
     chat = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile), *args], input="", env=env)
-    assert chat.exit_code == 0 and "changes nothing" not in chat.stderr
+    assert chat.exit_code == 0 and [line for line in chat.stderr.splitlines() if line.startswith("rsd: ")] == \
+        ([said] if said else [])
+
+
+def test_chat_s_set_of_include_stop_without_a_stop_string_says_so(tiny_profile):
+    script = "/set include_stop on\n/set stop zz\n/set stop []\n/set include_stop off\n"
+    result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile)], input=script)
+    assert result.exit_code == 0, result.stderr
+    said = [part.strip() for part in result.stderr.split("you› ")[1:] if part.strip()]
+    idle = "include_stop (/set) changes nothing without a stop string (/set stop TEXT)"
+    assert said == [f"include_stop = on — {idle}", 'stop = ["zz"]', f"stop = [] — {idle}", "include_stop = off"]
 
 
 def test_chat_s_set_of_min_tokens_above_max_tokens_says_so(tiny_profile):

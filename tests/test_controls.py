@@ -575,5 +575,12 @@ def test_a_base_model_s_chat_says_how_it_talks_to_it_and_ends_an_answer_at_the_n
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(chat, "NEXT_TURN", turn)
         stopped = CliRunner().invoke(app, ["chat", "-p", str(profile), "-s", "be kind"], input=f"hello\n/save {saved}\n")
-    assert stopped.exit_code == 0, stopped.stderr
-    assert json.loads(saved.read_text())["messages"][-1]["content"] == first[: first.index(turn)] != first
+        assert stopped.exit_code == 0, stopped.stderr
+        assert json.loads(saved.read_text())["messages"][-1]["content"] == first[: first.index(turn)] != first
+        # --include-stop keeps the user's stop strings only: the next turn's start, rsd's own, stays out of
+        # the answer (kept, the next turn's prompt would hold it twice)
+        kept = CliRunner().invoke(app, ["chat", "-p", str(profile), "-s", "be kind", "--include-stop"],
+                                  input=f"hello\n/save {saved}\n")
+    assert kept.exit_code == 0, kept.stderr
+    assert json.loads(saved.read_text())["messages"][-1]["content"] == first[: first.index(turn)]
+    assert "rsd: include_stop (flag --include-stop) changes nothing without a stop string (--stop)" in kept.stderr
