@@ -5,6 +5,7 @@ Precedence: flags > environment (RSD_<TABLE>_<KEY>) > profile file > built-in de
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -329,6 +330,25 @@ def find_profile(name_or_path: str) -> tuple[str, Path]:
     return name_or_path, profiles[name_or_path][0]
 
 
+def _check_environment(environ) -> None:
+    """A variable named like a setting (RSD_<TABLE>_<KEY>) that is none — RSD_SAMPLING_TEMPRATURE — is
+    refused as a profile's unknown key is, naming the setting meant where one is close: read as nothing,
+    it would leave the answer to a setting the user meant to change."""
+    for name in sorted(environ):
+        table = next((t for t in SCHEMA if name.startswith(f"RSD_{t.upper()}_")), None)
+        if table is None:
+            continue
+        key = name[len(f"RSD_{table}_"):].lower()
+        if key in SCHEMA[table]:
+            continue
+        elsewhere = [t for t in SCHEMA if key in SCHEMA[t]]  # (a key of another table: RSD_SAMPLING_VARIANT)
+        meant = [f"RSD_{t}_{key}".upper() for t in elsewhere] or \
+            [f"RSD_{table}_{k}".upper() for k in difflib.get_close_matches(key, SCHEMA[table], n=1, cutoff=0.6)]
+        known = ", ".join(f"RSD_{table}_{k}".upper() for k in SCHEMA[table])
+        raise RsdError(f"environment variable {name} is not a setting ("
+                       + (f"did you mean {meant[0]}?" if meant else f"[{table}] takes {known}") + ")")
+
+
 def load_profile(name_or_path: str | None = None, environ: dict[str, str] | None = None) -> Profile:
     environ = os.environ if environ is None else environ
     name, path = find_profile(name_or_path or environ.get("RSD_PROFILE") or "default")
@@ -339,6 +359,7 @@ def load_profile(name_or_path: str | None = None, environ: dict[str, str] | None
     except (OSError, UnicodeDecodeError) as e:
         raise RsdError(f"{path}: cannot read: {e}") from None
 
+    _check_environment(environ)
     profile = Profile(name, path)
     for key, value in data.items():
         if key in SCHEMA:

@@ -98,6 +98,21 @@ def test_flag_and_env_values_are_validated_too():
         apply_flags(profile, {"budget": 0})
 
 
+@pytest.mark.parametrize("name, said", [
+    ("RSD_SAMPLING_TEMPRATURE", "(did you mean RSD_SAMPLING_TEMPERATURE?)"),
+    ("RSD_SAMPLING_VARIANT", "(did you mean RSD_DECODING_VARIANT?)"),  # another table's key
+    ("RSD_RUNTIME_SPEED", "([runtime] takes RSD_RUNTIME_COMPILE)"),
+])
+def test_an_environment_variable_named_like_a_setting_but_none_is_refused(name, said):
+    """RSD_SAMPLING_TEMPRATURE=0 left the temperature at the profile's without a word; refused as a
+    profile's unknown key is. Other variables, rsd's own (RSD_CACHE_DIR, ...) included, are not."""
+    with pytest.raises(RsdError) as err:
+        load_profile("default", environ={name: "0"})
+    assert str(err.value) == f"environment variable {name} is not a setting {said}"
+    assert load_profile("default", environ={"RSD_CACHE_DIR": "/tmp", "RSD_DEBUG": "1", "RSD_SAMPLING_TOP_K": "3",
+                                            "RSD_DECODINGS": "x"})["sampling"]["top_k"] == 3
+
+
 def test_shapes_from_profiles(tmp_path):
     profile = load_profile(str(write(tmp_path, '[decoding]\nvariant = "rsd-c"\nbranching = [3, 2, 2]\n')))
     assert shape_of(profile).branching == (3, 2, 2) and shape_of(profile).max_nodes == 1 + 3 + 6 + 12
