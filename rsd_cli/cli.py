@@ -227,8 +227,9 @@ def _load_profile(profile: str | None, flags: dict):
     return apply_flags(load_profile(profile), flags)
 
 
-def read_prompt(prompt: str | None, stdin=None) -> str:
-    """The prompt argument, `-` for stdin, or piped stdin joined before the argument."""
+def read_prompt(prompt: str | None, stdin=None, what: str = "prompt") -> str:
+    """The prompt argument, `-` for stdin, or piped stdin joined before the argument (`what`: how
+    errors name it)."""
     stdin = stdin or sys.stdin
     piped = prompt == "-" or (stdin is not None and not stdin.isatty())
     text = ""
@@ -241,9 +242,9 @@ def read_prompt(prompt: str | None, stdin=None) -> str:
     if prompt not in (None, "-"):
         text = f"{text.rstrip()}\n{prompt}" if text.strip() else prompt
     elif prompt is None and not piped:
-        raise UsageError("no prompt: give one as an argument, or pipe it in (use - to read stdin)")
+        raise UsageError(f"no {what}: give one as an argument, or pipe it in (use - to read stdin)")
     if not text.strip():
-        raise UsageError("the prompt is empty")
+        raise UsageError(f"the {what} is empty")
     return text
 
 
@@ -484,11 +485,12 @@ def tokenize(
                                                   show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.", rich_help_panel=OUTPUT)] = False,
 ):
-    """The target's token ids for TEXT, one a line with its text (for --logit-bias), and the tokens
-    that end an answer; only the tokenizer loads."""
+    """The target's token ids for TEXT, each with its text (for --logit-bias), and the tokens that end an answer.
+
+    Only the tokenizer loads."""
     if system is not None and not chat:
         raise UsageError("--system applies with --chat (the tokens of a prompt)")
-    text = read_prompt(text)
+    text = read_prompt(text, what="text")
     prof = _load_profile(profile, {})
     tokenizer, eos = Loader().tokenizer(prof)
     eos |= set(prof["sampling"]["stop_tokens"])  # (what ends an answer with this profile)

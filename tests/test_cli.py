@@ -694,6 +694,7 @@ def test_an_answer_the_context_ends_says_so_in_one_line(cli, tiny_profile):
 
 def test_empty_prompt_and_bad_stdin(cli, tiny_profile):
     assert_clean_error(cli("generate", "   ", "-p", tiny_profile, input=""), 2, "the prompt is empty")
+    assert_clean_error(cli("tokenize", "   ", "-p", tiny_profile, input=""), 2, "the text is empty")
     assert_clean_error(cli("generate", "-", "-p", tiny_profile, input=b"\xff\xfe bad"), 1, "not valid UTF-8")
 
 
