@@ -69,6 +69,8 @@ profiles_app = typer.Typer(help="List and inspect profiles.", no_args_is_help=Tr
 app.add_typer(profiles_app, name="profiles")
 
 SAMPLING, DRAFT, OUTPUT = "Sampling", "Draft", "Output"
+ENDING = "Length and stops"  # (apart from Sampling: --include-stop's --no- column there cut --repetition-penalty
+# to "--repetition-pena…" at 80 columns)
 
 
 def _print_version(asked: bool) -> None:
@@ -182,12 +184,12 @@ LogitBiasOpt = Annotated[Optional[list[str]], typer.Option(
     "repeatable.", rich_help_panel=SAMPLING, show_default=False)]
 MinTokensOpt = Annotated[Optional[int], typer.Option(
     "--min-tokens", help="The answer does not end at an end-of-sequence token or a stop string before this many "
-    "tokens (0 disables).", rich_help_panel=SAMPLING, show_default=False)]
+    "tokens (0 disables).", rich_help_panel=ENDING, show_default=False)]
 IgnoreEosOpt = Annotated[bool, typer.Option(
     "--ignore-eos", help="Never end at an end-of-sequence token: answers run to --max-tokens (or a stop string).",
-    rich_help_panel=SAMPLING)]
+    rich_help_panel=ENDING)]
 MaxTokensOpt = Annotated[Optional[int], typer.Option("--max-tokens", "-n", help="The most tokens an answer takes.",
-                                                     rich_help_panel=SAMPLING, show_default=False)]
+                                                     rich_help_panel=ENDING, show_default=False)]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Makes the run reproducible.",
                                                 rich_help_panel=SAMPLING, show_default=False)]
 DraftLenOpt = Annotated[Optional[int], typer.Option("--draft-len", help="sd: draft length γ; lookup: at most γ tokens.",
@@ -204,14 +206,14 @@ NumDraftsOpt = Annotated[Optional[int], typer.Option("--num-drafts", help="spect
                                                      rich_help_panel=DRAFT, show_default=False)]
 StopOpt = Annotated[Optional[list[str]], typer.Option(
     "--stop", help="End the answer at the first occurrence of TEXT (not printed unless --include-stop); repeatable.",
-    rich_help_panel=SAMPLING, show_default=False)]
+    rich_help_panel=ENDING, show_default=False)]
 IncludeStopOpt = Annotated[Optional[bool], typer.Option(
     "--include-stop/--no-include-stop", help="Print the stop string that ended the answer too (and keep it in "
     "--json's text).",
-    rich_help_panel=SAMPLING, show_default=False)]
+    rich_help_panel=ENDING, show_default=False)]
 StopTokenOpt = Annotated[Optional[list[int]], typer.Option(
     "--stop-token", help="End the answer at this token id too, as at an end-of-sequence token (its text kept "
-    "unless special; `rsd tokenize` gives ids); repeatable.", rich_help_panel=SAMPLING, show_default=False)]
+    "unless special; `rsd tokenize` gives ids); repeatable.", rich_help_panel=ENDING, show_default=False)]
 CompileOpt = Annotated[Optional[str], typer.Option(
     "--compile", help="auto, on or off: run the models on rsd's static-cache runtime compiled (on; CUDA graphs on a "
     "GPU), compiled where measured 20% faster on this machine (auto), or on transformers' eager forward (off).",
@@ -523,7 +525,9 @@ def _csv_list(text: str, kind, name: str) -> list:
 @cli_errors
 def bench(
     profile: ProfileOpt = None,
-    variants: Annotated[str, typer.Option("--variants", help="Comma-separated variants.")] = BENCH_VARIANTS,
+    variants: Annotated[str, typer.Option("--variants", help=f"Comma-separated variants; by default every one: "
+                                          f"{BENCH_VARIANTS.replace(',', ', ')}.",  # (with spaces: it wraps)
+                                          show_default=False)] = BENCH_VARIANTS,
     budgets: Annotated[Optional[str], typer.Option("--budgets", help="Fixed target budgets, e.g. 6,10,14,21,30.",
                                                    show_default=False)] = None,
     depths: Annotated[Optional[str], typer.Option("--depths", help="Fixed draft lengths L, e.g. 2,4.",

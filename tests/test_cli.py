@@ -778,3 +778,12 @@ def test_help_everywhere(cli):
         result = cli(*args)
         assert result.exit_code == 0 and "Usage" in result.stdout, args
     assert "Sampling" in cli("generate", "--help").stdout and "Draft" in cli("generate", "--help").stdout
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "inspect-tree", "tokenize", "bench", "distill"])
+def test_help_at_80_columns_cuts_no_option_name_nor_default(cli, command):
+    """An 80-column terminal (the classic default) showed `--repetition-pena…` and `--frequency-penal…`
+    (--include-stop's `--no-` column in the same panel left them no room) and bench's default variants cut."""
+    result = cli(command, "--help", env={"COLUMNS": "80"})
+    assert result.exit_code == 0 and max(map(len, result.stdout.splitlines())) == 80
+    assert "…" not in result.stdout, [line for line in result.stdout.splitlines() if "…" in line]
