@@ -198,11 +198,10 @@ class ChatSession:
         self.turns += 1
         self.history.append({"role": "user", "content": message})
         try:
-            tokens, stats, events, text = stream_completion(self.pair, decoder, ids, self.profile["sampling"]["max_tokens"],
-                                                  seed, out=out, console=console, live=self.tree,
-                                                  stop_text=stop_text_of(self.pair.tokenizer, self.profile,
-                                                                         self.plain_stops()),
-                                                  reading_note=True)
+            tokens, stats, events, text = stream_completion(
+                self.pair, decoder, ids, self.profile["sampling"]["max_tokens"], seed, out=out, console=console,
+                live=self.tree, stop_text=stop_text_of(self.pair.tokenizer, self.profile, self.plain_stops()),
+                reading_note=True)
         except RsdError:  # not answered: the message leaves the conversation (the next one would fail too)
             self.kept = decoder.kept
             self.history.pop()
