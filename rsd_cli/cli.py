@@ -122,10 +122,26 @@ def cli_errors(fn):
         except Exception as e:
             if os.environ.get("RSD_DEBUG") == "1":
                 raise
-            error(f"{type(e).__name__}: {e} (set RSD_DEBUG=1 for the traceback)")
+            if isinstance(e, OSError) and e.strerror:  # (a cache folder that cannot be made, a full disk)
+                error(_os_error_line(e))
+            else:
+                error(f"{type(e).__name__}: {e} (set RSD_DEBUG=1 for the traceback)")
             raise typer.Exit(1) from None
 
     return wrapper
+
+
+def _os_error_line(e: OSError) -> str:
+    """An operating system's refusal as one line: its reason, the path, and where the path is in rsd's
+    cache folder (RSD_CACHE_DIR), which folder to change."""
+    from .models import cache_dir
+
+    path = e.filename if e.filename is not None else ""
+    line = f"{e.strerror}: {path}" if path else e.strerror
+    cache = cache_dir()
+    if path and (Path(path) == cache or cache in Path(path).parents):
+        line += f" (in rsd's cache folder {cache}: set RSD_CACHE_DIR to a writable folder)"
+    return line
 
 
 def _silence_stdout() -> None:

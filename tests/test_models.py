@@ -76,6 +76,27 @@ def test_a_first_conversion_is_said_in_one_line_off_a_terminal_too(tmp_path, mon
     assert "converting" not in again.stderr and again.stdout == first.stdout != ""
 
 
+def test_a_cache_folder_that_cannot_be_made_is_named_in_one_line(tmp_path):
+    """A GGUF file's conversion needs rsd's cache folder; one that cannot be made (here under a file)
+    said `NotADirectoryError: [Errno 20] ...`: now its reason and path, and which setting names it."""
+    from typer.testing import CliRunner
+
+    from rsd_cli.cli import app
+
+    gguf_file, blocker = tmp_path / "tiny.gguf", tmp_path / "a-file"
+    write_tiny_gguf(gguf_file, tiny_model(40, layers=2, seed=0, scale=0.3))
+    blocker.write_text("")
+    profile = tmp_path / "gguf.toml"
+    profile.write_text(f'[target]\nsource = "{gguf_file}"\n[draft]\nkind = "early-exit"\nlayers = 1\n')
+    result = CliRunner().invoke(app, ["generate", "c", "-p", str(profile)], input="",
+                                env={"RSD_CACHE_DIR": str(blocker / "cache")})
+    assert result.exit_code == 1 and result.stdout == "" and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"rsd: error: Not a directory: {blocker / 'cache'}")
+    assert result.stderr.endswith(f" (in rsd's cache folder {blocker / 'cache'}: set RSD_CACHE_DIR to a writable "
+                                  "folder)\n")
+    assert result.stderr.count("\n") == 1
+
+
 def test_a_conversion_parses_the_gguf_file_once_and_writes_the_same_files(tmp_path, monkeypatch):
     """transformers reads a GGUF file for the config, the weights and the tokenizer, and builds
     gguf's tensor name table once per module: within rsd's conversion each is made once, gguf is
