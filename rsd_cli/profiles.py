@@ -259,7 +259,10 @@ class Profile:
         return self.path.parent if self.path else Path.cwd()
 
     def resolve_path(self, value: str) -> str:
-        """Relative file paths in a profile are relative to the profile's folder."""
+        """A file path in a profile: `~` is the home folder (no shell expands it in TOML), and a relative
+        path is relative to the profile's folder where it exists there (else as given: a hub id)."""
+        if value.startswith("~"):
+            return str(Path(value).expanduser())
         if value and not Path(value).is_absolute() and (self.base_dir / value).exists():
             return str(self.base_dir / value)
         return value

@@ -113,6 +113,18 @@ def test_an_environment_variable_named_like_a_setting_but_none_is_refused(name, 
                                             "RSD_DECODINGS": "x"})["sampling"]["top_k"] == 3
 
 
+def test_a_profile_s_paths_take_the_home_folder_and_its_own_folder(tmp_path, monkeypatch):
+    """`source = "~/models/x"` was looked for as a folder named `~` (then as a hub id): no shell expands
+    `~` in a TOML file, so rsd does, as it does for offload_folder; a relative path that exists beside
+    the profile is taken from there, anything else (a hub id) as it is."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "profiles" / "mine").mkdir(parents=True)
+    profile = load_profile(str(write(tmp_path / "profiles", '[target]\nsource = "~/models/x"\n')), environ={})
+    assert profile.resolve_path(profile["target"]["source"]) == str(tmp_path / "home" / "models" / "x")
+    assert profile.resolve_path("mine") == str(tmp_path / "profiles" / "mine")
+    assert profile.resolve_path("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"
+
+
 def test_shapes_from_profiles(tmp_path):
     profile = load_profile(str(write(tmp_path, '[decoding]\nvariant = "rsd-c"\nbranching = [3, 2, 2]\n')))
     assert shape_of(profile).branching == (3, 2, 2) and shape_of(profile).max_nodes == 1 + 3 + 6 + 12
