@@ -166,6 +166,8 @@ def test_stop_strings_from_the_profile_and_the_environment(tiny_profile, tmp_pat
     profile = tmp_path / "stops.toml"
     profile.write_text(tiny_profile.read_text().replace("[sampling]\n", f"[sampling]\nstop = {json.dumps([stop])}\n"))
     assert greedy(profile)["stop"] == stop
+    profile.write_text(tiny_profile.read_text().replace("[sampling]\n", f"[sampling]\nstop = {json.dumps(stop)}\n"))
+    assert greedy(profile)["stop"] == stop  # (one string, not in a list, as RSD_SAMPLING_STOP takes it)
     monkeypatch.setenv("RSD_SAMPLING_STOP", json.dumps(["zzz", stop]))
     assert greedy(tiny_profile)["stop"] == stop
 
