@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import glob
 import json
 import os
@@ -130,7 +131,9 @@ class ChatSession:
                                   f"({self.profile.origins[table][entry]})", markup=False, highlight=False)
                 return True
             if key not in SETTABLE:
-                raise RsdError(f"usage: /set {'|'.join(SETTABLE)} VALUE (/set alone: the settings now)")
+                meant = difflib.get_close_matches(key, SETTABLE, n=1, cutoff=0.7)  # (/set temprature 0)
+                raise RsdError(f"no setting {key!r}: did you mean /set {meant[0]}?" if meant else
+                               f"usage: /set {'|'.join(SETTABLE)} VALUE (/set alone: the settings now)")
             try:
                 typed = SETTABLE[key](value.strip())
             except ValueError:
@@ -171,7 +174,8 @@ class ChatSession:
             self.save(Path(arg).expanduser())
             console.print(f"saved {len(self.history)} messages to {arg}")
         else:
-            raise RsdError(f"unknown command /{name} (try /help)")
+            meant = difflib.get_close_matches(f"/{name}", COMMANDS, n=1, cutoff=0.7)  # (/sve x.json)
+            raise RsdError(f"unknown command /{name}" + (f": did you mean {meant[0]}?" if meant else " (try /help)"))
         return True
 
     def save(self, path: Path) -> None:

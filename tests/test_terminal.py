@@ -29,6 +29,9 @@ def test_chat_scripted_session(tiny_profile, tmp_path):
         "/set temperature 0",
         "/set temperature -1",
         "/set nonsense 3",
+        "/set temprature 0.5",
+        "/sve x.json",
+        "/frobnicate",
         "/stats",
         "/tree off",
         "/system be brief",
@@ -46,6 +49,9 @@ def test_chat_scripted_session(tiny_profile, tmp_path):
     assert "temperature = 0.0" in result.stderr
     assert "sampling.temperature must be at least 0" in result.stderr  # an error, and the session goes on
     assert "usage: /set" in result.stderr
+    assert "error: no setting 'temprature': did you mean /set temperature?" in result.stderr
+    assert "error: unknown command /sve: did you mean /save?" in result.stderr
+    assert "error: unknown command /frobnicate (try /help)" in result.stderr
     assert "block efficiency" in result.stderr  # /stats
     assert "cannot save to" in result.stderr
     conversation = json.loads(saved.read_text())
