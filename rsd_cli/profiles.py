@@ -271,8 +271,8 @@ class Profile:
 def _coerce(key: Key, value: Any, where: str) -> Any:
     if key.type is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if key.type is list and key.item is str and isinstance(value, str):  # (one string: `stop = "\n\n"`, as
-        value = [value]  # its environment variable takes it)
+    if key.type is list and isinstance(value, key.item) and not isinstance(value, bool):  # one item alone:
+        value = [value]  # `stop = "\n\n"` (as its environment variable takes it), `stop_tokens = 198`
     ok = isinstance(value, key.type) and (key.type is bool or not isinstance(value, bool))
     if key.type is list:
         ok = isinstance(value, list) and all(isinstance(v, key.item) and not isinstance(v, bool) for v in value)

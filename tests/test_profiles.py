@@ -113,6 +113,17 @@ def test_an_environment_variable_named_like_a_setting_but_none_is_refused(name, 
                                             "RSD_DECODINGS": "x"})["sampling"]["top_k"] == 3
 
 
+def test_a_list_setting_takes_one_item_alone(tmp_path):
+    """`stop = "\n\n"`, `stop_tokens = 198`, `branching = 3` were refused as "must be a list": one item
+    is a list of one (true is not an integer there)."""
+    profile = load_profile(str(write(tmp_path, '[decoding]\nbranching = 3\n[sampling]\nstop = "\\n\\n"\n'
+                                                'stop_tokens = 198\n')), environ={})
+    assert (profile["decoding"]["branching"], profile["sampling"]["stop"], profile["sampling"]["stop_tokens"]) == \
+        ([3], ["\n\n"], [198])
+    with pytest.raises(RsdError, match="sampling.stop_tokens must be a list of integers, got True"):
+        load_profile(str(write(tmp_path, "[sampling]\nstop_tokens = true\n")), environ={})
+
+
 def test_a_profile_s_paths_take_the_home_folder_and_its_own_folder(tmp_path, monkeypatch):
     """`source = "~/models/x"` was looked for as a folder named `~` (then as a hub id): no shell expands
     `~` in a TOML file, so rsd does, as it does for offload_folder; a relative path that exists beside
