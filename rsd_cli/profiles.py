@@ -335,21 +335,26 @@ def find_profile(name_or_path: str) -> tuple[str, Path]:
     return name_or_path, profiles[name_or_path][0]
 
 
+def _env_name(table: str, key: str = "") -> str:
+    """The environment variable of a setting (RSD_SAMPLING_TEMPERATURE), or with no key its table's prefix."""
+    return f"RSD_{table}_{key}".upper()
+
+
 def _check_environment(environ) -> None:
     """A variable named like a setting (RSD_<TABLE>_<KEY>) that is none — RSD_SAMPLING_TEMPRATURE — is
     refused as a profile's unknown key is, naming the setting meant where one is close: read as nothing,
     it would leave the answer to a setting the user meant to change."""
     for name in sorted(environ):
-        table = next((t for t in SCHEMA if name.startswith(f"RSD_{t.upper()}_")), None)
+        table = next((t for t in SCHEMA if name.startswith(_env_name(t))), None)
         if table is None:
             continue
-        key = name[len(f"RSD_{table}_"):].lower()
+        key = name[len(_env_name(table)):].lower()
         if key in SCHEMA[table]:
             continue
         elsewhere = [t for t in SCHEMA if key in SCHEMA[t]]  # (a key of another table: RSD_SAMPLING_VARIANT)
-        meant = [f"RSD_{t}_{key}".upper() for t in elsewhere] or \
-            [f"RSD_{table}_{k}".upper() for k in difflib.get_close_matches(key, SCHEMA[table], n=1, cutoff=0.6)]
-        known = ", ".join(f"RSD_{table}_{k}".upper() for k in SCHEMA[table])
+        meant = [_env_name(t, key) for t in elsewhere] or \
+            [_env_name(table, k) for k in difflib.get_close_matches(key, SCHEMA[table], n=1, cutoff=0.6)]
+        known = ", ".join(_env_name(table, k) for k in SCHEMA[table])
         raise RsdError(f"environment variable {name} is not a setting ("
                        + (f"did you mean {meant[0]}?" if meant else f"[{table}] takes {known}") + ")")
 
@@ -383,7 +388,7 @@ def load_profile(name_or_path: str | None = None, environ: dict[str, str] | None
                 raise RsdError(f"{path}: unknown key {table}.{key} (known: {', '.join(keys)})")
         profile.values[table], profile.origins[table] = {}, {}
         for key, spec in keys.items():
-            env_name = f"RSD_{table}_{key}".upper()
+            env_name = _env_name(table, key)
             if env_name in environ:
                 where = f"environment variable {env_name}"
                 value, origin = _coerce(spec, _parse_env(spec, environ[env_name], where), where), f"env {env_name}"
