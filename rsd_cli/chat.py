@@ -21,7 +21,7 @@ from .runtime import (FLAG_KEYS, branching_factors, idle_include_stop, make_deco
 
 HELP = """commands:
   /help                 this help
-  /bye, /exit           leave (Ctrl-D too)
+  /bye, /exit, /quit    leave (Ctrl-D too)
   /clear                forget the conversation
   /system TEXT          set the system prompt (empty TEXT clears it)
   /set KEY VALUE        KEY: temperature, top_p, top_k, min_p, repetition_penalty,
@@ -111,7 +111,7 @@ class ChatSession:
         """Run a slash command; returns False when the session should end."""
         name, _, arg = line[1:].partition(" ")
         arg = arg.strip()
-        if name in ("bye", "exit", "quit"):
+        if f"/{name}" in LEAVE:
             return False
         if name == "help":
             console.print(HELP, markup=False, highlight=False)
@@ -299,7 +299,8 @@ def read_message(read_line) -> str | None:
     return "\n".join(lines)
 
 
-COMMANDS = ("/help", "/bye", "/exit", "/clear", "/system", "/set", "/stats", "/tree", "/save", "/load")
+LEAVE = ("/bye", "/exit", "/quit")
+COMMANDS = ("/help", *LEAVE, "/clear", "/system", "/set", "/stats", "/tree", "/save", "/load")
 HISTORY_LINES = 1000
 
 

@@ -20,8 +20,10 @@ def read_prompt_file(path: Path) -> list[str]:
     with a "prompt" string (prompts that hold line breaks: code, documents)."""
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise RsdError(f"cannot read prompts from {path}: {e}") from None
+    except OSError as e:
+        raise RsdError(f"cannot read prompts from {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise RsdError(f"cannot read prompts from {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     return prompts_in(text, path, jsonl=path.suffix == ".jsonl")
 
 

@@ -470,8 +470,15 @@ def test_bad_prompts_files_are_clear_errors(cli, tiny_profile, tmp_path):
     assert result.exit_code == 1 and "holds no prompts" in result.stderr and "Traceback" not in result.stderr
     result = cli("generate", "hi", "--prompts", empty, "-p", tiny_profile, input="")
     assert result.exit_code == 2 and "give a prompt or --prompts, not both" in result.stderr
-    result = cli("generate", "--prompts", tmp_path / "missing.txt", "-p", tiny_profile, input="")
-    assert result.exit_code == 1 and "cannot read prompts from" in result.stderr
+    missing = tmp_path / "missing.txt"
+    result = cli("generate", "--prompts", missing, "-p", tiny_profile, input="")
+    assert result.exit_code == 1
+    assert result.stderr == f"rsd: error: cannot read prompts from {missing}: No such file or directory\n"
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9\n".encode("latin-1"))
+    result = cli("generate", "--prompts", latin1, "-p", tiny_profile, input="")
+    assert result.exit_code == 1
+    assert result.stderr == f"rsd: error: cannot read prompts from {latin1}: not UTF-8 text (invalid continuation byte at byte 3)\n"
 
 
 def test_ctrl_c_during_samples_decoded_together_reports_each_one_so_far(cli, tiny_profile, monkeypatch):

@@ -128,6 +128,15 @@ def test_chat_clear_and_help(tiny_profile, tmp_path):
     assert result.exit_code == 0
     assert "/system TEXT" in result.stderr
     assert json.loads(saved.read_text())["messages"] == []
+    from rsd_cli.chat import COMMANDS, HELP
+
+    assert [c for c in COMMANDS if c not in HELP] == []  # /help lists every command there is
+
+
+@pytest.mark.parametrize("leave", ["/bye", "/exit", "/quit"])
+def test_chat_ends_on_each_leave_command(tiny_profile, leave):
+    result = invoke("chat", "-p", tiny_profile, "-n", "3", input=f"{leave}\nhi\n")
+    assert result.exit_code == 0 and result.stdout == ""  # left before "hi" was answered
 
 
 def test_chat_keeps_answering_when_the_conversation_outgrows_the_context(tiny_profile, tmp_path):
