@@ -587,8 +587,12 @@ def bench(
     budget_list = _csv_list(budgets, int, "--budgets") if budgets else []
     depth_list = _csv_list(depths, int, "--depths") if depths else []
     temps = _csv_list(temperatures, float, "--temperatures")
-    if any(b < 1 for b in budget_list) or any(d < 1 for d in depth_list) or any(t < 0 for t in temps):
-        raise UsageError("budgets and depths must be at least 1, temperatures at least 0")
+    for flag, given, values, fits, what in (("--budgets", budgets, budget_list, lambda b: b >= 1, "numbers of at least 1"),
+                                            ("--depths", depths, depth_list, lambda d: d >= 1, "numbers of at least 1"),
+                                            ("--temperatures", temperatures, temps, lambda t: 0 <= t < math.inf,
+                                             "finite numbers of at least 0")):
+        if not all(map(fits, values)):
+            raise UsageError(f"{flag} takes {what} (got {given!r})")
     if as_json and as_csv:
         raise UsageError("--json and --csv are exclusive")
     compiles = list(dict.fromkeys(_csv_list(compile, str, "--compile"))) if compile else []

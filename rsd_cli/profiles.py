@@ -41,8 +41,12 @@ def _min_p(v) -> str | None:
     return None if 0 <= v < 1 else "must be in [0, 1)"
 
 
+def _temperature(v) -> str | None:
+    return None if 0 <= v < math.inf else "must be a finite number, at least 0"
+
+
 def _penalty(v) -> str | None:
-    return None if v > 0 else "must be greater than 0"
+    return None if 0 < v < math.inf else "must be a finite number greater than 0"
 
 
 def _finite(v) -> str | None:
@@ -185,7 +189,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
                        '"off" transformers\' eager forward'),
     },
     "sampling": {
-        "temperature": Key(float, 1.0, _non_negative, "0 is greedy"),
+        "temperature": Key(float, 1.0, _temperature, "0 is greedy"),
         "top_p": Key(float, 1.0, _top_p),
         "top_k": Key(int, 0, _non_negative, "0 disables"),
         "min_p": Key(float, 0.0, _min_p, "drop tokens below min_p x the likeliest one's probability; 0 disables"),

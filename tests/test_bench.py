@@ -66,8 +66,14 @@ def test_width_sets_the_tree_width_of_the_depth_shapes(tiny_profile):
 def test_bench_rejects_bad_lists(tiny_profile):
     result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--variants", "ar,warp"])
     assert result.exit_code == 2 and "unknown variant 'warp'" in result.stderr
-    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--budgets", "0"])
-    assert result.exit_code == 2 and "at least 1" in result.stderr
+    for flag, value, message in (("--budgets", "8,0", "--budgets takes numbers of at least 1 (got '8,0')"),
+                                 ("--depths", "0", "--depths takes numbers of at least 1 (got '0')"),
+                                 ("--temperatures", "0,nan", "--temperatures takes finite numbers of at least 0"),
+                                 ("--temperatures", "inf", "--temperatures takes finite numbers of at least 0"),
+                                 ("--temperatures", "-1", "--temperatures takes finite numbers of at least 0")):
+        result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), flag, value])
+        assert result.exit_code == 2 and result.stderr == f"rsd: error: {message}" + (
+            "" if "(got" in message else f" (got {value!r})") + "\n", (flag, value, result.stderr)
 
 
 def test_rows_take_turns_prompt_by_prompt_in_alternating_order(tiny_profile, monkeypatch):

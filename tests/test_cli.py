@@ -628,7 +628,8 @@ def test_chat_s_set_of_a_tree_setting_the_variant_does_not_read_says_so(tiny_pro
         (["--budget", "0"], 2, "budget must be at least 1"),
         (["--depth", "0", "-v", "rsd-s"], 2, "decoding.depth must be at least 1"),
         (["-v", "turbo"], 2, "decoding.variant must be one of"),
-        (["-t", "-1"], 2, "sampling.temperature must be at least 0"),
+        (["-t", "-1"], 2, "sampling.temperature must be a finite number, at least 0"),
+        (["-t", "inf"], 2, "sampling.temperature must be a finite number, at least 0"),  # (an IndexError before)
         (["-t", "warm"], 2, "Invalid value"),  # Typer's own check, the same code
     ],
 )
@@ -641,7 +642,7 @@ def test_bad_parameters_are_one_line_errors(cli, tiny_profile, args, code, fragm
 
 def test_an_out_of_range_value_in_the_environment_is_not_a_usage_error(cli, tiny_profile):
     result = cli("generate", "hi", "-p", tiny_profile, input="", env={"RSD_SAMPLING_TEMPERATURE": "-1"})
-    assert_clean_error(result, 1, "environment variable RSD_SAMPLING_TEMPERATURE must be at least 0")
+    assert_clean_error(result, 1, "environment variable RSD_SAMPLING_TEMPERATURE must be a finite number, at least 0")
 
 
 def test_missing_or_broken_profiles(cli, tmp_path):

@@ -304,7 +304,8 @@ def test_presence_and_frequency_penalties_are_openais():
 def test_min_p_and_penalty_flags_are_checked(tiny_profile):
     for flag, value, message in (("--min-p", "1", "sampling.min_p must be in [0, 1)"),
                                  ("--min-p", "-0.1", "sampling.min_p must be in [0, 1)"),
-                                 ("--repetition-penalty", "0", "sampling.repetition_penalty must be greater than 0"),
+                                 ("--repetition-penalty", "0", "sampling.repetition_penalty must be a finite number greater than 0"),
+                                 ("--repetition-penalty", "inf", "sampling.repetition_penalty must be a finite number greater than 0"),
                                  ("--presence-penalty", "nan", "sampling.presence_penalty must be a finite number"),
                                  ("--frequency-penalty", "inf", "sampling.frequency_penalty must be a finite number")):
         result = CliRunner().invoke(app, ["generate", "hi", "-p", str(tiny_profile), flag, value])

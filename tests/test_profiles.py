@@ -40,7 +40,9 @@ def test_values_and_provenance(tmp_path):
         ("[sampling]\ntemprature = 1.0\n", "unknown key sampling.temprature"),
         ("[sampler]\nx = 1\n", "unknown key 'sampler'"),
         ('[sampling]\ntemperature = "hot"\n', "sampling.temperature must be a number"),
-        ("[sampling]\ntemperature = -0.5\n", "sampling.temperature must be at least 0"),
+        ("[sampling]\ntemperature = -0.5\n", "sampling.temperature must be a finite number, at least 0"),
+        ("[sampling]\ntemperature = inf\n", "sampling.temperature must be a finite number, at least 0"),
+        ("[sampling]\nrepetition_penalty = inf\n", "sampling.repetition_penalty must be a finite number greater than 0"),
         ("[sampling]\ntop_p = 0\n", "sampling.top_p must be in (0, 1]"),
         ("[sampling]\ntop_p = 1.5\n", "sampling.top_p must be in (0, 1]"),
         ("[sampling]\nmax_tokens = 0\n", "sampling.max_tokens must be at least 1"),
@@ -86,7 +88,7 @@ def test_user_profiles_live_in_the_config_dir_and_shadow_builtins(tmp_path, monk
 
 def test_flag_and_env_values_are_validated_too():
     profile = load_profile("default", environ={})
-    with pytest.raises(RsdError, match="flag --temperature: sampling.temperature must be at least 0"):
+    with pytest.raises(RsdError, match="flag --temperature: sampling.temperature must be a finite number, at least 0"):
         apply_flags(profile, {"temperature": -1.0})
     with pytest.raises(RsdError, match="every branching factor must be at least 1"):
         apply_flags(profile, {"branching": "3,0"})

@@ -47,7 +47,7 @@ def test_chat_scripted_session(tiny_profile, tmp_path):
     assert result.exit_code == 0, result.stderr
     assert "Traceback" not in result.stderr
     assert "temperature = 0.0" in result.stderr
-    assert "sampling.temperature must be at least 0" in result.stderr  # an error, and the session goes on
+    assert "sampling.temperature must be a finite number, at least 0" in result.stderr  # an error, and the session goes on
     assert "usage: /set" in result.stderr
     assert "error: no setting 'temprature': did you mean /set temperature?" in result.stderr
     assert "error: unknown command /sve: did you mean /save?" in result.stderr
