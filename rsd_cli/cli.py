@@ -531,10 +531,14 @@ def tokenize(
 
 
 def _csv_list(text: str, kind, name: str) -> list:
+    """A flag's comma-separated values; at least one (an empty list would measure nothing)."""
     try:
-        return [kind(part) for part in text.split(",") if part.strip()]
+        values = [kind(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise UsageError(f"{name} takes a comma-separated list (got {text!r})") from None
+    if not values:
+        raise UsageError(f"{name} lists nothing (got {text!r})")
+    return values
 
 
 @app.command(cls=Command)
@@ -584,8 +588,8 @@ def bench(
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         raise UsageError(f"unknown variant {unknown[0]!r} (known: {', '.join(VARIANTS)})")
-    budget_list = _csv_list(budgets, int, "--budgets") if budgets else []
-    depth_list = _csv_list(depths, int, "--depths") if depths else []
+    budget_list = _csv_list(budgets, int, "--budgets") if budgets is not None else []
+    depth_list = _csv_list(depths, int, "--depths") if depths is not None else []
     temps = _csv_list(temperatures, float, "--temperatures")
     for flag, given, values, fits, what in (("--budgets", budgets, budget_list, lambda b: b >= 1, "numbers of at least 1"),
                                             ("--depths", depths, depth_list, lambda d: d >= 1, "numbers of at least 1"),
@@ -595,7 +599,7 @@ def bench(
             raise UsageError(f"{flag} takes {what} (got {given!r})")
     if as_json and as_csv:
         raise UsageError("--json and --csv are exclusive")
-    compiles = list(dict.fromkeys(_csv_list(compile, str, "--compile"))) if compile else []
+    compiles = list(dict.fromkeys(_csv_list(compile, str, "--compile"))) if compile is not None else []
     if any(c not in ("auto", "on", "off") for c in compiles):
         raise UsageError(f"--compile takes auto, on or off, comma-separated (got {compile!r})")
     from .distill_command import _read_prompts

@@ -70,7 +70,10 @@ def test_bench_rejects_bad_lists(tiny_profile):
                                  ("--depths", "0", "--depths takes numbers of at least 1 (got '0')"),
                                  ("--temperatures", "0,nan", "--temperatures takes finite numbers of at least 0"),
                                  ("--temperatures", "inf", "--temperatures takes finite numbers of at least 0"),
-                                 ("--temperatures", "-1", "--temperatures takes finite numbers of at least 0")):
+                                 ("--temperatures", "-1", "--temperatures takes finite numbers of at least 0"),
+                                 ("--temperatures", "", "--temperatures lists nothing"),  # (an empty table before)
+                                 ("--variants", " , ", "--variants lists nothing"),
+                                 ("--budgets", "", "--budgets lists nothing")):
         result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), flag, value])
         assert result.exit_code == 2 and result.stderr == f"rsd: error: {message}" + (
             "" if "(got" in message else f" (got {value!r})") + "\n", (flag, value, result.stderr)
