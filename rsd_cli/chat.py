@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import glob
+import io
 import json
 import os
 import sys
@@ -382,6 +383,8 @@ def terminal_reader(console):
 def run_chat(pair, profile, *, system: str | None, tree: bool, console, out=None, read_line=None,
              history: list[dict] | None = None) -> None:
     out = out or sys.stdout
+    if isinstance(sys.stdin, io.TextIOWrapper):  # a line that is not UTF-8 comes in with its bytes escaped: refused
+        sys.stdin.reconfigure(errors="surrogateescape")  # by encode_prompt in one line, the session going on
     session = ChatSession(pair, profile, system=system, tree=tree, history=list(history or []))
 
     def default_read(prompt: str) -> str:

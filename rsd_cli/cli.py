@@ -263,7 +263,9 @@ def read_prompt(prompt: str | None, stdin=None, what: str = "prompt") -> str:
         raise UsageError(f"no {what}: give one as an argument, or pipe it in (use - to read stdin)")
     if not text.strip():
         raise UsageError(f"the {what} is empty")
-    return text
+    from .prompting import utf8_text
+
+    return utf8_text(text, what)  # (before any model loads; encode_prompt checks what reaches a tokenizer)
 
 
 def read_prompts(path: Path, prompt: str | None, stdin=None) -> list[str]:

@@ -78,7 +78,13 @@ def _token_ids(v) -> str | None:
 
 
 def _stops(v) -> str | None:
-    return "must not contain an empty string" if any(not text for text in v) else None
+    if any(not text for text in v):
+        return "must not contain an empty string"
+    try:
+        [text.encode("utf-8") for text in v]  # (bytes that were not UTF-8 in an argument or the environment)
+    except UnicodeEncodeError:
+        return "must be UTF-8 text"
+    return None
 
 
 PLACEMENT_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")

@@ -75,11 +75,26 @@ def plain_conversation(prompt: str, system: str | None, history: list[dict]) -> 
     return "\n".join(lines) + f"\n{ROLE_NAMES['assistant']}:"
 
 
+def utf8_text(text: str, what: str) -> str:
+    """`text` where it is UTF-8; bytes that were not (kept as surrogate escapes by Python in an
+    argument, the environment or a line read) are refused, saying where they start."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RsdError(f"the {what} is not valid UTF-8 (byte {len(text[:e.start].encode())})") from None
+    return text
+
+
 def encode_prompt(tokenizer, prompt: str, system: str | None = None, raw: bool = False,
                   history: list[dict] | None = None) -> list[int]:
     """Token ids for a prompt: through the chat template when the model has one (unless raw); else
     the system prompt before it, and a chat's turn (`history` given, even empty) as the plain text of
     its conversation (plain_conversation)."""
+    utf8_text(prompt, "prompt")
+    if system:
+        utf8_text(system, "system prompt")
+    for message in history or []:
+        utf8_text(message["content"], f"conversation's {message['role']} message")
     if raw or not has_chat_template(tokenizer):
         if history is not None and not raw:
             text = plain_conversation(prompt, system, history)

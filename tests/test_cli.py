@@ -463,6 +463,22 @@ def test_prompts_from_a_file_are_answered_in_order_each_as_alone(cli, tiny_profi
     assert piped.exit_code == 0 and piped.stdout == "\n---\n".join(t + "\n" for t in texts)
 
 
+def test_text_that_is_not_utf8_is_one_line_error(cli, tiny_profile):
+    """Bytes that are not UTF-8 in an argument or the environment reach Python as surrogate escapes
+    ("\\udcff" for 0xff); the tokenizer failed on them with "TypeError: TextInputSequence must be str"."""
+    for args, env, message in (
+            (["generate", "ab\udcff"], None, "rsd: error: the prompt is not valid UTF-8 (byte 2)"),
+            (["generate", "hi", "--system", "\udcfe"], None, "rsd: error: the system prompt is not valid UTF-8 (byte 0)"),
+            (["tokenize", "caf\u00e9 \udcff"], None, "rsd: error: the text is not valid UTF-8 (byte 6)"),
+            (["generate", "hi", "--stop", "\udcff"], None, "rsd: error: flag --stop: sampling.stop must be UTF-8 text"),
+            (["generate", "hi"], {"RSD_SAMPLING_STOP": "\udcff"},
+             "rsd: error: environment variable RSD_SAMPLING_STOP must be UTF-8 text")):
+        result = cli(*args, "-p", tiny_profile, "-n", "2", input="", env=env) if args[0] == "generate" else \
+            cli(*args, "-p", tiny_profile, input="")
+        assert result.exit_code in (1, 2) and result.stdout == "", (args, result.stderr)
+        assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, (args, result.stderr)
+
+
 def test_bad_prompts_files_are_clear_errors(cli, tiny_profile, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")

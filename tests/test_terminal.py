@@ -139,6 +139,17 @@ def test_chat_ends_on_each_leave_command(tiny_profile, leave):
     assert result.exit_code == 0 and result.stdout == ""  # left before "hi" was answered
 
 
+def test_a_chat_line_that_is_not_utf8_is_refused_and_the_session_goes_on(tiny_profile, tmp_path):
+    """A line whose bytes are not UTF-8 ended the session with a UnicodeDecodeError (a UTF-8 locale's
+    strict stdin), losing the conversation; now it is one error line, not sent, not kept."""
+    saved = tmp_path / "c.json"
+    result = invoke("chat", "-p", tiny_profile, "-n", "3", "-t", "0",
+                    input=b"hi \xff there\nhello\n/save " + bytes(saved) + b"\n")
+    assert result.exit_code == 0, result.stderr
+    assert "error: the prompt is not valid UTF-8 (byte 3)" in result.stderr
+    assert [m["content"] for m in json.loads(saved.read_text())["messages"]][0] == "hello"
+
+
 def test_chat_keeps_answering_when_the_conversation_outgrows_the_context(tiny_profile, tmp_path):
     """The tiny model's context holds 256 tokens (~75 a message here): later answers are given on the
     latest messages that fit, said once; a message too long on its own is refused and not kept
