@@ -125,8 +125,8 @@ def to_host_soon(tensor: torch.Tensor):
     device, so work queued after it can run before the values are read; elsewhere the values are
     read at once."""
     if tensor.device.type != "cuda":
-        values = to_host(tensor)
-        return lambda: values
+        read = to_host(tensor)
+        return lambda: read
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     host.copy_(tensor, non_blocking=True)
     copied = torch.cuda.Event()
