@@ -351,7 +351,6 @@ def test_optimal_transport_bound_for_one_draft_is_one_minus_total_variation():
 
 
 def test_tree_view_is_readable_at_20_columns_and_without_colour(tiny_pair_dir):
-
     from rsd_cli.drafting import make_shape
     from rsd_cli.engine import Decoder
     from rsd_cli.render import live_view, tree_view
