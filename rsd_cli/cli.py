@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -64,7 +65,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
     rich_markup_mode="rich",
 )
-profiles_app = typer.Typer(help="List and inspect profiles.", no_args_is_help=True, cls=Group,
+profiles_app = typer.Typer(help="List, inspect and make profiles.", no_args_is_help=True, cls=Group,
                            context_settings={"help_option_names": ["-h", "--help"]})
 app.add_typer(profiles_app, name="profiles")
 
@@ -701,7 +702,7 @@ def profiles_list():
 def profiles_show(name: Annotated[str, typer.Argument(autocompletion=complete_profile)] = "default",
                   as_json: Annotated[bool, typer.Option("--json")] = False):
     """Resolved values of a profile, and where each came from."""
-    from .profiles import load_profile
+    from .profiles import load_profile, toml_value
     from .runtime import resolved
 
     prof = load_profile(name)
@@ -720,17 +721,37 @@ def profiles_show(name: Annotated[str, typer.Argument(autocompletion=complete_pr
         if table != current:
             typer.echo(f"\n[{table}]")
             current = table
-        typer.echo(f"{key} = {_toml_value(value)}  # {origin}")
+        typer.echo(f"{key} = {toml_value(value)}  # {origin}")
 
 
-def _toml_value(value) -> str:
-    """A value as a TOML line writes it (tables inline: { 0 = "70GiB", cpu = "200GiB" })."""
-    if isinstance(value, dict):
-        bare = lambda key: key if key and all(c.isalnum() or c in "-_" for c in key) else json.dumps(key)  # noqa: E731
-        return "{ " + ", ".join(f"{bare(k)} = {_toml_value(v)}" for k, v in value.items()) + " }" if value else "{}"
-    if isinstance(value, float) and not math.isfinite(value):  # (TOML's inf and -inf, where JSON has none)
-        return str(value)
-    return json.dumps(value)
+@profiles_app.command("new", cls=Command)
+@cli_errors
+def profiles_new(
+    name: Annotated[str, typer.Argument(help="The new user profile's name.", show_default=False)],
+    base: Annotated[str, typer.Option("--from", help="The profile whose values it starts with.",
+                                      autocompletion=complete_profile)] = "default",
+    force: Annotated[bool, typer.Option("--force", help="Replace a user profile of that name.")] = False,
+):
+    """Write a user profile NAME with every setting of another, each after what it does, to edit.
+
+    The environment's RSD_ settings are not written; the new file's path goes to stdout."""
+    from .profiles import available_profiles, builtin_profiles, load_profile, profile_file_text, user_profiles_dir
+
+    if name.endswith(".toml"):
+        raise UsageError(f"give the profile's name without .toml (got {name!r})")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise UsageError(f"a profile's name is letters, digits, '.', '_' and '-' (got {name!r})")
+    path = user_profiles_dir() / f"{name}.toml"
+    if path.exists() and not force:
+        raise RsdError(f"profile {name!r} exists: {path} (--force replaces it)")
+    prof = load_profile(base, environ={})
+    origin = prof.name if available_profiles().get(prof.name, (None,))[0] == prof.path else str(prof.path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile_file_text(prof, f"rsd profile {name}, made by `rsd profiles new` from {origin} "
+                                            f"({prof.path})"), encoding="utf-8")
+    if name in builtin_profiles():
+        notice(f"your profile {name!r} now shadows the built-in one of that name (remove {path} to undo)")
+    typer.echo(str(path))
 
 
 @profiles_app.command("path", cls=Command)

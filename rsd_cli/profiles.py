@@ -6,10 +6,12 @@ Precedence: flags > environment (RSD_<TABLE>_<KEY>) > profile file > built-in de
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import os
 import re
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -166,12 +168,14 @@ def _loading_keys(applies: str) -> dict[str, Key]:
 SCHEMA: dict[str, dict[str, Key]] = {
     "target": {
         "source": Key(str, "embedded", None, '"embedded", a model directory, a .gguf file, or a hub id'),
-        "dtype": Key(str, "auto", _one_of("auto", "float32", "bfloat16", "float16")),
+        "dtype": Key(str, "auto", _one_of("auto", "float32", "bfloat16", "float16"),
+                     "auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16 or float16"),
         "device": Key(str, "auto", None, '"auto", "cpu", "cuda", "cuda:1", ...'),
         **_loading_keys(""),
     },
     "draft": {
-        "kind": Key(str, "early-exit", _one_of("early-exit", "model")),
+        "kind": Key(str, "early-exit", _one_of("early-exit", "model"),
+                    '"early-exit": the target\'s first layers; "model": a separate model (source)'),
         "source": Key(str, "", None, "the draft model (kind = model): directory, .gguf or hub id"),
         "layers": Key(int, 3, _positive, "early-exit: how many of the target's first layers"),
         "adapter": Key(str, "auto", None,
@@ -180,7 +184,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         **_loading_keys("kind = model: "),
     },
     "decoding": {
-        "variant": Key(str, "sd", _one_of(*VARIANTS)),
+        "variant": Key(str, "sd", _one_of(*VARIANTS), f"{', '.join(VARIANTS)}: how each step drafts (docs/variants.md)"),
         "draft_len": Key(int, 4, _positive, "sd: draft length γ; lookup: the most tokens drafted"),
         "ngram": Key(int, 3, _positive, "lookup: the longest n-gram of the context's end looked up (down to 1)"),
         "branching": Key(list, [2, 2, 1], _branching, "mss, rsd-c: branching factor per depth"),
@@ -196,7 +200,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
     },
     "sampling": {
         "temperature": Key(float, 1.0, _temperature, "0 is greedy"),
-        "top_p": Key(float, 1.0, _top_p),
+        "top_p": Key(float, 1.0, _top_p, "keep the likeliest tokens whose probabilities add up to top_p; 1 disables"),
         "top_k": Key(int, 0, _non_negative, "0 disables"),
         "min_p": Key(float, 0.0, _min_p, "drop tokens below min_p x the likeliest one's probability; 0 disables"),
         "repetition_penalty": Key(float, 1.0, _penalty, "> 1 discourages tokens already in the context; 1 disables"),
@@ -208,7 +212,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
                           'bias, e.g. { 2 = -100, 13 = 5 } (-inf bars the token)'),
         "min_tokens": Key(int, 0, _non_negative, "the answer does not end at an end-of-sequence token or a stop "
                           "string before this many tokens"),
-        "max_tokens": Key(int, 256, _positive),
+        "max_tokens": Key(int, 256, _positive, "the most tokens an answer takes"),
         "seed": Key(int, -1, None, "-1 draws a fresh seed"),
         "stop": Key(list, [], _stops, "end the answer at the first of these strings (not printed unless "
                     "include_stop)", item=str),
@@ -219,6 +223,38 @@ SCHEMA: dict[str, dict[str, Key]] = {
     },
 }
 TOP_LEVEL_KEYS = {"description": str}
+
+
+# the settings that name a file or folder, and the words they take that name none
+PATH_KEYS = {("target", "source"), ("target", "offload_folder"), ("draft", "source"), ("draft", "adapter"),
+             ("draft", "offload_folder")}
+PATH_WORDS = ("", "auto", "embedded")
+
+
+def toml_value(value) -> str:
+    """A value as a TOML line writes it (tables inline: { 0 = "70GiB", cpu = "200GiB" })."""
+    if isinstance(value, dict):
+        bare = lambda key: key if key and all(c.isalnum() or c in "-_" for c in key) else json.dumps(key)  # noqa: E731
+        return "{ " + ", ".join(f"{bare(k)} = {toml_value(v)}" for k, v in value.items()) + " }" if value else "{}"
+    if isinstance(value, float) and not math.isfinite(value):  # (TOML's inf and -inf, where JSON has none)
+        return str(value)
+    return json.dumps(value, ensure_ascii=False)
+
+
+def profile_file_text(profile: "Profile", header: str) -> str:
+    """A profile file holding every setting of `profile`, each after a comment saying what it does, and
+    its relative paths made absolute (the file may live in another folder): `rsd profiles new`."""
+    lines = [f"# {header}", "# `rsd profiles show NAME` gives where each value comes from; a setting left out takes "
+             "its default", f"description = {toml_value(profile.description)}"]
+    for table, keys in SCHEMA.items():
+        lines += ["", f"[{table}]"]
+        for key, spec in keys.items():
+            value = profile.values[table][key]
+            if (table, key) in PATH_KEYS and value not in PATH_WORDS:
+                value = profile.resolve_path(value)
+            lines += [f"# {line}" for line in textwrap.wrap(spec.help, 98)]
+            lines.append(f"{key} = {toml_value(value)}")
+    return "\n".join(lines) + "\n"
 
 
 def config_dir() -> Path:

@@ -757,6 +757,51 @@ def test_profiles_commands(cli, tiny_profile):
     assert path.exit_code == 0 and path.stdout.strip().endswith("profiles")
 
 
+def test_profiles_new_writes_every_setting_of_another_to_edit(cli, tiny_pair_dir, tmp_path):
+    """`rsd profiles new NAME --from P`: a user profile holding P's values (its relative paths made
+    absolute, the environment's settings left out), each after what it does; one that exists is
+    replaced only with --force; the file's path on stdout, as scripts want it."""
+    import shutil
+
+    folder = tmp_path / "mine"
+    shutil.copytree(tiny_pair_dir, folder / "models")
+    base = folder / "base.toml"
+    base.write_text('description = "relative paths"\n[target]\nsource = "models/target"\n'
+                    '[draft]\nkind = "model"\nsource = "models/draft"\n[decoding]\nvariant = "sd"\n'
+                    '[sampling]\nstop = ["\\n\\n", "é"]\nlogit_bias = { 5 = -inf }\nmax_tokens = 6\n')
+    env = {"RSD_CONFIG_DIR": str(tmp_path / "cfg"), "RSD_SAMPLING_TEMPERATURE": "0"}
+    made = cli("profiles", "new", "edited", "--from", base, env=env)
+    assert made.exit_code == 0, made.stderr
+    written = tmp_path / "cfg" / "profiles" / "edited.toml"
+    assert made.stdout == f"{written}\n" and made.stderr == ""
+    text = written.read_text()
+    assert "# 0 is greedy\ntemperature = 1.0\n" in text  # the default, not the environment's 0
+    assert f'source = "{folder / "models" / "target"}"' in text
+    from rsd_cli.profiles import PATH_KEYS, PATH_WORDS, load_profile
+
+    source, new = load_profile(str(base), environ={}), load_profile(str(written), environ={})
+    assert new.description == "relative paths"
+    for table, values in source.values.items():
+        for key, value in values.items():
+            moved = (table, key) in PATH_KEYS and value not in PATH_WORDS
+            expected = source.resolve_path(value) if moved else value
+            assert new[table][key] == expected, (table, key)
+    answer = cli("generate", "hi", "-p", "edited", "-t", "0", input="", env=env)
+    plain = cli("generate", "hi", "-p", base, "-t", "0", input="", env=env)
+    assert answer.exit_code == 0 and answer.stdout == plain.stdout  # the same pair, read from elsewhere
+    again = cli("profiles", "new", "edited", env=env)
+    assert again.exit_code == 1 and again.stderr == f"rsd: error: profile 'edited' exists: {written} (--force replaces it)\n"
+    assert written.read_text() == text
+    replaced = cli("profiles", "new", "edited", "--force", env=env)
+    assert replaced.exit_code == 0 and 'source = "embedded"' in written.read_text()
+    shadow = cli("profiles", "new", "default", env=env)
+    assert shadow.exit_code == 0 and "now shadows the built-in one" in shadow.stderr
+    for name, message in (("a/b", "a profile's name is letters, digits, '.', '_' and '-' (got 'a/b')"),
+                          ("x.toml", "give the profile's name without .toml (got 'x.toml')")):
+        bad = cli("profiles", "new", name, env=env)
+        assert bad.exit_code == 2 and bad.stderr == f"rsd: error: {message}\n"
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
