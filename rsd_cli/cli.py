@@ -171,6 +171,8 @@ def complete_profile(incomplete: str) -> list[str]:
 
 ProfileOpt = Annotated[Optional[str], typer.Option("--profile", "-p", help="Profile name or path to a .toml file.",
                                                    autocompletion=complete_profile, show_default=False)]
+SystemOpt = Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.", show_default=False)]
+RawOpt = Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")]
 VariantOpt = Annotated[Optional[str], typer.Option("--variant", "-v", help="ar, sd, mss, spectr, rsd-c, rsd-s, lookup "
                                                    "(drafts from the context, no model), or auto (the shape that pays "
                                                    "most here, re-chosen as it goes).",
@@ -347,8 +349,8 @@ def generate(
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt; - reads stdin. Piped stdin is joined before it.",
                                                     show_default=False)] = None,
     profile: ProfileOpt = None,
-    system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.", show_default=False)] = None,
-    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
+    system: SystemOpt = None,
+    raw: RawOpt = False,
     variant: VariantOpt = None,
     temperature: TemperatureOpt = None,
     top_p: TopPOpt = None,
@@ -409,7 +411,7 @@ def generate(
 @cli_errors
 def chat(
     profile: ProfileOpt = None,
-    system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.", show_default=False)] = None,
+    system: SystemOpt = None,
     variant: VariantOpt = None,
     temperature: TemperatureOpt = None,
     top_p: TopPOpt = None,
@@ -459,8 +461,8 @@ def inspect_tree(
     fmt: Annotated[str, typer.Option("--format", "-f", help="text, json or svg.", rich_help_panel=OUTPUT)] = "text",
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="SVG file (default: rsd-step-N.svg).",
                                                    rich_help_panel=OUTPUT, show_default=False)] = None,
-    system: Annotated[Optional[str], typer.Option("--system", "-s", show_default=False)] = None,
-    raw: Annotated[bool, typer.Option("--raw")] = False,
+    system: SystemOpt = None,
+    raw: RawOpt = False,
     variant: VariantOpt = None,
     temperature: TemperatureOpt = None,
     top_p: TopPOpt = None,
