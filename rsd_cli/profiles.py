@@ -238,7 +238,7 @@ def toml_value(value) -> str:
         return "{ " + ", ".join(f"{bare(k)} = {toml_value(v)}" for k, v in value.items()) + " }" if value else "{}"
     if isinstance(value, float) and not math.isfinite(value):  # (TOML's inf and -inf, where JSON has none)
         return str(value)
-    return json.dumps(value)  # (non-ASCII as \\u escapes, which TOML reads alike: no text a terminal cannot print)
+    return json.dumps(value)  # (non-ASCII as \u escapes, which TOML reads alike: no text a terminal cannot print)
 
 
 def profile_file_text(profile: "Profile", header: str) -> str:
