@@ -737,7 +737,7 @@ def profiles_new(
     """Write a user profile NAME with every setting of another, each after what it does, to edit.
 
     The environment's RSD_ settings are not written; the new file's path goes to stdout."""
-    from .profiles import available_profiles, builtin_profiles, load_profile, profile_file_text, user_profiles_dir
+    from .profiles import builtin_profiles, load_profile, profile_file_text, user_profiles_dir
 
     if name.endswith(".toml"):
         raise UsageError(f"give the profile's name without .toml (got {name!r})")
@@ -747,10 +747,9 @@ def profiles_new(
     if path.exists() and not force:
         raise RsdError(f"profile {name!r} exists: {path} (--force replaces it)")
     prof = load_profile(base, environ={})
-    origin = prof.name if available_profiles().get(prof.name, (None,))[0] == prof.path else str(prof.path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(profile_file_text(prof, f"rsd profile {name}, made by `rsd profiles new` from {origin} "
-                                            f"({prof.path})"), encoding="utf-8")
+    path.write_text(profile_file_text(prof, f"rsd profile {name}, made by `rsd profiles new` from {prof.path}"),
+                    encoding="utf-8")
     if name in builtin_profiles():
         notice(f"your profile {name!r} now shadows the built-in one of that name (remove {path} to undo)")
     typer.echo(str(path))

@@ -80,13 +80,11 @@ def _token_ids(v) -> str | None:
 
 
 def _stops(v) -> str | None:
+    from .prompting import not_utf8_at
+
     if any(not text for text in v):
         return "must not contain an empty string"
-    try:
-        [text.encode("utf-8") for text in v]  # (bytes that were not UTF-8 in an argument or the environment)
-    except UnicodeEncodeError:
-        return "must be UTF-8 text"
-    return None
+    return "must be UTF-8 text" if any(not_utf8_at(text) is not None for text in v) else None
 
 
 PLACEMENT_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")

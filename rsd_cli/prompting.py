@@ -75,13 +75,21 @@ def plain_conversation(prompt: str, system: str | None, history: list[dict]) -> 
     return "\n".join(lines) + f"\n{ROLE_NAMES['assistant']}:"
 
 
-def utf8_text(text: str, what: str) -> str:
-    """`text` where it is UTF-8; bytes that were not (kept as surrogate escapes by Python in an
-    argument, the environment or a line read) are refused, saying where they start."""
+def not_utf8_at(text: str) -> int | None:
+    """The byte at which `text` stops being UTF-8, or None: bytes that were not UTF-8 in an argument,
+    the environment or a line read reach Python as surrogate escapes ("\\udcff" for 0xff)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise RsdError(f"the {what} is not valid UTF-8 (byte {len(text[:e.start].encode())})") from None
+        return len(text[:e.start].encode())
+    return None
+
+
+def utf8_text(text: str, what: str) -> str:
+    """`text` where it is UTF-8; else an error naming `what` and the byte where it stops being so."""
+    at = not_utf8_at(text)
+    if at is not None:
+        raise RsdError(f"the {what} is not valid UTF-8 (byte {at})")
     return text
 
 
