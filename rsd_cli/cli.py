@@ -675,10 +675,9 @@ def bench(
     else:
         from rich.console import Console
 
-        out = Console(highlight=False)
-        if not out.is_terminal:
-            out.width = 200  # a file or a pipe: do not squeeze the table into 80 columns
-        out.print(results_table(rows))
+        from .render import print_table
+
+        print_table(Console(highlight=False), results_table(rows))
         console.print(f"peak memory {memory['peak_rss_mb']:.0f} MB resident, of which {memory['runtime_rss_mb']:.0f} MB "
                       f"is the runtime (Python, torch, transformers, the model's code) before any weights load; "
                       f"weights {memory['weights_mb']:.0f} MB "

@@ -16,7 +16,7 @@ import torch
 
 from .engine import Stats, StepEvent, fresh_seed
 from .prompting import IncrementalDecoder, encode_prompt
-from .render import live_view, stats_line, steps_table
+from .render import live_view, print_table, stats_line, steps_table
 from .runtime import make_decoder, seed_of
 from .threads import FORWARDS
 
@@ -342,7 +342,7 @@ def run_generate(pair, profile, text: str | list[str], *, system=None, raw=False
                                          len(completion.tokens), profile["sampling"]["max_tokens"]))
         if console is not None:
             if step_table and completion.finish_reason != "interrupted":
-                console.print(steps_table(completion.events, pair.tokenizer))
+                print_table(console, steps_table(completion.events, pair.tokenizer))
             if show_stats and completion.stats.steps:
                 console.print(f"[dim]{shape} · {stats_line(completion.stats, shape)}[/dim]")
 

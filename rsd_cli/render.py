@@ -44,6 +44,22 @@ def token_label(tokenizer, token: int, width: int = 16) -> str:
     return shown if len(shown) <= width else shown[: width - 1] + "…"
 
 
+PIPED_WIDTH = 200  # the most columns a table takes in a file or a pipe
+
+
+def print_table(console, table) -> None:
+    """A table on a terminal as wide as the terminal; into a file or a pipe at its own width (up to
+    PIPED_WIDTH columns), where Rich would squeeze it into 80 and cut its cells ("corre…")."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    width, console.width = console.width, PIPED_WIDTH
+    try:
+        console.print(table)
+    finally:
+        console.width = width
+
+
 def steps_table(events: list[StepEvent], tokenizer=None):
     from rich.table import Table
 

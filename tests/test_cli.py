@@ -479,6 +479,16 @@ def test_text_that_is_not_utf8_is_one_line_error(cli, tiny_profile):
         assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, (args, result.stderr)
 
 
+def test_the_stats_table_in_a_file_is_not_cut_to_80_columns(cli, tiny_profile):
+    """`--stats` into a log: Rich squeezed the table into 80 columns there ("accep…", "corre…")."""
+    result = cli("generate", "hello", "-p", tiny_profile, "-v", "rsd-c", "--stats", "-n", "12", "-t", "1", input="",
+                 env={"COLUMNS": None})
+    assert result.exit_code == 0, result.stderr
+    header = next(line for line in result.stderr.splitlines() if "step" in line and "verify" in line)
+    assert all(name in header for name in ("accepted", "emitted", "draft ms", "verify ms", "text"))
+    assert "…" not in result.stderr and ("bonus" in result.stderr or "correction" in result.stderr)
+
+
 def test_bad_prompts_files_are_clear_errors(cli, tiny_profile, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
