@@ -349,12 +349,8 @@ def _parse_env(key: Key, raw: str, where: str) -> Any:
         if key.type is float:
             return float(raw)
         if key.type is list and key.item is str:  # a JSON list, or one string
-            import json
-
             return json.loads(raw) if raw.lstrip().startswith("[") else [raw]
         if key.type in (dict, (str, dict)):  # a table as a JSON object (or, where allowed, a string)
-            import json
-
             if raw.lstrip().startswith("{") or key.type is dict:
                 return json.loads(raw)
         if key.type is list:
