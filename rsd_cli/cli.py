@@ -566,9 +566,10 @@ def bench(
                                                     "JSON string or {\"prompt\": ...} a line (default: the built-in "
                                                     "held-out set).", show_default=False)] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, help="Use the first N prompts.")] = 4,
-    repeats: Annotated[int, typer.Option("--repeats", min=1)] = 1,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1)] = 64,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Runs of every prompt by every row.")] = 1,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="The most tokens an answer takes.")] = 64,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the first answer (each row answers with the same "
+                                      "seeds).")] = 0,
     assisted: Annotated[bool, typer.Option("--assisted/--no-assisted", help="Also time transformers' assisted "
                                            "generation with the same pair.")] = True,
     hf_static: Annotated[bool, typer.Option("--hf-static/--no-hf-static", help="Also time transformers' generate "
@@ -772,7 +773,7 @@ def distill(
     layers: Annotated[int, typer.Option("--layers", min=1, help="Target layers before the adapter.")] = 3,
     tokens: Annotated[int, typer.Option("--tokens", min=1, help="Training tokens to sample.")] = 20_000,
     eval_tokens: Annotated[int, typer.Option("--eval-tokens", min=1, help="Held-out tokens to evaluate on.")] = 2_000,
-    epochs: Annotated[int, typer.Option("--epochs", min=1)] = 4,
+    epochs: Annotated[int, typer.Option("--epochs", min=1, help="Passes over the training tokens.")] = 4,
     lr: Annotated[float, typer.Option("--lr", min=0.0, help="Peak learning rate (AdamW).")] = 3e-4,
     schedule: Annotated[str, typer.Option("--schedule", help="cosine (5% warm-up, then cosine decay) or constant.")
                         ] = "cosine",
@@ -784,7 +785,7 @@ def distill(
         "--train-head/--shared-head", show_default=False,
         help="Train the draft its own final norm and head (its rows go into the file) or share the target's; "
              "default: --train-head with --vocab, else shared.")] = None,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the sampled answers and of the training.")] = 0,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A file of training prompts, one per line (.jsonl: "
                                                     "a JSON string or {\"prompt\": ...} a line).",
                                                     show_default=False)] = None,
