@@ -459,7 +459,8 @@ def inspect_tree(
     prompt: Annotated[str, typer.Argument(help="The prompt; - reads stdin.")],
     profile: ProfileOpt = None,
     step: Annotated[int, typer.Option("--step", min=1, help="Which decoding step to show.")] = 1,
-    fmt: Annotated[str, typer.Option("--format", "-f", help="text, json or svg.", rich_help_panel=OUTPUT)] = "text",
+    fmt: Annotated[Optional[str], typer.Option("--format", "-f", help="text, json or svg (default: text; svg with "
+                                               "--output).", rich_help_panel=OUTPUT, show_default=False)] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="SVG file (default: rsd-step-N.svg).",
                                                    rich_help_panel=OUTPUT, show_default=False)] = None,
     system: SystemOpt = None,
@@ -488,8 +489,11 @@ def inspect_tree(
     stop_token: StopTokenOpt = None,
 ):
     """Decode up to step N and show that step in full: every node with q, p, order and fate."""
+    fmt = fmt or ("svg" if output is not None else "text")  # (-o x.svg alone: what else would it write)
     if fmt not in ("text", "json", "svg"):
         raise UsageError(f"--format must be text, json or svg (got {fmt!r})")
+    if output is not None and fmt != "svg":
+        raise UsageError(f"--output writes an SVG (--format svg); {fmt} goes to stdout")
     text = read_prompt(prompt)
     prof, pair = _profile_and_pair(profile, locals())
     from .inspect import run_inspect

@@ -333,6 +333,11 @@ def test_inspect_tree_text_json_and_svg(tiny_profile, tmp_path):
     svg = tmp_path / "step.svg"
     result = invoke("inspect-tree", "hello", "-p", tiny_profile, "-f", "svg", "-o", svg, input="")
     assert result.exit_code == 0 and svg.read_text().lstrip().startswith("<svg")
+    alone = tmp_path / "alone.svg"  # -o alone writes the SVG (it printed the text view, writing nothing)
+    result = invoke("inspect-tree", "hello", "-p", tiny_profile, "-o", alone, input="")
+    assert result.exit_code == 0 and alone.read_text() == svg.read_text() and result.stdout == ""
+    result = invoke("inspect-tree", "hello", "-p", tiny_profile, "-f", "json", "-o", alone, input="")
+    assert result.exit_code == 2 and "--output writes an SVG (--format svg); json goes to stdout" in result.stderr
 
     late = invoke("inspect-tree", "hello", "-p", tiny_profile, "--step", "500", input="")
     assert late.exit_code == 1 and "before step 500" in late.stderr
