@@ -399,10 +399,14 @@ def generate(
     if logprobs and not as_json:
         raise UsageError("--logprobs needs --json (they are reported per token in the JSON record)")
     text = read_prompt(prompt) if prompts is None else read_prompts(prompts, prompt)
+    console = _stderr_console()
+    if live and not console.is_terminal:  # (asked for, and nothing to show it on: said, not refused)
+        notice("--live draws nothing where stderr is not a terminal")
+    elif live and as_json:
+        notice("--live draws nothing with --json")
     prof, pair = _profile_and_pair(profile, locals(), fixed_shape=samples == 1 and prompts is None)
     from .generation import run_generate
 
-    console = _stderr_console()
     live = console.is_terminal if live is None else live
     run_generate(pair, prof, text, system=system, raw=raw, samples=samples, as_json=as_json,
                  show_stats=not quiet, step_table=stats, live=live, console=console, logprobs=logprobs)

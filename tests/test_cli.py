@@ -489,6 +489,17 @@ def test_the_stats_table_in_a_file_is_not_cut_to_80_columns(cli, tiny_profile):
     assert "…" not in result.stderr and ("bonus" in result.stderr or "correction" in result.stderr)
 
 
+def test_live_asked_for_where_it_cannot_draw_is_said(cli, tiny_profile):
+    result = cli("generate", "hello", "-p", tiny_profile, "--live", "-n", "3", input="")
+    assert result.exit_code == 0 and result.stdout.strip()
+    assert result.stderr.startswith("rsd: --live draws nothing where stderr is not a terminal\n")
+    result = cli("generate", "hello", "-p", tiny_profile, "-n", "3", input="")
+    assert "--live" not in result.stderr  # (not asked for: nothing said)
+    result = cli("generate", "hello", "-p", tiny_profile, "--live", "--json", "-n", "3", input="",
+                 env={"TTY_COMPATIBLE": "1"})  # (Rich takes stderr for a terminal)
+    assert result.exit_code == 0 and "rsd: --live draws nothing with --json\n" in result.stderr
+
+
 def test_bad_prompts_files_are_clear_errors(cli, tiny_profile, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
