@@ -164,6 +164,8 @@ class ChatSession:
             if arg not in ("on", "off"):
                 raise RsdError("usage: /tree on|off")
             self.tree = arg == "on"
+            if self.tree and not console.is_terminal:
+                console.print("(the live view draws nothing where stderr is not a terminal)", style="dim")
         elif name == "load":
             if not arg:
                 raise RsdError("usage: /load FILE")

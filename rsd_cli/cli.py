@@ -453,8 +453,11 @@ def chat(
     if load is not None:  # checked before any model loads
         saved_system, history = read_conversation(load.expanduser())
         system = system if system is not None else saved_system
+    console = _stderr_console()
+    if tree and not console.is_terminal:
+        notice("--tree draws nothing where stderr is not a terminal")
     prof, pair = _profile_and_pair(profile, locals(), fixed_shape=False)  # (/set variant may change it)
-    run_chat(pair, prof, system=system, tree=tree, console=_stderr_console(), history=history)
+    run_chat(pair, prof, system=system, tree=tree, console=console, history=history)
 
 
 @app.command("inspect-tree", cls=Command)

@@ -498,6 +498,9 @@ def test_live_asked_for_where_it_cannot_draw_is_said(cli, tiny_profile):
     result = cli("generate", "hello", "-p", tiny_profile, "--live", "--json", "-n", "3", input="",
                  env={"TTY_COMPATIBLE": "1"})  # (Rich takes stderr for a terminal)
     assert result.exit_code == 0 and "rsd: --live draws nothing with --json\n" in result.stderr
+    result = cli("chat", "-p", tiny_profile, "--tree", "-n", "3", input="hi\n/tree on\n")
+    assert result.exit_code == 0 and result.stderr.startswith("rsd: --tree draws nothing where stderr is not a terminal\n")
+    assert "(the live view draws nothing where stderr is not a terminal)" in result.stderr
 
 
 def test_bad_prompts_files_are_clear_errors(cli, tiny_profile, tmp_path):
