@@ -411,6 +411,23 @@ def plot_svg(rows: list[dict], title: str = "rsd bench") -> str:
     return "\n".join(parts)
 
 
+def check_plot_path(path) -> None:
+    """Refuse a --plot that could not be written before anything is measured (not after a run of
+    minutes): its suffix, matplotlib for a PNG, its folder."""
+    import importlib.util
+    from pathlib import Path
+
+    from .errors import RsdError, UsageError
+
+    path = Path(path)
+    if path.suffix.lower() not in (".svg", ".png"):
+        raise UsageError(f"--plot must end in .svg or .png (got {path.name})")
+    if path.suffix.lower() == ".png" and importlib.util.find_spec("matplotlib") is None:
+        raise RsdError("a PNG plot needs matplotlib (pip install matplotlib); .svg works without it")
+    if not path.resolve().parent.is_dir():
+        raise RsdError(f"cannot write the plot to {path}: folder {path.resolve().parent} does not exist")
+
+
 def write_plot(rows: list[dict], path) -> None:
     """SVG always works; PNG needs matplotlib (not a dependency of rsd)."""
     from pathlib import Path
@@ -421,8 +438,6 @@ def write_plot(rows: list[dict], path) -> None:
     if path.suffix.lower() == ".svg":
         path.write_text(plot_svg(rows), encoding="utf-8")
         return
-    if path.suffix.lower() != ".png":
-        raise RsdError(f"--plot must end in .svg or .png (got {path.name})")
     try:
         import matplotlib
 

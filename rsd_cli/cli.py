@@ -620,6 +620,10 @@ def bench(
     compiles = list(dict.fromkeys(_csv_list(compile, str, "--compile"))) if compile is not None else []
     if any(c not in ("auto", "on", "off") for c in compiles):
         raise UsageError(f"--compile takes auto, on or off, comma-separated (got {compile!r})")
+    if plot:
+        from .bench import check_plot_path
+
+        check_plot_path(plot)
     from .distill_command import _read_prompts
     from .prompting import builtin_prompts
 
@@ -673,9 +677,6 @@ def bench(
     warning = shared_cpu(rows)
     if warning:
         console.print(warning, markup=False, highlight=False)
-    if plot:
-        write_plot(rows, plot)
-        console.print(f"wrote {plot}")
     memory = memory_summary(pair, runtime_mb)
     if as_json:
         from .small_batch import installed, signature
@@ -695,6 +696,9 @@ def bench(
                       f"is the runtime (Python, torch, transformers, the model's code) before any weights load; "
                       f"weights {memory['weights_mb']:.0f} MB "
                       f"(target + draft, shared tensors counted once)")
+    if plot:  # (after the results are out: a plot that fails loses none of them)
+        write_plot(rows, plot)
+        console.print(f"wrote {plot}")
 
 
 @profiles_app.command("list", cls=Command)

@@ -79,6 +79,24 @@ def test_bench_rejects_bad_lists(tiny_profile):
             "" if "(got" in message else f" (got {value!r})") + "\n", (flag, value, result.stderr)
 
 
+def test_a_plot_that_cannot_be_written_is_refused_before_anything_is_measured(tiny_profile, tmp_path, monkeypatch):
+    """--plot was written after the run, before the results were printed: a wrong suffix, a PNG without
+    matplotlib or a missing folder lost a whole run's numbers."""
+    import rsd_cli.bench as bench
+
+    ran = []
+    monkeypatch.setattr(bench, "run_bench", lambda *args, **kwargs: ran.append(1) or [])
+    for plot, code, message in ((tmp_path / "x.txt", 2, "--plot must end in .svg or .png (got x.txt)"),
+                                (tmp_path / "no" / "x.svg", 1, f"cannot write the plot to {tmp_path / 'no' / 'x.svg'}: "
+                                                               f"folder {tmp_path / 'no'} does not exist")):
+        result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--plot", str(plot)])
+        assert result.exit_code == code and result.stderr == f"rsd: error: {message}\n", result.stderr
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *args: None if name == "matplotlib" else object())
+    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--plot", str(tmp_path / "x.png")])
+    assert result.exit_code == 1 and "a PNG plot needs matplotlib" in result.stderr
+    assert ran == []  # refused before the models loaded, nothing measured
+
+
 def test_rows_take_turns_prompt_by_prompt_in_alternating_order(tiny_profile, monkeypatch):
     """Every variant runs a prompt before the next prompt starts, and every other prompt in the
     opposite order: no row always runs first, next to the peers, or last, furthest from `ar`."""
