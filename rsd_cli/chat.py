@@ -14,7 +14,7 @@ from pathlib import Path
 from .errors import RsdError, UsageError
 from .generation import context_end_note, stop_text_of, stream_completion
 from .models import describe_layers
-from .profiles import parse_bool
+from .profiles import EMPTY_ITEM, list_items, parse_bool
 from .prompting import NEXT_TURN, encode_prompt, has_chat_template
 from .render import stats_line
 from .runtime import (FLAG_KEYS, branching_factors, idle_include_stop, make_decoder, parse_logit_bias, seed_of,
@@ -57,7 +57,7 @@ def _token_list(value: str) -> list[int]:
     """`/set stop_token 198,13` (or spaces between): token ids; [] clears them."""
     if value.strip() == "[]":
         return []
-    return [int(entry) for entry in value.replace(",", " ").split()]
+    return [int(entry) for entry in list_items(value)]
 
 
 def _bias_table(value: str) -> dict[str, float]:
@@ -65,7 +65,7 @@ def _bias_table(value: str) -> dict[str, float]:
     if value.strip() == "{}":
         return {}
     try:
-        return parse_logit_bias([entry for entry in value.replace(",", " ").split()], "/set logit_bias")
+        return parse_logit_bias(list_items(value), "/set logit_bias")
     except UsageError:
         raise ValueError(value) from None
 
@@ -137,8 +137,9 @@ class ChatSession:
                                f"usage: /set {'|'.join(SETTABLE)} VALUE (/set alone: the settings now)")
             try:
                 typed = SETTABLE[key](value.strip())
-            except ValueError:
-                raise RsdError(f"/set {key}: {value.strip()!r} is not {EXPECTED[SETTABLE[key]]}") from None
+            except ValueError as error:
+                what = "has an empty item; it takes" if str(error) == EMPTY_ITEM else "is not"
+                raise RsdError(f"/set {key}: {value.strip()!r} {what} {EXPECTED[SETTABLE[key]]}") from None
             table, entry = FLAG_KEYS[key]
             before = self.profile.values[table][entry], self.profile.origins[table][entry]
             try:  # checked like a profile entry; the shape now (and whether the models take it), not at the next answer

@@ -548,11 +548,12 @@ def tokenize(
 
 
 def _csv_list(text: str, kind, name: str) -> list:
-    """A flag's comma-separated values; at least one (an empty list would measure nothing)."""
+    """A flag's comma-separated values; at least one (an empty list would measure nothing), none empty."""
+    from .profiles import got, list_items
     try:
-        values = [kind(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise UsageError(f"{name} takes a comma-separated list (got {text!r})") from None
+        values = [kind(part) for part in list_items(text)]
+    except ValueError as error:
+        raise UsageError(f"{name} takes a comma-separated list (got {got(text, error)})") from None
     if not values:
         raise UsageError(f"{name} lists nothing (got {text!r})")
     return values

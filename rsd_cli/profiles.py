@@ -331,6 +331,23 @@ def _coerce(key: Key, value: Any, where: str) -> Any:
     return value
 
 
+EMPTY_ITEM = "an empty item"
+
+
+def got(text: str, error: ValueError) -> str:
+    """What an error about a value says it got, and why where list_items refused it: '2,,3': an empty item."""
+    return f"{text!r}: {EMPTY_ITEM}" if str(error) == EMPTY_ITEM else repr(text)
+
+
+def list_items(text: str) -> list[str]:
+    """"3,2,2", "3 2 2" or "3, 2, 2" -> ["3", "2", "2"]; "" or "," -> []. ValueError at an empty item beside
+    others ("3,,2", ",3", "3,"): a slip that, read as nothing, would quietly change what was asked for."""
+    parts = [part.split() for part in text.split(",")]
+    if any(parts) and not all(parts):
+        raise ValueError(EMPTY_ITEM)
+    return [item for part in parts for item in part]
+
+
 def parse_bool(raw: str) -> bool:
     """true/false, 1/0, yes/no, on/off (any case) -> bool; ValueError otherwise."""
     answer = {"true": True, "1": True, "yes": True, "on": True,
@@ -352,13 +369,16 @@ def _parse_env(key: Key, raw: str, where: str) -> Any:
             return json.loads(raw) if raw.lstrip().startswith("[") else [raw]
         if key.type in (dict, (str, dict)):  # a table as a JSON object (or, where allowed, a string)
             if raw.lstrip().startswith("{") or key.type is dict:
-                return json.loads(raw)
+                table = json.loads(raw)
+                if not isinstance(table, dict):  # (valid JSON of another kind: RSD_SAMPLING_LOGIT_BIAS=5)
+                    raise ValueError(raw)
+                return table
         if key.type is list:
-            return [int(x) for x in raw.replace(",", " ").split()]
-    except ValueError:  # json.JSONDecodeError is one
+            return [int(x) for x in list_items(raw)]
+    except ValueError as error:  # json.JSONDecodeError is one
         expected = {float: "a number", bool: "true or false", list: "a JSON list" if key.item is str else "integers",
                     dict: "a JSON object", (str, dict): "a string or a JSON object"}.get(key.type, "an integer")
-        raise RsdError(f"{where} must be {expected}, got {raw!r}") from None
+        raise RsdError(f"{where} must be {expected}, got {got(raw, error)}") from None
     return raw
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from .drafting import Shape, make_shape, shape_for_budget
 from .errors import RsdError, UsageError
-from .profiles import SCHEMA, Profile
+from .profiles import SCHEMA, Profile, got, list_items
 
 # flag name -> (table, key)
 FLAG_KEYS = {
@@ -37,15 +37,15 @@ FLAG_KEYS = {
 
 
 def branching_factors(text: str) -> list[int]:
-    """"3,2,2" -> [3, 2, 2] (ValueError where a part is not an integer)."""
-    return [int(part) for part in text.replace(" ", "").split(",") if part]
+    """"3,2,2" -> [3, 2, 2] (ValueError where a part is not an integer or is empty: "3,,2")."""
+    return [int(part) for part in list_items(text)]
 
 
 def parse_branching(text: str) -> list[int]:
     try:
         return branching_factors(text)
-    except ValueError:
-        raise UsageError(f"--branching takes integers separated by commas, like 3,2,2 (got {text!r})") from None
+    except ValueError as error:
+        raise UsageError(f"--branching takes integers separated by commas, like 3,2,2 (got {got(text, error)})") from None
 
 
 def parse_logit_bias(entries: list[str], name: str = "--logit-bias") -> dict[str, float]:

@@ -73,7 +73,11 @@ def test_bench_rejects_bad_lists(tiny_profile):
                                  ("--temperatures", "-1", "--temperatures takes finite numbers of at least 0"),
                                  ("--temperatures", "", "--temperatures lists nothing"),  # (an empty table before)
                                  ("--variants", " , ", "--variants lists nothing"),
-                                 ("--budgets", "", "--budgets lists nothing")):
+                                 ("--budgets", "", "--budgets lists nothing"),
+                                 ("--temperatures", "0,1,", "--temperatures takes a comma-separated list "
+                                  "(got '0,1,': an empty item)"),  # (read as 0,1 before)
+                                 ("--variants", "ar,,sd", "--variants takes a comma-separated list "
+                                  "(got 'ar,,sd': an empty item)")):
         result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), flag, value])
         assert result.exit_code == 2 and result.stderr == f"rsd: error: {message}" + (
             "" if "(got" in message else f" (got {value!r})") + "\n", (flag, value, result.stderr)

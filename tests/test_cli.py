@@ -664,6 +664,8 @@ def test_chat_s_set_of_a_tree_setting_the_variant_does_not_read_says_so(tiny_pro
     [
         (["--branching", "2,0", "-v", "rsd-c"], 2, "every branching factor must be at least 1"),
         (["--branching", "2,x", "-v", "rsd-c"], 2, "--branching takes integers"),
+        (["--branching", "2,,3", "-v", "rsd-c"], 2, "(got '2,,3': an empty item)"),  # (read as 2,3 before)
+        (["--branching", "3,2,", "-v", "rsd-c"], 2, "(got '3,2,': an empty item)"),
         (["--beam-width", "500", "-v", "rsd-s"], 1, "larger than the vocabulary"),  # known once the model is
         (["--budget", "0"], 2, "budget must be at least 1"),
         (["--depth", "0", "-v", "rsd-s"], 2, "decoding.depth must be at least 1"),
@@ -683,6 +685,26 @@ def test_bad_parameters_are_one_line_errors(cli, tiny_profile, args, code, fragm
 def test_an_out_of_range_value_in_the_environment_is_not_a_usage_error(cli, tiny_profile):
     result = cli("generate", "hi", "-p", tiny_profile, input="", env={"RSD_SAMPLING_TEMPERATURE": "-1"})
     assert_clean_error(result, 1, "environment variable RSD_SAMPLING_TEMPERATURE must be a finite number, at least 0")
+
+
+@pytest.mark.parametrize("name, value, said", [
+    ("RSD_DECODING_BRANCHING", "2,,3", "RSD_DECODING_BRANCHING must be integers, got '2,,3': an empty item"),
+    ("RSD_SAMPLING_STOP_TOKENS", ",7", "RSD_SAMPLING_STOP_TOKENS must be integers, got ',7': an empty item"),
+    ("RSD_SAMPLING_LOGIT_BIAS", "5", "RSD_SAMPLING_LOGIT_BIAS must be a JSON object, got '5'"),  # ("a table, got 5")
+])
+def test_an_empty_item_or_a_json_value_of_another_kind_in_the_environment_is_refused(cli, tiny_profile, name,
+                                                                                      value, said):
+    """A list from the environment with an empty item (2,,3) was read without it, and a logit bias that is
+    JSON but not an object was called "not a table": both now name what is wrong with the text given."""
+    result = cli("generate", "hi", "-p", tiny_profile, "-v", "rsd-c", input="", env={name: value})
+    assert_clean_error(result, 1, f"environment variable {said}")
+
+
+def test_a_list_in_the_environment_takes_commas_spaces_or_both(cli, tiny_profile):
+    for value in ("3,2", "3 2", " 3, 2 "):
+        result = cli("generate", "hi", "-p", tiny_profile, "-v", "rsd-c", "-n", "2", input="",
+                     env={"RSD_DECODING_BRANCHING": value})
+        assert result.exit_code == 0 and "rsd-c b=(3,2)" in result.stderr, (value, result.stderr)
 
 
 def test_missing_or_broken_profiles(cli, tmp_path):

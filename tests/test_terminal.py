@@ -67,7 +67,7 @@ def test_chat_sets_every_tree_setting_and_a_refused_one_changes_nothing(tiny_pro
     answer is given (the tiny vocabulary has 40 tokens: a root cannot have 1000 children)."""
     saved = tmp_path / "c.json"
     script = "\n".join([
-        "/set variant rsd-c", "/set branching 3,2", "/set branching 1000", "/set branching 3,x", "/set budget 6",
+        "/set variant rsd-c", "/set branching 3,2", "/set branching 1000", "/set branching 3,x", "/set branching 3,,2", "/set budget 6",
         "/set budget 0", "/set variant rsd-s", "/set beam_width 0", "/set beam_width 2", "/set depth 3",
         "/set variant spectr", "/set num_drafts 2", "/set variant rsd-c", "hello", f"/save {saved}", "/bye",
     ]) + "\n"
@@ -79,9 +79,10 @@ def test_chat_sets_every_tree_setting_and_a_refused_one_changes_nothing(tiny_pro
                  "num_drafts = 2 · spectr K=2 L=3", "variant = rsd-c · rsd-c b=(3,2)",
                  "error: branching factor 1000 is larger than the vocabulary (40 tokens)",
                  "error: /set branching: '3,x' is not integers separated by commas, like 3,2,2",
+                 "error: /set branching: '3,,2' has an empty item; it takes integers separated by commas, like 3,2,2",
                  "error: /set: decoding.beam_width must be at least 1 (got 0)"]:
         assert line in result.stderr
-    assert result.stderr.count("error:") == 3
+    assert result.stderr.count("error:") == 4
     assert [m["role"] for m in json.loads(saved.read_text())["messages"]] == ["user", "assistant"]
 
 
