@@ -580,7 +580,8 @@ def bench(
     limit: Annotated[int, typer.Option("--limit", min=1, help="Use the first N prompts.")] = 4,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Runs of every prompt by every row.")] = 1,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="The most tokens an answer takes.")] = 64,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the first answer (each row answers with the same "
+    seed: Annotated[int, typer.Option("--seed", min=0, max=2**63 - 1, help="Seed of the first answer (each row "
+                                      "answers with the same "
                                       "seeds).")] = 0,
     assisted: Annotated[bool, typer.Option("--assisted/--no-assisted", help="Also time transformers' assisted "
                                            "generation with the same pair.")] = True,
@@ -801,7 +802,8 @@ def distill(
         "--train-head/--shared-head", show_default=False,
         help="Train the draft its own final norm and head (its rows go into the file) or share the target's; "
              "default: --train-head with --vocab, else shared.")] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the sampled answers and of the training.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", min=0, max=2**63 - 1,
+                                      help="Seed of the sampled answers and of the training.")] = 0,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A file of training prompts, one per line (.jsonl: "
                                                     "a JSON string or {\"prompt\": ...} a line).",
                                                     show_default=False)] = None,

@@ -31,6 +31,13 @@ def _positive(v) -> str | None:
     return None if v >= 1 else "must be at least 1"
 
 
+SEED_MAX = 2**63 - 1  # (torch takes seeds below 2^64; --samples adds the completion's index to it)
+
+
+def _seed(v) -> str | None:
+    return None if -1 <= v <= SEED_MAX else f"must be -1 (a fresh seed each time) or from 0 to {SEED_MAX}"
+
+
 def _non_negative(v) -> str | None:
     return None if v >= 0 else "must be at least 0"
 
@@ -211,7 +218,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "min_tokens": Key(int, 0, _non_negative, "the answer does not end at an end-of-sequence token or a stop "
                           "string before this many tokens"),
         "max_tokens": Key(int, 256, _positive, "the most tokens an answer takes"),
-        "seed": Key(int, -1, None, "-1 draws a fresh seed"),
+        "seed": Key(int, -1, _seed, "-1 draws a fresh seed"),
         "stop": Key(list, [], _stops, "end the answer at the first of these strings (not printed unless "
                     "include_stop)", item=str),
         "include_stop": Key(bool, False, None, "print the stop string that ended the answer too (vLLM's "

@@ -66,6 +66,8 @@ def test_width_sets_the_tree_width_of_the_depth_shapes(tiny_profile):
 def test_bench_rejects_bad_lists(tiny_profile):
     result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--variants", "ar,warp"])
     assert result.exit_code == 2 and "unknown variant 'warp'" in result.stderr
+    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--seed", str(2**64)])  # (torch's overflow)
+    assert result.exit_code == 2 and "Invalid value for '--seed'" in result.stderr and "Traceback" not in result.stderr
     for flag, value, message in (("--budgets", "8,0", "--budgets takes numbers of at least 1 (got '8,0')"),
                                  ("--depths", "0", "--depths takes numbers of at least 1 (got '0')"),
                                  ("--temperatures", "0,nan", "--temperatures takes finite numbers of at least 0"),

@@ -673,6 +673,9 @@ def test_chat_s_set_of_a_tree_setting_the_variant_does_not_read_says_so(tiny_pro
         (["-t", "-1"], 2, "sampling.temperature must be a finite number, at least 0"),
         (["-t", "inf"], 2, "sampling.temperature must be a finite number, at least 0"),  # (an IndexError before)
         (["-t", "warm"], 2, "Invalid value"),  # Typer's own check, the same code
+        (["--seed", str(2**64)], 2, "sampling.seed must be -1 (a fresh seed each time) or from 0 to "
+         f"{2**63 - 1} (got {2**64})"),  # (torch's "ValueError: Overflow when unpacking long long" before)
+        (["--seed", "-2"], 2, "sampling.seed must be -1"),  # (a fresh seed, as -1, without a word before)
     ],
 )
 def test_bad_parameters_are_one_line_errors(cli, tiny_profile, args, code, fragment):
