@@ -15,7 +15,7 @@ from .errors import RsdError, UsageError
 from .generation import context_end_note, stop_text_of, stream_completion
 from .models import describe_layers
 from .profiles import EMPTY_ITEM, list_items, parse_bool
-from .prompting import NEXT_TURN, encode_prompt, has_chat_template
+from .prompting import NEXT_TURN, counted, encode_prompt, has_chat_template
 from .render import stats_line
 from .runtime import (FLAG_KEYS, branching_factors, idle_include_stop, make_decoder, parse_logit_bias, seed_of,
                       unreachable_min_tokens, unread_settings)
@@ -176,7 +176,7 @@ class ChatSession:
             if not arg:
                 raise RsdError("usage: /save FILE")
             self.save(Path(arg).expanduser())
-            console.print(f"saved {len(self.history)} messages to {arg}")
+            console.print(f"saved {counted(len(self.history), 'message')} to {arg}")
         else:
             meant = difflib.get_close_matches(f"/{name}", COMMANDS, n=1, cutoff=0.7)  # (/sve x.json)
             raise RsdError(f"unknown command /{name}" + (f": did you mean {meant[0]}?" if meant else " (try /help)"))

@@ -529,7 +529,7 @@ def tokenize(
     prof = _load_profile(profile, {})
     tokenizer, eos = Loader().tokenizer(prof)
     eos |= set(prof["sampling"]["stop_tokens"])  # (what ends an answer with this profile)
-    from .prompting import encode_prompt
+    from .prompting import counted, encode_prompt
 
     ids = encode_prompt(tokenizer, text, system) if chat else tokenizer.encode(text, add_special_tokens=False)
 
@@ -544,7 +544,7 @@ def tokenize(
     for token in ids:  # (the text JSON-quoted: spaces and line breaks stay visible)
         typer.echo(f"{token}\t{json.dumps(tokenizer.decode([token]), ensure_ascii=False)}")
     listed = ", ".join(f"{e['id']} {json.dumps(e['text'], ensure_ascii=False)}" for e in ends) or "none"
-    sys.stderr.write(f"{len(ids)} tokens · the answer ends at: {listed}\n")
+    sys.stderr.write(f"{counted(len(ids), 'token')} · the answer ends at: {listed}\n")
 
 
 def _csv_list(text: str, kind, name: str) -> list:

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from .engine import Stats, StepEvent, fresh_seed
-from .prompting import IncrementalDecoder, encode_prompt
+from .prompting import IncrementalDecoder, counted, encode_prompt
 from .render import live_view, print_table, stats_line, steps_table
 from .runtime import make_decoder, seed_of
 from .threads import FORWARDS
@@ -150,7 +150,7 @@ def token_logprobs(event: StepEvent, top: int, tokenizer) -> list[dict]:
 def reading_line(count: int):
     from rich.text import Text
 
-    return Text(f"reading the prompt ({count} tokens)…", style="dim")
+    return Text(f"reading the prompt ({counted(count, 'token')})…", style="dim")
 
 
 READING_NOTE_DELAY = 0.5  # seconds of reading before ReadingNote draws its line

@@ -110,7 +110,7 @@ def run_inspect(pair, profile, text: str, *, step: int, fmt: str, output, system
     from rich.console import Console
 
     from .errors import RsdError
-    from .prompting import encode_prompt
+    from .prompting import counted, encode_prompt
     from .generation import stop_text_of
     from .runtime import make_decoder, seed_of
 
@@ -125,7 +125,7 @@ def run_inspect(pair, profile, text: str, *, step: int, fmt: str, output, system
             break
     if event is None or event.step != step:
         last = event.step if event else 0
-        raise RsdError(f"generation ended after {last} steps, before step {step}")
+        raise RsdError(f"generation ended after {counted(last, 'step')}, before step {step}")
     if fmt == "json":
         sys.stdout.write(json.dumps(step_record(event, pair.tokenizer), ensure_ascii=False) + "\n")
     elif fmt == "text":

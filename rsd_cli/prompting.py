@@ -9,6 +9,11 @@ from pathlib import Path
 from .errors import RsdError
 
 
+def counted(count: int, noun: str) -> str:
+    """"1 step", "3 steps", "0 tokens": a count and its noun (one that takes an s)."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def builtin_prompts(name: str) -> list[str]:
     """A built-in prompt set: "train" (distillation) or "eval" (held out, for benchmarks)."""
     text = (resources.files("rsd_cli") / "prompts" / f"{name}.txt").read_text(encoding="utf-8")

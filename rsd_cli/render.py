@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .engine import Stats, StepEvent
+from .prompting import counted
 
 
 def stats_line(stats: Stats, configured: str | None = None) -> str:
@@ -13,7 +14,7 @@ def stats_line(stats: Stats, configured: str | None = None) -> str:
     if len(used) > 1 or [name for name, _ in used] not in ([], [configured]):
         shapes = "shapes " + ", ".join(f"{name} ×{n}" for name, n in used[:3]) + (", …" if len(used) > 3 else "") + " · "
     return shapes + (
-        f"{stats.steps} steps · {stats.new_tokens} tokens · block efficiency {stats.block_efficiency:.2f} · "
+        f"{counted(stats.steps, 'step')} · {counted(stats.new_tokens, 'token')} · block efficiency {stats.block_efficiency:.2f} · "
         f"acceptance {stats.acceptance_rate:.2f} (per depth {per_depth}) · {stats.tokens_per_second:.1f} tok/s"
         f"{after_the_prompt(stats)} · draft {stats.draft_seconds:.2f}s · verify {stats.verify_seconds:.2f}s"
     ) + fewer_threads(stats)

@@ -37,6 +37,16 @@ def test_generate_streams_text_to_stdout_and_stats_to_stderr(cli, tiny_profile):
     assert "block efficiency" in result.stderr and "tok/s" in result.stderr
 
 
+def test_one_step_and_one_token_are_said_in_the_singular(cli, tiny_profile):
+    """`-n 1` said "1 steps · 1 tokens", `rsd tokenize` "1 tokens"."""
+    result = cli("generate", "hello", "-p", tiny_profile, "-n", "1", "-v", "ar", input="")
+    assert result.exit_code == 0 and " 1 step · 1 token · block efficiency" in result.stderr, result.stderr
+    result = cli("generate", "hello", "-p", tiny_profile, "-n", "2", "-v", "ar", "--ignore-eos", input="")
+    assert " 2 steps · 2 tokens · block efficiency" in result.stderr, result.stderr
+    result = cli("tokenize", "a", "-p", tiny_profile, input="")
+    assert result.exit_code == 0 and result.stderr.startswith("1 token · the answer ends at: "), result.stderr
+
+
 def test_sleeping_openmp_threads_are_named_once_as_the_reason_for_slow_forwards(cli, tiny_profile):
     """OMP_WAIT_POLICY=PASSIVE makes a CPU forward ~3x slower (its threads sleep at each barrier):
     said in one line, with the same answer; nothing said without it."""
