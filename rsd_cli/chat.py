@@ -171,7 +171,7 @@ class ChatSession:
             if not arg:
                 raise RsdError("usage: /load FILE")
             self.load(Path(arg).expanduser())
-            console.print(f"loaded {len(self.history)} messages from {arg}")
+            console.print(f"loaded {counted(len(self.history), 'message')} from {arg}")
         elif name == "save":
             if not arg:
                 raise RsdError("usage: /save FILE")
@@ -416,7 +416,7 @@ def _converse(session, pair, profile, console, out, read_line) -> None:
                       "message on a line after User: or Assistant:, and an answer ends where it starts the next "
                       "User: line)[/dim]")
     if session.history:
-        console.print(f"[dim]resumed {len(session.history)} messages[/dim]")
+        console.print(f"[dim]resumed {counted(len(session.history), 'message')}[/dim]")
     while True:
         try:
             message = read_message(read_line)

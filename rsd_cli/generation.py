@@ -465,5 +465,5 @@ def run_together(pair, profile, decoder, prompt_ids: list[list[int]], seeds: lis
         steps.close()
     if console is not None and count > 1:
         total, wall = sum(len(t) for t in tokens), time.perf_counter() - start
-        console.print(f"[dim]{count} completions decoded together · {total} tokens · {wall:.2f}s · "
+        console.print(f"[dim]{count} completions decoded together · {counted(total, 'token')} · {wall:.2f}s · "
                       f"{total / wall if wall else 0.0:.1f} tok/s in all[/dim]")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .engine import StepEvent
+from .prompting import counted
 from .render import MARKERS, STYLES, draw_order, node_probs, token_label, tree_view
 
 
@@ -75,7 +76,7 @@ def step_renderables(event: StepEvent, tokenizer):
     from rich.text import Text
 
     record = step_record(event, tokenizer)
-    table = Table(title=f"step {event.step} · {event.shape.describe()} · {len(event.tree)} nodes",
+    table = Table(title=f"step {event.step} · {event.shape.describe()} · {counted(len(event.tree), 'node')}",
                   title_justify="left")
     for col in ("node", "depth", "parent", "token", "tried", "q", "p", "status"):
         table.add_column(col, justify="right" if col in ("node", "depth", "parent", "tried", "q", "p") else "left")
@@ -110,7 +111,7 @@ def run_inspect(pair, profile, text: str, *, step: int, fmt: str, output, system
     from rich.console import Console
 
     from .errors import RsdError
-    from .prompting import counted, encode_prompt
+    from .prompting import encode_prompt
     from .generation import stop_text_of
     from .runtime import make_decoder, seed_of
 

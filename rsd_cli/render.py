@@ -127,6 +127,6 @@ def live_view(text: str, event: StepEvent | None, stats: Stats, tokenizer=None):
     if event is not None:
         parts.append(Panel(tree_view(event, tokenizer, max_children=4), title=f"step {event.step}: "
                            f"{event.shape.describe()} draft tree "
-                           f"({len(event.tree)} nodes, {event.accepted} accepted)", title_align="left"))
+                           f"({counted(len(event.tree), 'node')}, {event.accepted} accepted)", title_align="left"))
     parts.append(Text(stats_line(stats), style="dim"))
     return Group(*parts)

@@ -7,6 +7,7 @@ from typing import Any
 from .drafting import Shape, make_shape, shape_for_budget
 from .errors import RsdError, UsageError
 from .profiles import SCHEMA, Profile, got, list_items
+from .prompting import counted
 
 # flag name -> (table, key)
 FLAG_KEYS = {
@@ -107,8 +108,8 @@ def unreachable_min_tokens(profile: Profile) -> str | None:
     if least <= most:
         return None
     return (f"min_tokens {least}{_set_where(profile, 'min_tokens')} is above max_tokens {most}"
-            f"{_set_where(profile, 'max_tokens')}: every answer runs to {most} tokens (no end-of-sequence token "
-            f"or stop string ends it earlier)")
+            f"{_set_where(profile, 'max_tokens')}: every answer runs to {counted(most, 'token')} (no end-of-sequence "
+            f"token or stop string ends it earlier)")
 
 
 def idle_include_stop(profile: Profile, how: str = "--stop") -> str | None:
@@ -143,7 +144,7 @@ def unread_settings(variant: str, budget: int, given, spell=lambda name: f"--{na
         return None
     names = ", ".join(spell(name) for name in unread)
     if picked:
-        why = f"a budget of {budget} nodes picks its tree"
+        why = f"a budget of {counted(budget, 'node')} picks its tree"
     elif variant == "ar":
         why = "it drafts no tree"
     elif variant == "auto":

@@ -548,7 +548,7 @@ def test_inspect_tree_says_when_the_step_drafted_nothing(tiny_profile):
     variants show a drafted one; a drafted step says nothing more."""
     plain = invoke("inspect-tree", "hello", "-p", tiny_profile, "-v", "lookup", "--raw", input="")
     assert plain.exit_code == 0, plain.stderr
-    assert "step 1 · lookup" in plain.stdout and "1 nodes" in plain.stdout
+    assert "step 1 · lookup" in plain.stdout and "1 node " in plain.stdout
     assert "step 1 drafted nothing (the context had no n-gram to look up); -v sd, rsd-c or rsd-s shows a drafted " \
            "tree" in plain.stderr
     drafted = invoke("inspect-tree", "hello", "-p", tiny_profile, "-v", "rsd-c", input="")
