@@ -159,6 +159,39 @@ def test_each_row_gives_the_range_of_its_ratio_to_ar_prompt_by_prompt(tiny_profi
     assert "per prompt" in table.stdout and "0.50-1.00" in table.stdout
 
 
+@pytest.mark.parametrize("width", [80, 100, 140])
+def test_the_results_table_fits_a_terminal_leaving_out_the_least_telling_columns(width):
+    """On a terminal of 80-160 columns the 18 columns were squeezed to one or two characters each ("v…",
+    "1.…"): the table now leaves columns out until it fits, names them under it, says a value every row
+    shares in its title, and never cuts a cell; at its own width (a pipe's 200) nothing is said left out."""
+    import io
+
+    from rich.console import Console
+
+    from rsd_cli.bench import COLUMNS, results_table
+
+    def row(variant, shape, rate, compile="off"):
+        values = dict.fromkeys(COLUMNS, 0.25)
+        values.update(variant=variant, shape=shape, compile=compile, budget=None, depth=None, temperature=0.7,
+                      tokens_per_second=rate, speedup_vs_ar_range=[0.5, 1.25], new_tokens=64)
+        return values
+
+    rows = [row("ar", "ar", 31.5), row("rsd-c", "rsd-c b=(2,2,1)", 35.25),
+            row("hf-assisted", "transformers assisted generation", 30.0, compile=None)]
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None).print(results_table(rows, width=width))
+    text = out.getvalue()
+    assert "…" not in text and max(map(len, text.splitlines())) <= width
+    table_lines = [line for line in text.splitlines() if line.startswith(("┃", "│"))]
+    assert all(word in text for word in ("variant", "shape", "BE", "tok/s", "× ar", "35.25", "rsd-c b=(2,2,1)"))
+    assert text.startswith("rsd bench · T 0.70") and "budget" not in text  # (shared; empty in every row)
+    assert "left out at this width: overhead s, verify s, draft s" in " ".join(text.split())
+    assert len(table_lines[0].split("┃")) - 2 < len(COLUMNS)
+    wide = io.StringIO()
+    Console(file=wide, width=250, color_system=None).print(results_table(rows, width=250))
+    assert "left out" not in wide.getvalue() and "overhead s" in wide.getvalue() and "…" not in wide.getvalue()
+
+
 def test_assisted_row_runs_with_a_reduced_draft_head(tiny_pair_dir, tmp_path):
     profile = tmp_path / "reduced.toml"
     profile.write_text(f'[target]\nsource = "{tiny_pair_dir / "target"}"\n'
