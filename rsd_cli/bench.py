@@ -347,46 +347,13 @@ SPARE_COLUMNS = ["overhead_seconds", "verify_seconds", "draft_seconds", "new_tok
 
 
 def results_table(rows: list[dict], width: int | None = None):
-    """The rows as a Rich table; with `width`, one that fits it: columns empty in every row (no budgets
-    swept) left out first, then one value every row shares said once in the title (T 0.70), then the
-    least telling columns (SPARE_COLUMNS), named in the caption — squeezed into a terminal's 80-160
-    columns, all 18 were cut to one or two characters ("v…", "1.…")."""
-    from rich.console import Console
-    from rich.measure import Measurement
-    from rich.table import Table
+    """The rows as a Rich table; with `width`, one that fits it (render.fitted_table): the variant, its
+    shape, BE, tok/s and × ar always there."""
+    from .render import fitted_table
 
-    cells = {col: [_fmt(row[col]) for row in rows] for col in COLUMNS}
-
-    def table_of(columns: list[str], title: str, caption: str | None = None):
-        table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
-        for col in columns:
-            table.add_column(COLUMN_NAMES.get(col, col), justify="left" if col in ("variant", "shape") else "right")
-        for index in range(len(rows)):
-            table.add_row(*[cells[col][index] for col in columns])
-        return table
-
-    columns, title, left_out = list(COLUMNS), "rsd bench", []
-    if width is None:
-        return table_of(columns, title)
-    measure = Console(width=10_000)
-
-    def fits() -> bool:
-        return Measurement.get(measure, measure.options, table_of(columns, title)).maximum <= width
-
-    for col in COLUMNS:  # (empty in every row: nothing lost)
-        if not fits() and rows and set(cells[col]) == {"-"}:
-            columns.remove(col)
-    for col in ("temperature", "compile"):  # (one value in every row: said once)
-        if not fits() and col in columns and len(set(cells[col])) == 1:
-            columns.remove(col)
-            title += f" · {COLUMN_NAMES.get(col, col)} {cells[col][0]}"
-    for col in SPARE_COLUMNS:
-        if not fits() and col in columns:
-            columns.remove(col)
-            left_out.append(COLUMN_NAMES.get(col, col))
-    caption = (f"left out at this width: {', '.join(left_out)} (a wider terminal, --json or --csv show them)"
-               if left_out else None)
-    return table_of(columns, title, caption)
+    cells = [{col: _fmt(row[col]) for col in COLUMNS} for row in rows]
+    return fitted_table("rsd bench", {col: COLUMN_NAMES.get(col, col) for col in COLUMNS}, cells, width,
+                        left=("variant", "shape"), shared=("temperature", "compile"), spare=tuple(SPARE_COLUMNS))
 
 
 def write_csv(rows: list[dict], out) -> None:

@@ -691,10 +691,9 @@ def bench(
     else:
         from rich.console import Console
 
-        from .render import PIPED_WIDTH, print_table
+        from .render import print_table
 
-        out = Console(highlight=False)
-        print_table(out, results_table(rows, width=out.width if out.is_terminal else PIPED_WIDTH))
+        print_table(Console(highlight=False), lambda width: results_table(rows, width))
         console.print(f"peak memory {memory['peak_rss_mb']:.0f} MB resident, of which {memory['runtime_rss_mb']:.0f} MB "
                       f"is the runtime (Python, torch, transformers, the model's code) before any weights load; "
                       f"weights {memory['weights_mb']:.0f} MB "

@@ -342,7 +342,7 @@ def run_generate(pair, profile, text: str | list[str], *, system=None, raw=False
                                          len(completion.tokens), profile["sampling"]["max_tokens"]))
         if console is not None:
             if step_table and completion.finish_reason != "interrupted":
-                print_table(console, steps_table(completion.events, pair.tokenizer))
+                print_table(console, lambda width: steps_table(completion.events, pair.tokenizer, width))
             if show_stats and completion.stats.steps:
                 console.print(f"[dim]{shape} · {stats_line(completion.stats, shape)}[/dim]")
 

@@ -48,30 +48,76 @@ def token_label(tokenizer, token: int, width: int = 16) -> str:
 PIPED_WIDTH = 200  # the most columns a table takes in a file or a pipe
 
 
-def print_table(console, table) -> None:
-    """A table on a terminal as wide as the terminal; into a file or a pipe at its own width (up to
-    PIPED_WIDTH columns), where Rich would squeeze it into 80 and cut its cells ("corre…")."""
+def print_table(console, table_for) -> None:
+    """table_for(width): a table made to fit `width` columns (fitted_table), printed on a terminal at its
+    width, into a file or a pipe at the table's own width up to PIPED_WIDTH (where Rich would squeeze it
+    into 80 columns and cut its cells: "corre…")."""
     if console.is_terminal:
-        console.print(table)
+        console.print(table_for(console.width))
         return
     width, console.width = console.width, PIPED_WIDTH
     try:
-        console.print(table)
+        console.print(table_for(PIPED_WIDTH))
     finally:
         console.width = width
 
 
-def steps_table(events: list[StepEvent], tokenizer=None):
+def fitted_table(title: str, columns: dict[str, str], rows: list[dict[str, str]], width: int | None = None, *,
+                 left: tuple[str, ...] = (), folded: str | None = None, shared: tuple[str, ...] = (),
+                 spare: tuple[str, ...] = ()):
+    """A Rich table of `rows` (each a cell per column key) under `columns` (key -> header; `left` ones
+    left-justified, the rest right), no cell cut. With `width`, one that fits it: where it is wider,
+    columns empty ("-") in every row are left out first, then a `shared` column whose cells are all one
+    value is said once in the title ("rsd bench · T 1.00"), then the `spare` columns in their order,
+    named in a caption. The `folded` column wraps its cells and counts at its header's width, or 12.
+    Squeezed instead, Rich cut every cell to a character or two ("v…", "1.…")."""
+    from rich.cells import cell_len
     from rich.table import Table
 
-    table = Table(title="per-step statistics", title_justify="left")
-    for col in ("step", "shape", "nodes", "accepted", "emitted", "kind", "draft ms", "verify ms", "text"):
-        table.add_column(col, justify="right" if col not in ("shape", "kind", "text") else "left")
+    keys, left_out = list(columns), []
+
+    def natural(key: str) -> int:
+        longest = max([cell_len(columns[key])] + [cell_len(row[key]) for row in rows])
+        return min(longest, max(12, cell_len(columns[key]))) if key == folded else longest
+
+    def fits() -> bool:  # (each column: its cells and a space each side, a rule before it; a rule after the last)
+        return width is None or sum(natural(key) + 3 for key in keys) + 1 <= width
+
+    for key in list(keys):
+        if not fits() and rows and all(row[key] == "-" for row in rows):
+            keys.remove(key)
+    for key in shared:
+        if not fits() and key in keys and rows and len({row[key] for row in rows}) == 1:
+            keys.remove(key)
+            title += f" · {columns[key]} {rows[0][key]}"
+    for key in spare:
+        if not fits() and key in keys:
+            keys.remove(key)
+            left_out.append(columns[key])
+    caption = f"left out at this width: {', '.join(left_out)} (a wider terminal shows them)" if left_out else None
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    for key in keys:
+        table.add_column(columns[key], justify="left" if key in left else "right", no_wrap=key != folded,
+                         overflow="fold" if key == folded else "ellipsis")
+    for row in rows:
+        table.add_row(*[row[key] for key in keys])
+    return table
+
+
+def steps_table(events: list[StepEvent], tokenizer=None, width: int | None = None):
+    """--stats: a row per step (the shape said once in the title where it fits no column and every step
+    had the same)."""
+    columns = {"step": "step", "shape": "shape", "nodes": "nodes", "accepted": "accepted", "emitted": "emitted",
+               "kind": "kind", "draft": "draft ms", "verify": "verify ms", "text": "text"}
+    rows = []
     for e in events:
         text = tokenizer.decode(e.emitted) if tokenizer is not None else " ".join(map(str, e.emitted))
-        table.add_row(str(e.step), e.shape.describe(), str(len(e.tree)), str(e.accepted), str(len(e.emitted)), e.extra_kind,
-                      f"{e.draft_seconds * 1000:.0f}", f"{e.verify_seconds * 1000:.0f}", repr(text)[1:-1][:40])
-    return table
+        rows.append({"step": str(e.step), "shape": e.shape.describe(), "nodes": str(len(e.tree)),
+                     "accepted": str(e.accepted), "emitted": str(len(e.emitted)), "kind": e.extra_kind,
+                     "draft": f"{e.draft_seconds * 1000:.0f}", "verify": f"{e.verify_seconds * 1000:.0f}",
+                     "text": repr(text)[1:-1][:40]})
+    return fitted_table("per-step statistics", columns, rows, width, left=("shape", "kind", "text"), folded="text",
+                        shared=("shape",), spare=("draft", "verify", "nodes", "emitted"))
 
 
 MARKERS = {"root": "●", "accepted": "✓", "rejected": "✗", "not reached": "·"}

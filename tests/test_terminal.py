@@ -553,3 +553,27 @@ def test_inspect_tree_says_when_the_step_drafted_nothing(tiny_profile):
            "tree" in plain.stderr
     drafted = invoke("inspect-tree", "hello", "-p", tiny_profile, "-v", "rsd-c", input="")
     assert drafted.exit_code == 0 and "drafted nothing" not in drafted.stderr
+
+
+@pytest.mark.parametrize("variant", ["rsd-c", "auto"])
+def test_the_per_step_table_fits_an_80_column_terminal_without_cutting_a_cell(tiny_profile, variant):
+    """--stats on a terminal of 80 columns cut its cells ("accep…", "corre…", "b=(2,2…"): one shape is
+    now said in the title, and where the steps' shapes differ (auto) the timings are left out, said so."""
+    from rsd_cli.models import load_pair
+    from rsd_cli.profiles import load_profile
+    from rsd_cli.render import print_table, steps_table
+    from rsd_cli.runtime import apply_flags, make_decoder
+
+    profile = apply_flags(load_profile(str(tiny_profile)), {"variant": variant, "temperature": 0.0})
+    pair = load_pair(profile)
+    events = list(make_decoder(pair, profile).generate([5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], 12, 0))
+    console = Console(force_terminal=True, record=True, width=80, file=io.StringIO(), color_system=None)
+    print_table(console, lambda width: steps_table(events, pair.tokenizer, width))
+    text = console.export_text()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80, text
+    assert "correction" in text or "bonus" in text
+    if variant == "rsd-c":
+        assert text.startswith("per-step statistics · shape rsd-c b=(2,2)") and "│ shape" not in text, text
+    else:
+        assert len({e.shape.describe() for e in events}) > 1 and "│ shape" not in text and "shape " in text
+        assert "left out at this width: draft ms" in text, text
