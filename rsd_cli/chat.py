@@ -16,7 +16,7 @@ from .generation import context_end_note, stop_text_of, stream_completion
 from .models import describe_layers
 from .profiles import EMPTY_ITEM, list_items, parse_bool
 from .prompting import NEXT_TURN, counted, encode_prompt, has_chat_template
-from .render import stats_line
+from .render import summary_line
 from .runtime import (FLAG_KEYS, branching_factors, idle_include_stop, make_decoder, parse_logit_bias, seed_of,
                       unreachable_min_tokens, unread_settings)
 
@@ -102,7 +102,7 @@ class ChatSession:
     system: str | None = None
     history: list[dict] = field(default_factory=list)
     tree: bool = False
-    last_stats: object = None
+    last_stats: tuple | None = None  # (the last answer's Stats, the shape it was asked with), for /stats
     turns: int = 0
     learnt: tuple = (None, None, None)  # (shape, sampling, auto.AutoShape) of the last answer
     kept: object = None  # the last answer's KV caches (engine.KeptCaches): the next one reads only what is new
@@ -160,7 +160,7 @@ class ChatSession:
             what += f" — {idle}" if idle else ""
             console.print(f"{key} = {_as_typed(typed)}{what}", markup=False, highlight=False)
         elif name == "stats":
-            console.print(stats_line(self.last_stats) if self.last_stats else "no answer yet", highlight=False)
+            console.print(summary_line(*self.last_stats) if self.last_stats else "no answer yet", highlight=False)
         elif name == "tree":
             if arg not in ("on", "off"):
                 raise RsdError("usage: /tree on|off")
@@ -227,7 +227,7 @@ class ChatSession:
             note = context_end_note(self.pair.context_length, len(ids), len(tokens),
                                     self.profile["sampling"]["max_tokens"])
             console.print(f"({note})", style="dim", markup=False, highlight=False)
-        self.last_stats = stats
+        self.last_stats = (stats, decoder.shape.describe())
         self.learnt = (decoder.shape, decoder.sampling, decoder.policy)
         self.history.append({"role": "assistant", "content": text})
 

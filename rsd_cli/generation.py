@@ -16,7 +16,7 @@ import torch
 
 from .engine import Stats, StepEvent, fresh_seed
 from .prompting import IncrementalDecoder, counted, encode_prompt
-from .render import live_view, print_table, stats_line, steps_table
+from .render import live_view, print_table, steps_table, summary_line
 from .runtime import make_decoder, seed_of
 from .threads import FORWARDS
 
@@ -246,7 +246,7 @@ def stream_completion(pair, decoder, prompt_ids, max_tokens, seed, *, out, conso
                 out.write(piece)
                 out.flush()
             if display is not None:
-                display.update(live_view("".join(shown), event, stats, pair.tokenizer))
+                display.update(live_view("".join(shown), event, stats, pair.tokenizer, decoder.shape.describe()))
             if on_step is not None:
                 on_step(event)
 
@@ -344,7 +344,7 @@ def run_generate(pair, profile, text: str | list[str], *, system=None, raw=False
             if step_table and completion.finish_reason != "interrupted":
                 print_table(console, lambda width: steps_table(completion.events, pair.tokenizer, width))
             if show_stats and completion.stats.steps:
-                console.print(f"[dim]{shape} · {stats_line(completion.stats, shape)}[/dim]")
+                console.print(f"[dim]{summary_line(completion.stats, shape)}[/dim]")
 
     max_tokens = profile["sampling"]["max_tokens"]
     if len(asked) > 1 and decoder.shape.variant in TOGETHER and decoder.limit is None \

@@ -163,8 +163,14 @@ def tree_view(event: StepEvent, tokenizer=None, max_children: int | None = None)
     return root
 
 
-def live_view(text: str, event: StepEvent | None, stats: Stats, tokenizer=None):
-    """What the live display shows during `rsd generate` on a terminal."""
+def summary_line(stats: Stats, configured: str) -> str:
+    """The statistics line after an answer: the shape asked for, then stats_line."""
+    return f"{configured} · {stats_line(stats, configured)}"
+
+
+def live_view(text: str, event: StepEvent | None, stats: Stats, tokenizer=None, configured: str | None = None):
+    """What the live display shows during `rsd generate` on a terminal (its statistics line as the one after
+    the answer, where the shape asked for is given)."""
     from rich.console import Group
     from rich.panel import Panel
     from rich.text import Text
@@ -174,5 +180,5 @@ def live_view(text: str, event: StepEvent | None, stats: Stats, tokenizer=None):
         parts.append(Panel(tree_view(event, tokenizer, max_children=4), title=f"step {event.step}: "
                            f"{event.shape.describe()} draft tree "
                            f"({counted(len(event.tree), 'node')}, {event.accepted} accepted)", title_align="left"))
-    parts.append(Text(stats_line(stats), style="dim"))
+    parts.append(Text(summary_line(stats, configured) if configured else stats_line(stats), style="dim"))
     return Group(*parts)

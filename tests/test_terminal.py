@@ -54,6 +54,9 @@ def test_chat_scripted_session(tiny_profile, tmp_path):
     assert "error: unknown command /frobnicate (try /help)" in result.stderr
     assert "block efficiency" in result.stderr  # /stats
     assert "cannot save to" in result.stderr
+    stats = invoke("chat", "-p", tiny_profile, "-n", "5", "-v", "sd", "--draft-len", "2", input="hello\n/stats\n")
+    said = [part for part in stats.stderr.split("you› ") if "block efficiency" in part]
+    assert said and said[0].startswith("sd γ=2 · ") and "shapes" not in said[0], stats.stderr  # (as generate says it)
     conversation = json.loads(saved.read_text())
     assert [m["role"] for m in conversation["messages"]] == ["user", "assistant", "user", "assistant"]
     assert conversation["messages"][2]["content"] == "first line\nsecond line"
