@@ -40,7 +40,7 @@ HELP = """commands:
   /tree on|off          live view of the draft tree while answering
   /save FILE            write the conversation as JSON
   /load FILE            resume a conversation written by /save (replaces this one)
-  \"\"\"                   start and end a multi-line message
+  \"\"\"                   start and end a multi-line message (sent as written, / and all)
 Ctrl-C stops the current answer and keeps the session."""
 
 def _stop_list(value: str) -> list[str]:
@@ -283,14 +283,15 @@ def read_conversation(path: Path) -> tuple[str | None, list[dict]]:
             [{"role": m["role"], "content": m["content"]} for m in messages])
 
 
-def read_message(read_line) -> str | None:
-    """One user message: a line, or a \"\"\"-delimited block. None at end of input."""
+def read_message(read_line) -> tuple[str, bool] | None:
+    """One user message and whether it is a \"\"\"-delimited block (never a command, though its first line
+    begins with "/": a path pasted at its start was run as one), or a line. None at end of input."""
     try:
         line = read_line("you› ")
     except EOFError:
         return None
     if line.strip() != '"""':
-        return line
+        return line, False
     lines = []
     while True:
         try:
@@ -300,7 +301,7 @@ def read_message(read_line) -> str | None:
         if more.strip() == '"""':
             break
         lines.append(more)
-    return "\n".join(lines)
+    return "\n".join(lines), True
 
 
 LEAVE = ("/bye", "/exit", "/quit")
@@ -419,17 +420,18 @@ def _converse(session, pair, profile, console, out, read_line) -> None:
         console.print(f"[dim]resumed {counted(len(session.history), 'message')}[/dim]")
     while True:
         try:
-            message = read_message(read_line)
+            read = read_message(read_line)
         except KeyboardInterrupt:
             console.print("")
             continue
-        if message is None:
+        if read is None:
             console.print("")
             return
+        message, block = read
         if not message.strip():
             continue
         try:
-            if message.startswith("/"):
+            if message.startswith("/") and not block:
                 if not session.command(message.strip(), console):
                     return
             else:

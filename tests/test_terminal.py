@@ -64,6 +64,18 @@ def test_chat_scripted_session(tiny_profile, tmp_path):
     assert conversation["messages"][1]["content"] in result.stdout
 
 
+def test_a_chat_block_beginning_with_a_slash_is_a_message_not_a_command(tiny_profile, tmp_path):
+    """A \"\"\" block is sent as written: one whose first line began with "/" (a path pasted at its start)
+    was run as a command, the whole block its argument ("unknown command /etc/hosts")."""
+    saved = tmp_path / "c.json"
+    script = '"""\n/etc/hosts lists the hosts\n/set temperature 5\n"""\n' + f"/save {saved}\n"
+    result = invoke("chat", "-p", tiny_profile, "-n", "3", input=script)
+    assert result.exit_code == 0 and "error" not in result.stderr, result.stderr
+    messages = json.loads(saved.read_text())["messages"]
+    assert messages[0] == {"role": "user", "content": "/etc/hosts lists the hosts\n/set temperature 5"}
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+
+
 def test_chat_sets_every_tree_setting_and_a_refused_one_changes_nothing(tiny_profile, tmp_path):
     """/set takes the tree settings the flags take (the shape each gives is shown); a value the
     profile or the shape refuses is an error that leaves the setting as it was, so the next
