@@ -10,10 +10,11 @@ torch's layers (a model without quantised blocks, transformers' forward) is hund
 regions, and fared worse: 2.9 tokens a second beside one busy process (1.5-5.4) instead of 29.3,
 where one thread made 17.2 (benchmarks/results/intel-xeon-torch-threads).
 
-So the `Governor` times every forward, and the CPU time the process had during it. Where a
-forward's threads had less than 60% of the time they would have had alone (beside two busy
-processes 50% from the first forward on; alone at least 70% on the 2-core Xeon), the next forwards
-run on half as many. Now and then it runs a few on half the threads (or, after halving, twice as
+So the `Governor` times every forward, and the CPU time the process had during it. Where the
+forwards' threads had less than 60% of the time they would have had alone (beside two busy
+processes 50% from the first forward on; alone at least 70% on the 2-core Xeon), judged over 15 ms
+of them at least (the CPU clock counts another thread's time at the scheduler's ticks: STARVED_WINDOW),
+the next forwards run on half as many. Now and then it runs a few on half the threads (or, after halving, twice as
 many): where those take clearly less time than the mean of the last forwards of the same model
 and size on the current count (spikes and all: they are the cost), their count becomes the one
 used. A trial stops at its first forwards once they have cost more than the usual time; it is
@@ -71,8 +72,12 @@ LONGEST_WAIT = 4096  # forwards between two trials of a direction at most
 COST_SHARE = 0.02  # the time trials lose, as a share of the forwards' time, at most (over MEMORY forwards)
 MEMORY = 1000  # forwards over which that is weighed (both sums shrink by 1 / MEMORY a forward)
 UNJUDGED = 2  # a trial's forwards without a usual time to compare with, before it ends unjudged
-STARVED = 0.6  # a forward whose threads had less than this share of its time on the CPU: fewer threads
-STARVED_AFTER = 0.002  # seconds a forward takes at least for its share to count (a thread's wake-up)
+STARVED = 0.6  # forwards whose threads had less than this share of their time on the CPU: fewer threads
+# the seconds of forwards on one count that share is judged over, at least: the process's CPU clock
+# counts another thread's time only at the scheduler's ticks (4 ms apart on a 250 Hz kernel), so one
+# forward of 2.5 ms on two threads read 0.5 or 1.3 of its time on an idle 2-core AMD EPYC, was
+# "starved" at the first forward of the answer, and never got its second thread back (0.65x)
+STARVED_WINDOW = 0.015
 
 
 @dataclasses.dataclass
@@ -117,6 +122,7 @@ class Governor:
         self.spent = 0.0  # the forwards' seconds (shrinking by 1 / MEMORY a forward)
         self.lost = 0.0  # the seconds trials lost (shrinking alike)
         self.fallback: float | None = None  # after more threads won a trial: a forward's time before
+        self.window = [0, 0.0, 0.0]  # (threads, wall seconds, CPU seconds) of the forwards _starving judges next
 
     def run(self, key, forward, most: int):
         """forward(threads)'s result, timed: key names what it runs (a model and a token count),
@@ -130,9 +136,23 @@ class Governor:
         seconds = self.clock() - start
         if compiles() != compiled:  # (a graph compiled or loaded inside: the compiler's time, mostly on one
             return result  # thread, says nothing of the threads': neither a usual time, a trial's, nor starving)
-        starved = seconds >= STARVED_AFTER and self.cpu_clock() - cpu < STARVED * threads * seconds
+        starved = self._starving(threads, seconds, self.cpu_clock() - cpu)
         self._record(key, threads, seconds, starved)
         return result
+
+    def _starving(self, threads: int, seconds: float, cpu: float) -> bool:
+        """Whether the forwards on `threads` up to this one starve: their threads on the CPU less than
+        STARVED of the time, judged once they have run STARVED_WINDOW seconds together (one long
+        forward at once), then afresh; the count changed, afresh at once."""
+        if self.window[0] != threads:
+            self.window = [threads, 0.0, 0.0]
+        self.window[1] += seconds
+        self.window[2] += cpu
+        if self.window[1] < STARVED_WINDOW:
+            return False
+        _, wall, used = self.window
+        self.window = [threads, 0.0, 0.0]
+        return used < STARVED * threads * wall
 
     @contextlib.contextmanager
     def held(self):
