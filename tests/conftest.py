@@ -40,6 +40,9 @@ def isolated_dirs(tmp_path, monkeypatch):
     # what --variant auto learnt in earlier runs: per test (tests must not steer each other's choices)
     from rsd_cli import auto
     monkeypatch.setattr(auto, "memory_path", lambda: tmp_path / "auto.json")
+    # the machine as idle for auto's measured costs (cached_costs; what else runs beside a test — another
+    # worker — would mark them busy at random): the test of that marking sets it itself
+    monkeypatch.setattr(auto, "others_running", lambda: 0)
     return tmp_path
 
 

@@ -709,6 +709,27 @@ def test_costs_json_keeps_the_keys_measured_last(tmp_path, monkeypatch):
     assert auto.cached_costs(kept[0], lambda: pytest.fail("measured again")) == measured
 
 
+def test_costs_measured_beside_busy_processes_are_measured_again_once_the_machine_is_idle(tmp_path, monkeypatch):
+    """A table measured beside busy processes (a test run, a build) is far off — on a 2-core AMD EPYC one
+    rated the draft's forward 7.9 ms and the target's 4.0, where idle they take 0.38 and 2.47 — and was
+    used for good: it is kept marked busy, used while the machine stays busy, and measured again at the
+    first run that finds it idle."""
+    monkeypatch.setenv("RSD_CACHE_DIR", str(tmp_path))
+    busy, notices = [2], []
+    monkeypatch.setattr(auto, "others_running", lambda: busy[0])
+    slow, fast = Costs({1: 4.0e-3, 64: 0.14}, {1: 7.9e-3, 32: 0.024}), Costs({1: 2.5e-3, 64: 0.1}, {1: 4e-4, 32: 0.01})
+    assert auto.cached_costs("machine", lambda: slow, notices.append) == slow
+    assert json.loads((tmp_path / "costs.json").read_text())["machine"]["busy"] == 2
+    assert auto.cached_costs("machine", lambda: pytest.fail("measured while still busy")) == slow
+    busy[0] = 0
+    assert auto.cached_costs("machine", lambda: fast, notices.append) == fast
+    assert "busy" not in json.loads((tmp_path / "costs.json").read_text())["machine"]
+    assert auto.cached_costs("machine", lambda: pytest.fail("measured again, idle")) == fast
+    busy[0] = 1
+    assert auto.cached_costs("machine", lambda: pytest.fail("an idle table measured again")) == fast
+    assert "once" in notices[0] and "again, idle now" in notices[1] and len(notices) == 2
+
+
 def test_an_answer_s_set_up_fingerprints_each_model_once_a_process(pair, monkeypatch):
     """Each answer of `auto` starts from the cost key, which names both models' architectures: worked
     out once per loaded model (each answer ~1 ms before), anew for another model, the key the same."""
