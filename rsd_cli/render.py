@@ -14,7 +14,8 @@ def stats_line(stats: Stats, configured: str | None = None) -> str:
     if len(used) > 1 or [name for name, _ in used] not in ([], [configured]):
         shapes = "shapes " + ", ".join(f"{name} ×{n}" for name, n in used[:3]) + (", …" if len(used) > 3 else "") + " · "
     return shapes + (
-        f"{counted(stats.steps, 'step')} · {counted(stats.new_tokens, 'token')} · block efficiency {stats.block_efficiency:.2f} · "
+        f"{counted(stats.steps, 'step')} · {counted(stats.new_tokens, 'token')} · "
+        f"block efficiency {stats.block_efficiency:.2f} · "
         f"acceptance {stats.acceptance_rate:.2f} (per depth {per_depth}) · {stats.tokens_per_second:.1f} tok/s"
         f"{after_the_prompt(stats)} · draft {stats.draft_seconds:.2f}s · verify {stats.verify_seconds:.2f}s"
     ) + fewer_threads(stats)
@@ -105,8 +106,8 @@ def fitted_table(title: str, columns: dict[str, str], rows: list[dict[str, str]]
 
 
 def steps_table(events: list[StepEvent], tokenizer=None, width: int | None = None):
-    """--stats: a row per step (the shape said once in the title where it fits no column and every step
-    had the same)."""
+    """--stats: a row per step (where it is wider than `width` and every step had the same shape, that shape
+    said once in the title)."""
     columns = {"step": "step", "shape": "shape", "nodes": "nodes", "accepted": "accepted", "emitted": "emitted",
                "kind": "kind", "draft": "draft ms", "verify": "verify ms", "text": "text"}
     rows = []

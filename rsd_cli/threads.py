@@ -12,18 +12,19 @@ where one thread made 17.2 (benchmarks/results/intel-xeon-torch-threads).
 
 So the `Governor` times every forward, and the CPU time the process had during it. Where the
 forwards' threads had less than 60% of the time they would have had alone (beside two busy
-processes 50% from the first forward on; alone at least 70% on the 2-core Xeon), judged over 30 ms
-of them at least (the CPU clock counts another thread's time at the scheduler's ticks: STARVED_WINDOW),
-the next forwards run on half as many. Now and then it runs a few on half the threads (or, after halving, twice as
-many): where those take clearly less time than the mean of the last forwards of the same model
-and size on the current count (spikes and all: they are the cost), their count becomes the one
-used. A trial stops at its first forwards once they have cost more than the usual time; it is
-tried again after twice as many forwards, and after enough that the time trials lose stays under
-2% of the forwards' (a two-thread trial beside two busy processes costs a second). Where the
-median of a model's last forwards doubles or halves (a process started or ended beside them),
-trials start again at once, against those forwards. The first forward runs on as many threads as
-the CPUs other processes' running threads leave (Linux's /proc), halving: beside two busy
-processes the prompt's forward on two threads took 1.2 s in some runs (0.17-0.3 s in others).
+processes 50% from the first forward on; alone at least 70% on the 2-core Xeon), judged over 30
+ms of them at least (the CPU clock counts another thread's time at the scheduler's ticks:
+STARVED_WINDOW), the next forwards run on half as many. Now and then it runs a few on half the
+threads (or, after halving, twice as many): where those take clearly less time than the mean of
+the last forwards of the same model and size on the current count (spikes and all: they are the
+cost), their count becomes the one used. A trial stops at its first forwards once they have cost
+more than the usual time; it is tried again after twice as many forwards, and after enough that
+the time trials lose stays under 2% of the forwards' (a two-thread trial beside two busy processes
+costs a second). Where the median of a model's last forwards doubles or halves (a process started
+or ended beside them), trials start again at once, against those forwards. The first forward runs
+on as many threads as the CPUs other processes' running threads leave (Linux's /proc), halving:
+beside two busy processes the prompt's forward on two threads took 1.2 s in some runs (0.17-0.3 s
+in others).
 
 A trial of more threads is not run while other processes' running threads leave the CPUs for
 fewer (it would starve: on torch's layers one such forward took a second); it counts as lost.
