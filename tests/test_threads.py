@@ -155,7 +155,7 @@ class Ticked(SimulatedCPU):
 
 
 def test_forwards_shorter_than_the_cpu_clock_s_ticks_keep_their_threads():
-    """Judged one at a time, such a forward's threads read 0.5 or 1.6 of its time on the CPU: the first
+    """Judged one at a time, such a forward's threads read 0.5 or 1.3 of its time on the CPU: the first
     that read 0.5 halved the threads (at the answer's first token), and every trial of two threads
     after began with one more (lost), so the answers ran on one thread, 0.65x (227 tokens a second
     against 348 with RSD_ADAPTIVE_THREADS=0). Judged over STARVED_WINDOW, they keep both."""
