@@ -43,11 +43,62 @@ class OneLineUsage:
             _one_line(e)
 
 
-class Command(OneLineUsage, TyperCommand):
+HELP_TYPE_NAMES = {"str": "TEXT", "int": "INTEGER", "float": "FLOAT", "path": "PATH"}
+
+
+def _help_type(param, ctx) -> dict:
+    """What the help shows of a parameter, as a command line reads it: nothing beside a flag (Typer
+    0.29 shows `--raw <bool>`, as if it took a value), TEXT, INTEGER, FLOAT or PATH beside the others
+    (not `<list[str]>` or `<int range>`: a repeatable option says so in its help), an argument by its
+    name in capitals (`rsd generate [OPTIONS] [PROMPT]`, as the commands' help names it), and no range
+    whose bound is past 2^31 (`--seed`'s 2^63 - 1: its error names the range). Returns the parameter's
+    attributes to set while the help is written (Typers before 0.2x, without `display_type`, show
+    click's TEXT and INTEGER already: nothing)."""
+    if not hasattr(param, "display_type") or param.metavar is not None:
+        return {}
+    if getattr(param, "is_flag", False):
+        return {"metavar": ""}
+    label = param.display_type(ctx).strip("<>").removesuffix(" range")
+    if label.startswith("list[") and label.endswith("]"):
+        label = label[len("list["):-1]
+    label = HELP_TYPE_NAMES.get(label, label.upper())
+    if param.param_type_name == "argument":
+        return {"metavar": param.name.upper(), "display_type_rich": lambda ctx: label}
+    shown = {"metavar": label}
+    if any(isinstance(bound, (int, float)) and abs(bound) > 2**31
+           for bound in (getattr(param, "min", None), getattr(param, "max", None))):
+        shown["_get_number_range_help_str"] = lambda: None
+    return shown
+
+
+class HelpTypes:
+    """A command or group whose help shows its parameters as _help_type says (only while the help is
+    written: an error's wording keeps click's names)."""
+
+    def format_help(self, ctx, formatter):
+        changed = [(param, _help_type(param, ctx)) for param in self.get_params(ctx)]
+        saved = [(param, {name: param.__dict__.get(name, MISSING) for name in shown}) for param, shown in changed]
+        for param, shown in changed:
+            param.__dict__.update(shown)
+        try:
+            return super().format_help(ctx, formatter)
+        finally:
+            for param, before in saved:
+                for name, value in before.items():
+                    if value is MISSING:
+                        del param.__dict__[name]
+                    else:
+                        param.__dict__[name] = value
+
+
+MISSING = object()
+
+
+class Command(OneLineUsage, HelpTypes, TyperCommand):
     pass
 
 
-class Group(OneLineUsage, TyperGroup):
+class Group(OneLineUsage, HelpTypes, TyperGroup):
     def resolve_command(self, ctx, args):  # (an unknown command)
         try:
             return super().resolve_command(ctx, args)
@@ -571,8 +622,8 @@ def bench(
     depths: Annotated[Optional[str], typer.Option("--depths", help="Fixed draft lengths L, e.g. 2,4.",
                                                   show_default=False)] = None,
     width: Annotated[Optional[int], typer.Option("--width", help="Tree width at --depths: root children (mss, "
-                                                 "rsd-c), beam width (rsd-s), drafts (spectr) [default: the "
-                                                 "profile's beam_width].", show_default=False)] = None,
+                                                 "rsd-c), beam width (rsd-s), drafts (spectr); by default the "
+                                                 "profile's beam_width.", show_default=False)] = None,
     temperatures: Annotated[str, typer.Option("--temperatures", help="Comma-separated temperatures.")] = "1.0",
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A prompt file, one per line, or .jsonl: a "
                                                     "JSON string or {\"prompt\": ...} a line (default: the built-in "
@@ -594,8 +645,8 @@ def bench(
                                              "run, the peers' too, takes --max-tokens tokens (or ends at a stop "
                                              "string).")] = False,
     compile: Annotated[Optional[str], typer.Option("--compile", help="Comma-separated --compile settings to "
-                                                   "measure, rows interleaved, e.g. on,off [default: the "
-                                                   "profile's].", show_default=False)] = None,
+                                                   "measure, rows interleaved, e.g. on,off; by default the "
+                                                   "profile's.", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help='{"results": [...]} on stdout.', rich_help_panel=OUTPUT)] = False,
     as_csv: Annotated[bool, typer.Option("--csv", help="CSV on stdout.", rich_help_panel=OUTPUT)] = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a plot (.svg, or .png with matplotlib).",

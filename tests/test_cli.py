@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -915,3 +916,29 @@ def test_help_at_80_columns_cuts_no_option_name_nor_default(cli, command):
     result = cli(command, "--help", env={"COLUMNS": "80"})
     assert result.exit_code == 0 and max(map(len, result.stdout.splitlines())) == 80
     assert "…" not in result.stdout, [line for line in result.stdout.splitlines() if "…" in line]
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["inspect-tree"], ["tokenize"], ["bench"],
+                                     ["distill"], ["profiles", "new"]])
+def test_help_shows_a_value_beside_options_that_take_one_and_nothing_beside_flags(cli, command):
+    """Typer 0.29 showed `--raw <bool>` (as if a flag took a value), `--stop <list[str]>` and bench's
+    `--seed <int range> [0<=x<=9223372036854775807]`; and rich markup ate a help's `[default: …]`,
+    leaving bench's `--width` help ending "drafts (spectr) .". Now a flag shows nothing, an option
+    TEXT, INTEGER, FLOAT or PATH, and every help sentence whole."""
+    result = cli(*command, "--help", env={"COLUMNS": "250"})
+    assert result.exit_code == 0
+    assert not re.search(r"<(bool|str|int|float|path|list)", result.stdout), result.stdout
+    assert not re.search(r" \.(\s|$)", result.stdout) and "9223372036854775807" not in result.stdout
+    rows = {m.group(1): line for line in result.stdout.splitlines() if (m := re.match(r"│[\s*]*(--[\w-]+)", line))}
+    assert re.search(r"--help\s+-h\s+Show this message", rows["--help"]), rows["--help"]
+    if command == ["generate"]:
+        assert re.search(r"--raw\s+Send the prompt", rows["--raw"])
+        assert "Usage: rsd generate [OPTIONS] [PROMPT]" in result.stdout
+        assert re.search(r"--seed\s+INTEGER\s+The same tokens", rows["--seed"])
+        assert re.search(r"--stop\s+TEXT\s+End the answer", rows["--stop"])
+        assert re.search(r"--temperature\s+-t\s+FLOAT\s+0 is greedy", rows["--temperature"])
+        assert re.search(r"--prompts\s+PATH\s+Answer every prompt", rows["--prompts"])
+        assert re.search(r"--samples\s+INTEGER \[x>=1\]\s+Independent", rows["--samples"])
+    if command == ["bench"]:
+        assert "drafts (spectr); by default the profile's beam_width." in rows["--width"]
+        assert "e.g. on,off; by default the profile's." in rows["--compile"]
