@@ -392,8 +392,9 @@ def run_chat(pair, profile, *, system: str | None, tree: bool, console, out=None
     session = ChatSession(pair, profile, system=system, tree=tree, history=list(history or []))
 
     def default_read(prompt: str) -> str:
-        console.file.write(prompt)
-        console.file.flush()
+        if sys.stdin.isatty():  # (a script's lines piped in are not asked for: no `you› you› ` on stderr)
+            console.file.write(prompt)
+            console.file.flush()
         line = sys.stdin.readline()
         if not line:
             raise EOFError
@@ -425,7 +426,8 @@ def _converse(session, pair, profile, console, out, read_line) -> None:
             console.print("")
             continue
         if read is None:
-            console.print("")
+            if sys.stdin.isatty():  # (ends the prompt's line)
+                console.print("")
             return
         message, block = read
         if not message.strip():

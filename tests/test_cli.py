@@ -635,7 +635,7 @@ def test_chat_s_set_of_include_stop_without_a_stop_string_says_so(tiny_profile):
     script = "/set include_stop on\n/set stop zz\n/set stop []\n/set include_stop off\n"
     result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile)], input=script)
     assert result.exit_code == 0, result.stderr
-    said = [part.strip() for part in result.stderr.split("you› ")[1:] if part.strip()]
+    said = [line.strip() for line in result.stderr.splitlines()[1:] if line.strip()]  # (after the banner)
     idle = "include_stop (/set) changes nothing without a stop string (/set stop TEXT)"
     assert said == [f"include_stop = on — {idle}", 'stop = ["zz"]', f"stop = [] — {idle}", "include_stop = off"]
 
@@ -644,7 +644,7 @@ def test_chat_s_set_of_min_tokens_above_max_tokens_says_so(tiny_profile):
     script = "/set max_tokens 4\n/set min_tokens 6\n/set max_tokens 8\n"
     result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile)], input=script)
     assert result.exit_code == 0, result.stderr
-    said = [part.strip() for part in result.stderr.split("you› ")[1:] if part.strip()]
+    said = [line.strip() for line in result.stderr.splitlines()[1:] if line.strip()]  # (after the banner)
     assert said == ["max_tokens = 4", "min_tokens = 6 — min_tokens 6 (/set) is above max_tokens 4 (/set): every answer "
                     "runs to 4 tokens (no end-of-sequence token or stop string ends it earlier)", "max_tokens = 8"]
 
@@ -664,7 +664,7 @@ def test_chat_s_set_of_a_tree_setting_the_variant_does_not_read_says_so(tiny_pro
     script = "/set variant rsd-c\n/set depth 3\n/set branching 3\n/set variant rsd-s\n/set depth 3\n"
     result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile)], input=script)
     assert result.exit_code == 0, result.stderr
-    said = [part.strip() for part in result.stderr.split("you› ")[1:] if part.strip()]
+    said = [line.strip() for line in result.stderr.splitlines()[1:] if line.strip()]  # (after the banner)
     assert said == ["variant = rsd-c · rsd-c b=(2,2)",
                     "depth = 3 · rsd-c b=(2,2) (depth changes nothing for rsd-c: its tree is set by branching and budget)",
                     "branching = 3 · rsd-c b=(3)", "variant = rsd-s · rsd-s W=3 L=3", "depth = 3 · rsd-s W=3 L=3"]
@@ -942,3 +942,14 @@ def test_help_shows_a_value_beside_options_that_take_one_and_nothing_beside_flag
     if command == ["bench"]:
         assert "drafts (spectr); by default the profile's beam_width." in rows["--width"]
         assert "e.g. on,off; by default the profile's." in rows["--compile"]
+
+
+def test_chat_s_piped_script_is_not_prompted_for(tiny_profile):
+    """Lines piped into `rsd chat` are not asked for: its stderr read `you› you› … you› ` (and a blank
+    line at the end) around what the commands said. (On a terminal the prompts stay: test_terminal.)"""
+    script = 'hello\n"""\nfirst\nsecond\n"""\n/stats\n'
+    result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile), "-n", "3"], input=script)
+    assert result.exit_code == 0, result.stderr
+    assert "you›" not in result.stderr and "... " not in result.stderr and not result.stderr.endswith("\n\n")
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("rsd chat · ") and len(lines) == 2 and "block efficiency" in lines[1], lines

@@ -476,16 +476,17 @@ def test_chat_set_alone_lists_every_setting_as_set_takes_it_and_where_it_comes_f
     script = "/set logit_bias 2=-inf,17=6\n/set stop [\"a b\"]\n/set\n/set top_k\n"
     result = CliRunner().invoke(app, ["chat", "-p", str(tiny_profile), "-t", "0.5"], input=script)
     assert result.exit_code == 0, result.stderr
-    lines = result.stderr.split("you› ")
-    listing = next(part for part in lines if part.startswith("temperature = "))
+    lines = result.stderr.splitlines()
     from rsd_cli.chat import SETTABLE
 
-    assert [line.split(" = ")[0] for line in listing.strip().splitlines()] == list(SETTABLE)
+    start = next(i for i, line in enumerate(lines) if line.startswith("temperature = "))
+    listing = lines[start:start + len(SETTABLE)]
+    assert [line.split(" = ")[0] for line in listing] == list(SETTABLE)
     for expected in ("temperature = 0.5  (flag --temperature)", "logit_bias = 2=-inf,17=6  (/set)",
                      'stop = ["a b"]  (/set)', "branching = 2,2  (" + str(tiny_profile) + ")",
                      "max_tokens = 12  (" + str(tiny_profile) + ")", "top_p = 1.0  (default)"):
-        assert expected in listing.splitlines(), expected
-    assert lines[-2].strip() == "top_k = 0  (default)"
+        assert expected in listing, expected
+    assert lines[start + len(SETTABLE):] == ["top_k = 0  (default)"]
 
 
 def test_stop_tokens_end_the_answer_as_its_end_of_sequence_token_does(tiny_profile, tmp_path):
