@@ -426,6 +426,20 @@ def _check_environment(environ) -> None:
                        + (f"did you mean {meant[0]}?" if meant else f"[{table}] takes {known}") + ")")
 
 
+def _meant_key(table: str | None, key: str) -> str:
+    """What a profile's unknown key (in `table`, or at the top level: None) was likely meant to be: a
+    setting of another table (`[sampling] variant`: decoding.variant), a close spelling of one of this
+    table's (`temprature`) or of a table (`[sampler]`), else the keys it takes."""
+    elsewhere = [other for other, keys in SCHEMA.items() if other != table and key in keys]
+    if elsewhere:
+        return "it belongs in " + " or ".join(f"[{other}]: {other}.{key}" for other in elsewhere)
+    names = list(SCHEMA[table]) if table else list(SCHEMA)
+    meant = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    if meant:
+        return f"did you mean {table + '.' if table else '['}{meant[0]}{'' if table else ']'}?"
+    return f"known: {', '.join(names)}" if table else f"expected tables: {', '.join(SCHEMA)}"
+
+
 def load_profile(name_or_path: str | None = None, environ: dict[str, str] | None = None) -> Profile:
     environ = os.environ if environ is None else environ
     name, path = find_profile(name_or_path or environ.get("RSD_PROFILE") or "default")
@@ -447,12 +461,12 @@ def load_profile(name_or_path: str | None = None, environ: dict[str, str] | None
                 raise RsdError(f"{path}: {key} must be a string")
             profile.description = value
         else:
-            raise RsdError(f"{path}: unknown key {key!r} (expected tables: {', '.join(SCHEMA)})")
+            raise RsdError(f"{path}: unknown key {key!r} ({_meant_key(None, key)})")
     for table, keys in SCHEMA.items():
         given = data.get(table, {})
         for key in given:
             if key not in keys:
-                raise RsdError(f"{path}: unknown key {table}.{key} (known: {', '.join(keys)})")
+                raise RsdError(f"{path}: unknown key {table}.{key} ({_meant_key(table, key)})")
         profile.values[table], profile.origins[table] = {}, {}
         for key, spec in keys.items():
             env_name = _env_name(table, key)

@@ -37,8 +37,13 @@ def test_values_and_provenance(tmp_path):
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("[sampling]\ntemprature = 1.0\n", "unknown key sampling.temprature"),
-        ("[sampler]\nx = 1\n", "unknown key 'sampler'"),
+        ("[sampling]\ntemprature = 1.0\n", "unknown key sampling.temprature (did you mean sampling.temperature?)"),
+        ("[sampling]\nvariant = 'sd'\n", "unknown key sampling.variant (it belongs in [decoding]: decoding.variant)"),
+        ("[sampling]\nwarmth = 1\n", "unknown key sampling.warmth (known: temperature, top_p,"),
+        ("[sampler]\nx = 1\n", "unknown key 'sampler' (did you mean [sampling]?)"),
+        ("temperature = 0.5\n", "unknown key 'temperature' (it belongs in [sampling]: sampling.temperature)"),
+        ("source = 'x'\n", "unknown key 'source' (it belongs in [target]: target.source or [draft]: draft.source)"),
+        ("colour = 1\n", "unknown key 'colour' (expected tables: target, draft,"),
         ('[sampling]\ntemperature = "hot"\n', "sampling.temperature must be a number"),
         ("[sampling]\ntemperature = -0.5\n", "sampling.temperature must be a finite number, at least 0"),
         ("[sampling]\ntemperature = inf\n", "sampling.temperature must be a finite number, at least 0"),
