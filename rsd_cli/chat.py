@@ -205,9 +205,11 @@ class ChatSession:
             seed += self.turns  # reproducible session, but not the same draw every turn
         self.turns += 1
         self.history.append({"role": "user", "content": message})
+        plain = not has_chat_template(self.pair.tokenizer)
         try:
             tokens, stats, events, text = stream_completion(
-                self.pair, decoder, ids, self.profile["sampling"]["max_tokens"], seed, out=out, console=console,
+                self.pair, decoder, ids, self.profile["sampling"]["max_tokens"], seed,
+                out=AnswerStart(out) if plain else out, console=console,
                 live=self.tree, stop_text=stop_text_of(self.pair.tokenizer, self.profile, self.plain_stops()),
                 reading_note=True)
         except RsdError:  # not answered: the message leaves the conversation (the next one would fail too)
@@ -229,7 +231,7 @@ class ChatSession:
             console.print(f"({note})", style="dim", markup=False, highlight=False)
         self.last_stats = (stats, decoder.shape.describe())
         self.learnt = (decoder.shape, decoder.sampling, decoder.policy)
-        self.history.append({"role": "assistant", "content": text})
+        self.history.append({"role": "assistant", "content": text.lstrip() if plain else text})
 
     def plain_stops(self) -> tuple[str, ...]:
         """Without a chat template the conversation goes as plain text (prompting.plain_conversation),
@@ -281,6 +283,23 @@ def read_conversation(path: Path) -> tuple[str | None, list[dict]]:
     system = record.get("system")
     return (system if isinstance(system, str) and system else None,
             [{"role": m["role"], "content": m["content"]} for m in messages])
+
+
+class AnswerStart:
+    """`out` without the whitespace an answer begins with: a base model's answer after "Assistant:"
+    (prompting.plain_conversation) begins with the space it writes there, which printed as ` Hello`."""
+
+    def __init__(self, out):
+        self.out, self.started = out, False
+
+    def write(self, text: str) -> int:
+        if not self.started:
+            text = text.lstrip()
+            self.started = bool(text)
+        return self.out.write(text) if text else 0
+
+    def __getattr__(self, name):  # (flush, isatty, ...)
+        return getattr(self.out, name)
 
 
 def read_message(read_line) -> tuple[str, bool] | None:

@@ -588,3 +588,39 @@ def test_a_base_model_s_chat_says_how_it_talks_to_it_and_ends_an_answer_at_the_n
     assert kept.exit_code == 0, kept.stderr
     assert json.loads(saved.read_text())["messages"][-1]["content"] == first[: first.index(turn)]
     assert "rsd: include_stop (flag --include-stop) changes nothing without a stop string (--stop)" in kept.stderr
+
+
+def test_a_base_model_s_chat_answer_does_not_begin_with_the_space_it_writes_after_assistant(tiny_pair_dir, tmp_path):
+    """A base model answers "Assistant:" with a space (` Hello`): printed and kept, each answer began with
+    it. Here the first pieces streamed are whitespace, as such a model's first token is."""
+    import shutil
+
+    untemplated = tmp_path / "base"
+    shutil.copytree(tiny_pair_dir / "target", untemplated)
+    (untemplated / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((untemplated / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (untemplated / "tokenizer_config.json").write_text(json.dumps(config))
+    profile = tmp_path / "base.toml"
+    profile.write_text(f'[target]\nsource = "{untemplated}"\n[draft]\nkind = "early-exit"\nlayers = 1\n'
+                       '[decoding]\nvariant = "sd"\n[sampling]\nmax_tokens = 6\ntemperature = 0\n')
+    from rsd_cli import chat
+
+    real = chat.stream_completion
+
+    def spaced(*args, out, **kwargs):
+        out.write(" ")
+        out.write("")
+        out.write(" \n")
+        tokens, stats, events, text = real(*args, out=out, **kwargs)
+        return tokens, stats, events, "  \n" + text
+
+    saved = tmp_path / "chat.json"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(chat, "stream_completion", spaced)
+        result = CliRunner().invoke(app, ["chat", "-p", str(profile)], input=f"hello\nagain\n/save {saved}\n")
+    assert result.exit_code == 0, result.stderr
+    answers = result.stdout.splitlines()
+    assert len(answers) == 2 and all(answer and not answer[0].isspace() for answer in answers), answers
+    kept = [m["content"] for m in json.loads(saved.read_text())["messages"] if m["role"] == "assistant"]
+    assert kept == answers
