@@ -13,6 +13,12 @@ def stats_line(stats: Stats, configured: str | None = None) -> str:
     shapes = ""
     if len(used) > 1 or [name for name, _ in used] not in ([], [configured]):
         shapes = "shapes " + ", ".join(f"{name} ×{n}" for name, n in used[:3]) + (", …" if len(used) > 3 else "") + " · "
+    if stats.target_tokens == stats.steps:  # nothing drafted (ar, or auto decoding plainly): no acceptance to tell
+        return shapes + (
+            f"{counted(stats.steps, 'step')} · {counted(stats.new_tokens, 'token')} · block efficiency "
+            f"{stats.block_efficiency:.2f} · {stats.tokens_per_second:.1f} tok/s{after_the_prompt(stats)} · "
+            f"target {stats.verify_seconds:.2f}s"
+        ) + fewer_threads(stats)
     return shapes + (
         f"{counted(stats.steps, 'step')} · {counted(stats.new_tokens, 'token')} · "
         f"block efficiency {stats.block_efficiency:.2f} · "

@@ -38,6 +38,19 @@ def test_generate_streams_text_to_stdout_and_stats_to_stderr(cli, tiny_profile):
     assert "block efficiency" in result.stderr and "tok/s" in result.stderr
 
 
+def test_a_run_that_drafted_nothing_tells_no_acceptance(cli, tiny_profile):
+    """`-v ar` said "acceptance 0.00 (per depth -) · … · draft 0.00s · verify …": as if drafts were
+    rejected. A run that drafted nothing says its target's time; one that drafted, its acceptance."""
+    plain = cli("generate", "hello", "-p", tiny_profile, "-n", "4", "-v", "ar", "--ignore-eos", input="")
+    assert plain.exit_code == 0, plain.stderr
+    assert re.fullmatch(r"ar · 4 steps · 4 tokens · block efficiency 1\.00 · [\d.]+ tok/s.* · target [\d.]+s( · forwards on .*)?\n",
+                        plain.stderr), plain.stderr
+    assert "acceptance" not in plain.stderr and "draft" not in plain.stderr
+    drafted = cli("generate", "hello", "-p", tiny_profile, "-n", "4", "-v", "sd", "--ignore-eos", input="")
+    assert re.search(r" · acceptance [\d.]+ \(per depth [\d. ]+\) · .* · draft [\d.]+s · verify [\d.]+s",
+                     drafted.stderr), drafted.stderr
+
+
 def test_one_step_and_one_token_are_said_in_the_singular(cli, tiny_profile):
     """`-n 1` said "1 steps · 1 tokens", `rsd tokenize` "1 tokens"."""
     result = cli("generate", "hello", "-p", tiny_profile, "-n", "1", "-v", "ar", input="")
