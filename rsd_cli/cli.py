@@ -71,6 +71,9 @@ def _help_type(param, ctx) -> dict:
     return shown
 
 
+MISSING = object()
+
+
 class HelpTypes:
     """A command or group whose help shows its parameters as _help_type says (only while the help is
     written: an error's wording keeps click's names)."""
@@ -89,9 +92,6 @@ class HelpTypes:
                         del param.__dict__[name]
                     else:
                         param.__dict__[name] = value
-
-
-MISSING = object()
 
 
 class Command(OneLineUsage, HelpTypes, TyperCommand):
