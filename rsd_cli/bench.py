@@ -346,12 +346,17 @@ SPARE_COLUMNS = ["overhead_seconds", "verify_seconds", "draft_seconds", "new_tok
                  "compile", "temperature"]
 
 
+# (a row that drafted nothing, as `ar`: no acceptance nor draft time to tell, shown as "-", not 0.00)
+UNDRAFTED_EMPTY = ("acceptance_rate", "draft_seconds")
+
+
 def results_table(rows: list[dict], width: int | None = None):
     """The rows as a Rich table; with `width`, one that fits it (render.fitted_table): the variant, its
     shape, BE, tok/s and × ar always there."""
     from .render import fitted_table
 
-    cells = [{col: _fmt(row[col]) for col in COLUMNS} for row in rows]
+    cells = [{col: _fmt(None if col in UNDRAFTED_EMPTY and row.get("target_tokens_per_step") == 1 else row[col])
+              for col in COLUMNS} for row in rows]
     return fitted_table("rsd bench", {col: COLUMN_NAMES.get(col, col) for col in COLUMNS}, cells, width,
                         left=("variant", "shape"), shared=("temperature", "compile"), spare=tuple(SPARE_COLUMNS))
 

@@ -347,3 +347,28 @@ def test_stop_tokens_end_every_row_and_peer_alike(tiny_profile):
     assert result.exit_code == 0, result.stderr
     counts = {row["variant"]: row["new_tokens"] for row in json.loads(result.stdout)["results"]}
     assert counts == dict.fromkeys(["ar", "sd", "hf-assisted", "hf-static"], tokens.index(stop) + 1)
+
+
+def test_a_row_that_drafted_nothing_shows_no_acceptance_nor_draft_time():
+    """`ar`'s row read "accept 0.00" and "draft s 0.00", as if its drafts were all rejected: "-" now (as a
+    peer's row); a drafting row's own 0.00 stays."""
+    import io
+
+    from rich.console import Console
+
+    from rsd_cli.bench import COLUMNS, results_table
+
+    def row(variant, per_step):
+        values = dict.fromkeys(COLUMNS, 0.0)
+        values.update(variant=variant, shape=variant, compile="off", budget=None, depth=None, temperature=1.0,
+                      tokens_per_second=30.0, speedup_vs_ar_range=None, new_tokens=64, block_efficiency=1.0,
+                      target_tokens_per_step=per_step)
+        return values
+
+    out = io.StringIO()
+    Console(file=out, width=250, color_system=None).print(results_table([row("ar", 1.0), row("sd", 2.0)], width=250))
+    header, *cells = [[cell.strip() for cell in line.strip("┃│").split("┃" if "┃" in line else "│")]
+                      for line in out.getvalue().splitlines() if line.startswith(("┃", "│"))]
+    ar, sd = (dict(zip(header, line)) for line in cells)
+    assert (ar["accept"], ar["draft s"], ar["verify s"]) == ("-", "-", "0.00")
+    assert (sd["accept"], sd["draft s"]) == ("0.00", "0.00")
