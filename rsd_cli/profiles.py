@@ -69,7 +69,7 @@ def _one_of(*choices: str) -> Callable[[Any], str | None]:
 def _branching(v) -> str | None:
     if not v:
         return "must list at least one branching factor"
-    return None if all(b >= 1 for b in v) else "every branching factor must be at least 1"
+    return None if all(b >= 1 for b in v) else "must list factors of at least 1"
 
 
 def _logit_bias(v) -> str | None:

@@ -686,7 +686,7 @@ def test_chat_s_set_of_a_tree_setting_the_variant_does_not_read_says_so(tiny_pro
 @pytest.mark.parametrize(
     "args, code, fragment",
     [
-        (["--branching", "2,0", "-v", "rsd-c"], 2, "every branching factor must be at least 1"),
+        (["--branching", "2,0", "-v", "rsd-c"], 2, "decoding.branching must list factors of at least 1"),
         (["--branching", "2,x", "-v", "rsd-c"], 2, "--branching takes integers"),
         (["--branching", "2,,3", "-v", "rsd-c"], 2, "(got '2,,3': an empty item)"),  # (read as 2,3 before)
         (["--branching", "3,2,", "-v", "rsd-c"], 2, "(got '3,2,': an empty item)"),

@@ -51,7 +51,7 @@ def test_values_and_provenance(tmp_path):
         ("[sampling]\ntop_p = 0\n", "sampling.top_p must be in (0, 1]"),
         ("[sampling]\ntop_p = 1.5\n", "sampling.top_p must be in (0, 1]"),
         ("[sampling]\nmax_tokens = 0\n", "sampling.max_tokens must be at least 1"),
-        ("[decoding]\nbranching = [2, 0]\n", "every branching factor must be at least 1"),
+        ("[decoding]\nbranching = [2, 0]\n", "decoding.branching must list factors of at least 1"),
         ("[decoding]\nbranching = []\n", "at least one branching factor"),
         ("[decoding]\nbeam_width = 0\n", "decoding.beam_width must be at least 1"),
         ("[decoding]\ndepth = 0\n", "decoding.depth must be at least 1"),
@@ -95,7 +95,7 @@ def test_flag_and_env_values_are_validated_too():
     profile = load_profile("default", environ={})
     with pytest.raises(RsdError, match="flag --temperature: sampling.temperature must be a finite number, at least 0"):
         apply_flags(profile, {"temperature": -1.0})
-    with pytest.raises(RsdError, match="every branching factor must be at least 1"):
+    with pytest.raises(RsdError, match="decoding.branching must list factors of at least 1"):
         apply_flags(profile, {"branching": "3,0"})
     with pytest.raises(RsdError, match="integers separated by commas"):
         apply_flags(profile, {"branching": "3,x"})
