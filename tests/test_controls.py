@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -549,7 +550,8 @@ def test_a_base_model_s_chat_turn_is_the_conversation_as_plain_text():
                                "User: hi\nAssistant:", "Be brief.\n\nhi", "Be brief.\n\nhi"]
 
 
-def test_a_base_model_s_chat_says_how_it_talks_to_it_and_ends_an_answer_at_the_next_turn(tiny_pair_dir, tmp_path):
+def base_model_profile(tiny_pair_dir, tmp_path, max_tokens: int) -> Path:
+    """A profile whose target is the tiny one without a chat template (a base model's tokenizer)."""
     import shutil
 
     untemplated = tmp_path / "base"
@@ -560,7 +562,12 @@ def test_a_base_model_s_chat_says_how_it_talks_to_it_and_ends_an_answer_at_the_n
     (untemplated / "tokenizer_config.json").write_text(json.dumps(config))
     profile = tmp_path / "base.toml"
     profile.write_text(f'[target]\nsource = "{untemplated}"\n[draft]\nkind = "early-exit"\nlayers = 1\n'
-                       '[decoding]\nvariant = "sd"\n[sampling]\nmax_tokens = 12\ntemperature = 0\n')
+                       f'[decoding]\nvariant = "sd"\n[sampling]\nmax_tokens = {max_tokens}\ntemperature = 0\n')
+    return profile
+
+
+def test_a_base_model_s_chat_says_how_it_talks_to_it_and_ends_an_answer_at_the_next_turn(tiny_pair_dir, tmp_path):
+    profile = base_model_profile(tiny_pair_dir, tmp_path, max_tokens=12)
     from rsd_cli import chat
 
     sent = []
@@ -593,17 +600,7 @@ def test_a_base_model_s_chat_says_how_it_talks_to_it_and_ends_an_answer_at_the_n
 def test_a_base_model_s_chat_answer_does_not_begin_with_the_space_it_writes_after_assistant(tiny_pair_dir, tmp_path):
     """A base model answers "Assistant:" with a space (` Hello`): printed and kept, each answer began with
     it. Here the first pieces streamed are whitespace, as such a model's first token is."""
-    import shutil
-
-    untemplated = tmp_path / "base"
-    shutil.copytree(tiny_pair_dir / "target", untemplated)
-    (untemplated / "chat_template.jinja").unlink(missing_ok=True)
-    config = json.loads((untemplated / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (untemplated / "tokenizer_config.json").write_text(json.dumps(config))
-    profile = tmp_path / "base.toml"
-    profile.write_text(f'[target]\nsource = "{untemplated}"\n[draft]\nkind = "early-exit"\nlayers = 1\n'
-                       '[decoding]\nvariant = "sd"\n[sampling]\nmax_tokens = 6\ntemperature = 0\n')
+    profile = base_model_profile(tiny_pair_dir, tmp_path, max_tokens=6)
     from rsd_cli import chat
 
     real = chat.stream_completion
