@@ -153,8 +153,8 @@ def test_the_first_tokens_time_is_reported_and_said_apart_where_it_took_most_of_
     assert stats["wall_seconds"] == pytest.approx(12.5)
     assert stats["tokens_per_second_after_first"] == pytest.approx(5 / 0.5)  # (ar: a token a step)
     assert stats["tokens_per_second"] == pytest.approx(6 / 12.5)
-    assert "0.5 tok/s (first token after 12.0 s, then 10.0 tok/s) · draft" in run(12.0).stderr
-    assert "tok/s · draft" in run(0.1).stderr and "first token after" not in run(0.1).stderr  # (0.1 s of 0.6)
+    assert "0.5 tok/s (first token after 12.0 s, then 10.0 tok/s) · target" in run(12.0).stderr
+    assert "tok/s · target" in run(0.1).stderr and "first token after" not in run(0.1).stderr  # (0.1 s of 0.6)
 
 
 def test_the_rate_after_the_first_token_of_merged_runs_leaves_each_ones_first_step_out():
