@@ -28,6 +28,9 @@ def _one_line(usage_error):
     usage. (Asking for nothing, as `rsd` alone does, still shows the help.)"""
     if isinstance(usage_error, getattr(click_errors, "NoArgsIsHelpError", ())):
         raise usage_error
+    param = getattr(usage_error, "param", None)
+    if getattr(param, "param_type_name", None) == "argument" and usage_error.param_hint is None:
+        usage_error.param_hint = f"'{param.name.upper()}'"  # (as the help names it: PROMPT, not 'prompt')
     where = f" (see '{usage_error.ctx.command_path} -h')" if usage_error.ctx is not None else ""
     error(usage_error.format_message().removesuffix(".") + where)  # (click's "No such command 'x'.")
     raise typer.Exit(2)
@@ -50,10 +53,10 @@ def _help_type(param, ctx) -> dict:
     """What the help shows of a parameter, as a command line reads it: nothing beside a flag (Typer
     0.29 shows `--raw <bool>`, as if it took a value), TEXT, INTEGER, FLOAT or PATH beside the others
     (not `<list[str]>` or `<int range>`: a repeatable option says so in its help), an argument by its
-    name in capitals (`rsd generate [OPTIONS] [PROMPT]`, as the commands' help names it), and no range
-    whose bound is past 2^31 (`--seed`'s 2^63 - 1: its error names the range). Returns the parameter's
-    attributes to set while the help is written (Typers before 0.2x, without `display_type`, show
-    click's TEXT and INTEGER already: nothing)."""
+    name in capitals (`rsd generate [OPTIONS] [PROMPT]`, `rsd tokenize [OPTIONS] TEXT`, as the commands'
+    help names it), and no range whose bound is past 2^31 (`--seed`'s 2^63 - 1: its error names the
+    range). Returns the parameter's attributes to set while the help is written (Typers before 0.2x,
+    without `display_type`, show click's TEXT and INTEGER already: nothing)."""
     if not hasattr(param, "display_type") or param.metavar is not None:
         return {}
     if getattr(param, "is_flag", False):
@@ -62,8 +65,11 @@ def _help_type(param, ctx) -> dict:
     if label.startswith("list[") and label.endswith("]"):
         label = label[len("list["):-1]
     label = HELP_TYPE_NAMES.get(label, label.upper())
-    if param.param_type_name == "argument":
-        return {"metavar": param.name.upper(), "display_type_rich": lambda ctx: label}
+    if param.param_type_name == "argument":  # (its usage PROMPT, or [PROMPT]: Typer 0.29 wrote {PROMPT})
+        usage = param.name.upper() if param.required else f"[{param.name.upper()}]"
+        usage += "..." if param.nargs != 1 else ""
+        return {"metavar": param.name.upper(), "display_type_rich": lambda ctx: label,
+                "_usage_display_name": lambda: usage}
     shown = {"metavar": label}
     if any(isinstance(bound, (int, float)) and abs(bound) > 2**31
            for bound in (getattr(param, "min", None), getattr(param, "max", None))):

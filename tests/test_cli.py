@@ -882,7 +882,8 @@ def test_profiles_new_writes_every_setting_of_another_to_edit(cli, tiny_pair_dir
         (["generate", "hi", "--budgett", "3"], "No such option: --budgett"),  # (and click's guesses: --budget)
         (["frobnicate"], "No such command 'frobnicate' (see 'rsd -h')"),
         (["profiles", "frob"], "No such command 'frob' (see 'rsd profiles -h')"),
-        (["inspect-tree"], "Missing argument 'prompt' (see 'rsd inspect-tree -h')"),
+        (["inspect-tree"], "Missing argument 'PROMPT' (see 'rsd inspect-tree -h')"),  # (as its help names it)
+        (["tokenize"], "Missing argument 'TEXT' (see 'rsd tokenize -h')"),
         (["inspect-tree", "hi", "--step", "0"], "Invalid value for '--step'"),
         (["generate", "hi", "--samples", "0"], "Invalid value for '--samples'"),
         (["bench", "--limit", "many"], "Invalid value for '--limit'"),
@@ -937,7 +938,8 @@ def test_help_shows_a_value_beside_options_that_take_one_and_nothing_beside_flag
     """Typer 0.29 showed `--raw <bool>` (as if a flag took a value), `--stop <list[str]>` and bench's
     `--seed <int range> [0<=x<=9223372036854775807]`; and rich markup ate a help's `[default: …]`,
     leaving bench's `--width` help ending "drafts (spectr) .". Now a flag shows nothing, an option
-    TEXT, INTEGER, FLOAT or PATH, and every help sentence whole."""
+    TEXT, INTEGER, FLOAT or PATH, an argument its name (PROMPT, or [PROMPT] where it may be left out),
+    and every help sentence whole."""
     result = cli(*command, "--help", env={"COLUMNS": "250"})
     assert result.exit_code == 0
     assert not re.search(r"<(bool|str|int|float|path|list)", result.stdout), result.stdout
@@ -952,6 +954,8 @@ def test_help_shows_a_value_beside_options_that_take_one_and_nothing_beside_flag
         assert re.search(r"--temperature\s+-t\s+FLOAT\s+0 is greedy", rows["--temperature"])
         assert re.search(r"--prompts\s+PATH\s+Answer every prompt", rows["--prompts"])
         assert re.search(r"--samples\s+INTEGER \[x>=1\]\s+Independent", rows["--samples"])
+    if command == ["inspect-tree"]:  # (a required argument: Typer 0.29 wrote {PROMPT}, as if a set to pick from)
+        assert re.search(r"Usage: rsd inspect-tree \[OPTIONS\] PROMPT *$", result.stdout, re.M), result.stdout
     if command == ["bench"]:
         assert "drafts (spectr); by default the profile's beam_width." in rows["--width"]
         assert "e.g. on,off; by default the profile's." in rows["--compile"]
