@@ -6,7 +6,7 @@ import torch
 
 from .engine import StepEvent
 from .prompting import counted
-from .render import MARKERS, STYLES, draw_order, node_probs, token_label, tree_view
+from .render import MARKERS, STYLES, ItemsLine, draw_order, node_probs, token_label, tree_view
 
 
 def optimal_root_acceptance(p: torch.Tensor, q: torch.Tensor, k: int, iid: bool) -> float | None:
@@ -86,12 +86,13 @@ def step_renderables(event: StepEvent, tokenizer):
                       token_label(tokenizer, n["token"], 20), f"#{n['draw_order']}" if n["id"] else "",
                       f"{n['q']:.3f}" if n["id"] else "", f"{n['p']:.3f}" if n["id"] else "",
                       Text(f"{MARKERS[status]} {status}", style=STYLES[status]))
-    lines = []
+    rejections = []
     for check in record["checks"]:
         for rej in check["rejections"]:
-            top = ", ".join(f"{token_label(tokenizer, r['token'], 12)} {r['probability']:.2f}" for r in rej["residual_top"])
-            lines.append(f"rejected node {rej['node']} (accept prob {rej['accept_probability']:.3f}); "
-                         f"residual top: {top}")
+            top = [f"{token_label(tokenizer, r['token'], 12)} {r['probability']:.2f}" for r in rej["residual_top"]]
+            rejections.append(ItemsLine(f"rejected node {rej['node']} (accept prob {rej['accept_probability']:.3f}); "
+                                        "residual top:", top))
+    lines = []
     extra = record["extra"]
     lines.append(f"{extra['kind']} token: {token_label(tokenizer, extra['token'], 20)}")
     if record["root_acceptance_this_tree"] is not None:
@@ -101,7 +102,7 @@ def step_renderables(event: StepEvent, tokenizer):
                      f"{record['root_acceptance_optimal_transport_bound']:.3f}")
     emitted = tokenizer.decode(event.emitted) if tokenizer else str(event.emitted)
     lines.append(f"emitted: {emitted!r}")
-    return [tree_view(event, tokenizer), table, Text("\n".join(lines))]
+    return [tree_view(event, tokenizer), table, *rejections, Text("\n".join(lines))]
 
 
 def run_inspect(pair, profile, text: str, *, step: int, fmt: str, output, system, raw, console) -> None:

@@ -52,6 +52,30 @@ def token_label(tokenizer, token: int, width: int = 16) -> str:
     return shown if len(shown) <= width else shown[: width - 1] + "…"
 
 
+class ItemsLine:
+    """`lead` and then `items` one after another, wrapped between two items and never inside one (a token
+    label such as ' the' holds a space, at which Rich's own wrapping would cut it); a continuation line
+    starts two spaces in."""
+
+    def __init__(self, lead: str, items: list[str], separator: str = ", "):
+        self.lead, self.items, self.separator = lead, items, separator
+
+    def __rich_console__(self, console, options):
+        from rich.cells import cell_len
+        from rich.text import Text
+
+        line = self.lead
+        for i, item in enumerate(self.items):
+            piece = item + (self.separator.rstrip() if i < len(self.items) - 1 else "")
+            joined = f"{line} {piece}" if line.strip() else line + piece
+            if cell_len(joined) > options.max_width and line.strip():
+                yield Text(line)
+                line = "  " + piece
+            else:
+                line = joined
+        yield Text(line)
+
+
 PIPED_WIDTH = 200  # the most columns a table takes in a file or a pipe
 
 

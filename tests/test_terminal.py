@@ -558,6 +558,32 @@ def test_rsd_ends_without_python_s_teardown_but_runs_exit_hooks_and_keeps_output
     assert failed.returncode == 1 and failed.stderr.startswith("rsd: ") and marker.exists()
 
 
+def test_a_residual_top_line_wraps_between_its_tokens_never_inside_a_label(tiny_profile):
+    """Rich wrapped "residual top: ' the' 0.31, …" at any space, cutting a token label (' the') in two at
+    80 columns; the line now breaks between two token-probability pairs only."""
+    from rsd_cli.models import load_pair
+    from rsd_cli.profiles import load_profile
+    from rsd_cli.render import ItemsLine, token_label
+
+    pairs = ["' the' 0.31", "' a b' 0.20", "'\\n' 0.10", "' of' 0.05"]
+    console = Console(width=30, record=True, file=io.StringIO(), color_system=None)
+    console.print(ItemsLine("rejected node 3; residual top:", pairs))
+    assert console.export_text().splitlines() == ["rejected node 3; residual top:", "  ' the' 0.31, ' a b' 0.20,",
+                                                  "  '\\n' 0.10, ' of' 0.05"]
+
+    step = ["inspect-tree", "hello", "-p", tiny_profile, "-v", "mss", "--branching", "4,2", "--step", "1", "-t", "1"]
+    shown = invoke(*step, env={"COLUMNS": "60"})
+    assert shown.exit_code == 0, shown.stderr
+    record = json.loads(invoke(*step, "-f", "json").stdout)
+    tokenizer = load_pair(load_profile(str(tiny_profile))).tokenizer
+    pairs = [f"{token_label(tokenizer, r['token'], 12)} {r['probability']:.2f}" for check in record["checks"]
+             for rejection in check["rejections"] for r in rejection["residual_top"]]
+    assert pairs, "the step rejected no draft: pick another seed"
+    lines = shown.stdout.splitlines()
+    assert all(any(pair in line for line in lines) for pair in pairs), shown.stdout
+    assert max(map(len, lines)) <= 60
+
+
 def test_inspect_tree_says_when_the_step_drafted_nothing(tiny_profile):
     """A step `lookup` (or `auto`) decoded plainly has a one-node tree: stderr says why, and which
     variants show a drafted one; a drafted step says nothing more."""
