@@ -24,6 +24,8 @@ HELP = """commands:
   /help                 this help
   /bye, /exit, /quit    leave (Ctrl-D too)
   /clear                forget the conversation
+  /retry                answer the last message again (another draw, the settings now)
+  /undo                 take back the last message and its answer
   /system TEXT          set the system prompt (empty TEXT clears it)
   /set KEY VALUE        KEY: temperature, top_p, top_k, min_p, repetition_penalty,
                         presence_penalty, frequency_penalty, logit_bias, min_tokens,
@@ -82,6 +84,12 @@ def _as_typed(value) -> str:
     return str(value)
 
 
+def _short(message: str, width: int = 60) -> str:
+    """A message as /retry and /undo name it: quoted, on one line, cut at `width` characters."""
+    shown = repr(message)
+    return shown if len(shown) <= width else shown[: width - 1] + "…"
+
+
 # what /set takes (the flags' names, runtime.FLAG_KEYS) -> how its text is read
 SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
             "presence_penalty": float, "frequency_penalty": float, "logit_bias": _bias_table, "min_tokens": int,
@@ -107,9 +115,10 @@ class ChatSession:
     learnt: tuple = (None, None, None)  # (shape, sampling, auto.AutoShape) of the last answer
     kept: object = None  # the last answer's KV caches (engine.KeptCaches): the next one reads only what is new
     window: int = 0  # history[window:] is what the model is shown (older messages no longer fit its context)
+    unanswered: str | None = None  # the last message sent where its answer was stopped or failed (for /retry)
 
-    def command(self, line: str, console) -> bool:
-        """Run a slash command; returns False when the session should end."""
+    def command(self, line: str, console, out=None) -> bool:
+        """Run a slash command (out: where /retry's answer goes); returns False when the session should end."""
         name, _, arg = line[1:].partition(" ")
         arg = arg.strip()
         if f"/{name}" in LEAVE:
@@ -118,8 +127,22 @@ class ChatSession:
             console.print(HELP, markup=False, highlight=False)
         elif name == "clear":
             self.history.clear()
-            self.window = 0
+            self.window, self.unanswered = 0, None
             console.print("conversation cleared")
+        elif name == "retry":
+            message = self.unanswered if self.unanswered is not None else self.take_back()
+            if message is None:
+                raise RsdError("no message to answer again yet")
+            console.print(f"(again: {_short(message)})", style="dim", markup=False, highlight=False)
+            self.answer(message, out or sys.stdout, console)
+        elif name == "undo":
+            before = len(self.history)
+            message, self.unanswered = self.take_back(), None
+            if message is None:
+                raise RsdError("nothing to take back: the conversation holds no message yet")
+            answer = " and its answer" if before - len(self.history) > 1 else ""
+            console.print(f"took back {_short(message)}{answer}; {counted(len(self.history), 'message')} left",
+                          markup=False, highlight=False)
         elif name == "system":
             self.system = arg or None
             console.print(f"system prompt {'set' if arg else 'cleared'}")
@@ -182,6 +205,18 @@ class ChatSession:
             raise RsdError(f"unknown command /{name}" + (f": did you mean {meant[0]}?" if meant else " (try /help)"))
         return True
 
+    def take_back(self) -> str | None:
+        """Remove the last exchange from the conversation: its last user message and what follows it (the
+        answer; nothing, where a loaded conversation ends with a message). Returns that message; None where
+        the conversation holds none (nothing removed)."""
+        users = [i for i, m in enumerate(self.history) if m["role"] == "user"]
+        if not users:
+            return None
+        message = self.history[users[-1]]["content"]
+        del self.history[users[-1]:]
+        self.window = min(self.window, len(self.history))
+        return message
+
     def save(self, path: Path) -> None:
         record = {"profile": self.profile.name, "system": self.system, "messages": self.history}
         try:
@@ -192,9 +227,10 @@ class ChatSession:
     def load(self, path: Path) -> None:
         """Resume a conversation written by `save`: its system prompt and messages replace these."""
         self.system, self.history = read_conversation(path)
-        self.window = 0
+        self.window, self.unanswered = 0, None
 
     def answer(self, message: str, out, console) -> None:
+        self.unanswered = message  # (until its answer is in the conversation)
         decoder = make_decoder(self.pair, self.profile)
         if (decoder.shape, decoder.sampling) == self.learnt[:2]:  # auto goes on from what earlier answers taught it
             decoder.policy = self.learnt[2]
@@ -232,6 +268,7 @@ class ChatSession:
         self.last_stats = (stats, decoder.shape.describe())
         self.learnt = (decoder.shape, decoder.sampling, decoder.policy)
         self.history.append({"role": "assistant", "content": text.lstrip() if plain else text})
+        self.unanswered = None
 
     def plain_stops(self) -> tuple[str, ...]:
         """Without a chat template the conversation goes as plain text (prompting.plain_conversation),
@@ -324,7 +361,7 @@ def read_message(read_line) -> tuple[str, bool] | None:
 
 
 LEAVE = ("/bye", "/exit", "/quit")
-COMMANDS = ("/help", *LEAVE, "/clear", "/system", "/set", "/stats", "/tree", "/save", "/load")
+COMMANDS = ("/help", *LEAVE, "/clear", "/retry", "/undo", "/system", "/set", "/stats", "/tree", "/save", "/load")
 HISTORY_LINES = 1000
 
 
@@ -453,7 +490,7 @@ def _converse(session, pair, profile, console, out, read_line) -> None:
             continue
         try:
             if message.startswith("/") and not block:
-                if not session.command(message.strip(), console):
+                if not session.command(message.strip(), console, out):
                     return
             else:
                 session.answer(message, out, console)

@@ -64,6 +64,46 @@ def test_chat_scripted_session(tiny_profile, tmp_path):
     assert conversation["messages"][1]["content"] in result.stdout
 
 
+def test_chat_retry_answers_the_last_message_again_and_undo_takes_it_back(tiny_profile, tmp_path, monkeypatch):
+    """/retry answers the last message again (the answer it replaces leaves the conversation; at T=0 the
+    same answer, with the settings now: max_tokens shorter), /undo takes back a message and its answer;
+    either says so where there is nothing to do. An answer stopped with Ctrl-C is not in the
+    conversation, and /retry asks its message again."""
+    from rsd_cli import engine
+
+    saved, undone = tmp_path / "retried.json", tmp_path / "undone.json"
+    script = ["/retry", "/undo", "hello", "/retry", "/set max_tokens 2", "/retry", f"/save {saved}", "/undo",
+              "/undo", f"/save {undone}"]
+    result = invoke("chat", "-p", tiny_profile, "-n", "6", "-t", "0", input="\n".join(script) + "\n")
+    assert result.exit_code == 0, result.stderr
+    assert "error: no message to answer again yet" in result.stderr
+    assert "error: nothing to take back: the conversation holds no message yet" in result.stderr
+    assert result.stderr.count("(again: 'hello')") == 2
+    assert "took back 'hello' and its answer; 0 messages left" in result.stderr
+    first, again, shorter = result.stdout.splitlines()
+    assert first == again and first.startswith(shorter) and 0 < len(shorter) < len(first)
+    messages = json.loads(saved.read_text())["messages"]
+    assert messages == [{"role": "user", "content": "hello"}, {"role": "assistant", "content": shorter}]
+    assert json.loads(undone.read_text())["messages"] == []
+
+    real_generate = engine.Decoder.generate
+    calls = []
+
+    def stopped_once(self, *args, **kwargs):
+        calls.append(1)
+        for i, event in enumerate(real_generate(self, *args, **kwargs)):
+            if len(calls) == 2 and i == 1:  # (the second message's answer)
+                raise KeyboardInterrupt
+            yield event
+
+    monkeypatch.setattr(engine.Decoder, "generate", stopped_once)
+    result = invoke("chat", "-p", tiny_profile, "-n", "6", "-t", "0",
+                    input=f"hello\nhow are you\n/retry\n/save {saved}\n")
+    assert result.exit_code == 0 and "(answer stopped)" in result.stderr, result.stderr
+    assert "(again: 'how are you')" in result.stderr
+    assert [m["content"] for m in json.loads(saved.read_text())["messages"][::2]] == ["hello", "how are you"]
+
+
 def test_a_chat_block_beginning_with_a_slash_is_a_message_not_a_command(tiny_profile, tmp_path):
     """A \"\"\" block is sent as written: one whose first line began with "/" (a path pasted at its start)
     was run as a command, the whole block its argument ("unknown command /etc/hosts")."""
