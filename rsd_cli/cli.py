@@ -267,7 +267,8 @@ IgnoreEosOpt = Annotated[bool, typer.Option(
 MaxTokensOpt = Annotated[Optional[int], typer.Option("--max-tokens", "-n", help="The most tokens an answer takes.",
                                                      rich_help_panel=ENDING, show_default=False)]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="The same tokens again with a fixed --variant (with auto, "
-                                                "which picks shapes by timing, the same distribution).",
+                                                "which picks shapes by timing, the same distribution); -1 draws a "
+                                                "fresh one each run.",
                                                 rich_help_panel=SAMPLING, show_default=False)]
 DraftLenOpt = Annotated[Optional[int], typer.Option("--draft-len", help="sd: draft length γ; lookup: at most γ tokens.",
                                                     rich_help_panel=DRAFT, show_default=False)]

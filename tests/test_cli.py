@@ -949,7 +949,7 @@ def test_help_shows_a_value_beside_options_that_take_one_and_nothing_beside_flag
     if command == ["generate"]:
         assert re.search(r"--raw\s+Send the prompt", rows["--raw"])
         assert "Usage: rsd generate [OPTIONS] [PROMPT]" in result.stdout
-        assert re.search(r"--seed\s+INTEGER\s+The same tokens", rows["--seed"])
+        assert re.search(r"--seed\s+INTEGER\s+The same tokens.*; -1 draws a fresh one each run\.", rows["--seed"])
         assert re.search(r"--stop\s+TEXT\s+End the answer", rows["--stop"])
         assert re.search(r"--temperature\s+-t\s+FLOAT\s+0 is greedy", rows["--temperature"])
         assert re.search(r"--prompts\s+PATH\s+Answer every prompt", rows["--prompts"])
