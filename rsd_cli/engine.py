@@ -914,6 +914,13 @@ class KeptCaches:
                 lm.release()
 
 
+def logit_bias_beyond(sampling: SamplingParams, vocab_size: int) -> str | None:
+    """What is wrong with a logit bias naming a token past the vocabulary; None where it names none."""
+    beyond = [token for token, _ in sampling.logit_bias if token >= vocab_size]
+    return (f"the logit bias names token id {beyond[0]}, but the models' vocabulary has {vocab_size} tokens "
+            f"(ids 0-{vocab_size - 1})") if beyond else None
+
+
 @dataclass
 class QueuedPlain:
     """A plain step queued on the device (Decoder._queue_plain): its root's position, its drawn token
@@ -955,10 +962,8 @@ class Decoder:
         self.runtimes = runtimes or Runtimes()
         self.vocab_size = vocab_size
         self.shape = shape
-        beyond = [token for token, _ in sampling.logit_bias if token >= vocab_size]
-        if beyond:  # (an index past the logits: a device-side assert on a GPU)
-            raise RsdError(f"the logit bias names token id {beyond[0]}, but the models' vocabulary has "
-                           f"{vocab_size} tokens (ids 0-{vocab_size - 1})")
+        if beyond := logit_bias_beyond(sampling, vocab_size):  # (an index past the logits: a device-side assert on
+            raise RsdError(beyond)  # a GPU)
         self.sampling = sampling
         self.eos_ids = eos_ids
         self.context_length = context_length

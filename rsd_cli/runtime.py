@@ -180,13 +180,21 @@ def sampling_of(profile: Profile):
                           s["presence_penalty"], s["frequency_penalty"], bias, s["min_tokens"])
 
 
+def setting_error(profile: Profile, table: str, key: str, message: str) -> RsdError:
+    """A setting the models refuse: a usage error (exit 2) saying which flag where a flag gave it, as a
+    value out of its range is (apply_flags); else a runtime error."""
+    origin = profile.origins[table][key]
+    return UsageError(f"{origin}: {message}") if origin.startswith("flag ") else RsdError(message)
+
+
 def ends_of(pair, profile: Profile) -> set[int]:
     """The tokens that end an answer: the models' end-of-sequence tokens and the profile's stop tokens
     (sampling.stop_tokens, --stop-token), which must be in the models' vocabulary."""
     stops = profile["sampling"]["stop_tokens"]
     beyond = [token for token in stops if token >= pair.vocab_size]
     if beyond:
-        raise RsdError(f"stop token id {beyond[0]} is beyond the models' vocabulary ({pair.vocab_size} tokens)")
+        raise setting_error(profile, "sampling", "stop_tokens",
+                            f"stop token id {beyond[0]} is beyond the models' vocabulary ({pair.vocab_size} tokens)")
     return set(pair.eos_ids) | set(stops)
 
 
@@ -197,10 +205,13 @@ def seed_of(profile: Profile) -> int | None:
 
 def make_decoder(pair, profile: Profile):
     from .drafting import make_shape
-    from .engine import Decoder
+    from .engine import Decoder, logit_bias_beyond
 
-    decoder = Decoder(pair.target, pair.draft, pair.vocab_size, shape_of(profile, pair.vocab_size),
-                      sampling_of(profile), ends_of(pair, profile), pair.context_length, pair.runtimes, pair.notice)
+    sampling = sampling_of(profile)
+    if beyond := logit_bias_beyond(sampling, pair.vocab_size):
+        raise setting_error(profile, "sampling", "logit_bias", beyond)
+    decoder = Decoder(pair.target, pair.draft, pair.vocab_size, shape_of(profile, pair.vocab_size), sampling,
+                      ends_of(pair, profile), pair.context_length, pair.runtimes, pair.notice)
     if not decoder.takes(decoder.shape.variant) and profile.origins["decoding"]["variant"] == "default":
         decoder.shape = make_shape("auto")  # the best of what these models run, where no variant was chosen (one
         # asked for is refused: Decoder.check_shape)

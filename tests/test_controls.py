@@ -403,7 +403,8 @@ def test_malformed_logit_biases_and_min_tokens_are_one_line_errors(tiny_profile,
             (["--logit-bias", "2"], 2, "--logit-bias takes TOKEN_ID=BIAS"),
             (["--logit-bias", "2=nan"], 2, "sampling.logit_bias must give token 2 a number"),
             (["--logit-bias", "2=inf"], 2, "sampling.logit_bias must give token 2 a number"),
-            (["--logit-bias", "40=-1"], 1, "the logit bias names token id 40, but the models' vocabulary has 40 tokens"),
+            (["--logit-bias", "40=-1"], 2,  # (a usage error, as a value out of its range: known once the models are)
+             "flag --logit-bias: the logit bias names token id 40, but the models' vocabulary has 40 tokens"),
             (["--min-tokens", "-1"], 2, "sampling.min_tokens must be at least 0")):
         result = CliRunner().invoke(app, ["generate", "hi", "-p", str(tiny_profile), *args], input="")
         assert result.exit_code == code and message in result.stderr, (args, result.stderr)
@@ -412,6 +413,10 @@ def test_malformed_logit_biases_and_min_tokens_are_one_line_errors(tiny_profile,
     bad.write_text(tiny_profile.read_text() + 'logit_bias = { two = -1 }\n')
     result = CliRunner().invoke(app, ["generate", "hi", "-p", str(bad)], input="")
     assert result.exit_code == 1 and "sampling.logit_bias must have token ids as keys" in result.stderr
+    bad.write_text(tiny_profile.read_text() + 'logit_bias = { 40 = -1 }\n')  # a profile's: a runtime error
+    result = CliRunner().invoke(app, ["generate", "hi", "-p", str(bad)], input="")
+    assert result.exit_code == 1 and result.stderr.strip() == ("rsd: error: the logit bias names token id 40, but "
+                                                               "the models' vocabulary has 40 tokens (ids 0-39)")
 
 
 def test_chat_sets_a_logit_bias_and_min_tokens(tiny_profile, tmp_path):
@@ -518,6 +523,10 @@ def test_stop_tokens_end_the_answer_as_its_end_of_sequence_token_does(tiny_profi
     assert "stop token id 40 is beyond the models' vocabulary (40 tokens)" in chat.stderr
     assert f"stop_token = {stop}  (/set)" in chat.stderr
     beyond = CliRunner().invoke(app, ["generate", "hi", "-p", str(tiny_profile), "--stop-token", "40"], input="")
+    assert beyond.exit_code == 2 and beyond.stderr.strip() == \
+        "rsd: error: flag --stop-token: stop token id 40 is beyond the models' vocabulary (40 tokens)"
+    profile.write_text(tiny_profile.read_text() + "stop_tokens = [40]\n")  # a profile's: a runtime error
+    beyond = CliRunner().invoke(app, ["generate", "hi", "-p", str(profile)], input="")
     assert beyond.exit_code == 1 and beyond.stderr.strip() == \
         "rsd: error: stop token id 40 is beyond the models' vocabulary (40 tokens)"
 
