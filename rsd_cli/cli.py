@@ -32,8 +32,29 @@ def _one_line(usage_error):
     if getattr(param, "param_type_name", None) == "argument" and usage_error.param_hint is None:
         usage_error.param_hint = f"'{param.name.upper()}'"  # (as the help names it: PROMPT, not 'prompt')
     where = f" (see '{usage_error.ctx.command_path} -h')" if usage_error.ctx is not None else ""
-    error(usage_error.format_message().removesuffix(".") + where)  # (click's "No such command 'x'.")
+    message = _value_error(param, usage_error.__cause__) or usage_error.format_message().removesuffix(".")
+    error(message + where)  # (click's "No such command 'x'.")
     raise typer.Exit(2)
+
+
+# pydantic's checks that Typer 0.2x reads values with -> how rsd says what the value should be
+VALUE_CHECKS = {"int_parsing": "takes an integer", "float_parsing": "takes a number",
+                "greater_than_equal": "must be at least {ge}", "less_than_equal": "must be at most {le}",
+                "greater_than": "must be more than {gt}", "less_than": "must be less than {lt}"}
+
+
+def _value_error(param, cause) -> str | None:
+    """An option's value refused by Typer's pydantic checks, said as rsd says its own ("--max-tokens
+    takes an integer (got 'abc')", "--samples must be at least 1 (got 0)"), not as pydantic does
+    ("Invalid value for '--max-tokens' / '-n': Input should be a valid integer, unable to parse string
+    as an integer"); None for any other error (click's own words, from Typers before pydantic, kept)."""
+    errors = cause.errors() if callable(getattr(cause, "errors", None)) else []
+    if not errors or errors[0].get("type") not in VALUE_CHECKS or getattr(param, "param_type_name", "") != "option":
+        return None
+    first = errors[0]
+    given = first.get("input")
+    shown = repr(given) if first["type"].endswith("_parsing") else given
+    return f"{max(param.opts, key=len)} {VALUE_CHECKS[first['type']].format(**first.get('ctx', {}))} (got {shown})"
 
 
 class OneLineUsage:

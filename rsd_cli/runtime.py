@@ -167,7 +167,9 @@ def shape_of(profile: Profile, vocab_size: int | None = None) -> Shape:
         widest = max(shape.branching, default=1) if variant in ("mss", "rsd-c") else shape.width
         if variant in ("rsd-c", "rsd-s") and widest > vocab_size:
             what = "beam width" if variant == "rsd-s" else "branching factor"
-            raise RsdError(f"{what} {widest} is larger than the vocabulary ({vocab_size} tokens)")
+            key = "budget" if d["budget"] else "beam_width" if variant == "rsd-s" else "branching"
+            raise setting_error(profile, "decoding", key,
+                                f"{what} {widest} is larger than the vocabulary ({vocab_size} tokens)")
     return shape
 
 
