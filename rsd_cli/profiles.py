@@ -408,12 +408,17 @@ def _env_name(table: str, key: str = "") -> str:
 
 
 def _check_environment(environ) -> None:
-    """A variable named like a setting (RSD_<TABLE>_<KEY>) that is none — RSD_SAMPLING_TEMPRATURE — is
-    refused as a profile's unknown key is, naming the setting meant where one is close: read as nothing,
-    it would leave the answer to a setting the user meant to change."""
+    """A variable named like a setting (RSD_<TABLE>_<KEY>) that is none — RSD_SAMPLING_TEMPRATURE, or
+    RSD_TEMPERATURE, its table left out — is refused as a profile's unknown key is, naming the setting
+    meant where one is close: read as nothing, it would leave the answer to a setting the user meant to
+    change."""
     for name in sorted(environ):
         table = next((t for t in SCHEMA if name.startswith(_env_name(t))), None)
         if table is None:
+            bare = name.removeprefix("RSD_").lower() if name.startswith("RSD_") else None
+            homes = [_env_name(t, bare) for t in SCHEMA if bare in SCHEMA[t]]  # (RSD_TEMPERATURE: the table left out)
+            if homes:
+                raise RsdError(f"environment variable {name} is not a setting (did you mean {' or '.join(homes)}?)")
             continue
         key = name[len(_env_name(table)):].lower()
         if key in SCHEMA[table]:

@@ -109,6 +109,8 @@ def test_flag_and_env_values_are_validated_too():
     ("RSD_SAMPLING_TEMPRATURE", "(did you mean RSD_SAMPLING_TEMPERATURE?)"),
     ("RSD_SAMPLING_VARIANT", "(did you mean RSD_DECODING_VARIANT?)"),  # another table's key
     ("RSD_RUNTIME_SPEED", "([runtime] takes RSD_RUNTIME_COMPILE)"),
+    ("RSD_TEMPERATURE", "(did you mean RSD_SAMPLING_TEMPERATURE?)"),  # its table left out
+    ("RSD_SOURCE", "(did you mean RSD_TARGET_SOURCE or RSD_DRAFT_SOURCE?)"),
 ])
 def test_an_environment_variable_named_like_a_setting_but_none_is_refused(name, said):
     """RSD_SAMPLING_TEMPRATURE=0 left the temperature at the profile's without a word; refused as a
@@ -117,7 +119,8 @@ def test_an_environment_variable_named_like_a_setting_but_none_is_refused(name, 
         load_profile("default", environ={name: "0"})
     assert str(err.value) == f"environment variable {name} is not a setting {said}"
     assert load_profile("default", environ={"RSD_CACHE_DIR": "/tmp", "RSD_DEBUG": "1", "RSD_SAMPLING_TOP_K": "3",
-                                            "RSD_DECODINGS": "x"})["sampling"]["top_k"] == 3
+                                            "RSD_DECODINGS": "x", "RSD_ADAPTER_BLOCKS": "0", "RSD_PROFILE": "default",
+                                            "RSD_CHAT_HISTORY": ""})["sampling"]["top_k"] == 3
 
 
 def test_a_list_setting_takes_one_item_alone(tmp_path):
