@@ -53,12 +53,12 @@ def token_label(tokenizer, token: int, width: int = 16) -> str:
 
 
 class ItemsLine:
-    """`lead` and then `items` one after another, wrapped between two items and never inside one (a token
-    label such as ' the' holds a space, at which Rich's own wrapping would cut it); a continuation line
-    starts two spaces in."""
+    """`lead` and then `items`, separated by commas, wrapped between two items and never inside one (a
+    token label such as ' the' holds a space, at which Rich's own wrapping would cut it); a continuation
+    line starts two spaces in."""
 
-    def __init__(self, lead: str, items: list[str], separator: str = ", "):
-        self.lead, self.items, self.separator = lead, items, separator
+    def __init__(self, lead: str, items: list[str]):
+        self.lead, self.items = lead, items
 
     def __rich_console__(self, console, options):
         from rich.cells import cell_len
@@ -66,13 +66,12 @@ class ItemsLine:
 
         line = self.lead
         for i, item in enumerate(self.items):
-            piece = item + (self.separator.rstrip() if i < len(self.items) - 1 else "")
-            joined = f"{line} {piece}" if line.strip() else line + piece
-            if cell_len(joined) > options.max_width and line.strip():
+            piece = item + ("," if i < len(self.items) - 1 else "")
+            if cell_len(f"{line} {piece}") > options.max_width:
                 yield Text(line)
                 line = "  " + piece
             else:
-                line = joined
+                line = f"{line} {piece}"
         yield Text(line)
 
 
