@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -72,7 +73,17 @@ class Shape:
             return f"rsd-s W={self.width} L={self.depth}"
         if self.variant == "spectr":
             return f"spectr K={self.width} L={self.depth}"
-        return f"{self.variant} b=({','.join(map(str, self.branching))})"
+        return f"{self.variant} b=({factors_text(self.branching)})"
+
+
+def factors_text(branching: tuple[int, ...]) -> str:
+    """Branching factors as `--branching` takes them, "3,2,1"; past 8 levels (more than `auto`
+    drafts) a run of 3 or more equal factors reads as factor×count — "3,1×332", where a budget of
+    1000 nodes gives 333 levels — so a statistics line stays a line."""
+    if len(branching) <= 8:
+        return ",".join(map(str, branching))
+    runs = [(factor, len(list(run))) for factor, run in itertools.groupby(branching)]
+    return ",".join(f"{factor}×{count}" if count >= 3 else ",".join([str(factor)] * count) for factor, count in runs)
 
 
 def make_shape(variant: str, *, draft_len: int = 4, branching: tuple[int, ...] = (2, 2, 1),

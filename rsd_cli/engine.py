@@ -1081,19 +1081,25 @@ class Decoder:
         return self._threads_for(self._for_answers(max_tokens, self._generate(prompt, max_tokens, seed)), self.drafts)
 
     def _for_answers(self, max_tokens: int, steps: Iterator) -> Iterator:
-        """steps, with `sampling` for answers of at most max_tokens tokens while they run: a min_tokens
-        that covers all of them (--ignore-eos) bars the end-of-sequence tokens at every position an
-        answer reaches, as a logit bias of -inf on them does — the same processing there, without
-        reading each node's context, so the steps that need none (on the device, queued ahead) stay
-        open. (A tree's nodes past the answer's end are barred too; none of their tokens is emitted.)"""
-        sampling = self.sampling
+        """steps, with `sampling` and `shape` for answers of at most max_tokens tokens while they run.
+        A min_tokens that covers all of them (--ignore-eos) bars the end-of-sequence tokens at every
+        position an answer reaches, as a logit bias of -inf on them does — the same processing there,
+        without reading each node's context, so the steps that need none (on the device, queued ahead)
+        stay open. (A tree's nodes past the answer's end are barred too; none of their tokens is
+        emitted.) A step emits at most its depth + 1 tokens, so a tree deeper than max_tokens - 1
+        drafts levels no answer reaches: the shape is cut to that depth (at least one level, so the
+        variant stays what was asked), once for the whole answer — before any step, so that a seed's
+        tokens do not depend on whether steps are queued ahead (`--draft-len 100000 -n 5` drafted up
+        to the context's end, thousands of levels, at every step)."""
+        sampling, shape = self.sampling, self.shape
         if 0 < max_tokens <= sampling.min_tokens:
             bias = {**dict(sampling.logit_bias), **dict.fromkeys(self._ends, -math.inf)}
             self.sampling = replace(sampling, min_tokens=0, logit_bias=tuple(sorted(bias.items())))
+        self.shape = shape.within(max(max_tokens - 1, 1))
         try:
             yield from steps
         finally:
-            self.sampling = sampling
+            self.sampling, self.shape = sampling, shape
 
     def _generate(self, prompt: list[int], max_tokens: int, seed: int | None) -> Iterator[StepEvent]:
         self._check_prompt(prompt)

@@ -573,6 +573,17 @@ def test_budget_and_tree_flags(cli, tiny_profile):
     assert record["stats"]["target_tokens_per_step"] <= 10
 
 
+def test_a_budget_of_a_thousand_nodes_reads_as_one_short_line(cli, tiny_profile):
+    """`--budget 1000` picks rsd-c b=(3,1,…) of 333 levels: the statistics line printed every one of
+    them in the head and in each shape it counted (20 KB of `1,1,1` for `--budget 100000`). Runs of
+    a factor past 8 levels read as factor×count, and the answer's trees are no deeper than it can use."""
+    result = cli("generate", "hi", "-p", tiny_profile, "-n", "6", "-v", "rsd-c", "--budget", "1000", input="")
+    assert result.exit_code == 0, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("rsd-c b=(3,1×332) · shapes rsd-c b=(3,1,1,1,1) ×"), line
+    assert len(line) < 300
+
+
 @pytest.mark.parametrize(
     "args, shape, said",
     [

@@ -1000,12 +1000,44 @@ def test_every_forward_second_is_reported_prompt_included(pair, monkeypatch):
     assert 0 < sum(e.draft_forward_seconds for e in events) == pytest.approx(drafts, rel=1e-9)
 
 
+def test_long_branching_vectors_read_as_runs():
+    from rsd_cli.drafting import factors_text
+
+    assert factors_text((2, 2, 1)) == "2,2,1"
+    assert factors_text((3,) + (1,) * 7) == "3,1,1,1,1,1,1,1"  # (up to 8 levels, as --branching takes them)
+    assert factors_text((3,) + (1,) * 332) == "3,1×332"
+    assert factors_text((3, 3, 2, 2) + (1,) * 6) == "3,3,2,2,1×6"
+    assert shape_for_budget("mss", 100).describe() == "mss b=(3,1×32)"
+
+
 def test_budget_shapes_fit_the_budget():
     for variant in VARIANTS:
         for budget in (1, 2, 6, 10, 14, 21, 30):
             assert shape_for_budget(variant, budget).max_nodes <= budget
     with pytest.raises(ValueError):
         shape_for_budget("rsd-c", 0)
+
+
+@pytest.mark.parametrize("deep, cut", [(make_shape("sd", draft_len=300), make_shape("sd", draft_len=4)),
+                                       (shape_for_budget("rsd-c", 1000), make_shape("rsd-c", branching=(3, 1, 1, 1))),
+                                       (make_shape("rsd-s", beam_width=2, depth=500), make_shape("rsd-s", beam_width=2, depth=4))],
+                         ids=["sd", "rsd-c", "rsd-s"])
+def test_a_tree_deeper_than_the_answer_drafts_no_level_the_answer_cannot_reach(pair, deep, cut):
+    """A step emits at most its depth + 1 tokens: `--draft-len 100000 -n 5` drafted up to the
+    context's end (thousands of levels, minutes for five tokens on the embedded pair). The shape is
+    cut to max_tokens - 1 levels for the whole answer, so the tokens of a seed are those of the cut
+    shape's; shallower shapes are left as they are, and a drafting variant keeps one level at least."""
+    target, draft = pair
+
+    def run(shape, max_tokens, seed=11):
+        events = list(Decoder(target, draft, V, shape, SamplingParams(1.0), set()).generate(PROMPT, max_tokens, seed=seed))
+        return [e.shape for e in events], [t for e in events for t in e.emitted]
+
+    shapes_deep, tokens_deep = run(deep, 5)
+    assert set(shapes_deep) == {cut}
+    assert tokens_deep == run(cut, 5)[1] and len(tokens_deep) == 5
+    assert set(run(cut, 12)[0]) == {cut}  # (deep enough already: unchanged)
+    assert {s.depth for s in run(deep, 1)[0]} == {1} and run(deep, 1)[0][0].variant == deep.variant
 
 
 @pytest.mark.parametrize("shape", shapes()[1:] + [FAN], ids=lambda s: s.describe())
