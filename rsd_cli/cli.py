@@ -718,7 +718,11 @@ def bench(
     loader = Loader()
     runtime_mb = runtime_rss_mb(loader.target_location(prof))  # before any weights load
     pair = loader.load(prof, light=False)  # the peers and --compile off run transformers' forward
-    from .runtime import runtimes_of
+    from .runtime import larger_than_the_context, runtimes_of
+
+    if pair.context_length and any(b > pair.context_length for b in budget_list):
+        widest = max(budget_list)
+        raise UsageError(f"--budgets: {larger_than_the_context(f'a budget of {widest} nodes', pair.context_length)}")
 
     compiles = compiles or [prof["runtime"]["compile"]]
     runtimes = {c: pair.runtimes if c == prof["runtime"]["compile"] else runtimes_of(pair, c, notice=notice)

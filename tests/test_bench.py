@@ -85,6 +85,19 @@ def test_bench_rejects_bad_lists(tiny_profile):
             "" if "(got" in message else f" (got {value!r})") + "\n", (flag, value, result.stderr)
 
 
+def test_a_budget_of_more_nodes_than_the_context_is_refused(tiny_profile, monkeypatch):
+    """`--budgets 100000` gave `auto` caches of 100000 more slots (5.5 GB on the embedded pair) before
+    anything was measured; a budget past the target's context (the tiny pair's 256) is refused first."""
+    import rsd_cli.bench as bench
+
+    ran = []
+    monkeypatch.setattr(bench, "run_bench", lambda *args, **kwargs: ran.append(1) or [])
+    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--budgets", "4,1000,300"])
+    assert result.exit_code == 2 and not ran
+    assert result.stderr == ("rsd: error: --budgets: a budget of 1000 nodes is more than the target's context "
+                             "(256 tokens): a step verifies its whole tree in one forward\n"), result.stderr
+
+
 def test_a_plot_that_cannot_be_written_is_refused_before_anything_is_measured(tiny_profile, tmp_path, monkeypatch):
     """--plot was written after the run, before the results were printed: a wrong suffix, a PNG without
     matplotlib or a missing folder lost a whole run's numbers."""

@@ -573,15 +573,40 @@ def test_budget_and_tree_flags(cli, tiny_profile):
     assert record["stats"]["target_tokens_per_step"] <= 10
 
 
-def test_a_budget_of_a_thousand_nodes_reads_as_one_short_line(cli, tiny_profile):
-    """`--budget 1000` picks rsd-c b=(3,1,…) of 333 levels: the statistics line printed every one of
-    them in the head and in each shape it counted (20 KB of `1,1,1` for `--budget 100000`). Runs of
-    a factor past 8 levels read as factor×count, and the answer's trees are no deeper than it can use."""
-    result = cli("generate", "hi", "-p", tiny_profile, "-n", "6", "-v", "rsd-c", "--budget", "1000", input="")
+def test_a_budget_of_hundreds_of_nodes_reads_as_one_short_line(cli, tiny_profile):
+    """`--budget 250` picks rsd-c b=(3,1,…) of 83 levels: the statistics line printed every one of
+    them in the head and in each shape it counted (1666 factors for `--budget 5000` on the embedded
+    pair). Runs of a factor past 8 levels read as factor×count, and the answer's trees are no deeper
+    than it can use."""
+    result = cli("generate", "hi", "-p", tiny_profile, "-n", "6", "-v", "rsd-c", "--budget", "250", input="")
     assert result.exit_code == 0, result.stderr
     line = result.stderr.strip().splitlines()[-1]
-    assert line.startswith("rsd-c b=(3,1×332) · shapes rsd-c b=(3,1,1,1,1) ×"), line
+    assert line.startswith("rsd-c b=(3,1×82) · shapes rsd-c b=(3,1,1,1,1) ×"), line
     assert len(line) < 300
+
+
+@pytest.mark.parametrize("args, said", [
+    (["-v", "rsd-c", "--branching", "40,40,40"],
+     "flag --branching: rsd-c b=(40,40,40) drafts trees of up to 65641 nodes, which is more than the target's "
+     "context (256 tokens): a step verifies its whole tree in one forward"),
+    (["-v", "sd", "--draft-len", "300"], "flag --draft-len: sd γ=300 drafts trees of up to 301 nodes, which"),
+    (["-v", "rsd-s", "--beam-width", "2", "--depth", "200"], "flag --beam-width: rsd-s W=2 L=200"),
+    (["-v", "rsd-c", "--budget", "1000"], "flag --budget: a budget of 1000 nodes is more than the target's context"),
+    (["-v", "auto", "--budget", "300"], "flag --budget: a budget of 300 nodes is more than the target's context"),
+])
+def test_a_tree_of_more_nodes_than_the_context_is_refused(cli, tiny_profile, args, said):
+    """A step verifies its tree in one forward: `--branching 40,40,40` on the tiny pair's 40 tokens
+    (65641 nodes) filled the machine's 24 GB and was killed, `--budget 100000` with auto took 5.5 GB for
+    its caches. A tree of more nodes than the target's context is refused, naming the flag (exit 2);
+    from a profile, exit 1."""
+    result = cli("generate", "hi", "-p", tiny_profile, "-n", "4", *args, input="")
+    assert result.exit_code == 2 and result.stdout == "", result.stderr
+    assert result.stderr.startswith(f"rsd: error: {said}"), result.stderr
+    profile = tiny_profile.read_text().replace("branching = [2, 2]", "branching = [40, 40, 40]")
+    tiny_profile.write_text(profile)
+    result = cli("generate", "hi", "-p", tiny_profile, "-n", "4", input="")
+    assert result.exit_code == 1 and result.stderr.startswith("rsd: error: rsd-c b=(40,40,40) drafts trees"), \
+        result.stderr
 
 
 @pytest.mark.parametrize(

@@ -1023,10 +1023,10 @@ def test_budget_shapes_fit_the_budget():
                                        (make_shape("rsd-s", beam_width=2, depth=500), make_shape("rsd-s", beam_width=2, depth=4))],
                          ids=["sd", "rsd-c", "rsd-s"])
 def test_a_tree_deeper_than_the_answer_drafts_no_level_the_answer_cannot_reach(pair, deep, cut):
-    """A step emits at most its depth + 1 tokens: `--draft-len 100000 -n 5` drafted up to the
-    context's end (thousands of levels, minutes for five tokens on the embedded pair). The shape is
-    cut to max_tokens - 1 levels for the whole answer, so the tokens of a seed are those of the cut
-    shape's; shallower shapes are left as they are, and a drafting variant keeps one level at least."""
+    """A step emits at most its depth + 1 tokens: `--draft-len 5000 -n 5` drafted 5000 levels at
+    every step (4 minutes for five tokens on the embedded pair). The shape is cut to max_tokens - 1
+    levels for the whole answer, so the tokens of a seed are those of the cut shape's; shallower
+    shapes are left as they are, and a drafting variant keeps one level at least."""
     target, draft = pair
 
     def run(shape, max_tokens, seed=11):
