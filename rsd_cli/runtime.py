@@ -172,8 +172,8 @@ def shape_of(profile: Profile, vocab_size: int | None = None, context_length: in
             key = "budget" if d["budget"] else "beam_width" if variant == "rsd-s" else "branching"
             raise setting_error(profile, "decoding", key,
                                 f"{what} {widest} is larger than the vocabulary ({vocab_size} tokens)")
-    if context_length and shape.max_nodes > context_length:
-        what = (f"a budget of {shape.max_nodes} nodes" if d["budget"] or variant == "auto"
+    if context_length and shape.max_nodes > context_length and (variant != "auto" or d["budget"]):
+        what = (f"a budget of {shape.max_nodes} nodes" if d["budget"]
                 else f"{shape.describe()} drafts trees of up to {shape.max_nodes} nodes, which")
         raise setting_error(profile, "decoding", _tree_key(profile), larger_than_the_context(what, context_length))
     return shape
