@@ -297,9 +297,10 @@ class ChatSession:
             raise RsdError(f"this message needs {len(ids)} tokens (chat template and system prompt included), "
                            f"but the model's context holds {limit}: not sent")
         if self.window == 0 and start > 0:  # said once a conversation; the window moves on quietly
+            kept = len(self.history) - start
+            which = f"the latest {kept} of {len(self.history)} kept" if kept else "none of the earlier ones kept"
             console.print(f"[dim](the conversation outgrew the model's context of {limit} tokens: from now on the "
-                          f"oldest messages are left out, the latest {len(self.history) - start} of "
-                          f"{len(self.history)} kept; /save keeps all)[/dim]")
+                          f"oldest messages are left out, {which}; /save keeps all)[/dim]")
         self.window = start
         return ids
 

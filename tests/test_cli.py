@@ -707,6 +707,7 @@ def test_a_chat_answer_the_context_ends_says_so(tiny_profile):
     assert result.stderr.count("(the answer stopped at the end of the model's context of 256 tokens (") == 1
     assert "of the answer), before max_tokens 120)" in result.stderr
     assert "(the conversation outgrew the model's context of 256 tokens" in result.stderr  # (the next one's)
+    assert "are left out, none of the earlier ones kept; /save keeps all)" in result.stderr  # ("the latest 0 of 2")
 
 
 def test_chat_s_set_of_a_tree_setting_the_variant_does_not_read_says_so(tiny_profile):
