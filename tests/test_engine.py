@@ -1000,6 +1000,30 @@ def test_every_forward_second_is_reported_prompt_included(pair, monkeypatch):
     assert 0 < sum(e.draft_forward_seconds for e in events) == pytest.approx(drafts, rel=1e-9)
 
 
+def test_a_chain_deeper_than_the_answer_is_queued_ahead_as_its_cut_shape(pair, monkeypatch):
+    """The cut to max_tokens - 1 levels is made before the answer's first step, so steps queued ahead
+    (a GPU's, forced here) draft the cut chain — a 300-level chain fits no forward bucket and ran one
+    step at a time before — and give the tokens one step at a time gives."""
+    from rsd_cli.compiled import CompiledModel
+    from rsd_cli.engine import Runtimes
+
+    runtimes = Runtimes(CompiledModel(pair[0], False, static_shapes=True),
+                        CompiledModel(pair[1], False, static_shapes=True), "off")
+    queued = []
+    ahead_of = Decoder._tree_steps_ahead
+    monkeypatch.setattr(Decoder, "_tree_steps_ahead", lambda self, *args, **kw: queued.append(self.shape) or
+                        ahead_of(self, *args, **kw))
+    deep, cut = make_shape("sd", draft_len=300), make_shape("sd", draft_len=4)
+    for seed in range(3):
+        answers = []
+        for shape, ahead in ((deep, True), (cut, False)):
+            decoder = Decoder(*pair, V, shape, SamplingParams(1.0), set(), 256, runtimes)
+            decoder.device_steps, decoder.steps_ahead = True, ahead
+            answers.append([t for e in decoder.generate(PROMPT, 5, seed=seed) for t in e.emitted])
+        assert answers[0] == answers[1] and len(answers[0]) == 5
+    assert queued == [cut] * 3
+
+
 def test_long_branching_vectors_read_as_runs():
     from rsd_cli.drafting import factors_text
 
