@@ -29,7 +29,7 @@ from rsd_cli.sampling import SamplingParams
 import emulated_arm
 from test_compiled import run
 from test_threads import Alternating
-from test_engine import MC_SHAPES, N_SAMPLES, V, chi_square_pvalue, exact_joint, plain_greedy, shapes
+from test_engine import MC_SHAPES, N_SAMPLES, PAIR_DRAW, V, chi_square_pvalue, exact_joint, plain_greedy, shapes
 from tiny import quantise_like_gguf, quantise_q4_1, quantise_q8_0, tiny_model
 
 # only a machine without a C compiler skips: a source that does not build fails the tests below
@@ -1028,7 +1028,7 @@ def test_first_two_tokens_follow_the_target_distribution_on_the_blocks_kernel(qu
     sampling = SamplingParams(temperature=1.0)
     counts = torch.zeros(V, V)
     for seed in range(N_SAMPLES):
-        first, second = run(kernel, static[False], shape, sampling, 2, seed)[:2]
+        first, second = run(kernel, static[False], shape, sampling, PAIR_DRAW, seed)[:2]
         counts[first, second] += 1
     assert chi_square_pvalue(counts, exact_joint(reference[0], sampling) * N_SAMPLES) > 1e-3
 

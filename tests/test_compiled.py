@@ -20,7 +20,7 @@ from rsd_cli.engine import CachedLM, Decoder, Runtimes
 from rsd_cli.errors import RsdError
 from rsd_cli.sampling import SamplingParams
 from rsd_cli.tree import DraftTree
-from test_engine import (DEVICE_SHAPES, MC_SHAPES, N_SAMPLES, PROMPT, V, chi_square_pvalue, exact_joint,
+from test_engine import (DEVICE_SHAPES, MC_SHAPES, N_SAMPLES, PAIR_DRAW, PROMPT, V, chi_square_pvalue, exact_joint,
                          plain_greedy, sample_pairs, shapes, together)
 from test_engine import run as run_on
 from test_threads import Alternating
@@ -195,7 +195,7 @@ def test_first_two_tokens_follow_the_target_distribution_when_compiled(pair, run
     expected = exact_joint(pair[0], sampling) * N_SAMPLES
     counts = torch.zeros(V, V)
     for seed in range(N_SAMPLES):
-        first, second = run(pair, runtimes[True], shape, sampling, 2, seed)[:2]
+        first, second = run(pair, runtimes[True], shape, sampling, PAIR_DRAW, seed)[:2]
         counts[first, second] += 1
     assert chi_square_pvalue(counts, expected) > 1e-3
 
@@ -222,7 +222,7 @@ def test_first_two_tokens_follow_the_target_distribution_on_static_shapes(pair, 
     sampling = SamplingParams(temperature=1.0)
     counts = torch.zeros(V, V)
     for seed in range(N_SAMPLES):
-        first, second = run(pair, static_runtimes, shape, sampling, 2, seed)[:2]
+        first, second = run(pair, static_runtimes, shape, sampling, PAIR_DRAW, seed)[:2]
         counts[first, second] += 1
     assert chi_square_pvalue(counts, exact_joint(pair[0], sampling) * N_SAMPLES) > 1e-3
 
@@ -248,7 +248,7 @@ def test_lookup_chains_fill_their_forward_s_bucket_and_follow_the_target_distrib
         args[2].shape[0]) or real(*args))
     counts = torch.zeros(V, V)
     for seed in range(N_SAMPLES):
-        tokens = run(pair, static_runtimes, shape, sampling, 2, seed, device_steps=True, prompt=REPEATING)
+        tokens = run(pair, static_runtimes, shape, sampling, PAIR_DRAW, seed, device_steps=True, prompt=REPEATING)
         counts[tokens[0], tokens[1]] += 1
     assert (2, 3) in filled and 4 in first  # (the root, 2 looked-up tokens and one more: a bucket of 4)
     assert counts[2, 5] > 0 and counts[2].sum() < counts.sum()  # (both drafts accepted; the first rejected)

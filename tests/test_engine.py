@@ -178,10 +178,15 @@ def chi_square_pvalue(counts: torch.Tensor, expected: torch.Tensor) -> float:
     return float(chisquare(obs[keep].numpy(), exp[keep].numpy()).pvalue)
 
 
+# tokens an answer takes where the first two are counted: a step drafts no deeper than the answer's tokens - 1
+# (Decoder._for_answers), so a tree of depth 2 is drafted whole, and verified there, in answers of 3
+PAIR_DRAW = 3
+
+
 def sample_pairs(pair, shape, sampling, n: int, prompt=PROMPT, device_steps=None, runtimes=None) -> torch.Tensor:
     counts = torch.zeros(V, V)
     for seed in range(n):
-        first, second = run(pair, shape, sampling, 2, seed, prompt=prompt, device_steps=device_steps,
+        first, second = run(pair, shape, sampling, PAIR_DRAW, seed, prompt=prompt, device_steps=device_steps,
                             runtimes=runtimes)[:2]
         counts[first, second] += 1
     return counts
@@ -855,7 +860,8 @@ def test_lookup_drafts_from_the_context_and_stays_exact(pair, temperature, devic
     counts = sample_pairs(pair, shape, sampling, N_SAMPLES, REPEATING, device_steps=device_steps)
     expected = exact_joint(target, sampling, REPEATING) * N_SAMPLES
     assert chi_square_pvalue(counts, expected) > 1e-3
-    reached = [run(pair, shape, sampling, 2, seed, prompt=REPEATING, device_steps=device_steps) for seed in range(200)]
+    reached = [run(pair, shape, sampling, PAIR_DRAW, seed, prompt=REPEATING, device_steps=device_steps)
+               for seed in range(200)]
     assert any(r[:2] == [2, 5] for r in reached) and any(r[0] != 2 for r in reached)  # accepted and rejected
 
 
@@ -1241,7 +1247,7 @@ def sample_pairs_until_eos(pair, shape, sampling, eos: set[int], n: int) -> torc
     (column V) where the first ended the answer."""
     counts = torch.zeros(V, V + 1)
     for seed in range(n):
-        tokens = run(pair, shape, sampling, 2, seed, eos=eos)
+        tokens = run(pair, shape, sampling, PAIR_DRAW, seed, eos=eos)
         counts[tokens[0], tokens[1] if len(tokens) > 1 else V] += 1
     return counts
 
@@ -1826,7 +1832,7 @@ def test_a_draft_with_fewer_rows_than_the_targets_vocabulary_keeps_the_targets_w
         counts = torch.zeros(wide, wide)
         for seed in range(N_SAMPLES):
             decoder = Decoder(target, draft, wide, shape, sampling, set())
-            first_token, second_token = [t for e in decoder.generate(PROMPT, 2, seed) for t in e.emitted][:2]
+            first_token, second_token = [t for e in decoder.generate(PROMPT, PAIR_DRAW, seed) for t in e.emitted][:2]
             counts[first_token, second_token] += 1
         assert counts[V:].sum() > 0.1 * N_SAMPLES  # (the target's own tokens drawn, and read by the draft)
         assert chi_square_pvalue(counts, expected) > 1e-3, shape.describe()

@@ -15,7 +15,7 @@ from rsd_cli.cli import app
 from rsd_cli.engine import Decoder
 from rsd_cli.models import Placement
 from rsd_cli.sampling import SamplingParams
-from test_engine import N_SAMPLES, PROMPT, V, chi_square_pvalue, exact_joint, plain_greedy, shapes
+from test_engine import N_SAMPLES, PAIR_DRAW, PROMPT, V, chi_square_pvalue, exact_joint, plain_greedy, shapes
 from tiny import tiny_model, tiny_tokenizer
 
 
@@ -77,7 +77,7 @@ def test_rsd_c_on_a_placed_target_follows_the_target_distribution(placed, unplac
     draft = models.early_exit_draft(placed, 1)
     counts = torch.zeros(V, V)
     for seed in range(N_SAMPLES):
-        first, second = run(placed, draft, make_shape("rsd-c", branching=(2, 2)), sampling, 2, seed)[:2]
+        first, second = run(placed, draft, make_shape("rsd-c", branching=(2, 2)), sampling, PAIR_DRAW, seed)[:2]
         counts[first, second] += 1
     assert chi_square_pvalue(counts, exact_joint(unplaced, sampling) * N_SAMPLES) > 1e-3
 
