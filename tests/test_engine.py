@@ -1059,15 +1059,16 @@ def test_a_tree_deeper_than_the_answer_drafts_no_level_the_answer_cannot_reach(p
     shapes are left as they are, and a drafting variant keeps one level at least."""
     target, draft = pair
 
-    def run(shape, max_tokens, seed=11):
+    def shapes_and_tokens(shape, max_tokens, seed=11):
         events = list(Decoder(target, draft, V, shape, SamplingParams(1.0), set()).generate(PROMPT, max_tokens, seed=seed))
         return [e.shape for e in events], [t for e in events for t in e.emitted]
 
-    shapes_deep, tokens_deep = run(deep, 5)
+    shapes_deep, tokens_deep = shapes_and_tokens(deep, 5)
     assert set(shapes_deep) == {cut}
-    assert tokens_deep == run(cut, 5)[1] and len(tokens_deep) == 5
-    assert set(run(cut, 12)[0]) == {cut}  # (deep enough already: unchanged)
-    assert {s.depth for s in run(deep, 1)[0]} == {1} and run(deep, 1)[0][0].variant == deep.variant
+    assert tokens_deep == shapes_and_tokens(cut, 5)[1] and len(tokens_deep) == 5
+    assert set(shapes_and_tokens(cut, 12)[0]) == {cut}  # (deep enough already: unchanged)
+    shapes_one, _ = shapes_and_tokens(deep, 1)
+    assert {s.depth for s in shapes_one} == {1} and shapes_one[0].variant == deep.variant
 
 
 @pytest.mark.parametrize("shape", shapes()[1:] + [FAN], ids=lambda s: s.describe())
