@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 from .drafting import LOOKUP_NGRAM, Shape, make_shape, shape_for_budget
 from .engine import Stats
+from .errors import UsageError
 from .generation import complete, stop_text_of
 from .prompting import encode_prompt
 
@@ -102,44 +103,67 @@ PEERS = {"hf-assisted": ("transformers assisted generation", lambda *args, **sto
          "hf-static": ("transformers generate, static cache", lambda *args, **stopping: _hf_static(*args, **stopping))}
 
 
-def plan_jobs(profile, variants: list[str], temperatures: list[float], budgets: list[int],
-              depths: list[int]) -> list[tuple[str, Setting, Shape]]:
-    """(variant, setting, shape) for every run on a prompt; `ar` is always there: it is the baseline."""
-    from .runtime import apply_flags, shape_of
+def plan_jobs(profile, variants: list[str], temperatures: list[float], budgets: list[int], depths: list[int],
+              width: int | None = None, vocab_size: int | None = None,
+              context_length: int | None = None) -> list[tuple[str, Setting, Shape]]:
+    """(variant, setting, shape) for every run on a prompt; `ar` is always there: it is the baseline.
+    width: the trees' width at --depths (None: the profile's beam_width). With the models' vocabulary
+    and context, every tree is one they take, as in generate (runtime.shape_of): else an error naming
+    the bench flag (or the profile's setting) that set it."""
+    from .runtime import larger_than_the_context, setting_error, shape_of, wider_than_the_vocabulary
 
-    width = profile["decoding"]["beam_width"]
+    flagged_width = width is not None
+    width = width if flagged_width else profile["decoding"]["beam_width"]
     jobs = [("ar", Setting(t, None, None), make_shape("ar")) for t in temperatures]
     if "auto" in variants and (budgets or depths):
-        jobs += [("auto", Setting(t, None, None), shape_of(apply_flags(profile, {"variant": "auto"})))
+        jobs += [("auto", Setting(t, None, None), shape_of(as_variant(profile, "auto"), vocab_size, context_length))
                  for t in temperatures]
     for setting in settings_for(temperatures, budgets, depths) or [Setting(t, None, None) for t in temperatures]:
         for variant in variants:
             if variant == "ar" or variant == "auto" and (setting.budget or setting.depth):
                 continue  # auto ignores --depths (it picks its own) and runs once per temperature
             if setting.budget is None and setting.depth is None:  # the profile's own shape
-                shape = shape_of(apply_flags(profile, {"variant": variant}))
-            else:
-                shape = setting.shape(variant, width, profile["decoding"]["ngram"])
+                jobs.append((variant, setting, shape_of(as_variant(profile, variant), vocab_size, context_length)))
+                continue
+            shape = setting.shape(variant, width, profile["decoding"]["ngram"])
+            if vocab_size is not None and (wide := wider_than_the_vocabulary(shape, vocab_size)):
+                if flagged_width:
+                    raise UsageError(f"--width: {wide}")
+                raise setting_error(profile, "decoding", "beam_width", f"{wide} (bench's --width at --depths)")
+            if context_length and shape.max_nodes > context_length:
+                what = (f"a budget of {setting.budget} nodes" if setting.budget is not None
+                        else f"{shape.describe()} drafts trees of up to {shape.max_nodes} nodes, which")
+                raise UsageError(f"{'--budgets' if setting.budget is not None else '--depths'}: "
+                                 f"{larger_than_the_context(what, context_length)}")
             jobs.append((variant, setting, shape))
     return jobs
+
+
+def as_variant(profile, variant: str):
+    """A copy of the profile that decodes with `variant` (the bench's profile itself is not changed)."""
+    from copy import deepcopy
+
+    from .runtime import apply_flags
+
+    return apply_flags(deepcopy(profile), {"variant": variant})
 
 
 def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], budgets: list[int],
               depths: list[int], prompts: list[str], repeats: int, max_tokens: int, seed: int,
               assisted: bool, progress=None, compiles: list[str] | None = None, hf_static: bool = False,
-              runtimes: dict | None = None, refused_rows: bool = True) -> list[dict]:
-    """Every job (variant x setting) under every --compile setting in `compiles` (runtimes: setting
-    -> engine.Runtimes), interleaved prompt by prompt, plus the peers asked for. A job the pair takes
-    on one runtime and not on another (a tree of an ALiBi model on transformers' forward:
-    engine.pair_limit) runs where it is taken; where not, it has a row with the refusal as its error
-    (`refused_rows`), or none."""
+              runtimes: dict | None = None, refused_rows: bool = True, width: int | None = None) -> list[dict]:
+    """Every job (variant x setting; width: the trees' at --depths, plan_jobs) under every --compile
+    setting in `compiles` (runtimes: setting -> engine.Runtimes), interleaved prompt by prompt, plus the
+    peers asked for. A job the pair takes on one runtime and not on another (a tree of an ALiBi model on
+    transformers' forward: engine.pair_limit) runs where it is taken; where not, it has a row with the
+    refusal as its error (`refused_rows`), or none."""
     from .engine import Decoder, Runtimes, pair_limit
     from .models import input_device
     from .runtime import ends_of, sampling_of
 
     compiles = compiles or [pair.runtimes.setting if pair.runtimes else "off"]
     runtimes = runtimes or {compiles[0]: pair.runtimes or Runtimes()}
-    jobs = [(c, *job) for c in compiles for job in plan_jobs(profile, variants, temperatures, budgets, depths)]
+    jobs = [(c, *job) for c in compiles for job in plan_jobs(profile, variants, temperatures, budgets, depths, width)]
     limits = {c: pair_limit(pair.target, pair.draft, runtimes[c]) for c in compiles}
 
     def refusal(compile: str, variant: str) -> str | None:

@@ -649,9 +649,9 @@ def bench(
                                                    show_default=False)] = None,
     depths: Annotated[Optional[str], typer.Option("--depths", help="Fixed draft lengths L, e.g. 2,4.",
                                                   show_default=False)] = None,
-    width: Annotated[Optional[int], typer.Option("--width", help="Tree width at --depths: root children (mss, "
-                                                 "rsd-c), beam width (rsd-s), drafts (spectr); by default the "
-                                                 "profile's beam_width.", show_default=False)] = None,
+    width: Annotated[Optional[int], typer.Option("--width", min=1, help="Tree width at --depths: root children "
+                                                 "(mss, rsd-c), beam width (rsd-s), drafts (spectr); by default "
+                                                 "the profile's beam_width.", show_default=False)] = None,
     temperatures: Annotated[str, typer.Option("--temperatures", help="Comma-separated temperatures.")] = "1.0",
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A prompt file, one per line, or .jsonl: a "
                                                     "JSON string or {\"prompt\": ...} a line (default: the built-in "
@@ -709,7 +709,10 @@ def bench(
     from .prompting import builtin_prompts
 
     prompt_list = (_read_prompts(prompts) if prompts else builtin_prompts("eval"))[:limit]
-    prof = _load_profile(profile, {"beam_width": width, "compile": compiles[0] if compiles else None, "stop": stop,
+    if width is not None and not depth_list:
+        notice("--width changes nothing without --depths: it sets the width of the trees at --depths (the "
+               "profile's own trees and --budgets' keep theirs)")
+    prof = _load_profile(profile, {"compile": compiles[0] if compiles else None, "stop": stop,
                                    "stop_token": stop_token})
     if ignore_eos:  # (bench's --max-tokens, not the profile's)
         prof.set("sampling", "min_tokens", max_tokens, "flag --ignore-eos")
@@ -718,11 +721,11 @@ def bench(
     loader = Loader()
     runtime_mb = runtime_rss_mb(loader.target_location(prof))  # before any weights load
     pair = loader.load(prof, light=False)  # the peers and --compile off run transformers' forward
-    from .runtime import larger_than_the_context, runtimes_of
+    from .bench import plan_jobs
+    from .runtime import runtimes_of
 
-    if pair.context_length and any(b > pair.context_length for b in budget_list):
-        widest = max(budget_list)
-        raise UsageError(f"--budgets: {larger_than_the_context(f'a budget of {widest} nodes', pair.context_length)}")
+    # every tree one the models take, as generate's (else an error naming the flag), before anything is measured
+    plan_jobs(prof, names, temps, budget_list, depth_list, width, pair.vocab_size, pair.context_length)
 
     compiles = compiles or [prof["runtime"]["compile"]]
     runtimes = {c: pair.runtimes if c == prof["runtime"]["compile"] else runtimes_of(pair, c, notice=notice)
@@ -751,7 +754,8 @@ def bench(
         rows = run_bench(pair, prof, variants=names, temperatures=temps, budgets=budget_list, depths=depth_list,
                          prompts=prompt_list, repeats=repeats, max_tokens=max_tokens, seed=seed, assisted=assisted,
                          progress=lambda done, total: bars.update(task, completed=done, total=total),
-                         compiles=compiles, hf_static=hf_static, runtimes=runtimes, refused_rows=not default)
+                         compiles=compiles, hf_static=hf_static, runtimes=runtimes, refused_rows=not default,
+                         width=width)
     for row in rows:
         if row.get("error"):
             where = f" on --compile {row['compile']}" if row.get("compile") and len(compiles) > 1 else ""

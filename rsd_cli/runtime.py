@@ -165,18 +165,25 @@ def shape_of(profile: Profile, vocab_size: int | None = None, context_length: in
         shape = make_shape(variant, draft_len=d["draft_len"], branching=tuple(d["branching"]),
                            beam_width=d["beam_width"], depth=d["depth"], num_drafts=d["num_drafts"],
                            ngram=d["ngram"])
-    if vocab_size is not None:
-        widest = max(shape.branching, default=1) if variant in ("mss", "rsd-c") else shape.width
-        if variant in ("rsd-c", "rsd-s") and widest > vocab_size:
-            what = "beam width" if variant == "rsd-s" else "branching factor"
-            key = "budget" if d["budget"] else "beam_width" if variant == "rsd-s" else "branching"
-            raise setting_error(profile, "decoding", key,
-                                f"{what} {widest} is larger than the vocabulary ({vocab_size} tokens)")
+    if vocab_size is not None and (wide := wider_than_the_vocabulary(shape, vocab_size)):
+        key = "budget" if d["budget"] else "beam_width" if variant == "rsd-s" else "branching"
+        raise setting_error(profile, "decoding", key, wide)
     if context_length and shape.max_nodes > context_length and (variant != "auto" or d["budget"]):
         what = (f"a budget of {shape.max_nodes} nodes" if d["budget"]
                 else f"{shape.describe()} drafts trees of up to {shape.max_nodes} nodes, which")
         raise setting_error(profile, "decoding", _tree_key(profile), larger_than_the_context(what, context_length))
     return shape
+
+
+def wider_than_the_vocabulary(shape: Shape, vocab_size: int) -> str | None:
+    """Why the models cannot take the shape's width, or None: rsd-c and rsd-s draw a node's children
+    (a beam) without replacement, so never more of them than there are tokens (mss and spectr draw with
+    replacement and take any width)."""
+    if shape.variant not in ("rsd-c", "rsd-s"):
+        return None
+    widest = max(shape.branching, default=1) if shape.variant == "rsd-c" else shape.width
+    what = "beam width" if shape.variant == "rsd-s" else "branching factor"
+    return f"{what} {widest} is larger than the vocabulary ({vocab_size} tokens)" if widest > vocab_size else None
 
 
 def _tree_key(profile: Profile) -> str:
@@ -210,9 +217,12 @@ def sampling_of(profile: Profile):
 
 def setting_error(profile: Profile, table: str, key: str, message: str) -> RsdError:
     """A setting the models refuse: a usage error (exit 2) saying which flag where a flag gave it, as a
-    value out of its range is (apply_flags); else a runtime error."""
+    value out of its range is (apply_flags); else a runtime error, saying which profile file (or
+    environment variable) and entry gave it, as a profile's value out of its range is (Profile.set)."""
     origin = profile.origins[table][key]
-    return UsageError(f"{origin}: {message}") if origin.startswith("flag ") else RsdError(message)
+    if origin.startswith("flag "):
+        return UsageError(f"{origin}: {message}")
+    return RsdError(message if origin in ("default", "/set") else f"{origin}: {table}.{key}: {message}")
 
 
 def ends_of(pair, profile: Profile) -> set[int]:

@@ -60,7 +60,56 @@ def test_width_sets_the_tree_width_of_the_depth_shapes(tiny_profile):
     shapes = [row["shape"] for row in json.loads(result.stdout)["results"]]
     assert shapes == ["ar", "rsd-c b=(2)", "rsd-s W=2 L=1", "rsd-c b=(2,1)", "rsd-s W=2 L=2"]
     result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--depths", "1", "--width", "0"])
-    assert result.exit_code == 2 and "beam_width must be at least 1" in result.stderr
+    assert result.exit_code == 2 and "--width must be at least 1 (got 0)" in result.stderr
+
+
+def test_width_is_the_width_at_depths_alone(tiny_profile):
+    """--width set the profile's beam width, so it changed rsd-s's own tree (W=40 L=4 beside rsd-c's
+    b=(2,2)) and, where it was bad, named a flag bench has not (`flag --beam-width`); it is the width
+    of the --depths trees, as its help says, and without --depths a notice says it changes nothing."""
+    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--variants", "ar,rsd-c,rsd-s", "--width", "40",
+                                      "--limit", "1", "-n", "3", "--no-assisted", "--no-hf-static", "--json"])
+    assert result.exit_code == 0, result.stderr
+    assert [row["shape"] for row in json.loads(result.stdout)["results"]] == ["ar", "rsd-c b=(2,2)", "rsd-s W=3 L=4"]
+    assert "rsd: --width changes nothing without --depths" in result.stderr
+
+
+@pytest.mark.parametrize("args, code, said", [
+    (["--variants", "ar,mss,rsd-c", "--depths", "2", "--width", "41"], 2,
+     "--width: branching factor 41 is larger than the vocabulary (40 tokens)"),
+    (["--variants", "rsd-s", "--depths", "1,2", "--width", "50"], 2,
+     "--width: beam width 50 is larger than the vocabulary (40 tokens)"),
+    (["--variants", "sd", "--depths", "2,300"], 2,
+     "--depths: sd γ=300 drafts trees of up to 301 nodes, which is more than the target's context (256 tokens)"),
+    (["--variants", "rsd-s", "--depths", "100", "--width", "3"], 2,
+     "--depths: rsd-s W=3 L=100 drafts trees of up to 301 nodes, which is more than the target's context"),
+    (["--variants", "rsd-c"], 1, "{profile}: decoding.branching: rsd-c b=(20,20) drafts trees of up to 421 nodes"),
+    (["--variants", "mss,sd"], 1, "{profile}: decoding.branching: mss b=(20,20) drafts trees of up to 421 nodes"),
+])
+def test_a_tree_the_models_cannot_take_is_refused_before_anything_is_measured(tiny_profile, monkeypatch, args,
+                                                                               code, said):
+    """bench measured the trees generate refuses: `--depths 2 --width 41` as rsd-c b=(41,1) on a vocabulary
+    of 40 tokens, `--depths 300` and a profile's b=(20,20) (421 nodes) past the tiny target's context of 256
+    (generate: `larger_than_the_context`). Now each is refused as generate refuses it, naming the bench flag
+    (exit 2) or the profile's entry (exit 1), before anything is measured; mss and spectr, drafting with
+    replacement, take any width."""
+    import rsd_cli.bench as bench
+
+    ran = []
+    monkeypatch.setattr(bench, "run_bench", lambda *args, **kwargs: ran.append(1) or [])
+    tiny_profile.write_text(tiny_profile.read_text().replace("branching = [2, 2]", "branching = [20, 20]"))
+    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--limit", "1", *args])
+    assert result.exit_code == code and not ran, result.stderr
+    assert result.stderr.startswith("rsd: error: " + said.format(profile=tiny_profile)), result.stderr
+    assert result.stderr.count("\n") == 1
+
+
+def test_mss_and_spectr_are_measured_wider_than_the_vocabulary(tiny_profile):
+    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--variants", "ar,mss,spectr", "--depths", "1",
+                                      "--width", "41", "--limit", "1", "-n", "3", "--no-assisted", "--no-hf-static",
+                                      "--json"])
+    assert result.exit_code == 0, result.stderr
+    assert [row["shape"] for row in json.loads(result.stdout)["results"]] == ["ar", "mss b=(41)", "spectr K=41 L=1"]
 
 
 def test_bench_rejects_bad_lists(tiny_profile):

@@ -598,15 +598,15 @@ def test_a_tree_of_more_nodes_than_the_context_is_refused(cli, tiny_profile, arg
     """A step verifies its tree in one forward: `--branching 40,40,40` on the tiny pair's 40 tokens
     (65641 nodes) filled the machine's 24 GB and was killed, `--budget 100000` with auto took 5.5 GB for
     its caches. A tree of more nodes than the target's context is refused, naming the flag (exit 2);
-    from a profile, exit 1."""
+    from a profile, exit 1, naming the profile's file and entry."""
     result = cli("generate", "hi", "-p", tiny_profile, "-n", "4", *args, input="")
     assert result.exit_code == 2 and result.stdout == "", result.stderr
     assert result.stderr.startswith(f"rsd: error: {said}"), result.stderr
     profile = tiny_profile.read_text().replace("branching = [2, 2]", "branching = [40, 40, 40]")
     tiny_profile.write_text(profile)
     result = cli("generate", "hi", "-p", tiny_profile, "-n", "4", input="")
-    assert result.exit_code == 1 and result.stderr.startswith("rsd: error: rsd-c b=(40,40,40) drafts trees"), \
-        result.stderr
+    assert result.exit_code == 1 and result.stderr.startswith(
+        f"rsd: error: {tiny_profile}: decoding.branching: rsd-c b=(40,40,40) drafts trees"), result.stderr
 
 
 @pytest.mark.parametrize(

@@ -415,8 +415,9 @@ def test_malformed_logit_biases_and_min_tokens_are_one_line_errors(tiny_profile,
     assert result.exit_code == 1 and "sampling.logit_bias must have token ids as keys" in result.stderr
     bad.write_text(tiny_profile.read_text() + 'logit_bias = { 40 = -1 }\n')  # a profile's: a runtime error
     result = CliRunner().invoke(app, ["generate", "hi", "-p", str(bad)], input="")
-    assert result.exit_code == 1 and result.stderr.strip() == ("rsd: error: the logit bias names token id 40, but "
-                                                               "the models' vocabulary has 40 tokens (ids 0-39)")
+    assert result.exit_code == 1 and result.stderr.strip() == (f"rsd: error: {bad}: sampling.logit_bias: the logit "
+                                                               "bias names token id 40, but the models' vocabulary "
+                                                               "has 40 tokens (ids 0-39)")
 
 
 def test_chat_sets_a_logit_bias_and_min_tokens(tiny_profile, tmp_path):
@@ -528,7 +529,7 @@ def test_stop_tokens_end_the_answer_as_its_end_of_sequence_token_does(tiny_profi
     profile.write_text(tiny_profile.read_text() + "stop_tokens = [40]\n")  # a profile's: a runtime error
     beyond = CliRunner().invoke(app, ["generate", "hi", "-p", str(profile)], input="")
     assert beyond.exit_code == 1 and beyond.stderr.strip() == \
-        "rsd: error: stop token id 40 is beyond the models' vocabulary (40 tokens)"
+        f"rsd: error: {profile}: sampling.stop_tokens: stop token id 40 is beyond the models' vocabulary (40 tokens)"
 
 
 class Untemplated:
