@@ -69,6 +69,8 @@ class Shape:
             return f"sd γ={self.depth}"
         if self.variant == "lookup":
             return f"lookup γ={self.depth}"
+        if self.depth == 0:  # the root alone (a budget of 1): no width drafted, none to name
+            return f"{self.variant} L=0"
         if self.variant == "rsd-s":
             return f"rsd-s W={self.width} L={self.depth}"
         if self.variant == "spectr":

@@ -1040,6 +1040,14 @@ def test_long_branching_vectors_read_as_runs():
     assert shape_for_budget("mss", 100).describe() == "mss b=(3,1×32)"
 
 
+def test_a_budget_of_the_root_alone_reads_as_depth_0():
+    """`--budget 1` (`rsd bench --budgets 1`) drafts nothing: its rows read `mss b=()` and `rsd-s W=3 L=0`,
+    a width no step drafts; each tree variant now reads L=0 (sd and lookup γ=0)."""
+    assert [shape_for_budget(v, 1).describe() for v in ("sd", "lookup", "mss", "rsd-c", "rsd-s", "spectr")] == \
+        ["sd γ=0", "lookup γ=0", "mss L=0", "rsd-c L=0", "rsd-s L=0", "spectr L=0"]
+    assert shape_for_budget("rsd-s", 2).describe() == "rsd-s W=1 L=1"
+
+
 def test_budget_shapes_fit_the_budget():
     for variant in VARIANTS:
         for budget in (1, 2, 6, 10, 14, 21, 30):
