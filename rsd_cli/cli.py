@@ -878,7 +878,7 @@ def distill(
     tokens: Annotated[int, typer.Option("--tokens", min=1, help="Training tokens to sample.")] = 20_000,
     eval_tokens: Annotated[int, typer.Option("--eval-tokens", min=1, help="Held-out tokens to evaluate on.")] = 2_000,
     epochs: Annotated[int, typer.Option("--epochs", min=1, help="Passes over the training tokens.")] = 4,
-    lr: Annotated[float, typer.Option("--lr", min=0.0, help="Peak learning rate (AdamW).")] = 3e-4,
+    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW).")] = 3e-4,
     schedule: Annotated[str, typer.Option("--schedule", help="cosine (5% warm-up, then cosine decay) or constant.")
                         ] = "cosine",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Longest sampled answer.")] = 160,
@@ -900,6 +900,9 @@ def distill(
 ):
     """Train an adapter layer that turns the target's first layers into a good draft."""
     from .distill_command import run_distill
+
+    if not 0 < lr < math.inf:  # (0 trains nothing: the adapter written would be its initial copy of layer K)
+        raise UsageError(f"--lr must be a finite number more than 0 (got {lr:g})")
 
     run_distill(_load_profile(profile, {"compile": compile}), out, layers=layers, tokens=tokens,
                 eval_tokens=eval_tokens, epochs=epochs, lr=lr, schedule=schedule, max_new_tokens=max_new_tokens,

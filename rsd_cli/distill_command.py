@@ -70,10 +70,13 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
         console.print(f"the target's layers: {describe_layers(layers_per_device(target))}")
     check_early_exit(target)  # (before sampling: what an adapter needs, said at once)
     total_layers = target.config.num_hidden_layers
+    # (flags the target cannot serve: usage errors, as generate's --branching past the vocabulary)
     if layers >= total_layers:
-        raise RsdError(f"--layers {layers}: the target has only {total_layers} layers")
+        raise UsageError(f"--layers {layers}: the adapter needs at least one of the target's layers after the draft's, "
+                         f"and the target has {total_layers} (--layers 1 to {total_layers - 1})")
     if vocab >= target.config.vocab_size:
-        raise RsdError(f"--vocab {vocab}: the target's vocabulary has only {target.config.vocab_size} tokens")
+        raise UsageError(f"--vocab {vocab}: a reduced draft head has fewer rows than the target's vocabulary "
+                         f"({target.config.vocab_size} tokens; --vocab 0 takes all of it)")
 
     with Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not console.is_terminal) as bars:

@@ -139,12 +139,21 @@ def test_adapter_auto_drafts_without_the_shipped_adapter_on_another_target(targe
 
 def test_bad_distill_arguments_are_one_line_errors(target_profile, tmp_path):
     profile, _ = target_profile
-    # usage errors (2) need no model; values the target cannot serve are found on loading it (1)
-    for extra, message, code in ((["--schedule", "linear"], "--schedule", 2), (["--layers", "3"], "only 3 layers", 1),
-                                 (["--layers", "1", "--vocab", "40"], "only 40 tokens", 1)):
+    # usage errors (2); values the target cannot serve are found on loading it, and are flags' too (they were
+    # exit 1, "the target has only 3 layers" for --layers 3 of 3); --lr 0 trained nothing and wrote the adapter
+    for extra, message in ((["--schedule", "linear"], "--schedule"),
+                           (["--layers", "3"], "--layers 3: the adapter needs at least one of the target's layers "
+                            "after the draft's, and the target has 3 (--layers 1 to 2)"),
+                           (["--layers", "1", "--vocab", "40"], "--vocab 40: a reduced draft head has fewer rows than "
+                            "the target's vocabulary (40 tokens; --vocab 0 takes all of it)"),
+                           (["--lr", "0"], "--lr must be a finite number more than 0 (got 0)"),
+                           (["--lr", "inf"], "--lr must be a finite number more than 0 (got inf)"),
+                           (["--lr", "nan"], "--lr must be a finite number more than 0 (got nan)")):
         args = ["distill", "-p", str(profile), "--out", str(tmp_path / "a.safetensors"), *extra]
         result = CliRunner().invoke(app, args)
-        assert result.exit_code == code and message in result.stderr, result.stderr
+        assert result.exit_code == 2 and message in result.stderr, result.stderr
+        assert result.stderr.strip().splitlines()[-1].startswith("rsd: error: ") and "Traceback" not in result.stderr
+        assert not (tmp_path / "a.safetensors").exists()
     result = CliRunner().invoke(app, ["distill", "-p", str(profile), "--out", str(tmp_path / "a.bin")])
     assert result.exit_code == 2 and ".safetensors" in result.stderr
 
