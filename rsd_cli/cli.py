@@ -608,21 +608,21 @@ def tokenize(
     prof = _load_profile(profile, {})
     tokenizer, eos = Loader().tokenizer(prof)
     eos |= set(prof["sampling"]["stop_tokens"])  # (what ends an answer with this profile)
-    from .prompting import counted, encode_prompt
+    from .prompting import counted, encode_prompt, token_bytes, token_text_shown
 
     ids = encode_prompt(tokenizer, text, system) if chat else tokenizer.encode(text, add_special_tokens=False)
 
-    def entry(token: int) -> dict:
-        return {"id": token, "text": tokenizer.decode([token])}
+    def entry(token: int) -> dict:  # (bytes: exact where the text holds part of a character, U+FFFD)
+        return {"id": token, "text": tokenizer.decode([token]), "bytes": list(token_bytes(tokenizer, token))}
 
     ends = [entry(token) for token in sorted(eos)]
     if as_json:
         typer.echo(json.dumps({"tokens": [entry(token) for token in ids], "count": len(ids),
                                "end_of_sequence": ends}, ensure_ascii=False))
         return
-    for token in ids:  # (the text JSON-quoted: spaces and line breaks stay visible)
-        typer.echo(f"{token}\t{json.dumps(tokenizer.decode([token]), ensure_ascii=False)}")
-    listed = ", ".join(f"{e['id']} {json.dumps(e['text'], ensure_ascii=False)}" for e in ends) or "none"
+    for token in ids:  # (the text JSON-quoted: spaces and line breaks stay visible; part of a character: \xNN)
+        typer.echo(f"{token}\t{token_text_shown(tokenizer, token)}")
+    listed = ", ".join(f"{e['id']} {token_text_shown(tokenizer, e['id'])}" for e in ends) or "none"
     sys.stderr.write(f"{counted(len(ids), 'token')} · the answer ends at: {listed}\n")
 
 

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from .engine import Stats, StepEvent, fresh_seed
-from .prompting import IncrementalDecoder, counted, encode_prompt
+from .prompting import IncrementalDecoder, counted, encode_prompt, token_bytes
 from .render import live_view, print_table, steps_table, summary_line
 from .runtime import make_decoder, seed_of
 from .threads import FORWARDS
@@ -137,7 +137,8 @@ def token_logprobs(event: StepEvent, top: int, tokenizer) -> list[dict]:
     drawn from, and the `top` most likely tokens there (those of probability 0 left out)."""
     def entry(token: int, p) -> dict:
         prob = float(p[token])
-        return {"token": token, "text": tokenizer.decode([token]), "logprob": math.log(prob) if prob > 0 else None}
+        return {"token": token, "text": tokenizer.decode([token]), "bytes": list(token_bytes(tokenizer, token)),
+                "logprob": math.log(prob) if prob > 0 else None}
 
     records = []
     for token, node in zip(event.emitted, event.token_sources()):

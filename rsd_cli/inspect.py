@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .engine import StepEvent
-from .prompting import counted
+from .prompting import counted, token_bytes
 from .render import MARKERS, STYLES, ItemsLine, draw_order, node_probs, token_label, tree_view
 
 
@@ -26,12 +26,18 @@ def optimal_root_acceptance(p: torch.Tensor, q: torch.Tensor, k: int, iid: bool)
     return float(1 + min(0.0, float(gaps.min())))
 
 
+def token_fields(tokenizer, token: int) -> dict:
+    """A token's text and bytes (exact where the text holds part of a character); None without a tokenizer."""
+    return {"text": tokenizer.decode([token]) if tokenizer else None,
+            "bytes": list(token_bytes(tokenizer, token)) if tokenizer else None}
+
+
 def step_record(event: StepEvent, tokenizer) -> dict:
     """Everything about a step, JSON-ready."""
     nodes = []
     for node in range(len(event.tree)):
         entry = {"id": node, "token": event.tree.tokens[node],
-                 "text": tokenizer.decode([event.tree.tokens[node]]) if tokenizer else None,
+                 **token_fields(tokenizer, event.tree.tokens[node]),
                  "parent": event.tree.parents[node], "depth": event.tree.depths[node],
                  "status": event.status(node)}
         if node:
@@ -48,8 +54,8 @@ def step_record(event: StepEvent, tokenizer) -> dict:
             residual = check.plan.residuals[k]
             top = torch.topk(residual, min(5, residual.numel()))
             rejected.append({"node": check.draws[k], "accept_probability": accept[k],
-                             "residual_top": [{"token": int(t), "text": tokenizer.decode([int(t)]) if tokenizer else None,
-                                               "probability": float(v)} for v, t in zip(top.values, top.indices)]})
+                             "residual_top": [{"token": int(t), **token_fields(tokenizer, int(t)), "probability": float(v)}
+                                              for v, t in zip(top.values, top.indices)]})
         checks.append({"node": check.node, "tried": check.decision.tried, "accepted": check.decision.accepted,
                        "accept_probabilities": accept[: check.decision.tried], "rejections": rejected})
     root_draws = event.tree.draws[0]
@@ -65,7 +71,7 @@ def step_record(event: StepEvent, tokenizer) -> dict:
         accept_here = 1 - reject_all
     return {"step": event.step, "shape": event.shape.describe(), "nodes": nodes, "checks": checks,
             "path": event.path, "extra": {"kind": event.extra_kind, "token": event.extra_token,
-                                          "text": tokenizer.decode([event.extra_token]) if tokenizer else None},
+                                          **token_fields(tokenizer, event.extra_token)},
             "emitted": event.emitted, "root_acceptance_this_tree": accept_here,
             "root_acceptance_optimal_transport_bound": bound}
 

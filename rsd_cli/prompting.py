@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -151,3 +153,66 @@ class IncrementalDecoder:
         text = self._decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
         return text[len(prefix) :]
+
+
+def token_bytes(tokenizer, token: int) -> bytes:
+    """The bytes a token stands for: its text's UTF-8, or, where it holds part of a character (its
+    text alone decodes to U+FFFD: an emoji's first bytes), the bytes of its piece: a byte-fallback
+    piece's (`<0xF0>`) or a byte-level BPE's (GPT-2's alphabet of 256 characters, Llama 3's, SmolLM's)."""
+    text = tokenizer.decode([token])
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    piece = _piece(tokenizer, token)
+    if isinstance(piece, str) and piece:
+        if found := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
+            return bytes([int(found.group(1), 16)])
+        table = _byte_of_character()
+        if all(character in table for character in piece):
+            return bytes(table[character] for character in piece)
+    return text.encode("utf-8")
+
+
+def _piece(tokenizer, token: int) -> str | None:
+    """The token's piece in the vocabulary (`tokenizers`' id_to_token; a slow tokenizer's own)."""
+    for backend in (getattr(tokenizer, "backend_tokenizer", None), getattr(tokenizer, "backend", None)):
+        if hasattr(backend, "id_to_token"):
+            return backend.id_to_token(token)
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    return convert(token) if convert is not None else None
+
+
+@functools.cache
+def _byte_of_character() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's bytes_to_unicode): each byte as a printable character."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+def quoted_bytes(data: bytes, style: str = "json") -> str:
+    """Bytes as a quoted literal, UTF-8 shown as text and a byte that is part of no whole character as
+    \\xNN: `" \\xf0\\x9f"` (style "json": as json.dumps quotes text) or `' \\xf0\\x9f'` ("repr")."""
+    parts = re.split("([\udc80-\udcff]+)", data.decode("utf-8", errors="surrogateescape"))
+    body = "".join(_escaped_bytes(part) if index % 2 else _quoted_body(part, style) for index, part in enumerate(parts))
+    quote = '"' if style == "json" else "'"
+    return f"{quote}{body}{quote}"
+
+
+def _escaped_bytes(part: str) -> str:
+    return "".join(f"\\x{ord(character) - 0xDC00:02x}" for character in part)
+
+
+def _quoted_body(text: str, style: str) -> str:
+    if style == "json":
+        return json.dumps(text, ensure_ascii=False)[1:-1]
+    shown = repr(text)  # (single-quoted, unless the text holds a ' and no ")
+    return shown[1:-1] if shown[0] == "'" else shown[1:-1].replace("'", "\\'")
+
+
+def token_text_shown(tokenizer, token: int, style: str = "json") -> str:
+    """A token's text quoted for a reader (json.dumps' quoting, or repr's), its partial character's
+    bytes as \\xNN (token_bytes) rather than U+FFFD."""
+    text = tokenizer.decode([token])
+    if "\ufffd" in text:
+        return quoted_bytes(token_bytes(tokenizer, token), style)
+    return json.dumps(text, ensure_ascii=False) if style == "json" else repr(text)

@@ -46,9 +46,13 @@ def fewer_threads(stats: Stats) -> str:
 
 
 def token_label(tokenizer, token: int, width: int = 16) -> str:
-    """A token as a short readable literal: whitespace visible, never wider than `width`."""
+    """A token as a short readable literal: whitespace visible, part of a character as \\xNN bytes
+    (prompting.token_text_shown), never wider than `width`."""
+    from .prompting import token_text_shown
+
     text = tokenizer.decode([token]) if tokenizer is not None else str(token)
-    shown = repr(text) if text else f"<{token}>"
+    shown = (token_text_shown(tokenizer, token, "repr") if tokenizer is not None else repr(text)) if text \
+        else f"<{token}>"
     return shown if len(shown) <= width else shown[: width - 1] + "…"
 
 

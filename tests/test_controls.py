@@ -223,6 +223,7 @@ def test_logprobs_are_those_of_a_fresh_target_forward(tiny_profile, tiny_pair_di
         expected = torch.log_softmax(logits / 0.8, -1)
         assert entry["logprob"] == pytest.approx(float(expected[entry["token"]]), abs=1e-4)
         assert [t["token"] for t in entry["top"]] == expected.topk(3).indices.tolist()
+        assert all(t["bytes"] == list(t["text"].encode()) for t in [entry, *entry["top"]])  # (whole characters)
         assert [t["logprob"] for t in entry["top"]] == pytest.approx(expected.topk(3).values.tolist(), abs=1e-4)
         ids.append(entry["token"])
     result = CliRunner().invoke(app, ["generate", "hello", "-p", str(tiny_profile), "--logprobs", "2"])

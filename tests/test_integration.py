@@ -96,6 +96,9 @@ def test_the_answer_ends_where_rsd_tokenize_says_and_ignore_eos_runs_to_the_leng
     record = json.loads(result.stdout)
     assert {e["id"] for e in record["end_of_sequence"]} == pair.eos_ids
     assert [t["text"] for t in record["tokens"]] == [" Paris"]
+    waved = json.loads(CliRunner().invoke(app, ["tokenize", "hi 👋 東京", "--json"]).stdout)["tokens"]
+    assert any("\ufffd" in t["text"] for t in waved)  # (the emoji's and kanji's pieces: part of a character)
+    assert b"".join(bytes(t["bytes"]) for t in waved) == "hi 👋 東京".encode()
 
     def answer(*extra):
         result = CliRunner().invoke(app, ["generate", "Say hi in two words.", "-n", "24", "-t", "0", "--json",

@@ -119,3 +119,81 @@ def test_the_embedded_model_s_tokenizer_reads_as_transformers_reads_it():
     light = LightTokenizer.load(Path(location))
     assert light is not None
     assert_same(light, transformers_tokenizer(Path(location)))
+
+
+def byte_tokenizer(kind: str):
+    """A small tokenizer whose pieces can hold part of a character: "byte-level" (a BPE over GPT-2's
+    byte alphabet, as SmolLM's and Llama 3's) or "byte-fallback" (a BPE that spells what its vocabulary
+    lacks as <0xNN> pieces, as Llama 2's and Mistral's); transformers' generic fast tokenizer over it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["hello world, café", "the wave and a smile", "naïve"] * 3  # (emoji and kanji: byte by byte)
+    if kind == "byte-level":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"],
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    else:
+        vocab = {"</s>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+        vocab |= {c: len(vocab) + i for i, c in enumerate(sorted(set("".join(corpus))))}
+        tok = Tokenizer(models.BPE(vocab, [], byte_fallback=True))
+        tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "byte-fallback"])
+def test_a_token_that_holds_part_of_a_character_has_its_own_bytes(kind, tmp_path):
+    """`rsd tokenize "👋"` listed the embedded tokenizer's pieces as "�" three times (and --json, --logprobs
+    and inspect-tree said the same): a token's text alone cannot hold part of a character. Its bytes
+    can: the tokens' bytes, one after another, are the text's UTF-8, with transformers' tokenizer and
+    the light one alike, and a reader sees them as \\xNN."""
+    from rsd_cli.prompting import token_bytes, token_text_shown
+    from rsd_cli.render import token_label
+
+    reference = byte_tokenizer(kind)
+    reference.save_pretrained(tmp_path)
+    light = LightTokenizer.load(tmp_path)
+    assert light is not None
+    for tokenizer in (reference, light):
+        for text in ("hello 👋 world", "café 東京 🙂", "naïve"):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            assert any("\ufffd" in tokenizer.decode([token]) for token in ids) or text == "naïve"
+            assert b"".join(token_bytes(tokenizer, token) for token in ids) == text.encode("utf-8"), (kind, text)
+        ids = tokenizer.encode("👋", add_special_tokens=False)
+        shown = "".join(token_text_shown(tokenizer, token)[1:-1] for token in ids)
+        assert shown == "\\xf0\\x9f\\x91\\x8b", shown
+        assert "".join(token_label(tokenizer, token)[1:-1] for token in ids) == "\\xf0\\x9f\\x91\\x8b"
+        whole = tokenizer.encode("h", add_special_tokens=False)[0]  # (a whole character: as before)
+        assert token_text_shown(tokenizer, whole) == '"h"' and token_label(tokenizer, whole) == "'h'"
+
+
+def test_bytes_are_quoted_as_text_with_each_stray_byte_escaped():
+    from rsd_cli.prompting import quoted_bytes
+
+    assert quoted_bytes(b" \xf0\x9f") == '" \\xf0\\x9f"'
+    assert quoted_bytes(b'"\n\xf0') == '"\\"\\n\\xf0"'  # (json.dumps' quoting of the text around the byte)
+    assert quoted_bytes(b"it's \xe6\x9d", "repr") == "'it\\'s \\xe6\\x9d'"  # (repr's, the quote escaped)
+    assert quoted_bytes("é\\".encode() + b"\x80", "repr") == "'é\\\\\\x80'"
+
+
+def test_rsd_tokenize_shows_and_gives_the_bytes_of_a_partial_character(tiny_pair_dir, tmp_path):
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from rsd_cli.cli import app
+
+    folder = tmp_path / "model"
+    byte_tokenizer("byte-level").save_pretrained(folder)
+    shutil.copy(tiny_pair_dir / "target" / "config.json", folder)  # (tokenize reads the tokenizer alone)
+    profile = tmp_path / "bytes.toml"
+    profile.write_text(f'[target]\nsource = "{folder}"\n')
+    shown = CliRunner().invoke(app, ["tokenize", "a 👋", "-p", str(profile)])
+    assert shown.exit_code == 0, shown.stderr
+    assert [line.split("\t")[1] for line in shown.stdout.splitlines()] == \
+        ['"a"', '" "', '"\\xf0"', '"\\x9f"', '"\\x91"', '"\\x8b"'], shown.stdout  # ("�" four times before)
+    listed = json.loads(CliRunner().invoke(app, ["tokenize", "a 👋", "-p", str(profile), "--json"]).stdout)
+    assert [entry["bytes"] for entry in listed["tokens"]] == [[97], [32], [240], [159], [145], [139]]
+    assert listed["tokens"][2]["text"] == "\ufffd"  # (the text as the tokenizer decodes it, unchanged)

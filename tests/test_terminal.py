@@ -385,6 +385,9 @@ def test_inspect_tree_text_json_and_svg(tiny_profile, tmp_path):
     for check in record["checks"]:
         for rejection in check["rejections"]:
             assert abs(sum(r["probability"] for r in rejection["residual_top"])) <= 1 + 1e-6
+            assert all(r["bytes"] == list(r["text"].encode()) for r in rejection["residual_top"])
+    assert all(n["bytes"] == list(n["text"].encode()) for n in record["nodes"] + [record["extra"]])  # (whole
+    # characters, the tiny tokenizer's: their text's UTF-8)
 
     svg = tmp_path / "step.svg"
     result = invoke("inspect-tree", "hello", "-p", tiny_profile, "-f", "svg", "-o", svg, input="")
