@@ -163,12 +163,16 @@ def token_bytes(tokenizer, token: int) -> bytes:
     if "\ufffd" not in text:
         return text.encode("utf-8")
     piece = _piece(tokenizer, token)
+    candidate = None
     if isinstance(piece, str) and piece:
-        if found := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
-            return bytes([int(found.group(1), 16)])
         table = _byte_of_character()
-        if all(character in table for character in piece):
-            return bytes(table[character] for character in piece)
+        if found := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
+            candidate = bytes([int(found.group(1), 16)])
+        elif all(character in table for character in piece):
+            candidate = bytes(table[character] for character in piece)
+    # (bytes the tokenizer's own text is, where each partial character reads U+FFFD; else its text's UTF-8)
+    if candidate is not None and candidate.decode("utf-8", errors="replace") == text:
+        return candidate
     return text.encode("utf-8")
 
 
