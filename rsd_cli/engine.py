@@ -1044,7 +1044,7 @@ class Decoder:
             return SamplingParams(logit_bias=self.sampling.logit_bias, min_tokens=self.sampling.min_tokens)
         return self.sampling
 
-    def _check_prompt(self, prompt: list[int]) -> None:
+    def check_prompt(self, prompt: list[int]) -> None:
         if not prompt:
             raise RsdError("the prompt is empty")
         if self.context_length and len(prompt) >= self.context_length:
@@ -1102,7 +1102,7 @@ class Decoder:
             self.sampling, self.shape = sampling, shape
 
     def _generate(self, prompt: list[int], max_tokens: int, seed: int | None) -> Iterator[StepEvent]:
-        self._check_prompt(prompt)
+        self.check_prompt(prompt)
         self.check_shape()
         self.answer_from = len(prompt)  # (the presence and frequency penalties count the answer's tokens)
         self.prepare()  # (before this generation's caches hold a static-shape runtime's shared buffers)
@@ -1164,7 +1164,7 @@ class Decoder:
     def _generate_together(self, prompts: list[list[int]], max_tokens: int, seeds: list[int],
                            ended: set[int]) -> Iterator[list[StepEvent | None]]:
         for prompt in prompts:
-            self._check_prompt(prompt)
+            self.check_prompt(prompt)
             if self.crosses_long_factors(prompt, max_tokens):
                 raise RsdError(f"completions decoded together cannot go past position {self.long_from}, where the "
                                "target's `longrope` factors change: decode them one after the other")

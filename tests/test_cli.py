@@ -545,6 +545,17 @@ def test_bad_prompts_files_are_clear_errors(cli, tiny_profile, tmp_path):
     assert result.stderr == f"rsd: error: cannot read prompts from {latin1}: not UTF-8 text (invalid continuation byte at byte 3)\n"
 
 
+@pytest.mark.parametrize("variant", ["rsd-c", "ar"])  # (one after the other, and decoded together)
+def test_a_prompt_past_the_context_in_a_prompts_file_is_refused_before_any_answer(cli, tiny_profile, tmp_path, variant):
+    """The second prompt of three past the tiny target's context of 256 tokens stopped the run after the
+    first answer, the third never given; the file is now checked whole before the first answer."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n" + "ab" * 300 + "\nworld\n")
+    result = cli("generate", "--prompts", prompts, "-p", tiny_profile, "-n", "3", "-v", variant, "--json", input="")
+    assert result.exit_code == 1 and result.stdout == "", result.stdout
+    assert result.stderr == "rsd: error: prompt 2 of 3: the prompt has 605 tokens but the model's context holds 256\n"
+
+
 def test_ctrl_c_during_samples_decoded_together_reports_each_one_so_far(cli, tiny_profile, monkeypatch):
     from rsd_cli import engine
 
