@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from .drafting import LOOKUP_NGRAM, Shape, make_shape, shape_for_budget
 from .engine import Stats
-from .errors import UsageError
+from .errors import RsdError, UsageError
 from .generation import complete, stop_text_of
 from .prompting import encode_prompt
 
@@ -157,7 +157,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     peers asked for. A job the pair takes on one runtime and not on another (a tree of an ALiBi model on
     transformers' forward: engine.pair_limit) runs where it is taken; where not, it has a row with the
     refusal as its error (`refused_rows`), or none."""
-    from .engine import Decoder, Runtimes, pair_limit
+    from .engine import Decoder, Runtimes, check_prompt, pair_limit
     from .models import input_device
     from .runtime import ends_of, sampling_of
 
@@ -181,6 +181,11 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     per_prompt: dict[tuple, dict[tuple, float]] = {}  # a job's or a peer's key -> (repeat, prompt) -> tokens/s
     peer_errors: dict[str, str] = {}  # a peer failing must not cost the other rows
     encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]
+    for index, ids in enumerate(encoded):  # (every prompt the models read, before anything is measured)
+        try:
+            check_prompt(ids, pair.context_length, pair.vocab_size)
+        except RsdError as e:
+            raise RsdError(f"prompt {index + 1} of {len(encoded)}: {e}") from None
     base = sampling_of(profile)  # (every row at its own temperature)
     stops = profile["sampling"]["stop"]  # completions end at them, as in generate (peers ignore them)
     min_tokens = base.min_tokens  # (peers too: no end-of-sequence token before it)

@@ -947,6 +947,18 @@ class QueuedStep:
     queue_seconds: float
 
 
+def check_prompt(prompt: list[int], context_length: int | None, vocab_size: int) -> None:
+    """A prompt the models can read (else RsdError): not empty, shorter than the context, every id in
+    the vocabulary (a tokenizer that does not fit the models: no forward could read it)."""
+    if not prompt:
+        raise RsdError("the prompt is empty")
+    if context_length and len(prompt) >= context_length:
+        raise RsdError(f"the prompt has {len(prompt)} tokens but the model's context holds {context_length}")
+    if max(prompt) >= vocab_size:
+        raise RsdError(f"the prompt holds token id {max(prompt)} but the models' vocabulary has "
+                       f"{vocab_size} tokens: the tokenizer does not fit them")
+
+
 class Decoder:
     """Runs one variant on a target / draft pair. Models are loaded once; caches per call, unless
     `keep_caches` is set: then a generation leaves its caches in `kept`, and a later generation
@@ -1045,13 +1057,7 @@ class Decoder:
         return self.sampling
 
     def check_prompt(self, prompt: list[int]) -> None:
-        if not prompt:
-            raise RsdError("the prompt is empty")
-        if self.context_length and len(prompt) >= self.context_length:
-            raise RsdError(f"the prompt has {len(prompt)} tokens but the model's context holds {self.context_length}")
-        if max(prompt) >= self.vocab_size:  # (a tokenizer that does not fit the models: no forward could read it)
-            raise RsdError(f"the prompt holds token id {max(prompt)} but the models' vocabulary has "
-                           f"{self.vocab_size} tokens: the tokenizer does not fit them")
+        check_prompt(prompt, self.context_length, self.vocab_size)
 
     def _threads_for(self, events: Iterator, drafts: bool) -> Iterator:
         """events, their steps' maths on one thread where every forward runs on the CPU, on threads the

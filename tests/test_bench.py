@@ -434,3 +434,20 @@ def test_a_row_that_drafted_nothing_shows_no_acceptance_nor_draft_time():
     ar, sd = (dict(zip(header, line)) for line in cells)
     assert (ar["accept"], ar["draft s"], ar["verify s"]) == ("-", "-", "0.00")
     assert (sd["accept"], sd["draft s"]) == ("0.00", "0.00")
+
+
+def test_a_prompt_past_the_context_is_refused_naming_it_before_anything_is_measured(tiny_profile, tmp_path,
+                                                                                    monkeypatch):
+    """bench failed on a --prompts file's prompt past the target's context when it came to it, with the
+    error of generate's one prompt ("the prompt has 605 tokens…"), not saying which of the file's."""
+    from rsd_cli import generation
+
+    answered = []
+    real = generation.complete
+    monkeypatch.setattr("rsd_cli.bench.complete", lambda *args, **kwargs: answered.append(1) or real(*args, **kwargs))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n" + "ab" * 300 + "\nworld\n")
+    result = CliRunner().invoke(app, ["bench", "-p", str(tiny_profile), "--prompts", str(prompts), "--limit", "3",
+                                      "--variants", "ar,sd", "-n", "3", "--no-assisted", "--no-hf-static"])
+    assert result.exit_code == 1 and not answered, result.stderr
+    assert result.stderr == "rsd: error: prompt 2 of 3: the prompt has 605 tokens but the model's context holds 256\n"
