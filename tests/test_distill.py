@@ -158,6 +158,22 @@ def test_bad_distill_arguments_are_one_line_errors(target_profile, tmp_path):
     assert result.exit_code == 2 and ".safetensors" in result.stderr
 
 
+def test_a_training_prompt_past_the_context_is_refused_before_any_answer_is_sampled(target_profile, tmp_path,
+                                                                                   monkeypatch):
+    """Training prompts are drawn in random batches: one past the target's context (the tiny one's 256
+    tokens) failed the run wherever its batch came, without saying which prompt."""
+    from rsd_cli import distill_command
+
+    sampled = []
+    monkeypatch.setattr(distill_command, "sample_answers", lambda *args, **kwargs: sampled.append(1) or [])
+    profile, prompts = target_profile
+    prompts.write_text(prompts.read_text() + "ab" * 300 + "\n")
+    result = _distill(profile, tmp_path / "a.safetensors", "--prompts", str(prompts))
+    assert result.exit_code == 1 and not sampled, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == ("rsd: error: --prompts: prompt 4 of 4: the prompt has 605 tokens "
+                                                      "but the model's context holds 256")
+
+
 def test_cosine_schedule_warms_up_then_decays_to_zero():
     factors = [learning_rate_factor("cosine", step, 100) for step in range(100)]
     assert factors[0] == pytest.approx(0.2) and factors[4] == pytest.approx(1.0)
