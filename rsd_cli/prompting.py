@@ -116,9 +116,28 @@ def encode_prompt(tokenizer, prompt: str, system: str | None = None, raw: bool =
         else:
             text = (system + "\n\n" + prompt) if system else prompt
         return tokenizer.encode(text, add_special_tokens=True)
-    text = tokenizer.apply_chat_template(messages_for(prompt, system, history), add_generation_prompt=True,
-                                         tokenize=False)
+    try:
+        text = tokenizer.apply_chat_template(messages_for(prompt, system, history), add_generation_prompt=True,
+                                             tokenize=False)
+    except Exception as error:  # noqa: BLE001 - the template's own refusal (raise_exception) is jinja2's error
+        refusal = template_refusal(error, system)
+        if refusal is None:
+            raise
+        raise refusal from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def template_refusal(error: Exception, system: str | None) -> RsdError | None:
+    """An error of the chat template (jinja2's TemplateError: Gemma's "System role not supported",
+    roles that must alternate) as a one-line RsdError, which a chat survives; None for any other."""
+    try:
+        from jinja2.exceptions import TemplateError
+    except ImportError:
+        return None
+    if not isinstance(error, TemplateError):
+        return None
+    why = f"the model's chat template refuses this prompt: {str(error).strip() or type(error).__name__}"
+    return RsdError(f"{why} (a system prompt was given, which some templates take none of)" if system else why)
 
 
 class IncrementalDecoder:

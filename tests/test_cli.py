@@ -545,6 +545,30 @@ def test_bad_prompts_files_are_clear_errors(cli, tiny_profile, tmp_path):
     assert result.stderr == f"rsd: error: cannot read prompts from {latin1}: not UTF-8 text (invalid continuation byte at byte 3)\n"
 
 
+def test_a_chat_template_that_refuses_the_prompt_is_a_one_line_error_a_chat_survives(cli, tiny_pair_dir, tmp_path):
+    """A template's own refusal (Gemma's "System role not supported", raised by raise_exception in it) ended
+    `rsd generate -s` with "TemplateError: …" and the whole chat session at its first message."""
+    import shutil
+
+    folder = tmp_path / "target"
+    shutil.copytree(tiny_pair_dir / "target", folder)
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}a:{% endif %}")
+    profile = tmp_path / "gemma-like.toml"
+    profile.write_text(f'[target]\nsource = "{folder}"\n[draft]\nkind = "early-exit"\nlayers = 1\n'
+                       '[sampling]\nmax_tokens = 3\n')
+    said = ("rsd: error: the model's chat template refuses this prompt: System role not supported (a system prompt "
+            "was given, which some templates take none of)\n")
+    result = cli("generate", "hi", "-p", profile, "-s", "be brief", input="")
+    assert result.exit_code == 1 and result.stderr == said and result.stdout == "", result.stderr
+    assert cli("generate", "hi", "-p", profile, input="").exit_code == 0  # (no system prompt: taken)
+    session = cli("chat", "-p", profile, "-s", "be brief", input="hello\n/system\nhello\n")
+    assert session.exit_code == 0, session.stderr
+    assert "error: the model's chat template refuses this prompt: System role not supported" in session.stderr
+    assert "system prompt cleared" in session.stderr and session.stdout.strip(), (session.stdout, session.stderr)
+
+
 @pytest.mark.parametrize("variant", ["rsd-c", "ar"])  # (one after the other, and decoded together)
 def test_a_prompt_past_the_context_in_a_prompts_file_is_refused_before_any_answer(cli, tiny_profile, tmp_path, variant):
     """The second prompt of three past the tiny target's context of 256 tokens stopped the run after the
