@@ -472,7 +472,7 @@ def test_tokenize_gives_the_ids_a_logit_bias_takes_and_the_prompts_length(tiny_p
     record = json.loads(chat.stdout)
     answer = sampled(tiny_profile, "--ignore-eos")
     assert record["count"] == len(record["tokens"]) == answer["prompt_tokens"]
-    assert record["end_of_sequence"] == [{"id": t, "text": "</s>"} for t in sorted(pair.eos_ids)]
+    assert record["end_of_sequence"] == [{"id": t, "text": "</s>", "bytes": list(b"</s>")} for t in sorted(pair.eos_ids)]
     assert "o" in answer["text"] and "o" not in sampled(tiny_profile, "--ignore-eos", "--logit-bias", f"{o}=-inf")["text"]
     refused = CliRunner().invoke(app, ["tokenize", "x", "-p", str(tiny_profile), "-s", "be brief"])
     assert refused.exit_code == 2 and "--system applies with --chat" in refused.stderr
