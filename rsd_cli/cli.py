@@ -770,7 +770,15 @@ def bench(
     if as_json:
         from .small_batch import installed, signature
 
-        typer.echo(json.dumps({"results": rows, "memory": memory,
+        from . import __version__
+
+        # (what the run was, so that a saved report says how to run it again)
+        settings = {"rsd": __version__, "argv": sys.argv[1:], "profile": prof.name, "variants": names,
+                    "temperatures": temps, "budgets": budget_list, "depths": depth_list, "width": width,
+                    "prompts": str(prompts) if prompts else "built-in held-out set", "prompt_count": len(prompt_list),
+                    "repeats": repeats, "max_tokens": max_tokens, "seed": seed, "ignore_eos": ignore_eos,
+                    "compile": compiles}
+        typer.echo(json.dumps({"results": rows, "settings": settings, "memory": memory,
                                "small_batch_layers": installed(pair.target, pair.draft),
                                "cpu_kernels": signature(pair.target, pair.draft)}, indent=2))
     elif as_csv:

@@ -23,6 +23,10 @@ def test_bench_runs_end_to_end_with_every_field_and_a_plot(tiny_profile, tmp_pat
     assert report["memory"]["model_peak_over_weights"] < report["memory"]["peak_over_weights"]
     assert report["small_batch_layers"] == 30  # (3 + 1) layers x (q, k, v, o, gate, up, down) + 2 heads
     assert "packed/packed" in report["cpu_kernels"]  # which kernels computed these results
+    settings = report["settings"]  # (what the run was: a saved report says how to run it again)
+    assert (settings["budgets"], settings["temperatures"], settings["prompt_count"], settings["max_tokens"]) == \
+        ([3, 6], [1.0, 0.0], 1, 6)
+    assert settings["prompts"] == "built-in held-out set" and settings["profile"] == "tiny"
     variants = {r["variant"] for r in rows}
     assert variants == {"ar", "sd", "mss", "spectr", "rsd-c", "rsd-s", "lookup", "auto", "hf-assisted", "hf-static"}
     for row in rows:
