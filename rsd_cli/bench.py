@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from .drafting import LOOKUP_NGRAM, Shape, make_shape, shape_for_budget
 from .engine import Stats
-from .errors import RsdError, UsageError
+from .errors import UsageError
 from .generation import complete, stop_text_of
 from .prompting import encode_prompt
 
@@ -130,11 +130,8 @@ def plan_jobs(profile, variants: list[str], temperatures: list[float], budgets: 
                 if flagged_width:
                     raise UsageError(f"--width: {wide}")
                 raise setting_error(profile, "decoding", "beam_width", f"{wide} (bench's --width at --depths)")
-            if context_length and shape.max_nodes > context_length:
-                what = (f"a budget of {setting.budget} nodes" if setting.budget is not None
-                        else f"{shape.describe()} drafts trees of up to {shape.max_nodes} nodes, which")
-                raise UsageError(f"{'--budgets' if setting.budget is not None else '--depths'}: "
-                                 f"{larger_than_the_context(what, context_length)}")
+            if large := larger_than_the_context(shape, context_length, setting.budget):
+                raise UsageError(f"{'--budgets' if setting.budget is not None else '--depths'}: {large}")
             jobs.append((variant, setting, shape))
     return jobs
 
@@ -157,7 +154,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     peers asked for. A job the pair takes on one runtime and not on another (a tree of an ALiBi model on
     transformers' forward: engine.pair_limit) runs where it is taken; where not, it has a row with the
     refusal as its error (`refused_rows`), or none."""
-    from .engine import Decoder, Runtimes, check_prompt, pair_limit
+    from .engine import Decoder, Runtimes, check_prompts, pair_limit
     from .models import input_device
     from .runtime import ends_of, sampling_of
 
@@ -181,11 +178,7 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
     per_prompt: dict[tuple, dict[tuple, float]] = {}  # a job's or a peer's key -> (repeat, prompt) -> tokens/s
     peer_errors: dict[str, str] = {}  # a peer failing must not cost the other rows
     encoded = [encode_prompt(pair.tokenizer, p) for p in prompts]
-    for index, ids in enumerate(encoded):  # (every prompt the models read, before anything is measured)
-        try:
-            check_prompt(ids, pair.context_length, pair.vocab_size)
-        except RsdError as e:
-            raise RsdError(f"prompt {index + 1} of {len(encoded)}: {e}") from None
+    check_prompts(encoded, pair.context_length, pair.vocab_size)  # (before anything is measured)
     base = sampling_of(profile)  # (every row at its own temperature)
     stops = profile["sampling"]["stop"]  # completions end at them, as in generate (peers ignore them)
     min_tokens = base.min_tokens  # (peers too: no end-of-sequence token before it)

@@ -613,7 +613,8 @@ def tokenize(
     ids = encode_prompt(tokenizer, text, system) if chat else tokenizer.encode(text, add_special_tokens=False)
 
     def entry(token: int) -> dict:  # (bytes: exact where the text holds part of a character, U+FFFD)
-        return {"id": token, "text": tokenizer.decode([token]), "bytes": list(token_bytes(tokenizer, token))}
+        text = tokenizer.decode([token])
+        return {"id": token, "text": text, "bytes": list(token_bytes(tokenizer, token, text))}
 
     ends = [entry(token) for token in sorted(eos)]
     if as_json:
@@ -622,7 +623,7 @@ def tokenize(
         return
     for token in ids:  # (the text JSON-quoted: spaces and line breaks stay visible; part of a character: \xNN)
         typer.echo(f"{token}\t{token_text_shown(tokenizer, token)}")
-    listed = ", ".join(f"{e['id']} {token_text_shown(tokenizer, e['id'])}" for e in ends) or "none"
+    listed = ", ".join(f"{e['id']} {token_text_shown(tokenizer, e['id'], text=e['text'])}" for e in ends) or "none"
     sys.stderr.write(f"{counted(len(ids), 'token')} · the answer ends at: {listed}\n")
 
 

@@ -7,6 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .distill import Recipe, sample_answers, sampler, teacher_labels, train
+from .engine import check_prompts
 from .errors import RsdError, UsageError
 from .models import (cache_dir, check_early_exit, describe_layers, exact_fingerprint, layers_per_device, load_model,
                      save_adapter, target_placement, text_config)
@@ -40,20 +41,6 @@ def _sampler(target, tokenizer, setting: str, console):
     where = f"rsd's runtime ({runtime_name(runtime)})" if decoder is not None else "transformers' generate"
     console.print(f"sampling the target's answers on {where}")
     return decoder
-
-
-def check_prompts(prompts: list[str], tokenizer, target, source: str) -> None:
-    """Every training prompt one the target can read (engine.check_prompt), before any is sampled: they
-    are drawn in random batches, so one past the context failed the run at a random point of its sampling
-    (minutes in, on the embedded pair)."""
-    from .engine import check_prompt
-
-    context = getattr(text_config(target.config), "max_position_embeddings", None)
-    for index, prompt in enumerate(prompts):
-        try:
-            check_prompt(encode_prompt(tokenizer, prompt), context, target.config.vocab_size)
-        except RsdError as e:
-            raise RsdError(f"{source}: prompt {index + 1} of {len(prompts)}: {e}") from None
 
 
 def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: int, epochs: int, lr: float,
@@ -91,7 +78,10 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
     if vocab >= target.config.vocab_size:
         raise UsageError(f"--vocab {vocab}: a reduced draft head has fewer rows than the target's vocabulary "
                          f"({target.config.vocab_size} tokens; --vocab 0 takes all of it)")
-    check_prompts(prompts, tokenizer, target, "--prompts" if prompts_file else "the built-in training prompts")
+    # (training prompts are drawn in random batches: one past the context failed the run wherever its batch came)
+    check_prompts([encode_prompt(tokenizer, prompt) for prompt in prompts],
+                  getattr(text_config(target.config), "max_position_embeddings", None), target.config.vocab_size,
+                  "--prompts" if prompts_file else "the built-in training prompts")
 
     with Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not console.is_terminal) as bars:

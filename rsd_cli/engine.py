@@ -959,6 +959,16 @@ def check_prompt(prompt: list[int], context_length: int | None, vocab_size: int)
                        f"{vocab_size} tokens: the tokenizer does not fit them")
 
 
+def check_prompts(prompts: list[list[int]], context_length: int | None, vocab_size: int, source: str = "") -> None:
+    """Every prompt of a list (--prompts, bench's, distill's) one the models can read, before any is
+    answered (else RsdError naming which: "prompt 2 of 3: …", after `source` where given)."""
+    for index, prompt in enumerate(prompts):
+        try:
+            check_prompt(prompt, context_length, vocab_size)
+        except RsdError as e:
+            raise RsdError(f"{source}{': ' if source else ''}prompt {index + 1} of {len(prompts)}: {e}") from None
+
+
 class Decoder:
     """Runs one variant on a target / draft pair. Models are loaded once; caches per call, unless
     `keep_caches` is set: then a generation leaves its caches in `kept`, and a later generation

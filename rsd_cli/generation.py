@@ -14,8 +14,7 @@ from typing import Callable
 
 import torch
 
-from .engine import Stats, StepEvent, fresh_seed
-from .errors import RsdError
+from .engine import Stats, StepEvent, check_prompts, fresh_seed
 from .prompting import IncrementalDecoder, counted, encode_prompt, token_bytes
 from .render import live_view, print_table, steps_table, summary_line
 from .runtime import make_decoder, seed_of
@@ -138,7 +137,8 @@ def token_logprobs(event: StepEvent, top: int, tokenizer) -> list[dict]:
     drawn from, and the `top` most likely tokens there (those of probability 0 left out)."""
     def entry(token: int, p) -> dict:
         prob = float(p[token])
-        return {"token": token, "text": tokenizer.decode([token]), "bytes": list(token_bytes(tokenizer, token)),
+        text = tokenizer.decode([token])
+        return {"token": token, "text": text, "bytes": list(token_bytes(tokenizer, token, text)),
                 "logprob": math.log(prob) if prob > 0 else None}
 
     records = []
@@ -309,11 +309,8 @@ def run_generate(pair, profile, text: str | list[str], *, system=None, raw=False
     decoder = make_decoder(pair, profile)
     many = not isinstance(text, str)
     prompt_ids = [encode_prompt(pair.tokenizer, t, system=system, raw=raw) for t in (text if many else [text])]
-    for index, ids in enumerate(prompt_ids if many else []):  # (every prompt the models can read, before the first
-        try:  # answer: one past the context stopped the run there, the answers after it never given)
-            decoder.check_prompt(ids)
-        except RsdError as e:
-            raise RsdError(f"prompt {index + 1} of {len(prompt_ids)}: {e}") from None
+    if many:  # (every prompt before the first answer: one past the context stopped the run there, those after it
+        check_prompts(prompt_ids, decoder.context_length, decoder.vocab_size)  # never answered)
     base_seed = seed_of(profile)
     if base_seed is None:  # a fresh seed, drawn here so that --json can say which: --seed N reproduces the run
         base_seed = fresh_seed()

@@ -28,8 +28,10 @@ def optimal_root_acceptance(p: torch.Tensor, q: torch.Tensor, k: int, iid: bool)
 
 def token_fields(tokenizer, token: int) -> dict:
     """A token's text and bytes (exact where the text holds part of a character); None without a tokenizer."""
-    return {"text": tokenizer.decode([token]) if tokenizer else None,
-            "bytes": list(token_bytes(tokenizer, token)) if tokenizer else None}
+    if not tokenizer:
+        return {"text": None, "bytes": None}
+    text = tokenizer.decode([token])
+    return {"text": text, "bytes": list(token_bytes(tokenizer, token, text))}
 
 
 def step_record(event: StepEvent, tokenizer) -> dict:

@@ -174,11 +174,12 @@ class IncrementalDecoder:
         return text[len(prefix) :]
 
 
-def token_bytes(tokenizer, token: int) -> bytes:
+def token_bytes(tokenizer, token: int, text: str | None = None) -> bytes:
     """The bytes a token stands for: its text's UTF-8, or, where it holds part of a character (its
     text alone decodes to U+FFFD: an emoji's first bytes), the bytes of its piece: a byte-fallback
-    piece's (`<0xF0>`) or a byte-level BPE's (GPT-2's alphabet of 256 characters, Llama 3's, SmolLM's)."""
-    text = tokenizer.decode([token])
+    piece's (`<0xF0>`) or a byte-level BPE's (GPT-2's alphabet of 256 characters, Llama 3's, SmolLM's).
+    text: the token's text where the caller has decoded it already."""
+    text = tokenizer.decode([token]) if text is None else text
     if "\ufffd" not in text:
         return text.encode("utf-8")
     piece = _piece(tokenizer, token)
@@ -232,10 +233,10 @@ def _quoted_body(text: str, style: str) -> str:
     return shown[1:-1] if shown[0] == "'" else shown[1:-1].replace("'", "\\'")
 
 
-def token_text_shown(tokenizer, token: int, style: str = "json") -> str:
-    """A token's text quoted for a reader (json.dumps' quoting, or repr's), its partial character's
-    bytes as \\xNN (token_bytes) rather than U+FFFD."""
-    text = tokenizer.decode([token])
+def token_text_shown(tokenizer, token: int, style: str = "json", text: str | None = None) -> str:
+    """A token's text (`text`, where decoded already) quoted for a reader (json.dumps' quoting, or repr's),
+    its partial character's bytes as \\xNN (token_bytes) rather than U+FFFD."""
+    text = tokenizer.decode([token]) if text is None else text
     if "\ufffd" in text:
-        return quoted_bytes(token_bytes(tokenizer, token), style)
+        return quoted_bytes(token_bytes(tokenizer, token, text), style)
     return json.dumps(text, ensure_ascii=False) if style == "json" else repr(text)

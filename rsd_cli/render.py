@@ -50,9 +50,11 @@ def token_label(tokenizer, token: int, width: int = 16) -> str:
     (prompting.token_text_shown), never wider than `width`."""
     from .prompting import token_text_shown
 
-    text = tokenizer.decode([token]) if tokenizer is not None else str(token)
-    shown = (token_text_shown(tokenizer, token, "repr") if tokenizer is not None else repr(text)) if text \
-        else f"<{token}>"
+    if tokenizer is None:
+        shown = repr(str(token))
+    else:
+        text = tokenizer.decode([token])
+        shown = token_text_shown(tokenizer, token, "repr", text) if text else f"<{token}>"
     return shown if len(shown) <= width else shown[: width - 1] + "…"
 
 

@@ -168,10 +168,9 @@ def shape_of(profile: Profile, vocab_size: int | None = None, context_length: in
     if vocab_size is not None and (wide := wider_than_the_vocabulary(shape, vocab_size)):
         key = "budget" if d["budget"] else "beam_width" if variant == "rsd-s" else "branching"
         raise setting_error(profile, "decoding", key, wide)
-    if context_length and shape.max_nodes > context_length and (variant != "auto" or d["budget"]):
-        what = (f"a budget of {shape.max_nodes} nodes" if d["budget"]
-                else f"{shape.describe()} drafts trees of up to {shape.max_nodes} nodes, which")
-        raise setting_error(profile, "decoding", _tree_key(profile), larger_than_the_context(what, context_length))
+    if (variant != "auto" or d["budget"]) and (
+            large := larger_than_the_context(shape, context_length, shape.max_nodes if d["budget"] else None)):
+        raise setting_error(profile, "decoding", _tree_key(profile), large)
     return shape
 
 
@@ -198,12 +197,17 @@ def _tree_key(profile: Profile) -> str:
     return (flagged or given or keys)[0]
 
 
-def larger_than_the_context(what: str, context_length: int) -> str:
-    """Why a tree (`what`) of more nodes than the target's context is refused: a step verifies its
-    whole tree in one forward (`--branching 40,40,40`, 65641 nodes on a 40-token vocabulary, filled
-    24 GB and was killed; 8191 nodes of the embedded pair took 65 s and 5.8 GB a step)."""
-    return (f"{what} is more than the target's context ({context_length} tokens): a step verifies its "
-            f"whole tree in one forward")
+def larger_than_the_context(shape: Shape, context_length: int | None, budget: int | None = None) -> str | None:
+    """Why a tree of more nodes than the target's context is refused, or None: a step verifies its whole
+    tree in one forward (`--branching 40,40,40`, 65641 nodes on a 40-token vocabulary, filled 24 GB and
+    was killed; 8191 nodes of the embedded pair took 65 s and 5.8 GB a step). budget: the tree is said
+    as the budget of that many nodes that set it."""
+    if not context_length or shape.max_nodes <= context_length:
+        return None
+    what = (f"a budget of {budget} nodes" if budget is not None
+            else f"{shape.describe()} drafts trees of up to {shape.max_nodes} nodes, which")
+    return (f"{what} is more than the target's context ({context_length} tokens): a step verifies its whole tree "
+            f"in one forward")
 
 
 def sampling_of(profile: Profile):
