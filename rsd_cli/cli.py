@@ -19,6 +19,7 @@ try:  # typer carries its own copy of click since 0.2x; before, it used click it
 except ImportError:  # pragma: no cover - an older typer
     from click import exceptions as click_errors
 
+from .cache import PART_NAMES  # (a light module: --help and completions stay instant)
 from .errors import RsdError, UsageError
 
 
@@ -146,6 +147,9 @@ app = typer.Typer(
 profiles_app = typer.Typer(help="List, inspect and make profiles.", no_args_is_help=True, cls=Group,
                            context_settings={"help_option_names": ["-h", "--help"]})
 app.add_typer(profiles_app, name="profiles")
+cache_app = typer.Typer(help="What rsd keeps in its cache folder, and clearing it.", cls=Group,
+                        invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+app.add_typer(cache_app, name="cache")
 
 SAMPLING, DRAFT, OUTPUT = "Sampling", "Draft", "Output"
 ENDING = "Length and stops"  # (apart from Sampling: --include-stop's --no- column there cut --repetition-penalty
@@ -876,6 +880,77 @@ def profiles_path():
     from .profiles import user_profiles_dir
 
     typer.echo(str(user_profiles_dir()))
+
+
+@cache_app.callback()
+def _cache(ctx: typer.Context, as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout (as show --json).")] = False):
+    """(`rsd cache` alone: `rsd cache show`)"""
+    if ctx.invoked_subcommand is None:
+        cache_show(as_json)
+
+
+@cache_app.command("show", cls=Command)
+@cli_errors
+def cache_show(as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False):
+    """Each part of the cache folder: its size, what it holds and what clearing it costs."""
+    from .cache import entry_count, size_text, survey
+    from .models import cache_dir
+
+    folder = cache_dir()
+    parts = survey(folder)
+    total = sum(part.size for part in parts)
+    if as_json:
+        typer.echo(json.dumps({"folder": str(folder), "bytes": total, "parts": [
+            {"name": part.name, "bytes": part.size, "entries": len(part.paths), "in_use": len(part.in_use),
+             "what": part.what, "when_cleared": part.remade} for part in parts]}, indent=2))
+        return
+    typer.echo(f"rsd's cache folder: {folder} (RSD_CACHE_DIR moves it)")
+    width = max(len(part.name) for part in parts)
+    for part in parts:
+        if part.name == "other" and not part.paths:
+            continue
+        held = ", ".join(filter(None, [entry_count(part), f"{len(part.in_use)} in use" if part.in_use else ""]))
+        line = part.what + (f" ({held})" if held else "") + (f"; {part.remade}" if part.remade and part.paths else "")
+        typer.echo(f"  {part.name:<{width}}  {size_text(part.size):>9}  {line}")
+    typer.echo(f"  {'total':<{width}}  {size_text(total):>9}")
+
+
+@cache_app.command("clear", cls=Command)
+@cli_errors
+def cache_clear(
+    parts: Annotated[Optional[list[str]], typer.Argument(
+        help=f"The parts to remove: {', '.join(PART_NAMES)}.",
+        autocompletion=lambda incomplete: [name for name in PART_NAMES if name.startswith(incomplete)],
+        show_default=False)] = None,
+    everything: Annotated[bool, typer.Option("--all", help="Remove every part.")] = False,
+):
+    """Remove parts of the cache folder (each is remade when needed; `rsd cache` says at what cost).
+
+    An offload folder of a process still running is kept; what was removed goes to stderr."""
+    from .cache import clear, size_text, survey
+    from .models import cache_dir
+
+    names = set(parts or ())
+    unknown = sorted(names - set(PART_NAMES))
+    if unknown:
+        raise UsageError(f"no cache part {unknown[0]!r}: the parts are {', '.join(PART_NAMES)}")
+    if everything == bool(names):
+        raise UsageError("name the parts to clear (" + ", ".join(PART_NAMES) + ") or give --all"
+                         if not names else "give the parts to clear or --all, not both")
+    for part, removed, kept in clear(survey(cache_dir()), set(PART_NAMES) if everything else names):
+        line = f"{part.name}: removed {size_text(removed)}"
+        if kept:
+            line += f", kept {len(kept)} offload folder{'' if len(kept) == 1 else 's'} in use ({', '.join(p.name for p in kept)})"
+        typer.echo(line, err=True)
+
+
+@cache_app.command("path", cls=Command)
+@cli_errors
+def cache_path():
+    """The cache folder (RSD_CACHE_DIR, else $XDG_CACHE_HOME/rsd, else ~/.cache/rsd)."""
+    from .models import cache_dir
+
+    typer.echo(str(cache_dir()))
 
 
 @app.command(cls=Command)

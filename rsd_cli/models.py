@@ -191,8 +191,11 @@ def _offload_folder(profile, table: str, device_map) -> str | None:
     import atexit
     import tempfile
 
+    from .cache import offload_folder_name, remove_dead_offload_folders
+
     cache_dir().mkdir(parents=True, exist_ok=True)
-    folder = tempfile.mkdtemp(prefix="offload-", dir=cache_dir())
+    remove_dead_offload_folders(cache_dir())  # (left by runs that were killed: their weights, maybe GBs)
+    folder = tempfile.mkdtemp(prefix=offload_folder_name(), dir=cache_dir())
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return folder
 
