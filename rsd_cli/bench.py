@@ -372,15 +372,22 @@ SPARE_COLUMNS = ["overhead_seconds", "verify_seconds", "draft_seconds", "new_tok
 UNDRAFTED_EMPTY = ("acceptance_rate", "draft_seconds")
 
 
-def results_table(rows: list[dict], width: int | None = None):
+def results_table(rows: list[dict], width: int | None = None, title: str = "rsd bench"):
     """The rows as a Rich table; with `width`, one that fits it (render.fitted_table): the variant, its
     shape, BE, tok/s and × ar always there."""
     from .render import fitted_table
 
     cells = [{col: _fmt(None if col in UNDRAFTED_EMPTY and row.get("target_tokens_per_step") == 1 else row[col])
               for col in COLUMNS} for row in rows]
-    return fitted_table("rsd bench", {col: COLUMN_NAMES.get(col, col) for col in COLUMNS}, cells, width,
+    return fitted_table(title, {col: COLUMN_NAMES.get(col, col) for col in COLUMNS}, cells, width,
                         left=("variant", "shape"), shared=("temperature", "compile"), spare=tuple(SPARE_COLUMNS))
+
+
+def table_title(prompts: int, repeats: int, max_tokens: int) -> str:
+    """What the rows were measured on: "rsd bench · 16 prompts × 2 · up to 64 tokens"."""
+    from .prompting import counted
+
+    return f"rsd bench · {counted(prompts, 'prompt')}{f' × {repeats}' if repeats > 1 else ''} · up to {max_tokens} tokens"
 
 
 def write_csv(rows: list[dict], out) -> None:

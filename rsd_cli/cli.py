@@ -793,7 +793,10 @@ def bench(
 
         from .render import print_table
 
-        print_table(Console(highlight=False), lambda width: results_table(rows, width))
+        from .bench import table_title
+
+        title = table_title(len(prompt_list), repeats, max_tokens)
+        print_table(Console(highlight=False), lambda width: results_table(rows, width, title))
         console.print(f"peak memory {memory['peak_rss_mb']:.0f} MB resident, of which {memory['runtime_rss_mb']:.0f} MB "
                       f"is the runtime (Python, torch, transformers, the model's code) before any weights load; "
                       f"weights {memory['weights_mb']:.0f} MB "

@@ -54,7 +54,10 @@ def test_bench_csv_and_table(tiny_profile):
     assert lines[0].startswith("variant,compile,runtime,budget,depth,shape") and len(lines) == 3
     table = runner.invoke(app, ["bench", "-p", str(tiny_profile), "--variants", "ar,sd", "--limit", "1", "-n", "4",
                                 "--no-assisted"])
-    assert table.exit_code == 0 and "rsd bench" in table.stdout
+    assert table.exit_code == 0 and table.stdout.startswith("rsd bench · 1 prompt · up to 4 tokens"), table.stdout
+    repeated = runner.invoke(app, ["bench", "-p", str(tiny_profile), "--variants", "ar", "--limit", "2", "-n", "3",
+                                   "--repeats", "2", "--no-assisted", "--no-hf-static"])
+    assert repeated.stdout.startswith("rsd bench · 2 prompts × 2 · up to 3 tokens"), repeated.stdout
 
 
 def test_width_sets_the_tree_width_of_the_depth_shapes(tiny_profile):
