@@ -118,10 +118,14 @@ def remove_dead_offload_folders(folder: Path, host: str | None = None, running=p
 
 def survey(folder: Path, running=process_running) -> list[Part]:
     """The cache folder's parts, in PARTS's order, each with its entries and their size."""
+    from .errors import RsdError
+
     parts = {name: Part(name, what, remade) for name, what, remade in PARTS}
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise RsdError(f"rsd's cache folder {folder} is not a folder (set RSD_CACHE_DIR to one)")
     try:
         entries = sorted(folder.iterdir())
-    except OSError:  # (no cache folder yet)
+    except FileNotFoundError:  # (no cache folder yet)
         entries = []
     for path in entries:
         part = parts[part_of(path.name)]
@@ -132,24 +136,37 @@ def survey(folder: Path, running=process_running) -> list[Part]:
     return list(parts.values())
 
 
-def clear(parts: list[Part], names: set[str]) -> list[tuple[Part, int, list[Path]]]:
-    """Remove the named parts' entries, but offload folders in use; (part, bytes removed, kept) each."""
+@dataclass
+class Cleared:
+    part: Part
+    removed: int  # bytes
+    in_use: list[Path]  # offload folders of processes still running: kept
+    failed: list[Path]  # what could not be removed (a file of another user, a read-only folder), whole or in part
+
+
+def clear(parts: list[Part], names: set[str]) -> list[Cleared]:
+    """Remove the named parts' entries, but offload folders in use."""
     done = []
     for part in parts:
         if part.name not in names:
             continue
-        removed, kept = 0, []
+        cleared = Cleared(part, 0, [], [])
         for path in part.paths:
             if path in part.in_use:
-                kept.append(path)
+                cleared.in_use.append(path)
                 continue
             size = size_of(path)
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-            removed += size - (size_of(path) if path.exists() else 0)
-        done.append((part, removed, kept))
+            try:
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+            except OSError:
+                pass
+            if os.path.lexists(path):
+                cleared.failed.append(path)
+            cleared.removed += size - (size_of(path) if os.path.lexists(path) else 0)
+        done.append(cleared)
     return done
 
 
@@ -174,4 +191,6 @@ def entry_count(part: Part) -> str:
         count, unit = len(part.paths), "folder"
     else:
         return ""
-    return f"{count} {unit}{'' if count == 1 else 's'}" if count else ""
+    from .prompting import counted
+
+    return counted(count, unit) if count else ""

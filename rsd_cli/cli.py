@@ -932,6 +932,7 @@ def cache_clear(
     An offload folder of a process still running is kept; what was removed goes to stderr."""
     from .cache import clear, size_text, survey
     from .models import cache_dir
+    from .prompting import counted
 
     names = set(parts or ())
     unknown = sorted(names - set(PART_NAMES))
@@ -940,11 +941,18 @@ def cache_clear(
     if everything == bool(names):
         raise UsageError("name the parts to clear (" + ", ".join(PART_NAMES) + ") or give --all"
                          if not names else "give the parts to clear or --all, not both")
-    for part, removed, kept in clear(survey(cache_dir()), set(PART_NAMES) if everything else names):
-        line = f"{part.name}: removed {size_text(removed)}"
-        if kept:
-            line += f", kept {len(kept)} offload folder{'' if len(kept) == 1 else 's'} in use ({', '.join(p.name for p in kept)})"
+    failed = False
+    for cleared in clear(survey(cache_dir()), set(PART_NAMES) if everything else names):
+        line = f"{cleared.part.name}: removed {size_text(cleared.removed)}"
+        if cleared.in_use:
+            line += (f", kept {counted(len(cleared.in_use), 'offload folder')} in use "
+                     f"({', '.join(path.name for path in cleared.in_use)})")
+        if cleared.failed:
+            line += f"; could not remove {', '.join(map(str, cleared.failed))} (see its permissions)"
         typer.echo(line, err=True)
+        failed = failed or bool(cleared.failed)
+    if failed:
+        raise typer.Exit(1)
 
 
 @cache_app.command("path", cls=Command)

@@ -92,6 +92,15 @@ def test_an_empty_or_missing_cache_folder_shows_zeros(tmp_path, monkeypatch):
     assert "other" not in result.stdout  # (a part of nothing in particular, shown only when it holds something)
 
 
+def test_a_cache_folder_that_is_a_file_is_said_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("RSD_CACHE_DIR", str(write(tmp_path / "file", 3)))
+    for args in (["cache"], ["cache", "clear", "--all"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 1 and result.stderr == (
+            f"rsd: error: rsd's cache folder {tmp_path / 'file'} is not a folder (set RSD_CACHE_DIR to one)\n")
+    assert (tmp_path / "file").read_bytes() == b"xxx"
+
+
 def test_clearing_parts_removes_those_alone_and_keeps_offload_folders_in_use(folder):
     result = CliRunner().invoke(app, ["cache", "clear", "compiled", "offload", "measurements"])
     assert result.exit_code == 0, result.stderr
@@ -110,6 +119,17 @@ def test_clearing_parts_removes_those_alone_and_keeps_offload_folders_in_use(fol
     assert result.exit_code == 0, result.stderr
     assert "models: removed 5.0 KB" in result.stderr and "other: removed 9 B" in result.stderr
     assert sorted(path.name for path in folder.iterdir()) == sorted(path.name for path in folder.glob("offload-*"))
+
+
+def test_what_cannot_be_removed_is_named_and_the_exit_code_says_so(folder, monkeypatch):
+    """(Run as root here, a read-only folder would not stop it: the removal is made to fail instead.)"""
+    monkeypatch.setattr(cache.shutil, "rmtree", lambda path, ignore_errors=False: None)
+    result = CliRunner().invoke(app, ["cache", "clear", "kernels", "measurements"])
+    assert result.exit_code == 1, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0] == f"kernels: removed 0 B; could not remove {folder / 'kernels'} (see its permissions)"
+    assert lines[1] == "measurements: removed 55 B"  # (files: removed; the folder that failed stopped nothing)
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("args, message", [
