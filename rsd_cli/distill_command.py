@@ -10,7 +10,7 @@ from .distill import Recipe, sample_answers, sampler, teacher_labels, train
 from .engine import check_prompts
 from .errors import RsdError, UsageError
 from .models import (cache_dir, check_early_exit, describe_layers, exact_fingerprint, layers_per_device, load_model,
-                     save_adapter, target_placement, text_config)
+                     save_adapter, target_placement, text_config, write_whole)
 from .prompting import builtin_prompts, encode_prompt, read_prompt_file
 
 
@@ -25,6 +25,24 @@ def _data_cache(target, prompts: list[str], recipe: Recipe) -> Path:
     key = json.dumps([exact_fingerprint(target), prompts, recipe.tokens, recipe.eval_tokens, recipe.max_new_tokens,
                       recipe.batch_size, recipe.teacher_top_k, recipe.seed])
     return cache_dir() / "distill" / f"data-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+
+
+def _cached_data(path: Path, console):
+    """(train, eval) data sampled by an earlier run, or None: none there, or a file that cannot be read
+    (written by an older rsd, damaged), which is said and then sampled over."""
+    import torch
+
+    if not path.is_file():
+        return None
+    try:
+        data = torch.load(path, weights_only=False)
+        train_data, eval_data = data
+    except Exception as e:  # (a truncated zip, a pickle of classes since renamed...: all mean sampling again)
+        console.print(f"rsd: the sampled data cached in {path} cannot be read ({type(e).__name__}): sampling again",
+                      markup=False, highlight=False)
+        return None
+    console.print(f"reusing sampled data from {path}")
+    return train_data, eval_data
 
 
 def _sampler(target, tokenizer, setting: str, console):
@@ -95,9 +113,9 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
             bars.update(tasks[phase], completed=done, total=total)
 
         cached = _data_cache(target, prompts, recipe)
-        if cached.is_file():  # sampling is the slow part: a rerun with another lr or epochs reuses it
-            console.print(f"reusing sampled data from {cached}")
-            train_data, eval_data = torch.load(cached, weights_only=False)
+        data = _cached_data(cached, console)
+        if data is not None:  # sampling is the slow part: a rerun with another lr or epochs reuses it
+            train_data, eval_data = data
         else:
             decoder = _sampler(target, tokenizer, profile["runtime"]["compile"], console)
             train_data = sample_answers(target, tokenizer, prompts, tokens, recipe, "sampling answers", progress,
@@ -107,8 +125,7 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
             progress("teacher labels", 0, len(train_data))
             teacher_labels(target, train_data, recipe.teacher_top_k)
             progress("teacher labels", len(train_data), len(train_data))
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            torch.save((train_data, eval_data), cached)
+            write_whole(cached, lambda partial: torch.save((train_data, eval_data), partial))
         result = train(target, train_data, recipe, progress, eval_data)
 
     recipe_record = asdict(recipe) | {"prompts": str(prompts_file) if prompts_file else "built-in train set",

@@ -47,17 +47,26 @@ def read_json_table(path: Path) -> dict:
     return table if isinstance(table, dict) else {}
 
 
-def write_json_table(path: Path, table: dict, sort_keys: bool = True) -> bool:
-    """Write it whole or not at all (a partial file renamed over it); False when it cannot be
-    written, which only means measuring again next time. sort_keys=False keeps the table's own
-    order (read_json_table gives it back in that order)."""
+def write_whole(path: Path, write: Callable[[Path], object]) -> None:
+    """write(partial): a partial file beside path, then renamed over it, so that path is whole or as it
+    was — never cut short by a process killed or a full disk (the partial is removed when write fails)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        write(partial)
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def write_json_table(path: Path, table: dict, sort_keys: bool = True) -> bool:
+    """Write it whole or not at all; False when it cannot be written, which only means measuring again
+    next time. sort_keys=False keeps the table's own order (read_json_table gives it back in that order)."""
+    try:
         # (compact: json's C encoder; with indent it takes its Python one, ~3 ms for auto's memory of
         # a few dozen runs, written after every answer)
-        partial.write_text(json.dumps(table, separators=(",", ":"), sort_keys=sort_keys))
-        partial.replace(path)
+        write_whole(path, lambda partial: partial.write_text(json.dumps(table, separators=(",", ":"),
+                                                                        sort_keys=sort_keys)))
         return True
     except OSError:
         return False
@@ -1022,8 +1031,8 @@ def save_adapter(adapter, path: Path, target, layers: int, recipe: dict) -> None
                v.detach().to(torch.float16).contiguous().cpu() for k, v in adapter.state_dict().items()}
     meta = {"rsd_fingerprint": fingerprint(target), "rsd_weights": json.dumps(weight_sample(target)),
             "rsd_layers": str(layers), "rsd_recipe": json.dumps(recipe)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata=meta)
+    # (an adapter file that was there stays whole until the new one is: a distill killed while writing)
+    write_whole(path, lambda partial: save_file(tensors, str(partial), metadata=meta))
 
 
 def _read_adapter(path: Path, with_tensors: bool = True) -> tuple[dict, dict]:

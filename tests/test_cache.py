@@ -171,3 +171,19 @@ def test_a_run_that_spills_to_disk_removes_what_killed_runs_left_and_names_its_o
 def test_sizes_read_as_people_read_them():
     assert [cache.size_text(n) for n in (0, 999, 1000, 564_200, 653_115_238, 1_003_498_620, 12 * 10**12)] == [
         "0 B", "999 B", "1.0 KB", "564.2 KB", "653.1 MB", "1.0 GB", "12000.0 GB"]
+
+
+def test_a_write_cut_short_leaves_the_file_as_it_was(tmp_path):
+    """What rsd writes into its cache and `rsd distill --out` (models.write_whole): a full disk or a process
+    killed midway leaves the file as it was, and no partial file beside it."""
+    path = write(tmp_path / "adapter.safetensors", 3)
+
+    def full_disk(partial: Path) -> None:
+        partial.write_bytes(b"y")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        models.write_whole(path, full_disk)
+    assert path.read_bytes() == b"xxx" and list(tmp_path.iterdir()) == [path]
+    models.write_whole(path, lambda partial: partial.write_bytes(b"new"))
+    assert path.read_bytes() == b"new" and list(tmp_path.iterdir()) == [path]

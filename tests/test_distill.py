@@ -61,6 +61,17 @@ def test_distill_trains_writes_metadata_and_the_adapter_drafts(target_profile, t
     assert again.exit_code == 0, again.stderr
     assert "reusing sampled data" in again.stderr
 
+    # a cached file cut short (a run killed while writing it, before writes were whole) is sampled over
+    (cached,) = (tmp_path / "cache" / "distill").glob("data-*.pt")
+    cached.write_bytes(cached.read_bytes()[:1000])
+    cut = _distill(profile, tmp_path / "again.safetensors", "--prompts", str(prompts), "--epochs", "1")
+    assert cut.exit_code == 0, cut.stderr
+    assert f"rsd: the sampled data cached in {cached} cannot be read (" in cut.stderr
+    assert "reusing sampled data" not in cut.stderr and "Traceback" not in cut.stderr
+    assert _distill(profile, tmp_path / "again.safetensors", "--prompts", str(prompts), "--epochs", "1"
+                    ).stderr.count("reusing sampled data") == 1
+    assert [path.name for path in (tmp_path / "cache" / "distill").iterdir()] == [cached.name]  # (no partial left)
+
 
 def test_distill_samples_with_transformers_generate_with_compile_off(target_profile, tmp_path):
     profile, prompts = target_profile
