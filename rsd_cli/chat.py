@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import errors
 from .errors import RsdError, UsageError
 from .generation import context_end_note, stop_text_of, stream_completion
 from .models import describe_layers
@@ -257,6 +258,8 @@ class ChatSession:
             out.write("\n")
             console.print("[dim](answer stopped)[/dim]")
             self.history.pop()
+            if errors.ending_signal is not None:  # (SIGTERM: the session ends, not the answer alone)
+                raise
             return
         self.kept = decoder.kept
         out.write("\n")
@@ -481,6 +484,8 @@ def _converse(session, pair, profile, console, out, read_line) -> None:
             read = read_message(read_line)
         except KeyboardInterrupt:
             console.print("")
+            if errors.ending_signal is not None:
+                raise
             continue
         if read is None:
             if sys.stdin.isatty():  # (ends the prompt's line)

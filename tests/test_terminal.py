@@ -7,6 +7,7 @@ import json
 import os
 import pty
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -310,6 +311,48 @@ def test_chat_in_a_real_pseudo_terminal(tiny_profile, tmp_path):
     finally:
         proc.kill()
         os.close(primary)
+
+
+def test_sigterm_ends_a_chat_as_a_terminated_process(tiny_profile, tmp_path):
+    """SIGTERM (`kill`, a process manager) ended a chat at once, its exit code the signal's; now a chat
+    waiting for a message ends with one line and exit code 143 (128 + 15), not as Ctrl-C, which goes on."""
+    primary, secondary = pty.openpty()
+    env = dict(os.environ, RSD_CONFIG_DIR=str(tmp_path), COLUMNS="60")
+    proc = subprocess.Popen([sys.executable, "-m", "rsd_cli", "chat", "-p", str(tiny_profile), "-n", "4"],
+                            stdin=secondary, stdout=secondary, stderr=secondary, env=env, close_fds=True)
+    os.close(secondary)
+    try:
+        assert b"rsd chat" in _read_until(primary, "you› ".encode())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+        assert b"rsd: terminated" in _read_until(primary, b"terminated")
+    finally:
+        proc.kill()
+        os.close(primary)
+
+
+def test_sigterm_keeps_what_was_generated_as_ctrl_c_does(tiny_profile, tmp_path):
+    """`timeout 30 rsd generate --json ...` sends SIGTERM: the process died with nothing on stdout, not even
+    the records of the completions already done. Now SIGTERM is taken as Ctrl-C: every finished record,
+    then the cut one's ("finish_reason": "interrupted"), statistics on stderr, exit code 143 (128 + 15)."""
+    env = dict(os.environ, RSD_CONFIG_DIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "rsd_cli", "generate", "hello", "-p", str(tiny_profile), "-v", "sd",
+                             "--samples", "100000", "-n", "30", "--ignore-eos", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env)
+    try:
+        first = proc.stdout.readline()  # (one completion written: the models are loaded and answering)
+        proc.send_signal(signal.SIGTERM)
+        rest, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    records = [json.loads(line) for line in (first + rest).decode().splitlines()]
+    assert proc.returncode == 143, stderr.decode()
+    assert stderr.decode().endswith("rsd: terminated\n") and b"Traceback" not in stderr
+    assert all(record["finish_reason"] == "length" and len(record["token_ids"]) == 30 for record in records[:-1])
+    # (the last: the completion the signal cut, or the last one done where it came between two)
+    assert records[-1]["finish_reason"] in ("interrupted", "length") and len(records) < 100000
+    last = len(records[-1]["token_ids"])
+    assert last < 30 if records[-1]["finish_reason"] == "interrupted" else last == 30
 
 
 def test_chat_completes_commands_keys_and_the_paths_save_and_load_name(tmp_path, monkeypatch):
