@@ -221,33 +221,47 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
                 except Exception as e:  # noqa: BLE001 - a peer's failure is reported, not raised
                     peer_errors.setdefault(name, f"{type(e).__name__}: {e}".splitlines()[0])
 
-    for repeat in range(repeats):
-        for index, ids in enumerate(encoded):
-            run_seed = seed + 1000 * repeat + index
-            # interleaved: every variant runs this prompt before the next prompt starts, in the opposite
-            # order for every other prompt, so that no row always runs first or last (the 2-core Xeon's
-            # pace drifts 1.5x within minutes, and a row run last sits furthest from `ar` run first)
-            in_turn = jobs if (repeat * len(encoded) + index) % 2 == 0 else jobs[::-1]
-            for compile, variant, setting, shape in in_turn:
-                text = stop_text_of(pair.tokenizer, profile) if stops else None
-                _, stats, _ = complete(decoder_for(compile, setting, shape), ids, max_tokens, run_seed, text=text)
-                totals.setdefault((compile, variant, setting, shape), Stats()).merge(stats)
-                per_prompt.setdefault((compile, variant, setting, shape), {})[repeat, index] = stats.tokens_per_second
-                tick()
-            for name in peers:
-                for t in temperatures:
-                    if name in peer_errors:
-                        break
-                    try:
-                        n, seconds = PEERS[name][1](pair, ids, t, max_tokens, run_seed, min_tokens=min_tokens,
-                                                    ends=ends)
-                    except Exception as e:  # noqa: BLE001
-                        peer_errors[name] = f"{type(e).__name__}: {e}".splitlines()[0]
-                        break
-                    peer_totals[(name, t)][0] += n
-                    peer_totals[(name, t)][1] += seconds
-                    per_prompt.setdefault((name, t), {})[repeat, index] = n / seconds if seconds else 0.0
+    measured, interrupted = 0, False  # rounds (a prompt, once) every row has run: what the rows count
+    try:
+        for repeat in range(repeats):
+            for index, ids in enumerate(encoded):
+                run_seed = seed + 1000 * repeat + index
+                # interleaved: every variant runs this prompt before the next prompt starts, in the opposite
+                # order for every other prompt, so that no row always runs first or last (the 2-core Xeon's
+                # pace drifts 1.5x within minutes, and a row run last sits furthest from `ar` run first)
+                in_turn = jobs if (repeat * len(encoded) + index) % 2 == 0 else jobs[::-1]
+                round_stats, round_peers, round_rates = {}, {}, {}  # (counted once every row has run the prompt)
+                for compile, variant, setting, shape in in_turn:
+                    text = stop_text_of(pair.tokenizer, profile) if stops else None
+                    _, stats, _ = complete(decoder_for(compile, setting, shape), ids, max_tokens, run_seed, text=text)
+                    round_stats[compile, variant, setting, shape] = stats
+                    round_rates[compile, variant, setting, shape] = stats.tokens_per_second
                     tick()
+                for name in peers:
+                    for t in temperatures:
+                        if name in peer_errors:
+                            break
+                        try:
+                            n, seconds = PEERS[name][1](pair, ids, t, max_tokens, run_seed, min_tokens=min_tokens,
+                                                        ends=ends)
+                        except Exception as e:  # noqa: BLE001
+                            peer_errors[name] = f"{type(e).__name__}: {e}".splitlines()[0]
+                            break
+                        round_peers[name, t] = (n, seconds)
+                        round_rates[name, t] = n / seconds if seconds else 0.0
+                        tick()
+                for key, stats in round_stats.items():
+                    totals.setdefault(key, Stats()).merge(stats)
+                for key, (n, seconds) in round_peers.items():
+                    peer_totals[key][0] += n
+                    peer_totals[key][1] += seconds
+                for key, rate in round_rates.items():
+                    per_prompt.setdefault(key, {})[repeat, index] = rate
+                measured += 1
+    except KeyboardInterrupt:  # (Ctrl-C, SIGTERM: the rounds measured whole are reported, then rsd exits)
+        if not measured:
+            raise
+        interrupted = True
 
     rows = []
     ar_rate = {(k[0], k[2].temperature): v.tokens_per_second for k, v in totals.items() if k[1] == "ar"}
@@ -310,7 +324,18 @@ def run_bench(pair, profile, *, variants: list[str], temperatures: list[float], 
             "verify_seconds": None, "forward_seconds": None, "overhead_seconds": None, "wall_seconds": seconds,
             "new_tokens": n, "steps": None, "error": error,
         })
+    if interrupted:
+        raise Interrupted(rows, measured, repeats * len(encoded))
     return rows
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) during `rsd bench`, carrying the rows of the rounds every row ran whole:
+    `measured` of the `planned` (prompts x repeats)."""
+
+    def __init__(self, rows: list[dict], measured: int, planned: int):
+        super().__init__()
+        self.rows, self.measured, self.planned = rows, measured, planned
 
 
 # (a refused row's numbers: none)
@@ -383,11 +408,13 @@ def results_table(rows: list[dict], width: int | None = None, title: str = "rsd 
                         left=("variant", "shape"), shared=("temperature", "compile"), spare=tuple(SPARE_COLUMNS))
 
 
-def table_title(prompts: int, repeats: int, max_tokens: int) -> str:
-    """What the rows were measured on: "rsd bench · 16 prompts × 2 · up to 64 tokens"."""
+def table_title(prompts: int, repeats: int, max_tokens: int, measured: int | None = None) -> str:
+    """What the rows were measured on: "rsd bench · 16 prompts × 2 · up to 64 tokens"; a run interrupted
+    after `measured` rounds (a prompt, once) says so."""
     from .prompting import counted
 
-    return f"rsd bench · {counted(prompts, 'prompt')}{f' × {repeats}' if repeats > 1 else ''} · up to {max_tokens} tokens"
+    title = f"rsd bench · {counted(prompts, 'prompt')}{f' × {repeats}' if repeats > 1 else ''} · up to {max_tokens} tokens"
+    return title if measured is None else f"{title} · interrupted: {measured} of {prompts * repeats} rounds"
 
 
 def write_csv(rows: list[dict], out) -> None:

@@ -759,13 +759,22 @@ def bench(
     from rich.progress import Progress
 
     console = _stderr_console()
+    from .bench import Interrupted
+
+    stopped = None  # (Ctrl-C or SIGTERM after some prompts: their rows are reported, then rsd exits as interrupted)
     with Progress(console=console, disable=not console.is_terminal, transient=True) as bars:
         task = bars.add_task("benchmarking", total=None)
-        rows = run_bench(pair, prof, variants=names, temperatures=temps, budgets=budget_list, depths=depth_list,
-                         prompts=prompt_list, repeats=repeats, max_tokens=max_tokens, seed=seed, assisted=assisted,
-                         progress=lambda done, total: bars.update(task, completed=done, total=total),
-                         compiles=compiles, hf_static=hf_static, runtimes=runtimes, refused_rows=not default,
-                         width=width)
+        try:
+            rows = run_bench(pair, prof, variants=names, temperatures=temps, budgets=budget_list, depths=depth_list,
+                             prompts=prompt_list, repeats=repeats, max_tokens=max_tokens, seed=seed,
+                             assisted=assisted, progress=lambda done, total: bars.update(task, completed=done, total=total),
+                             compiles=compiles, hf_static=hf_static, runtimes=runtimes, refused_rows=not default,
+                             width=width)
+        except Interrupted as e:
+            rows, stopped = e.rows, e
+    if stopped:
+        console.print(f"rsd: interrupted after {stopped.measured} of {stopped.planned} rounds (a prompt each, every "
+                      f"row in turn): the rows measure those", markup=False, highlight=False)
     for row in rows:
         if row.get("error"):
             where = f" on --compile {row['compile']}" if row.get("compile") and len(compiles) > 1 else ""
@@ -787,7 +796,8 @@ def bench(
                     "temperatures": temps, "budgets": budget_list, "depths": depth_list, "width": width,
                     "prompts": str(prompts) if prompts else "built-in held-out set", "prompt_count": len(prompt_list),
                     "repeats": repeats, "max_tokens": max_tokens, "seed": seed, "ignore_eos": ignore_eos,
-                    "compile": compiles}
+                    "compile": compiles, "rounds_planned": len(prompt_list) * repeats,
+                    "rounds_measured": stopped.measured if stopped else len(prompt_list) * repeats}
         typer.echo(json.dumps({"results": rows, "settings": settings, "memory": memory,
                                "small_batch_layers": installed(pair.target, pair.draft),
                                "cpu_kernels": signature(pair.target, pair.draft)}, indent=2))
@@ -800,7 +810,7 @@ def bench(
 
         from .bench import table_title
 
-        title = table_title(len(prompt_list), repeats, max_tokens)
+        title = table_title(len(prompt_list), repeats, max_tokens, stopped.measured if stopped else None)
         print_table(Console(highlight=False), lambda width: results_table(rows, width, title))
         console.print(f"peak memory {memory['peak_rss_mb']:.0f} MB resident, of which {memory['runtime_rss_mb']:.0f} MB "
                       f"is the runtime (Python, torch, transformers, the model's code) before any weights load; "
@@ -809,6 +819,8 @@ def bench(
     if plot:  # (after the results are out: a plot that fails loses none of them)
         write_plot(rows, plot)
         console.print(f"wrote {plot}")
+    if stopped:
+        raise stopped
 
 
 @profiles_app.command("list", cls=Command)

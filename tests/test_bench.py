@@ -193,6 +193,52 @@ def test_rows_take_turns_prompt_by_prompt_in_alternating_order(tiny_profile, mon
     assert [r["variant"] for r in json.loads(result.stdout)["results"]] == forward
 
 
+@pytest.mark.parametrize("output", ["--json", "table"])
+def test_an_interrupted_bench_reports_the_prompts_every_row_ran(tiny_profile, monkeypatch, output):
+    """Ctrl-C (or SIGTERM) minutes into a bench lost every row measured. Now the rounds every row ran whole
+    are reported — the same numbers as a run of those prompts alone — saying so, then rsd exits as
+    interrupted (130); Ctrl-C in the warm-up, before any round, reports nothing."""
+    import rsd_cli.bench as bench
+
+    args = ["bench", "-p", str(tiny_profile), "--variants", "ar,sd", "-n", "4", "--ignore-eos", "--no-assisted",
+            "--no-hf-static", *([output] if output == "--json" else [])]
+    calls, real = [], bench.complete
+
+    def stopped_at(call: int):
+        def complete(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == call:
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+        return complete
+
+    # 2 warm-up runs, 2 rounds of 2 rows, then Ctrl-C in the third round's second row
+    monkeypatch.setattr(bench, "complete", stopped_at(8))
+    result = CliRunner().invoke(app, [*args, "--limit", "3"])
+    assert result.exit_code == 130, result.stderr
+    assert "rsd: interrupted after 2 of 3 rounds (a prompt each, every row in turn): the rows measure those" \
+        in result.stderr and result.stderr.endswith("rsd: interrupted\n")
+    monkeypatch.setattr(bench, "complete", real)
+    whole = CliRunner().invoke(app, [*args, "--limit", "2"])
+    assert whole.exit_code == 0, whole.stderr
+    if output == "--json":
+        report, alone = json.loads(result.stdout), json.loads(whole.stdout)
+        assert report["settings"]["rounds_measured"] == 2 and report["settings"]["rounds_planned"] == 3
+        assert alone["settings"]["rounds_measured"] == alone["settings"]["rounds_planned"] == 2
+        numbers = ("variant", "new_tokens", "steps", "block_efficiency", "acceptance_rate")
+        assert [{k: row[k] for k in numbers} for row in report["results"]] == [
+            {k: row[k] for k in numbers} for row in alone["results"]]
+        assert report["results"][0]["new_tokens"] == 8  # (2 prompts × 4 tokens)
+    else:
+        assert result.stdout.startswith("rsd bench · 3 prompts · up to 4 tokens · interrupted: 2 of 3 rounds")
+        assert "sd" in result.stdout and "Traceback" not in result.stderr
+
+    calls.clear()
+    monkeypatch.setattr(bench, "complete", stopped_at(1))  # (in the warm-up: nothing measured)
+    early = CliRunner().invoke(app, [*args, "--limit", "3"])
+    assert early.exit_code == 130 and early.stdout == "" and "rounds" not in early.stderr, early.stderr
+
+
 def test_each_row_gives_the_range_of_its_ratio_to_ar_prompt_by_prompt(tiny_profile, monkeypatch):
     """Beside its tokens/s over `ar`'s, a row gives the least and most of that ratio on one prompt
     (one run: a prompt in a repeat), each prompt's against `ar` on the same prompt: here `sd` takes
