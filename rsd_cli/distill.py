@@ -234,26 +234,41 @@ def train(target, sequences: list[Sequence], recipe: Recipe, progress: Progress,
         optimiser, lambda step: learning_rate_factor(recipe.schedule, step, steps))
     progress("training", 0, steps)
     adapter.train()
-    for epoch in range(recipe.epochs):
-        shuffler.shuffle(order)
-        epoch_loss, epoch_tokens = 0.0, 0
-        for i, index in enumerate(order):
-            seq = sequences[index]
-            logits = trainee(inputs_embeds=seq.hidden[None], use_cache=False).logits[0, seq.answer_start - 1 : -1]
-            loss = soft_cross_entropy(logits, seq.top_probs.to(logits.device), seq.top_ids.to(logits.device))
-            optimiser.zero_grad()
-            loss.backward()
-            optimiser.step()
-            scheduler.step()
-            epoch_loss += float(loss.detach()) * len(logits)
-            epoch_tokens += len(logits)
-            progress("training", epoch * len(sequences) + i + 1, steps)
-        result.losses.append(epoch_loss / max(epoch_tokens, 1))
-        if eval_sequences:  # cheap next to an epoch, and shows when more epochs stop helping
-            adapter.eval()
-            result.acceptance_per_epoch.append(expected_acceptance(target, draft, eval_sequences))
-            progress(f"epoch {epoch + 1}: held-out acceptance {result.acceptance_per_epoch[-1]:.3f}", 1, 1)
-            adapter.train()
+    finished = None  # the adapter's tensors after the last whole epoch (a copy on the CPU), for an interrupted run
+    try:
+        for epoch in range(recipe.epochs):
+            shuffler.shuffle(order)
+            epoch_loss, epoch_tokens = 0.0, 0
+            for i, index in enumerate(order):
+                seq = sequences[index]
+                logits = trainee(inputs_embeds=seq.hidden[None], use_cache=False).logits[0, seq.answer_start - 1 : -1]
+                loss = soft_cross_entropy(logits, seq.top_probs.to(logits.device), seq.top_ids.to(logits.device))
+                optimiser.zero_grad()
+                loss.backward()
+                optimiser.step()
+                scheduler.step()
+                epoch_loss += float(loss.detach()) * len(logits)
+                epoch_tokens += len(logits)
+                progress("training", epoch * len(sequences) + i + 1, steps)
+            acceptances = result.acceptance_per_epoch
+            if eval_sequences:  # cheap next to an epoch, and shows when more epochs stop helping
+                adapter.eval()
+                acceptances = [*acceptances, expected_acceptance(target, draft, eval_sequences)]
+                adapter.train()
+            tensors = {name: tensor.detach().to("cpu", copy=True) for name, tensor in adapter.state_dict().items()}
+            # (the epoch counted in one go: no signal is taken between these stores, so an interrupted run's
+            # adapter and its numbers are one epoch's)
+            finished, result.losses, result.acceptance_per_epoch = (
+                tensors, [*result.losses, epoch_loss / max(epoch_tokens, 1)], acceptances)
+            if eval_sequences:
+                progress(f"epoch {epoch + 1}: held-out acceptance {acceptances[-1]:.3f}", 1, 1)
+    except KeyboardInterrupt:  # (Ctrl-C, SIGTERM: after a whole epoch, the adapter as it was then is kept)
+        if finished is None:
+            raise
+        adapter.load_state_dict(finished)
+        stopped = TrainingInterrupted(result)
+    else:
+        stopped = None
     adapter.eval()
     for p in adapter.parameters():
         p.requires_grad_(False)
@@ -261,4 +276,15 @@ def train(target, sequences: list[Sequence], recipe: Recipe, progress: Progress,
         seq.hidden = None
     if eval_sequences:
         result.acceptance_after = result.acceptance_per_epoch[-1]
+    if stopped:
+        raise stopped
     return result
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) after a whole epoch: `result` holds the adapter as the last whole epoch left it,
+    and the losses and acceptances of the epochs up to it."""
+
+    def __init__(self, result: DistillResult):
+        super().__init__()
+        self.result = result

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from .distill import Recipe, sample_answers, sampler, teacher_labels, train
+from .distill import Recipe, TrainingInterrupted, sample_answers, sampler, teacher_labels, train
 from .engine import check_prompts
 from .errors import RsdError, UsageError
 from .models import (cache_dir, check_early_exit, describe_layers, exact_fingerprint, layers_per_device, load_model,
@@ -126,7 +126,10 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
             teacher_labels(target, train_data, recipe.teacher_top_k)
             progress("teacher labels", len(train_data), len(train_data))
             write_whole(cached, lambda partial: torch.save((train_data, eval_data), partial))
-        result = train(target, train_data, recipe, progress, eval_data)
+        try:
+            result, stopped = train(target, train_data, recipe, progress, eval_data), None
+        except TrainingInterrupted as e:  # (Ctrl-C or SIGTERM after a whole epoch: that epoch's adapter is written)
+            result, stopped = e.result, e
 
     recipe_record = asdict(recipe) | {"prompts": str(prompts_file) if prompts_file else "built-in train set",
                                       "sampled_train_tokens": result.train_tokens,
@@ -134,8 +137,14 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
                                       "losses": result.losses,
                                       "acceptance_per_epoch": result.acceptance_per_epoch,
                                       "acceptance_before": result.acceptance_before,
-                                      "acceptance_after": result.acceptance_after}
+                                      "acceptance_after": result.acceptance_after,
+                                      "epochs_trained": len(result.losses)}
     save_adapter(result.adapter, out, target, layers, recipe_record)
+    if stopped:
+        done = len(result.losses)
+        console.print(f"rsd: interrupted in epoch {done + 1} of {epochs}: the adapter written is the one epoch {done} left"
+                      if done < epochs else "rsd: interrupted after the last epoch: the adapter written is whole",
+                      markup=False, highlight=False)
     losses = " → ".join(f"{x:.3f}" for x in result.losses)
     console.print(f"loss per epoch {losses}")
     console.print(f"expected acceptance on held-out prompts (T=1): {result.acceptance_before:.3f} without the "
@@ -144,3 +153,5 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
     if vocab:
         why = "its own head has those rows" if recipe.train_head else "the head's other rows were not trained for it"
         console.print(f"use it with draft.vocab = {vocab} in the profile ({why})")
+    if stopped:
+        raise stopped

@@ -73,6 +73,51 @@ def test_distill_trains_writes_metadata_and_the_adapter_drafts(target_profile, t
     assert [path.name for path in (tmp_path / "cache" / "distill").iterdir()] == [cached.name]  # (no partial left)
 
 
+def test_an_interrupted_distill_writes_the_adapter_of_its_last_whole_epoch(target_profile, tmp_path, monkeypatch):
+    """The held-out acceptance printed after each epoch is there to stop when more epochs stop paying, but
+    Ctrl-C (or SIGTERM) threw the training away. Now, after a whole epoch, the adapter as that epoch left it
+    is written (its recipe saying how many epochs it had), then rsd exits as interrupted (130)."""
+    from rsd_cli import distill
+
+    profile, prompts = target_profile
+    made, states, real_new, real_acceptance = [], [], distill.new_adapter, distill.expected_acceptance
+
+    def new_adapter(*args, **kwargs):
+        made.append(real_new(*args, **kwargs))
+        return made[-1]
+
+    def acceptance(*args, **kwargs):  # (called before training, then after each epoch)
+        states.append({k: v.detach().clone() for k, v in made[-1].state_dict().items()})
+        if len(states) == 3:  # (the end of epoch 2, before it counts)
+            raise KeyboardInterrupt
+        return real_acceptance(*args, **kwargs)
+
+    monkeypatch.setattr(distill, "new_adapter", new_adapter)
+    monkeypatch.setattr(distill, "expected_acceptance", acceptance)
+    out = tmp_path / "adapter.safetensors"
+    result = _distill(profile, out, "--prompts", str(prompts))
+    assert result.exit_code == 130, result.stderr
+    assert "rsd: interrupted in epoch 2 of 3: the adapter written is the one epoch 1 left" in result.stderr
+    assert f"wrote {out}" in result.stderr and result.stderr.endswith("rsd: interrupted\n")
+    with safe_open(str(out), framework="pt") as f:
+        recipe = json.loads(f.metadata()["rsd_recipe"])
+        written = {k: f.get_tensor(k) for k in f.keys()}
+    assert recipe["epochs"] == 3 and recipe["epochs_trained"] == 1
+    assert len(recipe["losses"]) == len(recipe["acceptance_per_epoch"]) == 1
+    assert recipe["acceptance_after"] == recipe["acceptance_per_epoch"][0]
+
+    def distance(state):  # (the file's names: save_adapter's)
+        return sum(float((written[k if k.startswith(("layer.norm.", "layer.head.")) else k.removeprefix("layer.")]
+                          .float() - v.half().float()).abs().sum()) for k, v in state.items())
+
+    assert distance(states[1]) == 0 and distance(states[2]) > 0  # (epoch 1's tensors, not epoch 2's)
+
+    states.clear()
+    monkeypatch.setattr(distill, "expected_acceptance", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    early = _distill(profile, tmp_path / "early.safetensors", "--prompts", str(prompts))  # (before any epoch)
+    assert early.exit_code == 130 and not (tmp_path / "early.safetensors").exists(), early.stderr
+
+
 def test_distill_samples_with_transformers_generate_with_compile_off(target_profile, tmp_path):
     profile, prompts = target_profile
     out = tmp_path / "adapter.safetensors"
