@@ -726,7 +726,7 @@ def bench(
                                    "stop_token": stop_token})
     if ignore_eos:  # (bench's --max-tokens, not the profile's)
         prof.set("sampling", "min_tokens", max_tokens, "flag --ignore-eos")
-    from .bench import results_table, run_bench, runtime_rss_mb, write_csv, write_plot
+    from .bench import Interrupted, results_table, run_bench, runtime_rss_mb, table_title, write_csv, write_plot
 
     loader = Loader()
     runtime_mb = runtime_rss_mb(loader.target_location(prof))  # before any weights load
@@ -759,8 +759,6 @@ def bench(
     from rich.progress import Progress
 
     console = _stderr_console()
-    from .bench import Interrupted
-
     stopped = None  # (Ctrl-C or SIGTERM after some prompts: their rows are reported, then rsd exits as interrupted)
     with Progress(console=console, disable=not console.is_terminal, transient=True) as bars:
         task = bars.add_task("benchmarking", total=None)
@@ -807,8 +805,6 @@ def bench(
         from rich.console import Console
 
         from .render import print_table
-
-        from .bench import table_title
 
         title = table_title(len(prompt_list), repeats, max_tokens, stopped.measured if stopped else None)
         print_table(Console(highlight=False), lambda width: results_table(rows, width, title))
@@ -903,7 +899,8 @@ def profiles_path():
 
 
 @cache_app.callback()
-def _cache(ctx: typer.Context, as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout (as show --json).")] = False):
+def _cache(ctx: typer.Context,
+           as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout (as show --json).")] = False):
     """(`rsd cache` alone: `rsd cache show`)"""
     if ctx.invoked_subcommand is None:
         cache_show(as_json)
