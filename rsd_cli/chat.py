@@ -424,6 +424,7 @@ def terminal_reader(console):
     readline.set_completer(complete)
     binding = "bind ^I rl_complete" if "libedit" in (readline.__doc__ or "") else "tab: complete"
     readline.parse_and_bind(binding)
+    errors.wake_a_prompt_on_ending_signal()
 
     def read(prompt: str) -> str:
         console.file.flush()

@@ -21,3 +21,34 @@ def end_on_signal(signum, frame) -> None:
     ending_signal = signum
     signal.signal(signum, signal.SIG_DFL)
     raise KeyboardInterrupt
+
+
+def wake_a_prompt_on_ending_signal() -> None:
+    """Let SIGTERM end a readline prompt whenever it lands (chat, on a terminal). readline writes its
+    prompt, then waits in select() on stdin, and only an interrupted select runs Python's signal
+    handlers: a signal landing between the two (likely on a loaded machine, where the prompt's
+    write hands the CPU to the terminal) only set Python's flag, and the chat hung until a key. The
+    C handler also writes the signal's number to a wakeup pipe; a thread reading it interrupts the
+    main thread with SIGWINCH (readline's resize handler: a redraw at most) until the handler has
+    run. Call it from the main thread, once readline is loaded."""
+    import os
+    import signal
+    import threading
+    import time
+
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    main = threading.main_thread().ident
+
+    def wake() -> None:
+        while True:
+            caught = os.read(read_end, 1)
+            if caught and caught[0] == signal.SIGTERM:
+                for _ in range(100):  # (5 s: the main thread may be in a forward, which no signal cuts)
+                    time.sleep(0.05)
+                    if ending_signal is not None:
+                        break
+                    signal.pthread_kill(main, signal.SIGWINCH)
+
+    threading.Thread(target=wake, name="rsd-wake-prompt", daemon=True).start()

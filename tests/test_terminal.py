@@ -331,6 +331,35 @@ def test_sigterm_ends_a_chat_as_a_terminated_process(tiny_profile, tmp_path):
         os.close(primary)
 
 
+def test_sigterm_that_lands_before_a_prompts_wait_still_ends_it():
+    """readline writes the prompt, then waits in select(); a SIGTERM landing between the two only set
+    Python's flag, nothing interrupted the wait, and a chat hung until a key was typed (CI, loaded: its
+    SIGTERM test above hung 60 s; here under load 9 of 15 chats). Made certain below: SIGTERM is blocked
+    in the main thread, so it lands on another and the main thread's read is never interrupted by it;
+    the wakeup thread's SIGWINCH has to cut that read for the handler to run."""
+    script = (
+        "import os, readline, signal\n"
+        "from rsd_cli import errors\n"
+        "signal.signal(signal.SIGTERM, errors.end_on_signal)\n"
+        "errors.wake_a_prompt_on_ending_signal()\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])\n"
+        "never, _ = os.pipe()\n"
+        "print('waiting', flush=True)\n"
+        "try:\n"
+        "    os.read(never, 1)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('ended by', errors.ending_signal, flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        assert proc.stdout.readline() == b"waiting\n"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert out == f"ended by {int(signal.SIGTERM)}\n".encode() and proc.returncode == 0
+
+
 def test_sigterm_keeps_what_was_generated_as_ctrl_c_does(tiny_profile, tmp_path):
     """`timeout 30 rsd generate --json ...` sends SIGTERM: the process died with nothing on stdout, not even
     the records of the completions already done. Now SIGTERM is taken as Ctrl-C: every finished record,
