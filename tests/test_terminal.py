@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -295,40 +296,39 @@ def _read_until(fd: int, marker: bytes, timeout: float = 60) -> bytes:
     return data
 
 
-def test_chat_in_a_real_pseudo_terminal(tiny_profile, tmp_path):
+@contextlib.contextmanager
+def _chat_on_a_terminal(profile, config_dir):
+    """`rsd chat` on a pseudo-terminal (stdin, stdout and stderr): yields the process and the terminal's other end."""
     primary, secondary = pty.openpty()
-    env = dict(os.environ, RSD_CONFIG_DIR=str(tmp_path), COLUMNS="60")
-    proc = subprocess.Popen([sys.executable, "-m", "rsd_cli", "chat", "-p", str(tiny_profile), "-n", "4"],
+    env = dict(os.environ, RSD_CONFIG_DIR=str(config_dir), COLUMNS="60")
+    proc = subprocess.Popen([sys.executable, "-m", "rsd_cli", "chat", "-p", str(profile), "-n", "4"],
                             stdin=secondary, stdout=secondary, stderr=secondary, env=env, close_fds=True)
     os.close(secondary)
     try:
+        yield proc, primary
+    finally:
+        proc.kill()
+        os.close(primary)
+
+
+def test_chat_in_a_real_pseudo_terminal(tiny_profile, tmp_path):
+    with _chat_on_a_terminal(tiny_profile, tmp_path) as (proc, primary):
         banner = _read_until(primary, "you› ".encode())
         assert b"rsd chat" in banner
         os.write(primary, b"hello\n")
         assert "you› ".encode() in _read_until(primary, "you› ".encode())
         os.write(primary, b"/bye\n")
         assert proc.wait(timeout=60) == 0
-    finally:
-        proc.kill()
-        os.close(primary)
 
 
 def test_sigterm_ends_a_chat_as_a_terminated_process(tiny_profile, tmp_path):
     """SIGTERM (`kill`, a process manager) ended a chat at once, its exit code the signal's; now a chat
     waiting for a message ends with one line and exit code 143 (128 + 15), not as Ctrl-C, which goes on."""
-    primary, secondary = pty.openpty()
-    env = dict(os.environ, RSD_CONFIG_DIR=str(tmp_path), COLUMNS="60")
-    proc = subprocess.Popen([sys.executable, "-m", "rsd_cli", "chat", "-p", str(tiny_profile), "-n", "4"],
-                            stdin=secondary, stdout=secondary, stderr=secondary, env=env, close_fds=True)
-    os.close(secondary)
-    try:
+    with _chat_on_a_terminal(tiny_profile, tmp_path) as (proc, primary):
         assert b"rsd chat" in _read_until(primary, "you› ".encode())
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 143
         assert b"rsd: terminated" in _read_until(primary, b"terminated")
-    finally:
-        proc.kill()
-        os.close(primary)
 
 
 def test_sigterm_that_lands_before_a_prompts_wait_still_ends_it():
