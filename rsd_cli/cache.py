@@ -181,8 +181,8 @@ def size_text(size: int) -> str:
 
 def entry_count(part: Part) -> str:
     """How many things a part holds, in its own words ("1 model", "3 builds"), or ""."""
-    if part.name == "models":
-        count, unit = sum(1 for path in part.paths if path.is_dir()), "model"
+    if part.name == "models":  # (a folder each in gguf/; its lock file beside it is no model)
+        count, unit = sum(1 for path in part.paths for model in path.glob("*") if model.is_dir()), "model"
     elif part.name == "kernels":
         count, unit = sum(len(list(path.glob("blocks-*.so"))) for path in part.paths), "build"
     elif part.name == "distill":

@@ -37,6 +37,7 @@ def folder(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("RSD_CACHE_DIR", str(root))
     write(root / "gguf" / "SmolLM2-7d63" / "model.safetensors", 5000)
     write(root / "gguf" / "SmolLM2-7d63.lock", 0)
+    write(root / "gguf" / "Other-0a1b" / "model.safetensors", 3000)
     write(root / "inductor" / "ab" / "cabc.py", 700)
     write(root / "inductor" / "rsd-0123456789abcdef-4", 0)
     write(root / "kernels" / "blocks-1111.so", 200)
@@ -58,9 +59,9 @@ def test_every_entry_of_the_cache_folder_is_counted_in_its_part(folder):
     parts = {part.name: part for part in cache.survey(folder)}
     assert [part.name for part in cache.survey(folder)] == list(cache.PART_NAMES)
     sizes = {name: part.size for name, part in parts.items()}
-    assert sizes == {"models": 5000, "compiled": 700, "kernels": 500, "distill": 4000, "offload": 2400,
+    assert sizes == {"models": 8000, "compiled": 700, "kernels": 500, "distill": 4000, "offload": 2400,
                      "measurements": 55, "other": 9}
-    assert cache.entry_count(parts["models"]) == "1 model"  # (the folder; its lock file is no model)
+    assert cache.entry_count(parts["models"]) == "2 models"  # (the folders; a lock file is no model)
     assert cache.entry_count(parts["kernels"]) == "2 builds"
     assert cache.entry_count(parts["offload"]) == "4 folders"
     # in use: this process's folder, and another host's (not ours to judge); not the killed run's, nor
@@ -73,12 +74,12 @@ def test_rsd_cache_shows_each_part_its_size_and_the_total(folder):
     assert result.exit_code == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == f"rsd's cache folder: {folder} (RSD_CACHE_DIR moves it)"
-    assert lines[1].split()[:3] == ["models", "5.0", "KB"] and "(1 model); ~15 s each to convert again" in lines[1]
+    assert lines[1].split()[:3] == ["models", "8.0", "KB"] and "(2 models); ~15 s each to convert again" in lines[1]
     assert lines[3].split()[:3] == ["kernels", "500", "B"] and "(2 builds)" in lines[3]
     assert "(4 folders, 2 in use)" in lines[5]
-    assert lines[-1].split() == ["total", "12.7", "KB"]
+    assert lines[-1].split() == ["total", "15.7", "KB"]
     shown = json.loads(CliRunner().invoke(app, ["cache", "show", "--json"]).stdout)
-    assert shown["folder"] == str(folder) and shown["bytes"] == 12664
+    assert shown["folder"] == str(folder) and shown["bytes"] == 15664
     assert {part["name"]: part["bytes"] for part in shown["parts"]}["distill"] == 4000
     assert json.loads(CliRunner().invoke(app, ["cache", "--json"]).stdout) == shown
     assert CliRunner().invoke(app, ["cache", "path"]).stdout == f"{folder}\n"
@@ -117,7 +118,7 @@ def test_clearing_parts_removes_those_alone_and_keeps_offload_folders_in_use(fol
 
     result = CliRunner().invoke(app, ["cache", "clear", "--all"])
     assert result.exit_code == 0, result.stderr
-    assert "models: removed 5.0 KB" in result.stderr and "other: removed 9 B" in result.stderr
+    assert "models: removed 8.0 KB" in result.stderr and "other: removed 9 B" in result.stderr
     assert sorted(path.name for path in folder.iterdir()) == sorted(path.name for path in folder.glob("offload-*"))
 
 
@@ -141,7 +142,7 @@ def test_clearing_nothing_or_an_unknown_part_is_a_usage_error(folder, args, mess
     result = CliRunner().invoke(app, ["cache", "clear", *args])
     assert result.exit_code == 2 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
-    assert cache.survey(folder)[0].size == 5000  # (nothing removed)
+    assert cache.survey(folder)[0].size == 8000  # (nothing removed)
 
 
 class SpillingProfile:
