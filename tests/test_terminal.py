@@ -344,8 +344,8 @@ def test_sigterm_that_lands_before_a_prompts_wait_still_ends_it():
         "errors.wake_a_prompt_on_ending_signal()\n"
         "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])\n"
         "never, _ = os.pipe()\n"
-        "print('waiting', flush=True)\n"
         "try:\n"
+        "    print('waiting', flush=True)\n"  # (a loaded machine may take the signal here, before the read)
         "    os.read(never, 1)\n"
         "except KeyboardInterrupt:\n"
         "    print('ended by', errors.ending_signal, flush=True)\n"
