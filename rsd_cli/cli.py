@@ -198,7 +198,7 @@ def cli_errors(fn):
             from . import errors
 
             if errors.ending_signal is not None:
-                sys.stderr.write("\nrsd: terminated\n")
+                sys.stderr.write(f"\nrsd: {errors.ended_by()}\n")
                 raise typer.Exit(128 + errors.ending_signal) from None
             sys.stderr.write("\nrsd: interrupted\n")
             raise typer.Exit(130) from None
@@ -1026,18 +1026,17 @@ def main() -> None:
     torch's worker pools, multiprocessing's children) run here; so it flushes the output and ends
     the process with the app's exit code. Where another thread is still running, Python's exit as
     usual (it waits for such threads)."""
-    import signal
     import threading
 
-    from .errors import end_on_signal
+    from .errors import leave_ending_signals, take_ending_signals
 
-    signal.signal(signal.SIGTERM, end_on_signal)  # (`timeout`, `kill`: what was generated is kept, as on Ctrl-C)
+    take_ending_signals()  # (`timeout`, `kill`, a closed terminal: what was generated is kept, as on Ctrl-C)
     try:
         app(prog_name="rsd")
         code = 0
     except SystemExit as e:
         code = e.code
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the answer is out: a SIGTERM now just ends the process)
+    leave_ending_signals()  # (the answer is out: a SIGTERM now just ends the process)
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     if "torch" not in sys.modules or others:  # (--help, completions: nothing to tear down)
         sys.exit(code)

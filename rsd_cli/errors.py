@@ -6,10 +6,35 @@ class UsageError(RsdError):
     """Bad command-line input; exit code 2."""
 
 
-# The signal that ended the run, where one did (SIGTERM: `timeout`, `kill`, a process manager), or None. rsd
-# treats it as Ctrl-C — what was generated is written out, --json records included — then exits 128 + its
-# number; a chat ends instead of going on.
+# The signal that ended the run, where one did (SIGTERM: `timeout`, `kill`, a process manager; SIGHUP: the
+# terminal closed), or None. rsd treats it as Ctrl-C — what was generated is written out, --json records
+# included — then exits 128 + its number; a chat ends instead of going on.
 ending_signal: int | None = None
+
+
+def take_ending_signals() -> None:
+    """Take SIGTERM, and SIGHUP unless it is ignored (`nohup`: the run is to outlive its terminal), as Ctrl-C."""
+    import signal
+
+    signal.signal(signal.SIGTERM, end_on_signal)
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
+        signal.signal(signal.SIGHUP, end_on_signal)
+
+
+def leave_ending_signals() -> None:
+    """Their defaults again (the answer is out: such a signal now just ends the process)."""
+    import signal
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is end_on_signal:
+            signal.signal(signum, signal.SIG_DFL)
+
+
+def ended_by() -> str:
+    """What ended the run, in the words of the line rsd leaves: terminated (SIGTERM), hung up (SIGHUP)."""
+    import signal
+
+    return "hung up" if ending_signal == signal.SIGHUP else "terminated"
 
 
 def end_on_signal(signum, frame) -> None:
@@ -20,11 +45,36 @@ def end_on_signal(signum, frame) -> None:
     global ending_signal
     ending_signal = signum
     signal.signal(signum, signal.SIG_DFL)
+    if signum == signal.SIGHUP:
+        drop_what_goes_to_a_hung_up_terminal()
     raise KeyboardInterrupt
 
 
+def drop_what_goes_to_a_hung_up_terminal() -> None:
+    """A terminal that hung up fails every write (EIO): the standard streams still on it are pointed at
+    the null device, so the lines left to write there go nowhere and what goes elsewhere (records to a
+    file or pipe, a history file) is still written. A terminal still there (`kill -HUP`) is kept."""
+    import errno
+    import os
+    import termios
+
+    null = None
+    for fd in (0, 1, 2):
+        try:
+            termios.tcgetattr(fd)
+            continue  # (a terminal still there)
+        except termios.error as e:
+            if e.args[0] not in (errno.EIO, errno.ENXIO):  # (ENOTTY: a file or pipe; EBADF: closed)
+                continue
+        if null is None:
+            null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, fd)
+    if null is not None:
+        os.close(null)
+
+
 def wake_a_prompt_on_ending_signal() -> None:
-    """Let SIGTERM end a readline prompt whenever it lands (chat, on a terminal). readline writes its
+    """Let SIGTERM (or SIGHUP) end a readline prompt whenever it lands (chat, on a terminal). readline writes its
     prompt, then waits in select() on stdin, and only an interrupted select runs Python's signal
     handlers: a signal landing between the two (likely on a loaded machine, where the prompt's
     write hands the CPU to the terminal) only set Python's flag, and the chat hung until a key. The
@@ -44,7 +94,7 @@ def wake_a_prompt_on_ending_signal() -> None:
     def wake() -> None:
         while True:
             caught = os.read(read_end, 1)
-            if caught and caught[0] == signal.SIGTERM:
+            if caught and caught[0] in (signal.SIGTERM, signal.SIGHUP):
                 for _ in range(100):  # (5 s: the main thread may be in a forward, which no signal cuts)
                     time.sleep(0.05)
                     if ending_signal is not None:

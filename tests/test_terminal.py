@@ -321,14 +321,17 @@ def test_chat_in_a_real_pseudo_terminal(tiny_profile, tmp_path):
         assert proc.wait(timeout=60) == 0
 
 
-def test_sigterm_ends_a_chat_as_a_terminated_process(tiny_profile, tmp_path):
+@pytest.mark.parametrize("signum, code, line", [(signal.SIGTERM, 143, b"rsd: terminated"),
+                                                (signal.SIGHUP, 129, b"rsd: hung up")])
+def test_sigterm_ends_a_chat_as_a_terminated_process(tiny_profile, tmp_path, signum, code, line):
     """SIGTERM (`kill`, a process manager) ended a chat at once, its exit code the signal's; now a chat
-    waiting for a message ends with one line and exit code 143 (128 + 15), not as Ctrl-C, which goes on."""
+    waiting for a message ends with one line and exit code 143 (128 + 15), not as Ctrl-C, which goes on.
+    SIGHUP sent while the terminal is still there (`kill -HUP`) too: 129, its line on the terminal."""
     with _chat_on_a_terminal(tiny_profile, tmp_path) as (proc, primary):
         assert b"rsd chat" in _read_until(primary, "you› ".encode())
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 143
-        assert b"rsd: terminated" in _read_until(primary, b"terminated")
+        proc.send_signal(signum)
+        assert proc.wait(timeout=60) == code
+        assert line in _read_until(primary, line)
 
 
 def test_sigterm_that_lands_before_a_prompts_wait_still_ends_it():
@@ -382,6 +385,81 @@ def test_sigterm_keeps_what_was_generated_as_ctrl_c_does(tiny_profile, tmp_path)
     assert records[-1]["finish_reason"] in ("interrupted", "length") and len(records) < 100000
     last = len(records[-1]["token_ids"])
     assert last < 30 if records[-1]["finish_reason"] == "interrupted" else last == 30
+
+
+def _on_a_terminal_that_hangs_up(argv, config_dir, *, stdout_on_it=False, stderr_on_it=True, ignore_hangup=False,
+                                  env=None):
+    """rsd with a pseudo-terminal as its controlling terminal (stdin, and stderr and stdout as said; else pipes):
+    returns the process and the terminal's other end, whose closing hangs the terminal up (as closing
+    a terminal window or losing an ssh connection does): the kernel sends SIGHUP."""
+    import fcntl
+    import termios
+
+    def take_the_terminal():
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        if ignore_hangup:  # (as `nohup` does)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "rsd_cli", *map(str, argv)], stdin=secondary,
+                            stdout=secondary if stdout_on_it else subprocess.PIPE,
+                            stderr=secondary if stderr_on_it else subprocess.PIPE, start_new_session=True,
+                            preexec_fn=take_the_terminal, close_fds=True,
+                            env=dict(os.environ, RSD_CONFIG_DIR=str(config_dir), COLUMNS="60", **(env or {})))
+    os.close(secondary)
+    return proc, primary
+
+
+def test_a_closed_terminal_keeps_what_was_generated_as_sigterm_does(tiny_profile, tmp_path):
+    """Closing the terminal (a window, an ssh connection) sends SIGHUP, whose default ended
+    `rsd generate --json ... > out.jsonl` with the cut completion's record lost. Now SIGHUP is taken as
+    SIGTERM: every finished record, the cut one's, exit code 129 (128 + 1); its lines to the terminal,
+    gone, are dropped instead of failing (a write to a hung-up terminal fails)."""
+    proc, primary = _on_a_terminal_that_hangs_up(["generate", "hello", "-p", tiny_profile, "-v", "sd", "--samples",
+                                                  "100000", "-n", "30", "--ignore-eos", "--json"], tmp_path)
+    try:
+        first = proc.stdout.readline()  # (one completion written: the models are loaded and answering)
+        time.sleep(0.5)  # (some more, each with its line on the terminal)
+        os.close(primary)
+        rest = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    records = [json.loads(line) for line in (first + rest).decode().splitlines()]
+    assert proc.returncode == 129 and 1 < len(records) < 100000
+    assert all(record["finish_reason"] == "length" and len(record["token_ids"]) == 30 for record in records[:-1])
+    assert records[-1]["finish_reason"] in ("interrupted", "length")
+
+
+def test_under_nohup_a_closed_terminal_does_not_end_rsd(tiny_profile, tmp_path):
+    """`nohup rsd ...` ignores SIGHUP so that a run outlives its terminal: rsd keeps it ignored."""
+    proc, primary = _on_a_terminal_that_hangs_up(["generate", "hello", "-p", tiny_profile, "--samples", "3", "-n",
+                                                  "30", "--ignore-eos", "--json"], tmp_path, stderr_on_it=False,
+                                                 ignore_hangup=True)
+    try:
+        first = proc.stdout.readline()
+        os.close(primary)
+        rest, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr.decode()
+    assert [json.loads(line)["finish_reason"] for line in (first + rest).decode().splitlines()] == ["length"] * 3
+
+
+def test_a_closed_terminal_ends_a_chat_keeping_the_lines_typed(tiny_profile, tmp_path):
+    """A chat whose terminal closed was killed by SIGHUP, and the lines typed in it were lost to the next
+    session's Up (the history file is written as a chat ends). Now it ends as on SIGTERM, history kept."""
+    history = tmp_path / "history"
+    proc, primary = _on_a_terminal_that_hangs_up(["chat", "-p", tiny_profile, "-n", "3"], tmp_path, stdout_on_it=True,
+                                                 env={"RSD_CHAT_HISTORY": str(history), "TERM": "xterm"})
+    try:
+        assert b"rsd chat" in _read_until(primary, "you› ".encode())
+        os.write(primary, b"hello there\n")
+        assert "you› ".encode() in _read_until(primary, "you› ".encode())
+        os.close(primary)
+        assert proc.wait(timeout=60) == 129
+    finally:
+        proc.kill()
+    assert history.read_text().splitlines() == ["hello there"]
 
 
 def test_chat_completes_commands_keys_and_the_paths_save_and_load_name(tmp_path, monkeypatch):
