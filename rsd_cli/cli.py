@@ -1019,6 +1019,29 @@ def distill(
                 console=_stderr_console(), train_head=train_head)
 
 
+def open_closed_standard_streams() -> list[str]:
+    """Standard streams the caller closed (`2>&-`, `<&-`, `>&-`) opened on the null device, as daemons
+    do: Python left them None (a write failed), and a file rsd opens would take their descriptor, where
+    a C library's write to stderr (torch's warnings) would land. A closed stdin reads as empty, a closed
+    stderr drops what is written to it. Returns the names of those that were closed."""
+    closed = []
+    for fd, name in enumerate(("stdin", "stdout", "stderr")):
+        try:
+            os.fstat(fd)
+            continue
+        except OSError:
+            pass
+        null = os.open(os.devnull, os.O_RDWR)  # (the lowest free descriptor: this one)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        stream = open(fd, "r" if fd == 0 else "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+        closed.append(name)
+    return closed
+
+
 def main() -> None:
     """`rsd`: the app, then a prompt exit. Once a process has imported torch, Python's own shutdown
     (every module and object torn down) takes 0.2-0.5 s after the answer is out. rsd leaves nothing
@@ -1030,6 +1053,9 @@ def main() -> None:
 
     from .errors import leave_ending_signals, take_ending_signals
 
+    if "stdout" in open_closed_standard_streams():
+        error("stdout is closed: what rsd writes there would be lost (>/dev/null discards it)")
+        sys.exit(1)
     take_ending_signals()  # (`timeout`, `kill`, a closed terminal: what was generated is kept, as on Ctrl-C)
     try:
         app(prog_name="rsd")

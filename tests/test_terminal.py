@@ -720,6 +720,40 @@ def test_closed_pipe_ends_quietly(tiny_profile, tmp_path):
     assert "Exception ignored" not in (tmp_path / "err").read_text()
 
 
+def _rsd_with_closed(fds: str, *args, tmp_path, input=None):
+    """rsd run by a shell that closed some of its standard streams first (`2>&-`, `<&-`, `>&-`)."""
+    env = dict(os.environ, RSD_CONFIG_DIR=str(tmp_path))
+    return subprocess.run(["sh", "-c", f'exec "$0" -m rsd_cli "$@" {fds}', sys.executable, *map(str, args)], env=env,
+                          capture_output=True, input=input)
+
+
+def test_closed_stderr_or_stdin_are_taken_as_the_null_device(tiny_profile, tmp_path):
+    """`rsd generate ... 2>&-` printed the answer, then failed on the statistics (stderr is None in Python), exit 1;
+    a C library's write to fd 2 (torch's warnings) would land in whatever file rsd had opened as fd 2. Closed
+    standard streams are now the null device: the answer, exit 0; a closed stdin is an empty one."""
+    args = ("generate", "hello", "-p", tiny_profile, "-n", "8", "-t", "0", "--ignore-eos")
+    plain = _rsd_with_closed("", *args, tmp_path=tmp_path)
+    assert plain.returncode == 0 and plain.stdout
+    without_stderr = _rsd_with_closed("2>&-", *args, tmp_path=tmp_path)
+    assert (without_stderr.returncode, without_stderr.stdout) == (0, plain.stdout)
+    without_stdin = _rsd_with_closed("<&-", *args, tmp_path=tmp_path)
+    assert (without_stdin.returncode, without_stdin.stdout) == (0, plain.stdout)
+    prompt_from_closed_stdin = _rsd_with_closed("<&-", "generate", "-", "-p", tiny_profile, tmp_path=tmp_path)
+    assert prompt_from_closed_stdin.returncode == 2
+    assert prompt_from_closed_stdin.stderr.decode() == "rsd: error: the prompt is empty\n"
+    chat = _rsd_with_closed("<&-", "chat", "-p", tiny_profile, tmp_path=tmp_path)
+    assert chat.returncode == 0 and b"Traceback" not in chat.stderr
+
+
+def test_a_closed_stdout_is_one_line_and_exit_1_before_any_work(tiny_profile, tmp_path):
+    """`rsd generate ... >&-` failed with "AttributeError: 'NoneType' object has no attribute 'write'" and a
+    traceback, after loading the models; as `echo hi >&-` fails, rsd says so in one line, before anything."""
+    result = _rsd_with_closed(">&-", "generate", "hello", "-p", tiny_profile, "-n", "8", tmp_path=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.decode() == ("rsd: error: stdout is closed: what rsd writes there would be lost "
+                                      "(>/dev/null discards it)\n")
+
+
 def test_rsd_ends_without_python_s_teardown_but_runs_exit_hooks_and_keeps_output_and_codes(tiny_profile, tmp_path):
     """`rsd` skips Python's module teardown (0.2-0.5 s once torch is imported) with os._exit, after
     running the exit hooks and flushing stdout and stderr, with the app's exit code."""
