@@ -1051,11 +1051,12 @@ def main() -> None:
     usual (it waits for such threads)."""
     import threading
 
-    from .errors import leave_ending_signals, take_ending_signals
+    from .errors import leave_ending_signals, outlive_the_terminal, take_ending_signals
 
     if "stdout" in open_closed_standard_streams():
         error("stdout is closed: what rsd writes there would be lost (>/dev/null discards it)")
         sys.exit(1)
+    outlive_the_terminal()
     take_ending_signals()  # (`timeout`, `kill`, a closed terminal: what was generated is kept, as on Ctrl-C)
     try:
         app(prog_name="rsd")

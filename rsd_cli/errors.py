@@ -102,3 +102,54 @@ def wake_a_prompt_on_ending_signal() -> None:
                     signal.pthread_kill(main, signal.SIGWINCH)
 
     threading.Thread(target=wake, name="rsd-wake-prompt", daemon=True).start()
+
+
+class OutlivesItsTerminal:
+    """A standard stream on a terminal whose writes outlive the terminal: one that hung up (closed, with
+    the run under `nohup` or `disown`ed, so no SIGHUP ended it) fails every write with EIO, which would end
+    the run at its next line of statistics; such writes are dropped instead (the streams still on it are
+    pointed at the null device) and the run goes on, writing what goes elsewhere (a file, a pipe)."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def _outlived(self, error: OSError) -> bool:
+        import errno
+
+        if error.errno not in (errno.EIO, errno.ENXIO):
+            return False
+        drop_what_goes_to_a_hung_up_terminal()
+        return True
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            if not self._outlived(e):
+                raise
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            if not self._outlived(e):
+                raise
+            self._stream.flush()  # (what it held, now to the null device)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def outlive_the_terminal() -> None:
+    """sys.stdout and sys.stderr, where they are a terminal, as OutlivesItsTerminal."""
+    import sys
+
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        try:
+            on_a_terminal = stream.isatty()
+        except (AttributeError, ValueError):
+            continue
+        if on_a_terminal:
+            setattr(sys, name, OutlivesItsTerminal(stream))
