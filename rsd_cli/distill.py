@@ -59,15 +59,36 @@ class DistillResult:
     eval_tokens: int = 0
 
 
+@dataclass
+class Sampled:
+    """A phase's answers sampled so far, kept after each batch so that an interrupted run's next goes on
+    from them: the answers, and the state of the random draws (prompts, seeds) after the last batch."""
+
+    sequences: list[Sequence]
+    state: tuple  # random.Random.getstate()
+
+    @property
+    def answer_tokens(self) -> int:
+        return sum(len(s.ids) - s.answer_start for s in self.sequences)
+
+
 def sample_answers(target, tokenizer, prompts: list[str], budget: int, recipe: Recipe, phase: str,
-                   progress: Progress, decoder=None) -> list[Sequence]:
+                   progress: Progress, decoder=None, sampled: Sampled | None = None,
+                   keep: Callable[[Sampled], None] | None = None) -> list[Sequence]:
     """The target's sampled answers (T = 1, no truncation) until `budget` answer tokens, each ending
     at the end-of-sequence token (kept) or after max_new_tokens: `batch_size` random prompts at a time,
-    decoded together by `decoder` (`sampler`: rsd's runtime) or else by transformers' generate."""
+    decoded together by `decoder` (`sampler`: rsd's runtime) or else by transformers' generate. Goes on
+    from `sampled` (an earlier run's); `keep` is given what is sampled after each batch. On the runtime
+    (each answer's own seed) an interrupted run and its next sample what one run does."""
     generator = random.Random(recipe.seed + len(phase))
     out: list[Sequence] = []
-    total = 0
-    progress(phase, 0, budget)
+    if sampled is not None:
+        out = list(sampled.sequences)
+        generator.setstate(sampled.state)
+        if decoder is None:  # (generate draws from torch's generator, seeded as the first run's was: not its draws again)
+            torch.manual_seed(random.Random(f"{recipe.seed} {phase} {len(out)}").getrandbits(63))
+    total = Sampled(out, ()).answer_tokens
+    progress(phase, min(total, budget), budget)
     while total < budget:
         batch = [generator.choice(prompts) for _ in range(recipe.batch_size)]
         encoded = [encode_prompt(tokenizer, p) for p in batch]
@@ -79,6 +100,8 @@ def sample_answers(target, tokenizer, prompts: list[str], budget: int, recipe: R
             if answer:
                 out.append(Sequence(prompt_ids + answer, len(prompt_ids)))
                 total += len(answer)
+        if keep is not None:
+            keep(Sampled(list(out), generator.getstate()))
         progress(phase, min(total, budget), budget)
     return out
 

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from .distill import Recipe, TrainingInterrupted, sample_answers, sampler, teacher_labels, train
+from .distill import Recipe, Sampled, TrainingInterrupted, sample_answers, sampler, teacher_labels, train
 from .engine import check_prompts
 from .errors import RsdError, UsageError
 from .models import (cache_dir, check_early_exit, describe_layers, exact_fingerprint, layers_per_device, load_model,
@@ -43,6 +43,54 @@ def _cached_data(path: Path, console):
         return None
     console.print(f"reusing sampled data from {path}")
     return train_data, eval_data
+
+
+def _sampled_so_far(path: Path, console) -> dict[str, Sampled]:
+    """The answers an interrupted run of the same command kept, by phase ({} where none, or where the
+    file cannot be read: said, then sampled again)."""
+    import torch
+
+    if not path.is_file():
+        return {}
+    try:
+        kept = torch.load(path, weights_only=False)
+        tokens = sum(sampled.answer_tokens for sampled in kept.values())
+    except Exception as e:  # (written by an older rsd, damaged)
+        console.print(f"rsd: the answers kept in {path} cannot be read ({type(e).__name__}): sampling them again",
+                      markup=False, highlight=False)
+        return {}
+    console.print(f"going on from {tokens} answer tokens sampled before ({path})", markup=False, highlight=False)
+    return kept
+
+
+def _sample_data(target, tokenizer, prompts: list[str], recipe: Recipe, setting: str, cached: Path, progress,
+                 console):
+    """The (train, held-out) answers, kept batch by batch beside `cached` until both are sampled: Ctrl-C
+    (or SIGTERM, a closed terminal) leaves them there, and the same command goes on from them."""
+    import torch
+
+    kept_file = cached.with_name(f"{cached.stem}.sampling.pt")
+    so_far = _sampled_so_far(kept_file, console)
+
+    def keeper(phase: str):
+        def keep(sampled: Sampled) -> None:
+            so_far[phase] = sampled
+            write_whole(kept_file, lambda partial: torch.save(so_far, partial))
+        return keep
+
+    decoder = _sampler(target, tokenizer, setting, console)
+    phases = (("sampling answers", prompts, recipe.tokens), ("held-out answers", builtin_prompts("eval"),
+                                                             recipe.eval_tokens))
+    try:
+        train_data, eval_data = [sample_answers(target, tokenizer, asked, budget, recipe, phase, progress, decoder,
+                                                so_far.get(phase), keeper(phase)) for phase, asked, budget in phases]
+    except KeyboardInterrupt:
+        if so_far:
+            tokens = sum(sampled.answer_tokens for sampled in so_far.values())
+            console.print(f"rsd: interrupted while sampling: {tokens} answer tokens kept in {kept_file}; the same "
+                          f"command goes on from them", markup=False, highlight=False)
+        raise
+    return train_data, eval_data, kept_file
 
 
 def _sampler(target, tokenizer, setting: str, console):
@@ -117,15 +165,13 @@ def run_distill(profile, out: Path, *, layers: int, tokens: int, eval_tokens: in
         if data is not None:  # sampling is the slow part: a rerun with another lr or epochs reuses it
             train_data, eval_data = data
         else:
-            decoder = _sampler(target, tokenizer, profile["runtime"]["compile"], console)
-            train_data = sample_answers(target, tokenizer, prompts, tokens, recipe, "sampling answers", progress,
-                                        decoder)
-            eval_data = sample_answers(target, tokenizer, builtin_prompts("eval"), eval_tokens, recipe,
-                                       "held-out answers", progress, decoder)
+            train_data, eval_data, kept_file = _sample_data(target, tokenizer, prompts, recipe,
+                                                            profile["runtime"]["compile"], cached, progress, console)
             progress("teacher labels", 0, len(train_data))
             teacher_labels(target, train_data, recipe.teacher_top_k)
             progress("teacher labels", len(train_data), len(train_data))
             write_whole(cached, lambda partial: torch.save((train_data, eval_data), partial))
+            kept_file.unlink(missing_ok=True)
         try:
             result, stopped = train(target, train_data, recipe, progress, eval_data), None
         except TrainingInterrupted as e:  # (Ctrl-C or SIGTERM after a whole epoch: that epoch's adapter is written)

@@ -118,11 +118,76 @@ def test_an_interrupted_distill_writes_the_adapter_of_its_last_whole_epoch(targe
     assert early.exit_code == 130 and not (tmp_path / "early.safetensors").exists(), early.stderr
 
 
-def test_distill_samples_with_transformers_generate_with_compile_off(target_profile, tmp_path):
+def test_an_interrupted_sampling_keeps_its_answers_and_the_same_command_goes_on_from_them(target_profile, tmp_path,
+                                                                                         monkeypatch):
+    """Sampling the target's answers is most of a distill's time (half an hour on the embedded pair), and
+    Ctrl-C, SIGTERM or a closed terminal during it threw every answer away. They are kept batch by batch now:
+    the same command goes on from the batches sampled, and ends with the data a run never interrupted samples
+    (the same prompts and seeds), the batches kept then removed."""
+    import torch
+
+    from rsd_cli import distill
+
+    profile, prompts = target_profile
+    args = ("--prompts", str(prompts), "--compile", "auto", "--epochs", "1", "--batch-size", "2")
+    assert _distill(profile, tmp_path / "whole.safetensors", *args).exit_code == 0
+    (cached,) = (tmp_path / "cache" / "distill").glob("data-*.pt")
+    whole = torch.load(cached, weights_only=False)
+    cached.unlink()
+
+    real, batches = distill._together, []
+
+    def cut_at(batch: int):
+        def together(*args, **kwargs):
+            batches.append(args)
+            if len(batches) == batch:
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+        return together
+
+    monkeypatch.setattr(distill, "_together", cut_at(4))  # (in the training answers)
+    first = _distill(profile, tmp_path / "cut.safetensors", *args)
+    assert first.exit_code == 130 and not (tmp_path / "cut.safetensors").exists(), first.stderr
+    kept = sum(len(s.ids) - s.answer_start for s in whole[0][:6])  # (3 whole batches of 2 answers)
+    assert f"rsd: interrupted while sampling: {kept} answer tokens kept" in first.stderr
+    assert "the same command goes on from them" in first.stderr and first.stderr.endswith("rsd: interrupted\n")
+
+    batches.clear()
+    train_batches = len(whole[0]) // 2
+    monkeypatch.setattr(distill, "_together", cut_at(train_batches - 3 + 2))  # (then in the held-out answers)
+    second = _distill(profile, tmp_path / "cut.safetensors", *args)
+    assert second.exit_code == 130 and f"going on from {kept} answer tokens sampled before" in second.stderr
+
+    monkeypatch.setattr(distill, "_together", real)
+    third = _distill(profile, tmp_path / "resumed.safetensors", *args)
+    assert third.exit_code == 0 and (tmp_path / "resumed.safetensors").is_file(), third.stderr
+    assert "going on from" in third.stderr
+    resumed = torch.load(cached, weights_only=False)
+    for got, expected in zip(resumed, whole):  # (train, held-out)
+        assert [(s.ids, s.answer_start) for s in got] == [(s.ids, s.answer_start) for s in expected]
+    assert [path.name for path in (tmp_path / "cache" / "distill").iterdir()] == [cached.name]
+
+
+def test_distill_samples_with_transformers_generate_with_compile_off(target_profile, tmp_path, monkeypatch):
+    from rsd_cli import distill
+
     profile, prompts = target_profile
     out = tmp_path / "adapter.safetensors"
-    result = _distill(profile, out, "--prompts", str(prompts), "--compile", "off", "--epochs", "1")
-    assert result.exit_code == 0, result.stderr
+    real, calls = distill._generated, []
+
+    def cut_second(*args, **kwargs):  # (interrupted in its second batch: the same command goes on from the first)
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(distill, "_generated", cut_second)
+    args = ("--prompts", str(prompts), "--compile", "off", "--epochs", "1", "--batch-size", "4")
+    cut = _distill(profile, out, *args)
+    assert cut.exit_code == 130 and "rsd: interrupted while sampling: " in cut.stderr, cut.stderr
+    monkeypatch.setattr(distill, "_generated", real)
+    result = _distill(profile, out, *args)
+    assert result.exit_code == 0 and "going on from " in result.stderr, result.stderr
     assert "sampling the target's answers on transformers' generate" in result.stderr and out.is_file()
     assert json.loads(safe_open(str(out), framework="pt").metadata()["rsd_recipe"])["sampled_train_tokens"] >= 300
     bad = _distill(profile, out, "--prompts", str(prompts), "--compile", "sometimes")
