@@ -234,9 +234,10 @@ def _os_error_line(e: OSError) -> str:
 
 def _silence_stdout() -> None:
     """After `| head` closed the pipe: point stdout at /dev/null so exit stays quiet."""
+    from .errors import point_at_null
+
     try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        point_at_null(sys.stdout.fileno())
     except (OSError, ValueError, AttributeError):
         pass
 
@@ -1024,6 +1025,8 @@ def open_closed_standard_streams() -> list[str]:
     do: Python left them None (a write failed), and a file rsd opens would take their descriptor, where
     a C library's write to stderr (torch's warnings) would land. A closed stdin reads as empty, a closed
     stderr drops what is written to it. Returns the names of those that were closed."""
+    from .errors import point_at_null
+
     closed = []
     for fd, name in enumerate(("stdin", "stdout", "stderr")):
         try:
@@ -1031,10 +1034,7 @@ def open_closed_standard_streams() -> list[str]:
             continue
         except OSError:
             pass
-        null = os.open(os.devnull, os.O_RDWR)  # (the lowest free descriptor: this one)
-        if null != fd:
-            os.dup2(null, fd)
-            os.close(null)
+        point_at_null(fd)
         stream = open(fd, "r" if fd == 0 else "w", encoding="utf-8", errors="backslashreplace", closefd=False)
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)

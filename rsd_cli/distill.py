@@ -69,7 +69,12 @@ class Sampled:
 
     @property
     def answer_tokens(self) -> int:
-        return sum(len(s.ids) - s.answer_start for s in self.sequences)
+        return answer_tokens(self.sequences)
+
+
+def answer_tokens(sequences: list[Sequence]) -> int:
+    """The answer tokens of these sequences (their prompts left out)."""
+    return sum(len(s.ids) - s.answer_start for s in sequences)
 
 
 def sample_answers(target, tokenizer, prompts: list[str], budget: int, recipe: Recipe, phase: str,
@@ -87,7 +92,7 @@ def sample_answers(target, tokenizer, prompts: list[str], budget: int, recipe: R
         generator.setstate(sampled.state)
         if decoder is None:  # (generate draws from torch's generator, seeded as the first run's was: not its draws again)
             torch.manual_seed(random.Random(f"{recipe.seed} {phase} {len(out)}").getrandbits(63))
-    total = Sampled(out, ()).answer_tokens
+    total = answer_tokens(out)
     progress(phase, min(total, budget), budget)
     while total < budget:
         batch = [generator.choice(prompts) for _ in range(recipe.batch_size)]

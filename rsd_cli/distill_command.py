@@ -45,6 +45,10 @@ def _cached_data(path: Path, console):
     return train_data, eval_data
 
 
+def _kept_tokens(so_far: dict[str, Sampled]) -> int:
+    return sum(sampled.answer_tokens for sampled in so_far.values())
+
+
 def _sampled_so_far(path: Path, console) -> dict[str, Sampled]:
     """The answers an interrupted run of the same command kept, by phase ({} where none, or where the
     file cannot be read: said, then sampled again)."""
@@ -54,7 +58,7 @@ def _sampled_so_far(path: Path, console) -> dict[str, Sampled]:
         return {}
     try:
         kept = torch.load(path, weights_only=False)
-        tokens = sum(sampled.answer_tokens for sampled in kept.values())
+        tokens = _kept_tokens(kept)
     except Exception as e:  # (written by an older rsd, damaged)
         console.print(f"rsd: the answers kept in {path} cannot be read ({type(e).__name__}): sampling them again",
                       markup=False, highlight=False)
@@ -86,8 +90,7 @@ def _sample_data(target, tokenizer, prompts: list[str], recipe: Recipe, setting:
                                                 so_far.get(phase), keeper(phase)) for phase, asked, budget in phases]
     except KeyboardInterrupt:
         if so_far:
-            tokens = sum(sampled.answer_tokens for sampled in so_far.values())
-            console.print(f"rsd: interrupted while sampling: {tokens} answer tokens kept in {kept_file}; the same "
+            console.print(f"rsd: interrupted while sampling: {_kept_tokens(so_far)} answer tokens kept in {kept_file}; the same "
                           f"command goes on from them", markup=False, highlight=False)
         raise
     return train_data, eval_data, kept_file

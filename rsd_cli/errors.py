@@ -50,27 +50,35 @@ def end_on_signal(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def point_at_null(fd: int) -> None:
+    """Descriptor fd opened on the null device (what it held, if anything, closed)."""
+    import os
+
+    null = os.open(os.devnull, os.O_RDWR)  # (where fd is closed and the lowest free: fd itself)
+    if null != fd:
+        os.dup2(null, fd)
+        os.close(null)
+
+
+def hung_up(code: int | None) -> bool:
+    """Whether an I/O error's number is a hung-up terminal's (EIO; ENXIO on BSDs)."""
+    import errno
+
+    return code in (errno.EIO, errno.ENXIO)
+
+
 def drop_what_goes_to_a_hung_up_terminal() -> None:
     """A terminal that hung up fails every write (EIO): the standard streams still on it are pointed at
     the null device, so the lines left to write there go nowhere and what goes elsewhere (records to a
     file or pipe, a history file) is still written. A terminal still there (`kill -HUP`) is kept."""
-    import errno
-    import os
     import termios
 
-    null = None
     for fd in (0, 1, 2):
         try:
-            termios.tcgetattr(fd)
-            continue  # (a terminal still there)
+            termios.tcgetattr(fd)  # (a terminal still there)
         except termios.error as e:
-            if e.args[0] not in (errno.EIO, errno.ENXIO):  # (ENOTTY: a file or pipe; EBADF: closed)
-                continue
-        if null is None:
-            null = os.open(os.devnull, os.O_RDWR)
-        os.dup2(null, fd)
-    if null is not None:
-        os.close(null)
+            if hung_up(e.args[0]):  # (not ENOTTY: a file or pipe; nor EBADF: closed)
+                point_at_null(fd)
 
 
 def wake_a_prompt_on_ending_signal() -> None:
@@ -114,9 +122,7 @@ class OutlivesItsTerminal:
         self._stream = stream
 
     def _outlived(self, error: OSError) -> bool:
-        import errno
-
-        if error.errno not in (errno.EIO, errno.ENXIO):
+        if not hung_up(error.errno):
             return False
         drop_what_goes_to_a_hung_up_terminal()
         return True
