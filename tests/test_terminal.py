@@ -723,11 +723,11 @@ def test_closed_pipe_ends_quietly(tiny_profile, tmp_path):
     assert "Exception ignored" not in (tmp_path / "err").read_text()
 
 
-def _rsd_with_closed(fds: str, *args, tmp_path, input=None):
+def _rsd_with_closed(fds: str, *args, tmp_path):
     """rsd run by a shell that closed some of its standard streams first (`2>&-`, `<&-`, `>&-`)."""
     env = dict(os.environ, RSD_CONFIG_DIR=str(tmp_path))
     return subprocess.run(["sh", "-c", f'exec "$0" -m rsd_cli "$@" {fds}', sys.executable, *map(str, args)], env=env,
-                          capture_output=True, input=input)
+                          capture_output=True)
 
 
 def test_closed_stderr_or_stdin_are_taken_as_the_null_device(tiny_profile, tmp_path):
