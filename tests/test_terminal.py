@@ -296,13 +296,20 @@ def _read_until(fd: int, marker: bytes, timeout: float = 60) -> bytes:
     return data
 
 
+def _hangup_by_default():
+    """SIGHUP's default in a child, whatever the suite runs under (`nohup make test` ignores it, and rsd keeps
+    an ignored SIGHUP ignored, as it must)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 @contextlib.contextmanager
 def _chat_on_a_terminal(profile, config_dir):
     """`rsd chat` on a pseudo-terminal (stdin, stdout and stderr): yields the process and the terminal's other end."""
     primary, secondary = pty.openpty()
     env = dict(os.environ, RSD_CONFIG_DIR=str(config_dir), COLUMNS="60")
     proc = subprocess.Popen([sys.executable, "-m", "rsd_cli", "chat", "-p", str(profile), "-n", "4"],
-                            stdin=secondary, stdout=secondary, stderr=secondary, env=env, close_fds=True)
+                            stdin=secondary, stdout=secondary, stderr=secondary, env=env, close_fds=True,
+                            preexec_fn=_hangup_by_default)
     os.close(secondary)
     try:
         yield proc, primary
@@ -397,8 +404,7 @@ def _on_a_terminal_that_hangs_up(argv, config_dir, *, stdout_on_it=False, stderr
 
     def take_the_terminal():
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-        if ignore_hangup:  # (as `nohup` does)
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN if ignore_hangup else signal.SIG_DFL)  # (SIG_IGN: as `nohup` does)
 
     primary, secondary = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "rsd_cli", *map(str, argv)], stdin=secondary,
