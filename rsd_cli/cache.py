@@ -41,6 +41,32 @@ class Part:
     in_use: list[Path] = field(default_factory=list)  # offload folders of processes still running
 
 
+def torch_default_inductor_folder() -> str:
+    """Where torch puts torch.compile's code by default (torch._inductor.runtime.cache_dir_utils.
+    default_cache_dir, which imports torch: `rsd cache` stays light)."""
+    import getpass
+    import tempfile
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
+def chosen_inductor_folder(folder: Path, environ=os.environ, torch_default: str | None = None) -> Path | None:
+    """The folder the user chose for torch.compile's code (TORCHINDUCTOR_CACHE_DIR), or None where rsd's
+    cache folder (`folder`) holds it: unset, empty, rsd's own, or torch's default (which torch writes into
+    the environment once it has compiled; torch_default: torch's own answer where torch is imported)."""
+    chosen = environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not chosen:
+        return None
+    default = torch_default_inductor_folder() if torch_default is None else torch_default
+    if os.path.abspath(chosen) in (os.path.abspath(default), os.path.abspath(folder / "inductor")):
+        return None
+    return Path(chosen)
+
+
 def part_of(entry: str) -> str:
     """Which part a top-level entry of the cache folder belongs to."""
     if entry in FOLDERS:

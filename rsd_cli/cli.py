@@ -911,16 +911,18 @@ def _cache(ctx: typer.Context,
 @cli_errors
 def cache_show(as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False):
     """Each part of the cache folder: its size, what it holds and what clearing it costs."""
-    from .cache import entry_count, size_text, survey
+    from .cache import chosen_inductor_folder, entry_count, size_text, survey
     from .models import cache_dir
 
     folder = cache_dir()
     parts = survey(folder)
     total = sum(part.size for part in parts)
+    elsewhere = chosen_inductor_folder(folder)  # (torch.compile's code goes there: the user's folder)
     if as_json:
         typer.echo(json.dumps({"folder": str(folder), "bytes": total, "parts": [
             {"name": part.name, "bytes": part.size, "entries": len(part.paths), "in_use": len(part.in_use),
-             "what": part.what, "when_cleared": part.remade} for part in parts]}, indent=2))
+             "what": part.what, "when_cleared": part.remade} for part in parts],
+            "compiled_elsewhere": None if elsewhere is None else str(elsewhere)}, indent=2))
         return
     typer.echo(f"rsd's cache folder: {folder} (RSD_CACHE_DIR moves it)")
     width = max(len(part.name) for part in parts)
@@ -929,6 +931,8 @@ def cache_show(as_json: Annotated[bool, typer.Option("--json", help="One JSON ob
             continue
         held = ", ".join(filter(None, [entry_count(part), f"{len(part.in_use)} in use" if part.in_use else ""]))
         line = part.what + (f" ({held})" if held else "") + (f"; {part.remade}" if part.remade and part.paths else "")
+        if part.name == "compiled" and elsewhere is not None:
+            line += f"; new code goes to {elsewhere} (TORCHINDUCTOR_CACHE_DIR), not here"
         typer.echo(f"  {part.name:<{width}}  {size_text(part.size):>9}  {line}")
     typer.echo(f"  {'total':<{width}}  {size_text(total):>9}")
 
@@ -945,7 +949,7 @@ def cache_clear(
     """Remove parts of the cache folder (each is remade when needed; `rsd cache` says at what cost).
 
     An offload folder of a process still running is kept; what was removed goes to stderr."""
-    from .cache import clear, size_text, survey
+    from .cache import chosen_inductor_folder, clear, size_text, survey
     from .models import cache_dir
     from .prompting import counted
 
@@ -964,6 +968,8 @@ def cache_clear(
                      f"({', '.join(path.name for path in cleared.in_use)})")
         if cleared.failed:
             line += f"; could not remove {', '.join(map(str, cleared.failed))} (see its permissions)"
+        if cleared.part.name == "compiled" and (elsewhere := chosen_inductor_folder(cache_dir())) is not None:
+            line += f"; torch.compile's code now goes to {elsewhere} (TORCHINDUCTOR_CACHE_DIR), which rsd leaves alone"
         typer.echo(line, err=True)
         failed = failed or bool(cleared.failed)
     if failed:

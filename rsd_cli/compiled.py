@@ -2931,11 +2931,12 @@ def _compiled(fn):
     import torch._dynamo
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+    from .cache import chosen_inductor_folder
     from .models import cache_dir
 
     # inductor's compiled code goes to the rsd cache folder (a second process reads it back) unless
-    # the user chose a folder; torch writes its default into the environment on first use
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+    # the user chose a folder (`rsd cache` says where)
+    if chosen_inductor_folder(cache_dir(), torch_default=default_cache_dir()) is None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
     config = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):  # renamed in torch 2.6; both kept for 2.1-2.13

@@ -188,3 +188,41 @@ def test_a_write_cut_short_leaves_the_file_as_it_was(tmp_path):
     assert path.read_bytes() == b"xxx" and list(tmp_path.iterdir()) == [path]
     models.write_whole(path, lambda partial: partial.write_bytes(b"new"))
     assert path.read_bytes() == b"new" and list(tmp_path.iterdir()) == [path]
+
+
+def test_where_compiled_code_goes_is_rsd_s_folder_unless_the_user_chose_another(tmp_path):
+    """TORCHINDUCTOR_CACHE_DIR set by the user moves torch.compile's code out of rsd's folder; torch's own
+    default (which torch writes into the environment once it has compiled) and rsd's folder do not."""
+    rsd_folder, torch_default = tmp_path / "cache", "/tmp/torchinductor_someone"
+    chosen = lambda value: cache.chosen_inductor_folder(  # noqa: E731
+        rsd_folder, {} if value is None else {"TORCHINDUCTOR_CACHE_DIR": value}, torch_default)
+    assert chosen(None) is None and chosen("") is None
+    assert chosen(torch_default) is None and chosen(torch_default + "/") is None
+    assert chosen(str(rsd_folder / "inductor")) is None
+    assert chosen(str(tmp_path / "mine")) == tmp_path / "mine"
+    # torch's default without importing torch (`rsd cache` stays light) is the one torch computes
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    assert cache.torch_default_inductor_folder() == default_cache_dir()
+
+
+def test_rsd_cache_says_where_compiled_code_goes_when_the_user_moved_it(folder, tmp_path, monkeypatch):
+    """With TORCHINDUCTOR_CACHE_DIR pointing elsewhere, `compiled` showed 0 B and clearing it did nothing,
+    saying neither why nor where the code is."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    write(tmp_path / "mine" / "ab" / "c.py", 50)
+    result = CliRunner().invoke(app, ["cache"])
+    assert result.exit_code == 0, result.stderr
+    line = result.stdout.splitlines()[2]
+    assert line.split()[:3] == ["compiled", "700", "B"]
+    assert line.endswith(f"new code goes to {tmp_path / 'mine'} (TORCHINDUCTOR_CACHE_DIR), not here")
+    shown = json.loads(CliRunner().invoke(app, ["cache", "--json"]).stdout)
+    assert shown["compiled_elsewhere"] == str(tmp_path / "mine")
+    result = CliRunner().invoke(app, ["cache", "clear", "compiled"])
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == (f"compiled: removed 700 B; torch.compile's code now goes to {tmp_path / 'mine'} "
+                             f"(TORCHINDUCTOR_CACHE_DIR), which rsd leaves alone\n")
+    assert (tmp_path / "mine" / "ab" / "c.py").exists()
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert json.loads(CliRunner().invoke(app, ["cache", "--json"]).stdout)["compiled_elsewhere"] is None
+    assert "not here" not in CliRunner().invoke(app, ["cache"]).stdout
