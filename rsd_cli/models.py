@@ -90,9 +90,23 @@ def pick_device_dtype(device: str, dtype: str):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RsdError(f"device {device!r} requested but CUDA is not available")
     return torch.device(device), getattr(torch, dtype)
+
+
+def missing_device(device: str | int) -> str | None:
+    """Why a device (as placements and [target] device name it: a GPU index, "cuda:1", "mps") is not on
+    this machine; None where it is (or is no GPU)."""
+    import torch
+
+    index = _gpu_index(device)
+    if isinstance(index, int):
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if index >= gpus:
+            have = f"this machine has {gpus} GPU{'s' * (gpus != 1)}" if gpus else "CUDA is not available"
+            return f"no GPU {index} ({have})"
+    elif device == "mps" and not torch.backends.mps.is_available():
+        return "mps is not available on this machine"
+    return None
 
 
 @dataclass
@@ -158,15 +172,11 @@ def placement_of(profile, table: str) -> Placement | None:
     if isinstance(device_map, dict):
         device_map = {module: _gpu_index(device) for module, device in device_map.items()}
     memory = {_gpu_index(device): memory_bytes(size) for device, size in max_memory.items()} or None
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     asked = [("device_map", d) for d in (device_map.values() if isinstance(device_map, dict) else [device_map])]
     asked += [("max_memory", d) for d in (memory or {})]
     for key, device in asked:
-        if isinstance(device, int) and device >= gpus:
-            have = f"this machine has {gpus} GPU{'s' * (gpus != 1)}" if gpus else "CUDA is not available"
-            raise RsdError(f"{origins[key]}: {table}.{key}: no GPU {device} ({have})")
-        if device == "mps" and not torch.backends.mps.is_available():
-            raise RsdError(f"{origins[key]}: {table}.{key}: mps is not available on this machine")
+        if missing := missing_device(device):
+            raise RsdError(f"{origins[key]}: {table}.{key}: {missing}")
     return Placement(device_map, memory, _offload_folder(profile, table, device_map))
 
 
@@ -175,6 +185,8 @@ def target_placement(profile):
     the dtype is chosen for (bfloat16 where it takes a GPU)."""
     placement = placement_of(profile, "target")
     device = profile["target"]["device"] if placement is None else "cuda" if placement.uses_cuda() else "cpu"
+    if placement is None and device != "auto" and (missing := missing_device(device)):
+        raise RsdError(f"{profile.origins['target']['device']}: target.device: {missing}")
     return (placement, *pick_device_dtype(device, profile["target"]["dtype"]))
 
 

@@ -115,6 +115,11 @@ def memory_bytes(size: int | str) -> int | None:
 DEVICES = "cpu, disk, cuda, cuda:N or a GPU index N"
 
 
+def _target_device(v) -> str | None:
+    """The one device a whole model sits on (a placement's devices: device_map)."""
+    return None if re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v) else 'must be "auto", "cpu", "cuda", "cuda:N" or "mps"'
+
+
 def _known_device(device) -> bool:
     if isinstance(device, int) and not isinstance(device, bool):
         return device >= 0
@@ -175,7 +180,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "source": Key(str, "embedded", None, '"embedded", a model directory, a .gguf file, or a hub id'),
         "dtype": Key(str, "auto", _one_of("auto", "float32", "bfloat16", "float16"),
                      "auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16 or float16"),
-        "device": Key(str, "auto", None, '"auto", "cpu", "cuda", "cuda:1", ...'),
+        "device": Key(str, "auto", _target_device, '"auto", "cpu", "cuda", "cuda:1", ... or "mps"'),
         **_loading_keys(""),
     },
     "draft": {

@@ -149,6 +149,42 @@ def test_bad_placement_keys_give_one_line_naming_file_and_key(tmp_path, saved, k
         assert "is not writable" in lines[0]
 
 
+@pytest.mark.parametrize("device, message", [
+    ('"gpu"', 'target.device must be "auto", "cpu", "cuda", "cuda:N" or "mps" (got \'gpu\')'),
+    ('""', 'target.device must be "auto", "cpu", "cuda", "cuda:N" or "mps" (got \'\')'),
+    ('"cuda:x"', 'target.device must be "auto", "cpu", "cuda", "cuda:N" or "mps" (got \'cuda:x\')'),
+    ('"cuda:99"', "target.device: no GPU 99 ("),
+    pytest.param('"mps"', "target.device: mps is not available on this machine",
+                 marks=pytest.mark.skipif(torch.backends.mps.is_available(), reason="a Mac with MPS")),
+    pytest.param('"cuda"', "target.device: no GPU 0 (CUDA is not available)",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available")),
+])
+def test_a_device_that_is_no_device_or_not_on_this_machine_gets_one_line_naming_file_and_key(
+        tmp_path, saved, device, message, monkeypatch):
+    """A device torch does not know ("gpu") ended in a RuntimeError listing torch's 20 device types; mps on
+    a machine without it in 'PyTorch is not linked with support for mps devices'; cuda:99 on a machine of
+    one GPU in a CUDA error."""
+    monkeypatch.delenv("RSD_TARGET_DEVICE")  # (the tests' own: the profile's device here)
+    profile = write_profile(tmp_path / "bad.toml", saved, device=device)
+    result = CliRunner().invoke(app, ["generate", "abc", "--raw", "--profile", str(profile)])
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(profile) in lines[0] and message in lines[0], result.stderr
+    assert "RuntimeError" not in lines[0] and "Traceback" not in result.stderr
+
+
+def test_a_device_from_the_environment_is_checked_as_in_a_profile(monkeypatch):
+    monkeypatch.setenv("RSD_TARGET_DEVICE", "gpu")
+    result = CliRunner().invoke(app, ["profiles", "show"])
+    assert result.exit_code == 1
+    assert result.stderr == ('rsd: error: environment variable RSD_TARGET_DEVICE must be "auto", "cpu", "cuda", '
+                             '"cuda:N" or "mps" (got \'gpu\')\n')
+    monkeypatch.setenv("RSD_TARGET_DEVICE", "cuda:99")
+    result = CliRunner().invoke(app, ["generate", "abc", "-n", "1"])
+    assert result.exit_code == 1 and result.stderr.startswith(
+        "rsd: error: env RSD_TARGET_DEVICE: target.device: no GPU 99 ("), result.stderr
+
+
 def test_a_draft_placement_needs_a_separate_draft_model(tmp_path, saved):
     profile = write_profile(tmp_path / "p.toml", saved)
     profile.write_text(profile.read_text().replace('adapter = ""', 'adapter = ""\ndevice_map = "auto"'))
