@@ -764,6 +764,14 @@ def test_other_llama_style_families_run_on_the_static_cache_runtime(kind):
     assert_the_runtime_decodes_as_transformers(target, draft, 3e-5 if kind in ("nemotron", "glm4_moe_lite") else 1e-5)
 
 
+# torch's CPU attention in bfloat16 adds a row's keys in vectors of 16 floats on AVX-512 and of 8 on AVX2: with
+# AVX-512 the tiny prompts' 11 keys (transformers' forward) and a static cache's 12-16 (rsd's, the rest masked)
+# fit one vector alike and give the same sums to the bit; with AVX2 they are added in other groupings (a row of
+# 11 keys and the same keys padded to 16: 35 of 200 random rows apart), a bfloat16 step or a few apart in the
+# logits after 3 layers (3.4 at most on an AVX2 AMD EPYC, where the bit-exact check failed 8 models of 14)
+SAME_BFLOAT16_ATTENTION = torch.backends.cpu.get_cpu_capability() != "AVX2"
+
+
 def bfloat16_steps(ours: torch.Tensor, expected: torch.Tensor, largest: float) -> float:
     """The largest difference between two tensors of logits, in bfloat16 steps at the `largest` logit's
     magnitude (8 bits of precision: 1/16 from 8 to 16)."""
@@ -802,7 +810,8 @@ def test_in_bfloat16_the_runtime_gives_transformers_logits(monkeypatch, kind):
     Compiled graphs round each result to bfloat16 as the uncompiled layers do (inductor's
     `emulate_precision_casts`), which leaves their fused float32 arithmetic 0-2.1 bfloat16 steps at the largest
     logit from transformers' (2.9 for Granite 4 on transformers 5.17; without it 2.5-8.4 steps: 0.09-0.42 in
-    logits up to 16)."""
+    logits up to 16). On an AVX2 CPU, whose attention sums depend on how many keys a forward holds
+    (SAME_BFLOAT16_ATTENTION), the uncompiled rows are held to the compiled graphs' bound."""
     monkeypatch.setenv("RSD_SMALL_BATCH_MATMUL", "torch")  # (transformers' product: oneDNN's rounds otherwise)
     model = tiny_relative(kind, V, layers=3, seed=0).to(torch.bfloat16)
     tree = a_tree()
@@ -818,10 +827,11 @@ def test_in_bfloat16_the_runtime_gives_transformers_logits(monkeypatch, kind):
         prompt = ours.extend(PROMPT, reading=True)
         logits = ours.forward(tree.tokens, [base + d for d in tree.depths], visible)
         ours.release()
-        if not backend.compiled:
+        if not backend.compiled and SAME_BFLOAT16_ATTENTION:
             assert torch.equal(prompt, read) and torch.equal(logits, expected), (logits - expected).abs().max()
         else:
-            assert 8 in backend.graphs  # (the tree's 7 rows in the compiled graph of 8)
+            if backend.compiled:
+                assert 8 in backend.graphs  # (the tree's 7 rows in the compiled graph of 8)
             largest = max(read.abs().max().item(), expected.abs().max().item())
             steps = bfloat16_steps(prompt, read, largest), bfloat16_steps(logits, expected, largest)
             assert max(steps) < 3.5, steps
