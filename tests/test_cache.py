@@ -35,6 +35,8 @@ def folder(tmp_path, monkeypatch) -> Path:
     one's, another host's, an earlier version's) and a file of no part."""
     root = tmp_path / "cache"
     monkeypatch.setenv("RSD_CACHE_DIR", str(root))
+    # (an earlier test's compile pointed torch at that test's cache folder, in this process's environment)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     write(root / "gguf" / "SmolLM2-7d63" / "model.safetensors", 5000)
     write(root / "gguf" / "SmolLM2-7d63.lock", 0)
     write(root / "gguf" / "Other-0a1b" / "model.safetensors", 3000)
