@@ -154,8 +154,6 @@ def _gpu_index(device):
 def placement_of(profile, table: str) -> Placement | None:
     """The `[target]` or `[draft]` placement a profile asks for, checked against this machine's
     devices; None when the model sits whole on `device`. Problems name the file and key."""
-    import torch
-
     cfg, origins = profile[table], profile.origins[table]
     device_map, max_memory, folder = cfg["device_map"], cfg["max_memory"], cfg["offload_folder"]
     if not device_map and not max_memory:
