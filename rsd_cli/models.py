@@ -183,7 +183,7 @@ def target_placement(profile):
     the dtype is chosen for (bfloat16 where it takes a GPU)."""
     placement = placement_of(profile, "target")
     device = profile["target"]["device"] if placement is None else "cuda" if placement.uses_cuda() else "cpu"
-    if placement is None and device != "auto" and (missing := missing_device(device)):
+    if placement is None and (missing := missing_device(device)):  # ("auto" is never missing)
         raise RsdError(f"{profile.origins['target']['device']}: target.device: {missing}")
     return (placement, *pick_device_dtype(device, profile["target"]["dtype"]))
 
